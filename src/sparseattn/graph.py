@@ -1,0 +1,181 @@
+"""The block-level sparse graph G: which (Q block, K block) pairs each head computes.
+
+Inside a selected pair every valid query row attends to every valid key row. The selection is
+stored per head in CSR form over ``heads * q.num_blocks`` rows (row ``h * nbq + i`` is Q block ``i``
+of head ``h``), K block ids sorted and unique within a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from .layouts import BlockLayout
+
+
+class GraphError(ValueError):
+    """A sparse graph argument is invalid; the message names the argument."""
+
+
+@dataclass(frozen=True, eq=False)
+class SparseGraph:
+    """Selected block pairs of one attention call, for every head.
+
+    Attributes:
+        q, k: the Q and K/V layouts (independent partitions allowed).
+        heads: number of heads.
+        indptr: int64 ``[heads * q.num_blocks + 1]``.
+        indices: int32 ``[nnz]``, K block ids, sorted and unique within each row.
+        name: short description.
+    """
+
+    q: BlockLayout
+    k: BlockLayout
+    heads: int
+    indptr: np.ndarray
+    indices: np.ndarray
+    name: str = ""
+
+    def __post_init__(self):
+        if int(self.heads) != self.heads or self.heads <= 0:
+            raise GraphError(f"heads must be a positive integer, got {self.heads!r}")
+        rows = self.heads * self.q.num_blocks
+        indptr = np.ascontiguousarray(self.indptr, dtype=np.int64)
+        indices = np.asarray(self.indices)
+        if indptr.shape != (rows + 1,):
+            raise GraphError(f"indptr must have heads*num_q_blocks+1 = {rows + 1} entries, got {indptr.shape}")
+        if indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] != indices.size:
+            raise GraphError("indptr must start at 0, be non-decreasing and end at len(indices)")
+        if indices.size and not np.issubdtype(indices.dtype, np.integer):
+            raise GraphError(f"indices must be integers, got dtype {indices.dtype}")
+        indices = np.ascontiguousarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= self.k.num_blocks):
+            bad = indices[(indices < 0) | (indices >= self.k.num_blocks)][0]
+            raise GraphError(f"indices holds K block {int(bad)} outside [0, {self.k.num_blocks})")
+        row = np.repeat(np.arange(rows, dtype=np.int64), np.diff(indptr))
+        if indices.size > 1:
+            same_row = row[1:] == row[:-1]
+            if np.any(same_row & (indices[1:] <= indices[:-1])):
+                raise GraphError("indices must be sorted and unique within each row (use SparseGraph.from_pairs)")
+        indices = indices.astype(np.int32)
+        for arr in (indptr, indices):
+            arr.setflags(write=False)
+        object.__setattr__(self, "indptr", indptr)
+        object.__setattr__(self, "indices", indices)
+
+    # --- constructors ------------------------------------------------------------------------
+    @classmethod
+    def from_pairs(cls, q: BlockLayout, k: BlockLayout, heads: int, head, q_block, k_block,
+                   name: str = "", drop_empty: bool = True) -> "SparseGraph":
+        """Build from parallel arrays of (head, Q block, K block); order and duplicates do not matter.
+
+        With ``drop_empty`` pairs whose Q or K block has no valid row are dropped (they carry no
+        useful work and an honest block-sparse kernel skips them).
+        """
+        head, q_block, k_block = (np.asarray(a, dtype=np.int64).ravel() for a in (head, q_block, k_block))
+        if not (head.size == q_block.size == k_block.size):
+            raise GraphError("head, q_block and k_block must have the same length")
+        for label, arr, bound in (("head", head, heads), ("q_block", q_block, q.num_blocks),
+                                  ("k_block", k_block, k.num_blocks)):
+            if arr.size and (arr.min() < 0 or arr.max() >= bound):
+                bad = arr[(arr < 0) | (arr >= bound)][0]
+                raise GraphError(f"{label} holds {int(bad)} outside [0, {bound})")
+        if drop_empty and head.size:
+            keep = (q.valid_rows[q_block] > 0) & (k.valid_rows[k_block] > 0)
+            head, q_block, k_block = head[keep], q_block[keep], k_block[keep]
+        rows = head * q.num_blocks + q_block
+        key = np.unique(rows * k.num_blocks + k_block)
+        rows, cols = key // k.num_blocks, key % k.num_blocks
+        indptr = np.zeros(heads * q.num_blocks + 1, dtype=np.int64)
+        np.add.at(indptr, rows + 1, 1)
+        return cls(q, k, heads, np.cumsum(indptr), cols, name)
+
+    @classmethod
+    def from_block_mask(cls, q: BlockLayout, k: BlockLayout, mask, name: str = "",
+                        drop_empty: bool = True) -> "SparseGraph":
+        """Build from a dense bool mask ``[heads, q.num_blocks, k.num_blocks]`` (or 2-D for one head)."""
+        mask = np.asarray(mask, dtype=bool)
+        if mask.ndim == 2:
+            mask = mask[None]
+        if mask.ndim != 3 or mask.shape[1:] != (q.num_blocks, k.num_blocks):
+            raise GraphError(f"mask must be [heads, {q.num_blocks}, {k.num_blocks}], got {mask.shape}")
+        h, i, j = np.nonzero(mask)
+        return cls.from_pairs(q, k, mask.shape[0], h, i, j, name, drop_empty)
+
+    @classmethod
+    def from_block_lists(cls, q: BlockLayout, k: BlockLayout, lists, name: str = "",
+                         drop_empty: bool = True) -> "SparseGraph":
+        """Build from ``lists[h][i]`` = iterable of K blocks selected by Q block ``i`` of head ``h``."""
+        heads = len(lists)
+        hs, qs, ks = [], [], []
+        for h, per_head in enumerate(lists):
+            if len(per_head) != q.num_blocks:
+                raise GraphError(f"lists[{h}] has {len(per_head)} Q blocks, layout has {q.num_blocks}")
+            for i, sel in enumerate(per_head):
+                sel = np.asarray(list(sel), dtype=np.int64)
+                hs.append(np.full(sel.size, h))
+                qs.append(np.full(sel.size, i))
+                ks.append(sel)
+        cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        return cls.from_pairs(q, k, heads, cat(hs), cat(qs), cat(ks), name, drop_empty)
+
+    # --- views -------------------------------------------------------------------------------
+    @property
+    def nnz(self) -> int:
+        return self.indices.size
+
+    @property
+    def num_rows(self) -> int:
+        return self.heads * self.q.num_blocks
+
+    @cached_property
+    def row_of_nnz(self) -> np.ndarray:
+        """int64 ``[nnz]``: the CSR row (``h * nbq + i``) of each selected pair."""
+        return np.repeat(np.arange(self.num_rows, dtype=np.int64), np.diff(self.indptr))
+
+    @cached_property
+    def pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(head, q_block, k_block) int64 arrays of every selected pair, CSR order."""
+        r = self.row_of_nnz
+        return r // self.q.num_blocks, r % self.q.num_blocks, self.indices.astype(np.int64)
+
+    def row(self, head: int, q_block: int) -> np.ndarray:
+        r = head * self.q.num_blocks + q_block
+        return self.indices[self.indptr[r]:self.indptr[r + 1]]
+
+    def head_nnz(self) -> np.ndarray:
+        """int64 ``[heads]``: selected pairs per head."""
+        ends = self.indptr[np.arange(1, self.heads + 1) * self.q.num_blocks]
+        starts = self.indptr[np.arange(self.heads) * self.q.num_blocks]
+        return ends - starts
+
+    def select_heads(self, heads) -> "SparseGraph":
+        """The graph restricted to the given heads (renumbered 0..len-1)."""
+        heads = np.asarray(heads, dtype=np.int64).ravel()
+        h, i, j = self.pairs
+        keep = np.isin(h, heads)
+        remap = np.full(self.heads, -1, dtype=np.int64)
+        remap[heads] = np.arange(heads.size)
+        return SparseGraph.from_pairs(self.q, self.k, heads.size, remap[h[keep]], i[keep], j[keep],
+                                      self.name, drop_empty=False)
+
+    def transpose(self) -> "SparseGraph":
+        """The graph with Q and K swapped: rows are K blocks (what a K/V-owned backward iterates)."""
+        h, i, j = self.pairs
+        return SparseGraph.from_pairs(self.k, self.q, self.heads, h, j, i, self.name + " (transposed)",
+                                      drop_empty=False)
+
+    def block_mask(self) -> np.ndarray:
+        """Dense bool ``[heads, nbq, nbk]`` (small graphs only)."""
+        m = np.zeros((self.heads, self.q.num_blocks, self.k.num_blocks), dtype=bool)
+        h, i, j = self.pairs
+        m[h, i, j] = True
+        return m
+
+    def token_mask(self, head: int) -> np.ndarray:
+        """Dense bool ``[q.num_slots, k.num_slots]`` of one head: which slot pairs attend (small graphs)."""
+        bm = self.block_mask()[head]
+        m = np.repeat(np.repeat(bm, self.q.block_size, axis=0), self.k.block_size, axis=1)
+        return m & self.q.valid[:, None] & self.k.valid[None, :]

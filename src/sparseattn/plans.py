@@ -1,0 +1,229 @@
+"""Tile plans: the flat int32 work lists a paged attention kernel executes.
+
+Everything is counted in 16-row pages (page ``p`` covers slots ``[16p, 16p + 16)`` of its side).
+A *work item* is one CTA tile: it owns up to ``M`` rows given as a list of pages of the owner side
+(Q pages in forward; K/V pages in the K/V-owned backward) and streams a list of the other side's
+pages, packed back to back into tiles of ``N`` columns (``N / 16`` pages per tile; only the last
+tile of a work item may be partly empty).
+
+* :func:`bsa_plan` — the logical-block baseline: owned pages are *all* pages of one block, streamed
+  pages are *all* pages of each selected block, ``M = N = block_size``. Physical pairs = |G|·Bq·Bk.
+* :func:`kpage_plan` — KPage: only live pages, packed across block boundaries, each Q block routed
+  to a (64, 256) or a (128, 128) tile (or a fixed route).
+
+Masks travel as one uint16 per page (bit r = row r valid); kernels mask invalid key columns to −inf
+and never store invalid query rows, so both plans compute exactly the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .constants import KPAGE_ROUTES, KPAGE_SMALL_ROUTE_MAX_QROWS, PAGE_ROWS
+from .graph import SparseGraph
+from .layouts import BlockLayout
+
+OWNERS = ("q", "kv")
+INT32_MAX = np.iinfo(np.int32).max
+
+
+class PlanError(ValueError):
+    """A plan argument is invalid; the message names the argument."""
+
+
+def gather_segments(indptr: np.ndarray, values: np.ndarray, segments: np.ndarray):
+    """Concatenate ``values[indptr[s]:indptr[s+1]]`` for each ``s`` in ``segments`` (vectorized).
+
+    Returns ``(out, lengths)`` with ``lengths[n]`` the size of the n-th gathered segment.
+    """
+    segments = np.asarray(segments, dtype=np.int64)
+    starts = indptr[segments]
+    lengths = indptr[segments + 1] - starts
+    total = int(lengths.sum())
+    if total == 0:
+        return values[:0].copy(), lengths
+    seg_first = np.cumsum(lengths) - lengths
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(seg_first, lengths)
+    return values[np.repeat(starts, lengths) + offsets], lengths
+
+
+def _live_page_csr(layout: BlockLayout):
+    """CSR over blocks of the live page ids of each block."""
+    live = layout.page_live
+    pages = np.flatnonzero(live).astype(np.int64)
+    indptr = np.concatenate([[0], np.cumsum(layout.live_pages)])
+    return indptr, pages
+
+
+def _all_page_csr(layout: BlockLayout):
+    ppb = layout.pages_per_block
+    return np.arange(layout.num_blocks + 1, dtype=np.int64) * ppb, np.arange(layout.num_pages, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class TilePlan:
+    """A work list for a paged attention kernel.
+
+    Attributes:
+        kind: ``"bsa"`` or ``"kpage"``.
+        owner: ``"q"`` (forward: a CTA owns Q rows) or ``"kv"`` (backward: a CTA owns K/V rows).
+        routes: tuple of tile shapes ``(M, N)``; ``work_route`` indexes it.
+        work_route: int8 ``[W]``.
+        work_head: int32 ``[W]``.
+        work_block: int32 ``[W]``, the owner side's logical block of each work item.
+        own_pages: int32 ``[W, max_own_pages]``, owned page ids, ``-1`` padded.
+        stream_indptr: int32 ``[W + 1]``.
+        stream_pages: int32 ``[S]``, streamed page ids of the other side.
+        own_page_mask, stream_page_mask: uint16 ``[num_pages]`` of each side.
+        heads: heads of the graph.
+    """
+
+    kind: str
+    owner: str
+    routes: tuple
+    work_route: np.ndarray
+    work_head: np.ndarray
+    work_block: np.ndarray
+    own_pages: np.ndarray
+    stream_indptr: np.ndarray
+    stream_pages: np.ndarray
+    own_page_mask: np.ndarray
+    stream_page_mask: np.ndarray
+    heads: int
+
+    @property
+    def num_work(self) -> int:
+        return self.work_head.size
+
+    @property
+    def q_page_mask(self) -> np.ndarray:
+        return self.own_page_mask if self.owner == "q" else self.stream_page_mask
+
+    @property
+    def k_page_mask(self) -> np.ndarray:
+        return self.stream_page_mask if self.owner == "q" else self.own_page_mask
+
+    def stream_lengths(self) -> np.ndarray:
+        return np.diff(self.stream_indptr).astype(np.int64)
+
+    def tile_shapes(self) -> np.ndarray:
+        """int64 ``[W, 2]``: (M, N) of each work item."""
+        return np.asarray(self.routes, dtype=np.int64)[self.work_route]
+
+    def tiles_per_work(self) -> np.ndarray:
+        """int64 ``[W]``: N-wide tiles each work item iterates."""
+        n = self.tile_shapes()[:, 1]
+        return -(-(self.stream_lengths() * PAGE_ROWS) // n)
+
+    def physical_pairs(self) -> int:
+        """Σ over work items of M · N · (tiles streamed): what the tensor cores compute."""
+        mn = self.tile_shapes()
+        return int((mn[:, 0] * mn[:, 1] * self.tiles_per_work()).sum())
+
+    def route_ranges(self) -> list[tuple[int, int]]:
+        """Work items are sorted by route: ``[(start, stop)]`` per route, for one launch each."""
+        bounds = np.searchsorted(self.work_route, np.arange(len(self.routes) + 1))
+        return [(int(bounds[r]), int(bounds[r + 1])) for r in range(len(self.routes))]
+
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """The arrays a kernel reads, contiguous and in their kernel dtypes."""
+        return {
+            "work_route": np.ascontiguousarray(self.work_route, dtype=np.int32),
+            "work_head": np.ascontiguousarray(self.work_head, dtype=np.int32),
+            "own_pages": np.ascontiguousarray(self.own_pages, dtype=np.int32),
+            "stream_indptr": np.ascontiguousarray(self.stream_indptr, dtype=np.int32),
+            "stream_pages": np.ascontiguousarray(self.stream_pages, dtype=np.int32),
+            "own_page_mask": np.ascontiguousarray(self.own_page_mask, dtype=np.uint16),
+            "stream_page_mask": np.ascontiguousarray(self.stream_page_mask, dtype=np.uint16),
+        }
+
+
+def _build(kind: str, owner: str, graph: SparseGraph, own_csr, stream_csr, routes, route_of_row,
+           own_layout: BlockLayout, stream_layout: BlockLayout) -> TilePlan:
+    """Shared plan builder; rows are CSR rows of ``graph`` (already oriented so rows are owners)."""
+    nb_own = own_layout.num_blocks
+    rows = np.arange(graph.num_rows, dtype=np.int64)
+    own_block = rows % nb_own
+    own_count = own_csr[0][own_block + 1] - own_csr[0][own_block]
+    has_rows = own_layout.valid_rows[own_block] > 0
+    routes_arr = np.asarray(routes, dtype=np.int64)
+    m = routes_arr[route_of_row, 0]
+    tiles_per_row = np.where(has_rows, -(-own_count * PAGE_ROWS // m), 0)
+
+    # stream pages of every row: concatenation of the streamed pages of each selected block
+    stream_of_nnz, len_of_nnz = gather_segments(stream_csr[0], stream_csr[1], graph.indices.astype(np.int64))
+    row_stream_len = np.bincount(graph.row_of_nnz, weights=len_of_nnz, minlength=graph.num_rows).astype(np.int64)
+    row_stream_indptr = np.concatenate([[0], np.cumsum(row_stream_len)])
+
+    # one work item per (row, owner tile)
+    work_row = np.repeat(rows, tiles_per_row)
+    work_tile = np.arange(work_row.size) - np.repeat(np.cumsum(tiles_per_row) - tiles_per_row, tiles_per_row)
+    work_route = route_of_row[work_row]
+    # sort: by route, then longest stream first (largest work first balances the grid)
+    order = np.lexsort((work_tile, work_row, -row_stream_len[work_row], work_route))
+    work_row, work_tile, work_route = work_row[order], work_tile[order], work_route[order]
+
+    max_own = int(routes_arr[:, 0].max()) // PAGE_ROWS
+    own_pages = np.full((work_row.size, max_own), -1, dtype=np.int64)
+    per_tile = routes_arr[work_route, 0] // PAGE_ROWS
+    for slot in range(max_own):
+        idx = work_tile * per_tile + slot
+        blk = own_block[work_row]
+        ok = (slot < per_tile) & (idx < own_count[work_row])
+        own_pages[ok, slot] = own_csr[1][own_csr[0][blk[ok]] + idx[ok]]
+
+    stream_pages, stream_len = gather_segments(row_stream_indptr, stream_of_nnz, work_row)
+    stream_indptr = np.concatenate([[0], np.cumsum(stream_len)])
+    if stream_indptr[-1] > INT32_MAX:
+        raise PlanError(f"plan streams {int(stream_indptr[-1])} pages, more than int32 indexing allows; "
+                        "split the heads into several plans")
+    return TilePlan(
+        kind=kind,
+        owner=owner,
+        routes=tuple(tuple(int(v) for v in r) for r in routes),
+        work_route=work_route.astype(np.int8),
+        work_head=(work_row // nb_own).astype(np.int32),
+        work_block=(work_row % nb_own).astype(np.int32),
+        own_pages=own_pages.astype(np.int32),
+        stream_indptr=stream_indptr.astype(np.int32),
+        stream_pages=stream_pages.astype(np.int32),
+        own_page_mask=own_layout.page_mask,
+        stream_page_mask=stream_layout.page_mask,
+        heads=graph.heads,
+    )
+
+
+def _oriented(graph: SparseGraph, owner: str) -> SparseGraph:
+    if owner not in OWNERS:
+        raise PlanError(f"owner must be one of {OWNERS}, got {owner!r}")
+    return graph if owner == "q" else graph.transpose()
+
+
+def bsa_plan(graph: SparseGraph, owner: str = "q") -> TilePlan:
+    """Logical-block plan: one Bq×Bk tile per selected block pair (dead pages included, masked)."""
+    g = _oriented(graph, owner)
+    if g.q.block_size > 128 or g.k.block_size > 256:
+        raise PlanError(f"bsa_plan supports block sizes up to 128, got {g.q.block_size}/{g.k.block_size}")
+    routes = ((g.q.block_size, g.k.block_size),)
+    route_of_row = np.zeros(g.num_rows, dtype=np.int64)
+    return _build("bsa", owner, g, _all_page_csr(g.q), _all_page_csr(g.k), routes, route_of_row, g.q, g.k)
+
+
+def kpage_route_of_block(live_pages: np.ndarray, route="auto") -> np.ndarray:
+    """int64 ``[num_blocks]``: KPage route index per owner block (0 = 64×256, 1 = 128×128)."""
+    if route == "auto":
+        return np.where(live_pages * PAGE_ROWS <= KPAGE_SMALL_ROUTE_MAX_QROWS, 0, 1).astype(np.int64)
+    if route in (0, 1):
+        return np.full(live_pages.shape, route, dtype=np.int64)
+    raise PlanError(f"route must be 'auto', 0 (64x256) or 1 (128x128), got {route!r}")
+
+
+def kpage_plan(graph: SparseGraph, route="auto", owner: str = "q") -> TilePlan:
+    """KPage plan: live owner pages routed to a tile; live streamed pages packed across blocks."""
+    g = _oriented(graph, owner)
+    block_route = kpage_route_of_block(g.q.live_pages, route)
+    route_of_row = np.tile(block_route, g.heads)
+    return _build("kpage", owner, g, _live_page_csr(g.q), _live_page_csr(g.k), KPAGE_ROUTES,
+                  route_of_row, g.q, g.k)
