@@ -1,0 +1,267 @@
+"""The numpy plan emulator: BSA/KPage plans executed tile by tile equal the float64 reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparseattn.emulator import (
+    EmulationError,
+    coverage_report,
+    covered_pairs,
+    emulate_backward,
+    emulate_forward,
+    graph_slot_pairs,
+)
+from sparseattn.graph import SparseGraph
+from sparseattn.layouts import partition_layout, slot_layout, video_layout
+from sparseattn.plans import bsa_plan, kpage_plan
+from sparseattn.reference import attention_backward, attention_forward
+
+RTOL = 1e-12
+
+
+def _layouts(name: str):
+    rng = np.random.default_rng(3)
+    if name == "video-B32-prefix":
+        lay = video_layout((5, 7, 9), (2, 4, 4), 32)
+        return lay, lay
+    if name == "video-B64-inplace":
+        lay = video_layout((5, 7, 9), (2, 4, 4), 64, padding="inplace")
+        return lay, lay
+    if name == "video-B64-empty-blocks":
+        lay = video_layout((3, 10, 10), (2, 8, 8), 64)
+        return lay, lay
+    if name == "video-B128":
+        lay = video_layout((3, 10, 10), (2, 8, 8), 128)
+        return lay, lay
+    if name == "partition-Q32-K64":
+        return (partition_layout(rng.integers(0, 7, 300), 32),
+                partition_layout(rng.integers(0, 5, 260), 64))
+    if name == "single-page-B16":
+        return slot_layout(rng.random(12 * 16) < 0.6, 16), slot_layout(rng.random(9 * 16) < 0.5, 16)
+    raise KeyError(name)
+
+
+LAYOUTS = ["video-B32-prefix", "video-B64-inplace", "video-B64-empty-blocks", "video-B128",
+           "partition-Q32-K64", "single-page-B16"]
+
+PLANS = {
+    "bsa": lambda g, owner: bsa_plan(g, owner=owner),
+    "kpage-auto": lambda g, owner: kpage_plan(g, "auto", owner=owner),
+    "kpage-64x256": lambda g, owner: kpage_plan(g, 0, owner=owner),
+    "kpage-128x128": lambda g, owner: kpage_plan(g, 1, owner=owner),
+}
+
+
+def _graph(ql, kl, heads, density, seed):
+    """Random graph (pairs with empty blocks kept) with two Q rows selecting nothing per head and,
+    where K has empty blocks, one Q row selecting only those."""
+    rng = np.random.default_rng(seed)
+    mask = rng.random((heads, ql.num_blocks, kl.num_blocks)) < density
+    valid_q = np.flatnonzero(ql.valid_rows > 0)
+    empty_rows = rng.choice(valid_q, size=min(2, valid_q.size - 1), replace=False)
+    mask[:, empty_rows] = False
+    empty_k = np.flatnonzero(kl.valid_rows == 0)
+    if empty_k.size:
+        mask[0, empty_rows[0], empty_k] = True
+    return SparseGraph.from_block_mask(ql, kl, mask, drop_empty=False)
+
+
+def _problem(layout_name, density=0.45, heads=2, batch=2, d=8, seed=0):
+    ql, kl = _layouts(layout_name)
+    graph = _graph(ql, kl, heads, density, seed)
+    rng = np.random.default_rng(seed + 100)
+    q = rng.standard_normal((batch, heads, ql.num_slots, d))
+    k = rng.standard_normal((batch, heads, kl.num_slots, d))
+    v = rng.standard_normal((batch, heads, kl.num_slots, d))
+    for x, lay in ((q, ql), (k, kl), (v, kl)):
+        x[:, :, ~lay.valid] = np.nan  # padding contents must never reach a valid output
+    return graph, q, k, v
+
+
+def _rel(a, b):
+    fin = np.isfinite(b)
+    return np.linalg.norm(a[fin] - b[fin]) / max(np.linalg.norm(b[fin]), 1e-300)
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+def test_forward_equals_reference(layout_name, plan_name):
+    graph, q, k, v = _problem(layout_name)
+    plan = PLANS[plan_name](graph, "q")
+    o, lse = emulate_forward(plan, q, k, v)
+    o_ref, lse_ref = attention_forward(q, k, v, graph)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    assert _rel(o, o_ref) < RTOL and _rel(lse, lse_ref) < RTOL
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+def test_backward_equals_reference(layout_name, plan_name):
+    graph, q, k, v = _problem(layout_name, seed=1)
+    o, lse = attention_forward(q, k, v, graph, scale=0.4)
+    do = np.random.default_rng(2).standard_normal(o.shape)
+    plan = PLANS[plan_name](graph, "kv")
+    got = emulate_backward(plan, q, k, v, o, lse, do, scale=0.4)
+    want = attention_backward(q, k, v, o, lse, do, graph, scale=0.4)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert not np.isnan(g).any(), name
+        assert _rel(g, w) < RTOL, name
+
+
+def test_dense_selection_streams_several_partial_tiles():
+    graph, q, k, v = _problem("video-B32-prefix", density=0.95, heads=1, batch=1)
+    for route in (0, 1):
+        plan = kpage_plan(graph, route)
+        n_pages = plan.routes[route][1] // 16
+        lengths = plan.stream_lengths()
+        assert plan.tiles_per_work().max() > 1 and np.any(lengths % n_pages)
+        o, lse = emulate_forward(plan, q, k, v)
+        o_ref, lse_ref = attention_forward(q, k, v, graph)
+        assert _rel(o, o_ref) < RTOL and _rel(lse, lse_ref) < RTOL
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+@pytest.mark.parametrize("owner", ["q", "kv"])
+@pytest.mark.parametrize("layout_name", ["video-B64-empty-blocks", "partition-Q32-K64"])
+def test_plans_cover_every_useful_pair_once(layout_name, owner, plan_name):
+    graph, *_ = _problem(layout_name, heads=2)
+    report = coverage_report(PLANS[plan_name](graph, owner), graph)
+    assert report["computed"] == report["useful"] > 0
+    assert report["duplicated"] == report["missing"] == report["outside"] == 0
+
+
+@st.composite
+def small_graphs(draw):
+    """Random Q/K slot layouts (block sizes 16..128, empty and partial blocks) and a random graph."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    layouts = []
+    for side in ("q", "k"):
+        block = draw(st.sampled_from([16, 32, 64, 128]), label=f"{side}_block")
+        blocks = draw(st.integers(1, 5), label=f"{side}_blocks")
+        density = draw(st.sampled_from([0.0, 0.2, 0.7, 1.0]), label=f"{side}_valid")
+        valid = rng.random(block * blocks) < density
+        valid[rng.integers(valid.size)] = True  # at least one token
+        layouts.append(slot_layout(valid, block))
+    heads = draw(st.integers(1, 3), label="heads")
+    density = draw(st.sampled_from([0.0, 0.3, 0.8]), label="graph_density")
+    drop_empty = draw(st.booleans(), label="drop_empty")
+    mask = rng.random((heads, layouts[0].num_blocks, layouts[1].num_blocks)) < density
+    return SparseGraph.from_block_mask(layouts[0], layouts[1], mask, drop_empty=drop_empty)
+
+
+@settings(deadline=None, max_examples=40)
+@given(graph=small_graphs(), plan_name=st.sampled_from(list(PLANS)), owner=st.sampled_from(["q", "kv"]))
+def test_coverage_exactly_once_property(graph, plan_name, owner):
+    report = coverage_report(PLANS[plan_name](graph, owner), graph)
+    assert report["computed"] == report["useful"]
+    assert report["duplicated"] == report["missing"] == report["outside"] == 0
+
+
+def test_covered_pairs_are_oriented_q_then_k():
+    graph, *_ = _problem("partition-Q32-K64", heads=1)
+    h, qs, ks = covered_pairs(kpage_plan(graph, owner="kv"))
+    assert graph.q.valid[qs].all() and graph.k.valid[ks].all() and (h == 0).all()
+    want = graph_slot_pairs(graph)
+
+    def key(hh, a, b):
+        return np.sort((hh * graph.q.num_slots + a) * graph.k.num_slots + b)
+
+    assert np.array_equal(key(h, qs, ks), key(*want))
+
+
+# --- broken plans are caught ------------------------------------------------------------------
+
+def _broken(plan, **changes):
+    return dataclasses.replace(plan, **changes)
+
+
+def test_dropped_stream_page_is_reported_missing():
+    graph, q, k, v = _problem("video-B32-prefix", heads=1)
+    plan = kpage_plan(graph)
+    w = int(np.flatnonzero(plan.stream_lengths() > 0)[0])
+    cut = int(plan.stream_indptr[w])
+    pages = np.delete(plan.stream_pages, cut)
+    indptr = plan.stream_indptr.copy()
+    indptr[w + 1:] -= 1
+    broken = _broken(plan, stream_pages=pages, stream_indptr=indptr)
+    assert coverage_report(broken, graph)["missing"] > 0
+    o, _ = emulate_forward(broken, q, k, v)
+    assert _rel(o, attention_forward(q, k, v, graph)[0]) > 1e-6
+
+
+def test_duplicated_work_item_is_a_race():
+    graph, q, k, v = _problem("video-B32-prefix", heads=1)
+    plan = kpage_plan(graph)
+    dup = np.concatenate([np.arange(plan.num_work), [0]])
+    lengths = plan.stream_lengths()[dup]
+    starts = plan.stream_indptr[dup].astype(np.int64)
+    pages = np.concatenate([plan.stream_pages[s:s + n] for s, n in zip(starts, lengths)])
+    broken = _broken(plan, work_route=plan.work_route[dup], work_head=plan.work_head[dup],
+                     work_block=plan.work_block[dup], own_pages=plan.own_pages[dup],
+                     stream_indptr=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+                     stream_pages=pages)
+    assert coverage_report(broken, graph)["duplicated"] > 0
+    with pytest.raises(EmulationError, match="twice"):
+        emulate_forward(broken, q, k, v)
+
+
+def test_missing_work_item_leaves_rows_unwritten():
+    graph, q, k, v = _problem("video-B32-prefix", heads=1)
+    plan = kpage_plan(graph)
+    keep = np.arange(1, plan.num_work)
+    ptr = plan.stream_indptr
+    broken = _broken(plan, work_route=plan.work_route[keep], work_head=plan.work_head[keep],
+                     work_block=plan.work_block[keep], own_pages=plan.own_pages[keep],
+                     stream_indptr=(ptr[1:] - ptr[1]).astype(np.int32), stream_pages=plan.stream_pages[ptr[1]:])
+    with pytest.raises(EmulationError, match="never writes O"):
+        emulate_forward(broken, q, k, v)
+
+
+@pytest.mark.parametrize(
+    "field, make, match",
+    [
+        ("own_pages", lambda p: np.where(p.own_pages == p.own_pages.max(), 10**6, p.own_pages),
+         "own_pages must be"),
+        ("stream_pages", lambda p: p.stream_pages - 1, "stream_pages must be page ids"),
+        ("work_head", lambda p: p.work_head + 1, "work_head must lie"),
+        ("work_route", lambda p: p.work_route + 2, "work_route must index"),
+        ("stream_indptr", lambda p: p.stream_indptr[:-1], "stream_indptr must be"),
+    ],
+)
+def test_corrupt_plan_fields_are_named(field, make, match):
+    graph, q, k, v = _problem("video-B32-prefix", heads=1)
+    plan = kpage_plan(graph, route=0)
+    with pytest.raises(EmulationError, match=match):
+        emulate_forward(_broken(plan, **{field: make(plan)}), q, k, v)
+
+
+def test_own_page_beyond_route_rows_is_rejected():
+    graph, q, k, v = _problem("video-B128", heads=1)
+    plan = kpage_plan(graph, route=0)  # M = 64: only the first four own_pages columns may be used
+    own = plan.own_pages.copy()
+    own[0, 5] = 0
+    with pytest.raises(EmulationError, match="beyond the M rows"):
+        emulate_forward(_broken(plan, own_pages=own), q, k, v)
+
+
+def test_owner_and_shape_mismatches_are_named():
+    graph, q, k, v = _problem("video-B32-prefix", heads=1)
+    o, lse = attention_forward(q, k, v, graph)
+    with pytest.raises(EmulationError, match="owner='q'"):
+        emulate_forward(kpage_plan(graph, owner="kv"), q, k, v)
+    with pytest.raises(EmulationError, match="owner='kv'"):
+        emulate_backward(kpage_plan(graph), q, k, v, o, lse, o)
+    with pytest.raises(EmulationError, match="q must be"):
+        emulate_forward(kpage_plan(graph), q[:, :, :-8], k, v)
+    with pytest.raises(EmulationError, match="own_page_mask has"):
+        emulate_forward(kpage_plan(graph), q[:, :, :-16], k, v)
+    with pytest.raises(EmulationError, match="stream_page_mask has"):
+        emulate_forward(kpage_plan(graph), q, k[:, :, :-16], v[:, :, :-16])
