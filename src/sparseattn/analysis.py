@@ -1,0 +1,351 @@
+"""Occupancy analysis: useful vs physical query–key pairs of a sparse graph (DESIGN.md section 3).
+
+Per head of one attention call, with ``vq_i``/``vk_j`` the valid rows and ``pq_i``/``pk_j`` the live
+16-row pages of Q block ``i`` / K block ``j``:
+
+* ``useful        = Σ_(i,j)∈G vq_i · vk_j``
+* ``bsa_physical  = |G| · Bq · Bk``  (one full block tile per selected pair)
+* ``kpage_physical = Σ_i M_i·⌈16·pq_i / M_i⌉ · N_i·⌈16·Σ_(j∈G(i)) pk_j / N_i⌉`` where the route
+  ``(M_i, N_i)`` is (64, 256) when ``16·pq_i ≤ 64`` and (128, 128) otherwise ("auto"), or one fixed
+  route for every block. "No routing" is the fixed (128, 128) route.
+
+A Q block with no valid row has no output rows, so no kernel computes it: its pairs count 0 physical
+(the plans in :mod:`sparseattn.plans` skip it too; graphs built with ``drop_empty=True``, the default,
+never hold such pairs). Every count here equals ``plans.bsa_plan(g).physical_pairs()`` and
+``plans.kpage_plan(g, route).physical_pairs()``, computed without building a plan: one pass of
+segment sums over the graph's CSR arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .constants import KPAGE_ROUTES, PAGE_ROWS
+from .graph import SparseGraph
+from .layouts import BlockLayout
+from .plans import kpage_route_of_block
+
+#: Route names accepted by the analysis and the CLI, mapped to ``plans.kpage_plan``'s ``route``.
+ROUTE_CHOICES = {"auto": "auto", "64x256": 0, "128x128": 1}
+
+#: Bins of the selected-pair fill histogram (fraction of a Bq×Bk tile that is useful).
+PAIR_FILL_BINS = np.linspace(0.0, 1.0, 21)
+
+
+class AnalysisError(ValueError):
+    """An analysis argument is invalid; the message names the argument."""
+
+
+def parse_route(route) -> str | int:
+    """Normalize a route given as ``"auto"``, ``"64x256"``, ``"128x128"``, 0 or 1 to plans' form."""
+    if isinstance(route, str) and route in ROUTE_CHOICES:
+        return ROUTE_CHOICES[route]
+    if not isinstance(route, bool) and route in (0, 1):
+        return int(route)
+    raise AnalysisError(f"route must be one of {sorted(ROUTE_CHOICES)} (or 0/1), got {route!r}")
+
+
+def route_name(route) -> str:
+    r = parse_route(route)
+    return "auto" if r == "auto" else "{}x{}".format(*KPAGE_ROUTES[r])
+
+
+# --- per-head counts --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PairCounts:
+    """QK pair counts per head of one attention call; every array is int64 ``[heads]``.
+
+    ``kpage_physical`` uses the route chosen in :func:`graph_counts`; the three ``kpage_*`` route
+    variants are always computed so each KPage mechanism's share is visible.
+    """
+
+    route: str
+    selected_pairs: np.ndarray  # |G| per head (block pairs)
+    useful: np.ndarray
+    bsa_physical: np.ndarray
+    kpage_physical: np.ndarray
+    kpage_routed: np.ndarray  # route "auto"
+    kpage_no_routing: np.ndarray  # always 128×128
+    kpage_small_tile: np.ndarray  # always 64×256
+
+    @property
+    def heads(self) -> int:
+        return int(self.useful.size)
+
+    @classmethod
+    def concat(cls, parts: list[PairCounts]) -> PairCounts:
+        """Heads of several graphs side by side (a workload whose graphs cover different heads)."""
+        if not parts:
+            raise AnalysisError("parts must hold at least one PairCounts")
+        routes = {p.route for p in parts}
+        if len(routes) != 1:
+            raise AnalysisError(f"parts were counted with different routes {sorted(routes)}")
+        arrays = {name: np.concatenate([getattr(p, name) for p in parts]) for name in _COUNT_FIELDS}
+        return cls(route=parts[0].route, **arrays)
+
+    def totals(self) -> dict[str, int]:
+        """Sums over heads (Python ints)."""
+        return {name: int(getattr(self, name).sum()) for name in _COUNT_FIELDS}
+
+
+_COUNT_FIELDS = ("selected_pairs", "useful", "bsa_physical", "kpage_physical", "kpage_routed",
+                 "kpage_no_routing", "kpage_small_tile")
+
+
+def _segment_sums(indptr: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """int64 ``[len(indptr) - 1]``: sum of ``values`` over each CSR segment (exact integers)."""
+    csum = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+    return csum[indptr[1:]] - csum[indptr[:-1]]
+
+
+def _kpage_row_physical(q_live_pages: np.ndarray, row_k_pages: np.ndarray, route) -> np.ndarray:
+    """int64 ``[rows]``: KPage physical pairs of each CSR row for one route choice."""
+    routes = np.asarray(KPAGE_ROUTES, dtype=np.int64)
+    r = kpage_route_of_block(q_live_pages, route)  # the planner's own routing rule
+    m, n = routes[r, 0], routes[r, 1]
+    q_rows = PAGE_ROWS * q_live_pages
+    k_rows = PAGE_ROWS * row_k_pages
+    return m * (-(-q_rows // m)) * n * (-(-k_rows // n))
+
+
+def graph_counts(graph: SparseGraph, route="auto") -> PairCounts:
+    """Useful and physical QK pairs per head of ``graph`` (counting rules of DESIGN.md section 3).
+
+    Vectorized over the CSR arrays: O(nnz) work, no loop over pairs or heads.
+    """
+    if not isinstance(graph, SparseGraph):
+        raise AnalysisError(f"graph must be a SparseGraph, got {type(graph).__name__}")
+    route = parse_route(route)
+    q, k = graph.q, graph.k
+    nbq = q.num_blocks
+    q_block = np.arange(graph.num_rows, dtype=np.int64) % nbq
+    q_has_rows = q.valid_rows[q_block] > 0
+    kb = graph.indices.astype(np.int64)
+
+    row_pairs = np.diff(graph.indptr) * q_has_rows
+    row_k_valid = _segment_sums(graph.indptr, k.valid_rows[kb])
+    row_k_pages = _segment_sums(graph.indptr, k.live_pages[kb])
+    q_live = q.live_pages[q_block]
+
+    rows = {
+        "selected_pairs": row_pairs,
+        "useful": q.valid_rows[q_block] * row_k_valid,
+        "bsa_physical": row_pairs * (q.block_size * k.block_size),
+        "kpage_routed": _kpage_row_physical(q_live, row_k_pages, "auto"),
+        "kpage_no_routing": _kpage_row_physical(q_live, row_k_pages, 1),
+        "kpage_small_tile": _kpage_row_physical(q_live, row_k_pages, 0),
+    }
+    chosen = {"auto": "kpage_routed", 0: "kpage_small_tile", 1: "kpage_no_routing"}[route]
+    rows["kpage_physical"] = rows[chosen]
+    per_head = {name: rows[name].reshape(graph.heads, nbq).sum(axis=1) for name in _COUNT_FIELDS}
+    return PairCounts(route=route_name(route), **per_head)
+
+
+# --- block fill distributions ---------------------------------------------------------------------
+def _add_hist(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    n = max(a.size, b.size)
+    return np.pad(a, (0, n - a.size)) + np.pad(b, (0, n - b.size))
+
+
+@dataclass(frozen=True)
+class BlockFill:
+    """How full the blocks of a graph are; every histogram is int64 counts.
+
+    Attributes:
+        q_valid_rows, k_valid_rows: ``[B + 1]``, blocks of the layout by valid rows (one count per
+            block per head, so layouts of several graphs add up).
+        q_live_pages, k_live_pages: ``[B/16 + 1]``, blocks by live 16-row pages.
+        selected_k_valid_rows: ``[Bk + 1]``, selected pairs by the valid rows of their K block
+            (what a block-sparse kernel streams).
+        selected_k_live_pages: ``[Bk/16 + 1]``, selected pairs by the live pages of their K block.
+        pair_fill: ``[len(PAIR_FILL_BINS) - 1]``, selected pairs by ``vq·vk / (Bq·Bk)``.
+    """
+
+    q_valid_rows: np.ndarray
+    k_valid_rows: np.ndarray
+    q_live_pages: np.ndarray
+    k_live_pages: np.ndarray
+    selected_k_valid_rows: np.ndarray
+    selected_k_live_pages: np.ndarray
+    pair_fill: np.ndarray
+    pair_fill_bins: np.ndarray = field(default_factory=lambda: PAIR_FILL_BINS.copy())
+
+    def __add__(self, other: BlockFill) -> BlockFill:
+        if not isinstance(other, BlockFill):
+            return NotImplemented
+        return BlockFill(**{name: _add_hist(getattr(self, name), getattr(other, name))
+                            for name in _FILL_FIELDS})
+
+
+_FILL_FIELDS = ("q_valid_rows", "k_valid_rows", "q_live_pages", "k_live_pages",
+                "selected_k_valid_rows", "selected_k_live_pages", "pair_fill")
+
+
+def layout_fill(layout: BlockLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks by valid rows ``[B + 1]``, blocks by live pages ``[B/16 + 1]``) of one layout."""
+    return (np.bincount(layout.valid_rows, minlength=layout.block_size + 1),
+            np.bincount(layout.live_pages, minlength=layout.pages_per_block + 1))
+
+
+def pair_fill(graph: SparseGraph) -> np.ndarray:
+    """float64 ``[nnz]``: useful fraction ``vq_i·vk_j / (Bq·Bk)`` of each selected pair's tile."""
+    _, qb, kb = graph.pairs
+    return (graph.q.valid_rows[qb] * graph.k.valid_rows[kb]) / float(graph.q.block_size * graph.k.block_size)
+
+
+def graph_fill(graph: SparseGraph) -> BlockFill:
+    """Block-fill histograms of ``graph`` (layout histograms counted once per head)."""
+    q_rows, q_pages = layout_fill(graph.q)
+    k_rows, k_pages = layout_fill(graph.k)
+    kb = graph.indices.astype(np.int64)
+    return BlockFill(
+        q_valid_rows=q_rows * graph.heads,
+        k_valid_rows=k_rows * graph.heads,
+        q_live_pages=q_pages * graph.heads,
+        k_live_pages=k_pages * graph.heads,
+        selected_k_valid_rows=np.bincount(graph.k.valid_rows[kb], minlength=graph.k.block_size + 1),
+        selected_k_live_pages=np.bincount(graph.k.live_pages[kb], minlength=graph.k.pages_per_block + 1),
+        pair_fill=_pair_fill_hist(graph),
+    )
+
+
+def _pair_fill_hist(graph: SparseGraph) -> np.ndarray:
+    """Selected pairs per ``PAIR_FILL_BINS`` bin, in exact integer arithmetic (last bin closed)."""
+    nbins = PAIR_FILL_BINS.size - 1
+    q_rows = graph.q.valid_rows[np.arange(graph.num_rows) % graph.q.num_blocks]
+    useful = np.repeat(q_rows, np.diff(graph.indptr)) * graph.k.valid_rows[graph.indices]
+    tile = graph.q.block_size * graph.k.block_size
+    return np.bincount(np.minimum(useful * nbins // tile, nbins - 1), minlength=nbins).astype(np.int64)
+
+
+# --- workload reports -----------------------------------------------------------------------------
+def _ratio(num: int, den: int) -> float:
+    return float(num) / float(den) if den else float("nan")
+
+
+@dataclass(frozen=True)
+class OccupancyReport:
+    """Analysis of one workload: the sum over its graphs (which together cover all its heads).
+
+    ``counts`` holds per-head arrays for ONE attention call (one layer at one step).
+    """
+
+    workload: str
+    layers: int
+    counts: PairCounts
+    fill: BlockFill
+    head_dim: int | None = None
+    description: str = ""
+
+    @property
+    def heads(self) -> int:
+        return self.counts.heads
+
+    def record(self, multiply_layers: bool = False) -> dict:
+        """Flat JSON-ready dict (ints and floats) of the totals over heads.
+
+        Pair counts are for one attention call unless ``multiply_layers``, which multiplies them by
+        ``layers`` (``scope`` says which). Occupancy = useful / physical.
+        """
+        t = self.counts.totals()
+        scale = self.layers if multiply_layers else 1
+        rec = {
+            "workload": self.workload,
+            "heads": self.heads,
+            "layers": self.layers,
+            "scope": "all_layers" if multiply_layers else "one_call",
+            "route": self.counts.route,
+            "selected_pairs": t["selected_pairs"] * scale,
+            "useful_pairs": t["useful"] * scale,
+            "bsa_physical": t["bsa_physical"] * scale,
+            "kpage_physical": t["kpage_physical"] * scale,
+            "kpage_physical_no_routing": t["kpage_no_routing"] * scale,
+            "kpage_physical_routed": t["kpage_routed"] * scale,
+            "kpage_physical_64x256": t["kpage_small_tile"] * scale,
+        }
+        rec.update(
+            bsa_occupancy=_ratio(t["useful"], t["bsa_physical"]),
+            kpage_occupancy=_ratio(t["useful"], t["kpage_physical"]),
+            kpage_no_routing_occupancy=_ratio(t["useful"], t["kpage_no_routing"]),
+            bsa_over_kpage=_ratio(t["bsa_physical"], t["kpage_physical"]),
+            routing_gain=_ratio(t["kpage_no_routing"], t["kpage_routed"]),
+        )
+        if self.head_dim is not None:
+            rec["head_dim"] = int(self.head_dim)
+        return rec
+
+    def per_head_records(self, multiply_layers: bool = False) -> list[dict]:
+        """One flat dict per head: ``head`` plus the pair counts and occupancies."""
+        c = self.counts
+        scale = self.layers if multiply_layers else 1
+        out = []
+        for h in range(self.heads):
+            useful, bsa, kp = int(c.useful[h]), int(c.bsa_physical[h]), int(c.kpage_physical[h])
+            out.append({
+                "workload": self.workload,
+                "head": h,
+                "selected_pairs": int(c.selected_pairs[h]) * scale,
+                "useful_pairs": useful * scale,
+                "bsa_physical": bsa * scale,
+                "kpage_physical": kp * scale,
+                "kpage_physical_no_routing": int(c.kpage_no_routing[h]) * scale,
+                "bsa_occupancy": _ratio(useful, bsa),
+                "kpage_occupancy": _ratio(useful, kp),
+            })
+        return out
+
+
+def analyze_graphs(graphs, workload: str = "", layers: int = 1, route="auto",
+                   head_dim: int | None = None, description: str = "") -> OccupancyReport:
+    """Analyse a list of graphs that together cover the heads of one attention call."""
+    graphs = [graphs] if isinstance(graphs, SparseGraph) else list(graphs)
+    if not graphs:
+        raise AnalysisError("graphs must hold at least one SparseGraph")
+    if int(layers) != layers or layers <= 0:
+        raise AnalysisError(f"layers must be a positive integer, got {layers!r}")
+    counts = PairCounts.concat([graph_counts(g, route) for g in graphs])
+    fill = graph_fill(graphs[0])
+    for g in graphs[1:]:
+        fill = fill + graph_fill(g)
+    name = workload or graphs[0].name
+    return OccupancyReport(name, int(layers), counts, fill, head_dim, description)
+
+
+def analyze_workload(workload, seed: int = 0, route="auto") -> OccupancyReport:
+    """Analyse a :class:`sparseattn.workloads.Workload` (its graphs for ``seed``)."""
+    graphs = workload.graphs(seed=seed)
+    return analyze_graphs(graphs, workload.name, getattr(workload, "layers", 1), route,
+                          getattr(workload, "head_dim", None), getattr(workload, "description", ""))
+
+
+def analyze_workloads(workloads, seed: int = 0, route="auto",
+                      on_done: Callable | None = None) -> list[OccupancyReport]:
+    """:func:`analyze_workload` of each workload, in order; ``on_done(workload)`` after each one."""
+    parse_route(route)
+    reports = []
+    for w in workloads:
+        reports.append(analyze_workload(w, seed=seed, route=route))
+        if on_done is not None:
+            on_done(w)
+    return reports
+
+
+def total_record(reports: list[OccupancyReport], multiply_layers: bool = False) -> dict:
+    """The TOTAL line: pair counts summed over workloads, occupancies of the sums."""
+    recs = [r.record(multiply_layers) for r in reports]
+    keys = ("selected_pairs", "useful_pairs", "bsa_physical", "kpage_physical", "kpage_physical_no_routing",
+            "kpage_physical_routed", "kpage_physical_64x256")
+    tot = {k: sum(r[k] for r in recs) for k in keys}
+    out = {"workload": "TOTAL", "heads": sum(r["heads"] for r in recs)}
+    out.update(tot)
+    out.update(
+        bsa_occupancy=_ratio(tot["useful_pairs"], tot["bsa_physical"]),
+        kpage_occupancy=_ratio(tot["useful_pairs"], tot["kpage_physical"]),
+        kpage_no_routing_occupancy=_ratio(tot["useful_pairs"], tot["kpage_physical_no_routing"]),
+        bsa_over_kpage=_ratio(tot["bsa_physical"], tot["kpage_physical"]),
+        routing_gain=_ratio(tot["kpage_physical_no_routing"], tot["kpage_physical_routed"]),
+    )
+    return out

@@ -1,0 +1,449 @@
+"""Command line: ``sparseattn analyze | workloads | bench`` (also ``python -m sparseattn``).
+
+Errors in user input (bad names, files, fields) print one line ``sparseattn: error: ...`` to stderr and
+exit with status 2; a missing optional part (PageWeaver analysis, GPU benchmarks) exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import io
+import json
+import math
+import sys
+import threading
+
+from . import __version__
+from .analysis import ROUTE_CHOICES
+
+PROG = "sparseattn"
+FORMATS = ("table", "json", "csv")
+EXIT_USER_ERROR = 2
+EXIT_UNAVAILABLE = 1
+
+
+class UnavailableError(RuntimeError):
+    """An optional part of the toolkit is not installed in this build."""
+
+
+# --- output helpers -------------------------------------------------------------------------------
+def _stdout_console():
+    from rich.console import Console
+
+    out = Console(file=sys.stdout, soft_wrap=False)
+    if not out.is_terminal:  # pipes and files: do not squeeze tables into 80 columns
+        out = Console(file=sys.stdout, width=320, soft_wrap=False)
+    return out
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(file=sys.stderr)
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _columns(rows: list[dict]) -> list[str]:
+    cols: list[str] = []
+    for row in rows:
+        cols.extend(k for k in row if k not in cols and not isinstance(row[k], (list, dict)))
+    return cols
+
+
+def write_json(rows: list[dict], stream) -> None:
+    json.dump(_json_safe(rows), stream, indent=2)
+    stream.write("\n")
+
+
+def write_csv(rows: list[dict], stream) -> None:
+    cols = _columns(rows)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    stream.write(buf.getvalue())
+
+
+def _format_cell(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return "nan" if not math.isfinite(value) else f"{value:.4g}"
+    return str(value)
+
+
+def _format_with(fmt: str | None, value) -> str:
+    if fmt is None or value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return _format_cell(value)
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return _format_cell(value)
+
+
+def render_table(rows: list[dict], title: str = "", columns=None) -> None:
+    """Generic rich table of flat rows, numbers right-aligned.
+
+    ``columns``: optional ``[(key, format string)]`` choosing and formatting the table's columns
+    (JSON/CSV always carry every field); default one column per key.
+    """
+    from rich.table import Table
+
+    spec = list(columns) if columns else [(col, None) for col in _columns(rows)]
+    table = Table(title=title or None)
+    for col, _ in spec:
+        numeric = all(isinstance(r.get(col), (int, float)) for r in rows if col in r)
+        table.add_column(col, justify="right" if numeric else "left")
+    for row in rows:
+        table.add_row(*(_format_with(fmt, row.get(col, "")) for col, fmt in spec))
+    _stdout_console().print(table)
+
+
+def emit(rows: list[dict], fmt: str, title: str = "", columns=None) -> None:
+    if fmt == "json":
+        write_json(rows, sys.stdout)
+    elif fmt == "csv":
+        write_csv(rows, sys.stdout)
+    else:
+        render_table(rows, title, columns)
+
+
+# --- progress ---------------------------------------------------------------------------------------
+class DelayedProgress:
+    """A rich progress bar on stderr that appears only once the work has taken ``delay`` seconds."""
+
+    def __init__(self, total: int, description: str, delay: float = 1.0):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), console=_stderr_console(), transient=True)
+        self._task = self._progress.add_task(description, total=total)
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(delay, self._start)
+        self._timer.daemon = True
+        self._started = self._closed = False
+
+    def _start(self):
+        with self._lock:
+            if not self._closed:
+                self._progress.start()
+                self._started = True
+
+    def update(self, description: str | None = None, advance: int = 0) -> None:
+        kwargs = {"advance": advance}
+        if description is not None:
+            kwargs["description"] = description
+        self._progress.update(self._task, **kwargs)
+
+    def __enter__(self):
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._closed = True
+            self._timer.cancel()
+            if self._started:
+                self._progress.stop()
+        return False
+
+
+# --- analyze ----------------------------------------------------------------------------------------
+def _optional_module(name: str, what: str):
+    """Import ``sparseattn.<name>``; a missing module is reported as :class:`UnavailableError`."""
+    full = f"{__package__}.{name}"
+    try:
+        return importlib.import_module(full)
+    except ModuleNotFoundError as err:
+        if err.name is not None and full.startswith(err.name):
+            raise UnavailableError(f"{what} ({full}) is not part of this build") from None
+        raise
+
+
+def _workloads_module():
+    return _optional_module("workloads", "the built-in workloads")
+
+
+def _selected_workloads(args) -> list:
+    """Workload objects in the order asked: ``--workload`` names, then ``--layout`` files."""
+    chosen = []
+    names = args.workload or []
+    if names or not args.layout:
+        wl = _workloads_module()
+        for name in names:
+            if name not in wl.WORKLOADS:
+                valid = ", ".join(wl.WORKLOADS)
+                raise ValueError(f"--workload: unknown workload {name!r}; built-ins: {valid}")
+        chosen.extend(wl.get_workload(n) for n in (names or list(wl.WORKLOADS)))
+    if args.layout:
+        layout_file = _optional_module("layout_file", "layout files")
+        chosen.extend(layout_file.load_layout_file(path) for path in args.layout)
+    return chosen
+
+
+def analyze_with_progress(workloads: list, seed: int = 0, route: str = "auto") -> list:
+    """OccupancyReport of each workload, with a progress bar on stderr once it takes over a second."""
+    from .analysis import analyze_workload, parse_route
+
+    parse_route(route)
+    reports = []
+    with DelayedProgress(len(workloads), "building workloads") as progress:
+        for w in workloads:
+            progress.update(description=f"building {w.name}")
+            reports.append(analyze_workload(w, seed=seed, route=route))
+            progress.update(advance=1)
+    return reports
+
+
+def _giga(pairs: int) -> str:
+    return f"{pairs / 1e9:,.1f}G" if pairs >= 1e10 else f"{pairs / 1e9:,.2f}G"
+
+
+def _pct(x: float) -> str:
+    return "–" if not math.isfinite(x) else f"{100 * x:.1f}%"
+
+
+def _times(x: float) -> str:
+    return "–" if not math.isfinite(x) else f"{x:.2f}×"
+
+
+def render_capacity_table(records: list[dict], total: dict, per_head: list[list[dict]] | None = None) -> None:
+    """The capacity table (G pairs, occupancies, ratios), its TOTAL line and optional per-head tables."""
+    from rich.table import Table
+
+    all_layers = records[0]["scope"] == "all_layers"
+    scope = "all layers of a step" if all_layers else "one attention call (one layer, one step)"
+    table = Table(title=f"QK pair capacity — {scope}, all heads; KPage route {records[0]['route']}",
+                  caption="occupancy = useful / physical; BSA/KPage = physical ratio")
+    for col in ("workload", "heads", "layers", "useful", "BSA physical", "KPage physical",
+                "KPage no-routing", "BSA occ.", "KPage occ.", "BSA/KPage", "routing gain"):
+        table.add_column(col, justify="left" if col == "workload" else "right")
+
+    def add(rec, **style):
+        table.add_row(rec["workload"], f"{rec['heads']}", str(rec.get("layers", "")),
+                      _giga(rec["useful_pairs"]), _giga(rec["bsa_physical"]), _giga(rec["kpage_physical"]),
+                      _giga(rec["kpage_physical_no_routing"]), _pct(rec["bsa_occupancy"]),
+                      _pct(rec["kpage_occupancy"]), _times(rec["bsa_over_kpage"]),
+                      _times(rec["routing_gain"]), **style)
+
+    for rec in records:
+        add(rec)
+    table.add_section()
+    add(total, style="bold")
+    console = _stdout_console()
+    console.print(table)
+    console.print(f"TOTAL: {_giga(total['bsa_physical'])} (BSA) → {_giga(total['kpage_physical'])} (KPage) "
+                  f"physical QK pairs for {_giga(total['useful_pairs'])} useful "
+                  f"({_times(total['bsa_over_kpage'])} fewer; occupancy {_pct(total['bsa_occupancy'])} → "
+                  f"{_pct(total['kpage_occupancy'])})", highlight=False)
+    for rec, rows in zip(records, per_head or []):
+        render_table(rows, title=f"{rec['workload']}: per head")
+
+
+def _run_analyze(args) -> int:
+    if args.captures is not None:
+        return _run_capture_analysis(args)
+    from .analysis import total_record
+
+    workloads = _selected_workloads(args)
+    reports = analyze_with_progress(workloads, seed=args.seed, route=args.route)
+    records = [r.record(multiply_layers=args.layers) for r in reports]
+    per_head = [r.per_head_records(multiply_layers=args.layers) for r in reports] if args.per_head else None
+    if args.plot:
+        from .plots import capacity_bar_chart
+
+        capacity_bar_chart(records, path=args.plot)
+    if args.format == "table":
+        render_capacity_table(records, total_record(reports, multiply_layers=args.layers), per_head)
+    elif args.format == "json":
+        if per_head:
+            records = [dict(rec, per_head=rows) for rec, rows in zip(records, per_head)]
+        write_json(records, sys.stdout)
+    else:
+        rows = records if not per_head else [row for rows in per_head for row in rows]
+        write_csv(rows, sys.stdout)
+    if args.plot:
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _run_capture_analysis(args) -> int:
+    if args.workload or args.layout or args.plot or args.per_head:
+        raise ValueError("--captures cannot be combined with --workload, --layout, --plot or --per-head")
+    pw = _optional_module("pageweaver.analysis", "PageWeaver capture analysis")
+    paths = list(args.captures) or None
+    rows = pw.analyze_captures(paths=paths, group_size=args.group_size, window=args.window)
+    # the module may name the columns worth a table (JSON/CSV carry every field)
+    emit(rows, args.format, title=f"PageWeaver captures (group size {args.group_size}, window {args.window})",
+         columns=getattr(pw, "TABLE_COLUMNS", None))
+    return 0
+
+
+# --- workloads ---------------------------------------------------------------------------------------
+def _triple(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (tuple, list)):
+        return "×".join(str(v) for v in value)
+    return str(value)
+
+
+def _tile_text(w) -> str:
+    tile = getattr(w, "tile", None)
+    block = getattr(w, "block_size", None)
+    text = _triple(tile) if tile is not None else "clusters"
+    return f"{text} (B={block})" if block else text
+
+
+def workload_rows(workloads) -> list[dict]:
+    """One flat row per workload: name, latent, tile, heads×dim, selection, description."""
+    rows = []
+    for w in workloads:
+        rows.append({
+            "name": w.name,
+            "latent": _triple(getattr(w, "latent", None) or getattr(w, "grid", None)),
+            "tile": _tile_text(w),
+            "heads×dim": f"{w.heads}×{w.head_dim}",
+            "layers": getattr(w, "layers", ""),
+            "selection": str(getattr(w, "selection", "") or ""),
+            "description": w.description,
+        })
+    return rows
+
+
+def _run_workloads(args) -> int:
+    wl = _workloads_module()
+    emit(workload_rows(list(wl.WORKLOADS.values())), args.format, title="built-in workloads")
+    return 0
+
+
+# --- bench -------------------------------------------------------------------------------------------
+def load_bench():
+    """Import :mod:`sparseattn.bench` (only when ``bench`` is asked for: it may need cupy)."""
+    try:
+        return _optional_module("bench", "benchmarks")
+    except ImportError as err:  # a dependency of the benchmarks (cupy, torch) is missing
+        missing = getattr(err, "name", None) or str(err)
+        raise UnavailableError(f"sparseattn bench needs {missing!r}, which is not installed "
+                               "(pip install -e '.[gpu]')") from None
+
+
+def _add_bench_parser(sub, bench) -> None:
+    """The ``bench`` subcommand; its arguments come from ``bench.add_arguments`` when it is loaded."""
+    help_text = "benchmark the CUDA kernels on a GPU (needs the gpu extra)"
+    if bench is None:
+        sub.add_parser("bench", help=help_text, add_help=False)
+        return
+    doc = (bench.__doc__ or "").strip().split("\n")[0]
+    parser = sub.add_parser("bench", help=help_text, description=doc or help_text)
+    bench.add_arguments(parser)
+    parser.set_defaults(func=bench.run)
+
+
+# --- parser and entry point -------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def build_parser(bench=None) -> argparse.ArgumentParser:
+    """The argument parser; ``bench`` is the loaded :mod:`sparseattn.bench` module, if any."""
+    parser = argparse.ArgumentParser(prog=PROG, description="Hardware-efficient sparse attention toolkit: "
+                                     "occupancy analysis of sparse layouts, KPage / PageWeaver kernels.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{analyze,workloads,bench}")
+    sub.required = True
+
+    an = sub.add_parser("analyze", help="useful vs physical QK pairs (BSA vs KPage) of workloads or layouts",
+                        description="Occupancy analysis: useful vs physical query-key pairs of BSA and KPage "
+                        "tiles, summed over a workload's heads for one attention call (DESIGN.md section 3). "
+                        "With no --workload/--layout every built-in workload is analysed.")
+    an.add_argument("--workload", action="append", metavar="NAME", help="a built-in workload (repeatable)")
+    an.add_argument("--layout", action="append", metavar="FILE", help="a JSON/YAML layout file (repeatable)")
+    an.add_argument("--captures", nargs="*", metavar="PATH",
+                    help="analyse PageWeaver selection captures (.npz) instead; no PATH = the built-ins")
+    an.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
+    an.add_argument("--plot", metavar="PATH",
+                    help="write a bar chart of useful vs BSA vs KPage physical pairs (PNG/PDF/SVG)")
+    an.add_argument("--seed", type=_nonneg_int, default=0,
+                    help="seed of the synthetic selections (default 0)")
+    an.add_argument("--route", choices=tuple(ROUTE_CHOICES), default="auto",
+                    help="KPage route: auto (64x256 when a Q block has <= 64 live rows, else 128x128), "
+                    "or one fixed route")
+    an.add_argument("--per-head", action="store_true", help="also report every head")
+    an.add_argument("--layers", action="store_true", help="multiply pair counts by the workload's layers")
+    an.add_argument("--group-size", type=_positive_int, default=8,
+                    help="captures: queries per group (default 8)")
+    an.add_argument("--window", type=_positive_int, default=64,
+                    help="captures: grouping search window in queries (default 64)")
+    an.set_defaults(func=_run_analyze)
+
+    wl = sub.add_parser("workloads", help="list the built-in workloads")
+    wl.add_argument("--format", choices=FORMATS, default="table")
+    wl.set_defaults(func=_run_workloads)
+
+    _add_bench_parser(sub, bench)
+    return parser
+
+
+def _error(message: str, code: int) -> int:
+    message = " ".join(str(message).split())  # one line
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench = None
+    if argv and argv[0] == "bench":
+        try:
+            bench = load_bench()
+        except UnavailableError as err:
+            return _error(err, EXIT_UNAVAILABLE)
+    parser = build_parser(bench)
+    args = parser.parse_args(argv)  # argparse exits 2 with a one-line usage error itself
+    try:
+        return int(args.func(args) or 0)
+    except UnavailableError as err:
+        return _error(err, EXIT_UNAVAILABLE)
+    except FileNotFoundError as err:
+        name = err.filename if err.filename is not None else ""
+        return _error(f"file not found: {name}" if name else err, EXIT_USER_ERROR)
+    except BrokenPipeError:
+        return 0
+    except (ValueError, TypeError, OSError) as err:
+        return _error(err, EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        return _error("interrupted", 130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
