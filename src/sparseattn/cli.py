@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)  # argparse exits 2 with a one-line usage error itself
     try:
         return int(args.func(args) or 0)
-    except UnavailableError as err:
+    except (UnavailableError, ImportError) as err:
         return _error(err, EXIT_UNAVAILABLE)
     except FileNotFoundError as err:
         name = err.filename if err.filename is not None else ""

@@ -1,0 +1,573 @@
+"""Benchmark the sparse attention kernels against their peers on one GPU (``sparseattn bench``).
+
+For each workload (full-size layout and selection, ``--heads`` heads, batch 1) it times, side by side:
+
+* ``bsa``: our logical-block kernel (:func:`sparseattn.kernels.bsa_forward.bsa_forward`; with
+  ``fwdbwd`` also :func:`sparseattn.kernels.bsa_backward.bsa_backward` when importable);
+* ``flex``: torch FlexAttention with a ``BlockMask`` built from the graph's block lists plus a
+  padding ``mask_mod`` (exact), when torch is importable;
+* ``cudnn_dense``: cuDNN SDPA over the compact (unpadded) token sequence, the dense ceiling.
+
+Timing: CUDA events around each call, warm-up first, the L2 cache flushed (a 256 MB write) before
+every timed call, median of ``--reps`` calls. Rates: useful TFLOP/s = 4·useful·d / t forward
+(×3.5 for forward+backward: the backward costs 2.5× the forward), physical likewise with the pairs
+the implementation computes. Correctness: each sparse implementation's output for one head is
+compared with the float64 reference in the same run on 96 random Q blocks (``correct``;
+‖o − ref‖/‖ref‖ < 1e-2 on their valid rows).
+
+Results go to a JSON file under ``data/bench/`` (DESIGN.md §8 schema) and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+try:  # the GPU side is optional: `sparseattn bench --help` works without it
+    import cupy
+except ImportError:  # pragma: no cover - depends on the machine
+    cupy = None
+
+from .graph import SparseGraph
+from .kernels.validate import bf16_bits_to_float
+
+DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "sta_hunyuan_117f")
+IMPLS = ("bsa", "flex", "cudnn_dense")
+PASSES = ("fwd", "fwdbwd")
+BWD_FLOP_FACTOR = 3.5  # forward + backward = 1 + 2.5 forwards
+O_REL_TOL = 1e-2
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+def workload_graph(name: str, heads: int | None = None, seed: int = 0) -> tuple[SparseGraph, int]:
+    """(graph restricted to the first ``heads`` heads, workload head_dim) of a built-in workload."""
+    from .workloads import get_workload
+
+    wl = get_workload(name)
+    graphs = wl.graphs(seed=seed)
+    if any(g.q is not graphs[0].q or g.k is not graphs[0].k for g in graphs[1:]):
+        raise ValueError(
+            f"workload {name!r} has per-head Q/K partitions (one layout per head); "
+            "the benchmark runs workloads whose heads share one layout"
+        )
+    graph = graphs[0] if len(graphs) == 1 else _concat_heads(graphs)
+    if heads is not None and graph.heads > heads:
+        graph = graph.select_heads(np.arange(int(heads)))
+    return graph, int(wl.head_dim)
+
+
+def _concat_heads(graphs: list[SparseGraph]) -> SparseGraph:
+    """One graph holding the heads of several graphs over the same layouts."""
+    hs, qs, ks, base = [], [], [], 0
+    for g in graphs:
+        h, i, j = g.pairs
+        hs.append(h + base)
+        qs.append(i)
+        ks.append(j)
+        base += g.heads
+    g0 = graphs[0]
+    return SparseGraph.from_pairs(
+        g0.q,
+        g0.k,
+        base,
+        np.concatenate(hs),
+        np.concatenate(qs),
+        np.concatenate(ks),
+        g0.name,
+        drop_empty=False,
+    )
+
+
+def useful_pairs(graph: SparseGraph) -> int:
+    """Σ over selected pairs of valid Q rows × valid K rows (all heads)."""
+    _, i, j = graph.pairs
+    return int((graph.q.valid_rows[i] * graph.k.valid_rows[j]).sum())
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+
+
+class Timer:
+    """CUDA-event timing with an L2 flush before each timed call; returns the median in ms."""
+
+    def __init__(self, warmup: int, reps: int):
+        self.warmup, self.reps = warmup, reps
+        self.flush_buf = cupy.empty(L2_FLUSH_BYTES // 4, dtype=cupy.int32)
+
+    def __call__(self, fn, reps: int | None = None) -> tuple[float, list[float]]:
+        reps = self.reps if reps is None else reps
+        for _ in range(self.warmup):
+            fn()
+        cupy.cuda.Device().synchronize()
+        events = []
+        for _ in range(reps):
+            self.flush_buf.fill(1)
+            start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        cupy.cuda.Device().synchronize()
+        times = [cupy.cuda.get_elapsed_time(s, e) for s, e in events]
+        return float(np.median(times)), times
+
+
+# ---- implementations -------------------------------------------------------------------------------
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def _as_cupy_bf16(t):
+    """A cupy uint16 (bf16 bits) view of a contiguous torch bf16 CUDA tensor (no copy)."""
+    torch = _torch()
+    return cupy.from_dlpack(t.contiguous().view(torch.int16)).view(cupy.uint16)
+
+
+class Case:
+    """Inputs of one workload on the GPU (torch tensors when torch is there, cupy views of them)."""
+
+    def __init__(self, graph: SparseGraph, head_dim: int, batch: int, seed: int):
+        self.graph, self.d, self.b = graph, head_dim, batch
+        self.scale = 1.0 / np.sqrt(head_dim)
+        h = graph.heads
+        rs = cupy.random.RandomState(seed)
+        shape_q = (batch, h, graph.q.num_slots, head_dim)
+        shape_k = (batch, h, graph.k.num_slots, head_dim)
+
+        def rand_bits(shape):
+            x = rs.standard_normal(shape, dtype=cupy.float32)
+            u = x.view(cupy.uint32)
+            return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cupy.uint16)
+
+        self.q, self.k, self.v = rand_bits(shape_q), rand_bits(shape_k), rand_bits(shape_k)
+        self.do = rand_bits(shape_q)
+
+    def head0_numpy(self):
+        return tuple(cupy.asnumpy(x[:, :1]) for x in (self.q, self.k, self.v))
+
+    def rel_err_head0(self, o_head0, sample_q_blocks: int = 96, seed: int = 0) -> float:
+        """‖o − ref‖/‖ref‖ of head 0 over the valid rows of ``sample_q_blocks`` random Q blocks
+        (float64 reference on the same bf16 inputs, computed once per case)."""
+        if not hasattr(self, "_ref"):
+            from .reference import attention_forward
+
+            g = self.graph
+            rng = np.random.default_rng(seed)
+            h, i, j = g.pairs
+            chosen = rng.choice(g.q.num_blocks, size=min(sample_q_blocks, g.q.num_blocks), replace=False)
+            keep = (h == 0) & np.isin(i, chosen)
+            sub = SparseGraph.from_pairs(g.q, g.k, 1, h[keep], i[keep], j[keep], drop_empty=False)
+            rows = np.zeros(g.q.num_blocks, dtype=bool)
+            rows[chosen] = True
+            rows = np.repeat(rows, g.q.block_size) & g.q.valid
+            q, k, v = (bf16_bits_to_float(x) for x in self.head0_numpy())
+            ref, _ = attention_forward(q, k, v, sub, scale=self.scale)
+            self._ref = (ref[:, 0][:, rows], rows)
+        ref, rows = self._ref
+        got = np.asarray(o_head0, dtype=np.float64)[:, rows]
+        return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+    def torch_views(self):
+        torch = _torch()
+        return tuple(
+            torch.from_dlpack(x.view(cupy.int16)).view(torch.bfloat16)
+            for x in (self.q, self.k, self.v, self.do)
+        )
+
+
+def bench_bsa(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
+    from .kernels.bsa_forward import bsa_forward, plan_for
+
+    g = case.graph
+    plan = plan_for(g)
+    out = []
+    o, lse = bsa_forward(case.q, case.k, case.v, g, scale=case.scale)
+    cupy.cuda.Device().synchronize()
+    rel = None
+    if check:
+        o0 = bf16_bits_to_float(cupy.asnumpy(o[:, 0])).astype(np.float64)
+        rel = case.rel_err_head0(o0)
+    buffers = (o, lse)
+    if "fwd" in passes:
+        ms, _ = timer(lambda: bsa_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers))
+        out.append(
+            dict(
+                impl="bsa",
+                **{"pass": "fwd"},
+                time_ms=ms,
+                physical_pairs=plan.physical_pairs() * case.b,
+                rel_err_o=rel,
+                correct=None if rel is None else bool(rel < O_REL_TOL),
+            )
+        )
+    if "fwdbwd" in passes:
+        try:
+            from .kernels.bsa_backward import bsa_backward
+        except ImportError as exc:
+            out.append(dict(impl="bsa", **{"pass": "fwdbwd"}, error=f"bsa_backward not importable: {exc}"))
+            return out
+
+        def fwdbwd():
+            o2, l2 = bsa_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers)
+            bsa_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale)
+
+        try:
+            ms, _ = timer(fwdbwd)
+            out.append(
+                dict(
+                    impl="bsa",
+                    **{"pass": "fwdbwd"},
+                    time_ms=ms,
+                    physical_pairs=plan.physical_pairs() * case.b,
+                    correct=None,
+                )
+            )
+        except Exception as exc:
+            out.append(dict(impl="bsa", **{"pass": "fwdbwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
+    return out
+
+
+def flex_block_mask(graph: SparseGraph, batch: int):
+    """FlexAttention BlockMask: selected blocks split into full (both blocks fully valid) and partial
+    (padding mask_mod applied), from the graph's per-head block lists."""
+    torch = _torch()
+    from torch.nn.attention.flex_attention import BlockMask
+
+    dev = "cuda"
+    bm = graph.block_mask()  # [H, nqb, nkb]
+    qfull = graph.q.valid_rows == graph.q.block_size
+    kfull = graph.k.valid_rows == graph.k.block_size
+    full = bm & qfull[None, :, None] & kfull[None, None, :]
+    part = bm & ~full
+
+    def pack(m):
+        counts = m.sum(-1).astype(np.int32)
+        order = np.argsort(~m, axis=-1, kind="stable").astype(np.int32)  # selected K blocks first
+
+        def to(a):
+            return torch.as_tensor(a, device=dev)[None].expand(batch, *a.shape).contiguous()
+
+        return to(counts), to(order)
+
+    pn, pi = pack(part)
+    fn, fi = pack(full)
+    q_valid = torch.tensor(np.array(graph.q.valid), device=dev)
+    k_valid = torch.tensor(np.array(graph.k.valid), device=dev)
+
+    def mask_mod(b, h, qi, ki):
+        return q_valid[qi] & k_valid[ki]
+
+    return BlockMask.from_kv_blocks(
+        pn,
+        pi,
+        fn,
+        fi,
+        BLOCK_SIZE=(graph.q.block_size, graph.k.block_size),
+        mask_mod=mask_mod,
+        seq_lengths=(graph.q.num_slots, graph.k.num_slots),
+    )
+
+
+def bench_flex(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
+    torch = _torch()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = case.graph
+    # torch-owned copies (the compiled FlexAttention refused tensors imported through DLPack on the H200)
+    q, k, v, do = (x.clone() for x in case.torch_views())
+    block_mask = flex_block_mask(g, case.b)
+    opts = None
+    if g.q.block_size < 128 or g.k.block_size < 128:
+        opts = {"BLOCK_M": g.q.block_size, "BLOCK_N": g.k.block_size}
+    flex = torch.compile(flex_attention)
+    assert abs(case.scale - 1.0 / np.sqrt(case.d)) < 1e-12  # FlexAttention's default scale
+    physical = g.nnz * g.q.block_size * g.k.block_size * case.b
+    out = []
+    t0 = time.time()
+    try:
+        o = flex(q, k, v, block_mask=block_mask, kernel_options=opts)
+    except Exception:  # one retry from a clean dynamo state (the first compile in a process can trip)
+        traceback.print_exc()
+        torch._dynamo.reset()
+        flex = torch.compile(flex_attention)
+        o = flex(q, k, v, block_mask=block_mask, kernel_options=opts)
+    torch.cuda.synchronize()
+    compile_s = time.time() - t0
+    rel = None
+    if check:
+        o0 = o[:, 0].float().cpu().numpy().astype(np.float64)
+        rel = case.rel_err_head0(o0)
+    if "fwd" in passes:
+        ms, _ = timer(lambda: flex(q, k, v, block_mask=block_mask, kernel_options=opts))
+        out.append(
+            dict(
+                impl="flex",
+                **{"pass": "fwd"},
+                time_ms=ms,
+                physical_pairs=physical,
+                rel_err_o=rel,
+                correct=None if rel is None else bool(rel < O_REL_TOL),
+                compile_s=round(compile_s, 1),
+            )
+        )
+    if "fwdbwd" in passes:
+        try:
+            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+            def fwdbwd():
+                flex(qg, kg, vg, block_mask=block_mask, kernel_options=opts).backward(do)
+
+            ms, _ = timer(fwdbwd)
+            out.append(
+                dict(impl="flex", **{"pass": "fwdbwd"}, time_ms=ms, physical_pairs=physical, correct=None)
+            )
+        except Exception as exc:
+            out.append(dict(impl="flex", **{"pass": "fwdbwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
+    return out
+
+
+def bench_cudnn_dense(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
+    torch = _torch()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = case.graph
+    n = g.q.num_tokens
+    h, d, b = g.heads, case.d, case.b
+    q = torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda")
+    k, v, do = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    physical = n * n * h * b
+    out = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        if "fwd" in passes:
+            ms, _ = timer(lambda: sdpa(q, k, v), reps=max(3, timer.reps // 4))
+            out.append(
+                dict(impl="cudnn_dense", **{"pass": "fwd"}, time_ms=ms, physical_pairs=physical, correct=None)
+            )
+        if "fwdbwd" in passes:
+            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            ms, _ = timer(lambda: sdpa(qg, kg, vg).backward(do), reps=max(3, timer.reps // 4))
+            out.append(
+                dict(
+                    impl="cudnn_dense",
+                    **{"pass": "fwdbwd"},
+                    time_ms=ms,
+                    physical_pairs=physical,
+                    correct=None,
+                )
+            )
+    return out
+
+
+BENCHES = {"bsa": bench_bsa, "flex": bench_flex, "cudnn_dense": bench_cudnn_dense}
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "--workload",
+        action="append",
+        metavar="NAME",
+        help=f"built-in workload (repeatable; default {', '.join(DEFAULT_WORKLOADS)})",
+    )
+    parser.add_argument("--heads", type=int, default=None, help="heads to run (default: all of the workload)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument(
+        "--impl", action="append", choices=IMPLS, help="implementations (default: all available)"
+    )
+    parser.add_argument(
+        "--pass", dest="passes", action="append", choices=PASSES, help="passes (default: fwd)"
+    )
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-check", action="store_true", help="skip the float64 reference check (head 0)")
+    parser.add_argument(
+        "--out", metavar="PATH", help="JSON result file (default data/bench/bench_<date>.json)"
+    )
+
+
+def _git_commit() -> str:
+    env = os.environ.get("SPARSEATTN_COMMIT")
+    if env:
+        return env
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+            or "unknown"
+        )
+    except Exception:
+        return "unknown"
+
+
+def _gpu_name() -> str:
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _rates(rec: dict, useful: int, head_dim: int) -> dict:
+    if "time_ms" not in rec:
+        return rec
+    factor = 4.0 * head_dim * (BWD_FLOP_FACTOR if rec["pass"] == "fwdbwd" else 1.0)
+    sec = rec["time_ms"] * 1e-3
+    rec["useful_tflops"] = round(factor * useful / sec / 1e12, 1)
+    rec["physical_tflops"] = round(factor * rec["physical_pairs"] / sec / 1e12, 1)
+    return rec
+
+
+def print_table(records: list[dict], file=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="sparseattn bench (median ms; TFLOP/s useful / physical)")
+    for col in (
+        "workload",
+        "impl",
+        "pass",
+        "heads",
+        "time ms",
+        "useful TF/s",
+        "phys TF/s",
+        "rel err",
+        "correct",
+    ):
+        table.add_column(col)
+    for r in records:
+        if "error" in r:
+            table.add_row(
+                r["workload"],
+                r["impl"],
+                r["pass"],
+                str(r.get("heads", "")),
+                "-",
+                "-",
+                "-",
+                "-",
+                f"ERROR {r['error'][:60]}",
+            )
+            continue
+        rel = r.get("rel_err_o")
+        table.add_row(
+            r["workload"],
+            r["impl"],
+            r["pass"],
+            str(r["heads"]),
+            f"{r['time_ms']:.3f}",
+            f"{r['useful_tflops']:.0f}",
+            f"{r['physical_tflops']:.0f}",
+            "-" if rel is None else f"{rel:.1e}",
+            str(r.get("correct")),
+        )
+    Console(file=file or sys.stdout, width=150).print(table)
+
+
+def write_results(path: Path, records: list[dict], now, torch) -> None:
+    """The DESIGN.md section 8 JSON object (gpu, commit, date, command, records)."""
+    argv = sys.argv[1:]
+    if sys.argv[1:2] == ["bench"]:
+        command = " ".join(["sparseattn", *argv])
+    elif sys.argv[0].endswith("bench.py"):
+        command = " ".join(["python -m sparseattn.bench", *argv])
+    else:
+        command = " ".join(sys.argv)
+    result = {
+        "gpu": _gpu_name(),
+        "commit": _git_commit(),
+        "date": now.isoformat(timespec="seconds"),
+        "command": command,
+        "host": platform.node(),
+        "software": {
+            "cupy": cupy.__version__,
+            "torch": getattr(torch, "__version__", None),
+            "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        },
+        "records": records,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=lambda x: None))
+
+
+def run(args) -> int:
+    if cupy is None:
+        raise ImportError("sparseattn bench needs cupy and a CUDA GPU: pip install -e '.[gpu]'")
+    workloads = args.workload or list(DEFAULT_WORKLOADS)
+    passes = tuple(args.passes or ("fwd",))
+    torch = _torch()
+    impls = list(args.impl or [i for i in IMPLS if i == "bsa" or torch is not None])
+    timer = Timer(args.warmup, args.reps)
+    records = []
+    now = datetime.datetime.now(datetime.timezone.utc)
+    path = Path(args.out) if args.out else Path("data/bench") / f"bench_{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    for name in workloads:
+        t0 = time.time()
+        graph, head_dim = workload_graph(name, args.heads, seed=args.seed)
+        useful = useful_pairs(graph) * args.batch
+        case = Case(graph, head_dim, args.batch, seed=args.seed + 1)
+        print(
+            f"[{name}] heads={graph.heads} slots q/k={graph.q.num_slots}/{graph.k.num_slots} "
+            f"pairs={graph.nnz} "
+            f"graph {time.time() - t0:.1f}s",
+            flush=True,
+        )
+        for impl in impls:
+            if impl != "bsa" and torch is None:
+                continue
+            t1 = time.time()
+            try:
+                recs = BENCHES[impl](case, timer, passes, check=not args.no_check)
+            except Exception as exc:
+                traceback.print_exc()
+                recs = [
+                    dict(impl=impl, **{"pass": p}, error=f"{type(exc).__name__}: {exc}"[:300]) for p in passes
+                ]
+            for r in recs:
+                r.update(
+                    workload=name, heads=graph.heads, head_dim=head_dim, batch=args.batch, useful_pairs=useful
+                )
+                records.append(_rates(r, useful, head_dim))
+            print(f"  {impl}: {time.time() - t1:.1f}s", flush=True)
+        write_results(path, records, now, torch)  # after every workload: a killed run keeps what it measured
+        del case
+        cupy.get_default_memory_pool().free_all_blocks()
+        if torch is not None:
+            torch.cuda.empty_cache()
+    print_table(records)
+    print(f"wrote {path}")
+    bad = [r for r in records if r.get("correct") is False]
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m sparseattn.bench", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

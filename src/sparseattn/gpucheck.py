@@ -1,0 +1,214 @@
+"""One-shot verification run on the GPU machine: ``python -m sparseattn.gpucheck --out DIR [--quick]``.
+
+Steps (each with its own time limit, total < 10 minutes on the H200):
+
+1. ``pytest -m gpu --require-gpu tests/`` — every GPU test (forward and backward), mandatory;
+2. ``compute-sanitizer --tool memcheck`` over a small ragged forward (+ backward) case;
+3. the benchmark subset (``sparseattn.bench``) with the peers, forward and forward+backward.
+
+Writes into DIR (at most 8 files): ``pytest.log``, ``sanitizer.log``, ``bench.log``, ``bench.json``,
+``summary.json``; prints a short table last. Exit status 0 only when every step passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Step time limits (seconds); together under 8 minutes.
+PYTEST_LIMIT_S = 200
+SANITIZER_LIMIT_S = 60
+BENCH_LIMIT_S = 300
+BENCH_QUICK_LIMIT_S = 110
+FULL_BENCH_WORKLOADS = (
+    "vsa_wan14b_720p", "ssta_hy15_720p", "sta_hunyuan_117f", "vsa_wan14b_480p", "sta_wan14b_69f",
+)
+
+
+def _run(cmd: list[str], log: Path, timeout: float, env=None) -> tuple[int, float, str]:
+    """Run ``cmd`` with output teed to ``log``; returns (exit code, seconds, last lines)."""
+    t0 = time.time()
+    with open(log, "w") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        try:
+            proc = subprocess.run(
+                cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO, env=env
+            )
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+            fh.write(f"\n!!! timed out after {timeout:.0f} s\n")
+    tail = log.read_text(errors="replace").splitlines()[-40:]
+    return code, time.time() - t0, "\n".join(tail)
+
+
+def sanitize_case() -> int:
+    """A small ragged case for compute-sanitizer: forward and (if present) backward, synchronized."""
+    import cupy
+    import numpy as np
+
+    from .builders import random_graph
+    from .kernels.bsa_forward import bsa_forward
+    from .kernels.validate import float_to_bf16_bits
+    from .layouts import slot_layout, video_layout
+
+    rng = np.random.default_rng(0)
+    cases = [
+        video_layout((5, 7, 9), (4, 4, 8), block_size=128),
+        video_layout((5, 7, 9), (4, 4, 4), block_size=64),
+    ]
+    valid = rng.random(6 * 64) < 0.5
+    valid[64:128] = False
+    cases.append(slot_layout(valid, 64))
+    for layout in cases:
+        graph = random_graph(layout, layout, heads=2, density=0.5, seed=1)
+        for d in (64, 128):
+            shape = (1, 2, layout.num_slots, d)
+            q, k, v, do = (cupy.asarray(float_to_bf16_bits(rng.standard_normal(shape))) for _ in range(4))
+            o, lse = bsa_forward(q, k, v, graph)
+            try:
+                from .kernels.bsa_backward import bsa_backward
+            except ImportError:
+                bsa_backward = None
+            if bsa_backward is not None:
+                bsa_backward(q, k, v, o, lse, do, graph)
+            cupy.cuda.Device().synchronize()
+    print("sanitize case done")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sparseattn.gpucheck", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder for logs and JSON")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer benchmark workloads, heads and repetitions"
+    )
+    parser.add_argument("--skip", action="append", default=[], choices=("pytest", "sanitizer", "bench"))
+    parser.add_argument("--tests", nargs="+", default=["tests/"], help="pytest paths (default: tests/)")
+    parser.add_argument("--fwd-only", action="store_true", help="benchmark the forward pass only")
+    parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.sanitize_case:
+        return sanitize_case()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        PYTHONUNBUFFERED="1",
+    )
+    py = sys.executable
+    steps = []
+
+    if "pytest" not in args.skip:
+        code, sec, tail = _run(
+            [
+                py,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                "--require-gpu",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-rfEs",
+                f"--timeout={PYTEST_LIMIT_S - 30}",
+                *args.tests,
+            ],
+            out / "pytest.log",
+            PYTEST_LIMIT_S,
+            env,
+        )
+        summary = next(
+            (line for line in reversed(tail.splitlines()) if " in " in line and "=" in line),
+            tail.splitlines()[-1] if tail else "",
+        )
+        steps.append(
+            dict(
+                step="pytest -m gpu --require-gpu", code=code, seconds=round(sec, 1), note=summary.strip("= ")
+            )
+        )
+
+    if "sanitizer" not in args.skip:
+        tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+        if Path(tool).exists():
+            code, sec, tail = _run(
+                [
+                    tool,
+                    "--tool",
+                    "memcheck",
+                    "--error-exitcode",
+                    "3",
+                    py,
+                    "-m",
+                    "sparseattn.gpucheck",
+                    "--out",
+                    str(out),
+                    "--sanitize-case",
+                ],
+                out / "sanitizer.log",
+                SANITIZER_LIMIT_S,
+                env,
+            )
+            note = next(
+                (line for line in reversed(tail.splitlines()) if "ERROR SUMMARY" in line), "no summary"
+            )
+        else:
+            code, sec, note = 127, 0.0, "compute-sanitizer not found"
+            (out / "sanitizer.log").write_text(note + "\n")
+        steps.append(
+            dict(step="compute-sanitizer memcheck", code=code, seconds=round(sec, 1), note=note.strip())
+        )
+
+    if "bench" not in args.skip:
+        cmd = [py, "-m", "sparseattn.bench", "--out", str(out / "bench.json"), "--pass", "fwd"]
+        if not args.fwd_only:
+            cmd += ["--pass", "fwdbwd"]
+        if args.quick:
+            cmd += [
+                "--workload",
+                "vsa_wan14b_720p",
+                "--workload",
+                "ssta_hy15_720p",
+                "--heads",
+                "4",
+                "--reps",
+                "5",
+            ]
+        else:  # every built-in workload whose heads share one layout, at its real head count
+            for name in FULL_BENCH_WORKLOADS:
+                cmd += ["--workload", name]
+            cmd += ["--reps", "10", "--warmup", "2"]
+        limit = BENCH_QUICK_LIMIT_S if args.quick else BENCH_LIMIT_S
+        code, sec, tail = _run(cmd, out / "bench.log", limit, env)
+        steps.append(dict(step="bench", code=code, seconds=round(sec, 1), note="see bench.json"))
+
+    (out / "summary.json").write_text(json.dumps(steps, indent=1))
+    if (out / "bench.json").exists():
+        try:
+            from .bench import print_table
+
+            print_table(json.loads((out / "bench.json").read_text())["records"])
+        except Exception as exc:  # the summary below still prints
+            print(f"(bench table unavailable: {exc})")
+    print(f"{'step':32s} {'exit':>4s} {'sec':>7s}  note")
+    for s in steps:
+        print(f"{s['step']:32s} {s['code']:4d} {s['seconds']:7.1f}  {s['note'][:110]}")
+    ok = bool(steps) and all(s["code"] == 0 for s in steps)  # no step run proves nothing
+    print("GPUCHECK", "PASSED" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

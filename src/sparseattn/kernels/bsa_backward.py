@@ -1,0 +1,254 @@
+"""BSA baseline backward: ``kernels_cu/bsa_bwd.cu`` behind a validating wrapper.
+
+K/V-owned FlashAttention-2-style backward with exact masking. The kernel executes any owner-``"kv"``
+:class:`~sparseattn.plans.TilePlan` whose owned tile height is 64 or 128 rows; given a
+:class:`~sparseattn.graph.SparseGraph` the wrapper builds (and caches) ``bsa_plan(graph, owner="kv")``.
+
+Three launches per call (plus one main launch per route of the plan):
+
+1. ``bsa_bwd_preprocess``: ``Δ = rowsum(dO ∘ O)`` fp32 ``[batch, heads, q_slots]``;
+2. ``bsa_bwd_kernel<D, BLOCK_K, BLOCK_Q, SUB_Q, MIN_BLOCKS>``: grid ``(work items of the route,
+   batch)``; each CTA keeps the dK/dV of its owned K/V pages in registers and writes them once, and
+   adds its dQ share into an fp32 buffer with vector atomics;
+3. ``bsa_bwd_postprocess``: ``dQ = bf16(scale · dq_accum)``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+
+from ..constants import PAGE_ROWS
+from ..graph import SparseGraph
+from ..plans import TilePlan, bsa_plan
+from . import runtime
+from .validate import (
+    BF16_DTYPE_NAMES,
+    KernelTypeError,
+    KernelValueError,
+    check_head_dim,
+    check_plan,
+    check_scale,
+    check_tensor,
+    pages_of,
+)
+
+SOURCE = "bsa_bwd.cu"
+
+# Mirrors of the kernel's compile-time configuration (kernels_cu/bsa_bwd.cu).
+HEAD_DIMS = (64, 128)
+#: Owned K/V rows per CTA (the plan's tile M): one warp per 16 rows (one owned page per warp).
+OWNED_ROWS = (64, 128)
+#: (Q rows streamed per step, Q rows computed at once, CTAs per SM targeted) per (head_dim, owned
+#: rows): the kernel's BSA_BWD_TILES_HD<d>_BK<rows> macros.
+TILES = {(64, 64): (64, 64, 2), (64, 128): (64, 64, 1), (128, 64): (32, 32, 2), (128, 128): (64, 64, 1)}
+#: Streamed tile widths a plan may carry (the kernel streams TILES rows whatever N is).
+STREAM_TILE_N = (64, 128, 256)
+TILE_SHAPES = tuple((m, n) for m in OWNED_ROWS for n in STREAM_TILE_N)
+WARP_ROWS = 16
+MAX_GRID_Y = 65535
+DEFAULT_SMEM_LIMIT = 48 * 1024
+ELEMENTWISE_THREADS = 256
+
+
+def kernel_name(head_dim: int, owned_rows: int) -> str:
+    q_rows, sub_rows, min_blocks = TILES[head_dim, owned_rows]
+    return f"bsa_bwd_kernel<{head_dim}, {owned_rows}, {q_rows}, {sub_rows}, {min_blocks}>"
+
+
+def preprocess_name(head_dim: int) -> str:
+    return f"bsa_bwd_preprocess<{head_dim}>"
+
+
+POSTPROCESS_NAME = "bsa_bwd_postprocess"
+
+NAME_EXPRESSIONS = (tuple(kernel_name(d, m) for d in HEAD_DIMS for m in OWNED_ROWS)
+                    + tuple(preprocess_name(d) for d in HEAD_DIMS) + (POSTPROCESS_NAME,))
+
+
+def threads_per_cta(owned_rows: int) -> int:
+    """One warp per 16 owned K/V rows."""
+    return owned_rows // WARP_ROWS * 32
+
+
+def smem_bytes(head_dim: int, owned_rows: int) -> int:
+    """Dynamic shared memory: K and V (owned), double-buffered Q, dO and dSᵀ (bf16); LSE, Δ, slot."""
+    q_rows = TILES[head_dim, owned_rows][0]
+    bf16_elems = 2 * owned_rows * head_dim + 4 * q_rows * head_dim + 2 * owned_rows * q_rows
+    return bf16_elems * 2 + 2 * q_rows * 3 * 4
+
+
+# ---- plan and device-array caches ------------------------------------------------------------
+
+_PLANS: weakref.WeakKeyDictionary[SparseGraph, TilePlan] = weakref.WeakKeyDictionary()
+_DEVICE_PLANS: weakref.WeakKeyDictionary[TilePlan, dict] = weakref.WeakKeyDictionary()
+_CHECKED_PLANS: weakref.WeakKeyDictionary[TilePlan, set] = weakref.WeakKeyDictionary()
+
+
+def plan_for(graph_or_plan) -> TilePlan:
+    """The backward plan of a graph (``bsa_plan(graph, owner="kv")``, built once per graph) or the plan."""
+    if isinstance(graph_or_plan, TilePlan):
+        return graph_or_plan
+    if isinstance(graph_or_plan, SparseGraph):
+        plan = _PLANS.get(graph_or_plan)
+        if plan is None:
+            plan = bsa_plan(graph_or_plan, owner="kv")
+            _PLANS[graph_or_plan] = plan
+        return plan
+    raise KernelTypeError(
+        f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}")
+
+
+def uncovered_k_pages(plan: TilePlan, k_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """(head, page) int64 arrays of the K pages no work item owns (blocks without valid rows):
+    the kernel never writes them, so the wrapper zeroes their dK/dV rows."""
+    own = plan.own_pages.astype(np.int64)
+    heads = np.repeat(plan.work_head.astype(np.int64), own.shape[1])
+    pages = own.ravel()
+    keep = pages >= 0
+    covered = np.zeros((plan.heads, k_pages), dtype=bool)
+    covered[heads[keep], pages[keep]] = True
+    return np.nonzero(~covered)
+
+
+def check_backward_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int) -> TilePlan:
+    """:func:`check_plan` for owner ``"kv"`` and this kernel's tile shapes, run once per plan and sizes."""
+    checked = _CHECKED_PLANS.setdefault(plan, set()) if isinstance(plan, TilePlan) else set()
+    key = (q_pages, k_pages, heads)
+    if key not in checked:
+        check_plan(plan, q_pages, k_pages, heads, owner="kv", tile_shapes=TILE_SHAPES)
+        checked.add(key)
+    return plan
+
+
+def _device_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int, device: int) -> dict:
+    """Validated plan arrays on the device (validation and upload happen once per plan and sizes)."""
+    import cupy
+
+    per_plan = _DEVICE_PLANS.setdefault(plan, {})
+    key = (q_pages, k_pages, heads, device)
+    if key not in per_plan:
+        check_backward_plan(plan, q_pages, k_pages, heads)
+        with cupy.cuda.Device(device):
+            arrays = {name: cupy.asarray(arr) for name, arr in plan.device_arrays().items()}
+            uh, up = uncovered_k_pages(plan, k_pages)
+            arrays["uncovered"] = (cupy.asarray(uh), cupy.asarray(up)) if uh.size else None
+        per_plan[key] = arrays
+    return per_plan[key]
+
+
+def _check_graph(graph: SparseGraph, heads: int, q_slots: int, k_slots: int):
+    if graph.heads != heads:
+        raise KernelValueError(f"graph has {graph.heads} heads but q has {heads}")
+    if graph.q.num_slots != q_slots:
+        raise KernelValueError(f"graph.q has {graph.q.num_slots} slots but q has {q_slots}")
+    if graph.k.num_slots != k_slots:
+        raise KernelValueError(f"graph.k has {graph.k.num_slots} slots but k has {k_slots}")
+
+
+def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
+    """Validate every argument of :func:`bsa_backward` (no launch).
+
+    Returns ``(plan, scale, out_or_None, (q_pages, k_pages, device))``; the plan is checked against the
+    tensor sizes too (page ids, heads, owner ``"kv"``, tile shapes).
+    """
+    check_tensor("q", q, dtype=BF16_DTYPE_NAMES, ndim=4)
+    b, h, sq, d = (int(x) for x in q.shape)
+    check_head_dim("q", d, HEAD_DIMS)
+    device = int(q.device.id)
+    dtype = (str(q.dtype),)
+    check_tensor("k", k, dtype=dtype, shape=(b, h, None, d), device=device)
+    sk = int(k.shape[2])
+    check_tensor("v", v, dtype=dtype, shape=(b, h, sk, d), device=device)
+    check_tensor("o", o, dtype=dtype, shape=(b, h, sq, d), device=device)
+    check_tensor("do", do, dtype=dtype, shape=(b, h, sq, d), device=device)
+    check_tensor("lse", lse, dtype="float32", shape=(b, h, sq), device=device)
+    if b > MAX_GRID_Y:
+        raise KernelValueError(f"q has batch {b}; the kernel grid allows at most {MAX_GRID_Y}")
+    q_pages = pages_of("q", sq)
+    k_pages = pages_of("k", sk)
+    if isinstance(graph_or_plan, SparseGraph):
+        _check_graph(graph_or_plan, h, sq, sk)
+    plan = check_backward_plan(plan_for(graph_or_plan), q_pages, k_pages, h)
+    scale = check_scale(scale, d)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise KernelTypeError("out must be a tuple (dq, dk, dv) of preallocated cupy arrays")
+        check_tensor("out[0] (dq)", out[0], dtype=dtype, shape=(b, h, sq, d), device=device)
+        check_tensor("out[1] (dk)", out[1], dtype=dtype, shape=(b, h, sk, d), device=device)
+        check_tensor("out[2] (dv)", out[2], dtype=dtype, shape=(b, h, sk, d), device=device)
+        out = tuple(out)
+    return plan, scale, out, (q_pages, k_pages, device)
+
+
+def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
+    """Gradients of block-sparse attention on the GPU for the loss ``Σ do · o``.
+
+    Args:
+        q: bf16 ``[batch, heads, q_slots, d]`` CuPy array (``uint16`` bf16 bits or a bfloat16 dtype),
+            C-contiguous; ``d`` in ``HEAD_DIMS``; ``q_slots`` a multiple of 16.
+        k, v: same dtype, ``[batch, heads, k_slots, d]``.
+        o: the forward output, like ``q``; ``lse``: float32 ``[batch, heads, q_slots]`` (natural log,
+            ``-inf`` rows contribute nothing).
+        do: the output gradient, like ``q``.
+        graph_or_plan: a :class:`SparseGraph` (runs ``bsa_plan(graph, owner="kv")``) or an owner-``"kv"``
+            :class:`TilePlan` whose owned tile height is 64 or 128.
+        scale: softmax scale, default ``1/sqrt(d)``.
+        out: optional ``(dq, dk, dv)`` buffers to write into.
+
+    Returns:
+        ``(dq, dk, dv)`` like ``q``/``k``/``v`` (bf16). Every row of dQ is written (0 where no pair
+        contributes); every row of every owned K page is written (0 for padding rows and for K blocks
+        no Q block selected); rows of K blocks without any valid row are zeroed by the wrapper.
+    """
+    plan, scale, out, (q_pages, k_pages, device) = check_inputs(q, k, v, o, lse, do, graph_or_plan, scale,
+                                                                out)
+    import cupy
+
+    b, h, sq, d = (int(x) for x in q.shape)
+    sk = int(k.shape[2])
+    arrays = _device_plan(plan, q_pages, k_pages, h, device)
+    with cupy.cuda.Device(device):
+        if out is None:
+            dq = cupy.empty(q.shape, q.dtype)
+            dk, dv = cupy.empty(k.shape, k.dtype), cupy.empty(k.shape, k.dtype)
+        else:
+            dq, dk, dv = out
+        delta = cupy.empty((b, h, sq), dtype=cupy.float32)
+        dq_accum = cupy.zeros((b, h, sq, d), dtype=cupy.float32)
+
+        rows = b * h * sq
+        pre = runtime.get_function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
+        lanes = rows * (d // 8)
+        pre((-(-lanes // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), (o, do, delta, np.int64(rows)))
+
+        scale_log2 = np.float32(scale * math.log2(math.e))
+        own_stride = np.int32(plan.own_pages.shape[1])
+        for route, (start, stop) in enumerate(plan.route_ranges()):
+            if stop <= start:
+                continue
+            owned_rows = plan.routes[route][0]
+            fn = runtime.get_function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
+            smem = smem_bytes(d, owned_rows)
+            if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
+                fn.max_dynamic_shared_size_bytes = smem
+            fn((stop - start, b), (threads_per_cta(owned_rows),),
+               (q, k, v, do, lse, delta, dq_accum, dk, dv, arrays["work_head"], arrays["own_pages"],
+                own_stride,
+                arrays["stream_indptr"], arrays["stream_pages"], arrays["own_page_mask"],
+                arrays["stream_page_mask"], np.int32(start), np.int32(h), np.int32(sq), np.int32(sk),
+                np.float32(scale), scale_log2),
+               shared_mem=smem)
+
+        post = runtime.get_function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
+        n4 = b * h * sq * d // 4
+        post((-(-n4 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
+             (dq_accum, dq, np.float32(scale), np.int64(n4)))
+
+        if arrays["uncovered"] is not None:
+            heads_idx, pages_idx = arrays["uncovered"]
+            for grad in (dk, dv):
+                grad.reshape(b, h, k_pages, PAGE_ROWS, d)[:, heads_idx, pages_idx] = 0
+    return dq, dk, dv

@@ -1,0 +1,94 @@
+"""Shared pytest setup.
+
+* ``--require-gpu``: tests marked ``gpu`` FAIL (instead of skipping) when CuPy or a usable CUDA
+  device is missing, so a broken driver on the GPU machine cannot pass silently.
+* ``rng``: a numpy Generator with a fresh seed per test (printed; set ``SPARSEATTN_SEED`` to replay).
+* ``poisoned``: allocates NaN-filled CuPy output buffers (bf16 as uint16 bits, or float dtypes).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+BF16_NAN_BITS = 0x7FC0
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--require-gpu",
+        action="store_true",
+        default=False,
+        help="fail (not skip) GPU tests when no usable CUDA GPU/CuPy is found",
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_status() -> tuple[bool, str]:
+    """(usable, reason): CuPy imports, a device exists and a tiny kernel runs."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a CUDA library failing to load
+        return False, f"cupy not importable ({type(exc).__name__}: {exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+        if n < 1:
+            return False, "no CUDA device"
+        x = cupy.arange(16, dtype=cupy.float32)
+        if float((x * 2).sum()) != 240.0:
+            return False, "CUDA device computed a wrong result"
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        return True, f"{n} device(s), {name}"
+    except Exception as exc:
+        return False, f"CUDA device not usable ({type(exc).__name__}: {exc})"
+
+
+def pytest_report_header(config):
+    ok, reason = gpu_status()
+    required = config.getoption("--require-gpu")
+    return f"sparseattn GPU: {'yes' if ok else 'no'} ({reason}); --require-gpu={required}"
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is None:
+        return
+    ok, reason = gpu_status()
+    if ok:
+        return
+    if item.config.getoption("--require-gpu"):
+        pytest.fail(f"--require-gpu given but no usable GPU: {reason}", pytrace=False)
+    pytest.skip(f"GPU test skipped: {reason}")
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed for this test (``SPARSEATTN_SEED`` overrides); printed so failures can be replayed."""
+    value = int(os.environ.get("SPARSEATTN_SEED", secrets.randbits(32)))
+    print(f"seed = {value} (replay with SPARSEATTN_SEED={value})")
+    return value
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def poisoned():
+    """Factory ``poisoned(shape, dtype)``: a CuPy array filled with NaN.
+
+    ``dtype`` ``"bf16"``/``"uint16"`` gives uint16 bf16 bits of NaN (0x7FC0); float dtypes give NaN.
+    """
+    import cupy
+
+    def make(shape, dtype="float32"):
+        if str(dtype) in ("bf16", "uint16", "bfloat16"):
+            return cupy.full(shape, BF16_NAN_BITS, dtype=cupy.uint16)
+        return cupy.full(shape, np.nan, dtype=dtype)
+
+    return make
