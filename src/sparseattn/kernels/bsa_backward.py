@@ -21,15 +21,14 @@ import weakref
 import numpy as np
 
 from ..constants import PAGE_ROWS
-from ..graph import SparseGraph
-from ..plans import TilePlan, bsa_plan
+from ..plans import TilePlan
 from . import runtime
+from .plan_cache import PlanCache
 from .validate import (
     BF16_DTYPE_NAMES,
     KernelTypeError,
     KernelValueError,
     check_head_dim,
-    check_plan,
     check_scale,
     check_tensor,
     pages_of,
@@ -82,23 +81,10 @@ def smem_bytes(head_dim: int, owned_rows: int) -> int:
 
 # ---- plan and device-array caches ------------------------------------------------------------
 
-_PLANS: weakref.WeakKeyDictionary[SparseGraph, TilePlan] = weakref.WeakKeyDictionary()
+_PLANS = PlanCache(owner="kv", tile_shapes=TILE_SHAPES)
 _DEVICE_PLANS: weakref.WeakKeyDictionary[TilePlan, dict] = weakref.WeakKeyDictionary()
-_CHECKED_PLANS: weakref.WeakKeyDictionary[TilePlan, set] = weakref.WeakKeyDictionary()
-
-
-def plan_for(graph_or_plan) -> TilePlan:
-    """The backward plan of a graph (``bsa_plan(graph, owner="kv")``, built once per graph) or the plan."""
-    if isinstance(graph_or_plan, TilePlan):
-        return graph_or_plan
-    if isinstance(graph_or_plan, SparseGraph):
-        plan = _PLANS.get(graph_or_plan)
-        if plan is None:
-            plan = bsa_plan(graph_or_plan, owner="kv")
-            _PLANS[graph_or_plan] = plan
-        return plan
-    raise KernelTypeError(
-        f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}")
+plan_for = _PLANS.plan_for
+check_backward_plan = _PLANS.checked
 
 
 def uncovered_k_pages(plan: TilePlan, k_pages: int) -> tuple[np.ndarray, np.ndarray]:
@@ -111,16 +97,6 @@ def uncovered_k_pages(plan: TilePlan, k_pages: int) -> tuple[np.ndarray, np.ndar
     covered = np.zeros((plan.heads, k_pages), dtype=bool)
     covered[heads[keep], pages[keep]] = True
     return np.nonzero(~covered)
-
-
-def check_backward_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int) -> TilePlan:
-    """:func:`check_plan` for owner ``"kv"`` and this kernel's tile shapes, run once per plan and sizes."""
-    checked = _CHECKED_PLANS.setdefault(plan, set()) if isinstance(plan, TilePlan) else set()
-    key = (q_pages, k_pages, heads)
-    if key not in checked:
-        check_plan(plan, q_pages, k_pages, heads, owner="kv", tile_shapes=TILE_SHAPES)
-        checked.add(key)
-    return plan
 
 
 def _device_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int, device: int) -> dict:
@@ -137,15 +113,6 @@ def _device_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int, device:
             arrays["uncovered"] = (cupy.asarray(uh), cupy.asarray(up)) if uh.size else None
         per_plan[key] = arrays
     return per_plan[key]
-
-
-def _check_graph(graph: SparseGraph, heads: int, q_slots: int, k_slots: int):
-    if graph.heads != heads:
-        raise KernelValueError(f"graph has {graph.heads} heads but q has {heads}")
-    if graph.q.num_slots != q_slots:
-        raise KernelValueError(f"graph.q has {graph.q.num_slots} slots but q has {q_slots}")
-    if graph.k.num_slots != k_slots:
-        raise KernelValueError(f"graph.k has {graph.k.num_slots} slots but k has {k_slots}")
 
 
 def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
@@ -169,9 +136,7 @@ def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
         raise KernelValueError(f"q has batch {b}; the kernel grid allows at most {MAX_GRID_Y}")
     q_pages = pages_of("q", sq)
     k_pages = pages_of("k", sk)
-    if isinstance(graph_or_plan, SparseGraph):
-        _check_graph(graph_or_plan, h, sq, sk)
-    plan = check_backward_plan(plan_for(graph_or_plan), q_pages, k_pages, h)
+    plan = _PLANS.resolve(graph_or_plan, h, sq, sk, q_pages, k_pages)
     scale = check_scale(scale, d)
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:

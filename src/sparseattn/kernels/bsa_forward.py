@@ -13,15 +13,14 @@ import weakref
 
 import numpy as np
 
-from ..graph import SparseGraph
-from ..plans import TilePlan, bsa_plan
+from ..plans import TilePlan
 from . import runtime
+from .plan_cache import PlanCache
 from .validate import (
     BF16_DTYPE_NAMES,
     KernelTypeError,
     KernelValueError,
     check_head_dim,
-    check_plan,
     check_scale,
     check_tensor,
     pages_of,
@@ -74,33 +73,9 @@ def smem_bytes(head_dim: int, tile_m: int, tile_n: int) -> int:
 
 # ---- plan and device-array caches ------------------------------------------------------------
 
-_PLANS: weakref.WeakKeyDictionary[SparseGraph, TilePlan] = weakref.WeakKeyDictionary()
+_PLANS = PlanCache(owner="q", tile_shapes=TILE_SHAPES)
 _DEVICE_PLANS: weakref.WeakKeyDictionary[TilePlan, dict] = weakref.WeakKeyDictionary()
-_VALIDATED: weakref.WeakKeyDictionary[TilePlan, set] = weakref.WeakKeyDictionary()
-
-
-def plan_for(graph_or_plan) -> TilePlan:
-    """The forward plan of a graph (the BSA plan, built once per graph) or the plan itself."""
-    if isinstance(graph_or_plan, TilePlan):
-        return graph_or_plan
-    if isinstance(graph_or_plan, SparseGraph):
-        plan = _PLANS.get(graph_or_plan)
-        if plan is None:
-            plan = bsa_plan(graph_or_plan, owner="q")
-            _PLANS[graph_or_plan] = plan
-        return plan
-    raise KernelTypeError(
-        f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
-    )
-
-
-def validated_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int) -> TilePlan:
-    """``check_plan`` for this kernel, run once per (plan, tensor sizes)."""
-    done = _VALIDATED.setdefault(plan, set())
-    if (q_pages, k_pages, heads) not in done:
-        check_plan(plan, q_pages, k_pages, heads, owner="q", tile_shapes=TILE_SHAPES)
-        done.add((q_pages, k_pages, heads))
-    return plan
+plan_for = _PLANS.plan_for
 
 
 def _device_plan(plan: TilePlan, device: int) -> dict:
@@ -117,15 +92,6 @@ def _device_plan(plan: TilePlan, device: int) -> dict:
         with cupy.cuda.Device(device):
             per_plan[key] = {name: cupy.asarray(arr) for name, arr in host.items()}
     return per_plan[key]
-
-
-def _check_graph(graph: SparseGraph, heads: int, q_slots: int, k_slots: int):
-    if graph.heads != heads:
-        raise KernelValueError(f"graph has {graph.heads} heads but q has {heads}")
-    if graph.q.num_slots != q_slots:
-        raise KernelValueError(f"graph.q has {graph.q.num_slots} slots but q has {q_slots}")
-    if graph.k.num_slots != k_slots:
-        raise KernelValueError(f"graph.k has {graph.k.num_slots} slots but k has {k_slots}")
 
 
 def check_inputs(q, k, v, graph_or_plan, scale=None, out=None):
@@ -145,9 +111,7 @@ def check_inputs(q, k, v, graph_or_plan, scale=None, out=None):
         raise KernelValueError(f"q has batch {b}; the kernel grid allows at most {MAX_GRID_Y}")
     q_pages = pages_of("q", sq)
     k_pages = pages_of("k", sk)
-    if isinstance(graph_or_plan, SparseGraph):
-        _check_graph(graph_or_plan, h, sq, sk)
-    plan = validated_plan(plan_for(graph_or_plan), q_pages, k_pages, h)
+    plan = _PLANS.resolve(graph_or_plan, h, sq, sk, q_pages, k_pages)
     scale = check_scale(scale, d)
     o = lse = None
     if out is not None:

@@ -1,0 +1,60 @@
+"""The plans a kernel wrapper launches: built once per graph, checked once per tensor size.
+
+Both caches are weak: a plan lives as long as its graph (or the caller's plan object) does.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from ..graph import SparseGraph
+from ..plans import TilePlan, bsa_plan
+from .validate import KernelTypeError, KernelValueError, check_plan
+
+
+class PlanCache:
+    """BSA plans of one orientation (``owner`` ``"q"`` forward, ``"kv"`` backward) for one kernel."""
+
+    def __init__(self, owner: str, tile_shapes):
+        self.owner = owner
+        self.tile_shapes = tuple(tile_shapes)
+        self._plans: weakref.WeakKeyDictionary[SparseGraph, TilePlan] = weakref.WeakKeyDictionary()
+        self._checked: weakref.WeakKeyDictionary[TilePlan, set] = weakref.WeakKeyDictionary()
+
+    def plan_for(self, graph_or_plan) -> TilePlan:
+        """The graph's BSA plan (built on first use) or the given plan itself."""
+        if isinstance(graph_or_plan, TilePlan):
+            return graph_or_plan
+        if isinstance(graph_or_plan, SparseGraph):
+            plan = self._plans.get(graph_or_plan)
+            if plan is None:
+                plan = self._plans[graph_or_plan] = bsa_plan(graph_or_plan, owner=self.owner)
+            return plan
+        raise KernelTypeError(
+            f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
+        )
+
+    def checked(self, plan: TilePlan, q_pages: int, k_pages: int, heads: int) -> TilePlan:
+        """``check_plan`` for this kernel's owner and tile shapes, once per (plan, sizes)."""
+        done = self._checked.setdefault(plan, set())
+        if (q_pages, k_pages, heads) not in done:
+            check_plan(plan, q_pages, k_pages, heads, owner=self.owner, tile_shapes=self.tile_shapes)
+            done.add((q_pages, k_pages, heads))
+        return plan
+
+    def resolve(self, graph_or_plan, heads: int, q_slots: int, k_slots: int, q_pages: int,
+                k_pages: int) -> TilePlan:
+        """The checked plan for tensors of these sizes; a graph must match them too."""
+        if isinstance(graph_or_plan, SparseGraph):
+            check_graph_matches(graph_or_plan, heads, q_slots, k_slots)
+        return self.checked(self.plan_for(graph_or_plan), q_pages, k_pages, heads)
+
+
+def check_graph_matches(graph: SparseGraph, heads: int, q_slots: int, k_slots: int) -> None:
+    """The graph's heads and slot counts equal the tensors' (``q`` ``[b, heads, q_slots, d]``)."""
+    if graph.heads != heads:
+        raise KernelValueError(f"graph has {graph.heads} heads but q has {heads}")
+    if graph.q.num_slots != q_slots:
+        raise KernelValueError(f"graph.q has {graph.q.num_slots} slots but q has {q_slots}")
+    if graph.k.num_slots != k_slots:
+        raise KernelValueError(f"graph.k has {graph.k.num_slots} slots but k has {k_slots}")
