@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from small_cases import SMALL_CASES, make_graph, rel_err, small_layouts
 
 from sparseattn.emulator import (
     EmulationError,
@@ -18,37 +19,14 @@ from sparseattn.emulator import (
     graph_slot_pairs,
 )
 from sparseattn.graph import SparseGraph
-from sparseattn.layouts import partition_layout, slot_layout, video_layout
+from sparseattn.layouts import slot_layout
 from sparseattn.plans import bsa_plan, kpage_plan
 from sparseattn.reference import attention_backward, attention_forward
 
 RTOL = 1e-12
 
 
-def _layouts(name: str):
-    rng = np.random.default_rng(3)
-    if name == "video-B32-prefix":
-        lay = video_layout((5, 7, 9), (2, 4, 4), 32)
-        return lay, lay
-    if name == "video-B64-inplace":
-        lay = video_layout((5, 7, 9), (2, 4, 4), 64, padding="inplace")
-        return lay, lay
-    if name == "video-B64-empty-blocks":
-        lay = video_layout((3, 10, 10), (2, 8, 8), 64)
-        return lay, lay
-    if name == "video-B128":
-        lay = video_layout((3, 10, 10), (2, 8, 8), 128)
-        return lay, lay
-    if name == "partition-Q32-K64":
-        return (partition_layout(rng.integers(0, 7, 300), 32),
-                partition_layout(rng.integers(0, 5, 260), 64))
-    if name == "single-page-B16":
-        return slot_layout(rng.random(12 * 16) < 0.6, 16), slot_layout(rng.random(9 * 16) < 0.5, 16)
-    raise KeyError(name)
-
-
-LAYOUTS = ["video-B32-prefix", "video-B64-inplace", "video-B64-empty-blocks", "video-B128",
-           "partition-Q32-K64", "single-page-B16"]
+LAYOUTS = SMALL_CASES
 
 PLANS = {
     "bsa": lambda g, owner: bsa_plan(g, owner=owner),
@@ -58,23 +36,9 @@ PLANS = {
 }
 
 
-def _graph(ql, kl, heads, density, seed):
-    """Random graph (pairs with empty blocks kept) with two Q rows selecting nothing per head and,
-    where K has empty blocks, one Q row selecting only those."""
-    rng = np.random.default_rng(seed)
-    mask = rng.random((heads, ql.num_blocks, kl.num_blocks)) < density
-    valid_q = np.flatnonzero(ql.valid_rows > 0)
-    empty_rows = rng.choice(valid_q, size=min(2, valid_q.size - 1), replace=False)
-    mask[:, empty_rows] = False
-    empty_k = np.flatnonzero(kl.valid_rows == 0)
-    if empty_k.size:
-        mask[0, empty_rows[0], empty_k] = True
-    return SparseGraph.from_block_mask(ql, kl, mask, drop_empty=False)
-
-
 def _problem(layout_name, density=0.45, heads=2, batch=2, d=8, seed=0):
-    ql, kl = _layouts(layout_name)
-    graph = _graph(ql, kl, heads, density, seed)
+    ql, kl = small_layouts(layout_name)
+    graph = make_graph(ql, kl, heads, density, seed)
     rng = np.random.default_rng(seed + 100)
     q = rng.standard_normal((batch, heads, ql.num_slots, d))
     k = rng.standard_normal((batch, heads, kl.num_slots, d))
@@ -82,11 +46,6 @@ def _problem(layout_name, density=0.45, heads=2, batch=2, d=8, seed=0):
     for x, lay in ((q, ql), (k, kl), (v, kl)):
         x[:, :, ~lay.valid] = np.nan  # padding contents must never reach a valid output
     return graph, q, k, v
-
-
-def _rel(a, b):
-    fin = np.isfinite(b)
-    return np.linalg.norm(a[fin] - b[fin]) / max(np.linalg.norm(b[fin]), 1e-300)
 
 
 @pytest.mark.parametrize("plan_name", list(PLANS))
@@ -98,7 +57,7 @@ def test_forward_equals_reference(layout_name, plan_name):
     o_ref, lse_ref = attention_forward(q, k, v, graph)
     assert not np.isnan(o).any() and not np.isnan(lse).any()
     assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref))
-    assert _rel(o, o_ref) < RTOL and _rel(lse, lse_ref) < RTOL
+    assert rel_err(o, o_ref) < RTOL and rel_err(lse, lse_ref) < RTOL
 
 
 @pytest.mark.parametrize("plan_name", list(PLANS))
@@ -112,11 +71,11 @@ def test_backward_equals_reference(layout_name, plan_name):
     want = attention_backward(q, k, v, o, lse, do, graph, scale=0.4)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert not np.isnan(g).any(), name
-        assert _rel(g, w) < RTOL, name
+        assert rel_err(g, w) < RTOL, name
 
 
 def test_dense_selection_streams_several_partial_tiles():
-    graph, q, k, v = _problem("video-B32-prefix", density=0.95, heads=1, batch=1)
+    graph, q, k, v = _problem("video-5x7x9-tile2x4x4-B32-prefix", density=0.95, heads=1, batch=1)
     for route in (0, 1):
         plan = kpage_plan(graph, route)
         n_pages = plan.routes[route][1] // 16
@@ -124,12 +83,12 @@ def test_dense_selection_streams_several_partial_tiles():
         assert plan.tiles_per_work().max() > 1 and np.any(lengths % n_pages)
         o, lse = emulate_forward(plan, q, k, v)
         o_ref, lse_ref = attention_forward(q, k, v, graph)
-        assert _rel(o, o_ref) < RTOL and _rel(lse, lse_ref) < RTOL
+        assert rel_err(o, o_ref) < RTOL and rel_err(lse, lse_ref) < RTOL
 
 
 @pytest.mark.parametrize("plan_name", list(PLANS))
 @pytest.mark.parametrize("owner", ["q", "kv"])
-@pytest.mark.parametrize("layout_name", ["video-B64-empty-blocks", "partition-Q32-K64"])
+@pytest.mark.parametrize("layout_name", ["video-3x10x10-tile2x8x8-B64-empty-blocks", "partition-Q32-K64-independent"])
 def test_plans_cover_every_useful_pair_once(layout_name, owner, plan_name):
     graph, *_ = _problem(layout_name, heads=2)
     report = coverage_report(PLANS[plan_name](graph, owner), graph)
@@ -166,7 +125,7 @@ def test_coverage_exactly_once_property(graph, plan_name, owner):
 
 
 def test_covered_pairs_are_oriented_q_then_k():
-    graph, *_ = _problem("partition-Q32-K64", heads=1)
+    graph, *_ = _problem("partition-Q32-K64-independent", heads=1)
     h, qs, ks = covered_pairs(kpage_plan(graph, owner="kv"))
     assert graph.q.valid[qs].all() and graph.k.valid[ks].all() and (h == 0).all()
     want = graph_slot_pairs(graph)
@@ -184,7 +143,7 @@ def _broken(plan, **changes):
 
 
 def test_dropped_stream_page_is_reported_missing():
-    graph, q, k, v = _problem("video-B32-prefix", heads=1)
+    graph, q, k, v = _problem("video-5x7x9-tile2x4x4-B32-prefix", heads=1)
     plan = kpage_plan(graph)
     w = int(np.flatnonzero(plan.stream_lengths() > 0)[0])
     cut = int(plan.stream_indptr[w])
@@ -194,11 +153,11 @@ def test_dropped_stream_page_is_reported_missing():
     broken = _broken(plan, stream_pages=pages, stream_indptr=indptr)
     assert coverage_report(broken, graph)["missing"] > 0
     o, _ = emulate_forward(broken, q, k, v)
-    assert _rel(o, attention_forward(q, k, v, graph)[0]) > 1e-6
+    assert rel_err(o, attention_forward(q, k, v, graph)[0]) > 1e-6
 
 
 def test_duplicated_work_item_is_a_race():
-    graph, q, k, v = _problem("video-B32-prefix", heads=1)
+    graph, q, k, v = _problem("video-5x7x9-tile2x4x4-B32-prefix", heads=1)
     plan = kpage_plan(graph)
     dup = np.concatenate([np.arange(plan.num_work), [0]])
     lengths = plan.stream_lengths()[dup]
@@ -214,7 +173,7 @@ def test_duplicated_work_item_is_a_race():
 
 
 def test_missing_work_item_leaves_rows_unwritten():
-    graph, q, k, v = _problem("video-B32-prefix", heads=1)
+    graph, q, k, v = _problem("video-5x7x9-tile2x4x4-B32-prefix", heads=1)
     plan = kpage_plan(graph)
     keep = np.arange(1, plan.num_work)
     ptr = plan.stream_indptr
@@ -237,14 +196,14 @@ def test_missing_work_item_leaves_rows_unwritten():
     ],
 )
 def test_corrupt_plan_fields_are_named(field, make, match):
-    graph, q, k, v = _problem("video-B32-prefix", heads=1)
+    graph, q, k, v = _problem("video-5x7x9-tile2x4x4-B32-prefix", heads=1)
     plan = kpage_plan(graph, route=0)
     with pytest.raises(EmulationError, match=match):
         emulate_forward(_broken(plan, **{field: make(plan)}), q, k, v)
 
 
 def test_own_page_beyond_route_rows_is_rejected():
-    graph, q, k, v = _problem("video-B128", heads=1)
+    graph, q, k, v = _problem("video-3x10x10-tile2x8x8-B128", heads=1)
     plan = kpage_plan(graph, route=0)  # M = 64: only the first four own_pages columns may be used
     own = plan.own_pages.copy()
     own[0, 5] = 0
@@ -253,7 +212,7 @@ def test_own_page_beyond_route_rows_is_rejected():
 
 
 def test_owner_and_shape_mismatches_are_named():
-    graph, q, k, v = _problem("video-B32-prefix", heads=1)
+    graph, q, k, v = _problem("video-5x7x9-tile2x4x4-B32-prefix", heads=1)
     o, lse = attention_forward(q, k, v, graph)
     with pytest.raises(EmulationError, match="owner='q'"):
         emulate_forward(kpage_plan(graph, owner="kv"), q, k, v)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from small_cases import SMALL_CASES, make_graph, rel_err, small_layouts
 
 from sparseattn.graph import SparseGraph
-from sparseattn.layouts import partition_layout, slot_layout, video_layout
+from sparseattn.layouts import slot_layout, video_layout
 from sparseattn.reference import (
     ReferenceError,
     ReferenceTypeError,
@@ -15,57 +16,6 @@ from sparseattn.reference import (
 )
 
 RTOL = 1e-12
-
-
-def _rel(a, b):
-    """‖a − b‖ / ‖b‖ over finite entries (inf patterns are compared separately)."""
-    fin = np.isfinite(b)
-    return np.linalg.norm(a[fin] - b[fin]) / max(np.linalg.norm(b[fin]), 1e-300)
-
-
-def _case_layouts(name: str):
-    rng = np.random.default_rng(7)
-    if name == "video-5x7x9-tile2x4x4-B32-prefix":
-        lay = video_layout((5, 7, 9), (2, 4, 4), 32)
-        return lay, lay
-    if name == "video-5x7x9-tile2x4x4-B64-inplace":
-        lay = video_layout((5, 7, 9), (2, 4, 4), 64, padding="inplace")
-        return lay, lay
-    if name == "video-3x10x10-tile2x8x8-B64-empty-blocks":
-        lay = video_layout((3, 10, 10), (2, 8, 8), 64)
-        return lay, lay
-    if name == "video-3x10x10-tile2x8x8-B128":
-        lay = video_layout((3, 10, 10), (2, 8, 8), 128)
-        return lay, lay
-    if name == "partition-Q32-K64-independent":
-        return (partition_layout(rng.integers(0, 7, 300), 32),
-                partition_layout(rng.integers(0, 5, 260), 64))
-    if name == "single-page-blocks-B16":
-        return (slot_layout(rng.random(12 * 16) < 0.6, 16), slot_layout(rng.random(9 * 16) < 0.5, 16))
-    raise KeyError(name)
-
-
-CASES = [
-    "video-5x7x9-tile2x4x4-B32-prefix",
-    "video-5x7x9-tile2x4x4-B64-inplace",
-    "video-3x10x10-tile2x8x8-B64-empty-blocks",
-    "video-3x10x10-tile2x8x8-B128",
-    "partition-Q32-K64-independent",
-    "single-page-blocks-B16",
-]
-
-
-def make_graph(q_layout, k_layout, heads, density, seed, drop_empty=False):
-    """Random graph with two empty Q rows per head and, where K has empty blocks, a row selecting only those."""
-    rng = np.random.default_rng(seed)
-    mask = rng.random((heads, q_layout.num_blocks, k_layout.num_blocks)) < density
-    valid_q = np.flatnonzero(q_layout.valid_rows > 0)
-    empty_rows = rng.choice(valid_q, size=min(2, valid_q.size - 1), replace=False)
-    mask[:, empty_rows] = False
-    empty_k = np.flatnonzero(k_layout.valid_rows == 0)
-    if empty_k.size:
-        mask[0, empty_rows[0], empty_k] = True
-    return SparseGraph.from_block_mask(q_layout, k_layout, mask, drop_empty=drop_empty)
 
 
 def make_tensors(q_layout, k_layout, batch, heads, d, seed, dv=None):
@@ -110,21 +60,21 @@ def dense_backward(q, k, v, do, graph, scale):
     return dq, dk, dv
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", SMALL_CASES)
 def test_forward_matches_dense_masked_softmax(case):
-    ql, kl = _case_layouts(case)
+    ql, kl = small_layouts(case)
     graph = make_graph(ql, kl, heads=2, density=0.35, seed=1)
     q, k, v = make_tensors(ql, kl, batch=2, heads=2, d=8, seed=2)
     o, lse = attention_forward(q, k, v, graph)
     o_ref, lse_ref = dense_forward(q, k, v, graph, 1 / np.sqrt(8))
     assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref))
-    assert _rel(o, o_ref) < RTOL and _rel(lse, lse_ref) < RTOL
+    assert rel_err(o, o_ref) < RTOL and rel_err(lse, lse_ref) < RTOL
     assert not np.isnan(o).any() and not np.isnan(lse).any()
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", SMALL_CASES)
 def test_backward_matches_dense_formula(case):
-    ql, kl = _case_layouts(case)
+    ql, kl = small_layouts(case)
     graph = make_graph(ql, kl, heads=2, density=0.35, seed=3)
     q, k, v = make_tensors(ql, kl, batch=2, heads=2, d=8, seed=4)
     o, lse = attention_forward(q, k, v, graph, scale=0.3)
@@ -132,7 +82,7 @@ def test_backward_matches_dense_formula(case):
     got = attention_backward(q, k, v, o, lse, do, graph, scale=0.3)
     want = dense_backward(q, k, v, do, graph, 0.3)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        assert _rel(g, w) < RTOL, name
+        assert rel_err(g, w) < RTOL, name
 
 
 def test_empty_selections_give_zero_output_and_neg_inf_lse():
@@ -156,7 +106,7 @@ def test_empty_selections_give_zero_output_and_neg_inf_lse():
 
 
 def test_padding_contents_never_matter():
-    ql, kl = _case_layouts("video-5x7x9-tile2x4x4-B64-inplace")
+    ql, kl = small_layouts("video-5x7x9-tile2x4x4-B64-inplace")
     graph = make_graph(ql, kl, 2, 0.5, seed=8)
     q, k, v = make_tensors(ql, kl, 1, 2, 8, seed=9)
     o, lse = attention_forward(q, k, v, graph)
@@ -200,7 +150,7 @@ def test_backward_matches_finite_differences():
 
 
 def test_heads_subset_and_recompute():
-    ql, kl = _case_layouts("partition-Q32-K64-independent")
+    ql, kl = small_layouts("partition-Q32-K64-independent")
     graph = make_graph(ql, kl, 3, 0.4, seed=13)
     q, k, v = make_tensors(ql, kl, 2, 3, 8, seed=14, dv=5)
     o, lse = attention_forward(q, k, v, graph)
@@ -214,7 +164,7 @@ def test_heads_subset_and_recompute():
 
 
 def test_low_precision_inputs_are_computed_in_float64():
-    ql, kl = _case_layouts("video-5x7x9-tile2x4x4-B32-prefix")
+    ql, kl = small_layouts("video-5x7x9-tile2x4x4-B32-prefix")
     graph = make_graph(ql, kl, 1, 0.4, seed=16)
     q, k, v = (x.astype(np.float16) for x in make_tensors(ql, kl, 1, 1, 16, seed=17))
     o, lse = attention_forward(q, k, v, graph)
@@ -237,7 +187,7 @@ def test_low_precision_inputs_are_computed_in_float64():
     ids=["heads", "slots", "k-dim", "v-slots", "int-dtype", "graph-type", "scale", "head-subset"],
 )
 def test_forward_rejects_bad_arguments(mutate, error, match):
-    ql, kl = _case_layouts("video-5x7x9-tile2x4x4-B32-prefix")
+    ql, kl = small_layouts("video-5x7x9-tile2x4x4-B32-prefix")
     q, k, v = make_tensors(ql, kl, 1, 2, 8, seed=0)
     graph = make_graph(ql, kl, 2, 0.3, seed=0)
     args = {"q": q, "k": k, "v": v, "graph": graph, "scale": None, "heads": None}
@@ -247,7 +197,7 @@ def test_forward_rejects_bad_arguments(mutate, error, match):
 
 
 def test_backward_rejects_mismatched_outputs():
-    ql, kl = _case_layouts("video-5x7x9-tile2x4x4-B32-prefix")
+    ql, kl = small_layouts("video-5x7x9-tile2x4x4-B32-prefix")
     q, k, v = make_tensors(ql, kl, 1, 2, 8, seed=0)
     graph = make_graph(ql, kl, 2, 0.3, seed=0)
     o, lse = attention_forward(q, k, v, graph)

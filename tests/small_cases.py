@@ -1,0 +1,60 @@
+"""Small ragged layouts and graphs shared by the reference and emulator tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparseattn.graph import SparseGraph
+from sparseattn.layouts import partition_layout, slot_layout, video_layout
+
+
+def small_layouts(name: str):
+    """(q_layout, k_layout) of a named small case: partial tiles, empty blocks, independent partitions."""
+    rng = np.random.default_rng(7)
+    if name == "video-5x7x9-tile2x4x4-B32-prefix":
+        lay = video_layout((5, 7, 9), (2, 4, 4), 32)
+        return lay, lay
+    if name == "video-5x7x9-tile2x4x4-B64-inplace":
+        lay = video_layout((5, 7, 9), (2, 4, 4), 64, padding="inplace")
+        return lay, lay
+    if name == "video-3x10x10-tile2x8x8-B64-empty-blocks":
+        lay = video_layout((3, 10, 10), (2, 8, 8), 64)
+        return lay, lay
+    if name == "video-3x10x10-tile2x8x8-B128":
+        lay = video_layout((3, 10, 10), (2, 8, 8), 128)
+        return lay, lay
+    if name == "partition-Q32-K64-independent":
+        return (partition_layout(rng.integers(0, 7, 300), 32),
+                partition_layout(rng.integers(0, 5, 260), 64))
+    if name == "single-page-blocks-B16":
+        return slot_layout(rng.random(12 * 16) < 0.6, 16), slot_layout(rng.random(9 * 16) < 0.5, 16)
+    raise KeyError(name)
+
+
+SMALL_CASES = [
+    "video-5x7x9-tile2x4x4-B32-prefix",
+    "video-5x7x9-tile2x4x4-B64-inplace",
+    "video-3x10x10-tile2x8x8-B64-empty-blocks",
+    "video-3x10x10-tile2x8x8-B128",
+    "partition-Q32-K64-independent",
+    "single-page-blocks-B16",
+]
+
+
+def make_graph(q_layout, k_layout, heads, density, seed, drop_empty=False):
+    """Random graph with two empty Q rows per head and, where K has empty blocks, a row selecting only those."""
+    rng = np.random.default_rng(seed)
+    mask = rng.random((heads, q_layout.num_blocks, k_layout.num_blocks)) < density
+    valid_q = np.flatnonzero(q_layout.valid_rows > 0)
+    empty_rows = rng.choice(valid_q, size=min(2, valid_q.size - 1), replace=False)
+    mask[:, empty_rows] = False
+    empty_k = np.flatnonzero(k_layout.valid_rows == 0)
+    if empty_k.size:
+        mask[0, empty_rows[0], empty_k] = True
+    return SparseGraph.from_block_mask(q_layout, k_layout, mask, drop_empty=drop_empty)
+
+
+def rel_err(a, b):
+    """‖a − b‖ / ‖b‖ over the finite entries of b (inf patterns are compared separately)."""
+    fin = np.isfinite(b)
+    return np.linalg.norm(a[fin] - b[fin]) / max(np.linalg.norm(b[fin]), 1e-300)
