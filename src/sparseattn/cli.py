@@ -208,8 +208,21 @@ def analyze_with_progress(workloads: list, seed: int = 0, route: str = "auto") -
     return reports
 
 
-def _giga(pairs: int) -> str:
-    return f"{pairs / 1e9:,.1f}G" if pairs >= 1e10 else f"{pairs / 1e9:,.2f}G"
+def _pair_unit(largest: int) -> tuple[float, str]:
+    """One unit for a whole table: G pairs like the paper (334.1G), M or plain counts for small layouts."""
+    if largest >= 1e8:
+        return 1e9, "G"
+    if largest >= 1e7:
+        return 1e6, "M"
+    return 1.0, ""
+
+
+def _pairs(pairs: int, unit: tuple[float, str]) -> str:
+    scale, suffix = unit
+    if not suffix:
+        return f"{int(pairs):,}"
+    value = pairs / scale
+    return f"{value:,.1f}{suffix}" if value >= 10 else f"{value:,.2f}{suffix}"
 
 
 def _pct(x: float) -> str:
@@ -232,10 +245,13 @@ def render_capacity_table(records: list[dict], total: dict, per_head: list[list[
                 "KPage no-routing", "BSA occ.", "KPage occ.", "BSA/KPage", "routing gain"):
         table.add_column(col, justify="left" if col == "workload" else "right")
 
+    unit = _pair_unit(max(total["bsa_physical"], total["kpage_physical_no_routing"], total["kpage_physical"]))
+
     def add(rec, **style):
         table.add_row(rec["workload"], f"{rec['heads']}", str(rec.get("layers", "")),
-                      _giga(rec["useful_pairs"]), _giga(rec["bsa_physical"]), _giga(rec["kpage_physical"]),
-                      _giga(rec["kpage_physical_no_routing"]), _pct(rec["bsa_occupancy"]),
+                      _pairs(rec["useful_pairs"], unit), _pairs(rec["bsa_physical"], unit),
+                      _pairs(rec["kpage_physical"], unit), _pairs(rec["kpage_physical_no_routing"], unit),
+                      _pct(rec["bsa_occupancy"]),
                       _pct(rec["kpage_occupancy"]), _times(rec["bsa_over_kpage"]),
                       _times(rec["routing_gain"]), **style)
 
@@ -245,9 +261,9 @@ def render_capacity_table(records: list[dict], total: dict, per_head: list[list[
     add(total, style="bold")
     console = _stdout_console()
     console.print(table)
-    console.print(f"TOTAL: {_giga(total['bsa_physical'])} (BSA) → {_giga(total['kpage_physical'])} (KPage) "
-                  f"physical QK pairs for {_giga(total['useful_pairs'])} useful "
-                  f"({_times(total['bsa_over_kpage'])} fewer; occupancy {_pct(total['bsa_occupancy'])} → "
+    console.print(f"TOTAL: {_pairs(total['bsa_physical'], unit)} (BSA) → {_pairs(total['kpage_physical'], unit)} "
+                  f"(KPage) physical QK pairs for {_pairs(total['useful_pairs'], unit)} useful "
+                  f"(BSA/KPage {_times(total['bsa_over_kpage'])}; occupancy {_pct(total['bsa_occupancy'])} → "
                   f"{_pct(total['kpage_occupancy'])})", highlight=False)
     for rec, rows in zip(records, per_head or []):
         render_table(rows, title=f"{rec['workload']}: per head")
