@@ -6,7 +6,9 @@ For each workload (full-size layout and selection, ``--heads`` heads, batch 1) i
   ``fwdbwd`` also :func:`sparseattn.kernels.bsa_backward.bsa_backward` when importable);
 * ``flex``: torch FlexAttention with a ``BlockMask`` built from the graph's block lists plus a
   padding ``mask_mod`` (exact), when torch is importable;
-* ``cudnn_dense``: cuDNN SDPA over the compact (unpadded) token sequence, the dense ceiling.
+* ``cudnn_dense``: cuDNN SDPA over the compact (unpadded) token sequence, the dense ceiling;
+* ``bsa_wgmma``: the same BSA plan on the Hopper wgmma forward kernel
+  (:func:`sparseattn.kernels.bsa_forward_wgmma.bsa_forward_wgmma`; forward pass only).
 
 Timing: CUDA events around each call, warm-up first, the L2 cache flushed (a 256 MB write) before
 every timed call, median of ``--reps`` calls. Rates: useful TFLOP/s = 4·useful·d / t forward
@@ -41,7 +43,7 @@ from .graph import SparseGraph
 from .kernels.validate import bf16_bits_to_float
 
 DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "sta_hunyuan_117f")
-IMPLS = ("bsa", "flex", "cudnn_dense")
+IMPLS = ("bsa", "flex", "cudnn_dense", "bsa_wgmma")
 PASSES = ("fwd", "fwdbwd")
 BWD_FLOP_FACTOR = 3.5  # forward + backward = 1 + 2.5 forwards
 O_REL_TOL = 1e-2
@@ -242,6 +244,46 @@ def bench_bsa(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     return out
 
 
+def bench_bsa_wgmma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
+    """The BSA plan on the wgmma forward kernel (128×128 routes; others run on mma.sync), forward only:
+    ``bsa_wgmma`` is the default (overlap) schedule, ``bsa_wgmma_seq`` the sequential one."""
+    from .kernels.bsa_forward import plan_for
+    from .kernels.bsa_forward_wgmma import bsa_forward_wgmma
+
+    if "fwd" not in passes:
+        return []
+    g = case.graph
+    plan = plan_for(g)
+    out = []
+    for impl, overlap in (("bsa_wgmma", True), ("bsa_wgmma_seq", False)):
+        try:
+            o, lse = bsa_forward_wgmma(case.q, case.k, case.v, g, scale=case.scale, overlap=overlap)
+            cupy.cuda.Device().synchronize()
+            rel = None
+            if check:
+                o0 = bf16_bits_to_float(cupy.asnumpy(o[:, 0])).astype(np.float64)
+                rel = case.rel_err_head0(o0)
+            buffers = (o, lse)
+            ms, _ = timer(
+                lambda ov=overlap, buf=buffers: bsa_forward_wgmma(
+                    case.q, case.k, case.v, g, scale=case.scale, out=buf, overlap=ov
+                )
+            )
+            out.append(
+                dict(
+                    impl=impl,
+                    **{"pass": "fwd"},
+                    time_ms=ms,
+                    physical_pairs=plan.physical_pairs() * case.b,
+                    rel_err_o=rel,
+                    correct=None if rel is None else bool(rel < O_REL_TOL),
+                )
+            )
+        except Exception as exc:
+            out.append(dict(impl=impl, **{"pass": "fwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
+    return out
+
+
 def flex_block_mask(graph: SparseGraph, batch: int):
     """FlexAttention BlockMask: selected blocks split into full (both blocks fully valid) and partial
     (padding mask_mod applied), from the graph's per-head block lists."""
@@ -374,7 +416,12 @@ def bench_cudnn_dense(case: Case, timer: Timer, passes, check: bool) -> list[dic
     return out
 
 
-BENCHES = {"bsa": bench_bsa, "flex": bench_flex, "cudnn_dense": bench_cudnn_dense}
+BENCHES = {
+    "bsa": bench_bsa,
+    "flex": bench_flex,
+    "cudnn_dense": bench_cudnn_dense,
+    "bsa_wgmma": bench_bsa_wgmma,
+}
 
 
 # ---- CLI ------------------------------------------------------------------------------------------

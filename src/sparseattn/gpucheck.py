@@ -58,6 +58,7 @@ def sanitize_case() -> int:
 
     from .builders import random_graph
     from .kernels.bsa_forward import bsa_forward
+    from .kernels.bsa_forward_wgmma import bsa_forward_wgmma
     from .kernels.validate import float_to_bf16_bits
     from .layouts import slot_layout, video_layout
 
@@ -75,6 +76,7 @@ def sanitize_case() -> int:
             shape = (1, 2, layout.num_slots, d)
             q, k, v, do = (cupy.asarray(float_to_bf16_bits(rng.standard_normal(shape))) for _ in range(4))
             o, lse = bsa_forward(q, k, v, graph)
+            bsa_forward_wgmma(q, k, v, graph)
             try:
                 from .kernels.bsa_backward import bsa_backward
             except ImportError:
