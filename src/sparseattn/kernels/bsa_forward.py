@@ -140,7 +140,22 @@ def bsa_forward(q, k, v, graph_or_plan, scale=None, out=None):
         Valid rows with no valid key get ``o = 0``, ``lse = -inf``; invalid (padding) rows are not
         written (zeros / -inf in freshly allocated outputs).
     """
-    plan, scale, o, lse, (q_pages, k_pages, device) = check_inputs(q, k, v, graph_or_plan, scale, out)
+    return run_forward(q, k, v, graph_or_plan, scale, out, launch_target)
+
+
+def launch_target(head_dim: int, tile_m: int, tile_n: int):
+    """(kernel function, threads per CTA, dynamic shared memory) of the mma.sync kernel for one route."""
+    fn = runtime.get_function(SOURCE, kernel_name(head_dim, tile_m, tile_n), NAME_EXPRESSIONS)
+    return fn, threads_per_cta(tile_m), smem_bytes(head_dim, tile_m, tile_n)
+
+
+def run_forward(q, k, v, graph_or_plan, scale, out, target):
+    """Validate, allocate the outputs and launch one kernel per route of the plan.
+
+    ``target(head_dim, tile_m, tile_n) -> (fn, threads, smem_bytes)`` picks the kernel of a route; every
+    forward kernel takes the same arguments (the plan's device arrays), so builds can share routes.
+    """
+    plan, scale, o, lse, (_, _, device) = check_inputs(q, k, v, graph_or_plan, scale, out)
     import cupy
 
     b, h, sq, d = (int(x) for x in q.shape)
@@ -155,13 +170,12 @@ def bsa_forward(q, k, v, graph_or_plan, scale=None, out=None):
             if stop <= start:
                 continue
             tile_m, tile_n = plan.routes[route]
-            fn = runtime.get_function(SOURCE, kernel_name(d, tile_m, tile_n), NAME_EXPRESSIONS)
-            smem = smem_bytes(d, tile_m, tile_n)
+            fn, threads, smem = target(d, tile_m, tile_n)
             if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
                 fn.max_dynamic_shared_size_bytes = smem
             fn(
                 (stop - start, b),
-                (threads_per_cta(tile_m),),
+                (threads,),
                 (
                     q,
                     k,

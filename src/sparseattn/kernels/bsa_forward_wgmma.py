@@ -11,13 +11,10 @@ plan with other tile shapes (the 64×64 tiles of B = 64) run on the mma.sync ker
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
+import functools
 
 from . import bsa_forward as mma_sync
 from . import runtime
-from .bsa_forward import check_inputs
 
 SOURCE = "bsa_fwd_wgmma.cu"
 
@@ -60,10 +57,7 @@ def _launch_target(head_dim: int, tile_m: int, tile_n: int, overlap: bool):
     if runs_on_wgmma(head_dim, tile_m, tile_n):
         fn = runtime.get_function(SOURCE, kernel_name(head_dim, overlap), NAME_EXPRESSIONS)
         return fn, THREADS, smem_bytes(head_dim, overlap)
-    fn = runtime.get_function(
-        mma_sync.SOURCE, mma_sync.kernel_name(head_dim, tile_m, tile_n), mma_sync.NAME_EXPRESSIONS
-    )
-    return fn, mma_sync.threads_per_cta(tile_m), mma_sync.smem_bytes(head_dim, tile_m, tile_n)
+    return mma_sync.launch_target(head_dim, tile_m, tile_n)
 
 
 def bsa_forward_wgmma(q, k, v, graph_or_plan, scale=None, out=None, *, overlap: bool = DEFAULT_OVERLAP):
@@ -77,46 +71,6 @@ def bsa_forward_wgmma(q, k, v, graph_or_plan, scale=None, out=None, *, overlap: 
     ``lse = -inf``; invalid query rows are not written. ``overlap`` picks the kernel's schedule
     (module docstring).
     """
-    plan, scale, o, lse, (_, _, device) = check_inputs(q, k, v, graph_or_plan, scale, out)
-    import cupy
+    return mma_sync.run_forward(q, k, v, graph_or_plan, scale, out,
+                                functools.partial(_launch_target, overlap=bool(overlap)))
 
-    b, h, sq, d = (int(x) for x in q.shape)
-    arrays = mma_sync._device_plan(plan, device)
-    with cupy.cuda.Device(device):
-        if o is None:
-            o = cupy.zeros(q.shape, dtype=q.dtype)
-            lse = cupy.full((b, h, sq), -np.inf, dtype=cupy.float32)
-        scale_log2 = np.float32(scale * math.log2(math.e))
-        own_stride = np.int32(plan.own_pages.shape[1])
-        for route, (start, stop) in enumerate(plan.route_ranges()):
-            if stop <= start:
-                continue
-            tile_m, tile_n = plan.routes[route]
-            fn, threads, smem = _launch_target(d, tile_m, tile_n, bool(overlap))
-            if smem > mma_sync.DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
-                fn.max_dynamic_shared_size_bytes = smem
-            fn(
-                (stop - start, b),
-                (threads,),
-                (
-                    q,
-                    k,
-                    v,
-                    o,
-                    lse,
-                    arrays["work_head"],
-                    arrays["own_pages"],
-                    own_stride,
-                    arrays["stream_indptr"],
-                    arrays["stream_pages"],
-                    arrays["own_page_mask"],
-                    arrays["stream_entry_mask"],
-                    np.int32(start),
-                    np.int32(h),
-                    np.int32(sq),
-                    np.int32(int(k.shape[2])),
-                    scale_log2,
-                ),
-                shared_mem=smem,
-            )
-    return o, lse
