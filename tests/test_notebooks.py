@@ -16,7 +16,7 @@ pytest.importorskip("ipykernel", reason="ipykernel is not installed (pip install
 
 def test_notebooks_exist():
     names = [p.name for p in NOTEBOOKS]
-    assert "01_explore_layouts.ipynb" in names and "02_kpage_capacity.ipynb" in names
+    assert {"01_explore_layouts.ipynb", "02_kpage_capacity.ipynb", "03_pageweaver_grouping.ipynb"} <= set(names)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
