@@ -266,13 +266,7 @@ class OccupancyReport:
             "kpage_physical_routed": t["kpage_routed"] * scale,
             "kpage_physical_64x256": t["kpage_small_tile"] * scale,
         }
-        rec.update(
-            bsa_occupancy=_ratio(t["useful"], t["bsa_physical"]),
-            kpage_occupancy=_ratio(t["useful"], t["kpage_physical"]),
-            kpage_no_routing_occupancy=_ratio(t["useful"], t["kpage_no_routing"]),
-            bsa_over_kpage=_ratio(t["bsa_physical"], t["kpage_physical"]),
-            routing_gain=_ratio(t["kpage_no_routing"], t["kpage_routed"]),
-        )
+        rec.update(record_ratios(rec))
         if self.head_dim is not None:
             rec["head_dim"] = int(self.head_dim)
         return rec
@@ -333,6 +327,17 @@ def analyze_workloads(workloads, seed: int = 0, route="auto",
     return reports
 
 
+def record_ratios(rec: dict) -> dict:
+    """Occupancies and ratios of a record's pair counts (the same for a workload and for the TOTAL line)."""
+    return dict(
+        bsa_occupancy=_ratio(rec["useful_pairs"], rec["bsa_physical"]),
+        kpage_occupancy=_ratio(rec["useful_pairs"], rec["kpage_physical"]),
+        kpage_no_routing_occupancy=_ratio(rec["useful_pairs"], rec["kpage_physical_no_routing"]),
+        bsa_over_kpage=_ratio(rec["bsa_physical"], rec["kpage_physical"]),
+        routing_gain=_ratio(rec["kpage_physical_no_routing"], rec["kpage_physical_routed"]),
+    )
+
+
 def total_record(reports: list[OccupancyReport], multiply_layers: bool = False) -> dict:
     """The TOTAL line: pair counts summed over workloads, occupancies of the sums."""
     recs = [r.record(multiply_layers) for r in reports]
@@ -341,11 +346,5 @@ def total_record(reports: list[OccupancyReport], multiply_layers: bool = False) 
     tot = {k: sum(r[k] for r in recs) for k in keys}
     out = {"workload": "TOTAL", "heads": sum(r["heads"] for r in recs)}
     out.update(tot)
-    out.update(
-        bsa_occupancy=_ratio(tot["useful_pairs"], tot["bsa_physical"]),
-        kpage_occupancy=_ratio(tot["useful_pairs"], tot["kpage_physical"]),
-        kpage_no_routing_occupancy=_ratio(tot["useful_pairs"], tot["kpage_physical_no_routing"]),
-        bsa_over_kpage=_ratio(tot["bsa_physical"], tot["kpage_physical"]),
-        routing_gain=_ratio(tot["kpage_physical_no_routing"], tot["kpage_physical_routed"]),
-    )
+    out.update(record_ratios(out))
     return out

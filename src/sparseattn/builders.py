@@ -223,6 +223,14 @@ def _video(grid, tile, block_size, padding) -> tuple[BlockLayout, VideoGrid]:
     return video_layout(vg.grid, vg.tile, block_size, padding), vg
 
 
+def _video_features(grid, tile, block_size, padding, q, k, heads, head_dim, seed):
+    """(layout, grid, features) of a video builder whose Q and K share one tile layout."""
+    layout, vg = _video(grid, tile, block_size, padding)
+    n = layout.num_tokens
+    feats = _Features(q, k, 1 if heads is None and q is None else heads, n, n, head_dim, seed, grid=vg.grid)
+    return layout, vg, feats
+
+
 def _map_heads(fn, heads: int, workers: int | None):
     """``[fn(h) for h in range(heads)]`` on a thread pool, BLAS single-threaded inside.
 
@@ -335,17 +343,7 @@ def ssta_graph(
     top-k is taken over all non-empty K tiles (it may overlap the window).
     """
     topk = _positive_int("topk", topk)
-    layout, vg = _video(grid, tile, block_size, padding)
-    feats = _Features(
-        q,
-        k,
-        1 if heads is None and q is None else heads,
-        layout.num_tokens,
-        layout.num_tokens,
-        head_dim,
-        seed,
-        grid=vg.grid,
-    )
+    layout, vg, feats = _video_features(grid, tile, block_size, padding, q, k, heads, head_dim, seed)
     win = check_window(window, vg.tiles_per_axis, feats.heads)
     nt = vg.num_tiles
     groups = token_groups(layout, "group")
@@ -389,17 +387,7 @@ def vsa_graph(
     ``min(topk, number of non-empty K blocks)`` blocks.
     """
     topk = _positive_int("topk", topk)
-    layout, vg = _video(grid, tile, block_size, padding)
-    feats = _Features(
-        q,
-        k,
-        1 if heads is None and q is None else heads,
-        layout.num_tokens,
-        layout.num_tokens,
-        head_dim,
-        seed,
-        grid=vg.grid,
-    )
+    layout, vg, feats = _video_features(grid, tile, block_size, padding, q, k, heads, head_dim, seed)
     nb = layout.num_blocks
     blocks = token_groups(layout, "block")
     alive = layout.valid_rows > 0
