@@ -32,7 +32,7 @@ def gpu_status() -> tuple[bool, str]:
     """(usable, reason): CuPy imports, a device exists and a tiny kernel runs."""
     try:
         import cupy
-    except Exception as exc:  # ImportError, or a CUDA library failing to load
+    except Exception as exc:  # noqa: BLE001 -- ImportError, or a CUDA library failing to load
         return False, f"cupy not importable ({type(exc).__name__}: {exc})"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
@@ -44,7 +44,7 @@ def gpu_status() -> tuple[bool, str]:
         name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
         name = name.decode() if isinstance(name, bytes) else name
         return True, f"{n} device(s), {name}"
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- any CUDA failure means "no usable GPU"
         return False, f"CUDA device not usable ({type(exc).__name__}: {exc})"
 
 

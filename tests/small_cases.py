@@ -24,8 +24,7 @@ def small_layouts(name: str):
         lay = video_layout((3, 10, 10), (2, 8, 8), 128)
         return lay, lay
     if name == "partition-Q32-K64-independent":
-        return (partition_layout(rng.integers(0, 7, 300), 32),
-                partition_layout(rng.integers(0, 5, 260), 64))
+        return (partition_layout(rng.integers(0, 7, 300), 32), partition_layout(rng.integers(0, 5, 260), 64))
     if name == "single-page-blocks-B16":
         return slot_layout(rng.random(12 * 16) < 0.6, 16), slot_layout(rng.random(9 * 16) < 0.5, 16)
     raise KeyError(name)

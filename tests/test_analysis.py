@@ -11,8 +11,9 @@ from sparseattn.layouts import slot_layout, video_layout
 
 
 def full_graph(q, k, heads=1, drop_empty=True):
-    return SparseGraph.from_block_mask(q, k, np.ones((heads, q.num_blocks, k.num_blocks), bool),
-                                       drop_empty=drop_empty)
+    return SparseGraph.from_block_mask(
+        q, k, np.ones((heads, q.num_blocks, k.num_blocks), bool), drop_empty=drop_empty
+    )
 
 
 def totals(graph, route="auto"):
@@ -159,8 +160,11 @@ def test_block_fill_histograms():
     assert fill.pair_fill.sum() == 50
 
 
-@pytest.mark.parametrize("route,expected", [("auto", "auto"), ("64x256", 0), ("128x128", 1), (0, 0), (1, 1)],
-                         ids=["auto", "64x256", "128x128", "int0", "int1"])
+@pytest.mark.parametrize(
+    "route,expected",
+    [("auto", "auto"), ("64x256", 0), ("128x128", 1), (0, 0), (1, 1)],
+    ids=["auto", "64x256", "128x128", "int0", "int1"],
+)
 def test_parse_route(route, expected):
     assert analysis.parse_route(route) == expected
 
@@ -210,8 +214,16 @@ def random_graph(draw):
     kb = draw(st.lists(st.integers(0, k.num_blocks - 1), min_size=n, max_size=n))
     drop_empty = draw(st.booleans())
     seed = draw(st.integers(0, 2**31 - 1))
-    return q, k, heads, np.asarray(head, np.int64), np.asarray(qb, np.int64), np.asarray(kb, np.int64), \
-        drop_empty, seed
+    return (
+        q,
+        k,
+        heads,
+        np.asarray(head, np.int64),
+        np.asarray(qb, np.int64),
+        np.asarray(kb, np.int64),
+        drop_empty,
+        seed,
+    )
 
 
 @settings(deadline=None, max_examples=60)

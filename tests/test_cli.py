@@ -19,8 +19,14 @@ from sparseattn import analysis, cli
 from sparseattn.graph import SparseGraph
 from sparseattn.layouts import video_layout
 
-REQUIRED_INT_FIELDS = ("heads", "layers", "useful_pairs", "bsa_physical", "kpage_physical",
-                       "kpage_physical_no_routing")
+REQUIRED_INT_FIELDS = (
+    "heads",
+    "layers",
+    "useful_pairs",
+    "bsa_physical",
+    "kpage_physical",
+    "kpage_physical_no_routing",
+)
 
 
 @dataclass
@@ -46,8 +52,10 @@ def _tiles384(seed):
 def _random_per_head(seed):
     lay = video_layout((4, 8, 20), (4, 4, 4), 64)
     rng = np.random.default_rng(seed)
-    return [SparseGraph.from_block_mask(lay, lay, rng.random((1, lay.num_blocks, lay.num_blocks)) < 0.3)
-            for _ in range(3)]
+    return [
+        SparseGraph.from_block_mask(lay, lay, rng.random((1, lay.num_blocks, lay.num_blocks)) < 0.3)
+        for _ in range(3)
+    ]
 
 
 def _empty(seed):
@@ -112,8 +120,9 @@ def test_analyze_sums_graphs_of_a_workload(capsys, fake_workloads):
     assert rec["heads"] == 3
     for key in ("useful_pairs", "bsa_physical", "kpage_physical", "kpage_physical_no_routing"):
         assert rec[key] == expected[key], key
-    other = json.loads(run_cli(capsys, "analyze", "--workload", "cubes", "--format", "json",
-                               "--seed", "4")[1])
+    other = json.loads(
+        run_cli(capsys, "analyze", "--workload", "cubes", "--format", "json", "--seed", "4")[1]
+    )
     assert other[0]["useful_pairs"] != rec["useful_pairs"]  # the seed reaches the selection
 
 
@@ -146,20 +155,25 @@ def test_analyze_csv_and_per_head_rows(capsys, fake_workloads):
 
 def test_layers_multiplies_counts(capsys, fake_workloads):
     one = json.loads(run_cli(capsys, "analyze", "--workload", "tiles384", "--format", "json")[1])[0]
-    all_layers = json.loads(run_cli(capsys, "analyze", "--workload", "tiles384", "--format", "json",
-                                    "--layers")[1])[0]
+    all_layers = json.loads(
+        run_cli(capsys, "analyze", "--workload", "tiles384", "--format", "json", "--layers")[1]
+    )[0]
     assert all_layers["scope"] == "all_layers" and one["scope"] == "one_call"
     for key in ("useful_pairs", "bsa_physical", "kpage_physical"):
         assert all_layers[key] == 5 * one[key]
     assert all_layers["kpage_occupancy"] == pytest.approx(one["kpage_occupancy"])
 
 
-@pytest.mark.parametrize("route,per_head", [("128x128", 409600), ("64x256", 442368), ("auto", 376832)],
-                         ids=["no-routing", "small-tile", "auto"])
+@pytest.mark.parametrize(
+    "route,per_head",
+    [("128x128", 409600), ("64x256", 442368), ("auto", 376832)],
+    ids=["no-routing", "small-tile", "auto"],
+)
 def test_route_option(capsys, fake_workloads, route, per_head):
     # 64x256 fixed: 4 Q blocks * 64*ceil(128/64) * 768 + 64 * 768 = 393216 + 49152 = 442368
-    rec = json.loads(run_cli(capsys, "analyze", "--workload", "tiles384", "--format", "json",
-                             "--route", route)[1])[0]
+    rec = json.loads(
+        run_cli(capsys, "analyze", "--workload", "tiles384", "--format", "json", "--route", route)[1]
+    )[0]
     assert rec["route"] == route
     assert rec["kpage_physical"] == 2 * per_head
 
@@ -215,8 +229,12 @@ def test_bad_layout_file_field_is_a_one_line_error(capsys, tmp_path):
 
 
 def test_bad_option_values_exit_2(capsys):
-    for argv in (["analyze", "--route", "99x1"], ["analyze", "--format", "xml"], ["analyze", "--seed", "-1"],
-                 ["frobnicate"]):
+    for argv in (
+        ["analyze", "--route", "99x1"],
+        ["analyze", "--format", "xml"],
+        ["analyze", "--seed", "-1"],
+        ["frobnicate"],
+    ):
         with pytest.raises(SystemExit) as exc:
             cli.main(argv)
         assert exc.value.code == 2, argv
@@ -234,8 +252,10 @@ def test_captures_rows_are_rendered_generically(capsys, monkeypatch):
 
     def analyze_captures(paths=None, group_size=8, window=64):
         calls.append((paths, group_size, window))
-        return [{"capture": "c1", "queries": 8192, "union_pages": 12.5},
-                {"capture": "c2", "queries": 4096, "union_pages": 30.25}]
+        return [
+            {"capture": "c1", "queries": 8192, "union_pages": 12.5},
+            {"capture": "c2", "queries": 4096, "union_pages": 30.25},
+        ]
 
     fake = types.ModuleType("sparseattn.pageweaver.analysis")
     fake.analyze_captures = analyze_captures
@@ -243,8 +263,19 @@ def test_captures_rows_are_rendered_generically(capsys, monkeypatch):
     code, out, _ = run_cli(capsys, "analyze", "--captures", "--format", "json")
     assert code == 0 and json.loads(out)[1]["union_pages"] == 30.25
     assert calls[-1] == (None, 8, 64)
-    code, out, _ = run_cli(capsys, "analyze", "--captures", "a.npz", "b.npz", "--group-size", "4",
-                           "--window", "32", "--format", "csv")
+    code, out, _ = run_cli(
+        capsys,
+        "analyze",
+        "--captures",
+        "a.npz",
+        "b.npz",
+        "--group-size",
+        "4",
+        "--window",
+        "32",
+        "--format",
+        "csv",
+    )
     assert calls[-1] == (["a.npz", "b.npz"], 4, 32)
     assert out.splitlines()[0] == "capture,queries,union_pages"
     code, out, _ = run_cli(capsys, "analyze", "--captures")
@@ -280,8 +311,13 @@ def test_missing_bench_is_a_one_line_error(capsys, monkeypatch):
 
 # --- real modules --------------------------------------------------------------------------------------
 def test_python_dash_m_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "sparseattn", "--version"], capture_output=True, text=True,
-                          timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparseattn", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("sparseattn ")
 
 
@@ -290,8 +326,14 @@ def test_workloads_lists_the_six_builtins(capsys):
     code, out, _ = run_cli(capsys, "workloads", "--format", "json")
     assert code == 0
     names = {row["name"] for row in json.loads(out)}
-    assert names == {"vsa_wan14b_720p", "vsa_wan14b_480p", "ssta_hy15_720p", "sta_hunyuan_117f",
-                     "sta_wan14b_69f", "svg2_wan14b_720p"}
+    assert names == {
+        "vsa_wan14b_720p",
+        "vsa_wan14b_480p",
+        "ssta_hy15_720p",
+        "sta_hunyuan_117f",
+        "sta_wan14b_69f",
+        "svg2_wan14b_720p",
+    }
 
 
 def test_builtin_workload_analysis_is_consistent(capsys):

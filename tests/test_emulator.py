@@ -88,7 +88,9 @@ def test_dense_selection_streams_several_partial_tiles():
 
 @pytest.mark.parametrize("plan_name", list(PLANS))
 @pytest.mark.parametrize("owner", ["q", "kv"])
-@pytest.mark.parametrize("layout_name", ["video-3x10x10-tile2x8x8-B64-empty-blocks", "partition-Q32-K64-independent"])
+@pytest.mark.parametrize(
+    "layout_name", ["video-3x10x10-tile2x8x8-B64-empty-blocks", "partition-Q32-K64-independent"]
+)
 def test_plans_cover_every_useful_pair_once(layout_name, owner, plan_name):
     graph, *_ = _problem(layout_name, heads=2)
     report = coverage_report(PLANS[plan_name](graph, owner), graph)
@@ -138,6 +140,7 @@ def test_covered_pairs_are_oriented_q_then_k():
 
 # --- broken plans are caught ------------------------------------------------------------------
 
+
 def _broken(plan, **changes):
     return dataclasses.replace(plan, **changes)
 
@@ -149,7 +152,7 @@ def test_dropped_stream_page_is_reported_missing():
     cut = int(plan.stream_indptr[w])
     pages = np.delete(plan.stream_pages, cut)
     indptr = plan.stream_indptr.copy()
-    indptr[w + 1:] -= 1
+    indptr[w + 1 :] -= 1
     broken = _broken(plan, stream_pages=pages, stream_indptr=indptr)
     assert coverage_report(broken, graph)["missing"] > 0
     o, _ = emulate_forward(broken, q, k, v)
@@ -162,11 +165,16 @@ def test_duplicated_work_item_is_a_race():
     dup = np.concatenate([np.arange(plan.num_work), [0]])
     lengths = plan.stream_lengths()[dup]
     starts = plan.stream_indptr[dup].astype(np.int64)
-    pages = np.concatenate([plan.stream_pages[s:s + n] for s, n in zip(starts, lengths)])
-    broken = _broken(plan, work_route=plan.work_route[dup], work_head=plan.work_head[dup],
-                     work_block=plan.work_block[dup], own_pages=plan.own_pages[dup],
-                     stream_indptr=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
-                     stream_pages=pages)
+    pages = np.concatenate([plan.stream_pages[s : s + n] for s, n in zip(starts, lengths)])
+    broken = _broken(
+        plan,
+        work_route=plan.work_route[dup],
+        work_head=plan.work_head[dup],
+        work_block=plan.work_block[dup],
+        own_pages=plan.own_pages[dup],
+        stream_indptr=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        stream_pages=pages,
+    )
     assert coverage_report(broken, graph)["duplicated"] > 0
     with pytest.raises(EmulationError, match="twice"):
         emulate_forward(broken, q, k, v)
@@ -177,9 +185,15 @@ def test_missing_work_item_leaves_rows_unwritten():
     plan = kpage_plan(graph)
     keep = np.arange(1, plan.num_work)
     ptr = plan.stream_indptr
-    broken = _broken(plan, work_route=plan.work_route[keep], work_head=plan.work_head[keep],
-                     work_block=plan.work_block[keep], own_pages=plan.own_pages[keep],
-                     stream_indptr=(ptr[1:] - ptr[1]).astype(np.int32), stream_pages=plan.stream_pages[ptr[1]:])
+    broken = _broken(
+        plan,
+        work_route=plan.work_route[keep],
+        work_head=plan.work_head[keep],
+        work_block=plan.work_block[keep],
+        own_pages=plan.own_pages[keep],
+        stream_indptr=(ptr[1:] - ptr[1]).astype(np.int32),
+        stream_pages=plan.stream_pages[ptr[1] :],
+    )
     with pytest.raises(EmulationError, match="never writes O"):
         emulate_forward(broken, q, k, v)
 
@@ -187,8 +201,11 @@ def test_missing_work_item_leaves_rows_unwritten():
 @pytest.mark.parametrize(
     "field, make, match",
     [
-        ("own_pages", lambda p: np.where(p.own_pages == p.own_pages.max(), 10**6, p.own_pages),
-         "own_pages must be"),
+        (
+            "own_pages",
+            lambda p: np.where(p.own_pages == p.own_pages.max(), 10**6, p.own_pages),
+            "own_pages must be",
+        ),
         ("stream_pages", lambda p: p.stream_pages - 1, "stream_pages must be page ids"),
         ("work_head", lambda p: p.work_head + 1, "work_head must lie"),
         ("work_route", lambda p: p.work_route + 2, "work_route must index"),

@@ -11,7 +11,7 @@ from sparseattn.plans import PlanError, bsa_plan, gather_segments, kpage_plan
 def _layout(valid_rows_per_block, block_size):
     valid = np.zeros(len(valid_rows_per_block) * block_size, bool)
     for b, n in enumerate(valid_rows_per_block):
-        valid[b * block_size:b * block_size + n] = True
+        valid[b * block_size : b * block_size + n] = True
     return slot_layout(valid, block_size)
 
 
@@ -26,13 +26,16 @@ def test_from_pairs_sorts_dedups_and_drops_empty():
     np.testing.assert_array_equal(g.row(0, 2), [])
 
 
-@pytest.mark.parametrize("bad", [dict(k_block=[5]), dict(q_block=[-1]), dict(head=[2])],
-                         ids=["k-out-of-range", "q-negative", "head-out-of-range"])
+@pytest.mark.parametrize(
+    "bad",
+    [dict(k_block=[5]), dict(q_block=[-1]), dict(head=[2])],
+    ids=["k-out-of-range", "q-negative", "head-out-of-range"],
+)
 def test_from_pairs_rejects_out_of_range(bad):
     q = _layout([16, 16], 16)
     args = dict(head=[0], q_block=[0], k_block=[0])
     args.update(bad)
-    with pytest.raises(GraphError, match=list(bad)[0]):
+    with pytest.raises(GraphError, match=next(iter(bad))):
         SparseGraph.from_pairs(q, q, 2, **args)
 
 

@@ -19,8 +19,21 @@ from sparseattn.pageweaver.captures import Capture
 from sparseattn.pageweaver.grouping import Grouping, adjacent_groups
 
 REQUIRED = {
-    "capture", "context", "page_size", "k", "queries", "grouping", "page_loads", "physical_pairs", "useful_pairs",
-    "occupancy", "mean_union", "p50_union", "p90_union", "load_ratio_vs_per_query", "physical_ratio_vs_per_query",
+    "capture",
+    "context",
+    "page_size",
+    "k",
+    "queries",
+    "grouping",
+    "page_loads",
+    "physical_pairs",
+    "useful_pairs",
+    "occupancy",
+    "mean_union",
+    "p50_union",
+    "p90_union",
+    "load_ratio_vs_per_query",
+    "physical_ratio_vs_per_query",
     "grouping_ms_cpu",
 }
 
@@ -54,8 +67,9 @@ def test_counts_hand_computed():
     assert REQUIRED <= set(aff)
 
 
-@pytest.mark.parametrize("sizes,rows", [([1, 8, 16], [16, 16, 16]), ([17, 32, 33], [32, 32, 48])],
-                         ids=["G<=16", "G>16"])
+@pytest.mark.parametrize(
+    "sizes,rows", [([1, 8, 16], [16, 16, 16]), ([17, 32, 33], [32, 32, 48])], ids=["G<=16", "G>16"]
+)
 def test_union_tile_rows_pad_to_16(sizes, rows):
     assert union_tile_rows(np.array(sizes)).tolist() == rows
 

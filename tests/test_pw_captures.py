@@ -42,8 +42,12 @@ def _cap(pages, positions=None, context=256, page_size=64, causal=True):
         pytest.param({"pages": [[1, 1]]}, CaptureError, "duplicate page 1", id="duplicate"),
         pytest.param({"pages": [[-1, 1]]}, CaptureError, "after -1 padding", id="pad-before-id"),
         pytest.param({"pages": [0, 1]}, CaptureError, "2-D", id="1d-pages"),
-        pytest.param({"pages": [[0, 1]], "positions": [1, 2]}, CaptureError, "positions", id="positions-shape"),
-        pytest.param({"pages": [[0, 1]], "positions": [256]}, CaptureError, "positions", id="position-beyond"),
+        pytest.param(
+            {"pages": [[0, 1]], "positions": [1, 2]}, CaptureError, "positions", id="positions-shape"
+        ),
+        pytest.param(
+            {"pages": [[0, 1]], "positions": [256]}, CaptureError, "positions", id="position-beyond"
+        ),
         pytest.param({"pages": [[0]], "page_size": 24}, CaptureError, "page_size", id="page-size"),
         pytest.param({"pages": [[0]], "context": 0}, CaptureError, "context", id="context"),
     ],
@@ -72,7 +76,13 @@ def test_save_load_round_trip(tmp_path, contiguous):
     assert back.pages.dtype == np.int32
     np.testing.assert_array_equal(back.pages, cap.pages)
     np.testing.assert_array_equal(back.positions, cap.positions)
-    assert (back.context, back.page_size, back.causal, back.name, back.meta) == (256, 64, True, "t", {"note": "x"})
+    assert (back.context, back.page_size, back.causal, back.name, back.meta) == (
+        256,
+        64,
+        True,
+        "t",
+        {"note": "x"},
+    )
 
 
 def test_large_page_ids_are_stored_as_int32(tmp_path):
@@ -109,8 +119,14 @@ def test_statistics_hand_computed():
     seed=st.integers(0, 10_000),
 )
 def test_generator_is_causal_and_keeps_sink_and_local_pages(context, page_size, budget, nq, seed):
-    cfg = GeneratorConfig(context=context, page_size=page_size, budget_tokens=budget,
-                          num_queries=min(nq, context), seed=seed, topic_span=64)
+    cfg = GeneratorConfig(
+        context=context,
+        page_size=page_size,
+        budget_tokens=budget,
+        num_queries=min(nq, context),
+        seed=seed,
+        topic_span=64,
+    )
     cap = generate_capture(cfg)  # the constructor validates range, duplicates and causality
     cur = cap.positions // page_size
     assert np.all(cap.pages <= cur[:, None])
@@ -125,7 +141,9 @@ def test_generator_is_deterministic_by_seed():
     cfg = GeneratorConfig(context=4096, num_queries=512, seed=7)
     a, b = generate_capture(cfg), generate_capture(cfg)
     np.testing.assert_array_equal(a.pages, b.pages)
-    assert not np.array_equal(a.pages, generate_capture(GeneratorConfig(context=4096, num_queries=512, seed=8)).pages)
+    assert not np.array_equal(
+        a.pages, generate_capture(GeneratorConfig(context=4096, num_queries=512, seed=8)).pages
+    )
 
 
 def test_drop_rate_controls_adjacent_similarity():
@@ -181,7 +199,7 @@ def test_quest_select_equals_brute_force_top_k(rng, stat, heads):
     for i, pos in enumerate(cap.positions):
         scores = []
         for p in range(pos // P + 1):
-            kp = keys[p * P: min((p + 1) * P, L)]
+            kp = keys[p * P : min((p + 1) * P, L)]
             if stat == "maxmin":
                 s = sum(np.maximum(q[i, h] * kp.max(0), q[i, h] * kp.min(0)).sum() for h in range(heads))
                 # the Quest score bounds every q·k of the page
@@ -210,8 +228,12 @@ def test_quest_select_is_causal_and_forces_sink_and_local(rng):
         pytest.param(np.zeros((2, 4), np.int32), np.zeros((8, 4)), {}, TypeError, "float", id="int-q"),
         pytest.param(np.zeros((2, 4)), np.zeros((8, 5)), {}, CaptureError, "keys", id="dim-mismatch"),
         pytest.param(np.zeros((2, 4)), np.zeros((8, 4)), {"stat": "median"}, CaptureError, "stat", id="stat"),
-        pytest.param(np.zeros((9, 4)), np.zeros((8, 4)), {}, CaptureError, "positions", id="too-many-queries"),
-        pytest.param(np.zeros((2, 4)), np.zeros((8, 4)), {"page_size": 10}, CaptureError, "page_size", id="page"),
+        pytest.param(
+            np.zeros((9, 4)), np.zeros((8, 4)), {}, CaptureError, "positions", id="too-many-queries"
+        ),
+        pytest.param(
+            np.zeros((2, 4)), np.zeros((8, 4)), {"page_size": 10}, CaptureError, "page_size", id="page"
+        ),
     ],
 )
 def test_quest_select_rejects_bad_input(q, keys, kwargs, error, match):

@@ -120,7 +120,12 @@ def captures(draw):
 
 
 @settings(deadline=None, max_examples=60)
-@given(cap=captures(), G=st.integers(1, 9), W=st.integers(1, 40), cap_extra=st.one_of(st.none(), st.integers(0, 12)))
+@given(
+    cap=captures(),
+    G=st.integers(1, 9),
+    W=st.integers(1, 40),
+    cap_extra=st.one_of(st.none(), st.integers(0, 12)),
+)
 def test_affinity_properties_and_brute_force_equality(cap, G, W, cap_extra):
     max_union = None if cap_extra is None else cap.k + cap_extra
     g = affinity_groups(cap, G, W, max_union)

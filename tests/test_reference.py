@@ -90,8 +90,8 @@ def test_empty_selections_give_zero_output_and_neg_inf_lse():
     empty_k = np.flatnonzero(lay.valid_rows == 0)
     assert empty_k.size
     mask = np.zeros((1, lay.num_blocks, lay.num_blocks), dtype=bool)
-    mask[0, 0, 0] = True           # Q block 0: one real block
-    mask[0, 1, empty_k] = True     # Q block 1: only empty K blocks; the rest: nothing selected
+    mask[0, 0, 0] = True  # Q block 0: one real block
+    mask[0, 1, empty_k] = True  # Q block 1: only empty K blocks; the rest: nothing selected
     graph = SparseGraph.from_block_mask(lay, lay, mask, drop_empty=False)
     q, k, v = make_tensors(lay, lay, 1, 1, 4, seed=0)
     o, lse = attention_forward(q, k, v, graph)

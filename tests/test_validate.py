@@ -157,7 +157,7 @@ def _qkv(graph, b=1, h=2, d=64, dtype=np.uint16):
 
 def test_check_inputs_accepts_valid_arguments(small_graph):
     q, k, v = _qkv(small_graph)
-    plan, scale, o, lse, _ = check_inputs(q, k, v, small_graph)
+    plan, scale, o, _, _ = check_inputs(q, k, v, small_graph)
     assert plan.kind == "bsa" and plan.owner == "q" and scale == pytest.approx(0.125) and o is None
 
 

@@ -91,8 +91,15 @@ class PairCounts:
         return {name: int(getattr(self, name).sum()) for name in _COUNT_FIELDS}
 
 
-_COUNT_FIELDS = ("selected_pairs", "useful", "bsa_physical", "kpage_physical", "kpage_routed",
-                 "kpage_no_routing", "kpage_small_tile")
+_COUNT_FIELDS = (
+    "selected_pairs",
+    "useful",
+    "bsa_physical",
+    "kpage_physical",
+    "kpage_routed",
+    "kpage_no_routing",
+    "kpage_small_tile",
+)
 
 
 def _segment_sums(indptr: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -176,18 +183,28 @@ class BlockFill:
     def __add__(self, other: BlockFill) -> BlockFill:
         if not isinstance(other, BlockFill):
             return NotImplemented
-        return BlockFill(**{name: _add_hist(getattr(self, name), getattr(other, name))
-                            for name in _FILL_FIELDS})
+        return BlockFill(
+            **{name: _add_hist(getattr(self, name), getattr(other, name)) for name in _FILL_FIELDS}
+        )
 
 
-_FILL_FIELDS = ("q_valid_rows", "k_valid_rows", "q_live_pages", "k_live_pages",
-                "selected_k_valid_rows", "selected_k_live_pages", "pair_fill")
+_FILL_FIELDS = (
+    "q_valid_rows",
+    "k_valid_rows",
+    "q_live_pages",
+    "k_live_pages",
+    "selected_k_valid_rows",
+    "selected_k_live_pages",
+    "pair_fill",
+)
 
 
 def layout_fill(layout: BlockLayout) -> tuple[np.ndarray, np.ndarray]:
     """(blocks by valid rows ``[B + 1]``, blocks by live pages ``[B/16 + 1]``) of one layout."""
-    return (np.bincount(layout.valid_rows, minlength=layout.block_size + 1),
-            np.bincount(layout.live_pages, minlength=layout.pages_per_block + 1))
+    return (
+        np.bincount(layout.valid_rows, minlength=layout.block_size + 1),
+        np.bincount(layout.live_pages, minlength=layout.pages_per_block + 1),
+    )
 
 
 def pair_fill(graph: SparseGraph) -> np.ndarray:
@@ -278,22 +295,30 @@ class OccupancyReport:
         out = []
         for h in range(self.heads):
             useful, bsa, kp = int(c.useful[h]), int(c.bsa_physical[h]), int(c.kpage_physical[h])
-            out.append({
-                "workload": self.workload,
-                "head": h,
-                "selected_pairs": int(c.selected_pairs[h]) * scale,
-                "useful_pairs": useful * scale,
-                "bsa_physical": bsa * scale,
-                "kpage_physical": kp * scale,
-                "kpage_physical_no_routing": int(c.kpage_no_routing[h]) * scale,
-                "bsa_occupancy": _ratio(useful, bsa),
-                "kpage_occupancy": _ratio(useful, kp),
-            })
+            out.append(
+                {
+                    "workload": self.workload,
+                    "head": h,
+                    "selected_pairs": int(c.selected_pairs[h]) * scale,
+                    "useful_pairs": useful * scale,
+                    "bsa_physical": bsa * scale,
+                    "kpage_physical": kp * scale,
+                    "kpage_physical_no_routing": int(c.kpage_no_routing[h]) * scale,
+                    "bsa_occupancy": _ratio(useful, bsa),
+                    "kpage_occupancy": _ratio(useful, kp),
+                }
+            )
         return out
 
 
-def analyze_graphs(graphs, workload: str = "", layers: int = 1, route="auto",
-                   head_dim: int | None = None, description: str = "") -> OccupancyReport:
+def analyze_graphs(
+    graphs,
+    workload: str = "",
+    layers: int = 1,
+    route="auto",
+    head_dim: int | None = None,
+    description: str = "",
+) -> OccupancyReport:
     """Analyse a list of graphs that together cover the heads of one attention call."""
     graphs = [graphs] if isinstance(graphs, SparseGraph) else list(graphs)
     if not graphs:
@@ -311,12 +336,19 @@ def analyze_graphs(graphs, workload: str = "", layers: int = 1, route="auto",
 def analyze_workload(workload, seed: int = 0, route="auto") -> OccupancyReport:
     """Analyse a :class:`sparseattn.workloads.Workload` (its graphs for ``seed``)."""
     graphs = workload.graphs(seed=seed)
-    return analyze_graphs(graphs, workload.name, getattr(workload, "layers", 1), route,
-                          getattr(workload, "head_dim", None), getattr(workload, "description", ""))
+    return analyze_graphs(
+        graphs,
+        workload.name,
+        getattr(workload, "layers", 1),
+        route,
+        getattr(workload, "head_dim", None),
+        getattr(workload, "description", ""),
+    )
 
 
-def analyze_workloads(workloads, seed: int = 0, route="auto",
-                      on_done: Callable | None = None) -> list[OccupancyReport]:
+def analyze_workloads(
+    workloads, seed: int = 0, route="auto", on_done: Callable | None = None
+) -> list[OccupancyReport]:
     """:func:`analyze_workload` of each workload, in order; ``on_done(workload)`` after each one."""
     parse_route(route)
     reports = []
@@ -341,8 +373,15 @@ def record_ratios(rec: dict) -> dict:
 def total_record(reports: list[OccupancyReport], multiply_layers: bool = False) -> dict:
     """The TOTAL line: pair counts summed over workloads, occupancies of the sums."""
     recs = [r.record(multiply_layers) for r in reports]
-    keys = ("selected_pairs", "useful_pairs", "bsa_physical", "kpage_physical", "kpage_physical_no_routing",
-            "kpage_physical_routed", "kpage_physical_64x256")
+    keys = (
+        "selected_pairs",
+        "useful_pairs",
+        "bsa_physical",
+        "kpage_physical",
+        "kpage_physical_no_routing",
+        "kpage_physical_routed",
+        "kpage_physical_64x256",
+    )
     tot = {k: sum(r[k] for r in recs) for k in keys}
     out = {"workload": "TOTAL", "heads": sum(r["heads"] for r in recs)}
     out.update(tot)

@@ -387,7 +387,7 @@ def vsa_graph(
     ``min(topk, number of non-empty K blocks)`` blocks.
     """
     topk = _positive_int("topk", topk)
-    layout, vg, feats = _video_features(grid, tile, block_size, padding, q, k, heads, head_dim, seed)
+    layout, _, feats = _video_features(grid, tile, block_size, padding, q, k, heads, head_dim, seed)
     nb = layout.num_blocks
     blocks = token_groups(layout, "block")
     alive = layout.valid_rows > 0

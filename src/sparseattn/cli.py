@@ -128,8 +128,14 @@ class DelayedProgress:
     def __init__(self, total: int, description: str, delay: float = 1.0):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), console=_stderr_console(), transient=True)
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=_stderr_console(),
+            transient=True,
+        )
         self._task = self._progress.add_task(description, total=total)
         self._lock = threading.Lock()
         self._timer = threading.Timer(delay, self._start)
@@ -239,21 +245,42 @@ def render_capacity_table(records: list[dict], total: dict, per_head: list[list[
 
     all_layers = records[0]["scope"] == "all_layers"
     scope = "all layers of a step" if all_layers else "one attention call (one layer, one step)"
-    table = Table(title=f"QK pair capacity — {scope}, all heads; KPage route {records[0]['route']}",
-                  caption="occupancy = useful / physical; BSA/KPage = physical ratio")
-    for col in ("workload", "heads", "layers", "useful", "BSA physical", "KPage physical",
-                "KPage no-routing", "BSA occ.", "KPage occ.", "BSA/KPage", "routing gain"):
+    table = Table(
+        title=f"QK pair capacity — {scope}, all heads; KPage route {records[0]['route']}",
+        caption="occupancy = useful / physical; BSA/KPage = physical ratio",
+    )
+    for col in (
+        "workload",
+        "heads",
+        "layers",
+        "useful",
+        "BSA physical",
+        "KPage physical",
+        "KPage no-routing",
+        "BSA occ.",
+        "KPage occ.",
+        "BSA/KPage",
+        "routing gain",
+    ):
         table.add_column(col, justify="left" if col == "workload" else "right")
 
     unit = _pair_unit(max(total["bsa_physical"], total["kpage_physical_no_routing"], total["kpage_physical"]))
 
     def add(rec, **style):
-        table.add_row(rec["workload"], f"{rec['heads']}", str(rec.get("layers", "")),
-                      _pairs(rec["useful_pairs"], unit), _pairs(rec["bsa_physical"], unit),
-                      _pairs(rec["kpage_physical"], unit), _pairs(rec["kpage_physical_no_routing"], unit),
-                      _pct(rec["bsa_occupancy"]),
-                      _pct(rec["kpage_occupancy"]), _times(rec["bsa_over_kpage"]),
-                      _times(rec["routing_gain"]), **style)
+        table.add_row(
+            rec["workload"],
+            f"{rec['heads']}",
+            str(rec.get("layers", "")),
+            _pairs(rec["useful_pairs"], unit),
+            _pairs(rec["bsa_physical"], unit),
+            _pairs(rec["kpage_physical"], unit),
+            _pairs(rec["kpage_physical_no_routing"], unit),
+            _pct(rec["bsa_occupancy"]),
+            _pct(rec["kpage_occupancy"]),
+            _times(rec["bsa_over_kpage"]),
+            _times(rec["routing_gain"]),
+            **style,
+        )
 
     for rec in records:
         add(rec)
@@ -261,10 +288,13 @@ def render_capacity_table(records: list[dict], total: dict, per_head: list[list[
     add(total, style="bold")
     console = _stdout_console()
     console.print(table)
-    console.print(f"TOTAL: {_pairs(total['bsa_physical'], unit)} (BSA) → {_pairs(total['kpage_physical'], unit)} "
-                  f"(KPage) physical QK pairs for {_pairs(total['useful_pairs'], unit)} useful "
-                  f"(BSA/KPage {_times(total['bsa_over_kpage'])}; occupancy {_pct(total['bsa_occupancy'])} → "
-                  f"{_pct(total['kpage_occupancy'])})", highlight=False)
+    console.print(
+        f"TOTAL: {_pairs(total['bsa_physical'], unit)} (BSA) → {_pairs(total['kpage_physical'], unit)} "
+        f"(KPage) physical QK pairs for {_pairs(total['useful_pairs'], unit)} useful "
+        f"(BSA/KPage {_times(total['bsa_over_kpage'])}; occupancy {_pct(total['bsa_occupancy'])} → "
+        f"{_pct(total['kpage_occupancy'])})",
+        highlight=False,
+    )
     for rec, rows in zip(records, per_head or []):
         render_table(rows, title=f"{rec['workload']}: per head")
 
@@ -303,8 +333,12 @@ def _run_capture_analysis(args) -> int:
     paths = list(args.captures) or None
     rows = pw.analyze_captures(paths=paths, group_size=args.group_size, window=args.window)
     # the module may name the columns worth a table (JSON/CSV carry every field)
-    emit(rows, args.format, title=f"PageWeaver captures (group size {args.group_size}, window {args.window})",
-         columns=getattr(pw, "TABLE_COLUMNS", None))
+    emit(
+        rows,
+        args.format,
+        title=f"PageWeaver captures (group size {args.group_size}, window {args.window})",
+        columns=getattr(pw, "TABLE_COLUMNS", None),
+    )
     return 0
 
 
@@ -328,15 +362,17 @@ def workload_rows(workloads) -> list[dict]:
     """One flat row per workload: name, latent, tile, heads×dim, selection, description."""
     rows = []
     for w in workloads:
-        rows.append({
-            "name": w.name,
-            "latent": _triple(getattr(w, "latent", None) or getattr(w, "grid", None)),
-            "tile": _tile_text(w),
-            "heads×dim": f"{w.heads}×{w.head_dim}",
-            "layers": getattr(w, "layers", ""),
-            "selection": str(getattr(w, "selection", "") or ""),
-            "description": w.description,
-        })
+        rows.append(
+            {
+                "name": w.name,
+                "latent": _triple(getattr(w, "latent", None) or getattr(w, "grid", None)),
+                "tile": _tile_text(w),
+                "heads×dim": f"{w.heads}×{w.head_dim}",
+                "layers": getattr(w, "layers", ""),
+                "selection": str(getattr(w, "selection", "") or ""),
+                "description": w.description,
+            }
+        )
     return rows
 
 
@@ -353,8 +389,9 @@ def load_bench():
         return _optional_module("bench", "benchmarks")
     except ImportError as err:  # a dependency of the benchmarks (cupy, torch) is missing
         missing = getattr(err, "name", None) or str(err)
-        raise UnavailableError(f"sparseattn bench needs {missing!r}, which is not installed "
-                               "(pip install -e '.[gpu]')") from None
+        raise UnavailableError(
+            f"sparseattn bench needs {missing!r}, which is not installed (pip install -e '.[gpu]')"
+        ) from None
 
 
 def _add_bench_parser(sub, bench) -> None:
@@ -392,34 +429,57 @@ def _nonneg_int(text: str) -> int:
 
 def build_parser(bench=None) -> argparse.ArgumentParser:
     """The argument parser; ``bench`` is the loaded :mod:`sparseattn.bench` module, if any."""
-    parser = argparse.ArgumentParser(prog=PROG, description="Hardware-efficient sparse attention toolkit: "
-                                     "occupancy analysis of sparse layouts, KPage / PageWeaver kernels.")
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Hardware-efficient sparse attention toolkit: "
+        "occupancy analysis of sparse layouts, KPage / PageWeaver kernels.",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{analyze,workloads,bench}")
     sub.required = True
 
-    an = sub.add_parser("analyze", help="useful vs physical QK pairs (BSA vs KPage) of workloads or layouts",
-                        description="Occupancy analysis: useful vs physical query-key pairs of BSA and KPage "
-                        "tiles, summed over a workload's heads for one attention call (DESIGN.md section 3). "
-                        "With no --workload/--layout every built-in workload is analysed.")
+    an = sub.add_parser(
+        "analyze",
+        help="useful vs physical QK pairs (BSA vs KPage) of workloads or layouts",
+        description="Occupancy analysis: useful vs physical query-key pairs of BSA and KPage "
+        "tiles, summed over a workload's heads for one attention call (DESIGN.md section 3). "
+        "With no --workload/--layout every built-in workload is analysed.",
+    )
     an.add_argument("--workload", action="append", metavar="NAME", help="a built-in workload (repeatable)")
     an.add_argument("--layout", action="append", metavar="FILE", help="a JSON/YAML layout file (repeatable)")
-    an.add_argument("--captures", nargs="*", metavar="PATH",
-                    help="analyse PageWeaver selection captures (.npz) instead; no PATH = the built-ins")
+    an.add_argument(
+        "--captures",
+        nargs="*",
+        metavar="PATH",
+        help="analyse PageWeaver selection captures (.npz) instead; no PATH = the built-ins",
+    )
     an.add_argument("--format", choices=FORMATS, default="table", help="output format (default: table)")
-    an.add_argument("--plot", metavar="PATH",
-                    help="write a bar chart of useful vs BSA vs KPage physical pairs (PNG/PDF/SVG)")
-    an.add_argument("--seed", type=_nonneg_int, default=0,
-                    help="seed of the synthetic selections (default 0)")
-    an.add_argument("--route", choices=tuple(ROUTE_CHOICES), default="auto",
-                    help="KPage route: auto (64x256 when a Q block has <= 64 live rows, else 128x128), "
-                    "or one fixed route")
+    an.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a bar chart of useful vs BSA vs KPage physical pairs (PNG/PDF/SVG)",
+    )
+    an.add_argument(
+        "--seed", type=_nonneg_int, default=0, help="seed of the synthetic selections (default 0)"
+    )
+    an.add_argument(
+        "--route",
+        choices=tuple(ROUTE_CHOICES),
+        default="auto",
+        help="KPage route: auto (64x256 when a Q block has <= 64 live rows, else 128x128), "
+        "or one fixed route",
+    )
     an.add_argument("--per-head", action="store_true", help="also report every head")
     an.add_argument("--layers", action="store_true", help="multiply pair counts by the workload's layers")
-    an.add_argument("--group-size", type=_positive_int, default=8,
-                    help="captures: queries per group (default 8)")
-    an.add_argument("--window", type=_positive_int, default=64,
-                    help="captures: grouping search window in queries (default 64)")
+    an.add_argument(
+        "--group-size", type=_positive_int, default=8, help="captures: queries per group (default 8)"
+    )
+    an.add_argument(
+        "--window",
+        type=_positive_int,
+        default=64,
+        help="captures: grouping search window in queries (default 64)",
+    )
     an.set_defaults(func=_run_analyze)
 
     wl = sub.add_parser("workloads", help="list the built-in workloads")

@@ -33,7 +33,7 @@ class EmulationError(ValueError):
     """A plan or tensor given to the emulator is inconsistent; the message names the field."""
 
 
-_BITS = (np.uint16(1) << np.arange(PAGE_ROWS, dtype=np.uint16))
+_BITS = np.uint16(1) << np.arange(PAGE_ROWS, dtype=np.uint16)
 
 
 def _page_rows_valid(mask: np.ndarray, pages: np.ndarray) -> np.ndarray:
@@ -72,7 +72,8 @@ def validate_plan(plan: TilePlan, num_own_pages: int | None = None, num_stream_p
         raise EmulationError(f"plan.own_page_mask has {plan.own_page_mask.size} pages, tensors have {n_own}")
     if plan.stream_page_mask.size != n_stream:
         raise EmulationError(
-            f"plan.stream_page_mask has {plan.stream_page_mask.size} pages, tensors have {n_stream}")
+            f"plan.stream_page_mask has {plan.stream_page_mask.size} pages, tensors have {n_stream}"
+        )
     own = arrays["own_pages"]
     if own.ndim != 2 or (own.size and (own.min() < -1 or own.max() >= n_own)):
         raise EmulationError(f"plan.own_pages must be [W, P] page ids in [-1, {n_own})")
@@ -84,7 +85,9 @@ def validate_plan(plan: TilePlan, num_own_pages: int | None = None, num_stream_p
     ptr = arrays["stream_indptr"].astype(np.int64)
     pages = arrays["stream_pages"]
     if ptr.shape != (w + 1,) or ptr[0] != 0 or np.any(np.diff(ptr) < 0) or ptr[-1] != pages.size:
-        raise EmulationError("plan.stream_indptr must be [W + 1], start at 0, not decrease, end at len(stream_pages)")
+        raise EmulationError(
+            "plan.stream_indptr must be [W + 1], start at 0, not decrease, end at len(stream_pages)"
+        )
     if pages.size and (pages.min() < 0 or pages.max() >= n_stream):
         raise EmulationError(f"plan.stream_pages must be page ids in [0, {n_stream})")
 
@@ -97,7 +100,7 @@ def _work_items(plan: TilePlan):
     for w in range(plan.num_work):
         m, n = (int(x) for x in routes[arrays["work_route"][w]])
         own = arrays["own_pages"][w, : m // PAGE_ROWS].astype(np.int64)
-        streamed = arrays["stream_pages"][ptr[w]:ptr[w + 1]].astype(np.int64)
+        streamed = arrays["stream_pages"][ptr[w] : ptr[w + 1]].astype(np.int64)
         per_tile = n // PAGE_ROWS
         n_tiles = -(-streamed.size // per_tile)
         padded = np.full(n_tiles * per_tile, -1, dtype=np.int64)
@@ -118,7 +121,8 @@ def _check_tensors(q, k, v, plan: TilePlan):
         if arr.ndim != 4 or arr.shape[1] != plan.heads or arr.shape[2] % PAGE_ROWS:
             raise EmulationError(
                 f"{name} must be [batch, {plan.heads} heads, slots (multiple of {PAGE_ROWS}), head_dim], "
-                f"got shape {arr.shape}")
+                f"got shape {arr.shape}"
+            )
     if k.shape != (q.shape[0], q.shape[1], k.shape[2], q.shape[3]):
         raise EmulationError(f"k must match q's batch, heads and head_dim, got {k.shape} vs q {q.shape}")
     if v.shape[:3] != k.shape[:3]:
@@ -130,8 +134,9 @@ def _unwritten_error(name: str, written: np.ndarray, valid: np.ndarray):
     missing = np.argwhere((written == 0) & valid[None, :])
     if missing.size:
         h, s = missing[0]
-        raise EmulationError(f"plan never writes {name} row (head {h}, slot {s}) "
-                             f"({len(missing)} valid rows unwritten)")
+        raise EmulationError(
+            f"plan never writes {name} row (head {h}, slot {s}) ({len(missing)} valid rows unwritten)"
+        )
 
 
 def emulate_forward(plan: TilePlan, q, k, v, scale=None):
@@ -181,7 +186,9 @@ def emulate_forward(plan: TilePlan, q, k, v, scale=None):
         lse_tile = np.where(has_keys, run_max + np.log(np.where(has_keys, run_sum, 1.0)), -np.inf)
         slots = _page_slots(own)[row_ok]
         if np.any(written[h, slots]):
-            raise EmulationError(f"plan writes Q row (head {h}, slot {slots[written[h, slots] > 0][0]}) twice")
+            raise EmulationError(
+                f"plan writes Q row (head {h}, slot {slots[written[h, slots] > 0][0]}) twice"
+            )
         written[h, slots] += 1
         o[:, h, slots] = o_tile[:, row_ok]
         lse[:, h, slots] = lse_tile[:, row_ok]
@@ -204,7 +211,9 @@ def emulate_backward(plan_kv: TilePlan, q, k, v, o, lse, do, scale=None):
     """
     q, k, v = _check_tensors(q, k, v, plan_kv)
     if plan_kv.owner != "kv":
-        raise EmulationError(f"emulate_backward needs an owner='kv' plan, got plan_kv.owner={plan_kv.owner!r}")
+        raise EmulationError(
+            f"emulate_backward needs an owner='kv' plan, got plan_kv.owner={plan_kv.owner!r}"
+        )
     validate_plan(plan_kv, k.shape[2] // PAGE_ROWS, q.shape[2] // PAGE_ROWS)
     scale = _check_scale(scale, q.shape[-1])
     b, heads, sq, d = q.shape
@@ -238,7 +247,10 @@ def emulate_backward(plan_kv: TilePlan, q, k, v, o, lse, do, scale=None):
             p = np.exp(s - np.where(live, lse_tile, 0.0)[..., None])
             p = np.where(live[..., None] & col_ok[None, None, :], p, 0.0)
             dv_acc += np.matmul(p.transpose(0, 2, 1), do_tile)
-            ds = p * (np.matmul(do_tile, v_tile.transpose(0, 2, 1)) - np.where(row_ok, delta[:, h, slots], 0.0)[..., None])
+            ds = p * (
+                np.matmul(do_tile, v_tile.transpose(0, 2, 1))
+                - np.where(row_ok, delta[:, h, slots], 0.0)[..., None]
+            )
             dk_acc += scale * np.matmul(ds.transpose(0, 2, 1), q_tile)
             np.add.at(dq, (slice(None), h, slots[row_ok]), scale * np.matmul(ds, k_tile)[:, row_ok])
         own_slots = _page_slots(own)[col_ok]
@@ -253,6 +265,7 @@ def emulate_backward(plan_kv: TilePlan, q, k, v, o, lse, do, scale=None):
 
 
 # --- coverage ---------------------------------------------------------------------------------
+
 
 def _valid_slot_csr(page_lists_ptr: np.ndarray, page_lists: np.ndarray, mask: np.ndarray):
     """Per segment of a page-list CSR, the valid slots of its pages: ``(indptr, slots)``."""
@@ -285,8 +298,9 @@ def covered_pairs(plan: TilePlan):
     own = plan.own_pages.astype(np.int64)
     own_ptr = np.arange(plan.num_work + 1, dtype=np.int64) * own.shape[1]
     own_ptr_v, own_slots = _valid_slot_csr(own_ptr, own.ravel(), plan.own_page_mask)
-    st_ptr_v, st_slots = _valid_slot_csr(plan.stream_indptr.astype(np.int64),
-                                         plan.stream_pages.astype(np.int64), plan.stream_page_mask)
+    st_ptr_v, st_slots = _valid_slot_csr(
+        plan.stream_indptr.astype(np.int64), plan.stream_pages.astype(np.int64), plan.stream_page_mask
+    )
     work, own_s, stream_s = _cross_product(own_ptr_v, own_slots, st_ptr_v, st_slots)
     head = plan.work_head.astype(np.int64)[work]
     return (head, own_s, stream_s) if plan.owner == "q" else (head, stream_s, own_s)
@@ -299,8 +313,9 @@ def graph_slot_pairs(graph: SparseGraph):
     k_ptr = np.concatenate([[0], np.cumsum(graph.k.valid_rows)])
     qs, q_len = gather_segments(q_ptr, np.flatnonzero(graph.q.valid), i)
     ks, k_len = gather_segments(k_ptr, np.flatnonzero(graph.k.valid), j)
-    pair, a, b = _cross_product(np.concatenate([[0], np.cumsum(q_len)]), qs,
-                                np.concatenate([[0], np.cumsum(k_len)]), ks)
+    pair, a, b = _cross_product(
+        np.concatenate([[0], np.cumsum(q_len)]), qs, np.concatenate([[0], np.cumsum(k_len)]), ks
+    )
     return h[pair], a, b
 
 

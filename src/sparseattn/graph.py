@@ -45,7 +45,9 @@ class SparseGraph:
         indptr = np.ascontiguousarray(self.indptr, dtype=np.int64)
         indices = np.asarray(self.indices)
         if indptr.shape != (rows + 1,):
-            raise GraphError(f"indptr must have heads*num_q_blocks+1 = {rows + 1} entries, got {indptr.shape}")
+            raise GraphError(
+                f"indptr must have heads*num_q_blocks+1 = {rows + 1} entries, got {indptr.shape}"
+            )
         if indptr[0] != 0 or np.any(np.diff(indptr) < 0) or indptr[-1] != indices.size:
             raise GraphError("indptr must start at 0, be non-decreasing and end at len(indices)")
         if indices.size and not np.issubdtype(indices.dtype, np.integer):
@@ -58,7 +60,9 @@ class SparseGraph:
         if indices.size > 1:
             same_row = row[1:] == row[:-1]
             if np.any(same_row & (indices[1:] <= indices[:-1])):
-                raise GraphError("indices must be sorted and unique within each row (use SparseGraph.from_pairs)")
+                raise GraphError(
+                    "indices must be sorted and unique within each row (use SparseGraph.from_pairs)"
+                )
         indices = indices.astype(np.int32)
         for arr in (indptr, indices):
             arr.setflags(write=False)
@@ -67,8 +71,17 @@ class SparseGraph:
 
     # --- constructors ------------------------------------------------------------------------
     @classmethod
-    def from_pairs(cls, q: BlockLayout, k: BlockLayout, heads: int, head, q_block, k_block,
-                   name: str = "", drop_empty: bool = True) -> "SparseGraph":
+    def from_pairs(
+        cls,
+        q: BlockLayout,
+        k: BlockLayout,
+        heads: int,
+        head,
+        q_block,
+        k_block,
+        name: str = "",
+        drop_empty: bool = True,
+    ) -> SparseGraph:
         """Build from parallel arrays of (head, Q block, K block); order and duplicates do not matter.
 
         With ``drop_empty`` pairs whose Q or K block has no valid row are dropped (they carry no
@@ -77,8 +90,11 @@ class SparseGraph:
         head, q_block, k_block = (np.asarray(a, dtype=np.int64).ravel() for a in (head, q_block, k_block))
         if not (head.size == q_block.size == k_block.size):
             raise GraphError("head, q_block and k_block must have the same length")
-        for label, arr, bound in (("head", head, heads), ("q_block", q_block, q.num_blocks),
-                                  ("k_block", k_block, k.num_blocks)):
+        for label, arr, bound in (
+            ("head", head, heads),
+            ("q_block", q_block, q.num_blocks),
+            ("k_block", k_block, k.num_blocks),
+        ):
             if arr.size and (arr.min() < 0 or arr.max() >= bound):
                 bad = arr[(arr < 0) | (arr >= bound)][0]
                 raise GraphError(f"{label} holds {int(bad)} outside [0, {bound})")
@@ -93,8 +109,9 @@ class SparseGraph:
         return cls(q, k, heads, np.cumsum(indptr), cols, name)
 
     @classmethod
-    def from_block_mask(cls, q: BlockLayout, k: BlockLayout, mask, name: str = "",
-                        drop_empty: bool = True) -> "SparseGraph":
+    def from_block_mask(
+        cls, q: BlockLayout, k: BlockLayout, mask, name: str = "", drop_empty: bool = True
+    ) -> SparseGraph:
         """Build from a dense bool mask ``[heads, q.num_blocks, k.num_blocks]`` (or 2-D for one head)."""
         mask = np.asarray(mask, dtype=bool)
         if mask.ndim == 2:
@@ -105,8 +122,9 @@ class SparseGraph:
         return cls.from_pairs(q, k, mask.shape[0], h, i, j, name, drop_empty)
 
     @classmethod
-    def from_block_lists(cls, q: BlockLayout, k: BlockLayout, lists, name: str = "",
-                         drop_empty: bool = True) -> "SparseGraph":
+    def from_block_lists(
+        cls, q: BlockLayout, k: BlockLayout, lists, name: str = "", drop_empty: bool = True
+    ) -> SparseGraph:
         """Build from ``lists[h][i]`` = iterable of K blocks selected by Q block ``i`` of head ``h``."""
         heads = len(lists)
         hs, qs, ks = [], [], []
@@ -118,7 +136,7 @@ class SparseGraph:
                 hs.append(np.full(sel.size, h))
                 qs.append(np.full(sel.size, i))
                 ks.append(sel)
-        cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
+        cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)
         return cls.from_pairs(q, k, heads, cat(hs), cat(qs), cat(ks), name, drop_empty)
 
     # --- views -------------------------------------------------------------------------------
@@ -143,7 +161,7 @@ class SparseGraph:
 
     def row(self, head: int, q_block: int) -> np.ndarray:
         r = head * self.q.num_blocks + q_block
-        return self.indices[self.indptr[r]:self.indptr[r + 1]]
+        return self.indices[self.indptr[r] : self.indptr[r + 1]]
 
     def head_nnz(self) -> np.ndarray:
         """int64 ``[heads]``: selected pairs per head."""
@@ -151,21 +169,23 @@ class SparseGraph:
         starts = self.indptr[np.arange(self.heads) * self.q.num_blocks]
         return ends - starts
 
-    def select_heads(self, heads) -> "SparseGraph":
+    def select_heads(self, heads) -> SparseGraph:
         """The graph restricted to the given heads (renumbered 0..len-1)."""
         heads = np.asarray(heads, dtype=np.int64).ravel()
         h, i, j = self.pairs
         keep = np.isin(h, heads)
         remap = np.full(self.heads, -1, dtype=np.int64)
         remap[heads] = np.arange(heads.size)
-        return SparseGraph.from_pairs(self.q, self.k, heads.size, remap[h[keep]], i[keep], j[keep],
-                                      self.name, drop_empty=False)
+        return SparseGraph.from_pairs(
+            self.q, self.k, heads.size, remap[h[keep]], i[keep], j[keep], self.name, drop_empty=False
+        )
 
-    def transpose(self) -> "SparseGraph":
+    def transpose(self) -> SparseGraph:
         """The graph with Q and K swapped: rows are K blocks (what a K/V-owned backward iterates)."""
         h, i, j = self.pairs
-        return SparseGraph.from_pairs(self.k, self.q, self.heads, h, j, i, self.name + " (transposed)",
-                                      drop_empty=False)
+        return SparseGraph.from_pairs(
+            self.k, self.q, self.heads, h, j, i, self.name + " (transposed)", drop_empty=False
+        )
 
     def block_mask(self) -> np.ndarray:
         """Dense bool ``[heads, nbq, nbk]`` (small graphs only)."""

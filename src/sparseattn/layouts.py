@@ -134,7 +134,7 @@ class BlockLayout:
     def page_mask(self) -> np.ndarray:
         """uint16 ``[num_pages]``: bit r set when row r of the page is valid (what kernels read)."""
         bits = self.valid.reshape(self.num_pages, PAGE_ROWS).astype(np.uint32)
-        weights = (np.uint32(1) << np.arange(PAGE_ROWS, dtype=np.uint32))
+        weights = np.uint32(1) << np.arange(PAGE_ROWS, dtype=np.uint32)
         return (bits * weights).sum(axis=1).astype(np.uint16)
 
     @cached_property
@@ -239,7 +239,9 @@ class VideoGrid:
         ti = np.arange(T) // t
         hi = np.arange(H) // h
         wi = np.arange(W) // w
-        return ((ti[:, None, None] * nb + hi[None, :, None]) * nc + wi[None, None, :]).ravel().astype(np.int64)
+        return (
+            ((ti[:, None, None] * nb + hi[None, :, None]) * nc + wi[None, None, :]).ravel().astype(np.int64)
+        )
 
 
 def video_layout(grid, tile, block_size: int = 128, padding: str = "prefix", name: str = "") -> BlockLayout:
@@ -274,8 +276,9 @@ def video_layout(grid, tile, block_size: int = 128, padding: str = "prefix", nam
     return BlockLayout(block_size, valid, token_slot, block_group, label)
 
 
-def partition_layout(groups: np.ndarray, block_size: int = 128, num_groups: int | None = None,
-                     name: str = "") -> BlockLayout:
+def partition_layout(
+    groups: np.ndarray, block_size: int = 128, num_groups: int | None = None, name: str = ""
+) -> BlockLayout:
     """Slot layout of an arbitrary partition (e.g. k-means clusters of tokens).
 
     Args:
@@ -306,7 +309,9 @@ def partition_layout(groups: np.ndarray, block_size: int = 128, num_groups: int 
     valid = np.zeros(int(blocks.sum()) * block_size, dtype=bool)
     valid[token_slot] = True
     block_group = np.repeat(np.arange(n_groups, dtype=np.int64), blocks)
-    return BlockLayout(block_size, valid, token_slot, block_group, name or f"{n_groups} groups B={block_size}")
+    return BlockLayout(
+        block_size, valid, token_slot, block_group, name or f"{n_groups} groups B={block_size}"
+    )
 
 
 def contiguous_layout(num_tokens: int, block_size: int = 128, name: str = "") -> BlockLayout:
@@ -317,7 +322,9 @@ def contiguous_layout(num_tokens: int, block_size: int = 128, name: str = "") ->
     nb = -(-int(num_tokens) // block_size)
     valid = np.zeros(nb * block_size, dtype=bool)
     valid[:num_tokens] = True
-    return BlockLayout(block_size, valid, np.arange(num_tokens), np.arange(nb), name or f"1-D {num_tokens} B={block_size}")
+    return BlockLayout(
+        block_size, valid, np.arange(num_tokens), np.arange(nb), name or f"1-D {num_tokens} B={block_size}"
+    )
 
 
 def slot_layout(valid, block_size: int = 128, name: str = "") -> BlockLayout:
@@ -326,5 +333,10 @@ def slot_layout(valid, block_size: int = 128, name: str = "") -> BlockLayout:
     block_size = check_block_size("block_size", block_size)
     if valid.ndim != 1 or valid.size == 0 or valid.size % block_size:
         raise LayoutError(f"valid must be 1-D with a positive multiple of block_size={block_size} slots")
-    return BlockLayout(block_size, valid, np.flatnonzero(valid), np.arange(valid.size // block_size),
-                       name or f"custom {valid.size} slots B={block_size}")
+    return BlockLayout(
+        block_size,
+        valid,
+        np.flatnonzero(valid),
+        np.arange(valid.size // block_size),
+        name or f"custom {valid.size} slots B={block_size}",
+    )

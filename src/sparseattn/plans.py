@@ -140,8 +140,17 @@ class TilePlan:
         }
 
 
-def _build(kind: str, owner: str, graph: SparseGraph, own_csr, stream_csr, routes, route_of_row,
-           own_layout: BlockLayout, stream_layout: BlockLayout) -> TilePlan:
+def _build(
+    kind: str,
+    owner: str,
+    graph: SparseGraph,
+    own_csr,
+    stream_csr,
+    routes,
+    route_of_row,
+    own_layout: BlockLayout,
+    stream_layout: BlockLayout,
+) -> TilePlan:
     """Shared plan builder; rows are CSR rows of ``graph`` (already oriented so rows are owners)."""
     nb_own = own_layout.num_blocks
     rows = np.arange(graph.num_rows, dtype=np.int64)
@@ -154,7 +163,9 @@ def _build(kind: str, owner: str, graph: SparseGraph, own_csr, stream_csr, route
 
     # stream pages of every row: concatenation of the streamed pages of each selected block
     stream_of_nnz, len_of_nnz = gather_segments(stream_csr[0], stream_csr[1], graph.indices.astype(np.int64))
-    row_stream_len = np.bincount(graph.row_of_nnz, weights=len_of_nnz, minlength=graph.num_rows).astype(np.int64)
+    row_stream_len = np.bincount(graph.row_of_nnz, weights=len_of_nnz, minlength=graph.num_rows).astype(
+        np.int64
+    )
     row_stream_indptr = np.concatenate([[0], np.cumsum(row_stream_len)])
 
     # one work item per (row, owner tile)
@@ -177,8 +188,10 @@ def _build(kind: str, owner: str, graph: SparseGraph, own_csr, stream_csr, route
     stream_pages, stream_len = gather_segments(row_stream_indptr, stream_of_nnz, work_row)
     stream_indptr = np.concatenate([[0], np.cumsum(stream_len)])
     if stream_indptr[-1] > INT32_MAX:
-        raise PlanError(f"plan streams {int(stream_indptr[-1])} pages, more than int32 indexing allows; "
-                        "split the heads into several plans")
+        raise PlanError(
+            f"plan streams {int(stream_indptr[-1])} pages, more than int32 indexing allows; "
+            "split the heads into several plans"
+        )
     return TilePlan(
         kind=kind,
         owner=owner,
@@ -225,5 +238,6 @@ def kpage_plan(graph: SparseGraph, route="auto", owner: str = "q") -> TilePlan:
     g = _oriented(graph, owner)
     block_route = kpage_route_of_block(g.q.live_pages, route)
     route_of_row = np.tile(block_route, g.heads)
-    return _build("kpage", owner, g, _live_page_csr(g.q), _live_page_csr(g.k), KPAGE_ROUTES,
-                  route_of_row, g.q, g.k)
+    return _build(
+        "kpage", owner, g, _live_page_csr(g.q), _live_page_csr(g.k), KPAGE_ROUTES, route_of_row, g.q, g.k
+    )

@@ -96,7 +96,7 @@ class _SlotIndex:
         self.k_slots = np.flatnonzero(k.valid)
 
     def q_rows(self, block: int) -> np.ndarray:
-        return self.q_slots[self.q_ptr[block]:self.q_ptr[block + 1]]
+        return self.q_slots[self.q_ptr[block] : self.q_ptr[block + 1]]
 
     def k_cols(self, head: int, block: int) -> np.ndarray:
         """Valid K slots of every K block selected by Q block ``block`` of ``head`` (unique, sorted)."""

@@ -13,10 +13,25 @@ Names are imported lazily, so ``python -m sparseattn.pageweaver.<module>`` runs 
 import importlib
 
 _EXPORTS = {
-    "captures": ("BUILTIN_CAPTURES", "Capture", "CaptureError", "GeneratorConfig", "builtin_capture_paths",
-                 "builtin_config", "capture_stats", "generate_capture", "load_capture"),
-    "grouping": ("Grouping", "GroupingError", "adjacent_groups", "affinity_groups", "union_sizes",
-                 "validate_grouping"),
+    "captures": (
+        "BUILTIN_CAPTURES",
+        "Capture",
+        "CaptureError",
+        "GeneratorConfig",
+        "builtin_capture_paths",
+        "builtin_config",
+        "capture_stats",
+        "generate_capture",
+        "load_capture",
+    ),
+    "grouping": (
+        "Grouping",
+        "GroupingError",
+        "adjacent_groups",
+        "affinity_groups",
+        "union_sizes",
+        "validate_grouping",
+    ),
     "quest": ("quest_select",),
     "analysis": ("analyze_capture", "analyze_captures", "grouping_counts"),
 }

@@ -108,13 +108,20 @@ def analyze_capture(
         "union4_mean": stats["union4_mean"],
     }
     rows = []
-    for name, grouping, ms in (("per_query", None, 0.0), ("adjacent", adj, 1e3 * (t1 - t0)),
-                               ("affinity", aff, 1e3 * (t2 - t1))):
+    for name, grouping, ms in (
+        ("per_query", None, 0.0),
+        ("adjacent", adj, 1e3 * (t1 - t0)),
+        ("affinity", aff, 1e3 * (t2 - t1)),
+    ):
         row = dict(base, grouping=name)
         row["group_size"] = 1 if grouping is None else int(group_size)
         row["window"] = int(window) if name == "affinity" else None
         row["max_union"] = max_union if name == "affinity" else None
-        row["tile_rows"] = f"R={PER_QUERY_TILE_ROWS}" if grouping is None else f"M_g={UNION_TILE_ROWS}*ceil(n_g/{UNION_TILE_ROWS})"
+        row["tile_rows"] = (
+            f"R={PER_QUERY_TILE_ROWS}"
+            if grouping is None
+            else f"M_g={UNION_TILE_ROWS}*ceil(n_g/{UNION_TILE_ROWS})"
+        )
         row.update(grouping_counts(cap, grouping))
         row["grouping_ms_cpu"] = ms
         rows.append(row)
@@ -147,9 +154,18 @@ def analyze_captures(
 
 
 TABLE_COLUMNS = (
-    ("capture", "{}"), ("grouping", "{}"), ("queries", "{}"), ("k", "{}"), ("page_loads", "{:,}"),
-    ("physical_pairs", "{:,}"), ("occupancy", "{:.3f}"), ("mean_union", "{:.1f}"), ("p90_union", "{:.0f}"),
-    ("load_ratio_vs_per_query", "{:.2f}x"), ("load_ratio_vs_adjacent", "{:.3f}x"), ("grouping_ms_cpu", "{:.1f}"),
+    ("capture", "{}"),
+    ("grouping", "{}"),
+    ("queries", "{}"),
+    ("k", "{}"),
+    ("page_loads", "{:,}"),
+    ("physical_pairs", "{:,}"),
+    ("occupancy", "{:.3f}"),
+    ("mean_union", "{:.1f}"),
+    ("p90_union", "{:.0f}"),
+    ("load_ratio_vs_per_query", "{:.2f}x"),
+    ("load_ratio_vs_adjacent", "{:.3f}x"),
+    ("grouping_ms_cpu", "{:.1f}"),
 )
 
 
@@ -168,8 +184,13 @@ def _commit() -> str:
     if os.environ.get("SPARSEATTN_COMMIT"):
         return os.environ["SPARSEATTN_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -177,8 +198,12 @@ def _commit() -> str:
 def main(argv=None) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(description="PageWeaver capture analysis (per-query vs adjacent vs affinity)")
-    ap.add_argument("captures", nargs="*", help="capture .npz paths or built-in names (default: the six built-ins)")
+    ap = argparse.ArgumentParser(
+        description="PageWeaver capture analysis (per-query vs adjacent vs affinity)"
+    )
+    ap.add_argument(
+        "captures", nargs="*", help="capture .npz paths or built-in names (default: the six built-ins)"
+    )
     ap.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE)
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     ap.add_argument("--max-union", type=int, default=None)
@@ -189,11 +214,15 @@ def main(argv=None) -> None:
     elapsed = time.perf_counter() - t0
     if args.json:
         doc = {
-            "command": "python -m sparseattn.pageweaver.analysis " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m sparseattn.pageweaver.analysis "
+            + " ".join(sys.argv[1:] if argv is None else argv),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "commit": _commit(),
-            "counting": {"per_query_tile_rows": PER_QUERY_TILE_ROWS, "union_tile_rows": UNION_TILE_ROWS,
-                         "rule": __doc__.split("Counting rules")[1].strip()},
+            "counting": {
+                "per_query_tile_rows": PER_QUERY_TILE_ROWS,
+                "union_tile_rows": UNION_TILE_ROWS,
+                "rule": __doc__.split("Counting rules")[1].strip(),
+            },
             "analysis_seconds": elapsed,
             "rows": rows,
         }

@@ -234,6 +234,7 @@ def adjacent_jaccard(capture: Capture) -> np.ndarray:
 def capture_stats(capture: Capture) -> dict:
     """The calibration statistics: mean adjacent Jaccard, mean distinct pages of 4 and 8 adjacent queries
     (``None`` where the capture is too short)."""
+
     def mean(x):
         return float(x.mean()) if x.size else None
 

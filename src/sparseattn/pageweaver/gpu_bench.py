@@ -71,6 +71,7 @@ def bench_capture(name, group_size, window, max_union, reps, log) -> dict:
     pages = cp.asarray(cap.pages)
     got = affinity_groups_device(pages, cap.num_pages, group_size, window, max_union).to_host()
     equal = bool(np.array_equal(got.ids, ref.ids) and np.array_equal(got.offsets, ref.offsets))
+
     def call():
         return affinity_groups_device(pages, cap.num_pages, group_size, window, max_union)
 
@@ -78,15 +79,31 @@ def bench_capture(name, group_size, window, max_union, reps, log) -> dict:
     pipelined_ms, host_ms = time_pipelined(call, reps)
     counts = grouping_counts(cap, got)
     rec = {
-        "workload": cap.name, "impl": "pw_grouping_gpu", "pass": "grouping", "heads": 1, "head_dim": None,
-        "time_ms": ms, "useful_pairs": counts["useful_pairs"], "physical_pairs": counts["physical_pairs"],
-        "correct": equal, "queries": cap.num_queries, "k": cap.k, "context": cap.context,
-        "group_size": group_size, "window": window, "max_union": max_union, "groups": got.num_groups,
-        "page_loads": counts["page_loads"], "cpu_reference_ms": cpu_ms,
-        "pipelined_ms": pipelined_ms, "host_enqueue_ms": host_ms,
+        "workload": cap.name,
+        "impl": "pw_grouping_gpu",
+        "pass": "grouping",
+        "heads": 1,
+        "head_dim": None,
+        "time_ms": ms,
+        "useful_pairs": counts["useful_pairs"],
+        "physical_pairs": counts["physical_pairs"],
+        "correct": equal,
+        "queries": cap.num_queries,
+        "k": cap.k,
+        "context": cap.context,
+        "group_size": group_size,
+        "window": window,
+        "max_union": max_union,
+        "groups": got.num_groups,
+        "page_loads": counts["page_loads"],
+        "cpu_reference_ms": cpu_ms,
+        "pipelined_ms": pipelined_ms,
+        "host_enqueue_ms": host_ms,
     }
-    log(f"{cap.name:8s} Q={cap.num_queries:6d} k={cap.k:2d} cap={max_union!s:>4s}  gpu {ms:7.4f} ms (pipelined {pipelined_ms:7.4f}, host enqueue {host_ms:6.4f})  "
-        f"cpu ref {cpu_ms:8.1f} ms  groups {got.num_groups:6d}  loads {counts['page_loads']:8d}  equal={equal}")
+    log(
+        f"{cap.name:8s} Q={cap.num_queries:6d} k={cap.k:2d} cap={max_union!s:>4s}  gpu {ms:7.4f} ms (pipelined {pipelined_ms:7.4f}, host enqueue {host_ms:6.4f})  "
+        f"cpu ref {cpu_ms:8.1f} ms  groups {got.num_groups:6d}  loads {counts['page_loads']:8d}  equal={equal}"
+    )
     return rec
 
 
@@ -110,7 +127,9 @@ def main(argv=None) -> int:
 
     gpu = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
     gpu = gpu.decode() if isinstance(gpu, bytes) else str(gpu)
-    log(f"gpu {gpu}; group_size {args.group_size}, window {args.window}, reps {args.reps} (median of CUDA events)")
+    log(
+        f"gpu {gpu}; group_size {args.group_size}, window {args.window}, reps {args.reps} (median of CUDA events)"
+    )
     records = []
     for name in args.captures:
         records.append(bench_capture(name, args.group_size, args.window, None, args.reps, log))
@@ -118,8 +137,11 @@ def main(argv=None) -> int:
         k = load_capture(name).k
         records.append(bench_capture(name, args.group_size, args.window, 2 * k, args.reps, log))
     doc = {
-        "gpu": gpu, "commit": _commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m sparseattn.pageweaver.gpu_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "gpu": gpu,
+        "commit": _commit(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m sparseattn.pageweaver.gpu_bench "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "records": records,
     }
     (out / "pageweaver_grouping_gpu.json").write_text(json.dumps(doc, indent=1))

@@ -107,7 +107,9 @@ def validate_grouping(grouping: Grouping, num_queries: int, group_size: int | No
         raise GroupingError(f"offsets: group {int(np.flatnonzero(sizes <= 0)[0])} is empty")
     cap = grouping.group_size if group_size is None else group_size
     if (sizes > cap).any():
-        raise GroupingError(f"offsets: group {int(np.flatnonzero(sizes > cap)[0])} has more than {cap} queries")
+        raise GroupingError(
+            f"offsets: group {int(np.flatnonzero(sizes > cap)[0])} has more than {cap} queries"
+        )
     if ids.size and (ids.min() < 0 or ids.max() >= num_queries):
         raise GroupingError(f"ids: query id out of range [0, {num_queries})")
     if np.bincount(ids, minlength=num_queries).max(initial=1) != 1:

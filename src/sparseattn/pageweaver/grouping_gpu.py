@@ -110,12 +110,28 @@ def affinity_groups_device(
     cap = np.int64(2**62 if max_union is None else max_union)
     words = max(1, -(-int(num_pages) // 32))
     search(
-        (nW,), (threads,),
-        (pages, np.int32(Q), np.int32(k), np.int32(num_pages), np.int32(words), np.int32(W), np.int32(G), cap,
-         ids, group_start, window_groups),
+        (nW,),
+        (threads,),
+        (
+            pages,
+            np.int32(Q),
+            np.int32(k),
+            np.int32(num_pages),
+            np.int32(words),
+            np.int32(W),
+            np.int32(G),
+            cap,
+            ids,
+            group_start,
+            window_groups,
+        ),
         shared_mem=smem,
     )
-    scan((1,), (SCAN_THREADS,), (window_groups, group_start, np.int32(nW), np.int32(W), np.int32(Q), offsets, num_groups))
+    scan(
+        (1,),
+        (SCAN_THREADS,),
+        (window_groups, group_start, np.int32(nW), np.int32(W), np.int32(Q), offsets, num_groups),
+    )
     return DeviceGrouping(ids, offsets, num_groups, G, max_groups)
 
 

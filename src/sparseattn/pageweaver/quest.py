@@ -65,7 +65,9 @@ def quest_select(
     if q.ndim != 3:
         raise CaptureError(f"q must be [Q, d] or [Q, h, d], got shape {q.shape}")
     if keys.ndim != 2 or keys.shape[1] != q.shape[2]:
-        raise CaptureError(f"keys must be [L, d] with d = {q.shape[2]} (q's head dim), got shape {keys.shape}")
+        raise CaptureError(
+            f"keys must be [L, d] with d = {q.shape[2]} (q's head dim), got shape {keys.shape}"
+        )
     if stat not in STATS:
         raise CaptureError(f"stat must be one of {STATS}, got {stat!r}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
@@ -88,12 +90,14 @@ def quest_select(
     page = np.arange(n)
     m = min(k, n)
     for q0 in range(0, Q, chunk):
-        qc = q[q0:q0 + chunk].astype(np.float64)
+        qc = q[q0 : q0 + chunk].astype(np.float64)
         if stat == "maxmin":
-            score = np.einsum("qhd,pd->qp", np.maximum(qc, 0), a) + np.einsum("qhd,pd->qp", np.minimum(qc, 0), b)
+            score = np.einsum("qhd,pd->qp", np.maximum(qc, 0), a) + np.einsum(
+                "qhd,pd->qp", np.minimum(qc, 0), b
+            )
         else:
             score = np.einsum("qhd,pd->qp", qc, a)
-        cur = (positions[q0:q0 + chunk] // page_size)[:, None]
+        cur = (positions[q0 : q0 + chunk] // page_size)[:, None]
         forced = (page < sink_pages) | ((page > cur - local_pages) & (page <= cur))
         score = np.where(forced, np.inf, score)
         if causal:
@@ -101,8 +105,17 @@ def quest_select(
         top = np.argpartition(-score, m - 1, axis=1)[:, :m]
         ok = np.take_along_axis(score, top, axis=1) > -np.inf
         sel = np.sort(np.where(ok, top, n), axis=1)
-        pages[q0:q0 + chunk, :m] = np.where(sel < n, sel, -1)
-    meta = {"selector": {"kind": "quest", "stat": stat, "k": int(k), "heads": int(q.shape[1]),
-                         "sink_pages": int(sink_pages), "local_pages": int(local_pages)}}
-    return Capture(pages=pages, positions=positions, context=L, page_size=page_size, causal=causal, name=name,
-                   meta=meta)
+        pages[q0 : q0 + chunk, :m] = np.where(sel < n, sel, -1)
+    meta = {
+        "selector": {
+            "kind": "quest",
+            "stat": stat,
+            "k": int(k),
+            "heads": int(q.shape[1]),
+            "sink_pages": int(sink_pages),
+            "local_pages": int(local_pages),
+        }
+    }
+    return Capture(
+        pages=pages, positions=positions, context=L, page_size=page_size, causal=causal, name=name, meta=meta
+    )
