@@ -206,6 +206,36 @@ def test_delayed_progress_starts_only_after_the_delay():
     assert p._started
 
 
+def test_progress_lines_when_stderr_is_not_a_terminal(fake_workloads):
+    stream = io.StringIO()
+    workloads = list(fake_workloads.WORKLOADS.values())
+    with cli.AnalysisProgress(workloads, delay=0.0, stream=stream) as progress:
+        progress(workloads[0], 1)  # a slice: no line yet
+        progress(workloads[0], workloads[0].heads)
+        progress(workloads[1], workloads[1].heads)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert "tiles384" in lines[0] and "[1/2 workloads" in lines[0] and "[2/2 workloads" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("missing/capacity.png", "does not exist"),
+        ("capacity.txt", "unsupported file type"),
+        ("dir.png", "is a folder"),
+    ],
+    ids=["no-folder", "bad-suffix", "a-folder"],
+)
+def test_plot_path_is_checked_before_the_analysis(
+    capsys, fake_workloads, monkeypatch, tmp_path, name, needle
+):
+    monkeypatch.setattr(cli, "analyze_with_progress", lambda *a, **k: pytest.fail("analysis ran"))
+    (tmp_path / "dir.png").mkdir()
+    code, _, err = run_cli(capsys, "analyze", "--plot", str(tmp_path / name))
+    assert_one_line_error(code, err, 2, "--plot", needle)
+
+
 # --- errors --------------------------------------------------------------------------------------------
 def test_unknown_workload_is_a_one_line_error(capsys, fake_workloads):
     code, out, err = run_cli(capsys, "analyze", "--workload", "nope")

@@ -234,3 +234,38 @@ def test_builtin_seed_determinism(name):
     assert np.array_equal(a.indptr, b.indptr) and np.array_equal(a.indices, b.indices)
     assert np.array_equal(a.k.valid, b.k.valid)
     assert not (np.array_equal(a.indices, c.indices) and np.array_equal(a.k.valid, c.k.valid))
+
+
+SMALL = {
+    "sta": Selection("sta", window=((1, 1, 1), (2, 2, 2), (1, 2, 2))),
+    "ssta": Selection("ssta", window=(1, 1, 1), topk=2),
+    "vsa": Selection("vsa", topk=3),
+    "svg2": Selection("svg2", q_clusters=5, k_clusters=7),
+    "random": Selection("random", density=0.3),
+    "blocks": Selection("blocks", blocks=[[0, 0, 1], [1, 2, 0], [2, 1, 1]]),
+}
+
+
+@pytest.mark.parametrize("kind", list(SMALL))
+def test_head_slices_equal_the_whole_build(kind):
+    tile = None if kind == "svg2" else (2, 4, 4)
+    w = Workload("small", "", 3, 1, 64, (4, 8, 8), tile, SMALL[kind], block_size=32)
+    whole = w.graphs(seed=5)
+    masks = np.concatenate([g.block_mask() for g in whole]) if kind != "svg2" else None
+    for heads in ([2], [0, 2], [2, 1]):
+        part = w.graphs(seed=5, heads=heads)
+        if kind == "svg2":
+            for g, h in zip(part, heads):
+                assert np.array_equal(g.indices, whole[h].indices)
+                assert np.array_equal(g.q.token_slot, whole[h].q.token_slot)
+        else:
+            (g,) = part
+            assert np.array_equal(g.block_mask(), masks[heads])
+
+
+def test_heads_beyond_a_fixed_head_count_are_refused():
+    w = Workload("small", "", 3, 1, 64, (4, 8, 8), (2, 4, 4), SMALL["sta"], block_size=32)
+    with pytest.raises(WorkloadError, match="heads"):
+        w.graphs(heads=[3])
+    with pytest.raises(WorkloadError, match="heads"):
+        w.graphs(heads=[1, 1])

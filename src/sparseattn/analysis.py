@@ -18,6 +18,7 @@ segment sums over the graph's CSR arrays.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -346,16 +347,95 @@ def analyze_workload(workload, seed: int = 0, route="auto") -> OccupancyReport:
     )
 
 
+#: Heads per task when a workload is analysed in slices (:func:`analyze_workloads`).
+HEADS_PER_SLICE = 4
+#: Below this estimated work (token-heads, SVG2 counted 4x) everything runs in the calling process.
+PARALLEL_MIN_WORK = 4_000_000
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """Heads ``heads`` (None: all, in one piece) of ``workloads[index]``: one task."""
+
+    index: int
+    workload: object
+    heads: tuple | None
+    cost: float
+
+
+def _slices(workloads: list) -> list[_Slice]:
+    from .workloads import Workload  # here: the analysis itself does not depend on workloads
+
+    out = []
+    for index, w in enumerate(workloads):
+        if not isinstance(w, Workload):  # any object with graphs(seed=...): one piece
+            out.append(_Slice(index, w, None, 0.0))
+            continue
+        per_head = w.num_tokens * (4.0 if w.per_head_layouts else 1.0)
+        for lo in range(0, w.heads, HEADS_PER_SLICE):
+            heads = tuple(range(lo, min(lo + HEADS_PER_SLICE, w.heads)))
+            out.append(_Slice(index, w, heads, per_head * len(heads)))
+    return out
+
+
+def _analyze_slice(task) -> tuple[PairCounts, BlockFill]:
+    part, seed, route = task
+    w = part.workload
+    graphs = w.graphs(seed=seed) if part.heads is None else w.graphs(seed=seed, heads=part.heads, workers=1)
+    report = analyze_graphs(graphs, getattr(w, "name", ""), route=route)
+    return report.counts, report.fill
+
+
 def analyze_workloads(
-    workloads, seed: int = 0, route="auto", on_done: Callable | None = None
+    workloads, seed: int = 0, route="auto", workers: int | None = None, on_progress: Callable | None = None
 ) -> list[OccupancyReport]:
-    """:func:`analyze_workload` of each workload, in order; ``on_done(workload)`` after each one."""
+    """:func:`analyze_workload` of each workload, in order, on ``workers`` processes.
+
+    Built-in and layout-file workloads are cut into slices of :data:`HEADS_PER_SLICE` heads that run
+    in parallel (:func:`sparseattn.parallel.run_tasks`); the counts are the same as one piece.
+    Small jobs stay in this process. ``on_progress(workload, heads_done)`` follows every slice (from
+    any thread; ``heads_done`` of ``workload.heads``).
+    """
+    from .parallel import run_tasks
+
     parse_route(route)
+    workloads = list(workloads)
+    slices = _slices(workloads)
+    if sum(s.cost for s in slices) < PARALLEL_MIN_WORK:
+        workers = 1
+    order = sorted(range(len(slices)), key=lambda i: -slices[i].cost)
+    done_heads = [0] * len(workloads)
+    lock = threading.Lock()
+
+    def done(k: int) -> None:
+        part = slices[order[k]]
+        with lock:
+            w = workloads[part.index]
+            done_heads[part.index] += len(part.heads) if part.heads else getattr(w, "heads", 1)
+            heads_done = done_heads[part.index]
+        if on_progress is not None:
+            on_progress(w, heads_done)
+
+    results = run_tasks(
+        _analyze_slice, [(slices[i], seed, route) for i in order], workers=workers, on_done=done
+    )
+    by_slice = dict(zip(order, results))
     reports = []
-    for w in workloads:
-        reports.append(analyze_workload(w, seed=seed, route=route))
-        if on_done is not None:
-            on_done(w)
+    for index, w in enumerate(workloads):
+        parts = [by_slice[i] for i, s in enumerate(slices) if s.index == index]
+        fill = parts[0][1]
+        for _, f in parts[1:]:
+            fill = fill + f
+        reports.append(
+            OccupancyReport(
+                w.name,
+                int(getattr(w, "layers", 1)),
+                PairCounts.concat([c for c, _ in parts]),
+                fill,
+                getattr(w, "head_dim", None),
+                getattr(w, "description", ""),
+            )
+        )
     return reports
 
 

@@ -4,6 +4,8 @@ Every builder returns :class:`~sparseattn.graph.SparseGraph` objects whose pairs
 K block are dropped. Data-dependent builders (:func:`ssta_graph`, :func:`vsa_graph`,
 :func:`svg2_graph`) score blocks from user ``q``/``k`` (float ``[heads, tokens, d]``, tokens in the
 latent's raster order) when given, else from the seeded generator of :mod:`sparseattn.synthetic`.
+Their ``heads`` is a count or a list of head ids (:func:`head_ids`); head ``h`` comes out the same
+whichever other heads are built with it, so large workloads can be built in slices of heads.
 
 Selections are made at the *group* level (a tile, a VSA cube, an SVG2 cluster) and expanded to every
 (Q block, K block) pair of the two groups: a 6×8×8 = 384-slot tile is three 128-slot blocks, so one
@@ -18,7 +20,6 @@ from __future__ import annotations
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 
 import numpy as np
 import scipy.sparse as sp
@@ -26,17 +27,8 @@ from scipy.cluster.vq import kmeans2
 
 from .graph import GraphError, SparseGraph
 from .layouts import BlockLayout, VideoGrid, partition_layout, video_layout
+from .parallel import single_threaded_blas
 from .synthetic import synthetic_head_factors
-
-try:
-    from threadpoolctl import threadpool_limits
-except ImportError:  # optional: without it BLAS keeps its own thread count
-    threadpool_limits = None
-
-
-def _single_threaded_blas():
-    return threadpool_limits(1, user_api="blas") if threadpool_limits is not None else nullcontext()
-
 
 class BuilderError(ValueError):
     """A builder argument is invalid; the message names the argument."""
@@ -59,6 +51,42 @@ def _fraction(name: str, value, low_open: bool = True) -> float:
     if not (0.0 < v <= 1.0 if low_open else 0.0 <= v <= 1.0):
         raise BuilderError(f"{name} must be in {'(0, 1]' if low_open else '[0, 1]'}, got {value!r}")
     return v
+
+
+def head_ids(heads, available: int | None = None) -> np.ndarray:
+    """int64 ``[n]``: the heads to build — ``0..heads-1`` for a count, else the given head ids.
+
+    Ids must be distinct non-negative integers (below ``available`` when given: the heads of user
+    ``q``/``k``). Head ``h`` of a builder is the same whatever other heads are built with it.
+    """
+    if isinstance(heads, (int, np.integer)) and not isinstance(heads, bool):
+        ids = np.arange(_positive_int("heads", heads), dtype=np.int64)
+    else:
+        try:
+            ids = np.asarray(heads)
+        except (TypeError, ValueError):
+            ids = None
+        if ids is None or ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise BuilderError(f"heads must be a positive integer or a list of head ids, got {heads!r}")
+        ids = ids.astype(np.int64)
+        if ids.min() < 0 or np.unique(ids).size != ids.size:
+            raise BuilderError(f"head ids must be distinct and non-negative, got {heads!r}")
+    if available is not None and ids.max() >= available:
+        raise BuilderError(f"heads asks for head {int(ids.max())} but q holds only {available} heads")
+    return ids
+
+
+def head_windows(window, tiles_per_axis, ids: np.ndarray) -> np.ndarray:
+    """int64 ``[len(ids), 3]``: the window of each head in ``ids``.
+
+    ``window`` is one triple for every head or one triple per head (row ``h`` for head ``h``).
+    """
+    win = check_window(window, tiles_per_axis)
+    if win.shape[0] == 1:
+        return np.repeat(win, ids.size, axis=0)
+    if ids.max() >= win.shape[0]:
+        raise BuilderError(f"window has {win.shape[0]} per-head triples, no window for head {int(ids.max())}")
+    return win[ids]
 
 
 def check_window(window, tiles_per_axis, heads: int | None = None) -> np.ndarray:
@@ -162,12 +190,12 @@ def _graph_from_rows(
 ) -> SparseGraph:
     """CSR graph from ``per_head_rows[h]`` int ``[q.num_blocks, m]`` K blocks per Q block (m may be 0).
 
-    Rows of empty Q blocks are left empty; K blocks must be non-empty and distinct within a row.
+    Rows of empty Q blocks are left empty; K blocks must be non-empty, distinct and ascending within a
+    row (as :func:`_topk_rows` returns them).
     """
     q_alive = q.valid_rows > 0
     lens, cols = [], []
     for sel in per_head_rows:
-        sel = np.sort(sel, axis=1)
         lens.append(np.where(q_alive, sel.shape[1], 0))
         cols.append(sel[q_alive].ravel())
     indptr = np.concatenate([[0], np.cumsum(np.concatenate(lens))])
@@ -183,7 +211,7 @@ class _Features:
         if (q is None) != (k is None):
             raise BuilderError("give both q and k, or neither (then synthetic features are used)")
         if q is None:
-            self.heads = _positive_int("heads", heads)
+            self.ids = head_ids(1 if heads is None else heads)
             self.head_dim = _positive_int("head_dim", head_dim)
             if num_tokens_q != num_tokens_k:
                 raise BuilderError("synthetic features need the same tokens on Q and K")
@@ -199,10 +227,14 @@ class _Features:
                 raise BuilderError(f"{label} has {arr.shape[1]} tokens, the layout has {n}")
         if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
             raise BuilderError(f"q {q.shape} and k {k.shape} must agree in heads and head_dim")
-        self.heads = q.shape[0] if heads is None else _positive_int("heads", heads)
-        if self.heads > q.shape[0]:
-            raise BuilderError(f"heads={self.heads} but q holds only {q.shape[0]} heads")
+        if isinstance(heads, (int, np.integer)) and not isinstance(heads, bool) and heads > q.shape[0]:
+            raise BuilderError(f"heads={heads} but q holds only {q.shape[0]} heads")
+        self.ids = head_ids(q.shape[0] if heads is None else heads, available=q.shape[0])
         self.q, self.k, self.head_dim = q, k, q.shape[2]
+
+    @property
+    def heads(self) -> int:
+        return int(self.ids.size)
 
     def head(self, h: int):
         """``(q_h, k_h)`` float32 ``[tokens, r]``; dot products equal the full features' ones."""
@@ -227,22 +259,23 @@ def _video_features(grid, tile, block_size, padding, q, k, heads, head_dim, seed
     """(layout, grid, features) of a video builder whose Q and K share one tile layout."""
     layout, vg = _video(grid, tile, block_size, padding)
     n = layout.num_tokens
-    feats = _Features(q, k, 1 if heads is None and q is None else heads, n, n, head_dim, seed, grid=vg.grid)
+    feats = _Features(q, k, heads, n, n, head_dim, seed, grid=vg.grid)
     return layout, vg, feats
 
 
-def _map_heads(fn, heads: int, workers: int | None):
-    """``[fn(h) for h in range(heads)]`` on a thread pool, BLAS single-threaded inside.
+def _map_heads(fn, ids: np.ndarray, workers: int | None):
+    """``[fn(h) for h in ids]`` on a thread pool, BLAS single-threaded inside.
 
     The per-head work is many small matrix products: one BLAS thread per head and one head per core
     is about 2x faster on 2 cores than multi-threaded BLAS over heads one by one.
     """
-    workers = min(heads, os.cpu_count() or 1) if workers is None else _positive_int("workers", workers)
-    with _single_threaded_blas():
+    ids = [int(h) for h in ids]
+    workers = min(len(ids), os.cpu_count() or 1) if workers is None else _positive_int("workers", workers)
+    with single_threaded_blas():
         if workers == 1:
-            return [fn(h) for h in range(heads)]
+            return [fn(h) for h in ids]
         with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(fn, range(heads)))
+            return list(pool.map(fn, ids))
 
 
 # --- STA / SSTA -----------------------------------------------------------------------------------
@@ -283,7 +316,7 @@ def sta_graph(
     grid,
     tile,
     window,
-    heads: int = 1,
+    heads=1,
     block_size: int = 128,
     padding: str = "prefix",
     clamp: bool = True,
@@ -292,11 +325,15 @@ def sta_graph(
     """STA: every Q tile attends to a ``window`` (in tiles, ``(wt, wh, ww)``) of K tiles.
 
     ``window`` is one triple for all heads or ``[heads, 3]`` (per-head windows, as STA's calibrated
-    mask strategies). See :func:`sta_tile_pairs` for the border rule (``clamp``).
+    mask strategies). See :func:`sta_tile_pairs` for the border rule (``clamp``). ``heads``: a count,
+    or the ids of the heads to build (rows of a per-head ``window``).
     """
-    heads = _positive_int("heads", heads)
+    ids = head_ids(heads)
     layout, vg = _video(grid, tile, block_size, padding)
-    win = check_window(window, vg.tiles_per_axis, heads)
+    if isinstance(heads, (int, np.integer)):
+        check_window(window, vg.tiles_per_axis, ids.size)
+    win = head_windows(window, vg.tiles_per_axis, ids)
+    heads = ids.size
     nt = vg.num_tiles
     masks = {}
     for w in map(tuple, win):
@@ -311,14 +348,28 @@ def sta_graph(
 
 
 def _topk_rows(scores: np.ndarray, topk: int, alive_cols: np.ndarray) -> np.ndarray:
-    """int64 ``[rows, min(topk, alive)]``: the highest-scoring alive columns of each row (unsorted)."""
+    """int64 ``[rows, min(topk, alive)]``: the highest-scoring alive columns of each row, ascending.
+
+    Rows whose ``m``-th highest score is tied with another column take ``np.argpartition``'s choice;
+    every other row has a unique top-``m`` set, found here from one value partition and a threshold
+    (about twice as fast as ``argpartition`` and already sorted by column).
+    """
     m = min(int(topk), int(alive_cols.sum()))
+    rows = scores.shape[0]
     if m == 0:
-        return np.zeros((scores.shape[0], 0), dtype=np.int64)
-    scores = np.where(alive_cols[None, :], scores, -np.inf)
-    if m == scores.shape[1]:
-        return np.broadcast_to(np.arange(m), scores.shape).copy()
-    return np.argpartition(-scores, m - 1, axis=1)[:, :m].astype(np.int64)
+        return np.zeros((rows, 0), dtype=np.int64)
+    neg = np.where(alive_cols[None, :], -scores, np.inf)
+    if m == neg.shape[1]:
+        return np.broadcast_to(np.arange(m, dtype=np.int64), neg.shape).copy()
+    kth = np.partition(neg, m - 1, axis=1)[:, m - 1 : m]
+    chosen = neg <= kth
+    tied = np.flatnonzero(np.count_nonzero(chosen, axis=1) != m)
+    if tied.size:
+        chosen[tied] = False
+        picks = np.argpartition(neg[tied], m - 1, axis=1)[:, :m]
+        chosen[tied[:, None], picks] = True
+    flat = np.flatnonzero(chosen).reshape(rows, m)
+    return flat - (np.arange(rows, dtype=np.int64) * neg.shape[1])[:, None]
 
 
 def ssta_graph(
@@ -326,7 +377,7 @@ def ssta_graph(
     tile,
     window,
     topk: int,
-    heads: int | None = None,
+    heads=None,
     block_size: int = 128,
     padding: str = "prefix",
     q=None,
@@ -344,11 +395,13 @@ def ssta_graph(
     """
     topk = _positive_int("topk", topk)
     layout, vg, feats = _video_features(grid, tile, block_size, padding, q, k, heads, head_dim, seed)
-    win = check_window(window, vg.tiles_per_axis, feats.heads)
+    if heads is None or isinstance(heads, (int, np.integer)):
+        check_window(window, vg.tiles_per_axis, feats.heads)
+    win = dict(zip(feats.ids.tolist(), map(tuple, head_windows(window, vg.tiles_per_axis, feats.ids))))
     nt = vg.num_tiles
     groups = token_groups(layout, "group")
     windows = {}
-    for w in set(map(tuple, win)):
+    for w in set(win.values()):
         mask = np.zeros((nt, nt), dtype=bool)
         mask[sta_tile_pairs(vg.tiles_per_axis, w, clamp)] = True
         windows[w] = mask
@@ -358,11 +411,11 @@ def ssta_graph(
         qm, _ = group_means(groups, qh, nt)
         km, kc = group_means(groups, kh, nt)
         sel = _topk_rows(qm @ km.T, topk, kc > 0)
-        mask = windows[tuple(win[h % win.shape[0]])].copy()
+        mask = windows[win[h]].copy()
         mask[np.arange(nt)[:, None], sel] = True
         return mask
 
-    return graph_from_group_masks(layout, layout, _map_heads(one_head, feats.heads, workers), name, nt, nt)
+    return graph_from_group_masks(layout, layout, _map_heads(one_head, feats.ids, workers), name, nt, nt)
 
 
 # --- VSA ------------------------------------------------------------------------------------------
@@ -370,7 +423,7 @@ def vsa_graph(
     grid,
     tile,
     topk: int,
-    heads: int | None = None,
+    heads=None,
     block_size: int = 64,
     padding: str = "prefix",
     q=None,
@@ -398,7 +451,7 @@ def vsa_graph(
         km, _ = group_means(blocks, kh, nb)
         return _topk_rows(qm @ km.T, topk, alive)
 
-    return _graph_from_rows(layout, layout, _map_heads(one_head, feats.heads, workers), name)
+    return _graph_from_rows(layout, layout, _map_heads(one_head, feats.ids, workers), name)
 
 
 # --- SVG2 -----------------------------------------------------------------------------------------
@@ -410,13 +463,22 @@ def _kmeans_pp_init(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarr
     idx[0] = rng.integers(n)
     d2 = np.maximum(sq - 2.0 * (x @ x[idx[0]]) + sq[idx[0]], 0.0)
     u = rng.random(k)
+    cum = np.empty(n)
+    d2_new = np.empty(n)
     for i in range(1, k):
-        c = np.cumsum(d2)
-        if c[-1] <= 0:  # fewer distinct points than clusters: the rest repeat existing centres
+        np.cumsum(d2, out=cum)
+        if cum[-1] <= 0:  # fewer distinct points than clusters: the rest repeat existing centres
             idx[i:] = idx[rng.integers(i, size=k - i)]
             break
-        idx[i] = min(int(np.searchsorted(c, u[i] * c[-1], side="right")), n - 1)
-        np.minimum(d2, np.maximum(sq - 2.0 * (x @ x[idx[i]]) + sq[idx[i]], 0.0), out=d2)
+        j = min(int(cum.searchsorted(u[i] * cum[-1], side="right")), n - 1)
+        idx[i] = j
+        # d2_new = max(sq - 2 x·x_j + sq_j, 0), in place
+        np.matmul(x, x[j], out=d2_new)
+        d2_new *= -2.0
+        d2_new += sq
+        d2_new += sq[j]
+        np.maximum(d2_new, 0.0, out=d2_new)
+        np.minimum(d2, d2_new, out=d2)
     return x[idx].astype(np.float64)
 
 
@@ -468,7 +530,8 @@ def svg2_select(
 
     For each Q cluster ``i``: ``p_ij ∝ size_j · exp(qc_i · kc_j / sqrt(head_dim))`` over non-empty K
     clusters; keep the smallest set of highest ``p`` whose sum reaches ``top_p``, and at least
-    ``ceil(min_fraction · non-empty K clusters)``.
+    ``ceil(min_fraction · non-empty K clusters)``. Among equal ``p`` the lower cluster index goes
+    first. Pairs come in row-major order.
     """
     alive = k_sizes > 0
     n_alive = int(alive.sum())
@@ -477,18 +540,24 @@ def svg2_select(
     logits -= logits.max(axis=1, keepdims=True)
     p = np.exp(logits)
     p /= p.sum(axis=1, keepdims=True)
-    order = np.argsort(-p, axis=1, kind="stable")
-    cum = np.cumsum(np.take_along_axis(p, order, axis=1), axis=1)
+    descending = -np.sort(-p, axis=1)
+    cum = np.cumsum(descending, axis=1)
     keep = np.minimum((cum < top_p * (1 - 1e-12)).sum(axis=1) + 1, n_alive)
     keep = np.maximum(keep, min(n_alive, int(np.ceil(min_fraction * n_alive - 1e-9))))
-    chosen = np.arange(order.shape[1])[None, :] < keep[:, None]
-    i, r = np.nonzero(chosen)
-    return i.astype(np.int64), order[i, r].astype(np.int64)
+    # The first `keep` clusters by decreasing p, ties by lower index (a stable sort), without sorting
+    # indices: everything above the keep-th value, then the lowest-index clusters tied with it.
+    last = np.take_along_axis(descending, (keep - 1)[:, None], axis=1)
+    above = p > last
+    tied = p == last
+    tied_needed = keep - above.sum(axis=1)
+    chosen = above | (tied & (np.cumsum(tied, axis=1) <= tied_needed[:, None]))
+    i, j = np.nonzero(chosen)
+    return i.astype(np.int64), j.astype(np.int64)
 
 
 def svg2_graph(
     grid=None,
-    heads: int | None = None,
+    heads=None,
     q_clusters: int = 300,
     k_clusters: int = 1000,
     top_p: float = 0.9,
@@ -510,8 +579,8 @@ def svg2_graph(
     (clusters padded to whole ``block_size`` blocks). Cluster pairs are chosen by :func:`svg2_select`
     from cluster-centroid scores and expanded to all their block pairs.
 
-    Because the partitions differ per head, the result is a list of ``heads`` single-head graphs
-    (graph ``h`` is head ``h``). ``grid`` gives token positions for the synthetic features; with user
+    Because the partitions differ per head, the result is a list of single-head graphs, one per head
+    asked for (``heads`` a count: graph ``h`` is head ``h``; a list of ids: in that order). ``grid`` gives token positions for the synthetic features; with user
     ``q``/``k`` it may be None. Heads run on ``workers`` threads (default: CPU count) with BLAS
     limited to one thread each; every head has its own seeded generator, so the result does not
     depend on ``workers``.
@@ -528,7 +597,7 @@ def svg2_graph(
         grid = vg.grid
     else:
         n_q, n_k = np.shape(q)[1] if np.ndim(q) == 3 else -1, np.shape(k)[1] if np.ndim(k) == 3 else -1
-    feats = _Features(q, k, 1 if heads is None and q is None else heads, n_q, n_k, head_dim, seed, grid=grid)
+    feats = _Features(q, k, heads, n_q, n_k, head_dim, seed, grid=grid)
     for label, c, n in (("q_clusters", q_clusters, n_q), ("k_clusters", k_clusters, n_k)):
         if c > n:
             raise BuilderError(f"{label}={c} is more than the {n} tokens to cluster")
@@ -550,22 +619,28 @@ def svg2_graph(
         mask = sp.csr_matrix((np.ones(gi.size, dtype=np.int32), (gi, gj)), shape=(q_clusters, k_clusters))
         return graph_from_group_masks(q_lay, k_lay, [mask], f"{name} head {h}", q_clusters, k_clusters)
 
-    return _map_heads(one_head, feats.heads, workers)
+    return _map_heads(one_head, feats.ids, workers)
 
 
 # --- generic graphs -------------------------------------------------------------------------------
 def random_graph(
-    q: BlockLayout, k: BlockLayout, heads: int, density: float, seed: int = 0, name: str = "random"
+    q: BlockLayout, k: BlockLayout, heads, density: float, seed: int = 0, name: str = "random"
 ) -> SparseGraph:
     """Each non-empty Q block of each head selects ``max(1, round(density · non-empty K blocks))``
-    distinct non-empty K blocks uniformly at random."""
-    heads = _positive_int("heads", heads)
+    distinct non-empty K blocks uniformly at random. ``heads``: a count or a list of head ids (head
+    ``h`` draws after heads ``0..h-1`` from one generator)."""
+    ids = head_ids(heads)
     density = _fraction("density", density)
     alive = k.valid_rows > 0
     m = max(1, round(density * int(alive.sum())))
     rng = np.random.default_rng(seed)
-    rows = [_topk_rows(rng.random((q.num_blocks, k.num_blocks)), m, alive) for _ in range(heads)]
-    return _graph_from_rows(q, k, rows, name)
+    wanted = set(ids.tolist())
+    rows = {}
+    for h in range(int(ids.max()) + 1):
+        scores = rng.random((q.num_blocks, k.num_blocks))
+        if h in wanted:
+            rows[h] = _topk_rows(scores, m, alive)
+    return _graph_from_rows(q, k, [rows[h] for h in ids.tolist()], name)
 
 
 def token_mask_graph(

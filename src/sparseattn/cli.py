@@ -12,14 +12,17 @@ import importlib
 import io
 import json
 import math
+import os
 import sys
 import threading
+import time
 
 from . import __version__
 from .analysis import ROUTE_CHOICES
 
 PROG = "sparseattn"
 FORMATS = ("table", "json", "csv")
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 EXIT_USER_ERROR = 2
 EXIT_UNAVAILABLE = 1
 
@@ -200,18 +203,80 @@ def _selected_workloads(args) -> list:
     return chosen
 
 
-def analyze_with_progress(workloads: list, seed: int = 0, route: str = "auto") -> list:
-    """OccupancyReport of each workload, with a progress bar on stderr once it takes over a second."""
-    from .analysis import analyze_workload, parse_route
+class AnalysisProgress:
+    """Progress of an analysis on stderr, per slice of heads: a live bar on a terminal (after
+    ``delay`` seconds), else one line per finished workload once the work has taken ``delay``."""
 
-    parse_route(route)
-    reports = []
-    with DelayedProgress(len(workloads), "building workloads") as progress:
-        for w in workloads:
-            progress.update(description=f"building {w.name}")
-            reports.append(analyze_workload(w, seed=seed, route=route))
-            progress.update(advance=1)
-    return reports
+    def __init__(self, workloads: list, delay: float = 1.0, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        self.delay = delay
+        self.total_heads = {id(w): int(getattr(w, "heads", 1)) for w in workloads}
+        self.workloads = len(workloads)
+        self.heads_seen: dict[int, int] = {}
+        self.finished = 0
+        self.start = time.monotonic()
+        self._lock = threading.Lock()
+        heads = sum(self.total_heads.values())
+        self.bar = DelayedProgress(heads, "analysing", delay) if _is_terminal(self.stream) else None
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        return False
+
+    def __call__(self, workload, heads_done: int) -> None:
+        """One slice of ``workload`` is done; ``heads_done`` of its heads so far."""
+        with self._lock:
+            total = self.total_heads[id(workload)]
+            previous = self.heads_seen.get(id(workload), 0)
+            self.heads_seen[id(workload)] = heads_done
+            self.finished += heads_done == total
+            if self.bar is not None:
+                self.bar.update(f"{workload.name} {heads_done}/{total} heads", advance=heads_done - previous)
+            elif heads_done == total and time.monotonic() - self.start >= self.delay:
+                elapsed = time.monotonic() - self.start
+                print(
+                    f"{PROG}: analysed {workload.name} ({total} heads) "
+                    f"[{self.finished}/{self.workloads} workloads, {elapsed:.1f} s]",
+                    file=self.stream,
+                    flush=True,
+                )
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def analyze_with_progress(workloads: list, seed: int = 0, route: str = "auto") -> list:
+    """OccupancyReport of each workload (in parallel slices), with progress on stderr."""
+    from .analysis import analyze_workloads
+
+    with AnalysisProgress(workloads) as progress:
+        return analyze_workloads(workloads, seed=seed, route=route, on_progress=progress)
+
+
+def check_output_path(option: str, path: str, suffixes: tuple[str, ...]) -> None:
+    """Refuse an output file that cannot be written, before any work is done."""
+    from pathlib import Path
+
+    target = Path(path)
+    if target.suffix.lower() not in suffixes:
+        raise ValueError(f"{option}: {path}: unsupported file type; use one of {', '.join(suffixes)}")
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ValueError(f"{option}: {path}: is a folder")
+    if not folder.is_dir():
+        raise ValueError(f"{option}: {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{option}: {path}: not writable")
 
 
 def _pair_unit(largest: int) -> tuple[float, str]:
@@ -304,6 +369,8 @@ def _run_analyze(args) -> int:
         return _run_capture_analysis(args)
     from .analysis import total_record
 
+    if args.plot:
+        check_output_path("--plot", args.plot, PLOT_SUFFIXES)
     workloads = _selected_workloads(args)
     reports = analyze_with_progress(workloads, seed=args.seed, route=args.route)
     records = [r.record(multiply_layers=args.layers) for r in reports]

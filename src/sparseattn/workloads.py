@@ -21,6 +21,7 @@ from .builders import (
     BuilderError,
     block_list_graph,
     check_window,
+    head_ids,
     random_graph,
     ssta_graph,
     sta_graph,
@@ -259,36 +260,44 @@ class Workload:
         return block_list_graph(layout, layout, blocks, heads=heads, name=self.name)
 
     def build(
-        self, seed: int = 0, heads: int | None = None, q=None, k=None
+        self, seed: int = 0, heads=None, q=None, k=None, workers: int | None = None
     ) -> SparseGraph | list[SparseGraph]:
-        """The workload's sparse graph for ``heads`` heads (default: all).
+        """The workload's sparse graph for ``heads`` (default: all heads).
 
-        Returns one :class:`SparseGraph` (layouts shared by all heads), or for ``svg2`` a list of
-        single-head graphs (one per head). ``q``/``k`` (float ``[heads, tokens, d]``, raster token
-        order) replace the synthetic features of data-dependent selections.
+        ``heads`` is a count (heads ``0..heads-1``) or a list of head ids; head ``h`` is the same
+        whichever other heads are built, so a workload can be built in slices. Returns one
+        :class:`SparseGraph` (layouts shared by all heads), or for ``svg2`` a list of single-head
+        graphs (one per head). ``q``/``k`` (float ``[heads, tokens, d]``, raster token order) replace
+        the synthetic features of data-dependent selections. ``workers``: threads over heads.
         """
         sel = self.selection
         seed = int(sel.seed if sel.seed is not None else seed)
         if heads is None:
             heads = self.heads if q is None else int(np.shape(q)[0])
-        if isinstance(heads, bool) or not isinstance(heads, (int, np.integer)) or heads <= 0:
-            raise WorkloadError("heads", f"must be a positive integer, got {heads!r}")
+        try:
+            ids = head_ids(heads)
+        except BuilderError as err:
+            raise WorkloadError("heads", str(err).removeprefix("heads ")) from None
+        fixed_heads = sel.kind == "blocks" or (sel.window is not None and np.ndim(sel.window) == 2)
+        if fixed_heads and ids.max() >= self.heads:
+            raise WorkloadError(
+                "heads", f"the selection defines {self.heads} heads, asked for head {int(ids.max())}"
+            )
+        ids = ids.tolist()
         video = {"grid": self.grid, "tile": self.tile, "block_size": self.block_size, "padding": self.padding}
-        data = {"q": q, "k": k, "head_dim": self.head_dim, "seed": seed}
+        data = {"q": q, "k": k, "head_dim": self.head_dim, "seed": seed, "workers": workers}
         if sel.kind == "sta":
-            window = sel.window if np.asarray(sel.window).ndim == 1 else sel.window[:heads]
-            return sta_graph(window=window, heads=heads, clamp=sel.clamp, name=self.name, **video)
+            return sta_graph(window=sel.window, heads=ids, clamp=sel.clamp, name=self.name, **video)
         if sel.kind == "ssta":
-            window = sel.window if np.asarray(sel.window).ndim == 1 else sel.window[:heads]
             return ssta_graph(
-                window=window, topk=sel.topk, heads=heads, clamp=sel.clamp, name=self.name, **video, **data
+                window=sel.window, topk=sel.topk, heads=ids, clamp=sel.clamp, name=self.name, **video, **data
             )
         if sel.kind == "vsa":
-            return vsa_graph(topk=sel.topk, heads=heads, name=self.name, **video, **data)
+            return vsa_graph(topk=sel.topk, heads=ids, name=self.name, **video, **data)
         if sel.kind == "svg2":
             return svg2_graph(
                 self.grid,
-                heads=heads,
+                heads=ids,
                 q_clusters=sel.q_clusters,
                 k_clusters=sel.k_clusters,
                 top_p=sel.top_p,
@@ -299,15 +308,15 @@ class Workload:
             )
         layout = self.layout()
         if sel.kind == "random":
-            return random_graph(layout, layout, heads, sel.density, seed=seed, name=self.name)
-        if heads > self.heads:
-            raise WorkloadError("heads", f"the block list defines {self.heads} heads, asked for {heads}")
+            return random_graph(layout, layout, ids, sel.density, seed=seed, name=self.name)
         graph = self._build_blocks(sel.blocks, self.heads)
-        return graph if heads == self.heads else graph.select_heads(np.arange(min(heads, self.heads)))
+        return graph if ids == list(range(self.heads)) else graph.select_heads(ids)
 
-    def graphs(self, seed: int = 0, heads: int | None = None, q=None, k=None) -> list[SparseGraph]:
-        """Always a list of graphs that together cover all heads (one graph, or one per head)."""
-        built = self.build(seed=seed, heads=heads, q=q, k=k)
+    def graphs(
+        self, seed: int = 0, heads=None, q=None, k=None, workers: int | None = None
+    ) -> list[SparseGraph]:
+        """Always a list of graphs that together cover the heads asked for (one graph, or one per head)."""
+        built = self.build(seed=seed, heads=heads, q=q, k=k, workers=workers)
         return built if isinstance(built, list) else [built]
 
     def summary(self) -> dict:
