@@ -30,6 +30,7 @@ from .layouts import BlockLayout, VideoGrid, partition_layout, video_layout
 from .parallel import single_threaded_blas
 from .synthetic import synthetic_head_factors
 
+
 class BuilderError(ValueError):
     """A builder argument is invalid; the message names the argument."""
 
