@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.cluster.vq import kmeans2
 
 from .graph import GraphError, SparseGraph
 from .layouts import BlockLayout, VideoGrid, partition_layout, video_layout
@@ -483,7 +482,7 @@ def _kmeans_pp_init(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarr
     return x[idx].astype(np.float64)
 
 
-def nearest_centroid(x: np.ndarray, centroids: np.ndarray, chunk: int = 2048) -> np.ndarray:
+def nearest_centroid(x: np.ndarray, centroids: np.ndarray, chunk: int = 512) -> np.ndarray:
     """int64 ``[n]``: index of the nearest centroid (squared Euclidean) of each row of ``x``.
 
     Same result as ``scipy.cluster.vq.vq`` but through chunked matrix products, 3-10x faster here:
@@ -518,6 +517,8 @@ def kmeans_labels(x: np.ndarray, k: int, rng: np.random.Generator, fit_points: i
     m = min(n, max(int(fit_points), 2 * k))
     sub = x[rng.permutation(n)[:m]].astype(np.float64)  # random order: its first 2k rows are a random pool
     init = _kmeans_pp_init(sub[: min(m, 2 * k)], k, rng)
+    from scipy.cluster.vq import kmeans2  # here: its import (scipy.spatial) is slow and only SVG2 needs it
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # empty clusters keep their centre (scipy warns)
         centroids, _ = kmeans2(sub, init, iter=iters, minit="matrix", missing="warn")

@@ -33,6 +33,7 @@ NOISE_DIMS = 3
 SALIENCE_FEATURES = 4
 MAX_RANK = 16
 MIN_DIM = 6
+_FOURIER_CHUNK_TOKENS = 8192
 
 
 class SyntheticError(ValueError):
@@ -67,7 +68,8 @@ def _fourier(where, omega: np.ndarray, phase: np.ndarray) -> np.ndarray:
     """float32 ``[tokens, F]``: ``sqrt(2/F) cos(omega @ x + phase)``.
 
     ``where`` is a grid ``(T, H, W)`` (computed separably: one complex product per token and feature,
-    no per-token cosine) or positions ``[tokens, 3]``.
+    no per-token cosine, a few frames at a time so the temporaries stay in cache) or positions
+    ``[tokens, 3]``.
     """
     F = omega.shape[0]
     amp = np.sqrt(2.0 / F)
@@ -76,8 +78,13 @@ def _fourier(where, omega: np.ndarray, phase: np.ndarray) -> np.ndarray:
         et = np.exp(1j * (omega[:, 0, None] * np.arange(T) + phase[:, None])).astype(np.complex64)
         eh = np.exp(1j * omega[:, 1, None] * np.arange(H)).astype(np.complex64)
         ew = np.exp(1j * omega[:, 2, None] * np.arange(W)).astype(np.complex64)
-        field = (et[:, :, None, None] * eh[:, None, :, None]) * ew[:, None, None, :]
-        return np.ascontiguousarray((amp * field.real).reshape(F, -1).T, dtype=np.float32)
+        out = np.empty((T * H * W, F), dtype=np.float32)
+        frames = max(1, _FOURIER_CHUNK_TOKENS // (H * W))
+        for t0 in range(0, T, frames):
+            t1 = min(T, t0 + frames)
+            field = (et[:, t0:t1, None, None] * eh[:, None, :, None]) * ew[:, None, None, :]
+            np.multiply(field.real.reshape(F, -1).T, amp, out=out[t0 * H * W : t1 * H * W])
+        return out
     return (amp * np.cos(where @ omega.T + phase)).astype(np.float32)
 
 
@@ -114,13 +121,12 @@ def synthetic_head_factors(head: int, *, grid=None, positions=None, dim: int = 1
     phase_s = rng.uniform(0.0, 2 * np.pi, SALIENCE_FEATURES)
 
     s = np.sqrt(dim)
-    phi = _fourier(where, omega, phase) * np.float32(np.sqrt(local_logit * s))
-    psi = _fourier(where, omega_s, phase_s).sum(axis=1)  # unit variance
     noise_amp = np.float32(np.sqrt(s / np.sqrt(NOISE_DIMS)))
     zq = np.empty((n, r), dtype=np.float32)
     zk = np.empty((n, r), dtype=np.float32)
-    zq[:, :F] = phi
-    zk[:, :F] = phi
+    np.multiply(_fourier(where, omega, phase), np.float32(np.sqrt(local_logit * s)), out=zq[:, :F])  # phi
+    zk[:, :F] = zq[:, :F]
+    psi = _fourier(where, omega_s, phase_s).sum(axis=1)  # unit variance
     zq[:, F] = np.float32(np.sqrt(salience_logit * s))
     zk[:, F] = psi * np.float32(np.sqrt(salience_logit * s))
     zq[:, F + 1 :] = rng_q.standard_normal((n, NOISE_DIMS), dtype=np.float32) * noise_amp
