@@ -126,11 +126,15 @@ def analyze_capture(
         row["grouping_ms_cpu"] = ms
         rows.append(row)
     pq, ad = rows[0], rows[1]
-    for row in rows:
-        row["load_ratio_vs_per_query"] = pq["page_loads"] / row["page_loads"]
-        row["physical_ratio_vs_per_query"] = pq["physical_pairs"] / row["physical_pairs"]
-        row["load_ratio_vs_adjacent"] = ad["page_loads"] / row["page_loads"]
+    for row in rows:  # a capture that selects no page has no ratios (NaN, null in JSON)
+        row["load_ratio_vs_per_query"] = _ratio(pq["page_loads"], row["page_loads"])
+        row["physical_ratio_vs_per_query"] = _ratio(pq["physical_pairs"], row["physical_pairs"])
+        row["load_ratio_vs_adjacent"] = _ratio(ad["page_loads"], row["page_loads"])
     return rows
+
+
+def _ratio(num: int, den: int) -> float:
+    return num / den if den else float("nan")
 
 
 def analyze_captures(

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,14 +37,47 @@ DEFAULT_PAGE_SIZE = 64
 
 
 class CaptureError(ValueError):
-    """A capture is malformed; the message names the field and the problem."""
+    """A capture is malformed; the message names the field (also in ``field``) and the problem."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.field)
+
+
+class CaptureTypeError(CaptureError, TypeError):
+    """A capture field has the wrong type or dtype (e.g. float positions)."""
+
+
+class CaptureFileError(CaptureError):
+    """A capture file cannot be read: ``FILE: field 'name': problem`` (or ``FILE: problem``)."""
+
+    def __init__(self, path, message: str, field: str | None = None):
+        text = f"{path}: field '{field}': {message}" if field else f"{path}: {message}"
+        super().__init__(text, field)
+        self.path = str(path)
+        self.detail = message
+
+    def __reduce__(self):
+        return type(self), (self.path, self.detail, self.field)
 
 
 def _check_int_array(name: str, value) -> np.ndarray:
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError):
+        arr = np.asarray(value, dtype=object)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must be an integer array (int32 page ids), got dtype {arr.dtype}")
+        raise CaptureTypeError(f"{name} must be an integer array, got dtype {arr.dtype}", name)
     return arr
+
+
+def _check_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise CaptureTypeError(f"{name} must be an integer, got {value!r}", name)
+    return int(value)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,23 +93,26 @@ class Capture:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if isinstance(self.page_size, bool) or not isinstance(self.page_size, (int, np.integer)):
-            raise TypeError(f"page_size must be an int, got {type(self.page_size).__name__}")
-        if self.page_size <= 0 or self.page_size % PAGE_ROWS:
-            raise CaptureError(f"page_size must be a positive multiple of {PAGE_ROWS}, got {self.page_size}")
-        if isinstance(self.context, bool) or not isinstance(self.context, (int, np.integer)):
-            raise TypeError(f"context must be an int, got {type(self.context).__name__}")
-        if self.context <= 0:
-            raise CaptureError(f"context must be positive, got {self.context}")
+        if _check_int("page_size", self.page_size) <= 0 or self.page_size % PAGE_ROWS:
+            raise CaptureError(
+                f"page_size must be a positive multiple of {PAGE_ROWS}, got {self.page_size}", "page_size"
+            )
+        if _check_int("context", self.context) <= 0:
+            raise CaptureError(f"context must be positive, got {self.context}", "context")
+        if not isinstance(self.causal, (bool, np.bool_)):
+            raise CaptureTypeError(f"causal must be true or false, got {self.causal!r}", "causal")
         pages = _check_int_array("pages", self.pages)
         if pages.ndim != 2:
-            raise CaptureError(f"pages must be 2-D [num_queries, k], got shape {pages.shape}")
+            raise CaptureError(f"pages must be 2-D [num_queries, k], got shape {pages.shape}", "pages")
+        if pages.shape[0] == 0:
+            raise CaptureError("pages holds no queries (shape [0, k])", "pages")
         if pages.shape[1] == 0:
-            raise CaptureError("pages must have k >= 1 columns")
+            raise CaptureError("pages must have k >= 1 columns", "pages")
         positions = _check_int_array("positions", self.positions)
         if positions.shape != (pages.shape[0],):
             raise CaptureError(
-                f"positions must have shape [num_queries] = ({pages.shape[0]},), got {positions.shape}"
+                f"positions must have shape [num_queries] = ({pages.shape[0]},), got {positions.shape}",
+                "positions",
             )
         object.__setattr__(self, "context", int(self.context))
         object.__setattr__(self, "page_size", int(self.page_size))
@@ -82,14 +120,16 @@ class Capture:
         if positions.size and (positions.min() < 0 or positions.max() >= self.context):
             bad = int(np.flatnonzero((positions < 0) | (positions >= self.context))[0])
             raise CaptureError(
-                f"positions: query {bad} has position {int(positions[bad])} outside [0, context={self.context})"
+                f"positions: query {bad} has position {int(positions[bad])} outside [0, context={self.context})",
+                "positions",
             )
         num_pages = self.num_pages
         if pages.size and (pages.min() < -1 or pages.max() >= num_pages):
             r, c = np.argwhere((pages < -1) | (pages >= num_pages))[0]
             raise CaptureError(
                 f"pages: page id {int(pages[r, c])} of query {r} is out of range [0, num_pages={num_pages}) "
-                f"(context {self.context}, page_size {self.page_size}; -1 is the only padding value)"
+                f"(context {self.context}, page_size {self.page_size}; -1 is the only padding value)",
+                "pages",
             )
         pages = pages.astype(np.int32, copy=False)
         positions = positions.astype(np.int64, copy=False)
@@ -97,22 +137,29 @@ class Capture:
         late = valid[:, 1:] & ~valid[:, :-1]
         if late.any():
             r = int(np.argwhere(late)[0, 0])
-            raise CaptureError(f"pages: row {r} has a page id after -1 padding (pad only at the row's end)")
+            raise CaptureError(
+                f"pages: row {r} has a page id after -1 padding (pad only at the row's end)", "pages"
+            )
         srt = np.sort(np.where(valid, pages, -1 - np.arange(pages.shape[1])), axis=1)
         dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
         if dup.any():
             r, c = np.argwhere(dup)[0]
-            raise CaptureError(f"pages: duplicate page {int(srt[r, c + 1])} in the selection of query {r}")
+            raise CaptureError(
+                f"pages: duplicate page {int(srt[r, c + 1])} in the selection of query {r}", "pages"
+            )
         if self.causal:
             beyond = pages > (positions // self.page_size)[:, None]
             if beyond.any():
                 r, c = np.argwhere(beyond)[0]
                 raise CaptureError(
                     f"pages: non-causal selection: query {r} at position {int(positions[r])} (page "
-                    f"{int(positions[r] // self.page_size)}) selects page {int(pages[r, c])}"
+                    f"{int(positions[r] // self.page_size)}) selects page {int(pages[r, c])}",
+                    "pages",
                 )
         object.__setattr__(self, "pages", pages)
         object.__setattr__(self, "positions", positions)
+        if not isinstance(self.meta, dict):
+            raise CaptureTypeError(f"meta must be a mapping, got {type(self.meta).__name__}", "meta")
         object.__setattr__(self, "meta", dict(self.meta))
 
     # ---- shape --------------------------------------------------------------------------------
@@ -166,30 +213,81 @@ class Capture:
 
     @classmethod
     def load(cls, path) -> Capture:
-        """Read a capture written by :meth:`save` (page ids back to int32; validated)."""
+        """Read a capture written by :meth:`save` (page ids back to int32; validated).
+
+        Raises :class:`CaptureFileError` (``FILE: field '...': problem``) for anything that is not a
+        valid capture file, ``FileNotFoundError`` for a missing one.
+        """
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"capture file {path} not found")
-        with np.load(path, allow_pickle=False) as z:
-            if "header" not in z or "pages" not in z:
-                raise CaptureError(f"capture file {path}: missing 'header' or 'pages' (not a capture .npz)")
-            header = json.loads(str(z["header"]))
-            if header.get("format") != CAPTURE_FORMAT:
-                raise CaptureError(f"capture file {path}: format {header.get('format')} != {CAPTURE_FORMAT}")
-            pages = _check_int_array("pages", z["pages"]).astype(np.int32)
-            if "positions" in z:
-                positions = z["positions"].astype(np.int64)
-            else:
-                positions = header["query_start"] + np.arange(pages.shape[0], dtype=np.int64)
-        return cls(
-            pages=pages,
-            positions=positions,
-            context=header["context"],
-            page_size=header["page_size"],
-            causal=header["causal"],
-            name=header.get("name") or path.stem,
-            meta=header.get("meta", {}),
+            raise FileNotFoundError(2, "capture file not found", str(path))
+        if path.is_dir():
+            raise CaptureFileError(path, "is a folder, not a capture .npz file")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {name: z[name] for name in z.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, AttributeError) as err:
+            raise CaptureFileError(
+                path, f"not a capture .npz file (numpy could not read it: {_reason(err)})"
+            ) from None
+        for name in ("header", "pages"):
+            if name not in arrays:
+                raise CaptureFileError(path, "is missing (not a capture .npz?)", name)
+        header = _read_header(path, arrays["header"])
+        fields = {}
+        for name in ("context", "page_size"):
+            if name not in header:
+                raise CaptureFileError(path, "is missing from the header", name)
+            fields[name] = header[name]
+        fields["causal"] = header.get("causal", True)
+        fields["name"] = header.get("name") or path.stem
+        fields["meta"] = header.get("meta", {})
+        if not isinstance(fields["name"], str):
+            raise CaptureFileError(path, f"must be a string, got {fields['name']!r}", "name")
+        if "positions" in arrays:
+            fields["positions"] = arrays["positions"]
+        else:
+            start = header.get("query_start")
+            if isinstance(start, bool) or not isinstance(start, int):
+                raise CaptureFileError(
+                    path,
+                    f"must be an integer when the file has no 'positions' array, got {start!r}",
+                    "query_start",
+                )
+            fields["positions"] = start + np.arange(arrays["pages"].shape[0] if arrays["pages"].ndim else 0)
+        try:
+            pages = _check_int_array("pages", arrays["pages"])
+            return cls(pages=pages.astype(np.int32), **fields)
+        except CaptureError as err:
+            detail = str(err)
+            if err.field:
+                detail = detail.removeprefix(f"{err.field}: ").removeprefix(f"{err.field} ")
+            raise CaptureFileError(path, detail, err.field) from None
+
+
+def _reason(err: BaseException) -> str:
+    if isinstance(err, ValueError) and "pickled" in str(err):
+        return "it holds pickled Python objects or is not a numpy file at all"
+    return str(err) or type(err).__name__
+
+
+def _read_header(path: Path, raw: np.ndarray) -> dict:
+    if raw.ndim != 0 or raw.dtype.kind not in "US":
+        raise CaptureFileError(
+            path, f"must be a JSON text, got an array of {raw.dtype} {raw.shape}", "header"
         )
+    text = raw.item()
+    try:
+        header = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CaptureFileError(path, f"is not valid JSON ({err})", "header") from None
+    if not isinstance(header, dict):
+        raise CaptureFileError(path, f"must be a JSON object, got {type(header).__name__}", "header")
+    if header.get("format") != CAPTURE_FORMAT:
+        raise CaptureFileError(
+            path, f"{header.get('format')!r} is not the supported {CAPTURE_FORMAT}", "format"
+        )
+    return header
 
 
 def load_capture(capture) -> Capture:
