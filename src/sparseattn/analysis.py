@@ -19,6 +19,7 @@ segment sums over the graph's CSR arrays.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +39,16 @@ PAIR_FILL_BINS = np.linspace(0.0, 1.0, 21)
 
 class AnalysisError(ValueError):
     """An analysis argument is invalid; the message names the argument."""
+
+
+class DroppedPairsWarning(UserWarning):
+    """Selected block pairs were left out of a graph because a block has no valid row."""
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise AnalysisError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def parse_route(route) -> str | int:
@@ -71,6 +82,7 @@ class PairCounts:
     kpage_routed: np.ndarray  # route "auto"
     kpage_no_routing: np.ndarray  # always 128×128
     kpage_small_tile: np.ndarray  # always 64×256
+    dropped_pairs: np.ndarray | None = None  # pairs the graph left out (empty Q or K block)
 
     @property
     def heads(self) -> int:
@@ -85,7 +97,12 @@ class PairCounts:
         if len(routes) != 1:
             raise AnalysisError(f"parts were counted with different routes {sorted(routes)}")
         arrays = {name: np.concatenate([getattr(p, name) for p in parts]) for name in _COUNT_FIELDS}
-        return cls(route=parts[0].route, **arrays)
+        dropped = np.concatenate([p.dropped() for p in parts])
+        return cls(route=parts[0].route, dropped_pairs=dropped, **arrays)
+
+    def dropped(self) -> np.ndarray:
+        """int64 ``[heads]``: selected pairs left out of the graph for touching an empty block."""
+        return np.zeros(self.heads, np.int64) if self.dropped_pairs is None else self.dropped_pairs
 
     def totals(self) -> dict[str, int]:
         """Sums over heads (Python ints)."""
@@ -149,7 +166,7 @@ def graph_counts(graph: SparseGraph, route="auto") -> PairCounts:
     chosen = {"auto": "kpage_routed", 0: "kpage_small_tile", 1: "kpage_no_routing"}[route]
     rows["kpage_physical"] = rows[chosen]
     per_head = {name: rows[name].reshape(graph.heads, nbq).sum(axis=1) for name in _COUNT_FIELDS}
-    return PairCounts(route=route_name(route), **per_head)
+    return PairCounts(route=route_name(route), dropped_pairs=graph.dropped_pairs.copy(), **per_head)
 
 
 # --- block fill distributions ---------------------------------------------------------------------
@@ -287,6 +304,9 @@ class OccupancyReport:
         rec.update(record_ratios(rec))
         if self.head_dim is not None:
             rec["head_dim"] = int(self.head_dim)
+        dropped = int(self.counts.dropped().sum())
+        if dropped:  # only when some were dropped: records of ordinary workloads stay as they were
+            rec["dropped_pairs"] = dropped * scale
         return rec
 
     def per_head_records(self, multiply_layers: bool = False) -> list[dict]:
@@ -309,7 +329,23 @@ class OccupancyReport:
                     "kpage_occupancy": _ratio(useful, kp),
                 }
             )
+        dropped = c.dropped()
+        if dropped.any():
+            for h, row in enumerate(out):
+                row["dropped_pairs"] = int(dropped[h]) * scale
         return out
+
+    def warn_dropped(self, where: str = "") -> None:
+        """One :class:`DroppedPairsWarning` when the graphs left selected pairs out."""
+        dropped = int(self.counts.dropped().sum())
+        if dropped:
+            warnings.warn(
+                DroppedPairsWarning(
+                    f"{where or self.workload}: {dropped:,} selected block pairs touch a block without "
+                    "valid rows and were dropped (no query-key pair in them; see 'dropped_pairs')"
+                ),
+                stacklevel=3,
+            )
 
 
 def analyze_graphs(
@@ -320,31 +356,46 @@ def analyze_graphs(
     head_dim: int | None = None,
     description: str = "",
 ) -> OccupancyReport:
-    """Analyse a list of graphs that together cover the heads of one attention call."""
-    graphs = [graphs] if isinstance(graphs, SparseGraph) else list(graphs)
+    """Analyse a list of graphs that together cover the heads of one attention call.
+
+    Warns once (:class:`DroppedPairsWarning`) when the graphs left selected pairs out.
+    """
+    report = _report(graphs, workload, layers, route, head_dim, description)
+    report.warn_dropped()
+    return report
+
+
+def _report(graphs, workload="", layers=1, route="auto", head_dim=None, description="") -> OccupancyReport:
+    graphs = [graphs] if isinstance(graphs, SparseGraph) else graphs
+    try:
+        graphs = list(graphs)
+    except TypeError:
+        raise AnalysisError(f"graphs must be a SparseGraph or a list of them, got {graphs!r}") from None
     if not graphs:
         raise AnalysisError("graphs must hold at least one SparseGraph")
-    if int(layers) != layers or layers <= 0:
-        raise AnalysisError(f"layers must be a positive integer, got {layers!r}")
+    layers = _check_positive_int("layers", layers)
+    if head_dim is not None:
+        head_dim = _check_positive_int("head_dim", head_dim)
     counts = PairCounts.concat([graph_counts(g, route) for g in graphs])
     fill = graph_fill(graphs[0])
     for g in graphs[1:]:
         fill = fill + graph_fill(g)
     name = workload or graphs[0].name
-    return OccupancyReport(name, int(layers), counts, fill, head_dim, description)
+    return OccupancyReport(name, layers, counts, fill, head_dim, description)
 
 
 def analyze_workload(workload, seed: int = 0, route="auto") -> OccupancyReport:
     """Analyse a :class:`sparseattn.workloads.Workload` (its graphs for ``seed``)."""
-    graphs = workload.graphs(seed=seed)
-    return analyze_graphs(
-        graphs,
+    report = _report(
+        workload.graphs(seed=seed),
         workload.name,
         getattr(workload, "layers", 1),
         route,
         getattr(workload, "head_dim", None),
         getattr(workload, "description", ""),
     )
+    report.warn_dropped(_dropped_where(workload))
+    return report
 
 
 #: Heads per task when a workload is analysed in slices (:func:`analyze_workloads`).
@@ -382,7 +433,7 @@ def _analyze_slice(task) -> tuple[PairCounts, BlockFill]:
     part, seed, route = task
     w = part.workload
     graphs = w.graphs(seed=seed) if part.heads is None else w.graphs(seed=seed, heads=part.heads, workers=1)
-    report = analyze_graphs(graphs, getattr(w, "name", ""), route=route)
+    report = _report(graphs, getattr(w, "name", ""), route=route)
     return report.counts, report.fill
 
 
@@ -426,17 +477,25 @@ def analyze_workloads(
         fill = parts[0][1]
         for _, f in parts[1:]:
             fill = fill + f
-        reports.append(
-            OccupancyReport(
-                w.name,
-                int(getattr(w, "layers", 1)),
-                PairCounts.concat([c for c, _ in parts]),
-                fill,
-                getattr(w, "head_dim", None),
-                getattr(w, "description", ""),
-            )
+        report = OccupancyReport(
+            w.name,
+            int(getattr(w, "layers", 1)),
+            PairCounts.concat([c for c, _ in parts]),
+            fill,
+            getattr(w, "head_dim", None),
+            getattr(w, "description", ""),
         )
+        report.warn_dropped(_dropped_where(w))
+        reports.append(report)
     return reports
+
+
+def _dropped_where(workload) -> str:
+    """Where dropped pairs come from: a layout file's block list, or the workload's name."""
+    selection = getattr(workload, "selection", None)
+    if getattr(selection, "kind", None) == "blocks" and getattr(workload, "source", ""):
+        return f"{workload.source}: field 'selection.blocks'"
+    return getattr(workload, "name", "")
 
 
 def record_ratios(rec: dict) -> dict:
@@ -466,4 +525,6 @@ def total_record(reports: list[OccupancyReport], multiply_layers: bool = False) 
     out = {"workload": "TOTAL", "heads": sum(r["heads"] for r in recs)}
     out.update(tot)
     out.update(record_ratios(out))
+    if any("dropped_pairs" in r for r in recs):
+        out["dropped_pairs"] = sum(r.get("dropped_pairs", 0) for r in recs)
     return out

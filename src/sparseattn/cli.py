@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 from . import __version__
 from .analysis import ROUTE_CHOICES
@@ -573,15 +574,32 @@ def main(argv: list[str] | None = None) -> int:
             return _error(err, EXIT_UNAVAILABLE)
     parser = build_parser(bench)
     args = parser.parse_args(argv)  # argparse exits 2 with a one-line usage error itself
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _run(args)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    text = " ".join(str(message).split())
+    print(f"{PROG}: warning: {text}", file=sys.stderr if file is None else file)
+
+
+def _run(args) -> int:
     try:
         return int(args.func(args) or 0)
     except (UnavailableError, ImportError) as err:
         return _error(err, EXIT_UNAVAILABLE)
     except FileNotFoundError as err:
         name = err.filename if err.filename is not None else ""
-        return _error(f"file not found: {name}" if name else err, EXIT_USER_ERROR)
+        return _error(f"{name}: file not found" if name else err, EXIT_USER_ERROR)
     except BrokenPipeError:
         return 0
+    except MemoryError:
+        return _error(
+            "out of memory: the input is larger than this machine can analyse "
+            "(fewer heads or a smaller layout; SPARSEATTN_MEMORY_LIMIT sets the size checks' limit)",
+            EXIT_USER_ERROR,
+        )
     except (ValueError, TypeError, OSError) as err:
         return _error(err, EXIT_USER_ERROR)
     except KeyboardInterrupt:

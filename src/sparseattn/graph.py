@@ -12,11 +12,41 @@ from functools import cached_property
 
 import numpy as np
 
-from .layouts import BlockLayout
+from .layouts import BlockLayout, as_bool_mask
+from .limits import memory_problem
 
 
 class GraphError(ValueError):
     """A sparse graph argument is invalid; the message names the argument."""
+
+
+class GraphTypeError(GraphError, TypeError):
+    """A sparse graph argument has the wrong type or dtype; the message names the argument."""
+
+
+def _check_layouts(q, k) -> None:
+    for name, layout in (("q", q), ("k", k)):
+        if not isinstance(layout, BlockLayout):
+            raise GraphTypeError(f"{name} must be a BlockLayout, got {type(layout).__name__}")
+
+
+def _check_heads(heads) -> int:
+    if isinstance(heads, (bool, np.bool_)) or not isinstance(heads, (int, np.integer)):
+        raise GraphTypeError(f"heads must be a positive integer, got {heads!r}")
+    if heads <= 0:
+        raise GraphError(f"heads must be a positive integer, got {heads!r}")
+    return int(heads)
+
+
+def _int_array(name: str, value) -> np.ndarray:
+    """int64 1-D copy of ``value``; floats (which would be truncated) and strings raise."""
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError):
+        arr = np.asarray(None)
+    if arr.dtype == np.bool_ or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise GraphTypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64).ravel()
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,6 +59,8 @@ class SparseGraph:
         indptr: int64 ``[heads * q.num_blocks + 1]``.
         indices: int32 ``[nnz]``, K block ids, sorted and unique within each row.
         name: short description.
+        dropped_pairs: int64 ``[heads]``, pairs given to a constructor (``from_pairs`` and the
+            builders on it) that were left out because their Q or K block has no valid row.
     """
 
     q: BlockLayout
@@ -37,10 +69,19 @@ class SparseGraph:
     indptr: np.ndarray
     indices: np.ndarray
     name: str = ""
+    dropped_pairs: np.ndarray | None = None
 
     def __post_init__(self):
-        if int(self.heads) != self.heads or self.heads <= 0:
-            raise GraphError(f"heads must be a positive integer, got {self.heads!r}")
+        _check_layouts(self.q, self.k)
+        _check_heads(self.heads)
+        dropped = np.zeros(self.heads, np.int64) if self.dropped_pairs is None else self.dropped_pairs
+        dropped = np.array(dropped, dtype=np.int64)
+        if dropped.shape != (self.heads,) or (dropped < 0).any():
+            raise GraphError(
+                f"dropped_pairs must be {self.heads} non-negative counts, got {self.dropped_pairs!r}"
+            )
+        dropped.setflags(write=False)
+        object.__setattr__(self, "dropped_pairs", dropped)
         rows = self.heads * self.q.num_blocks
         indptr = np.ascontiguousarray(self.indptr, dtype=np.int64)
         indices = np.asarray(self.indices)
@@ -85,9 +126,13 @@ class SparseGraph:
         """Build from parallel arrays of (head, Q block, K block); order and duplicates do not matter.
 
         With ``drop_empty`` pairs whose Q or K block has no valid row are dropped (they carry no
-        useful work and an honest block-sparse kernel skips them).
+        useful work and an honest block-sparse kernel skips them); ``dropped_pairs`` counts them.
         """
-        head, q_block, k_block = (np.asarray(a, dtype=np.int64).ravel() for a in (head, q_block, k_block))
+        _check_layouts(q, k)
+        heads = _check_heads(heads)
+        head, q_block, k_block = (
+            _int_array(n, a) for n, a in (("head", head), ("q_block", q_block), ("k_block", k_block))
+        )
         if not (head.size == q_block.size == k_block.size):
             raise GraphError("head, q_block and k_block must have the same length")
         for label, arr, bound in (
@@ -98,22 +143,30 @@ class SparseGraph:
             if arr.size and (arr.min() < 0 or arr.max() >= bound):
                 bad = arr[(arr < 0) | (arr >= bound)][0]
                 raise GraphError(f"{label} holds {int(bad)} outside [0, {bound})")
+        dropped = np.zeros(heads, dtype=np.int64)
         if drop_empty and head.size:
             keep = (q.valid_rows[q_block] > 0) & (k.valid_rows[k_block] > 0)
+            gone = np.unique((head * q.num_blocks + q_block)[~keep] * k.num_blocks + k_block[~keep])
+            dropped = np.bincount(gone // (q.num_blocks * k.num_blocks), minlength=heads).astype(np.int64)
             head, q_block, k_block = head[keep], q_block[keep], k_block[keep]
         rows = head * q.num_blocks + q_block
         key = np.unique(rows * k.num_blocks + k_block)
         rows, cols = key // k.num_blocks, key % k.num_blocks
         indptr = np.zeros(heads * q.num_blocks + 1, dtype=np.int64)
         np.add.at(indptr, rows + 1, 1)
-        return cls(q, k, heads, np.cumsum(indptr), cols, name)
+        return cls(q, k, heads, np.cumsum(indptr), cols, name, dropped)
 
     @classmethod
     def from_block_mask(
         cls, q: BlockLayout, k: BlockLayout, mask, name: str = "", drop_empty: bool = True
     ) -> SparseGraph:
-        """Build from a dense bool mask ``[heads, q.num_blocks, k.num_blocks]`` (or 2-D for one head)."""
-        mask = np.asarray(mask, dtype=bool)
+        """Build from a dense bool mask ``[heads, q.num_blocks, k.num_blocks]`` (or 2-D for one head).
+
+        The mask must hold bools (or integers 0/1): a float, -1 or string mask raises
+        :class:`GraphTypeError` rather than selecting everything.
+        """
+        _check_layouts(q, k)
+        mask = as_bool_mask("mask", mask, GraphTypeError)
         if mask.ndim == 2:
             mask = mask[None]
         if mask.ndim != 3 or mask.shape[1:] != (q.num_blocks, k.num_blocks):
@@ -126,13 +179,14 @@ class SparseGraph:
         cls, q: BlockLayout, k: BlockLayout, lists, name: str = "", drop_empty: bool = True
     ) -> SparseGraph:
         """Build from ``lists[h][i]`` = iterable of K blocks selected by Q block ``i`` of head ``h``."""
+        _check_layouts(q, k)
         heads = len(lists)
         hs, qs, ks = [], [], []
         for h, per_head in enumerate(lists):
             if len(per_head) != q.num_blocks:
                 raise GraphError(f"lists[{h}] has {len(per_head)} Q blocks, layout has {q.num_blocks}")
             for i, sel in enumerate(per_head):
-                sel = np.asarray(list(sel), dtype=np.int64)
+                sel = _int_array(f"lists[{h}][{i}]", list(sel))
                 hs.append(np.full(sel.size, h))
                 qs.append(np.full(sel.size, i))
                 ks.append(sel)
@@ -176,19 +230,26 @@ class SparseGraph:
         keep = np.isin(h, heads)
         remap = np.full(self.heads, -1, dtype=np.int64)
         remap[heads] = np.arange(heads.size)
-        return SparseGraph.from_pairs(
+        graph = SparseGraph.from_pairs(
             self.q, self.k, heads.size, remap[h[keep]], i[keep], j[keep], self.name, drop_empty=False
         )
+        object.__setattr__(graph, "dropped_pairs", self.dropped_pairs[heads])
+        return graph
 
     def transpose(self) -> SparseGraph:
         """The graph with Q and K swapped: rows are K blocks (what a K/V-owned backward iterates)."""
         h, i, j = self.pairs
-        return SparseGraph.from_pairs(
+        graph = SparseGraph.from_pairs(
             self.k, self.q, self.heads, h, j, i, self.name + " (transposed)", drop_empty=False
         )
+        object.__setattr__(graph, "dropped_pairs", self.dropped_pairs)
+        return graph
 
     def block_mask(self) -> np.ndarray:
         """Dense bool ``[heads, nbq, nbk]`` (small graphs only)."""
+        problem = memory_problem(self.heads * self.q.num_blocks * self.k.num_blocks, "a dense block mask")
+        if problem:
+            raise GraphError(problem)
         m = np.zeros((self.heads, self.q.num_blocks, self.k.num_blocks), dtype=bool)
         h, i, j = self.pairs
         m[h, i, j] = True
@@ -196,6 +257,9 @@ class SparseGraph:
 
     def token_mask(self, head: int) -> np.ndarray:
         """Dense bool ``[q.num_slots, k.num_slots]`` of one head: which slot pairs attend (small graphs)."""
+        problem = memory_problem(3 * self.q.num_slots * self.k.num_slots, "a dense token mask")
+        if problem:
+            raise GraphError(problem)
         bm = self.block_mask()[head]
         m = np.repeat(np.repeat(bm, self.q.block_size, axis=0), self.k.block_size, axis=1)
         return m & self.q.valid[:, None] & self.k.valid[None, :]

@@ -52,6 +52,10 @@ TOP_LEVEL_FIELDS = (
 SELECTION_FIELDS = tuple(
     dict.fromkeys(COMMON_SELECTION_PARAMS + tuple(k for p in SELECTION_PARAMS.values() for k in p))
 )
+#: Layout files larger than this are refused before parsing (an explicit block list of a million
+#: pairs is about 20 MB of YAML).
+MAX_FILE_BYTES = 64 * 2**20
+
 DEFAULTS = {"block_size": 128, "padding": "prefix", "heads": 1, "layers": 1, "head_dim": 128}
 
 
@@ -63,6 +67,43 @@ class LayoutFileError(ValueError):
         super().__init__(text)
         self.path = str(path)
         self.field = field
+        self.detail = message
+
+    def __reduce__(self):
+        return type(self), (self.path, self.detail, self.field)
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key, where: str = ""):
+        super().__init__(f"appears twice{where}")
+        self.key = str(key)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML loader that refuses a key given twice in one mapping (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, f" (lines {seen[key]} and {line})")
+            except TypeError:  # an unhashable key: SafeLoader reports it below
+                continue
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _unique_json_object(pairs: list) -> dict:
+    keys = [key for key, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise _DuplicateKey(key)
+    return dict(pairs)
 
 
 def _read(path: Path):
@@ -70,23 +111,34 @@ def _read(path: Path):
     if suffix not in (".json", ".yaml", ".yml"):
         raise LayoutFileError(path, f"unsupported file type {suffix or '(none)'!r}; use .json, .yaml or .yml")
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as err:
         raise LayoutFileError(path, f"cannot read the file: {err.strerror or err}") from None
-    if suffix == ".json":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as err:
-            raise LayoutFileError(
-                path, f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
-            ) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise LayoutFileError(path, f"is {len(raw):,} bytes; layout files are limited to {MAX_FILE_BYTES:,}")
     try:
-        return yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise LayoutFileError(
+            path, f"is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})"
+        ) from None
+    try:
+        if suffix == ".json":
+            return json.loads(text, object_pairs_hook=_unique_json_object)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except _DuplicateKey as err:
+        raise LayoutFileError(path, str(err), err.key) from None
+    except json.JSONDecodeError as err:
+        raise LayoutFileError(
+            path, f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err)
         raise LayoutFileError(path, f"invalid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise LayoutFileError(path, "is nested too deeply") from None
 
 
 def parse_layout(data, source="<layout>") -> Workload:

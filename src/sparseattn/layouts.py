@@ -22,6 +22,7 @@ from functools import cached_property
 import numpy as np
 
 from .constants import PAGE_ROWS
+from .limits import LAYOUT_BYTES_PER_TOKEN, memory_problem
 
 PADDING_MODES = ("prefix", "inplace")
 
@@ -30,22 +31,60 @@ class LayoutError(ValueError):
     """A layout parameter is invalid; the message names the field."""
 
 
+class LayoutTypeError(LayoutError, TypeError):
+    """A layout argument has the wrong type (e.g. ``grid=None``); the message names it."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _positive_triple(name: str, value) -> tuple[int, int, int]:
-    try:
-        items = tuple(int(v) for v in value)
-    except (TypeError, ValueError):
-        raise LayoutError(f"{name} must be three positive integers (T, H, W), got {value!r}") from None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise LayoutTypeError(f"{name} must be three positive integers (T, H, W), got {value!r}")
+    items = tuple(value)
     if len(items) != 3:
         raise LayoutError(f"{name} must have exactly three entries (T, H, W), got {len(items)}")
-    if any(int(v) != v for v in value) or min(items) <= 0:
-        raise LayoutError(f"{name} entries must be positive integers, got {tuple(value)}")
-    return items  # type: ignore[return-value]
+    for axis, v in enumerate(items):
+        if not _is_int(v):
+            raise LayoutTypeError(f"{name}[{axis}] must be an integer, got {v!r}")
+        if v <= 0:
+            raise LayoutError(f"{name}[{axis}]={v} must be positive")
+    return tuple(int(v) for v in items)  # type: ignore[return-value]
 
 
 def check_block_size(name: str, block_size: int) -> int:
-    if int(block_size) != block_size or block_size <= 0 or block_size % PAGE_ROWS:
+    if not _is_int(block_size):
+        raise LayoutTypeError(f"{name} must be an integer multiple of {PAGE_ROWS}, got {block_size!r}")
+    if block_size <= 0 or block_size % PAGE_ROWS:
         raise LayoutError(f"{name} must be a positive multiple of {PAGE_ROWS}, got {block_size!r}")
     return int(block_size)
+
+
+def as_bool_mask(name: str, value, error: type[Exception] = LayoutTypeError) -> np.ndarray:
+    """``value`` as a bool array: bools, or integers that are all 0 or 1.
+
+    Floats, strings, ``None`` and integers such as -1 raise ``error`` naming ``name``: such a mask
+    is a mistake, not a selection of every entry.
+    """
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError):
+        arr = np.asarray(None)
+    if arr.dtype == np.bool_:
+        return arr
+    if np.issubdtype(arr.dtype, np.integer) and (arr.size == 0 or (arr.min() >= 0 and arr.max() <= 1)):
+        return arr.astype(bool)
+    what = f"dtype {arr.dtype}" if arr.dtype != object else type(value).__name__
+    if np.issubdtype(arr.dtype, np.integer):
+        what = f"integers from {arr.min()} to {arr.max()}"
+    raise error(f"{name} must be a bool array (or integers 0/1), got {what}")
+
+
+def _check_layout_size(field: str, tokens: int, slots: int) -> None:
+    problem = memory_problem(LAYOUT_BYTES_PER_TOKEN * max(tokens, slots), f"a layout of {tokens:,} tokens")
+    if problem:
+        raise LayoutError(f"{field}: {problem}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,7 +108,7 @@ class BlockLayout:
 
     def __post_init__(self):
         check_block_size("block_size", self.block_size)
-        valid = np.ascontiguousarray(self.valid, dtype=bool)
+        valid = np.ascontiguousarray(as_bool_mask("valid", self.valid))
         if valid.ndim != 1 or valid.size % self.block_size:
             raise LayoutError(
                 f"valid must be 1-D with a multiple of block_size={self.block_size} slots, got shape {valid.shape}"
@@ -250,14 +289,15 @@ def video_layout(grid, tile, block_size: int = 128, padding: str = "prefix", nam
     Each tile occupies ``ceil(t*h*w / block_size) * block_size`` slots (6×8×8 = 384 → three 128-slot
     blocks; 4×4×4 = 64 → one 64-slot block). Tokens are in raster order of the T×H×W latent.
     """
-    vg = VideoGrid(tuple(grid), tuple(tile))
+    vg = VideoGrid(grid, tile)
     block_size = check_block_size("block_size", block_size)
-    if padding not in PADDING_MODES:
+    if not isinstance(padding, str) or padding not in PADDING_MODES:
         raise LayoutError(f"padding must be one of {PADDING_MODES}, got {padding!r}")
     T, H, W = vg.grid
     t, h, w = vg.tile
     blocks_per_tile = -(-vg.tile_volume // block_size)
     slots_per_tile = blocks_per_tile * block_size
+    _check_layout_size("grid", vg.num_tokens, vg.num_tiles * slots_per_tile)
 
     tt, hh, ww = np.meshgrid(np.arange(T), np.arange(H), np.arange(W), indexing="ij")
     tt, hh, ww = tt.ravel(), hh.ravel(), ww.ravel()
@@ -292,12 +332,15 @@ def partition_layout(
     if groups.ndim != 1 or groups.size == 0:
         raise LayoutError("groups must be a non-empty 1-D array of group ids")
     if not np.issubdtype(groups.dtype, np.integer):
-        raise LayoutError(f"groups must hold integers, got dtype {groups.dtype}")
+        raise LayoutTypeError(f"groups must hold integers, got dtype {groups.dtype}")
     if groups.min() < 0:
         raise LayoutError("groups must be non-negative")
+    if num_groups is not None and not _is_int(num_groups):
+        raise LayoutTypeError(f"num_groups must be an integer, got {num_groups!r}")
     n_groups = int(groups.max()) + 1 if num_groups is None else int(num_groups)
     if groups.max() >= n_groups:
         raise LayoutError(f"groups holds id {int(groups.max())} >= num_groups={n_groups}")
+    _check_layout_size("num_groups", groups.size, groups.size + n_groups * block_size)
     sizes = np.bincount(groups, minlength=n_groups).astype(np.int64)
     blocks = -(-sizes // block_size)
     group_start = np.concatenate([[0], np.cumsum(blocks * block_size)[:-1]])
@@ -317,9 +360,12 @@ def partition_layout(
 
 def contiguous_layout(num_tokens: int, block_size: int = 128, name: str = "") -> BlockLayout:
     """A 1-D sequence of ``num_tokens`` cut into blocks; only the last block may be partial."""
-    if int(num_tokens) != num_tokens or num_tokens <= 0:
+    if not _is_int(num_tokens):
+        raise LayoutTypeError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+    if num_tokens <= 0:
         raise LayoutError(f"num_tokens must be a positive integer, got {num_tokens!r}")
     block_size = check_block_size("block_size", block_size)
+    _check_layout_size("num_tokens", int(num_tokens), int(num_tokens) + block_size)
     nb = -(-int(num_tokens) // block_size)
     valid = np.zeros(nb * block_size, dtype=bool)
     valid[:num_tokens] = True
@@ -330,7 +376,7 @@ def contiguous_layout(num_tokens: int, block_size: int = 128, name: str = "") ->
 
 def slot_layout(valid, block_size: int = 128, name: str = "") -> BlockLayout:
     """A layout given directly by its slot validity mask (tokens are the valid slots in order)."""
-    valid = np.asarray(valid, dtype=bool)
+    valid = as_bool_mask("valid", valid)
     block_size = check_block_size("block_size", block_size)
     if valid.ndim != 1 or valid.size == 0 or valid.size % block_size:
         raise LayoutError(f"valid must be 1-D with a positive multiple of block_size={block_size} slots")

@@ -13,6 +13,7 @@ Users define their own workloads in Python (construct :class:`Workload`; invalid
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,13 @@ from .builders import (
 )
 from .graph import SparseGraph
 from .layouts import PADDING_MODES, BlockLayout, LayoutError, VideoGrid, check_block_size, video_layout
+from .limits import (
+    FEATURE_BYTES_PER_TOKEN,
+    GRAPH_BYTES_PER_PAIR,
+    LAYOUT_BYTES_PER_TOKEN,
+    RESULT_BYTES_PER_HEAD,
+    memory_problem,
+)
 
 SELECTION_KINDS = ("sta", "ssta", "vsa", "svg2", "random", "blocks")
 
@@ -53,6 +61,9 @@ class WorkloadError(ValueError):
         super().__init__(f"field '{field}': {message}")
         self.field = field
         self.detail = message
+
+    def __reduce__(self):
+        return type(self), (self.field, self.detail)
 
 
 @dataclass(frozen=True)
@@ -161,9 +172,72 @@ class Workload:
             check_block_size("block_size", self.block_size)
         except LayoutError as err:
             raise WorkloadError("block_size", str(err)) from None
-        if self.padding not in PADDING_MODES:
+        if not isinstance(self.padding, str) or self.padding not in PADDING_MODES:
             raise WorkloadError("padding", f"must be one of {', '.join(PADDING_MODES)}, got {self.padding!r}")
+        self._check_layout_memory()
         object.__setattr__(self, "selection", self._checked_selection(sel))
+        self.check_memory(1)
+
+    # --- memory estimates (checked before anything large is allocated) ----------------------------
+    def _slots(self, clusters: int = 0) -> int:
+        """Slots of the Q (= K) layout; for SVG2 an upper bound with ``clusters`` padded clusters."""
+        if self.tile is None:
+            return self.num_tokens + clusters * self.block_size
+        vg = VideoGrid(self.grid, self.tile)
+        return vg.num_tiles * -(-vg.tile_volume // self.block_size) * self.block_size
+
+    def _check_layout_memory(self) -> None:
+        layout = LAYOUT_BYTES_PER_TOKEN * self._slots()
+        results = RESULT_BYTES_PER_HEAD * self.heads
+        what = f"a workload of {self.num_tokens:,} tokens × {self.heads:,} heads"
+        problem = memory_problem(layout + results, what)
+        if problem:
+            raise WorkloadError("heads" if results > layout else "grid", problem)
+
+    def memory_estimate(self, heads: int | None = None) -> int:
+        """Rough peak bytes of building (and analysing) ``heads`` heads at once (default: all)."""
+        sel = self.selection
+        heads = self.heads if heads is None else int(heads)
+        slots = self._slots(max(sel.q_clusters or 0, sel.k_clusters or 0))
+        nb = slots // self.block_size
+        per_head = transient = 0  # bytes kept per head; bytes per head being scored
+        if sel.kind in ("sta", "ssta"):
+            vg = VideoGrid(self.grid, self.tile)
+            per_tile = -(-vg.tile_volume // self.block_size)
+            window = int(np.prod(np.asarray(sel.window).reshape(-1, 3), axis=1).max())
+            extra = sel.topk if sel.kind == "ssta" else 0
+            per_head = GRAPH_BYTES_PER_PAIR * vg.num_tiles * min(window + extra, vg.num_tiles) * per_tile**2
+            if sel.kind == "ssta":
+                per_head += vg.num_tiles**2  # the dense tile mask of each head
+                transient = FEATURE_BYTES_PER_TOKEN * self.num_tokens + 8 * vg.num_tiles**2
+        elif sel.kind == "vsa":
+            per_head = GRAPH_BYTES_PER_PAIR * nb * min(sel.topk, nb)
+            transient = FEATURE_BYTES_PER_TOKEN * self.num_tokens + 16 * nb**2
+        elif sel.kind == "random":
+            per_head = GRAPH_BYTES_PER_PAIR * nb * max(1, round(sel.density * nb))
+            transient = 24 * nb**2
+        elif sel.kind == "svg2":
+            q_blocks = -(-self.num_tokens // self.block_size) + sel.q_clusters
+            k_blocks = -(-self.num_tokens // self.block_size) + sel.k_clusters
+            per_head = GRAPH_BYTES_PER_PAIR * q_blocks * k_blocks + 40 * self.num_tokens
+            transient = FEATURE_BYTES_PER_TOKEN * self.num_tokens
+        else:
+            per_head = GRAPH_BYTES_PER_PAIR * len(sel.blocks)
+        concurrent = min(heads, os.cpu_count() or 1)
+        layout = LAYOUT_BYTES_PER_TOKEN * slots
+        return layout + heads * per_head + concurrent * transient + RESULT_BYTES_PER_HEAD * self.heads
+
+    def check_memory(self, heads: int | None = None) -> None:
+        """Raise :class:`WorkloadError` when building ``heads`` heads at once would not fit in memory."""
+        heads = self.heads if heads is None else int(heads)
+        problem = memory_problem(self.memory_estimate(heads), f"building {heads:,} heads of '{self.name}'")
+        if problem is None:
+            return
+        if heads > 1 and memory_problem(self.memory_estimate(1), "") is None:
+            raise WorkloadError("heads", problem + "; build fewer heads at a time (graphs(heads=[...]))")
+        field = {"sta": "window", "ssta": "topk", "vsa": "topk", "random": "density", "blocks": "blocks"}
+        kind = self.selection.kind
+        raise WorkloadError(f"selection.{field[kind]}" if kind in field else "grid", problem)
 
     # --- validation of the selection against the layout -------------------------------------------
     def _checked_selection(self, sel: Selection) -> Selection:
@@ -189,9 +263,9 @@ class Workload:
             if key not in params and getattr(sel, key) is not None:
                 raise WorkloadError(f"selection.{key}", f"does not apply to selection kind '{sel.kind}'")
         if sel.seed is not None and (
-            isinstance(sel.seed, bool) or not isinstance(sel.seed, (int, np.integer))
+            isinstance(sel.seed, bool) or not isinstance(sel.seed, (int, np.integer)) or sel.seed < 0
         ):
-            raise WorkloadError("selection.seed", f"must be an integer, got {sel.seed!r}")
+            raise WorkloadError("selection.seed", f"must be a non-negative integer, got {sel.seed!r}")
         if "window" in values:
             try:
                 win = check_window(
@@ -283,6 +357,7 @@ class Workload:
             raise WorkloadError(
                 "heads", f"the selection defines {self.heads} heads, asked for head {int(ids.max())}"
             )
+        self.check_memory(ids.size)
         ids = ids.tolist()
         video = {"grid": self.grid, "tile": self.tile, "block_size": self.block_size, "padding": self.padding}
         data = {"q": q, "k": k, "head_dim": self.head_dim, "seed": seed, "workers": workers}

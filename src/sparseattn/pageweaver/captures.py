@@ -215,12 +215,12 @@ class Capture:
     def load(cls, path) -> Capture:
         """Read a capture written by :meth:`save` (page ids back to int32; validated).
 
-        Raises :class:`CaptureFileError` (``FILE: field '...': problem``) for anything that is not a
-        valid capture file, ``FileNotFoundError`` for a missing one.
+        Raises :class:`CaptureFileError` (``FILE: field '...': problem``) for a missing file and for
+        anything that is not a valid capture file.
         """
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(2, "capture file not found", str(path))
+            raise CaptureFileError(path, "file not found")
         if path.is_dir():
             raise CaptureFileError(path, "is a folder, not a capture .npz file")
         try:
