@@ -223,6 +223,8 @@ class _Features:
                 raise BuilderError(f"{label} must be [heads, tokens, d], got shape {arr.shape}")
             if not np.issubdtype(arr.dtype, np.floating):
                 raise BuilderError(f"{label} must hold floats, got dtype {arr.dtype}")
+            if not np.isfinite(arr).all():
+                raise BuilderError(f"{label} holds NaN or infinite values")
             if arr.shape[1] != n:
                 raise BuilderError(f"{label} has {arr.shape[1]} tokens, the layout has {n}")
         if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:

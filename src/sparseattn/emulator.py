@@ -116,6 +116,8 @@ def _gather(x_h: np.ndarray, pages: np.ndarray, valid: np.ndarray) -> np.ndarray
 
 
 def _check_tensors(q, k, v, plan: TilePlan):
+    if not isinstance(plan, TilePlan):
+        raise EmulationError(f"plan must be a TilePlan, got {type(plan).__name__}")
     q, k, v = _as_float_array("q", q), _as_float_array("k", k), _as_float_array("v", v)
     for name, arr in (("q", q), ("k", k), ("v", v)):
         if arr.ndim != 4 or arr.shape[1] != plan.heads or arr.shape[2] % PAGE_ROWS:

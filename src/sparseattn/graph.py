@@ -214,6 +214,12 @@ class SparseGraph:
         return r // self.q.num_blocks, r % self.q.num_blocks, self.indices.astype(np.int64)
 
     def row(self, head: int, q_block: int) -> np.ndarray:
+        """int32: the K blocks selected by Q block ``q_block`` of head ``head``."""
+        for name, value, bound in (("head", head, self.heads), ("q_block", q_block, self.q.num_blocks)):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise GraphTypeError(f"{name} must be an integer, got {value!r}")
+            if not 0 <= value < bound:
+                raise GraphError(f"{name} {value} is outside [0, {bound})")
         r = head * self.q.num_blocks + q_block
         return self.indices[self.indptr[r] : self.indptr[r + 1]]
 
@@ -225,7 +231,11 @@ class SparseGraph:
 
     def select_heads(self, heads) -> SparseGraph:
         """The graph restricted to the given heads (renumbered 0..len-1)."""
-        heads = np.asarray(heads, dtype=np.int64).ravel()
+        heads = _int_array("heads", heads)
+        if heads.size and (heads.min() < 0 or heads.max() >= self.heads):
+            raise GraphError(f"heads must lie in [0, {self.heads}), got {heads.tolist()}")
+        if np.unique(heads).size != heads.size:
+            raise GraphError(f"heads must not repeat, got {heads.tolist()}")
         h, i, j = self.pairs
         keep = np.isin(h, heads)
         remap = np.full(self.heads, -1, dtype=np.int64)

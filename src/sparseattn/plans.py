@@ -33,6 +33,10 @@ class PlanError(ValueError):
     """A plan argument is invalid; the message names the argument."""
 
 
+class PlanTypeError(PlanError, TypeError):
+    """A plan argument has the wrong type; the message names the argument."""
+
+
 def gather_segments(indptr: np.ndarray, values: np.ndarray, segments: np.ndarray):
     """Concatenate ``values[indptr[s]:indptr[s+1]]`` for each ``s`` in ``segments`` (vectorized).
 
@@ -209,7 +213,9 @@ def _build(
 
 
 def _oriented(graph: SparseGraph, owner: str) -> SparseGraph:
-    if owner not in OWNERS:
+    if not isinstance(graph, SparseGraph):
+        raise PlanTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
+    if not isinstance(owner, str) or owner not in OWNERS:
         raise PlanError(f"owner must be one of {OWNERS}, got {owner!r}")
     return graph if owner == "q" else graph.transpose()
 

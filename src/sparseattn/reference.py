@@ -3,8 +3,8 @@
 Semantics (DESIGN.md §3): inside a selected (Q block, K block) pair every valid query row attends to
 every valid key row. Invalid (padding) K/V slots never contribute, whatever they hold (even NaN).
 Padded query rows, and valid rows whose selection holds no valid key, give ``O = 0`` and
-``LSE = -inf``. ``LSE`` is the natural log of ``Σ exp(scale · q·k)``; ``scale`` defaults to
-``1/sqrt(head_dim)``.
+``LSE = -inf``. ``LSE`` is the natural log of ``Σ exp(scale · q·k)``; ``scale`` (positive, as the kernels
+require) defaults to ``1/sqrt(head_dim)``.
 
 Memory stays bounded: the work runs one (head, Q block) at a time, gathering only the valid key
 slots of the selected K blocks, so a 75,600-token head needs ``batch · Bq · selected keys`` floats of
@@ -40,14 +40,17 @@ def _as_float_array(name: str, x) -> np.ndarray:
 
 
 def _check_scale(scale, head_dim: int) -> float:
+    """``1/sqrt(head_dim)`` when ``None``; else a finite positive number (as the kernels require)."""
     if scale is None:
         return 1.0 / float(np.sqrt(head_dim))
+    if isinstance(scale, (str, bytes, bool, np.bool_)):
+        raise ReferenceTypeError(f"scale must be a real number, got {scale!r}")
     try:
         value = float(scale)
     except (TypeError, ValueError):
         raise ReferenceTypeError(f"scale must be a real number, got {scale!r}") from None
-    if not np.isfinite(value) or value == 0.0:
-        raise ReferenceError(f"scale must be finite and non-zero, got {scale!r}")
+    if not np.isfinite(value) or value <= 0.0:
+        raise ReferenceError(f"scale must be finite and positive, got {scale!r}")
     return value
 
 

@@ -34,19 +34,17 @@ BF16_DTYPE_NAMES = ("bfloat16", "uint16")
 
 
 def float_to_bf16_bits(x) -> np.ndarray:
-    """uint16 bf16 bits of ``x`` (any float array), round-to-nearest-even; NaN stays NaN."""
-    f = np.ascontiguousarray(x, dtype=np.float32)
-    u = f.view(np.uint32)
-    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    out = rounded.astype(np.uint16)
-    out[np.isnan(f)] = np.uint16(0x7FC0)
-    return out
+    """uint16 bf16 bits of ``x``: :func:`sparseattn.bf16.float_to_bf16_bits`."""
+    from ..bf16 import float_to_bf16_bits as to_bits
+
+    return to_bits(x)
 
 
 def bf16_bits_to_float(bits) -> np.ndarray:
-    """float32 values of uint16 bf16 bits."""
-    b = np.ascontiguousarray(bits, dtype=np.uint16)
-    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    """float32 values of bf16 bits: :func:`sparseattn.bf16.bf16_bits_to_float`."""
+    from ..bf16 import bf16_bits_to_float as to_float
+
+    return to_float(bits)
 
 
 # ---- tensors --------------------------------------------------------------------------------
@@ -114,6 +112,10 @@ def check_same_device(**tensors) -> int:
     """The common device id of the named CuPy arrays; raises naming the first one that differs."""
     first_name, first_dev = None, None
     for name, x in tensors.items():
+        if not is_cupy_array(x):
+            raise KernelTypeError(
+                f"{name} must be a cupy array on the GPU, got {type(x).__module__}.{type(x).__name__}"
+            )
         dev = int(x.device.id)
         if first_dev is None:
             first_name, first_dev = name, dev
