@@ -20,13 +20,19 @@ class Bf16TypeError(TypeError):
     """A bf16 helper got something that is not an array of numbers; the message names the argument."""
 
 
+class Bf16ValueError(ValueError):
+    """A bf16 helper got values out of range; the message names the argument."""
+
+
 def _host_array(name: str, value) -> np.ndarray:
     if hasattr(value, "__cuda_array_interface__") and not isinstance(value, np.ndarray):
         raise Bf16TypeError(f"{name} must be a host (numpy) array; copy device arrays first (.get())")
     try:
         arr = np.asarray(value)
     except (TypeError, ValueError) as err:
-        raise Bf16TypeError(f"{name} must be an array of numbers, got {type(value).__name__} ({err})") from None
+        raise Bf16TypeError(
+            f"{name} must be an array of numbers, got {type(value).__name__} ({err})"
+        ) from None
     return arr
 
 
@@ -49,6 +55,6 @@ def bf16_bits_to_float(bits) -> np.ndarray:
         if arr.dtype.kind not in "iu":
             raise Bf16TypeError(f"bits must be uint16 bf16 bit patterns, got dtype {arr.dtype}")
         if arr.size and (arr.min() < 0 or arr.max() > 0xFFFF):
-            raise ValueError(f"bits must lie in [0, 65535], got values from {arr.min()} to {arr.max()}")
+            raise Bf16ValueError(f"bits must lie in [0, 65535], got values from {arr.min()} to {arr.max()}")
         arr = arr.astype(np.uint16)
     return np.ascontiguousarray(arr).view(BF16).astype(np.float32)

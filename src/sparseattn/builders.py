@@ -699,6 +699,10 @@ def block_list_graph(
             arr = arr.reshape(0, 3)
         if arr.dtype == object and all(isinstance(v, int) for v in arr.ravel()):
             raise BuilderError("blocks holds an id too large for a 64-bit integer")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise BuilderError(
+                f"blocks must hold integer ids (head, q_block, k_block), got dtype {arr.dtype}"
+            )
         if arr.ndim != 2 or arr.shape[1] != 3 or not np.issubdtype(arr.dtype, np.integer):
             raise BuilderError(f"blocks must be integer rows (head, q_block, k_block), got shape {arr.shape}")
         n_heads = int(arr[:, 0].max()) + 1 if heads is None and arr.size else (heads or 1)

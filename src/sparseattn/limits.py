@@ -38,6 +38,8 @@ def memory_limit() -> int:
 
 
 def format_bytes(nbytes: float) -> str:
+    if nbytes >= 2**50:
+        return f"{nbytes / 2**40:.2g} TiB"
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
         if nbytes >= scale:
             return f"{nbytes / scale:,.1f} {unit}"

@@ -171,7 +171,7 @@ class Workload:
         try:
             check_block_size("block_size", self.block_size)
         except LayoutError as err:
-            raise WorkloadError("block_size", str(err)) from None
+            raise WorkloadError("block_size", str(err).removeprefix("block_size ")) from None
         if not isinstance(self.padding, str) or self.padding not in PADDING_MODES:
             raise WorkloadError("padding", f"must be one of {', '.join(PADDING_MODES)}, got {self.padding!r}")
         self._check_layout_memory()
