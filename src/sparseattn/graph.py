@@ -193,6 +193,23 @@ class SparseGraph:
         cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)
         return cls.from_pairs(q, k, heads, cat(hs), cat(qs), cat(ks), name, drop_empty)
 
+    @classmethod
+    def from_flex_block_mask(
+        cls, block_mask, q: BlockLayout, k: BlockLayout, batch_index: int = 0, name: str = ""
+    ):
+        """The graph of a FlexAttention ``BlockMask`` over layouts ``q``/``k`` (needs torch; see
+        :func:`sparseattn.flex.from_flex_block_mask`)."""
+        from .flex import from_flex_block_mask
+
+        return from_flex_block_mask(block_mask, q, k, batch_index, name)
+
+    def to_flex_block_mask(self, batch: int = 1, device=None):
+        """This graph as a FlexAttention ``BlockMask`` (needs torch; see
+        :func:`sparseattn.flex.to_flex_block_mask`)."""
+        from .flex import to_flex_block_mask
+
+        return to_flex_block_mask(self, batch, device)
+
     # --- views -------------------------------------------------------------------------------
     @property
     def nnz(self) -> int:

@@ -1,0 +1,198 @@
+"""SparseGraph ↔ FlexAttention ``BlockMask`` (``torch.nn.attention.flex_attention``).
+
+A BlockMask lists, per (batch, head, Q block), the K blocks a kernel visits, in two groups: *full*
+blocks, where every query attends to every key, and *partial* blocks, where ``mask_mod`` decides per
+(query, key). A graph maps onto it exactly: a selected pair whose Q and K blocks are both entirely
+valid is full; every other selected pair is partial, with ``mask_mod`` = "query slot valid and key
+slot valid" (the layouts' padding). Going back, the union of both groups is the selection;
+``mask_mod`` is not evaluated (block-level sparsity is the graph's, padding is the layouts').
+
+The index arithmetic is plain numpy (:func:`kv_blocks_from_graph`, :func:`graph_from_kv_blocks`);
+torch is imported only by :func:`to_flex_block_mask` and :func:`from_flex_block_mask`.
+
+Array shapes (``H`` heads, ``nq``/``nk`` Q/K blocks): ``kv_num_blocks`` int32 ``[H, nq]``;
+``kv_indices`` int32 ``[H, nq, nk]`` — the first ``kv_num_blocks[h, i]`` entries of row ``(h, i)``
+are its K blocks in ascending order, the unselected blocks follow (the layout BlockMask expects).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .graph import GraphError, GraphTypeError, SparseGraph
+from .layouts import BlockLayout
+from .limits import memory_problem
+
+
+class FlexError(GraphError):
+    """A BlockMask (or its index arrays) does not match the layouts; the message names the field."""
+
+
+def _ordered_rows(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(counts int32 ``[..., nq]``, indices int32 ``[..., nq, nk]``: selected K blocks first)."""
+    counts = mask.sum(axis=-1, dtype=np.int32)
+    order = np.argsort(~mask, axis=-1, kind="stable").astype(np.int32)
+    return counts, order
+
+
+def kv_blocks_from_graph(graph: SparseGraph) -> dict[str, np.ndarray]:
+    """The four BlockMask index arrays of ``graph`` (numpy, no batch axis).
+
+    Returns ``kv_num_blocks``/``kv_indices`` (partial blocks) and ``full_kv_num_blocks``/
+    ``full_kv_indices`` (full blocks); see the module docstring for shapes.
+    """
+    if not isinstance(graph, SparseGraph):
+        raise GraphTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
+    q, k = graph.q, graph.k
+    problem = memory_problem(10 * graph.heads * q.num_blocks * k.num_blocks, "the BlockMask index arrays")
+    if problem:
+        raise FlexError(problem)
+    selected = graph.block_mask()
+    full_q = q.valid_rows == q.block_size
+    full_k = k.valid_rows == k.block_size
+    full = selected & full_q[None, :, None] & full_k[None, None, :]
+    partial_num, partial_idx = _ordered_rows(selected & ~full)
+    full_num, full_idx = _ordered_rows(full)
+    return {
+        "kv_num_blocks": partial_num,
+        "kv_indices": partial_idx,
+        "full_kv_num_blocks": full_num,
+        "full_kv_indices": full_idx,
+    }
+
+
+def _selected_pairs(name: str, num, idx, heads: int, nq: int, nk: int):
+    """(head, q_block, k_block) int64 of the counted prefix of each row of one index-array pair."""
+    num, idx = np.asarray(num), np.asarray(idx)
+    for label, arr in ((f"{name}kv_num_blocks", num), (f"{name}kv_indices", idx)):
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise FlexError(f"{label} must hold integers, got dtype {arr.dtype}")
+    if num.shape != (heads, nq):
+        raise FlexError(f"{name}kv_num_blocks must have shape ({heads}, {nq}), got {num.shape}")
+    if idx.ndim != 3 or idx.shape[:2] != (heads, nq):
+        raise FlexError(f"{name}kv_indices must have shape ({heads}, {nq}, K), got {idx.shape}")
+    if num.size and (num.min() < 0 or num.max() > min(idx.shape[2], nk)):
+        raise FlexError(
+            f"{name}kv_num_blocks must lie in [0, {min(idx.shape[2], nk)}], got {num.min()}..{num.max()}"
+        )
+    counted = np.arange(idx.shape[2])[None, None, :] < num[:, :, None]
+    h, i, slot = np.nonzero(counted)
+    j = idx[h, i, slot].astype(np.int64)
+    if j.size and (j.min() < 0 or j.max() >= nk):
+        bad = int(np.flatnonzero((j < 0) | (j >= nk))[0])
+        raise FlexError(
+            f"{name}kv_indices[{h[bad]}, {i[bad]}, {slot[bad]}] = {j[bad]} is outside the {nk} K blocks"
+        )
+    return h, i, j
+
+
+def graph_from_kv_blocks(
+    q: BlockLayout,
+    k: BlockLayout,
+    kv_num_blocks,
+    kv_indices,
+    full_kv_num_blocks=None,
+    full_kv_indices=None,
+    name: str = "",
+) -> SparseGraph:
+    """The graph selecting the partial and full K blocks of BlockMask index arrays (numpy, no batch).
+
+    Pairs touching a block without valid rows are dropped and counted (``dropped_pairs``).
+    """
+    if not isinstance(q, BlockLayout) or not isinstance(k, BlockLayout):
+        raise GraphTypeError("q and k must be BlockLayouts")
+    num = np.asarray(kv_num_blocks)
+    heads = num.shape[0] if num.ndim == 2 else 0
+    if heads == 0:
+        raise FlexError(f"kv_num_blocks must have shape (heads, {q.num_blocks}), got {num.shape}")
+    parts = [_selected_pairs("", num, kv_indices, heads, q.num_blocks, k.num_blocks)]
+    if (full_kv_num_blocks is None) != (full_kv_indices is None):
+        raise FlexError("give both full_kv_num_blocks and full_kv_indices, or neither")
+    if full_kv_num_blocks is not None:
+        parts.append(
+            _selected_pairs("full_", full_kv_num_blocks, full_kv_indices, heads, q.num_blocks, k.num_blocks)
+        )
+    h, i, j = (np.concatenate(arrays) for arrays in zip(*parts))
+    return SparseGraph.from_pairs(q, k, heads, h, i, j, name)
+
+
+# --- torch ----------------------------------------------------------------------------------------
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise ImportError("FlexAttention BlockMasks need PyTorch (pip install torch)") from None
+    return torch
+
+
+def to_flex_block_mask(graph: SparseGraph, batch: int = 1, device=None):
+    """A FlexAttention ``BlockMask`` of ``graph`` for ``batch`` sequences (the same mask each).
+
+    ``device`` defaults to CUDA when available, else the CPU. The mask's ``mask_mod`` applies the
+    layouts' padding inside partial blocks; ``BLOCK_SIZE`` and ``seq_lengths`` are the layouts'.
+    """
+    torch = _torch()
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch <= 0:
+        raise GraphTypeError(f"batch must be a positive integer, got {batch!r}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    arrays = kv_blocks_from_graph(graph)
+
+    def batched(a: np.ndarray):
+        return torch.from_numpy(a).to(device)[None].expand(int(batch), *a.shape).contiguous()
+
+    q_valid = torch.from_numpy(np.ascontiguousarray(graph.q.valid)).to(device)
+    k_valid = torch.from_numpy(np.ascontiguousarray(graph.k.valid)).to(device)
+
+    def padding_mask(b, h, q_idx, kv_idx):
+        return q_valid[q_idx] & k_valid[kv_idx]
+
+    return BlockMask.from_kv_blocks(
+        batched(arrays["kv_num_blocks"]),
+        batched(arrays["kv_indices"]),
+        batched(arrays["full_kv_num_blocks"]),
+        batched(arrays["full_kv_indices"]),
+        BLOCK_SIZE=(graph.q.block_size, graph.k.block_size),
+        mask_mod=padding_mask,
+        seq_lengths=(graph.q.num_slots, graph.k.num_slots),
+    )
+
+
+def from_flex_block_mask(
+    block_mask, q: BlockLayout, k: BlockLayout, batch_index: int = 0, name: str = ""
+) -> SparseGraph:
+    """The graph of one batch entry of a FlexAttention ``BlockMask`` over layouts ``q`` and ``k``.
+
+    The mask's block sizes must be the layouts' and its Q/K block counts must match them.
+    """
+    _torch()
+    if not isinstance(q, BlockLayout) or not isinstance(k, BlockLayout):
+        raise GraphTypeError("q and k must be BlockLayouts")
+    for field in ("kv_num_blocks", "kv_indices", "BLOCK_SIZE"):
+        if not hasattr(block_mask, field):
+            raise GraphTypeError(f"block_mask must be a FlexAttention BlockMask (no '{field}')")
+    sizes = tuple(int(s) for s in block_mask.BLOCK_SIZE)
+    if sizes != (q.block_size, k.block_size):
+        raise FlexError(
+            f"BLOCK_SIZE {sizes} differs from the layouts' block sizes {(q.block_size, k.block_size)}"
+        )
+
+    def host(t):
+        if t is None:
+            return None
+        batches = t.shape[0]
+        if not 0 <= batch_index < batches:
+            raise FlexError(f"batch_index {batch_index} is outside the mask's {batches} batch entries")
+        return t[batch_index].detach().cpu().numpy()
+
+    return graph_from_kv_blocks(
+        q,
+        k,
+        host(block_mask.kv_num_blocks),
+        host(block_mask.kv_indices),
+        host(block_mask.full_kv_num_blocks),
+        host(block_mask.full_kv_indices),
+        name,
+    )
