@@ -3,9 +3,12 @@
 A BlockMask lists, per (batch, head, Q block), the K blocks a kernel visits, in two groups: *full*
 blocks, where every query attends to every key, and *partial* blocks, where ``mask_mod`` decides per
 (query, key). A graph maps onto it exactly: a selected pair whose Q and K blocks are both entirely
-valid is full; every other selected pair is partial, with ``mask_mod`` = "query slot valid and key
-slot valid" (the layouts' padding). Going back, the union of both groups is the selection;
-``mask_mod`` is not evaluated (block-level sparsity is the graph's, padding is the layouts').
+valid is full; every other selected pair is partial, and ``mask_mod`` removes the layouts' padding.
+The compiled FlexAttention kernel skips unlisted blocks, but its eager (uncompiled) path evaluates
+``mask_mod`` everywhere, so by default ``mask_mod`` also holds the block selection
+(``mask_mod="exact"``); ``"padding"`` keeps only the padding test, enough for compiled kernels and
+cheaper inside partial blocks. Going back, the union of both groups is the selection; ``mask_mod`` is
+not evaluated (block-level sparsity is the graph's, padding is the layouts').
 
 The index arithmetic is plain numpy (:func:`kv_blocks_from_graph`, :func:`graph_from_kv_blocks`);
 torch is imported only by :func:`to_flex_block_mask` and :func:`from_flex_block_mask`.
@@ -125,17 +128,23 @@ def _torch():
     return torch
 
 
-def to_flex_block_mask(graph: SparseGraph, batch: int = 1, device=None):
+MASK_MODS = ("exact", "padding")
+
+
+def to_flex_block_mask(graph: SparseGraph, batch: int = 1, device=None, mask_mod: str = "exact"):
     """A FlexAttention ``BlockMask`` of ``graph`` for ``batch`` sequences (the same mask each).
 
-    ``device`` defaults to CUDA when available, else the CPU. The mask's ``mask_mod`` applies the
-    layouts' padding inside partial blocks; ``BLOCK_SIZE`` and ``seq_lengths`` are the layouts'.
+    ``device`` defaults to CUDA when available, else the CPU. ``mask_mod``: ``"exact"`` (block
+    selection and padding: right for eager and compiled FlexAttention) or ``"padding"`` (compiled
+    kernels only; see the module docstring). ``BLOCK_SIZE`` and ``seq_lengths`` are the layouts'.
     """
     torch = _torch()
     from torch.nn.attention.flex_attention import BlockMask
 
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch <= 0:
         raise GraphTypeError(f"batch must be a positive integer, got {batch!r}")
+    if mask_mod not in MASK_MODS:
+        raise FlexError(f"mask_mod must be one of {MASK_MODS}, got {mask_mod!r}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     arrays = kv_blocks_from_graph(graph)
@@ -143,11 +152,16 @@ def to_flex_block_mask(graph: SparseGraph, batch: int = 1, device=None):
     def batched(a: np.ndarray):
         return torch.from_numpy(a).to(device)[None].expand(int(batch), *a.shape).contiguous()
 
-    q_valid = torch.from_numpy(np.ascontiguousarray(graph.q.valid)).to(device)
-    k_valid = torch.from_numpy(np.ascontiguousarray(graph.k.valid)).to(device)
+    q_valid = torch.from_numpy(np.array(graph.q.valid)).to(device)
+    k_valid = torch.from_numpy(np.array(graph.k.valid)).to(device)
+    selected = torch.from_numpy(graph.block_mask()).to(device)  # [H, nq, nk]
+    bq, bk = graph.q.block_size, graph.k.block_size
 
     def padding_mask(b, h, q_idx, kv_idx):
         return q_valid[q_idx] & k_valid[kv_idx]
+
+    def exact_mask(b, h, q_idx, kv_idx):
+        return selected[h, q_idx // bq, kv_idx // bk] & q_valid[q_idx] & k_valid[kv_idx]
 
     return BlockMask.from_kv_blocks(
         batched(arrays["kv_num_blocks"]),
@@ -155,7 +169,7 @@ def to_flex_block_mask(graph: SparseGraph, batch: int = 1, device=None):
         batched(arrays["full_kv_num_blocks"]),
         batched(arrays["full_kv_indices"]),
         BLOCK_SIZE=(graph.q.block_size, graph.k.block_size),
-        mask_mod=padding_mask,
+        mask_mod=exact_mask if mask_mod == "exact" else padding_mask,
         seq_lengths=(graph.q.num_slots, graph.k.num_slots),
     )
 

@@ -203,12 +203,12 @@ class SparseGraph:
 
         return from_flex_block_mask(block_mask, q, k, batch_index, name)
 
-    def to_flex_block_mask(self, batch: int = 1, device=None):
+    def to_flex_block_mask(self, batch: int = 1, device=None, mask_mod: str = "exact"):
         """This graph as a FlexAttention ``BlockMask`` (needs torch; see
         :func:`sparseattn.flex.to_flex_block_mask`)."""
         from .flex import to_flex_block_mask
 
-        return to_flex_block_mask(self, batch, device)
+        return to_flex_block_mask(self, batch, device, mask_mod)
 
     # --- views -------------------------------------------------------------------------------
     @property
