@@ -8,7 +8,8 @@ added as a name expression. Wrapper modules in ``sparseattn.kernels`` declare th
 either ``SOURCE = "x.cu"`` + ``NAME_EXPRESSIONS = (...)`` or ``KERNEL_SOURCES = {"x.cu": (...)}``.
 
 ``python -m sparseattn.kernels.compile_check`` prints a table (registers, spills, shared memory
-per kernel) and exits non-zero on any error or spill.
+per kernel) and exits non-zero on any error or on a spill that :data:`ACCEPTED_SPILLS` does not
+accept; the output says why each accepted spill is accepted. The test suite uses the same list.
 """
 
 from __future__ import annotations
@@ -27,6 +28,32 @@ from . import runtime
 
 class CompileToolchainMissing(RuntimeError):
     """The NVRTC library or the CUDA headers were not found (install the ``compile`` extra)."""
+
+
+@dataclass(frozen=True)
+class AcceptedSpill:
+    """Register spills measured and accepted for one kernel: at most these bytes, for ``reason``."""
+
+    stores: int
+    loads: int
+    reason: str
+
+
+#: The one list of accepted spills (kernel name -> limits and why). Any other spill, or a larger one,
+#: fails both ``python -m sparseattn.kernels.compile_check`` and ``tests/test_compile.py``.
+ACCEPTED_SPILLS = {
+    "bsa_bwd_kernel<128, 128, 64, 64, 1>": AcceptedSpill(
+        32,
+        44,
+        "d=128 / 128-block backward at 255 registers; every spill-free tiling measured on the H200 "
+        "ran about 14% slower (data/bench/NOTES_bsa_bwd.md)",
+    ),
+}
+
+
+def kernel_key(kernel: str) -> str:
+    """A kernel name as :data:`ACCEPTED_SPILLS` spells it (``f<1, 2>``, whatever the spacing)."""
+    return kernel.replace(" ", "").replace(",", ", ")
 
 
 # ---- locating the wheels ---------------------------------------------------------------------
@@ -167,6 +194,23 @@ class KernelReport:
     smem_static: int = 0
     cmem: str = ""
 
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill_stores or self.spill_loads)
+
+    def accepted_spill(self) -> AcceptedSpill | None:
+        """The :data:`ACCEPTED_SPILLS` entry covering this kernel's spills, if any."""
+        accepted = ACCEPTED_SPILLS.get(kernel_key(self.kernel))
+        if accepted and self.spill_stores <= accepted.stores and self.spill_loads <= accepted.loads:
+            return accepted
+        return None
+
+    def status(self) -> str:
+        """``ok``, ``accepted spill`` or ``SPILLS`` (a spill nothing accepts)."""
+        if not self.spills:
+            return "ok"
+        return "accepted spill" if self.accepted_spill() else "SPILLS"
+
 
 @dataclass
 class SourceReport:
@@ -252,7 +296,7 @@ def print_table(reports: list[SourceReport], file=None) -> None:
             )
             continue
         for k in rep.kernels:
-            status = "ok" if k.spill_stores == k.spill_loads == 0 else "SPILLS"
+            status = k.status()
             table.add_row(
                 rep.source,
                 k.kernel,
@@ -264,7 +308,16 @@ def print_table(reports: list[SourceReport], file=None) -> None:
             )
         if rep.error:
             table.add_row(rep.source, "-", "-", "-", "-", "-", f"WARN {rep.error}")
-    Console(file=file, width=160).print(table)
+    console = Console(file=file, width=160)
+    console.print(table)
+    for k in (k for rep in reports for k in rep.kernels if k.status() == "accepted spill"):
+        accepted = k.accepted_spill()
+        console.print(
+            f"accepted spill: {k.kernel} {k.spill_stores}/{k.spill_loads} bytes (limit "
+            f"{accepted.stores}/{accepted.loads}): {accepted.reason}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def main(argv=None) -> int:
@@ -288,7 +341,7 @@ def main(argv=None) -> int:
             print(f"==== {rep.source}\n{rep.log}\n{rep.error}")
     print_table(reports)
     bad = [r for r in reports if not r.ok or r.error] + [
-        k for r in reports for k in r.kernels if k.spill_stores or k.spill_loads
+        k for r in reports for k in r.kernels if k.status() == "SPILLS"
     ]
     return 1 if bad else 0
 
