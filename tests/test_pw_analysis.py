@@ -1,4 +1,4 @@
-"""PageWeaver analysis: the DESIGN.md §3 counting rules, hand-computed, and the built-in table."""
+"""PageWeaver analysis: the counting rules of docs/counting.md, hand-computed, and the built-in table."""
 
 from __future__ import annotations
 

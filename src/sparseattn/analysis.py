@@ -1,4 +1,4 @@
-"""Occupancy analysis: useful vs physical query–key pairs of a sparse graph (DESIGN.md section 3).
+"""Occupancy analysis: useful vs physical query–key pairs of a sparse graph (docs/counting.md).
 
 Per head of one attention call, with ``vq_i``/``vk_j`` the valid rows and ``pq_i``/``pk_j`` the live
 16-row pages of Q block ``i`` / K block ``j``:
@@ -137,7 +137,7 @@ def _kpage_row_physical(q_live_pages: np.ndarray, row_k_pages: np.ndarray, route
 
 
 def graph_counts(graph: SparseGraph, route="auto") -> PairCounts:
-    """Useful and physical QK pairs per head of ``graph`` (counting rules of DESIGN.md section 3).
+    """Useful and physical QK pairs per head of ``graph`` (the counting rules of docs/counting.md).
 
     Vectorized over the CSR arrays: O(nnz) work, no loop over pairs or heads.
     """

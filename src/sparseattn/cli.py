@@ -510,7 +510,7 @@ def build_parser(bench=None) -> argparse.ArgumentParser:
         "analyze",
         help="useful vs physical QK pairs (BSA vs KPage) of workloads or layouts",
         description="Occupancy analysis: useful vs physical query-key pairs of BSA and KPage "
-        "tiles, summed over a workload's heads for one attention call (DESIGN.md section 3). "
+        "tiles, summed over a workload's heads for one attention call (counting rules: docs/counting.md). "
         "With no --workload/--layout every built-in workload is analysed.",
     )
     an.add_argument("--workload", action="append", metavar="NAME", help="a built-in workload (repeatable)")

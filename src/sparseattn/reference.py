@@ -1,6 +1,6 @@
 """Float64 numpy reference of block-sparse attention over a :class:`SparseGraph`.
 
-Semantics (DESIGN.md §3): inside a selected (Q block, K block) pair every valid query row attends to
+Semantics (docs/accuracy.md, docs/counting.md): inside a selected (Q block, K block) pair every valid query row attends to
 every valid key row. Invalid (padding) K/V slots never contribute, whatever they hold (even NaN).
 Padded query rows, and valid rows whose selection holds no valid key, give ``O = 0`` and
 ``LSE = -inf``. ``LSE`` is the natural log of ``Σ exp(scale · q·k)``; ``scale`` (positive, as the kernels

@@ -1,6 +1,6 @@
 """PageWeaver occupancy analysis: page loads and tile occupancy of the per-query path vs query unions.
 
-Counting rules (DESIGN.md §3), per capture (one head group, one attention call), page size ``P``:
+Counting rules (docs/counting.md), per capture (one head group, one attention call), page size ``P``:
 
 * ``useful   = Σ_q |S_q|·P``  (query–key pairs the selection asks for);
 * per-query path: every query loads its own pages; ``physical = Σ_q R·|S_q|·P`` with

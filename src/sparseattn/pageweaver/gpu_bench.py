@@ -2,7 +2,7 @@
 
 ``python -m sparseattn.pageweaver.gpu_bench --out DIR`` runs every built-in capture (the 64K ones have
 65,536 queries) plus a union-capped variant, and writes ``DIR/pageweaver_grouping_gpu.json``
-(DESIGN.md §8 format: gpu, commit, date, command, records) and ``DIR/pageweaver_grouping_gpu.log``.
+(the docs/results.md format: gpu, commit, date, command, records) and ``DIR/pageweaver_grouping_gpu.log``.
 ``time_ms`` is the median of one call between CUDA events: the complete grouping of a call (host
 validation and launch, search kernel, offsets scan) with the capture's page ids already on the GPU.
 ``pipelined_ms`` queues ``reps`` calls back to back (the device time when launches overlap), and
