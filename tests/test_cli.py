@@ -375,3 +375,97 @@ def test_builtin_workload_analysis_is_consistent(capsys):
     assert rec["heads"] == wl.get_workload(name).heads
     # no partial tiles: every block is full, so BSA and KPage (128x128 tiles) pay exactly the useful pairs
     assert rec["useful_pairs"] == rec["bsa_physical"] == rec["kpage_physical_no_routing"] > 0
+
+
+# --- tables: 100 columns, names never cut, one way to write each kind of number -----------------------
+def _record(name, useful, bsa, kpage, no_routing):
+    rec = {
+        "workload": name,
+        "heads": 40,
+        "layers": 60,
+        "scope": "one_call",
+        "route": "auto",
+        "useful_pairs": useful,
+        "bsa_physical": bsa,
+        "kpage_physical": kpage,
+        "kpage_physical_no_routing": no_routing,
+        "kpage_physical_routed": kpage,
+    }
+    rec.update(analysis.record_ratios(rec))
+    return rec
+
+
+@pytest.fixture
+def narrow(monkeypatch):
+    from rich.console import Console
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "_stdout_console", lambda: Console(file=out, width=100, soft_wrap=False))
+    return out
+
+
+def _table_lines(text):
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _capacity(names):
+    records = [_record(n, 65_400_000_000, 136_400_000_000, 80_100_000_000, 289_100_000_000) for n in names]
+    summed = (*REQUIRED_INT_FIELDS[2:], "kpage_physical_routed")
+    total = {**_record("TOTAL", 1, 2, 2, 2), **{k: sum(r[k] for r in records) for k in summed}}
+    total.update(analysis.record_ratios(total))
+    return records, total
+
+
+def test_capacity_and_per_head_tables_fit_100_columns(narrow):
+    names = ["vsa_wan14b_720p", "svg2_wan14b_720p", "sta_hunyuan_117f"]
+    records, total = _capacity(names)
+    row = {"head": 0, "selected_pairs": 1234, "useful_pairs": 7, "bsa_physical": 9, "kpage_physical": 8}
+    row.update(kpage_physical_no_routing=9, bsa_occupancy=0.7, kpage_occupancy=0.875)
+    cli.render_capacity_table(records, total, [[dict(row, workload=n)] for n in names])
+    text = narrow.getvalue()
+    table = [line for line in _table_lines(text) if not line.startswith("TOTAL:")]
+    assert max(len(line) for line in table) <= 100
+    assert all(name in text for name in names) and "…" not in text
+    assert "47.9%" in text and "1.70×" in text and "70.0%" in text and "87.5%" in text
+
+
+def test_a_table_too_wide_for_the_terminal_is_printed_whole(narrow):
+    long_name = "my_layout_with_a_rather_long_descriptive_name"
+    cli.render_capacity_table(*_capacity([long_name]))
+    text = narrow.getvalue()
+    assert long_name in text and "…" not in text and "289.1G" in text
+
+
+def test_workloads_table_fits_and_keeps_names(narrow, capsys):
+    assert cli.main(["workloads"]) == 0
+    text = narrow.getvalue()
+    assert max(len(line) for line in _table_lines(text)) <= 100 and "…" not in text
+    for name in ("vsa_wan14b_720p", "sta_hunyuan_117f", "svg2_wan14b_720p", "ssta_hy15_720p"):
+        assert name in text
+
+
+def test_capture_table_uses_the_same_number_formats(narrow, monkeypatch):
+    rows = [
+        {
+            "capture": "nsa_64k",
+            "grouping": g,
+            "queries": 65536,
+            "k": 16,
+            "page_loads": 1_040_384,
+            "physical_pairs": 1_070_000_000,
+            "occupancy": occ,
+            "mean_union": 15.9,
+            "p90_union": 16.0,
+            "load_ratio_vs_per_query": ratio,
+            "load_ratio_vs_adjacent": float("nan"),
+            "grouping_ms_cpu": 107.3,
+        }
+        for g, occ, ratio in (("per_query", 0.0625, 1.0), ("affinity", 0.291, 4.69))
+    ]
+    fake = types.ModuleType("sparseattn.pageweaver.analysis")
+    fake.analyze_captures = lambda paths=None, group_size=8, window=64: rows
+    monkeypatch.setitem(sys.modules, "sparseattn.pageweaver.analysis", fake)
+    assert cli.main(["analyze", "--captures"]) == 0
+    text = narrow.getvalue()
+    assert max(len(line) for line in _table_lines(text)) <= 100 and "…" not in text
+    assert "6.2%" in text and "29.1%" in text and "4.69×" in text and "1.07G" in text and "–" in text

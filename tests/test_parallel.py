@@ -37,3 +37,11 @@ def test_sliced_parallel_analysis_equals_one_piece(monkeypatch):
     assert len(seen) == 3 and max(seen) == 9  # three slices: heads 0-3, 4-7, 8
     for name in ("q_valid_rows", "selected_k_live_pages", "pair_fill"):
         assert (getattr(sliced.fill, name) == getattr(whole.fill, name)).all()
+
+
+def test_a_failing_progress_callback_stops_the_run_without_hanging():
+    def on_done(i):
+        raise KeyError(f"progress {i}")
+
+    with pytest.raises(KeyError, match="progress"):
+        run_tasks(_square, range(8), workers=2, on_done=on_done)

@@ -438,14 +438,15 @@ def _analyze_slice(task) -> tuple[PairCounts, BlockFill]:
 
 
 def analyze_workloads(
-    workloads, seed: int = 0, route="auto", workers: int | None = None, on_progress: Callable | None = None
+    workloads, seed: int = 0, route="auto", workers: int | None = 1, on_progress: Callable | None = None
 ) -> list[OccupancyReport]:
     """:func:`analyze_workload` of each workload, in order, on ``workers`` processes.
 
-    Built-in and layout-file workloads are cut into slices of :data:`HEADS_PER_SLICE` heads that run
-    in parallel (:func:`sparseattn.parallel.run_tasks`); the counts are the same as one piece.
-    Small jobs stay in this process. ``on_progress(workload, heads_done)`` follows every slice (from
-    any thread; ``heads_done`` of ``workload.heads``).
+    Workloads are cut into slices of :data:`HEADS_PER_SLICE` heads; the counts are the same as in
+    one piece. ``workers``: 1 (default) runs here; ``None`` uses every core, spawning child
+    processes (:func:`sparseattn.parallel.run_tasks`) for large jobs — a script doing so must call
+    it under ``if __name__ == "__main__":``, as a spawned child imports the main module.
+    ``on_progress(workload, heads_done)`` follows every slice (from any thread).
     """
     from .parallel import run_tasks
 

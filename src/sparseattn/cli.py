@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 
 from . import __version__
 from .analysis import ROUTE_CHOICES
@@ -79,50 +80,114 @@ def write_csv(rows: list[dict], stream) -> None:
     stream.write(buf.getvalue())
 
 
-def _format_cell(value) -> str:
-    if isinstance(value, bool) or value is None:
+# --- tables ------------------------------------------------------------------------------------------
+# Every table writes a kind of number the same way: pair counts in one unit per table (G, M or plain),
+# occupancies as percentages, ratios with ×, missing values as –. Names are never cut.
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: the row field it shows, its header and how its cells are written."""
+
+    key: str
+    header: str
+    kind: str = "text"  # text | name (never wrapped) | int | pairs | pct | ratio | dec1 | num
+
+
+def _cell(kind: str, value, unit: tuple[float, str] = (1.0, "")) -> str:
+    if value is None or value == "" or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    if kind in ("text", "name") or isinstance(value, (str, bool)):
         return str(value)
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        return "nan" if not math.isfinite(value) else f"{value:.4g}"
-    return str(value)
+    if kind == "int":
+        return f"{int(value):,}"
+    if kind == "pairs":
+        return _pairs(value, unit)
+    if kind == "pct":
+        return _pct(value)
+    if kind == "ratio":
+        return _times(value)
+    if kind == "dec1":
+        return f"{value:,.1f}"
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
 
 
-def _format_with(fmt: str | None, value) -> str:
-    if fmt is None or value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return _format_cell(value)
-    try:
-        return fmt.format(value)
-    except (ValueError, TypeError):
-        return _format_cell(value)
+def _guess_columns(rows: list[dict]) -> list[Column]:
+    """One column per field, the kind guessed from the values (for rows without a known layout)."""
+    out = []
+    for key in _columns(rows):
+        values = [r[key] for r in rows if key in r and r[key] is not None]
+        kind = (
+            "num"
+            if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+            else "text"
+        )
+        out.append(Column(key, key, "name" if not out else kind))
+    return out
 
 
-def render_table(rows: list[dict], title: str = "", columns=None) -> None:
-    """Generic rich table of flat rows, numbers right-aligned.
-
-    ``columns``: optional ``[(key, format string)]`` choosing and formatting the table's columns
-    (JSON/CSV always carry every field); default one column per key.
-    """
+def make_table(
+    rows: list[dict], columns: list[Column], title: str = "", caption: str = "", unit=None, total=None
+):
+    """A rich Table of ``rows`` (and a bold ``total`` row after a rule); ``pairs`` columns share
+    ``unit`` (default: the unit of the table's largest count)."""
+    from rich import box
     from rich.table import Table
 
-    spec = list(columns) if columns else [(col, None) for col in _columns(rows)]
-    table = Table(title=title or None)
-    for col, _ in spec:
-        numeric = all(isinstance(r.get(col), (int, float)) for r in rows if col in r)
-        table.add_column(col, justify="right" if numeric else "left")
+    everything = [*rows, total] if total is not None else rows
+    if unit is None:
+        pair_values = [r.get(c.key) or 0 for r in everything for c in columns if c.kind == "pairs"]
+        unit = _pair_unit(max(pair_values, default=0))
+    table = Table(
+        title=title or None,
+        caption=caption or None,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for c in columns:
+        numeric = c.kind not in ("text", "name")
+        if c.kind == "name":
+            longest = max([len(str(r.get(c.key, ""))) for r in everything] + [len(c.header)])
+            table.add_column(c.header, no_wrap=True, min_width=longest)
+        else:
+            table.add_column(c.header, justify="right" if numeric else "left", no_wrap=numeric)
     for row in rows:
-        table.add_row(*(_format_with(fmt, row.get(col, "")) for col, fmt in spec))
-    _stdout_console().print(table)
+        table.add_row(*(_cell(c.kind, row.get(c.key), unit) for c in columns))
+    if total is not None:
+        table.add_section()
+        table.add_row(*(_cell(c.kind, total.get(c.key), unit) for c in columns), style="bold")
+    return table
 
 
-def emit(rows: list[dict], fmt: str, title: str = "", columns=None) -> None:
+def print_table(table, console=None) -> None:
+    """Print ``table`` whole: wider than the terminal, it is printed at its natural width (the
+    terminal wraps the lines) rather than with cut names or numbers."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = console or _stdout_console()
+    width = Measurement.get(console, console.options.update(max_width=100_000), table).minimum
+    if width > console.width:
+        console = Console(file=console.file, width=width, soft_wrap=False)
+    console.print(table)
+
+
+def render_table(
+    rows: list[dict], title: str = "", columns: list[Column] | None = None, caption: str = ""
+) -> None:
+    """A table of flat rows on stdout: the given columns, or one per field."""
+    print_table(make_table(rows, columns or _guess_columns(rows), title, caption))
+
+
+def emit(rows: list[dict], fmt: str, title: str = "", columns=None, caption: str = "") -> None:
     if fmt == "json":
         write_json(rows, sys.stdout)
     elif fmt == "csv":
         write_csv(rows, sys.stdout)
     else:
-        render_table(rows, title, columns)
+        render_table(rows, title, columns, caption)
 
 
 # --- progress ---------------------------------------------------------------------------------------
@@ -261,7 +326,7 @@ def analyze_with_progress(workloads: list, seed: int = 0, route: str = "auto") -
     from .analysis import analyze_workloads
 
     with AnalysisProgress(workloads) as progress:
-        return analyze_workloads(workloads, seed=seed, route=route, on_progress=progress)
+        return analyze_workloads(workloads, seed=seed, route=route, workers=None, on_progress=progress)
 
 
 def check_output_path(option: str, path: str, suffixes: tuple[str, ...]) -> None:
@@ -282,9 +347,9 @@ def check_output_path(option: str, path: str, suffixes: tuple[str, ...]) -> None
 
 def _pair_unit(largest: int) -> tuple[float, str]:
     """One unit for a whole table: G pairs like the paper (334.1G), M or plain counts for small layouts."""
-    if largest >= 1e8:
+    if largest >= 1e9:
         return 1e9, "G"
-    if largest >= 1e7:
+    if largest >= 1e6:
         return 1e6, "M"
     return 1.0, ""
 
@@ -305,55 +370,73 @@ def _times(x: float) -> str:
     return "–" if not math.isfinite(x) else f"{x:.2f}×"
 
 
+#: The capacity table, the per-head tables and the capture table (headers fit 100 columns).
+CAPACITY_COLUMNS = [
+    Column("workload", "workload", "name"),
+    Column("heads", "heads", "int"),
+    Column("layers", "layers", "int"),
+    Column("useful_pairs", "useful", "pairs"),
+    Column("bsa_physical", "BSA\nphysical", "pairs"),
+    Column("kpage_physical", "KPage\nphysical", "pairs"),
+    Column("kpage_physical_no_routing", "KPage\nno-route", "pairs"),
+    Column("bsa_occupancy", "BSA\nocc.", "pct"),
+    Column("kpage_occupancy", "KPage\nocc.", "pct"),
+    Column("bsa_over_kpage", "BSA/\nKPage", "ratio"),
+    Column("routing_gain", "route\ngain", "ratio"),
+]
+PER_HEAD_COLUMNS = [
+    Column("head", "head", "int"),
+    Column("selected_pairs", "selected\npairs", "int"),
+    Column("useful_pairs", "useful", "pairs"),
+    Column("bsa_physical", "BSA\nphysical", "pairs"),
+    Column("kpage_physical", "KPage\nphysical", "pairs"),
+    Column("kpage_physical_no_routing", "KPage\nno-route", "pairs"),
+    Column("bsa_occupancy", "BSA\nocc.", "pct"),
+    Column("kpage_occupancy", "KPage\nocc.", "pct"),
+    Column("dropped_pairs", "dropped\npairs", "int"),
+]
+CAPTURE_COLUMNS = [
+    Column("capture", "capture", "name"),
+    Column("grouping", "grouping", "name"),
+    Column("queries", "queries", "int"),
+    Column("k", "k", "int"),
+    Column("page_loads", "page\nloads", "int"),
+    Column("physical_pairs", "physical\npairs", "pairs"),
+    Column("occupancy", "occ.", "pct"),
+    Column("mean_union", "mean\nunion", "dec1"),
+    Column("load_ratio_vs_per_query", "loads vs\nper-query", "ratio"),
+    Column("load_ratio_vs_adjacent", "loads vs\nadjacent", "ratio"),
+    Column("grouping_ms_cpu", "grouping\nms (CPU)", "dec1"),
+]
+WORKLOAD_COLUMNS = [
+    Column("name", "name", "name"),
+    Column("latent", "latent", "name"),
+    Column("tile", "tile", "name"),
+    Column("heads×dim", "heads\n×dim", "text"),
+    Column("layers", "layers", "int"),
+    Column("selection", "selection", "text"),
+]
+
+
+def _present(columns: list[Column], rows: list[dict]) -> list[Column]:
+    return [c for c in columns if any(c.key in r for r in rows)]
+
+
 def render_capacity_table(records: list[dict], total: dict, per_head: list[list[dict]] | None = None) -> None:
     """The capacity table (G pairs, occupancies, ratios), its TOTAL line and optional per-head tables."""
-    from rich.table import Table
-
     all_layers = records[0]["scope"] == "all_layers"
     scope = "all layers of a step" if all_layers else "one attention call (one layer, one step)"
-    table = Table(
+    unit = _pair_unit(max(total["bsa_physical"], total["kpage_physical_no_routing"], total["kpage_physical"]))
+    table = make_table(
+        records,
+        CAPACITY_COLUMNS,
         title=f"QK pair capacity — {scope}, all heads; KPage route {records[0]['route']}",
         caption="occupancy = useful / physical; BSA/KPage = physical ratio",
+        unit=unit,
+        total=total,
     )
-    for col in (
-        "workload",
-        "heads",
-        "layers",
-        "useful",
-        "BSA physical",
-        "KPage physical",
-        "KPage no-routing",
-        "BSA occ.",
-        "KPage occ.",
-        "BSA/KPage",
-        "routing gain",
-    ):
-        table.add_column(col, justify="left" if col == "workload" else "right")
-
-    unit = _pair_unit(max(total["bsa_physical"], total["kpage_physical_no_routing"], total["kpage_physical"]))
-
-    def add(rec, **style):
-        table.add_row(
-            rec["workload"],
-            f"{rec['heads']}",
-            str(rec.get("layers", "")),
-            _pairs(rec["useful_pairs"], unit),
-            _pairs(rec["bsa_physical"], unit),
-            _pairs(rec["kpage_physical"], unit),
-            _pairs(rec["kpage_physical_no_routing"], unit),
-            _pct(rec["bsa_occupancy"]),
-            _pct(rec["kpage_occupancy"]),
-            _times(rec["bsa_over_kpage"]),
-            _times(rec["routing_gain"]),
-            **style,
-        )
-
-    for rec in records:
-        add(rec)
-    table.add_section()
-    add(total, style="bold")
     console = _stdout_console()
-    console.print(table)
+    print_table(table, console)
     console.print(
         f"TOTAL: {_pairs(total['bsa_physical'], unit)} (BSA) → {_pairs(total['kpage_physical'], unit)} "
         f"(KPage) physical QK pairs for {_pairs(total['useful_pairs'], unit)} useful "
@@ -362,7 +445,7 @@ def render_capacity_table(records: list[dict], total: dict, per_head: list[list[
         highlight=False,
     )
     for rec, rows in zip(records, per_head or []):
-        render_table(rows, title=f"{rec['workload']}: per head")
+        render_table(rows, title=f"{rec['workload']}: per head", columns=_present(PER_HEAD_COLUMNS, rows))
 
 
 def _run_analyze(args) -> int:
@@ -400,12 +483,12 @@ def _run_capture_analysis(args) -> int:
     pw = _optional_module("pageweaver.analysis", "PageWeaver capture analysis")
     paths = list(args.captures) or None
     rows = pw.analyze_captures(paths=paths, group_size=args.group_size, window=args.window)
-    # the module may name the columns worth a table (JSON/CSV carry every field)
+    columns = _present(CAPTURE_COLUMNS, rows)  # JSON/CSV carry every field
     emit(
         rows,
         args.format,
         title=f"PageWeaver captures (group size {args.group_size}, window {args.window})",
-        columns=getattr(pw, "TABLE_COLUMNS", None),
+        columns=columns if len(columns) >= 3 else None,
     )
     return 0
 
@@ -446,7 +529,13 @@ def workload_rows(workloads) -> list[dict]:
 
 def _run_workloads(args) -> int:
     wl = _workloads_module()
-    emit(workload_rows(list(wl.WORKLOADS.values())), args.format, title="built-in workloads")
+    emit(
+        workload_rows(list(wl.WORKLOADS.values())),
+        args.format,
+        title="built-in workloads",
+        columns=WORKLOAD_COLUMNS,
+        caption="descriptions and public sources: --format json, or docs/workloads.md",
+    )
     return 0
 
 

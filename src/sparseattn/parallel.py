@@ -114,16 +114,22 @@ def run_tasks(
             if i is None:
                 return
             try:
-                pool.submit(fn, tasks[i]).add_done_callback(lambda f, i=i: collect(i, f))
-            except BrokenProcessPool as error:
-                queue.settle(i, error)
+                future = pool.submit(fn, tasks[i])
+            except (BrokenProcessPool, RuntimeError) as error:  # no child left: the caller takes it
+                queue.settle(i, BrokenProcessPool(str(error)))
+                return
+            future.add_done_callback(lambda f, i=i: collect(i, f))
 
         def collect(i: int, future: Future) -> None:
             error = BrokenProcessPool("cancelled") if future.cancelled() else future.exception()
-            if error is None:
-                finish(i, future.result())
-                submit_next()
-            queue.settle(i, error)
+            try:
+                if error is None:
+                    finish(i, future.result())
+                    submit_next()  # before settling: the count of tasks in children never drops to 0 early
+            except BaseException as failure:  # noqa: BLE001 -- on_done failed: report it, stop handing out
+                error = failure
+            finally:
+                queue.settle(i, error)
 
         for _ in range(workers - 1):
             submit_next()

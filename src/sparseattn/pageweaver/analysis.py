@@ -164,11 +164,11 @@ TABLE_COLUMNS = (
     ("k", "{}"),
     ("page_loads", "{:,}"),
     ("physical_pairs", "{:,}"),
-    ("occupancy", "{:.3f}"),
+    ("occupancy", "{:.1%}"),
     ("mean_union", "{:.1f}"),
     ("p90_union", "{:.0f}"),
-    ("load_ratio_vs_per_query", "{:.2f}x"),
-    ("load_ratio_vs_adjacent", "{:.3f}x"),
+    ("load_ratio_vs_per_query", "{:.2f}×"),
+    ("load_ratio_vs_adjacent", "{:.2f}×"),
     ("grouping_ms_cpu", "{:.1f}"),
 )
 
