@@ -486,3 +486,17 @@ def test_synthetic_tokens_and_errors():
         synthetic_qk((2, 2, 2), heads=0)
     with pytest.raises(SyntheticError, match="grid"):
         synthetic_qk((2, 2), heads=1)
+
+
+def test_reused_synthetic_factors_are_the_same_draw_and_read_only():
+    from sparseattn.synthetic import reuse_factors
+
+    fresh = synthetic_head_factors(3, grid=(4, 6, 8), dim=64, seed=5)
+    with reuse_factors():
+        a = synthetic_head_factors(3, grid=(4, 6, 8), dim=64, seed=5)
+        b = synthetic_head_factors(3, grid=(4, 6, 8), dim=64, seed=5)
+        other = synthetic_head_factors(3, grid=(4, 6, 8), dim=64, seed=6)
+    assert a[0] is b[0] and not a[0].flags.writeable
+    assert np.array_equal(a[0], fresh[0]) and np.array_equal(a[1], fresh[1])
+    assert not np.array_equal(other[0], a[0])
+    assert synthetic_head_factors(3, grid=(4, 6, 8), dim=64, seed=5)[0] is not a[0]  # block over: fresh draws

@@ -29,6 +29,7 @@ from .constants import KPAGE_ROUTES, PAGE_ROWS
 from .graph import SparseGraph
 from .layouts import BlockLayout
 from .plans import kpage_route_of_block
+from .synthetic import reuse_factors
 
 #: Route names accepted by the analysis and the CLI, mapped to ``plans.kpage_plan``'s ``route``.
 ROUTE_CHOICES = {"auto": "auto", "64x256": 0, "128x128": 1}
@@ -429,12 +430,36 @@ def _slices(workloads: list) -> list[_Slice]:
     return out
 
 
-def _analyze_slice(task) -> tuple[PairCounts, BlockFill]:
-    part, seed, route = task
+def _tasks(slices: list[_Slice], seed: int) -> list[list[int]]:
+    """Slice indices grouped into tasks, longest first: slices of workloads that draw the same
+    synthetic features (same latent, head dim, seed and heads) share a task and draw them once."""
+    groups: dict[tuple, list[int]] = {}
+    tasks: list[list[int]] = []
+    for i, part in enumerate(slices):
+        sel = getattr(part.workload, "selection", None)
+        if part.heads is None or getattr(sel, "kind", None) not in ("ssta", "vsa", "svg2"):
+            tasks.append([i])
+            continue
+        w = part.workload
+        key = (w.grid, w.head_dim, sel.seed if sel.seed is not None else seed, part.heads)
+        if key not in groups:
+            groups[key] = []
+            tasks.append(groups[key])
+        groups[key].append(i)
+    return sorted(tasks, key=lambda t: -sum(slices[i].cost for i in t))
+
+
+def _analyze_slice(part: _Slice, seed: int, route) -> tuple[PairCounts, BlockFill]:
     w = part.workload
     graphs = w.graphs(seed=seed) if part.heads is None else w.graphs(seed=seed, heads=part.heads, workers=1)
     report = _report(graphs, getattr(w, "name", ""), route=route)
     return report.counts, report.fill
+
+
+def _analyze_task(task) -> list[tuple[PairCounts, BlockFill]]:
+    parts, seed, route = task
+    with reuse_factors():
+        return [_analyze_slice(part, seed, route) for part in parts]
 
 
 def analyze_workloads(
@@ -453,25 +478,26 @@ def analyze_workloads(
     parse_route(route)
     workloads = list(workloads)
     slices = _slices(workloads)
+    tasks = _tasks(slices, seed)
     if sum(s.cost for s in slices) < PARALLEL_MIN_WORK:
         workers = 1
-    order = sorted(range(len(slices)), key=lambda i: -slices[i].cost)
     done_heads = [0] * len(workloads)
     lock = threading.Lock()
 
-    def done(k: int) -> None:
-        part = slices[order[k]]
-        with lock:
-            w = workloads[part.index]
-            done_heads[part.index] += len(part.heads) if part.heads else getattr(w, "heads", 1)
-            heads_done = done_heads[part.index]
-        if on_progress is not None:
-            on_progress(w, heads_done)
+    def done(t: int) -> None:
+        for i in tasks[t]:
+            part = slices[i]
+            with lock:
+                w = workloads[part.index]
+                done_heads[part.index] += len(part.heads) if part.heads else getattr(w, "heads", 1)
+                heads_done = done_heads[part.index]
+            if on_progress is not None:
+                on_progress(w, heads_done)
 
     results = run_tasks(
-        _analyze_slice, [(slices[i], seed, route) for i in order], workers=workers, on_done=done
+        _analyze_task, [([slices[i] for i in t], seed, route) for t in tasks], workers=workers, on_done=done
     )
-    by_slice = dict(zip(order, results))
+    by_slice = {i: result for t, task_results in zip(tasks, results) for i, result in zip(t, task_results)}
     reports = []
     for index, w in enumerate(workloads):
         parts = [by_slice[i] for i, s in enumerate(slices) if s.index == index]

@@ -27,6 +27,8 @@ builders work on the cheap rank-``r`` factors and give the same selections as th
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 NOISE_DIMS = 3
@@ -105,11 +107,39 @@ def _as_where(grid=None, positions=None):
     return pos, pos.shape[0]
 
 
+_reused: dict | None = None  # the factors drawn inside a reuse_factors() block
+
+
+@contextmanager
+def reuse_factors():
+    """Within the block, :func:`synthetic_head_factors` of a grid draws each (head, grid, dim, seed)
+    once and returns the same read-only arrays again (workloads on one latent share their
+    features: the VSA and SVG2 built-ins at 720p). The arrays are freed when the block ends."""
+    global _reused
+    outer, _reused = _reused, {}
+    try:
+        yield
+    finally:
+        _reused = outer
+
+
 def synthetic_head_factors(head: int, *, grid=None, positions=None, dim: int = 128, seed: int = 0):
     """Rank-``r`` factors ``(zq, zk)`` of one head, float32 ``[tokens, r]`` (see module docstring)."""
     r = factor_rank(dim)
     head = _check_int("head", head, 0)
     where, n = _as_where(grid, positions)
+    key = (head, where, r, dim, int(seed)) if _reused is not None and isinstance(where, tuple) else None
+    if key in (_reused or {}):
+        return _reused[key]
+    factors = _draw_factors(head, where, n, r, dim, seed)
+    if key is not None:
+        for z in factors:
+            z.setflags(write=False)
+        _reused[key] = factors
+    return factors
+
+
+def _draw_factors(head: int, where, n: int, r: int, dim: int, seed: int):
     rng, rng_q, rng_k = _head_rngs(seed, head)
     F = r - 1 - NOISE_DIMS
     ell = np.exp(rng.uniform(np.log(3.0), np.log(12.0)))
