@@ -86,13 +86,20 @@ def test_chunk_and_executed_pairs_follow_the_routes():
 
 
 def test_work_order_is_largest_first_permutation():
+    """order="cost": largest M·chunks first over all heads; order="head": head by head, largest first."""
     layout = contiguous_layout(64 * 50, 64)
     mask = np.random.default_rng(0).random((2, 50, 50)) < np.linspace(0.05, 0.9, 50)[None, :, None]
-    work = work_list(kpage_plan(SparseGraph.from_block_mask(layout, layout, mask)))
+    plan = kpage_plan(SparseGraph.from_block_mask(layout, layout, mask))
+    work = work_list(plan, order="cost")
     assert sorted(work.work_order) == list(range(work.num_work))
     cost = work.work_info[:, 3].astype(np.int64) * work.chunks_per_item()
     assert np.all(np.diff(cost[work.work_order]) <= 0)
     assert work.own_pages.shape == (work.num_work, OWN_PAGES)
+    by_head = work_list(plan, order="head")
+    heads = by_head.work_info[by_head.work_order, 0]
+    assert np.all(np.diff(heads) >= 0)
+    for h in (0, 1):
+        assert np.all(np.diff(cost[by_head.work_order][heads == h]) <= 0)
 
 
 def test_routes_the_kernel_cannot_run_are_refused():

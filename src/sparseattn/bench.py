@@ -9,9 +9,8 @@ For each workload (full-size layout and selection, ``--heads`` heads, batch 1) i
 * ``flex``: torch FlexAttention with a ``BlockMask`` built from the graph's block lists plus a
   padding ``mask_mod`` (exact), when torch is importable;
 * ``cudnn_dense``: cuDNN SDPA over the compact (unpadded) token sequence, the dense ceiling;
-* ``bsa_wgmma``: the BSA plan on the first (non-specialized) wgmma forward kernel
-  (:func:`sparseattn.kernels.bsa_forward_wgmma.bsa_forward_wgmma`; forward pass only).
-
+* ``vsa_kernel``: on ``vsa_*`` workloads, the VSA system's own kernel (``fastvideo-kernel==0.3.4``, Triton
+  path), when installed;
 Workloads whose heads have their own layouts (SVG2) run as a :class:`~sparseattn.graph.HeadStack`:
 one launch for all heads on our kernels, per-head block masks for FlexAttention.
 ``physical_pairs`` is what each implementation executes (for the paged skeleton: M · chunk · chunks
@@ -50,9 +49,9 @@ from .graph import HeadStack, SparseGraph
 from .kernels.validate import bf16_bits_to_float
 
 DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "sta_hunyuan_117f")
-IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "bsa_wgmma")
+IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "vsa_kernel")
 PASSES = ("fwd", "fwdbwd")
-TORCH_IMPLS = ("flex", "cudnn_dense")
+TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel")
 BWD_FLOP_FACTOR = 3.5  # forward + backward = 1 + 2.5 forwards
 O_REL_TOL = 1e-2
 L2_FLUSH_BYTES = 256 * 1024 * 1024
@@ -311,46 +310,6 @@ def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     return out
 
 
-def bench_bsa_wgmma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
-    """The BSA plan on the wgmma forward kernel (128×128 routes; others run on mma.sync), forward only:
-    ``bsa_wgmma`` is the default (overlap) schedule, ``bsa_wgmma_seq`` the sequential one."""
-    from .kernels.bsa_forward import plan_for
-    from .kernels.bsa_forward_wgmma import bsa_forward_wgmma
-
-    if "fwd" not in passes or isinstance(case.graph, HeadStack):
-        return []
-    g = case.graph
-    plan = plan_for(g)
-    out = []
-    for impl, overlap in (("bsa_wgmma", True), ("bsa_wgmma_seq", False)):
-        try:
-            o, lse = bsa_forward_wgmma(case.q, case.k, case.v, g, scale=case.scale, overlap=overlap)
-            cupy.cuda.Device().synchronize()
-            rel = None
-            if check:
-                o0 = bf16_bits_to_float(cupy.asnumpy(o[:, 0])).astype(np.float64)
-                rel = case.rel_err_head0(o0)
-            buffers = (o, lse)
-            ms, _ = timer(
-                lambda ov=overlap, buf=buffers: bsa_forward_wgmma(
-                    case.q, case.k, case.v, g, scale=case.scale, out=buf, overlap=ov
-                )
-            )
-            out.append(
-                dict(
-                    impl=impl,
-                    **{"pass": "fwd"},
-                    time_ms=ms,
-                    physical_pairs=plan.physical_pairs() * case.b,
-                    rel_err_o=rel,
-                    correct=None if rel is None else bool(rel < O_REL_TOL),
-                )
-            )
-        except Exception as exc:
-            out.append(dict(impl=impl, **{"pass": "fwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
-    return out
-
-
 def flex_block_mask(graph, batch: int):
     """FlexAttention BlockMask from the graph's per-head block lists: selected blocks split into full
     (both blocks fully valid) and partial (the padding mask_mod applied). A HeadStack gives every head
@@ -389,11 +348,18 @@ def flex_block_mask(graph, batch: int):
 
     pn, pi = pack(part)
     fn, fi = pack(full)
-    qv = torch.tensor(q_valid, device=dev)
-    kv = torch.tensor(k_valid, device=dev)
+    if isinstance(graph, HeadStack):  # every head its own padding
+        qv = torch.tensor(q_valid, device=dev)
+        kv = torch.tensor(k_valid, device=dev)
 
-    def mask_mod(b, h, qi, ki):
-        return qv[h, qi] & kv[h, ki]
+        def mask_mod(b, h, qi, ki):
+            return qv[h, qi] & kv[h, ki]
+    else:  # one padding mask for all heads (a 1-D lookup: what FlexAttention compiles best)
+        qv = torch.tensor(q_valid[0], device=dev)
+        kv = torch.tensor(k_valid[0], device=dev)
+
+        def mask_mod(b, h, qi, ki):
+            return qv[qi] & kv[ki]
 
     return BlockMask.from_kv_blocks(
         pn,
@@ -498,6 +464,51 @@ def bench_cudnn_dense(case: Case, timer: Timer, passes, check: bool) -> list[dic
     return out
 
 
+def bench_vsa_kernel(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
+    """The VSA system's own kernel (``fastvideo-kernel`` 0.3.4, its Triton path) on 64-slot cube layouts
+    with valid-prefix padding (the ``vsa_*`` workloads); skipped elsewhere."""
+    g = case.graph
+    if isinstance(g, HeadStack) or g.q.block_size != 64 or g.q is not g.k:
+        return []
+    vr = g.q.valid_rows
+    if not np.array_equal(g.q.valid.reshape(-1, 64), np.arange(64)[None, :] < vr[:, None]):
+        return []  # the kernel assumes each cube's valid tokens are a prefix of its 64 slots
+    os.environ.setdefault("FASTVIDEO_VSA_TRITON", "1")
+    try:
+        from fastvideo_kernel.block_sparse_attn import block_sparse_attn_from_indices
+    except Exception as exc:  # the optional peer is not installed
+        return [dict(impl="vsa_kernel", **{"pass": p}, error=f"fastvideo_kernel not importable: {exc}"[:300])
+                for p in passes]
+    torch = _torch()
+    q, k, v, do = (x.clone() for x in case.torch_views())
+    cnt = np.diff(g.indptr).reshape(g.heads, g.q.num_blocks).astype(np.int32)
+    idx = np.zeros((g.heads, g.q.num_blocks, max(int(cnt.max()), 1)), np.int32)
+    rows = np.arange(g.num_rows)
+    pos = np.arange(g.nnz) - np.repeat(g.indptr[:-1], np.diff(g.indptr))
+    idx.reshape(g.num_rows, -1)[np.repeat(rows, np.diff(g.indptr)), pos] = g.indices
+    q2k_idx = torch.tensor(idx, device="cuda")[None].expand(case.b, *idx.shape).contiguous()
+    q2k_num = torch.tensor(cnt, device="cuda")[None].expand(case.b, *cnt.shape).contiguous()
+    vbs = torch.tensor(vr.astype(np.int32), device="cuda")
+    physical = g.nnz * 64 * 64 * case.b
+    o, _ = block_sparse_attn_from_indices(q, k, v, q2k_idx, q2k_num, vbs)
+    torch.cuda.synchronize()
+    rel = case.rel_err_head0(o[:, 0].float().cpu().numpy().astype(np.float64)) if check else None
+    out = []
+    if "fwd" in passes:
+        ms, _ = timer(lambda: block_sparse_attn_from_indices(q, k, v, q2k_idx, q2k_num, vbs))
+        out.append(dict(impl="vsa_kernel", **{"pass": "fwd"}, time_ms=ms, physical_pairs=physical, rel_err_o=rel,
+                        correct=None if rel is None else bool(rel < O_REL_TOL)))
+    if "fwdbwd" in passes:
+        qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+        def fwdbwd():
+            block_sparse_attn_from_indices(qg, kg, vg, q2k_idx, q2k_num, vbs)[0].backward(do)
+
+        ms, _ = timer(fwdbwd)
+        out.append(dict(impl="vsa_kernel", **{"pass": "fwdbwd"}, time_ms=ms, physical_pairs=physical, correct=None))
+    return out
+
+
 def launch_overhead(case: Case, calls: int = 200) -> dict:
     """Host microseconds per kpage_forward call (validation, cached plan lookup, launch; no sync)."""
     from .kernels.forward import kpage_forward
@@ -520,7 +531,7 @@ BENCHES = {
     "bsa_mma": bench_bsa_mma,
     "flex": bench_flex,
     "cudnn_dense": bench_cudnn_dense,
-    "bsa_wgmma": bench_bsa_wgmma,
+    "vsa_kernel": bench_vsa_kernel,
 }
 
 

@@ -52,8 +52,8 @@ def _run(cmd: list[str], log: Path, timeout: float, env=None) -> tuple[int, floa
 
 
 def sanitize_case(paged_only: bool = False) -> int:
-    """A small ragged case for compute-sanitizer: the paged forward (every route), the mma.sync and
-    wgmma BSA forwards and the backward, synchronized; ``paged_only`` runs the paged forward alone
+    """A small ragged case for compute-sanitizer: the paged forward (every route), the mma.sync BSA
+    forward and the backward, synchronized; ``paged_only`` runs the paged forward alone
     (for racecheck, which is slow)."""
     import cupy
     import numpy as np
@@ -61,7 +61,6 @@ def sanitize_case(paged_only: bool = False) -> int:
     from .builders import random_graph
     from .kernels.forward import paged_forward
     from .kernels.bsa_forward import bsa_forward
-    from .kernels.bsa_forward_wgmma import bsa_forward_wgmma
     from .kernels.validate import float_to_bf16_bits
     from .layouts import slot_layout, video_layout
 
@@ -85,7 +84,6 @@ def sanitize_case(paged_only: bool = False) -> int:
             if paged_only:
                 continue
             o, lse = bsa_forward(q, k, v, graph)
-            bsa_forward_wgmma(q, k, v, graph)
             try:
                 from .kernels.bsa_backward import bsa_backward
             except ImportError:

@@ -32,12 +32,15 @@ from . import launch
 from .plan_cache import check_graph_matches
 from .validate import (
     BF16_DTYPE_NAMES,
+    CUPY_TYPES,
     KernelTypeError,
     KernelValueError,
     check_head_dim,
     check_plan,
     check_scale,
     check_tensor,
+    device_of,
+    dtype_name,
     pages_of,
 )
 from .work_list import CHUNKS, OWN_PAGES, WorkList, work_list
@@ -60,6 +63,10 @@ def kernel_name(head_dim: int, chunk: int) -> str:
 
 
 NAME_EXPRESSIONS = tuple(kernel_name(d, c) for d in HEAD_DIMS for c in CHUNKS)
+#: The kernel's parameters, in order (tests/test_compile.py checks them against the source).
+KERNEL_PARAMS = ("Q", "K", "V", "O", "LSE", "work_info", "work_order", "own_pages", "stream_pages",
+                 "item_counter", "num_work", "batch", "heads", "q_slots", "k_slots", "stream_total",
+                 "scale_log2")
 
 
 def stage_buffers(head_dim: int, chunk: int) -> int:
@@ -78,6 +85,7 @@ def smem_bytes(head_dim: int, chunk: int) -> int:
 
 _WORK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_RESOLVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _plan(graph: SparseGraph, kind: str, route):
@@ -94,9 +102,13 @@ def _cached(owner, key, build):
 
 def plan_of(graph: SparseGraph, kind: str = "kpage", route="auto") -> TilePlan:
     """The graph's ``"bsa"`` or ``"kpage"`` plan (owner ``"q"``), built once per graph."""
-    if kind == "kpage":
-        kpage_route_of_block(np.zeros(0, dtype=np.int64), route)  # validates `route`
-    return _cached(graph, ("plan", kind, route), lambda: _plan(graph, kind, route))
+
+    def build():
+        if kind == "kpage":
+            kpage_route_of_block(np.zeros(0, dtype=np.int64), route)  # validates `route`
+        return _plan(graph, kind, route)
+
+    return _cached(graph, ("plan", kind, route), build)
 
 
 def resolve_work(graph_or_plan, kind: str, route, heads: int, q_slots: int, k_slots: int) -> WorkList:
@@ -105,6 +117,20 @@ def resolve_work(graph_or_plan, kind: str, route, heads: int, q_slots: int, k_sl
     ``graph_or_plan``: a :class:`SparseGraph`, a :class:`HeadStack` or list of per-head graphs, a
     :class:`TilePlan` (owner ``"q"``), a list of single-head plans, or a :class:`WorkList`.
     """
+    key = (kind, route, heads, q_slots, k_slots)
+    try:  # repeated calls: one weak-dictionary hit
+        return _RESOLVED[graph_or_plan][key]
+    except (KeyError, TypeError):  # TypeError: a list is not weak-referenceable (not cached)
+        pass
+    wl = _resolve_work(graph_or_plan, kind, route, heads, q_slots, k_slots)
+    try:
+        _RESOLVED.setdefault(graph_or_plan, {})[key] = wl
+    except TypeError:
+        pass
+    return wl
+
+
+def _resolve_work(graph_or_plan, kind: str, route, heads: int, q_slots: int, k_slots: int) -> WorkList:
     q_pages, k_pages = pages_of("q", q_slots), pages_of("k", k_slots)
     obj = graph_or_plan
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
@@ -181,46 +207,89 @@ def check_work_list(wl: WorkList, q_pages: int, k_pages: int, heads: int) -> Wor
 # ---- launch ----------------------------------------------------------------------------------------
 
 
+def _fast_tensors(q, k, v, out):
+    """The common case in a few attribute reads: CuPy bf16 tensors of matching shapes, contiguous, on
+    one device. Returns the sizes, or None to run the full checks (which name what is wrong)."""
+    try:
+        t = type(q)
+        if t not in CUPY_TYPES or type(k) is not t or type(v) is not t:
+            return None
+        b, h, sq, d = q.shape
+        dt = q.dtype
+        if d not in HEAD_DIMS or dtype_name(q) not in BF16_DTYPE_NAMES or b > MAX_BATCH:
+            return None
+        ks = k.shape
+        if len(ks) != 4 or ks[0] != b or ks[1] != h or ks[3] != d or v.shape != ks:
+            return None
+        if k.dtype != dt or v.dtype != dt or not (q._c_contiguous and k._c_contiguous and v._c_contiguous):
+            return None
+        dev = q.data.device_id
+        if k.data.device_id != dev or v.data.device_id != dev:
+            return None
+        if out is not None:
+            o, lse = out
+            if type(o) is not t or type(lse) is not t or o.shape != q.shape or o.dtype != dt:
+                return None
+            if lse.shape != (b, h, sq) or dtype_name(lse) != "float32":
+                return None
+            if not (o._c_contiguous and lse._c_contiguous) or o.data.device_id != dev or lse.data.device_id != dev:
+                return None
+        return b, h, sq, ks[2], d, dev
+    except Exception:  # anything unexpected: the full checks say what it is
+        return None
+
+
 def _check_tensors(q, k, v, out):
+    fast = _fast_tensors(q, k, v, out)
+    if fast is not None:
+        return fast
     check_tensor("q", q, dtype=BF16_DTYPE_NAMES, ndim=4)
-    b, h, sq, d = (int(x) for x in q.shape)
+    b, h, sq, d = q.shape
     check_head_dim("q", d, HEAD_DIMS)
-    device = int(q.device.id)
-    check_tensor("k", k, dtype=(str(q.dtype),), shape=(b, h, None, d), device=device)
-    check_tensor("v", v, dtype=(str(q.dtype),), shape=(b, h, int(k.shape[2]), d), device=device)
+    device = device_of(q)
+    like_q = (dtype_name(q),)
+    check_tensor("k", k, dtype=like_q, shape=(b, h, None, d), device=device)
+    check_tensor("v", v, dtype=like_q, shape=(b, h, k.shape[2], d), device=device)
     if b > MAX_BATCH:
         raise KernelValueError(f"q has batch {b}; at most {MAX_BATCH}")
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise KernelTypeError("out must be a tuple (o, lse) of preallocated arrays")
-        check_tensor("out[0] (o)", out[0], dtype=(str(q.dtype),), shape=(b, h, sq, d), device=device)
+        check_tensor("out[0] (o)", out[0], dtype=like_q, shape=(b, h, sq, d), device=device)
         check_tensor("out[1] (lse)", out[1], dtype="float32", shape=(b, h, sq), device=device)
-    return b, h, sq, int(k.shape[2]), d, device
+    return b, h, sq, k.shape[2], d, device
 
 
 def _launch(q, k, v, wl: WorkList, scale: float, o, lse, device: int):
+    """One launch of the persistent kernel; everything but the five tensors is prepared once per
+    (work list, device, tensor sizes, scale) and reused."""
     import cupy
 
-    b, h, sq, d = (int(x) for x in q.shape)
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
     arrays = launch.device_arrays(wl, device, wl.device_arrays)
-    total = wl.num_work * b
-    if total == 0:
-        return
-    smem = smem_bytes(d, wl.chunk)
-    fn = launch.prepare(launch.function(SOURCE, kernel_name(d, wl.chunk), NAME_EXPRESSIONS), smem)
-    counter = arrays.get("counter")
-    if counter is None:
+    key = (b, h, sq, sk, d, scale)
+    ready = arrays.get(key)
+    if ready is None:
+        if wl.num_work * b == 0:
+            return
+        smem = smem_bytes(d, wl.chunk)
+        fn = launch.prepare(launch.function(SOURCE, kernel_name(d, wl.chunk), NAME_EXPRESSIONS), smem)
         with cupy.cuda.Device(device):
-            counter = arrays["counter"] = cupy.zeros(1, dtype=cupy.int32)
+            counter = cupy.zeros(1, dtype=cupy.int32)
+        values = dict(
+            work_info=arrays["work_info"], work_order=arrays["work_order"], own_pages=arrays["own_entries"],
+            stream_pages=arrays["stream_entries"], item_counter=counter, num_work=np.int32(wl.num_work),
+            batch=np.int32(b), heads=np.int32(h), q_slots=np.int32(sq), k_slots=np.int32(sk),
+            stream_total=np.int32(wl.stream_pages.size), scale_log2=np.float32(scale * math.log2(math.e)),
+        )
+        rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
+        grid = (min(launch.sm_count(device), wl.num_work * b),)
+        ready = arrays[key] = (fn, grid, smem, counter, rest)
+    fn, grid, smem, counter, rest = ready
     stream = cupy.cuda.get_current_stream()
     cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, 4, stream.ptr)
-    grid = min(launch.sm_count(device), total)
-    fn((grid,), (THREADS,),
-       (q, k, v, o, lse, arrays["work_info"], arrays["work_order"], arrays["own_pages"], arrays["own_mask"],
-        arrays["stream_pages"], arrays["stream_mask"], counter, np.int32(wl.num_work), np.int32(b), np.int32(h),
-        np.int32(sq), np.int32(int(k.shape[2])), np.int32(wl.stream_pages.size),
-        np.float32(scale * math.log2(math.e))),
-       shared_mem=smem)
+    fn(grid, (THREADS,), (q, k, v, o, lse) + rest, shared_mem=smem)
 
 
 def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "kpage", route="auto"):
@@ -251,13 +320,17 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
     scale = check_scale(scale, d)
     import cupy
 
-    with cupy.cuda.Device(device):
-        if out is None:
+    if out is None:
+        with cupy.cuda.Device(device):
             o = cupy.zeros(q.shape, dtype=q.dtype)
             lse = cupy.full((b, h, sq), -np.inf, dtype=cupy.float32)
-        else:
-            o, lse = out
+    else:
+        o, lse = out
+    if cupy.cuda.runtime.getDevice() == device:
         _launch(q, k, v, wl, scale, o, lse, device)
+    else:
+        with cupy.cuda.Device(device):
+            _launch(q, k, v, wl, scale, o, lse, device)
     return o, lse
 
 

@@ -8,6 +8,7 @@ the row mask of every entry (so heads with their own layouts — a :class:`~spar
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,17 @@ OWN_PAGES = 8
 CHUNKS = (64, 128)
 #: Query rows (M) of the routes the kernel runs: 64 (two warpgroups split the keys) or 128 (the rows).
 ROUTE_ROWS = (64, 128)
+#: Orders in which the persistent CTAs take items: "head" = head by head, largest first within a
+#: head (concurrent CTAs share one head's K/V in L2); "cost" = largest first over all heads.
+ORDERS = ("head", "cost")
+
+
+def default_order() -> str:
+    """``$SPARSEATTN_WORK_ORDER`` (an experiment knob) or ``"head"``."""
+    order = os.environ.get("SPARSEATTN_WORK_ORDER", "head")
+    if order not in ORDERS:
+        raise KernelValueError(f"SPARSEATTN_WORK_ORDER must be one of {ORDERS}, got {order!r}")
+    return order
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,8 +42,7 @@ class WorkList:
 
     Attributes:
         work_info: int32 ``[W, 4]``: head, first stream entry, stream length (pages), query rows M.
-        work_order: int32 ``[W]``: the order the persistent CTAs take items (largest M·chunks first,
-            then by head, so concurrent CTAs share K/V in L2).
+        work_order: int32 ``[W]``: the order the persistent CTAs take items (see ``ORDERS``).
         own_pages: int32 ``[W, 8]``: owned Q page ids, ``-1`` padded.
         own_mask: uint32 ``[W, 8]``: 16-bit row mask of each owned page (0 for padding).
         stream_pages: int32 ``[S]``; stream_mask: uint32 ``[S]``: streamed K/V page ids and row masks.
@@ -64,13 +75,15 @@ class WorkList:
         return int((self.work_info[:, 3].astype(np.int64) * self.chunk * self.chunks_per_item()).sum())
 
     def device_arrays(self) -> dict[str, np.ndarray]:
+        """What the kernel reads: work_info int4 [W], work_order [W], own entries int2 [W, 8] and
+        stream entries int2 [S] of (page id, row mask)."""
         return {
             "work_info": np.ascontiguousarray(self.work_info, dtype=np.int32),
             "work_order": np.ascontiguousarray(self.work_order, dtype=np.int32),
-            "own_pages": np.ascontiguousarray(self.own_pages, dtype=np.int32),
-            "own_mask": np.ascontiguousarray(self.own_mask, dtype=np.uint32),
-            "stream_pages": np.ascontiguousarray(self.stream_pages, dtype=np.int32),
-            "stream_mask": np.ascontiguousarray(self.stream_mask, dtype=np.uint32),
+            "own_entries": np.ascontiguousarray(
+                np.stack([self.own_pages, self.own_mask.astype(np.int32)], axis=-1), dtype=np.int32),
+            "stream_entries": np.ascontiguousarray(
+                np.stack([self.stream_pages, self.stream_mask.astype(np.int32)], axis=-1), dtype=np.int32),
         }
 
 
@@ -94,14 +107,19 @@ def chunk_for(plans) -> int:
     return chunk
 
 
-def work_list(plans, heads_of=None, q_pages: int | None = None, k_pages: int | None = None) -> WorkList:
+def work_list(plans, heads_of=None, q_pages: int | None = None, k_pages: int | None = None,
+              order: str | None = None) -> WorkList:
     """One work list from owner-``"q"`` plans (validated before: page ids in range).
 
     Args:
         plans: one :class:`TilePlan` (all heads) or a sequence of single-head plans (a HeadStack).
         heads_of: with several plans, the head each plan's head 0 becomes (default ``0, 1, ...``).
         q_pages, k_pages: page counts of the tensors (default: the plans' mask sizes, max over plans).
+        order: ``"head"`` or ``"cost"`` (default :func:`default_order`).
     """
+    order = default_order() if order is None else order
+    if order not in ORDERS:
+        raise KernelValueError(f"order must be one of {ORDERS}, got {order!r}")
     plans = [plans] if isinstance(plans, TilePlan) else list(plans)
     if not plans:
         raise KernelValueError("work_list needs at least one plan")
@@ -137,10 +155,11 @@ def work_list(plans, heads_of=None, q_pages: int | None = None, k_pages: int | N
     if offset > np.iinfo(np.int32).max:
         raise KernelValueError(f"the plans stream {offset} pages, more than int32 indexing allows")
     cost = info[:, 3] * -(-info[:, 2] // (chunk // PAGE_ROWS))
-    order = np.lexsort((np.arange(info.shape[0]), info[:, 0], -cost)).astype(np.int32)
+    index = np.arange(info.shape[0])
+    keys = (index, -cost, info[:, 0]) if order == "head" else (index, info[:, 0], -cost)
     return WorkList(
         work_info=info.astype(np.int32),
-        work_order=order,
+        work_order=np.lexsort(keys).astype(np.int32),
         own_pages=np.concatenate(parts["own"]).astype(np.int32),
         own_mask=np.concatenate(parts["own_mask"]),
         stream_pages=np.concatenate(parts["stream"]).astype(np.int32),
