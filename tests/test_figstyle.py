@@ -7,10 +7,10 @@ import pytest
 from matplotlib.text import Text
 
 from sparseattn import figstyle
-from sparseattn.plots import block_fill_histogram, capacity_bar_chart
 from sparseattn.analysis import analyze_graphs
 from sparseattn.graph import SparseGraph
 from sparseattn.layouts import video_layout
+from sparseattn.plots import block_fill_histogram, capacity_bar_chart
 
 
 def _small_report():
