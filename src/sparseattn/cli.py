@@ -281,7 +281,8 @@ def _run_analyze(args) -> int:
     if args.plot:
         from .plots import capacity_bar_chart
 
-        capacity_bar_chart(records, path=args.plot)
+        capacity_bar_chart(records, path=args.plot,
+                           source=f"Counted by sparseattn analyze (seed {args.seed}, KPage route {args.route}).")
     if args.format == "table":
         render_capacity_table(records, total_record(reports, multiply_layers=args.layers), per_head)
     elif args.format == "json":

@@ -66,17 +66,20 @@ def capacity_bar_chart(records: list[dict], path=None, title: str | None = None,
                   for key, label, colour in bars]
         centres = figstyle.grouped_barh(ax, [figstyle.workload_label(str(r["workload"])) for r in records],
                                         series)
+        ratio_texts = []
         for g, r in enumerate(records):  # the ratio sits right of the group's longest bar
             ratio = r["bsa_physical"] / r["kpage_physical"] if r["kpage_physical"] else float("nan")
             end = max(r[b[0]] for b in bars) / scale
             text = f"{ratio:.2f}×" if np.isfinite(ratio) else "–"
+            ratio_texts.append(text)
             ax.annotate(text, (end, centres[g].mean()), xytext=(3, 0), textcoords="offset points",
                         ha="left", va="center", fontweight="bold")
-        ax.set_xlim(0, 1.2 * largest / scale)
+        ax.set_xlim(0, 1.2 * largest / scale if largest else 1.0)
         ax.set_xlabel(f"QK pairs per {scope}, all heads ({unit})")
         handles, labels = ax.get_legend_handles_labels()
         handles.append(Line2D([], [], linestyle="none"))
-        labels.append(r"$\bf{1.20×}$: BSA ÷ KPage")
+        example = next((t for t in ratio_texts if t != "–"), "1.00×")
+        labels.append(rf"$\bf{{{example}}}$: BSA ÷ KPage")  # the legend explains the bold numbers
         fig.legend(handles, labels, loc="outside upper left", ncols=2)
         if title:
             fig.suptitle(title, x=0.01, ha="left")
