@@ -76,6 +76,7 @@ WORKLOAD_LABELS = {
     "sta_hunyuan_117f": "STA · HunyuanVideo 117f",
     "sta_wan14b_69f": "STA · Wan2.1-14B 69f",
     "svg2_wan14b_720p": "SVG2 · Wan2.1-14B 720p",
+    "dense_75600": "Dense · 75,600 tokens, all pairs",
 }
 
 #: Kernel implementation ids of the benchmark JSON -> legend names.
