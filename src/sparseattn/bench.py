@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 from .graph import HeadStack, SparseGraph
 from .kernels.validate import bf16_bits_to_float
 
-DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "sta_hunyuan_117f")
+DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "svg2_wan14b_720p", "sta_hunyuan_117f")
 IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "vsa_kernel")
 PASSES = ("fwd", "fwdbwd")
 TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel")
