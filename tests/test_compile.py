@@ -145,3 +145,30 @@ def test_forward_wrapper_shared_memory_formula_matches_the_kernel(reports):
         code, "smem_check.cu", compile_check.compile_options(compile_check.find_cuda_include()), ()
     )
     assert ok, log
+
+
+def test_paged_forward_launch_matches_the_kernel_signature():
+    """The wrapper passes KERNEL_PARAMS in order: the names equal the kernel's parameters."""
+    from sparseattn.kernels import forward
+
+    text = (runtime.kernel_dir() / forward.SOURCE).read_text()
+    sig = re.search(r"paged_fwd_kernel\((.*?)\)\s*\{", text, re.DOTALL).group(1)
+    names = tuple(re.findall(r"(\w+)\s*(?:,|$)", " ".join(sig.split())))
+    assert names == forward.KERNEL_PARAMS
+
+
+def test_paged_forward_shared_memory_formula_matches_the_kernel(reports):
+    from sparseattn.kernels import forward
+
+    checks = "\n".join(
+        f'static_assert(FwdConfig<{d}, {c}>::SMEM_BYTES == {forward.smem_bytes(d, c)}, "smem {d} {c}");'
+        f'static_assert(FwdConfig<{d}, {c}>::NBUF == {forward.stage_buffers(d, c)}, "nbuf {d} {c}");'
+        for d in forward.HEAD_DIMS
+        for c in (64, 128)
+    )
+    code = runtime.preprocess(forward.SOURCE) + "\n" + checks + "\n"
+    nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
+    ok, log, _, _ = nvrtc.compile(
+        code, "paged_smem_check.cu", compile_check.compile_options(compile_check.find_cuda_include()), ()
+    )
+    assert ok, log

@@ -2,13 +2,19 @@
 
 For each workload (full-size layout and selection, ``--heads`` heads, batch 1) it times, side by side:
 
-* ``bsa``: our logical-block kernel (:func:`sparseattn.kernels.bsa_forward.bsa_forward`; with
-  ``fwdbwd`` also :func:`sparseattn.kernels.bsa_backward.bsa_backward` when importable);
+* ``kpage``: the KPage plan on the paged forward skeleton (:func:`sparseattn.kernels.forward.kpage_forward`);
+* ``bsa``: the logical-block BSA plan on the same skeleton (:func:`sparseattn.kernels.forward.bsa_forward`);
+* ``bsa_mma``: the mma.sync BSA kernel (:func:`sparseattn.kernels.bsa_forward.bsa_forward`; with
+  ``fwdbwd`` also :func:`sparseattn.kernels.bsa_backward.bsa_backward`);
 * ``flex``: torch FlexAttention with a ``BlockMask`` built from the graph's block lists plus a
   padding ``mask_mod`` (exact), when torch is importable;
 * ``cudnn_dense``: cuDNN SDPA over the compact (unpadded) token sequence, the dense ceiling;
-* ``bsa_wgmma``: the same BSA plan on the Hopper wgmma forward kernel
-  (:func:`sparseattn.kernels.bsa_forward_wgmma.bsa_forward_wgmma`; forward pass only).
+* ``vsa_kernel``: on ``vsa_*`` workloads, the VSA system's own kernel (``fastvideo-kernel==0.3.4``, Triton
+  path), when installed;
+Workloads whose heads have their own layouts (SVG2) run as a :class:`~sparseattn.graph.HeadStack`:
+one launch for all heads on our kernels, per-head block masks for FlexAttention.
+``physical_pairs`` is what each implementation executes (for the paged skeleton: M · chunk · chunks
+over its work items).
 
 Timing: CUDA events around each call, warm-up first, the L2 cache flushed (a 256 MB write) before
 every timed call, median of ``--reps`` calls. Rates: useful TFLOP/s = 4·useful·d / t forward
@@ -39,27 +45,43 @@ try:  # the GPU side is optional: `sparseattn bench --help` works without it
 except ImportError:  # pragma: no cover - depends on the machine
     cupy = None
 
-from .graph import SparseGraph
+from .graph import HeadStack, SparseGraph
 from .kernels.validate import bf16_bits_to_float
 
-DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "sta_hunyuan_117f")
-IMPLS = ("bsa", "flex", "cudnn_dense", "bsa_wgmma")
+DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "svg2_wan14b_720p", "sta_hunyuan_117f")
+IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "vsa_kernel")
 PASSES = ("fwd", "fwdbwd")
+TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel")
 BWD_FLOP_FACTOR = 3.5  # forward + backward = 1 + 2.5 forwards
 O_REL_TOL = 1e-2
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
-def workload_graph(name: str, heads: int | None = None, seed: int = 0) -> tuple[SparseGraph, int]:
-    """(graph restricted to the first ``heads`` heads, workload head_dim) of a built-in workload."""
+#: Dense all-pairs graphs (every block pair selected, 128-token blocks): the skeleton against cuDNN's
+#: dense attention on the same tokens. name -> (tokens, heads, head_dim); tokens of the Wan 720p latent.
+DENSE_WORKLOADS = {"dense_75600": (75600, 8, 128)}
+
+
+def dense_graph(name: str, heads: int | None = None) -> tuple[SparseGraph, int]:
+    from .layouts import contiguous_layout
+
+    tokens, default_heads, head_dim = DENSE_WORKLOADS[name]
+    layout = contiguous_layout(tokens, 128, name=f"{name} layout")
+    h = int(heads or default_heads)
+    mask = np.ones((h, layout.num_blocks, layout.num_blocks), dtype=bool)
+    return SparseGraph.from_block_mask(layout, layout, mask, name=name), head_dim
+
+
+def workload_graph(name: str, heads: int | None = None, seed: int = 0):
+    """(graph, workload head_dim) of a built-in workload, first ``heads`` heads: a SparseGraph, or a
+    HeadStack when every head has its own layouts (SVG2). ``dense_*`` names give all-pairs graphs."""
     from .workloads import get_workload
 
+    if name in DENSE_WORKLOADS:
+        return dense_graph(name, heads)
     wl = get_workload(name)
-    graphs = wl.graphs(seed=seed)
+    graphs = wl.graphs(seed=seed, heads=heads)
     if any(g.q is not graphs[0].q or g.k is not graphs[0].k for g in graphs[1:]):
-        raise ValueError(
-            f"workload {name!r} has per-head Q/K partitions (one layout per head); "
-            "the benchmark runs workloads whose heads share one layout"
-        )
+        return HeadStack.of(graphs), int(wl.head_dim)
     graph = graphs[0] if len(graphs) == 1 else _concat_heads(graphs)
     if heads is not None and graph.heads > heads:
         graph = graph.select_heads(np.arange(int(heads)))
@@ -88,10 +110,23 @@ def _concat_heads(graphs: list[SparseGraph]) -> SparseGraph:
     )
 
 
-def useful_pairs(graph: SparseGraph) -> int:
+def useful_pairs(graph) -> int:
     """Σ over selected pairs of valid Q rows × valid K rows (all heads)."""
+    if isinstance(graph, HeadStack):
+        return graph.useful_pairs()
     _, i, j = graph.pairs
     return int((graph.q.valid_rows[i] * graph.k.valid_rows[j]).sum())
+
+
+def head_graph(graph, head: int) -> SparseGraph:
+    """One head of a SparseGraph or HeadStack as a single-head graph."""
+    return graph.graphs[head] if isinstance(graph, HeadStack) else graph.select_heads([head])
+
+
+def graph_slots(graph) -> tuple[int, int]:
+    if isinstance(graph, HeadStack):
+        return graph.q_slots, graph.k_slots
+    return graph.q.num_slots, graph.k.num_slots
 
 
 # ---- timing ---------------------------------------------------------------------------------------
@@ -148,8 +183,9 @@ class Case:
         self.scale = 1.0 / np.sqrt(head_dim)
         h = graph.heads
         rs = cupy.random.RandomState(seed)
-        shape_q = (batch, h, graph.q.num_slots, head_dim)
-        shape_k = (batch, h, graph.k.num_slots, head_dim)
+        sq, sk = graph_slots(graph)
+        shape_q = (batch, h, sq, head_dim)
+        shape_k = (batch, h, sk, head_dim)
 
         def rand_bits(shape):
             x = rs.standard_normal(shape, dtype=cupy.float32)
@@ -168,20 +204,21 @@ class Case:
         if not hasattr(self, "_ref"):
             from .reference import attention_forward
 
-            g = self.graph
+            g = head_graph(self.graph, 0)
             rng = np.random.default_rng(seed)
             h, i, j = g.pairs
             chosen = rng.choice(g.q.num_blocks, size=min(sample_q_blocks, g.q.num_blocks), replace=False)
-            keep = (h == 0) & np.isin(i, chosen)
+            keep = np.isin(i, chosen)
             sub = SparseGraph.from_pairs(g.q, g.k, 1, h[keep], i[keep], j[keep], drop_empty=False)
             rows = np.zeros(g.q.num_blocks, dtype=bool)
             rows[chosen] = True
             rows = np.repeat(rows, g.q.block_size) & g.q.valid
             q, k, v = (bf16_bits_to_float(x) for x in self.head0_numpy())
-            ref, _ = attention_forward(q, k, v, sub, scale=self.scale)
+            nq, nk = g.q.num_slots, g.k.num_slots
+            ref, _ = attention_forward(q[:, :, :nq], k[:, :, :nk], v[:, :, :nk], sub, scale=self.scale)
             self._ref = (ref[:, 0][:, rows], rows)
         ref, rows = self._ref
-        got = np.asarray(o_head0, dtype=np.float64)[:, rows]
+        got = np.asarray(o_head0, dtype=np.float64)[:, : rows.size][:, rows]
         return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
     def torch_views(self):
@@ -192,10 +229,39 @@ class Case:
         )
 
 
+def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str) -> list[dict]:
+    """``kpage`` or ``bsa`` (its plan) on the paged forward skeleton, forward only for now."""
+    from .kernels.forward import executed_pairs, paged_forward
+
+    if "fwd" not in passes:
+        return []
+    g = case.graph
+    o, lse = paged_forward(case.q, case.k, case.v, g, scale=case.scale, kind=kind)
+    cupy.cuda.Device().synchronize()
+    rel = None
+    if check:
+        rel = case.rel_err_head0(bf16_bits_to_float(cupy.asnumpy(o[:, 0])).astype(np.float64))
+    buffers = (o, lse)
+    ms, _ = timer(lambda: paged_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind))
+    return [dict(impl=kind, **{"pass": "fwd"}, time_ms=ms, physical_pairs=executed_pairs(g, kind) * case.b,
+                 rel_err_o=rel, correct=None if rel is None else bool(rel < O_REL_TOL))]
+
+
+def bench_kpage(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
+    return bench_paged(case, timer, passes, check, "kpage")
+
+
 def bench_bsa(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
+    return bench_paged(case, timer, passes, check, "bsa")
+
+
+def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     from .kernels.bsa_forward import bsa_forward, plan_for
 
     g = case.graph
+    if isinstance(g, HeadStack):
+        return [dict(impl="bsa_mma", **{"pass": p}, error="per-head layouts: only the paged skeleton runs them")
+                for p in passes]
     plan = plan_for(g)
     out = []
     o, lse = bsa_forward(case.q, case.k, case.v, g, scale=case.scale)
@@ -209,7 +275,7 @@ def bench_bsa(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
         ms, _ = timer(lambda: bsa_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers))
         out.append(
             dict(
-                impl="bsa",
+                impl="bsa_mma",
                 **{"pass": "fwd"},
                 time_ms=ms,
                 physical_pairs=plan.physical_pairs() * case.b,
@@ -221,7 +287,7 @@ def bench_bsa(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
         try:
             from .kernels.bsa_backward import bsa_backward
         except ImportError as exc:
-            out.append(dict(impl="bsa", **{"pass": "fwdbwd"}, error=f"bsa_backward not importable: {exc}"))
+            out.append(dict(impl="bsa_mma", **{"pass": "fwdbwd"}, error=f"bsa_backward not importable: {exc}"))
             return out
 
         def fwdbwd():
@@ -232,7 +298,7 @@ def bench_bsa(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
             ms, _ = timer(fwdbwd)
             out.append(
                 dict(
-                    impl="bsa",
+                    impl="bsa_mma",
                     **{"pass": "fwdbwd"},
                     time_ms=ms,
                     physical_pairs=plan.physical_pairs() * case.b,
@@ -240,61 +306,35 @@ def bench_bsa(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
                 )
             )
         except Exception as exc:
-            out.append(dict(impl="bsa", **{"pass": "fwdbwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
+            out.append(dict(impl="bsa_mma", **{"pass": "fwdbwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
     return out
 
 
-def bench_bsa_wgmma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
-    """The BSA plan on the wgmma forward kernel (128×128 routes; others run on mma.sync), forward only:
-    ``bsa_wgmma`` is the default (overlap) schedule, ``bsa_wgmma_seq`` the sequential one."""
-    from .kernels.bsa_forward import plan_for
-    from .kernels.bsa_forward_wgmma import bsa_forward_wgmma
-
-    if "fwd" not in passes:
-        return []
-    g = case.graph
-    plan = plan_for(g)
-    out = []
-    for impl, overlap in (("bsa_wgmma", True), ("bsa_wgmma_seq", False)):
-        try:
-            o, lse = bsa_forward_wgmma(case.q, case.k, case.v, g, scale=case.scale, overlap=overlap)
-            cupy.cuda.Device().synchronize()
-            rel = None
-            if check:
-                o0 = bf16_bits_to_float(cupy.asnumpy(o[:, 0])).astype(np.float64)
-                rel = case.rel_err_head0(o0)
-            buffers = (o, lse)
-            ms, _ = timer(
-                lambda ov=overlap, buf=buffers: bsa_forward_wgmma(
-                    case.q, case.k, case.v, g, scale=case.scale, out=buf, overlap=ov
-                )
-            )
-            out.append(
-                dict(
-                    impl=impl,
-                    **{"pass": "fwd"},
-                    time_ms=ms,
-                    physical_pairs=plan.physical_pairs() * case.b,
-                    rel_err_o=rel,
-                    correct=None if rel is None else bool(rel < O_REL_TOL),
-                )
-            )
-        except Exception as exc:
-            out.append(dict(impl=impl, **{"pass": "fwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
-    return out
-
-
-def flex_block_mask(graph: SparseGraph, batch: int):
-    """FlexAttention BlockMask: selected blocks split into full (both blocks fully valid) and partial
-    (padding mask_mod applied), from the graph's per-head block lists."""
+def flex_block_mask(graph, batch: int):
+    """FlexAttention BlockMask from the graph's per-head block lists: selected blocks split into full
+    (both blocks fully valid) and partial (the padding mask_mod applied). A HeadStack gives every head
+    its own block lists and padding masks (blocks past a head's layout are never selected)."""
     torch = _torch()
     from torch.nn.attention.flex_attention import BlockMask
 
     dev = "cuda"
-    bm = graph.block_mask()  # [H, nqb, nkb]
-    qfull = graph.q.valid_rows == graph.q.block_size
-    kfull = graph.k.valid_rows == graph.k.block_size
-    full = bm & qfull[None, :, None] & kfull[None, None, :]
+    heads = [head_graph(graph, h) for h in range(graph.heads)]
+    sq, sk = graph_slots(graph)
+    bq, bk = heads[0].q.block_size, heads[0].k.block_size
+    nqb, nkb = -(-sq // bq), -(-sk // bk)
+    bm = np.zeros((graph.heads, nqb, nkb), dtype=bool)
+    qfull = np.zeros((graph.heads, nqb), dtype=bool)
+    kfull = np.zeros((graph.heads, nkb), dtype=bool)
+    q_valid = np.zeros((graph.heads, sq), dtype=bool)
+    k_valid = np.zeros((graph.heads, sk), dtype=bool)
+    for h, g in enumerate(heads):
+        _, i, j = g.pairs
+        bm[h, i, j] = True
+        qfull[h, : g.q.num_blocks] = g.q.valid_rows == bq
+        kfull[h, : g.k.num_blocks] = g.k.valid_rows == bk
+        q_valid[h, : g.q.num_slots] = g.q.valid
+        k_valid[h, : g.k.num_slots] = g.k.valid
+    full = bm & qfull[:, :, None] & kfull[:, None, :]
     part = bm & ~full
 
     def pack(m):
@@ -308,20 +348,27 @@ def flex_block_mask(graph: SparseGraph, batch: int):
 
     pn, pi = pack(part)
     fn, fi = pack(full)
-    q_valid = torch.tensor(np.array(graph.q.valid), device=dev)
-    k_valid = torch.tensor(np.array(graph.k.valid), device=dev)
+    if isinstance(graph, HeadStack):  # every head its own padding
+        qv = torch.tensor(q_valid, device=dev)
+        kv = torch.tensor(k_valid, device=dev)
 
-    def mask_mod(b, h, qi, ki):
-        return q_valid[qi] & k_valid[ki]
+        def mask_mod(b, h, qi, ki):
+            return qv[h, qi] & kv[h, ki]
+    else:  # one padding mask for all heads (a 1-D lookup: what FlexAttention compiles best)
+        qv = torch.tensor(q_valid[0], device=dev)
+        kv = torch.tensor(k_valid[0], device=dev)
+
+        def mask_mod(b, h, qi, ki):
+            return qv[qi] & kv[ki]
 
     return BlockMask.from_kv_blocks(
         pn,
         pi,
         fn,
         fi,
-        BLOCK_SIZE=(graph.q.block_size, graph.k.block_size),
+        BLOCK_SIZE=(bq, bk),
         mask_mod=mask_mod,
-        seq_lengths=(graph.q.num_slots, graph.k.num_slots),
+        seq_lengths=(sq, sk),
     )
 
 
@@ -333,12 +380,13 @@ def bench_flex(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     # torch-owned copies (the compiled FlexAttention refused tensors imported through DLPack on the H200)
     q, k, v, do = (x.clone() for x in case.torch_views())
     block_mask = flex_block_mask(g, case.b)
+    g0 = head_graph(g, 0)
     opts = None
-    if g.q.block_size < 128 or g.k.block_size < 128:
-        opts = {"BLOCK_M": g.q.block_size, "BLOCK_N": g.k.block_size}
+    if g0.q.block_size < 128 or g0.k.block_size < 128:
+        opts = {"BLOCK_M": g0.q.block_size, "BLOCK_N": g0.k.block_size}
     flex = torch.compile(flex_attention)
     assert abs(case.scale - 1.0 / np.sqrt(case.d)) < 1e-12  # FlexAttention's default scale
-    physical = g.nnz * g.q.block_size * g.k.block_size * case.b
+    physical = g.nnz * g0.q.block_size * g0.k.block_size * case.b
     out = []
     t0 = time.time()
     try:
@@ -388,7 +436,7 @@ def bench_cudnn_dense(case: Case, timer: Timer, passes, check: bool) -> list[dic
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = case.graph
-    n = g.q.num_tokens
+    n = head_graph(g, 0).q.num_tokens
     h, d, b = g.heads, case.d, case.b
     q = torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda")
     k, v, do = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
@@ -416,11 +464,74 @@ def bench_cudnn_dense(case: Case, timer: Timer, passes, check: bool) -> list[dic
     return out
 
 
+def bench_vsa_kernel(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
+    """The VSA system's own kernel (``fastvideo-kernel`` 0.3.4, its Triton path) on 64-slot cube layouts
+    with valid-prefix padding (the ``vsa_*`` workloads); skipped elsewhere."""
+    g = case.graph
+    if isinstance(g, HeadStack) or g.q.block_size != 64 or g.q is not g.k:
+        return []
+    vr = g.q.valid_rows
+    if not np.array_equal(g.q.valid.reshape(-1, 64), np.arange(64)[None, :] < vr[:, None]):
+        return []  # the kernel assumes each cube's valid tokens are a prefix of its 64 slots
+    os.environ.setdefault("FASTVIDEO_VSA_TRITON", "1")
+    try:
+        from fastvideo_kernel.block_sparse_attn import block_sparse_attn_from_indices
+    except Exception as exc:  # the optional peer is not installed
+        return [dict(impl="vsa_kernel", **{"pass": p}, error=f"fastvideo_kernel not importable: {exc}"[:300])
+                for p in passes]
+    torch = _torch()
+    q, k, v, do = (x.clone() for x in case.torch_views())
+    cnt = np.diff(g.indptr).reshape(g.heads, g.q.num_blocks).astype(np.int32)
+    idx = np.zeros((g.heads, g.q.num_blocks, max(int(cnt.max()), 1)), np.int32)
+    rows = np.arange(g.num_rows)
+    pos = np.arange(g.nnz) - np.repeat(g.indptr[:-1], np.diff(g.indptr))
+    idx.reshape(g.num_rows, -1)[np.repeat(rows, np.diff(g.indptr)), pos] = g.indices
+    q2k_idx = torch.tensor(idx, device="cuda")[None].expand(case.b, *idx.shape).contiguous()
+    q2k_num = torch.tensor(cnt, device="cuda")[None].expand(case.b, *cnt.shape).contiguous()
+    vbs = torch.tensor(vr.astype(np.int32), device="cuda")
+    physical = g.nnz * 64 * 64 * case.b
+    o, _ = block_sparse_attn_from_indices(q, k, v, q2k_idx, q2k_num, vbs)
+    torch.cuda.synchronize()
+    rel = case.rel_err_head0(o[:, 0].float().cpu().numpy().astype(np.float64)) if check else None
+    out = []
+    if "fwd" in passes:
+        ms, _ = timer(lambda: block_sparse_attn_from_indices(q, k, v, q2k_idx, q2k_num, vbs))
+        out.append(dict(impl="vsa_kernel", **{"pass": "fwd"}, time_ms=ms, physical_pairs=physical, rel_err_o=rel,
+                        correct=None if rel is None else bool(rel < O_REL_TOL)))
+    if "fwdbwd" in passes:
+        qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+        def fwdbwd():
+            block_sparse_attn_from_indices(qg, kg, vg, q2k_idx, q2k_num, vbs)[0].backward(do)
+
+        ms, _ = timer(fwdbwd)
+        out.append(dict(impl="vsa_kernel", **{"pass": "fwdbwd"}, time_ms=ms, physical_pairs=physical, correct=None))
+    return out
+
+
+def launch_overhead(case: Case, calls: int = 200) -> dict:
+    """Host microseconds per kpage_forward call (validation, cached plan lookup, launch; no sync)."""
+    from .kernels.forward import kpage_forward
+
+    out = kpage_forward(case.q, case.k, case.v, case.graph, scale=case.scale)
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        kpage_forward(case.q, case.k, case.v, case.graph, scale=case.scale, out=out)
+        times.append(time.perf_counter() - t0)
+        if len(times) % 20 == 0:
+            cupy.cuda.Device().synchronize()  # keep the launch queue short
+    return dict(impl="kpage", **{"pass": "host_launch"}, host_us=round(float(np.median(times)) * 1e6, 1))
+
+
 BENCHES = {
+    "kpage": bench_kpage,
     "bsa": bench_bsa,
+    "bsa_mma": bench_bsa_mma,
     "flex": bench_flex,
     "cudnn_dense": bench_cudnn_dense,
-    "bsa_wgmma": bench_bsa_wgmma,
+    "vsa_kernel": bench_vsa_kernel,
 }
 
 
@@ -446,6 +557,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-check", action="store_true", help="skip the float64 reference check (head 0)")
+    parser.add_argument("--launch-overhead", action="store_true",
+                        help="also record the host time of one kpage_forward call (no GPU sync)")
     parser.add_argument(
         "--out", metavar="PATH", help="JSON result file (default data/bench/bench_<date>.json)"
     )
@@ -517,6 +630,10 @@ def print_table(records: list[dict], file=None) -> None:
                 f"ERROR {r['error'][:60]}",
             )
             continue
+        if "host_us" in r:
+            table.add_row(r["workload"], r["impl"], r["pass"], str(r["heads"]), f"host {r['host_us']:.1f} us",
+                          "-", "-", "-", "-")
+            continue
         rel = r.get("rel_err_o")
         table.add_row(
             r["workload"],
@@ -564,7 +681,7 @@ def run(args) -> int:
     workloads = args.workload or list(DEFAULT_WORKLOADS)
     passes = tuple(args.passes or ("fwd",))
     torch = _torch()
-    impls = list(args.impl or [i for i in IMPLS if i == "bsa" or torch is not None])
+    impls = list(args.impl or [i for i in IMPLS if i not in TORCH_IMPLS or torch is not None])
     timer = Timer(args.warmup, args.reps)
     records = []
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -574,14 +691,15 @@ def run(args) -> int:
         graph, head_dim = workload_graph(name, args.heads, seed=args.seed)
         useful = useful_pairs(graph) * args.batch
         case = Case(graph, head_dim, args.batch, seed=args.seed + 1)
+        sq, sk = graph_slots(graph)
         print(
-            f"[{name}] heads={graph.heads} slots q/k={graph.q.num_slots}/{graph.k.num_slots} "
+            f"[{name}] heads={graph.heads} slots q/k={sq}/{sk} "
             f"pairs={graph.nnz} "
             f"graph {time.time() - t0:.1f}s",
             flush=True,
         )
         for impl in impls:
-            if impl != "bsa" and torch is None:
+            if impl in TORCH_IMPLS and torch is None:
                 continue
             t1 = time.time()
             try:
@@ -597,6 +715,9 @@ def run(args) -> int:
                 )
                 records.append(_rates(r, useful, head_dim))
             print(f"  {impl}: {time.time() - t1:.1f}s", flush=True)
+        if getattr(args, "launch_overhead", False) and name == workloads[0]:
+            records.append(dict(launch_overhead(case), workload=name, heads=graph.heads, head_dim=head_dim,
+                                batch=args.batch, useful_pairs=useful))
         write_results(path, records, now, torch)  # after every workload: a killed run keeps what it measured
         del case
         cupy.get_default_memory_pool().free_all_blocks()

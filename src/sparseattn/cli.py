@@ -1,4 +1,4 @@
-"""Command line: ``sparseattn analyze | workloads | bench`` (also ``python -m sparseattn``).
+"""Command line: ``sparseattn analyze | workloads | figures | bench`` (also ``python -m sparseattn``).
 
 Errors in user input (bad names, files, fields) print one line ``sparseattn: error: ...`` to stderr and
 exit with status 2; a missing optional part (PageWeaver analysis, GPU benchmarks) exits with status 1.
@@ -462,7 +462,11 @@ def _run_analyze(args) -> int:
     if args.plot:
         from .plots import capacity_bar_chart
 
-        capacity_bar_chart(records, path=args.plot)
+        capacity_bar_chart(
+            records,
+            path=args.plot,
+            source=f"Counted by sparseattn analyze (seed {args.seed}, KPage route {args.route}).",
+        )
     if args.format == "table":
         render_capacity_table(records, total_record(reports, multiply_layers=args.layers), per_head)
     elif args.format == "json":
@@ -539,6 +543,33 @@ def _run_workloads(args) -> int:
     return 0
 
 
+# --- figures -----------------------------------------------------------------------------------------
+def _run_figures(args) -> int:
+    from .figures import regenerate
+
+    regenerate(args.out, only=args.only, bench_dir=args.bench_dir, log=lambda m: print(m, file=sys.stderr))
+    return 0
+
+
+def _add_figures_parser(sub) -> None:
+    fig = sub.add_parser(
+        "figures",
+        help="regenerate every figure of figures/ from code and data/ (CPU)",
+        description="Regenerate the figures (PNG, PDF, SVG) from code and data/: capacity "
+        "analysis, PageWeaver analysis, and the recorded GPU runs of data/bench. Output is "
+        "byte-for-byte reproducible.",
+    )
+    fig.add_argument("--out", metavar="DIR", help="output folder (default: the repository's figures/)")
+    fig.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="only this figure (repeatable), e.g. kpage_capacity; an unknown name lists them all",
+    )
+    fig.add_argument("--bench-dir", metavar="DIR", help="recorded benchmark runs (default: data/bench)")
+    fig.set_defaults(func=_run_figures)
+
+
 # --- bench -------------------------------------------------------------------------------------------
 def load_bench():
     """Import :mod:`sparseattn.bench` (only when ``bench`` is asked for: it may need cupy)."""
@@ -592,7 +623,7 @@ def build_parser(bench=None) -> argparse.ArgumentParser:
         "occupancy analysis of sparse layouts, KPage / PageWeaver kernels.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{analyze,workloads,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{analyze,workloads,figures,bench}")
     sub.required = True
 
     an = sub.add_parser(
@@ -643,6 +674,7 @@ def build_parser(bench=None) -> argparse.ArgumentParser:
     wl.add_argument("--format", choices=FORMATS, default="table")
     wl.set_defaults(func=_run_workloads)
 
+    _add_figures_parser(sub)
     _add_bench_parser(sub, bench)
     return parser
 

@@ -348,3 +348,81 @@ def coverage_report(plan: TilePlan, graph: SparseGraph) -> dict:
         "missing": int(np.setdiff1d(useful, computed, assume_unique=True).size),
         "outside": int(np.setdiff1d(computed, useful, assume_unique=True).size),
     }
+
+
+def emulate_work_list(work, q, k, v, scale=None):
+    """Run a paged-forward :class:`~sparseattn.kernels.work_list.WorkList` as the kernel does, in float64.
+
+    Reads only the work list's arrays: (page, row mask) of each owned Q page and of each streamed K/V
+    page, items in ``work_order``, keys in chunks of ``work.chunk``. A 128-row item processes every
+    chunk with both row halves; a 64-row item splits the chunks between two running softmax states
+    (even / odd chunks) and merges them, as the kernel's two warpgroups do.
+
+    Args:
+        work: the WorkList; q ``[batch, heads, sq, d]``; k, v ``[batch, heads, sk, d]``.
+
+    Returns:
+        ``(o, lse)`` float64; rows no item owns stay NaN (so tests see what the kernel would not write).
+
+    Raises:
+        EmulationError: a row written twice.
+    """
+    q, k, v = (_as_float_array(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
+    scale = _check_scale(scale, q.shape[-1])
+    b, heads, sq, _ = q.shape
+    o = np.full((b, heads, sq, v.shape[-1]), np.nan)
+    lse = np.full((b, heads, sq), np.nan)
+    written = np.zeros((heads, sq), dtype=np.int64)
+    per_chunk = work.chunk // PAGE_ROWS
+    bits = _BITS.astype(np.uint32)
+
+    def rows_of(entries):  # (page, mask) pairs -> slot ids, validity
+        pages, masks = entries[:, 0].astype(np.int64), entries[:, 1].astype(np.uint32)
+        valid = ((masks[:, None] & bits) != 0) & (pages >= 0)[:, None]
+        return _page_slots(pages), valid.ravel()
+
+    for w in work.work_order:
+        head, begin, length, m = (int(x) for x in work.work_info[w])
+        own = np.stack([work.own_pages[w, : m // PAGE_ROWS], work.own_mask[w, : m // PAGE_ROWS]], axis=1)
+        q_slots, q_ok = rows_of(own)
+        stream = np.stack(
+            [work.stream_pages[begin : begin + length], work.stream_mask[begin : begin + length]], axis=1
+        )
+        n_chunks = -(-length // per_chunk)
+        states = []
+        for part in (range(n_chunks),) if m > 64 else (range(0, n_chunks, 2), range(1, n_chunks, 2)):
+            run_max = np.full((b, m), -np.inf)
+            run_sum = np.zeros((b, m))
+            acc = np.zeros((b, m, v.shape[-1]))
+            qt = _gather(q[:, head], own[:, 0].astype(np.int64), q_ok)
+            for c in part:
+                chunk = stream[c * per_chunk : (c + 1) * per_chunk]
+                k_slots, k_ok = rows_of(chunk)
+                kt = k[:, head][:, k_slots] * k_ok[None, :, None]
+                vt = v[:, head][:, k_slots] * k_ok[None, :, None]
+                s = scale * np.matmul(qt, kt.transpose(0, 2, 1))
+                s[:, :, ~k_ok] = -np.inf
+                new_max = np.maximum(run_max, s.max(axis=-1))
+                base = np.where(np.isfinite(new_max), new_max, 0.0)
+                p = np.exp(s - base[..., None])
+                alpha = np.exp(run_max - base)
+                run_sum = alpha * run_sum + p.sum(axis=-1)
+                acc = alpha[..., None] * acc + np.matmul(p, vt)
+                run_max = new_max
+            states.append((run_max, run_sum, acc))
+        run_max = np.maximum.reduce([s[0] for s in states])
+        base = np.where(np.isfinite(run_max), run_max, 0.0)
+        run_sum = sum(np.exp(s[0] - base) * s[1] for s in states)
+        acc = sum(np.exp(s[0] - base)[..., None] * s[2] for s in states)
+        has_keys = run_sum > 0
+        o_tile = acc / np.where(has_keys, run_sum, 1.0)[..., None]
+        lse_tile = np.where(has_keys, run_max + np.log(np.where(has_keys, run_sum, 1.0)), -np.inf)
+        slots = q_slots[q_ok]
+        if np.any(written[head, slots]):
+            raise EmulationError(
+                f"work list writes Q row (head {head}, slot {slots[written[head, slots] > 0][0]}) twice"
+            )
+        written[head, slots] += 1
+        o[:, head, slots] = o_tile[:, q_ok]
+        lse[:, head, slots] = lse_tile[:, q_ok]
+    return o, lse

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 # Step time limits (seconds); together under 8 minutes.
-PYTEST_LIMIT_S = 200
+PYTEST_LIMIT_S = 330
 SANITIZER_LIMIT_S = 60
 BENCH_LIMIT_S = 300
 BENCH_QUICK_LIMIT_S = 110
@@ -51,14 +51,16 @@ def _run(cmd: list[str], log: Path, timeout: float, env=None) -> tuple[int, floa
     return code, time.time() - t0, "\n".join(tail)
 
 
-def sanitize_case() -> int:
-    """A small ragged case for compute-sanitizer: forward and (if present) backward, synchronized."""
+def sanitize_case(paged_only: bool = False) -> int:
+    """A small ragged case for compute-sanitizer: the paged forward (every route), the mma.sync BSA
+    forward and the backward, synchronized; ``paged_only`` runs the paged forward alone
+    (for racecheck, which is slow)."""
     import cupy
     import numpy as np
 
     from .builders import random_graph
+    from .kernels.forward import paged_forward
     from .kernels.bsa_forward import bsa_forward
-    from .kernels.bsa_forward_wgmma import bsa_forward_wgmma
     from .kernels.validate import float_to_bf16_bits
     from .layouts import slot_layout, video_layout
 
@@ -70,13 +72,18 @@ def sanitize_case() -> int:
     valid = rng.random(6 * 64) < 0.5
     valid[64:128] = False
     cases.append(slot_layout(valid, 64))
+    if paged_only:
+        cases = cases[:2]
     for layout in cases:
         graph = random_graph(layout, layout, heads=2, density=0.5, seed=1)
         for d in (64, 128):
             shape = (1, 2, layout.num_slots, d)
             q, k, v, do = (cupy.asarray(float_to_bf16_bits(rng.standard_normal(shape))) for _ in range(4))
+            for kind, route in (("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("bsa", "auto")):
+                paged_forward(q, k, v, graph, kind=kind, route=route)
+            if paged_only:
+                continue
             o, lse = bsa_forward(q, k, v, graph)
-            bsa_forward_wgmma(q, k, v, graph)
             try:
                 from .kernels.bsa_backward import bsa_backward
             except ImportError:
@@ -98,9 +105,16 @@ def main(argv=None) -> int:
     parser.add_argument("--tests", nargs="+", default=["tests/"], help="pytest paths (default: tests/)")
     parser.add_argument("--fwd-only", action="store_true", help="benchmark the forward pass only")
     parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--paged-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--racecheck", action="store_true", help="also run compute-sanitizer racecheck")
+    parser.add_argument("--bench-workload", action="append", default=None, metavar="NAME",
+                        help="benchmark these workloads (default: the built-ins whose heads share a layout)")
+    parser.add_argument("--bench-impl", action="append", default=None, metavar="IMPL",
+                        help="benchmark these implementations (default: all)")
+    parser.add_argument("--bench-limit", type=float, default=None, help="bench step time limit (s)")
     args = parser.parse_args(argv)
     if args.sanitize_case:
-        return sanitize_case()
+        return sanitize_case(args.paged_only)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -172,9 +186,18 @@ def main(argv=None) -> int:
         steps.append(
             dict(step="compute-sanitizer memcheck", code=code, seconds=round(sec, 1), note=note.strip())
         )
+        if args.racecheck and Path(tool).exists():
+            code, sec, tail = _run(
+                [tool, "--tool", "racecheck", "--error-exitcode", "3", py, "-m",
+                 "sparseattn.gpucheck", "--out", str(out), "--sanitize-case", "--paged-only"],
+                out / "racecheck.log", SANITIZER_LIMIT_S * 2, env)
+            note = next((line for line in reversed(tail.splitlines()) if "RACECHECK SUMMARY" in line
+                         or "ERROR SUMMARY" in line), "no summary")
+            steps.append(dict(step="compute-sanitizer racecheck", code=code, seconds=round(sec, 1),
+                              note=note.strip()))
 
     if "bench" not in args.skip:
-        cmd = [py, "-m", "sparseattn.bench", "--out", str(out / "bench.json"), "--pass", "fwd"]
+        cmd = [py, "-m", "sparseattn.bench", "--out", str(out / "bench.json"), "--pass", "fwd", "--launch-overhead"]
         if not args.fwd_only:
             cmd += ["--pass", "fwdbwd"]
         if args.quick:
@@ -188,11 +211,13 @@ def main(argv=None) -> int:
                 "--reps",
                 "5",
             ]
-        else:  # every built-in workload whose heads share one layout, at its real head count
-            for name in FULL_BENCH_WORKLOADS:
+        else:  # the built-in workloads at their real head counts
+            for name in args.bench_workload or FULL_BENCH_WORKLOADS:
                 cmd += ["--workload", name]
             cmd += ["--reps", "10", "--warmup", "2"]
-        limit = BENCH_QUICK_LIMIT_S if args.quick else BENCH_LIMIT_S
+        for impl in args.bench_impl or ():
+            cmd += ["--impl", impl]
+        limit = args.bench_limit or (BENCH_QUICK_LIMIT_S if args.quick else BENCH_LIMIT_S)
         code, sec, tail = _run(cmd, out / "bench.log", limit, env)
         steps.append(dict(step="bench", code=code, seconds=round(sec, 1), note="see bench.json"))
 

@@ -290,3 +290,72 @@ class SparseGraph:
         bm = self.block_mask()[head]
         m = np.repeat(np.repeat(bm, self.q.block_size, axis=0), self.k.block_size, axis=1)
         return m & self.q.valid[:, None] & self.k.valid[None, :]
+
+
+@dataclass(frozen=True, eq=False)
+class HeadStack:
+    """One attention call whose heads each have their own Q and K layouts (SVG2's per-head k-means
+    partitions): one single-head :class:`SparseGraph` per head.
+
+    Kernels see the call as tensors ``[batch, heads, slots, d]`` with ``slots`` = the largest slot
+    count over the heads (``q_slots`` / ``k_slots``); head ``h`` uses its first
+    ``graphs[h].q.num_slots`` (``k.num_slots``) slots, the rest is never read or written.
+    """
+
+    graphs: tuple
+
+    def __post_init__(self):
+        graphs = tuple(self.graphs)
+        if not graphs:
+            raise GraphError("HeadStack needs at least one graph")
+        for h, g in enumerate(graphs):
+            if not isinstance(g, SparseGraph):
+                raise GraphError(f"graphs[{h}] must be a SparseGraph, got {type(g).__name__}")
+            if g.heads != 1:
+                raise GraphError(f"graphs[{h}] has {g.heads} heads; a HeadStack holds single-head graphs")
+        object.__setattr__(self, "graphs", graphs)
+
+    @classmethod
+    def of(cls, graphs) -> HeadStack:
+        """A HeadStack from a list of graphs (each multi-head graph is split into its heads)."""
+        if isinstance(graphs, HeadStack):
+            return graphs
+        if isinstance(graphs, SparseGraph):
+            graphs = [graphs]
+        out = []
+        for g in graphs:
+            if not isinstance(g, SparseGraph):
+                raise GraphError(f"expected SparseGraph objects, got {type(g).__name__}")
+            out.extend([g] if g.heads == 1 else [g.select_heads([h]) for h in range(g.heads)])
+        return cls(tuple(out))
+
+    @property
+    def heads(self) -> int:
+        return len(self.graphs)
+
+    @property
+    def q_slots(self) -> int:
+        return max(g.q.num_slots for g in self.graphs)
+
+    @property
+    def k_slots(self) -> int:
+        return max(g.k.num_slots for g in self.graphs)
+
+    @property
+    def nnz(self) -> int:
+        return sum(g.nnz for g in self.graphs)
+
+    def useful_pairs(self) -> int:
+        """Σ over heads and selected block pairs of valid Q rows × valid K rows."""
+        total = 0
+        for g in self.graphs:
+            _, i, j = g.pairs
+            total += int((g.q.valid_rows[i] * g.k.valid_rows[j]).sum())
+        return total
+
+    def q_valid(self) -> np.ndarray:
+        """bool ``[heads, q_slots]``: valid query slots of every head (padding past a head's layout is False)."""
+        out = np.zeros((self.heads, self.q_slots), dtype=bool)
+        for h, g in enumerate(self.graphs):
+            out[h, : g.q.num_slots] = g.q.valid
+        return out

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..constants import PAGE_ROWS
 from ..plans import TilePlan
-from . import runtime
+from . import launch
 from .plan_cache import PlanCache
 from .validate import (
     BF16_DTYPE_NAMES,
@@ -185,7 +185,7 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
         dq_accum = cupy.zeros((b, h, sq, d), dtype=cupy.float32)
 
         rows = b * h * sq
-        pre = runtime.get_function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
+        pre = launch.function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
         lanes = rows * (d // 8)
         pre((-(-lanes // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), (o, do, delta, np.int64(rows)))
 
@@ -195,7 +195,7 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
             if stop <= start:
                 continue
             owned_rows = plan.routes[route][0]
-            fn = runtime.get_function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
+            fn = launch.function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
             smem = smem_bytes(d, owned_rows)
             if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
                 fn.max_dynamic_shared_size_bytes = smem
@@ -207,7 +207,7 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
                 np.float32(scale), scale_log2),
                shared_mem=smem)
 
-        post = runtime.get_function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
+        post = launch.function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
         n4 = b * h * sq * d // 4
         post((-(-n4 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
              (dq_accum, dq, np.float32(scale), np.int64(n4)))

@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 
 from ..plans import TilePlan
-from . import runtime
+from . import launch
 from .plan_cache import PlanCache
 from .validate import (
     BF16_DTYPE_NAMES,
@@ -145,7 +145,7 @@ def bsa_forward(q, k, v, graph_or_plan, scale=None, out=None):
 
 def launch_target(head_dim: int, tile_m: int, tile_n: int):
     """(kernel function, threads per CTA, dynamic shared memory) of the mma.sync kernel for one route."""
-    fn = runtime.get_function(SOURCE, kernel_name(head_dim, tile_m, tile_n), NAME_EXPRESSIONS)
+    fn = launch.function(SOURCE, kernel_name(head_dim, tile_m, tile_n), NAME_EXPRESSIONS)
     return fn, threads_per_cta(tile_m), smem_bytes(head_dim, tile_m, tile_n)
 
 

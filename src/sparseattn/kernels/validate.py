@@ -10,6 +10,7 @@ Errors name the argument: :class:`KernelTypeError` (a ``TypeError``) for wrong k
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -50,13 +51,32 @@ def bf16_bits_to_float(bits) -> np.ndarray:
 # ---- tensors --------------------------------------------------------------------------------
 
 
+CUPY_TYPES: set = set()  # array types already recognised (the check runs on every launch)
+_DTYPE_NAMES: dict = {}
+
+
 def is_cupy_array(x) -> bool:
     """True for a CuPy ndarray (checked without importing CuPy)."""
-    return type(x).__module__.split(".")[0] == "cupy" and hasattr(x, "__cuda_array_interface__")
+    t = type(x)
+    if t in CUPY_TYPES:
+        return True
+    if t.__module__.split(".")[0] == "cupy" and hasattr(x, "__cuda_array_interface__"):
+        CUPY_TYPES.add(t)
+        return True
+    return False
 
 
 def _dtype_name(x) -> str:
-    return str(getattr(x, "dtype", type(x).__name__))
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        return type(x).__name__
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt)
+    return name
+
+
+dtype_name = _dtype_name  # the dtype's name (cached per dtype object)
 
 
 def check_tensor(
@@ -102,10 +122,19 @@ def check_tensor(
     if not x.flags.c_contiguous:
         raise KernelValueError(f"{name} must be C-contiguous (use cupy.ascontiguousarray)")
     if device is not None:
-        dev = getattr(getattr(x, "device", None), "id", None)
-        if dev is not None and int(dev) != int(device):
+        dev = device_of(x)
+        if dev is not None and dev != int(device):
             raise KernelValueError(f"{name} is on device {dev}, expected device {device}")
     return x
+
+
+def device_of(x) -> int | None:
+    """CUDA device id of a CuPy array (its memory's device), without creating a Device object."""
+    data = getattr(x, "data", None)
+    dev = getattr(data, "device_id", None)
+    if dev is None:
+        dev = getattr(getattr(x, "device", None), "id", None)
+    return None if dev is None else int(dev)
 
 
 def check_same_device(**tensors) -> int:
@@ -132,7 +161,7 @@ def check_scale(scale, head_dim: int) -> float:
         s = float(scale)
     except (TypeError, ValueError):
         raise KernelTypeError(f"scale must be a number, got {type(scale).__name__}") from None
-    if not np.isfinite(s) or s <= 0:
+    if not math.isfinite(s) or s <= 0:
         raise KernelValueError(f"scale must be finite and positive, got {scale!r}")
     return s
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels.runtime import get_function
+from ..kernels.launch import function as get_function
 from .captures import Capture
 from .grouping import DEFAULT_GROUP_SIZE, DEFAULT_WINDOW, Grouping, GroupingError, _check_params
 

@@ -1,0 +1,290 @@
+// Hopper (sm_90a) building blocks shared by the warp-specialized paged attention kernels:
+// wgmma wrappers and shared-memory matrix descriptors, the 128-byte-swizzle tile layout, mbarriers,
+// named barriers and register reallocation.
+//
+// Tile layout (what wgmma's 128-byte-swizzle descriptors expect): a ROWS x COLS bf16 tile is cut into
+// 64-element (128-byte) column blocks, each stored ROWS x 128 B; 16-byte chunk c of row r sits at chunk
+// position c ^ (r % 8) of its row. Tiles start 1024-byte aligned, so a 16-row page (two 8-row swizzle
+// atoms) lands at any 16-row offset without breaking the pattern.
+#pragma once
+#include "paged_attn_common.cuh"
+
+namespace hopper {
+
+// ---- tile addressing and matrix descriptors -----------------------------------------------------
+
+// Byte offset of (row, 16-byte chunk) in a ROWS-row tile of the canonical 128-byte-swizzle layout.
+template <int ROWS>
+__device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
+    return static_cast<uint32_t>((chunk >> 3) * (ROWS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major operands: the leading offset is unused
+// (a k-step stays inside one 128-byte row), the stride offset is the distance between 8-row groups
+// (1024 B). MN-major (transposed) operands: the leading offset is the distance between 64-element
+// column blocks, the stride offset the distance between 8-row (k) groups.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
+    return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lead_bytes >> 4) << 16) |
+           (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (1ull << 62);
+}
+
+// ---- wgmma (bf16 inputs, fp32 accumulators; the accumulator layout of m64nN: thread t of the warpgroup
+// holds rows 16·(t/32) + (t%32)/4 and +8, columns 8j + 2·(t%4) and +1, as d[4j..4j+3]) ---------------
+
+#define HW_ACC8(b) "+f"(d[b + 0]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), \
+                   "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+#define HW_ACC32 HW_ACC8(0), HW_ACC8(8), HW_ACC8(16), HW_ACC8(24)
+#define HW_ACC64 HW_ACC32, HW_ACC8(32), HW_ACC8(40), HW_ACC8(48), HW_ACC8(56)
+#define HW_REGS32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
+                  "%24,%25,%26,%27,%28,%29,%30,%31}"
+#define HW_REGS64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
+                  "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45," \
+                  "%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+
+// d (m64 x nN) {=, +=} A (64 x 16, shared, K-major) · B (nN x 16, shared, K-major)ᵀ
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_ss<128>(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " HW_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : HW_ACC64
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss<64>(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " HW_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : HW_ACC32
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// d (m64 x nN) += A (64 x 16 bf16, registers) · B (16 x nN, shared, MN-major: transposed)
+template <int N>
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b);
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " HW_REGS64
+                 ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+                 : HW_ACC64
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " HW_REGS32
+                 ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+                 : HW_ACC32
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// Ties registers to this point: the compiler may not move their reads or writes across a wgmma wait
+// (the wgmma asm statements alone do not order ordinary code around the asynchronous MMA).
+template <int N>
+__device__ __forceinline__ void pin_registers(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Generic-proxy writes to shared memory (cp.async, st.shared) -> visible to async-proxy reads (wgmma).
+__device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ---- mbarriers (32-bit shared-window addresses) -------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Arrive (release semantics: this thread's earlier shared-memory writes are visible to the waiters).
+__device__ __forceinline__ void mbar_arrive(uint32_t bar, uint32_t count = 1) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// The barrier's current phase also waits for every cp.async this thread issued so far (net-zero
+// pending count: pair it with an mbar_arrive of the same thread).
+__device__ __forceinline__ void mbar_track_cp_async(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Wait until the phase of parity `parity` has completed (acquire semantics).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred P1;\nHW_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra HW_DONE;\nbra HW_WAIT;\nHW_DONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// ---- named barriers and register reallocation ---------------------------------------------------
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int REGS>
+__device__ __forceinline__ void regs_release() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void regs_claim() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+// ---- page gathers ---------------------------------------------------------------------------------
+
+// One warp copies PPW 16-row pages of a [slots, HEAD_DIM] bf16 matrix (page ids `page`, 16-bit row
+// masks `mask`, identical in every lane) into rows row0 .. row0 + 16·PPW − 1 of a TILE_ROWS-row
+// swizzled tile, with 16-byte cp.async. Invalid rows, and every row of an id outside [0, num_pages),
+// are zero-filled and never read. Lane l copies 16-byte chunk l % CPR of rows l / CPR + i·RS
+// (RS = 32 / CPR); a row's swizzled chunk position is (chunk ^ (l / CPR)) ^ (i·RS % 8), so each copy
+// costs a few integer operations on per-page bases (few live registers: the producer runs lean).
+// Requires num_pages · 16 · HEAD_DIM < 2^31 (checked by the host).
+template <int HEAD_DIM, int TILE_ROWS, int PPW>
+__device__ __forceinline__ void warp_copy_pages(uint32_t tile, int row0, const __nv_bfloat16* __restrict__ matrix,
+                                                int num_pages, const int (&page)[PPW], const uint32_t (&mask)[PPW]) {
+    constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int RS = 32 / CPR;       // rows per step
+    static_assert(32 % CPR == 0 && PAGE_ROWS % RS == 0 && 8 % RS == 0, "warp_copy_pages: HEAD_DIM 64 or 128");
+    const int lane = threadIdx.x & 31;
+    const int chunk = lane % CPR;
+    const int r0 = lane / CPR;
+    uint32_t pos = static_cast<uint32_t>((chunk & 7) ^ r0);  // swizzled chunk position of rows r0 (mod 8)
+    asm volatile("" : "+r"(pos));  // computed per call: keeps the per-copy addresses out of long-lived registers
+#pragma unroll
+    for (int p = 0; p < PPW; ++p) {
+        const bool in_range = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
+        const uint32_t rows = in_range ? (mask[p] >> r0) : 0u;  // bit i·RS: row r0 + i·RS is valid
+        const __nv_bfloat16* src =
+            matrix + (static_cast<uint32_t>(in_range ? page[p] : 0) * PAGE_ROWS + static_cast<uint32_t>(r0)) * HEAD_DIM +
+            chunk * 8;
+        const uint32_t dst = tile + static_cast<uint32_t>((chunk >> 3) * (TILE_ROWS * 128) +
+                                                          (row0 + p * PAGE_ROWS + r0) * 128);
+#pragma unroll
+        for (int i = 0; i < PAGE_ROWS / RS; ++i) {
+            const int ri = i * RS;
+            const bool valid = (rows >> ri) & 1u;
+            paged::cp_async_16_zfill(dst + ri * 128 + ((pos ^ static_cast<uint32_t>(ri & 7)) << 4), src + ri * HEAD_DIM,
+                                     valid);
+        }
+    }
+}
+
+// ---- masked online softmax on the wgmma accumulator layout ----------------------------------------
+
+// Valid-key bits of one thread for a KEYS-wide key tile: bit 2j (2j + 1) = column 8j + 2·t4 (+1), from
+// the 16-bit row masks of the tile's KEYS/16 pages.
+template <int KEYS>
+__device__ __forceinline__ uint32_t column_bits(const uint32_t* page_masks, int t4) {
+    static_assert(KEYS <= 128, "32 column-pair bits hold at most 128 keys");
+    uint32_t bits = 0;
+#pragma unroll
+    for (int p = 0; p < KEYS / PAGE_ROWS; ++p) {
+        const uint32_t m = page_masks[p];
+        bits |= ((m >> (2 * t4)) & 3u) << (4 * p);
+        bits |= ((m >> (8 + 2 * t4)) & 3u) << (4 * p + 2);
+    }
+    return bits;
+}
+
+// This thread's part of the online softmax over one key tile (KEYS columns, rows g and g + 8 of its
+// warp's 16): invalid key columns -> -inf; running max (quad-reduced) and this lane's partial sums
+// updated; S replaced by exp2(S·scale_log2 − max·scale_log2); alpha[r] rescales O.
+template <int KEYS>
+__device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], uint32_t col_bits, float scale_log2,
+                                               float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < KEYS / 8; ++j) {
+        if (!((col_bits >> (2 * j)) & 1u)) { s[4 * j] = -INFINITY; s[4 * j + 2] = -INFINITY; }
+        if (!((col_bits >> (2 * j + 1)) & 1u)) { s[4 * j + 1] = -INFINITY; s[4 * j + 3] = -INFINITY; }
+    }
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < KEYS / 8; ++j) {
+        tile_max[0] = fmaxf(tile_max[0], fmaxf(s[4 * j], s[4 * j + 1]));
+        tile_max[1] = fmaxf(tile_max[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    float base_l2[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float new_max = fmaxf(row_max[r], paged::quad_max(tile_max[r]));
+        base_l2[r] = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+        alpha[r] = exp2f(row_max[r] * scale_log2 - base_l2[r]);  // 0 when row_max was -inf
+        row_max[r] = new_max;
+        row_sum[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int j = 0; j < KEYS / 8; ++j) {
+        s[4 * j] = exp2f(fmaf(s[4 * j], scale_log2, -base_l2[0]));
+        s[4 * j + 1] = exp2f(fmaf(s[4 * j + 1], scale_log2, -base_l2[0]));
+        s[4 * j + 2] = exp2f(fmaf(s[4 * j + 2], scale_log2, -base_l2[1]));
+        s[4 * j + 3] = exp2f(fmaf(s[4 * j + 3], scale_log2, -base_l2[1]));
+        row_sum[0] += s[4 * j] + s[4 * j + 1];
+        row_sum[1] += s[4 * j + 2] + s[4 * j + 3];
+    }
+}
+
+template <int OREG>
+__device__ __forceinline__ void rescale_rows(float (&o)[OREG], const float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < OREG / 4; ++j) {
+        o[4 * j] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+    }
+}
+
+// P (bf16) as the A register fragments of O += P·V, one per 16-key page (k-step): the accumulator
+// layout of S is the A fragment layout (rows g / g + 8, k columns 2·t4 (+1) and 8 + 2·t4 (+1)).
+template <int KEYS>
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[KEYS / PAGE_ROWS][4], const float (&s)[KEYS / 2]) {
+#pragma unroll
+    for (int p = 0; p < KEYS / PAGE_ROWS; ++p) {
+        pa[p][0] = paged::pack_bf16x2(s[8 * p], s[8 * p + 1]);
+        pa[p][1] = paged::pack_bf16x2(s[8 * p + 2], s[8 * p + 3]);
+        pa[p][2] = paged::pack_bf16x2(s[8 * p + 4], s[8 * p + 5]);
+        pa[p][3] = paged::pack_bf16x2(s[8 * p + 6], s[8 * p + 7]);
+    }
+}
+
+// ---- O / LSE rows from the accumulator layout -----------------------------------------------------
+
+// Store this thread's part of one 16-row O page (rows g, g + 8; columns 8j + 2·t4 (+1)), scaled by
+// inv[r], and the two LSE values (lanes t4 == 0), for the rows `mask` marks valid. `o_page` and
+// `lse_page` point at row 0 of the page.
+template <int HEAD_DIM>
+__device__ __forceinline__ void store_o_page(__nv_bfloat16* __restrict__ o_page, float* __restrict__ lse_page,
+                                             uint32_t mask, const float (&o)[HEAD_DIM / 2], const float (&inv)[2],
+                                             const float (&lse)[2]) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        if (!paged::page_row_valid(mask, row)) continue;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(o_page + row * HEAD_DIM + 2 * t4);
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; ++j)
+            dst[4 * j] = paged::pack_bf16x2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+        if (t4 == 0) lse_page[row] = lse[r];
+    }
+}
+
+}  // namespace hopper

@@ -1,0 +1,413 @@
+// Paged sparse attention forward on Hopper (sm_90a): one persistent, warp-specialized kernel for every
+// tile route of a TilePlan — KPage's (64, 256) and (128, 128) tiles and the BSA baseline's (64, 64) and
+// (128, 128) — so that KPage and BSA differ only in the plan they execute.
+//
+// Work items (one per owner tile of the plan, × batch) are taken longest-first from a global counter.
+// An item owns M = 64 or 128 query rows (own_pages: (page id, row mask) of its 16-row Q pages) and
+// streams its K/V pages (stream_pages: (page id, row mask) entries) in key chunks of CHUNK keys (CHUNK / 16 pages packed back to back, pages from several
+// logical blocks sharing a chunk).
+//
+// Threads: three warpgroups.
+// * Producer (warpgroup 0, registers lowered with setmaxnreg): thread 0 takes the next item from the
+//   counter and publishes it in a two-entry item ring; every producer warp then gathers its share of the
+//   item's Q pages and of each chunk's K and V pages with 16-byte cp.async into swizzled shared memory
+//   (invalid rows zero-filled, never read), each buffer completing on an mbarrier that also tracks the
+//   copies (cp.async.mbarrier.arrive). K and V have separate rings of NBUF chunk buffers, so a K buffer
+//   is released as soon as S = Q·Kᵀ has read it.
+// * Two consumer warpgroups (registers raised). Each computes 64 query rows against whole key chunks:
+//   S = Q·Kᵀ (wgmma m64nCHUNKk16, Q and K from shared memory), exact per-key masking (-inf), online
+//   softmax in registers, O += P·V (wgmma, P from registers, one 16-key page per k-step), with the P·V of
+//   the warpgroup's previous chunk issued right behind the next S = Q·Kᵀ so it runs during the softmax.
+//   - M = 128 ("row split"): warpgroup w owns rows 64w .. 64w + 63 and consumes every chunk.
+//   - M = 64 ("key split"): both warpgroups own the same 64 rows and take alternate chunks (w, w + 2,
+//     ...); at the end warpgroup 1 hands its (O, max, sum) to warpgroup 0 through the Q buffer, which
+//     merges the two softmax states and stores the rows.
+// Outputs: O bf16 [batch, heads, q_slots, HEAD_DIM] and LSE fp32 [batch, heads, q_slots] (natural log)
+// for the valid rows of each owned page; a valid row without any valid key gets O = 0, LSE = -inf.
+// Invalid query rows are never stored. Every page id is range-checked before use.
+#include "hopper_wgmma.cuh"
+
+// Geometry mirrored in sparseattn/kernels/forward.py.
+#define PAGED_FWD_THREADS 384
+#define PAGED_FWD_Q_ROWS 128          // Q tile rows (the largest route's M)
+#define PAGED_FWD_Q_PAGES 8           // own_pages columns the kernel reads per work item
+#define PAGED_FWD_PRODUCER_REGS 56
+#define PAGED_FWD_CONSUMER_REGS 224
+#define PAGED_FWD_SMEM_LIMIT (227 * 1024)
+#define PAGED_FWD_SMALL_BYTES 1280    // barriers, chunk page masks, item ring, merge statistics
+#define PAGED_FWD_MAX_NBUF 8
+
+namespace {
+
+constexpr int kProducerThreads = 128;
+constexpr int kConsumerWarps = 8;
+
+template <int HEAD_DIM, int CHUNK>
+struct FwdConfig {
+    static constexpr int PAGES = CHUNK / PAGE_ROWS;  // pages per key chunk
+    static constexpr int PPW = PAGES / 4;            // pages per producer warp
+    static constexpr int Q_BYTES = PAGED_FWD_Q_ROWS * HEAD_DIM * 2;
+    static constexpr int KV_BYTES = CHUNK * HEAD_DIM * 2;
+    static constexpr int NBUF_FIT = (PAGED_FWD_SMEM_LIMIT - 1024 - PAGED_FWD_SMALL_BYTES - Q_BYTES) / (2 * KV_BYTES);
+    static constexpr int NBUF = NBUF_FIT < PAGED_FWD_MAX_NBUF ? NBUF_FIT : PAGED_FWD_MAX_NBUF;
+    static constexpr int SMEM_BYTES = 1024 + Q_BYTES + 2 * NBUF * KV_BYTES + PAGED_FWD_SMALL_BYTES;
+    static constexpr int OREG = HEAD_DIM / 2;        // O accumulator floats per consumer thread
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM 64 or 128");
+    static_assert(CHUNK == 64 || CHUNK == 128, "CHUNK 64 or 128 keys");
+    static_assert(NBUF >= 3, "at least three K/V chunk buffers (the P·V of a chunk overlaps the next S)");
+    static_assert(SMEM_BYTES <= PAGED_FWD_SMEM_LIMIT, "over the per-block shared-memory limit");
+    // the merge staging of the key-split route (64 rows x HEAD_DIM fp32) reuses the Q buffer
+    static_assert(64 * HEAD_DIM * 4 <= Q_BYTES, "merge staging must fit the Q buffer");
+    static_assert(8 * (4 * NBUF + 6) + 4 * NBUF * PAGES + 16 + 2 * 64 * 4 <= PAGED_FWD_SMALL_BYTES,
+                  "small shared region too small");
+};
+
+// Shared-memory map: [1024-aligned] Q | K ring | V ring | barriers | chunk masks | item ring | stats
+template <int HEAD_DIM, int CHUNK>
+struct FwdSmem {
+    using C = FwdConfig<HEAD_DIM, CHUNK>;
+    uint32_t q, k, v, bars;
+    unsigned char* base;  // generic pointer of `q`
+    uint32_t* kmask;      // [NBUF][PAGES] row masks of the pages of each K chunk buffer
+    volatile int* items;  // [2] item ring
+    float* stats;         // [2][64] max and sum of the key-split merge
+
+    __device__ __forceinline__ FwdSmem(unsigned char* raw_ptr) {
+        const uint32_t raw = paged::smem_u32(raw_ptr);
+        q = (raw + 1023u) & ~1023u;  // the swizzle pattern is anchored at 1024-byte boundaries
+        base = raw_ptr + (q - raw);
+        k = q + C::Q_BYTES;
+        v = k + C::NBUF * C::KV_BYTES;
+        bars = v + C::NBUF * C::KV_BYTES;
+        unsigned char* small = base + (bars - q);
+        kmask = reinterpret_cast<uint32_t*>(small + 8 * (4 * C::NBUF + 6));
+        items = reinterpret_cast<volatile int*>(kmask + C::NBUF * C::PAGES);
+        stats = reinterpret_cast<float*>(small + 8 * (4 * C::NBUF + 6) + 4 * C::NBUF * C::PAGES + 16);
+    }
+    __device__ __forceinline__ uint32_t k_full(int i) const { return bars + 8 * i; }
+    __device__ __forceinline__ uint32_t k_empty(int i) const { return bars + 8 * (C::NBUF + i); }
+    __device__ __forceinline__ uint32_t v_full(int i) const { return bars + 8 * (2 * C::NBUF + i); }
+    __device__ __forceinline__ uint32_t v_empty(int i) const { return bars + 8 * (3 * C::NBUF + i); }
+    __device__ __forceinline__ uint32_t q_full() const { return bars + 8 * (4 * C::NBUF); }
+    __device__ __forceinline__ uint32_t q_empty() const { return bars + 8 * (4 * C::NBUF + 1); }
+    __device__ __forceinline__ uint32_t item_full(int i) const { return bars + 8 * (4 * C::NBUF + 2 + i); }
+    __device__ __forceinline__ uint32_t item_empty(int i) const { return bars + 8 * (4 * C::NBUF + 4 + i); }
+};
+
+// One work item as both roles decode it: work_info[w] = (head, stream begin, stream length, rows M).
+struct WorkItem {
+    int w, batch, head, begin, len, rows, chunks;
+    bool ok;  // head in range: anything else is never loaded or stored
+};
+
+template <int PAGES>
+__device__ __forceinline__ WorkItem decode_item(int item, int num_work, const int4* __restrict__ work_info,
+                                                const int* __restrict__ work_order, int heads, int stream_total) {
+    WorkItem it;
+    it.batch = item / num_work;
+    it.w = __shfl_sync(0xffffffffu, work_order[item - it.batch * num_work], 0);
+    int4 info = work_info[it.w];
+    // broadcast: the compiler then treats everything derived from the item as warp-uniform, so the
+    // wgmma issue paths are not considered divergent (which would serialize the MMAs)
+    info.x = __shfl_sync(0xffffffffu, info.x, 0);
+    info.y = __shfl_sync(0xffffffffu, info.y, 0);
+    info.z = __shfl_sync(0xffffffffu, info.z, 0);
+    info.w = __shfl_sync(0xffffffffu, info.w, 0);
+    it.head = info.x;
+    it.ok = static_cast<unsigned>(info.x) < static_cast<unsigned>(heads);
+    it.begin = min(max(info.y, 0), stream_total);
+    it.len = it.ok ? min(max(info.z, 0), stream_total - it.begin) : 0;
+    it.rows = info.w > 64 ? 128 : 64;
+    it.chunks = (it.len + PAGES - 1) / PAGES;
+    return it;
+}
+
+// S = Q·Kᵀ for 64 query rows (Q tile rows at aQrows, Q tile of PAGED_FWD_Q_ROWS rows) and one K chunk.
+template <int HEAD_DIM, int CHUNK>
+__device__ __forceinline__ void issue_qk(float (&s)[CHUNK / 2], uint32_t aQrows, uint32_t tK) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const uint32_t col = static_cast<uint32_t>(kk & 3) * 32u;  // k-step inside a 128-byte column block
+        const uint64_t da = hopper::smem_desc(aQrows + (kk >> 2) * (PAGED_FWD_Q_ROWS * 128) + col, 16, 1024);
+        const uint64_t db = hopper::smem_desc(tK + (kk >> 2) * (CHUNK * 128) + col, 16, 1024);
+        hopper::wgmma_ss<CHUNK>(s, da, db, kk > 0);
+    }
+}
+
+// O += P·V over the pages (k-steps) of one V chunk; P as A register fragments.
+template <int HEAD_DIM, int CHUNK>
+__device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const uint32_t (&pa)[CHUNK / PAGE_ROWS][4],
+                                         uint32_t tV) {
+#pragma unroll
+    for (int p = 0; p < CHUNK / PAGE_ROWS; ++p)
+        hopper::wgmma_rs_tb<HEAD_DIM>(o, pa[p], hopper::smem_desc(tV + p * (PAGE_ROWS * 128), CHUNK * 128, 1024));
+}
+
+}  // namespace
+
+template <int HEAD_DIM, int CHUNK>
+__global__ void __launch_bounds__(PAGED_FWD_THREADS, 1)
+paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__ K,
+                 const __nv_bfloat16* __restrict__ V, __nv_bfloat16* __restrict__ O, float* __restrict__ LSE,
+                 const int4* __restrict__ work_info, const int* __restrict__ work_order,
+                 const int2* __restrict__ own_pages, const int2* __restrict__ stream_pages,
+                 int* __restrict__ item_counter, int num_work, int batch, int heads, int q_slots, int k_slots,
+                 int stream_total, float scale_log2) {
+    using C = FwdConfig<HEAD_DIM, CHUNK>;
+    constexpr int PAGES = C::PAGES;
+    constexpr int NBUF = C::NBUF;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const FwdSmem<HEAD_DIM, CHUNK> sm(smem_raw);
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int q_pages = q_slots / PAGE_ROWS;
+    const int k_pages = k_slots / PAGE_ROWS;
+    const int total_items = num_work * batch;
+
+    if (tid == 0) {
+        for (int i = 0; i < NBUF; ++i) {
+            hopper::mbar_init(sm.k_full(i), kProducerThreads);
+            hopper::mbar_init(sm.v_full(i), kProducerThreads);
+            hopper::mbar_init(sm.k_empty(i), kConsumerWarps);
+            hopper::mbar_init(sm.v_empty(i), kConsumerWarps);
+        }
+        hopper::mbar_init(sm.q_full(), kProducerThreads);
+        hopper::mbar_init(sm.q_empty(), kConsumerWarps);
+        for (int i = 0; i < 2; ++i) {
+            hopper::mbar_init(sm.item_full(i), 1);
+            hopper::mbar_init(sm.item_empty(i), kConsumerWarps + kProducerThreads / 32);
+        }
+    }
+    __syncthreads();
+
+    const int role = __shfl_sync(0xffffffffu, tid / 128, 0);  // warpgroup index, warp-uniform
+    if (role == 0) {
+        // ================================ producer ================================
+        hopper::regs_release<PAGED_FWD_PRODUCER_REGS>();
+        const int pwarp = tid >> 5;
+        int chunk_count = 0;  // chunks issued so far (ring position)
+        for (int k = 0;; ++k) {
+            const int islot = k & 1;
+            const uint32_t ipar = (k >> 1) & 1;
+            if (tid == 0) {
+                const int ticket = atomicAdd(item_counter, 1);
+                hopper::mbar_wait(sm.item_empty(islot), ipar ^ 1u);
+                sm.items[islot] = ticket < total_items ? ticket : -1;
+                hopper::mbar_arrive(sm.item_full(islot));
+            }
+            hopper::mbar_wait(sm.item_full(islot), ipar);
+            const int item = __shfl_sync(0xffffffffu, sm.items[islot], 0);
+            __syncwarp();
+            if (lane == 0) hopper::mbar_arrive(sm.item_empty(islot));
+            if (item < 0) break;
+            const WorkItem it = decode_item<PAGES>(item, num_work, work_info, work_order, heads, stream_total);
+            const size_t bh = static_cast<size_t>(it.batch) * heads + (it.ok ? it.head : 0);
+            const __nv_bfloat16* Kh = K + bh * k_slots * HEAD_DIM;
+            const __nv_bfloat16* Vh = V + bh * k_slots * HEAD_DIM;
+
+            // Q: warp pw gathers own pages 2pw, 2pw + 1 (rows 32pw .. 32pw + 31)
+            hopper::mbar_wait(sm.q_empty(), (k & 1) ^ 1u);
+            if (2 * pwarp < it.rows / PAGE_ROWS) {
+                int qp = -1;
+                uint32_t qm = 0u;
+                if (lane < 2 && it.ok) {
+                    const int2 e = own_pages[it.w * PAGED_FWD_Q_PAGES + 2 * pwarp + lane];
+                    qp = e.x;
+                    qm = static_cast<uint32_t>(e.y);
+                }
+                const int page[2] = {__shfl_sync(0xffffffffu, qp, 0), __shfl_sync(0xffffffffu, qp, 1)};
+                const uint32_t mask[2] = {__shfl_sync(0xffffffffu, qm, 0), __shfl_sync(0xffffffffu, qm, 1)};
+                hopper::warp_copy_pages<HEAD_DIM, PAGED_FWD_Q_ROWS, 2>(sm.q, 32 * pwarp, Q + bh * q_slots * HEAD_DIM,
+                                                                     q_pages, page, mask);
+            }
+            hopper::mbar_track_cp_async(sm.q_full());
+            hopper::mbar_arrive(sm.q_full());
+
+            // K/V chunks: warp pw gathers pages pw·PPW .. of each chunk; lanes < PPW hold the entries of
+            // the next chunk (loaded while this chunk's copies are issued)
+            auto entry = [&](int c, int& page, uint32_t& mask) {
+                const int e = c * PAGES + pwarp * C::PPW + lane;
+                int2 entry = make_int2(-1, 0);
+                if (lane < C::PPW && e < it.len) entry = stream_pages[it.begin + e];
+                page = entry.x;
+                mask = static_cast<uint32_t>(entry.y);
+            };
+            int next_page;
+            uint32_t next_mask;
+            entry(0, next_page, next_mask);
+            for (int c = 0; c < it.chunks; ++c, ++chunk_count) {
+                const int buf = chunk_count % NBUF;
+                const uint32_t par = (chunk_count / NBUF) & 1;
+                int page[C::PPW];
+                uint32_t mask[C::PPW];
+#pragma unroll
+                for (int p = 0; p < C::PPW; ++p) {
+                    page[p] = __shfl_sync(0xffffffffu, next_page, p);
+                    mask[p] = __shfl_sync(0xffffffffu, next_mask, p);
+                }
+                const uint32_t my_mask = next_mask;
+                entry(c + 1, next_page, next_mask);
+                hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
+                if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
+                hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
+                                                               Kh, k_pages, page, mask);
+                hopper::mbar_track_cp_async(sm.k_full(buf));
+                hopper::mbar_arrive(sm.k_full(buf));
+                hopper::mbar_wait(sm.v_empty(buf), par ^ 1u);
+                hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
+                                                               Vh, k_pages, page, mask);
+                hopper::mbar_track_cp_async(sm.v_full(buf));
+                hopper::mbar_arrive(sm.v_full(buf));
+            }
+        }
+        paged::cp_async_wait<0>();
+    } else {
+        // ================================ consumers ================================
+        hopper::regs_claim<PAGED_FWD_CONSUMER_REGS>();
+        const int cw = role - 1;                       // consumer warpgroup 0 or 1
+        const int wtid = (tid - kProducerThreads) & 127;
+        const int wq = wtid >> 5;                      // warp inside the warpgroup: rows 16wq .. 16wq + 15
+        const int g = lane >> 2;
+        const int t4 = lane & 3;
+        int chunk_base = 0;  // ring position of the current item's chunk 0
+        for (int k = 0;; ++k) {
+            const int islot = k & 1;
+            hopper::mbar_wait(sm.item_full(islot), (k >> 1) & 1);
+            const int item = __shfl_sync(0xffffffffu, sm.items[islot], 0);
+            __syncwarp();
+            if (lane == 0) hopper::mbar_arrive(sm.item_empty(islot));
+            if (item < 0) break;
+            const WorkItem it = decode_item<PAGES>(item, num_work, work_info, work_order, heads, stream_total);
+            const bool row_split = it.rows > 64;
+            const uint32_t release = row_split ? 1u : 2u;  // arrivals per warp on an empty barrier
+            const uint32_t aQrows = sm.q + (row_split ? cw * 64 * 128 : 0);
+
+            hopper::mbar_wait(sm.q_full(), k & 1);
+            hopper::fence_async_proxy();
+            float o[C::OREG];
+#pragma unroll
+            for (int i = 0; i < C::OREG; ++i) o[i] = 0.f;
+            float row_max[2] = {-INFINITY, -INFINITY};
+            float row_sum[2] = {0.f, 0.f};
+            float alpha[2];
+            float s[CHUNK / 2];
+            uint32_t pa[PAGES][4];
+            int prev = -1;  // V buffer of this warpgroup's previous chunk (its P·V is pending)
+            uint32_t prev_par = 0;
+#pragma unroll 1
+            for (int c = row_split ? 0 : cw; c < it.chunks; c += row_split ? 1 : 2) {
+                const int pos = chunk_base + c;
+                const int buf = pos % NBUF;
+                const uint32_t par = (pos / NBUF) & 1;
+                hopper::mbar_wait(sm.k_full(buf), par);
+                if (prev >= 0) hopper::mbar_wait(sm.v_full(prev), prev_par);  // (nearly always landed long ago)
+                const uint32_t col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4);
+                hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
+                // S = Q·Kᵀ of this chunk, then O += P·V of the previous one right behind it: no control
+                // flow between the two issues, so the tensor cores run them back to back
+                hopper::wgmma_fence();
+                issue_qk<HEAD_DIM, CHUNK>(s, aQrows, sm.k + buf * C::KV_BYTES);
+                hopper::wgmma_commit();
+                if (prev >= 0) {
+                    issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
+                    hopper::wgmma_commit();
+                    hopper::wgmma_wait<1>();  // S landed; the previous chunk's P·V may still run
+                } else {
+                    hopper::wgmma_wait<0>();
+                }
+                hopper::pin_registers(s);
+                if (lane == 0) hopper::mbar_arrive(sm.k_empty(buf), release);
+                hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
+                hopper::pin_registers(s);  // the softmax is computed before the wait below, under the P·V
+                hopper::wgmma_wait<0>();
+                hopper::pin_registers(o);
+                if (prev >= 0 && lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
+                hopper::rescale_rows(o, alpha);
+                hopper::pack_p<CHUNK>(pa, s);
+                prev = buf;
+                prev_par = par;
+            }
+            if (row_split) {  // Q is no longer read: the producer may load the next item's
+                __syncwarp();
+                if (lane == 0) hopper::mbar_arrive(sm.q_empty(), 1u);
+            }
+            if (prev >= 0) {  // O += P·V of the last chunk
+                hopper::mbar_wait(sm.v_full(prev), prev_par);
+                hopper::fence_async_proxy();
+                hopper::wgmma_fence();
+                issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
+                hopper::wgmma_commit();
+                hopper::wgmma_wait<0>();
+                hopper::pin_registers(o);
+                if (lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
+            }
+            chunk_base += it.chunks;
+
+            // ---- epilogue
+            float sum[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) sum[r] = paged::quad_sum(row_sum[r]);
+            float m_l2[2];  // row max in the exp2 domain (-inf when the row saw no valid key)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) m_l2[r] = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * scale_log2;
+            float* staging = reinterpret_cast<float*>(sm.base);  // key split: [OREG][128] fp32 over the Q buffer
+            if (!row_split && cw == 1) {
+                hopper::named_sync(1, 256);  // warpgroup 0 no longer reads Q
+#pragma unroll
+                for (int i = 0; i < C::OREG; ++i) staging[i * 128 + wtid] = o[i];
+                if (t4 == 0) {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        sm.stats[wq * 16 + g + 8 * r] = m_l2[r];
+                        sm.stats[64 + wq * 16 + g + 8 * r] = sum[r];
+                    }
+                }
+                hopper::named_arrive(2, 256);
+                continue;
+            }
+            if (!row_split) {  // warpgroup 0 merges warpgroup 1's softmax state into its own
+                hopper::named_arrive(1, 256);
+                hopper::named_sync(2, 256);
+                float a0[2], a1[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float m1 = sm.stats[wq * 16 + g + 8 * r];
+                    const float l1 = sm.stats[64 + wq * 16 + g + 8 * r];
+                    const float mm = fmaxf(m_l2[r], m1);
+                    a0[r] = mm == -INFINITY ? 0.f : exp2f(m_l2[r] - mm);
+                    a1[r] = mm == -INFINITY ? 0.f : exp2f(m1 - mm);
+                    sum[r] = sum[r] * a0[r] + l1 * a1[r];
+                    m_l2[r] = mm;
+                }
+#pragma unroll
+                for (int j = 0; j < C::OREG / 4; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = e >> 1;
+                        o[4 * j + e] = o[4 * j + e] * a0[r] + staging[(4 * j + e) * 128 + wtid] * a1[r];
+                    }
+                }
+            }
+            float inv[2], lse[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                inv[r] = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+                lse[r] = sum[r] > 0.f ? (m_l2[r] + log2f(sum[r])) * paged::kLn2 : -INFINITY;
+            }
+            const int own_slot = (row_split ? 4 * cw : 0) + wq;
+            const int2 own = it.ok ? own_pages[it.w * PAGED_FWD_Q_PAGES + own_slot] : make_int2(-1, 0);
+            const int page = own.x;
+            if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages)) {
+                const uint32_t mask = static_cast<uint32_t>(own.y);
+                const size_t row0 = (static_cast<size_t>(it.batch) * heads + it.head) * q_slots +
+                                    static_cast<size_t>(page) * PAGE_ROWS;
+                hopper::store_o_page<HEAD_DIM>(O + row0 * HEAD_DIM, LSE + row0, mask, o, inv, lse);
+            }
+            if (!row_split) {  // the staging (Q buffer) is read: release it for both warpgroups
+                __syncwarp();
+                if (lane == 0) hopper::mbar_arrive(sm.q_empty(), 2u);
+            }
+        }
+    }
+}

@@ -1,0 +1,384 @@
+"""KPage and BSA forward on one Hopper kernel skeleton: ``kernels_cu/paged_fwd.cu``.
+
+:func:`kpage_forward` runs the KPage plan of a graph (live pages only, packed across logical blocks,
+each Q block routed to a 64×256 or a 128×128 tile), :func:`bsa_forward` the logical-block BSA plan
+(one Bq×Bk tile per selected pair) — the same kernel, so their difference is the plan alone.
+:func:`paged_forward` runs any owner-``"q"`` :class:`~sparseattn.plans.TilePlan` (or a prepared
+:class:`~.work_list.WorkList`).
+
+The kernel is persistent (one CTA per SM takes work items longest-first from a counter) and
+warp-specialized: a producer warpgroup gathers 16-row Q/K/V pages with ``cp.async`` into swizzled
+shared memory behind mbarriers, two consumer warpgroups run S = Q·Kᵀ and O += P·V on wgmma with the
+online softmax in registers. A 128-row tile gives each consumer warpgroup 64 rows; a 64-row tile
+(KPage's 64×256 route, BSA's 64×64) gives both warpgroups the same rows and alternate key chunks,
+merged at the end. Keys stream in chunks of 128 (64 when every tile of the plan is 64 keys wide).
+
+Inputs are CuPy arrays (bf16 as ``uint16`` bits or a bfloat16 dtype) or torch CUDA bf16 tensors
+(no copies; launched on torch's current stream; torch tensors come back), ``[batch, heads, slots, d]``,
+``d`` 64 or 128, in the graph's slot layout. Heads with their own layouts (SVG2) run in one launch
+from a :class:`~sparseattn.graph.HeadStack` (or a list of per-head graphs).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+
+from ..graph import HeadStack, SparseGraph
+from ..plans import TilePlan, bsa_plan, kpage_plan, kpage_route_of_block
+from . import launch
+from .plan_cache import check_graph_matches
+from .validate import (
+    BF16_DTYPE_NAMES,
+    CUPY_TYPES,
+    KernelTypeError,
+    KernelValueError,
+    check_head_dim,
+    check_plan,
+    check_scale,
+    check_tensor,
+    device_of,
+    dtype_name,
+    pages_of,
+)
+from .work_list import CHUNKS, OWN_PAGES, WorkList, work_list
+
+SOURCE = "paged_fwd.cu"
+
+# Mirrors of the kernel's compile-time geometry (PAGED_FWD_* and FwdConfig in the source).
+HEAD_DIMS = (64, 128)
+THREADS = 384
+Q_ROWS = 128
+SMEM_LIMIT = 227 * 1024
+SMALL_BYTES = 1280
+ALIGN_SLACK = 1024
+MAX_NBUF = 8
+MAX_BATCH = 1 << 15
+
+
+def kernel_name(head_dim: int, chunk: int) -> str:
+    return f"paged_fwd_kernel<{head_dim}, {chunk}>"
+
+
+NAME_EXPRESSIONS = tuple(kernel_name(d, c) for d in HEAD_DIMS for c in CHUNKS)
+#: The kernel's parameters, in order (tests/test_compile.py checks them against the source).
+KERNEL_PARAMS = ("Q", "K", "V", "O", "LSE", "work_info", "work_order", "own_pages", "stream_pages",
+                 "item_counter", "num_work", "batch", "heads", "q_slots", "k_slots", "stream_total",
+                 "scale_log2")
+
+
+def stage_buffers(head_dim: int, chunk: int) -> int:
+    """K (and V) chunk buffers in shared memory: as many as fit, at most MAX_NBUF."""
+    kv = chunk * head_dim * 2
+    fit = (SMEM_LIMIT - ALIGN_SLACK - SMALL_BYTES - Q_ROWS * head_dim * 2) // (2 * kv)
+    return min(fit, MAX_NBUF)
+
+
+def smem_bytes(head_dim: int, chunk: int) -> int:
+    """Dynamic shared memory: alignment slack, Q tile, K and V rings, barriers and metadata."""
+    return ALIGN_SLACK + Q_ROWS * head_dim * 2 + 2 * stage_buffers(head_dim, chunk) * chunk * head_dim * 2 + SMALL_BYTES
+
+
+# ---- work lists, cached per graph / plan -------------------------------------------------------------
+
+_WORK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_RESOLVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plan(graph: SparseGraph, kind: str, route):
+    return bsa_plan(graph) if kind == "bsa" else kpage_plan(graph, route=route)
+
+
+def _cached(owner, key, build):
+    per = _WORK.setdefault(owner, {})
+    value = per.get(key)
+    if value is None:
+        value = per[key] = build()
+    return value
+
+
+def plan_of(graph: SparseGraph, kind: str = "kpage", route="auto") -> TilePlan:
+    """The graph's ``"bsa"`` or ``"kpage"`` plan (owner ``"q"``), built once per graph."""
+
+    def build():
+        if kind == "kpage":
+            kpage_route_of_block(np.zeros(0, dtype=np.int64), route)  # validates `route`
+        return _plan(graph, kind, route)
+
+    return _cached(graph, ("plan", kind, route), build)
+
+
+def resolve_work(graph_or_plan, kind: str, route, heads: int, q_slots: int, k_slots: int) -> WorkList:
+    """The validated work list for tensors of these sizes (built and checked once per object and size).
+
+    ``graph_or_plan``: a :class:`SparseGraph`, a :class:`HeadStack` or list of per-head graphs, a
+    :class:`TilePlan` (owner ``"q"``), a list of single-head plans, or a :class:`WorkList`.
+    """
+    key = (kind, route, heads, q_slots, k_slots)
+    try:  # repeated calls: one weak-dictionary hit
+        return _RESOLVED[graph_or_plan][key]
+    except (KeyError, TypeError):  # TypeError: a list is not weak-referenceable (not cached)
+        pass
+    wl = _resolve_work(graph_or_plan, kind, route, heads, q_slots, k_slots)
+    try:
+        _RESOLVED.setdefault(graph_or_plan, {})[key] = wl
+    except TypeError:
+        pass
+    return wl
+
+
+def _resolve_work(graph_or_plan, kind: str, route, heads: int, q_slots: int, k_slots: int) -> WorkList:
+    q_pages, k_pages = pages_of("q", q_slots), pages_of("k", k_slots)
+    obj = graph_or_plan
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
+        obj = HeadStack.of(obj)
+    if isinstance(obj, SparseGraph):
+        check_graph_matches(obj, heads, q_slots, k_slots)
+        plan = plan_of(obj, kind, route)
+        wl = _cached(plan, "work", lambda: work_list(check_plan(plan, q_pages, k_pages, heads)))
+    elif isinstance(obj, HeadStack):
+        if obj.heads != heads:
+            raise KernelValueError(f"the HeadStack has {obj.heads} heads but q has {heads}")
+        if obj.q_slots != q_slots or obj.k_slots != k_slots:
+            raise KernelValueError(
+                f"the HeadStack's largest layouts have {obj.q_slots} Q / {obj.k_slots} K slots, "
+                f"the tensors {q_slots} / {k_slots}"
+            )
+
+        def build():
+            plans = [plan_of(g, kind, route) for g in obj.graphs]
+            for g, p in zip(obj.graphs, plans):
+                check_plan(p, g.q.num_pages, g.k.num_pages, 1)
+            return work_list(plans, q_pages=q_pages, k_pages=k_pages)
+
+        wl = _cached(obj, ("work", kind, route), build)
+    elif isinstance(obj, TilePlan):
+        wl = _cached(obj, "work", lambda: work_list(check_plan(obj, q_pages, k_pages, heads)))
+    elif isinstance(obj, (list, tuple)) and obj and all(isinstance(p, TilePlan) for p in obj):
+        for p in obj:
+            check_plan(p, p.own_page_mask.size, p.stream_page_mask.size, 1)
+        wl = work_list(list(obj), q_pages=q_pages, k_pages=k_pages)
+    elif isinstance(obj, WorkList):
+        wl = obj
+    else:
+        raise KernelTypeError(
+            "graph_or_plan must be a SparseGraph, a HeadStack (or list of per-head SparseGraphs), a "
+            f"TilePlan, a list of single-head TilePlans or a WorkList; got {type(graph_or_plan).__name__}"
+        )
+    return check_work_list(wl, q_pages, k_pages, heads)
+
+
+def check_work_list(wl: WorkList, q_pages: int, k_pages: int, heads: int) -> WorkList:
+    """Every index the kernel will follow is in range for tensors of these sizes (once per size)."""
+    done = _CHECKED.setdefault(wl, set())
+    if (q_pages, k_pages, heads) in done:
+        return wl
+    info = wl.work_info.astype(np.int64)
+    w, s = info.shape[0], wl.stream_pages.size
+    if wl.work_order.shape != (w,) or not np.array_equal(np.sort(wl.work_order), np.arange(w)):
+        raise KernelValueError("work_list.work_order must be a permutation of the work items")
+    if wl.own_pages.shape != (w, OWN_PAGES) or wl.own_mask.shape != (w, OWN_PAGES):
+        raise KernelValueError(f"work_list.own_pages / own_mask must be [{w}, {OWN_PAGES}]")
+    if wl.stream_mask.shape != (s,):
+        raise KernelValueError("work_list.stream_mask must have one entry per stream page")
+    if wl.chunk not in CHUNKS:
+        raise KernelValueError(f"work_list.chunk must be one of {CHUNKS}, got {wl.chunk}")
+    checks = (
+        ("head", info[:, 0], 0, heads),
+        ("own_pages", wl.own_pages, -1, q_pages),
+        ("stream_pages", wl.stream_pages, 0, k_pages),
+    )
+    for name, arr, low, high in checks:
+        if arr.size and (int(arr.min()) < low or int(arr.max()) >= high):
+            raise KernelValueError(f"work_list.{name} holds values outside [{low}, {high})")
+    if w and (info[:, 1].min() < 0 or info[:, 2].min() < 0 or (info[:, 1] + info[:, 2]).max() > s):
+        raise KernelValueError("work_list streams run outside stream_pages")
+    if w and not np.isin(info[:, 3], (64, 128)).all():
+        raise KernelValueError("work_list rows (M) must be 64 or 128")
+    if k_pages * 16 * 128 >= 2**31 or q_pages * 16 * 128 >= 2**31:
+        raise KernelValueError("a head's slot count is too large for 32-bit element offsets")
+    done.add((q_pages, k_pages, heads))
+    return wl
+
+
+# ---- launch ----------------------------------------------------------------------------------------
+
+
+def _fast_tensors(q, k, v, out):
+    """The common case in a few attribute reads: CuPy bf16 tensors of matching shapes, contiguous, on
+    one device. Returns the sizes, or None to run the full checks (which name what is wrong)."""
+    try:
+        t = type(q)
+        if t not in CUPY_TYPES or type(k) is not t or type(v) is not t:
+            return None
+        b, h, sq, d = q.shape
+        dt = q.dtype
+        if d not in HEAD_DIMS or dtype_name(q) not in BF16_DTYPE_NAMES or b > MAX_BATCH:
+            return None
+        ks = k.shape
+        if len(ks) != 4 or ks[0] != b or ks[1] != h or ks[3] != d or v.shape != ks:
+            return None
+        if k.dtype != dt or v.dtype != dt or not (q._c_contiguous and k._c_contiguous and v._c_contiguous):
+            return None
+        dev = q.data.device_id
+        if k.data.device_id != dev or v.data.device_id != dev:
+            return None
+        if out is not None:
+            o, lse = out
+            if type(o) is not t or type(lse) is not t or o.shape != q.shape or o.dtype != dt:
+                return None
+            if lse.shape != (b, h, sq) or dtype_name(lse) != "float32":
+                return None
+            if not (o._c_contiguous and lse._c_contiguous) or o.data.device_id != dev or lse.data.device_id != dev:
+                return None
+        return b, h, sq, ks[2], d, dev
+    except Exception:  # anything unexpected: the full checks say what it is
+        return None
+
+
+def _check_tensors(q, k, v, out):
+    fast = _fast_tensors(q, k, v, out)
+    if fast is not None:
+        return fast
+    check_tensor("q", q, dtype=BF16_DTYPE_NAMES, ndim=4)
+    b, h, sq, d = q.shape
+    check_head_dim("q", d, HEAD_DIMS)
+    device = device_of(q)
+    like_q = (dtype_name(q),)
+    check_tensor("k", k, dtype=like_q, shape=(b, h, None, d), device=device)
+    check_tensor("v", v, dtype=like_q, shape=(b, h, k.shape[2], d), device=device)
+    if b > MAX_BATCH:
+        raise KernelValueError(f"q has batch {b}; at most {MAX_BATCH}")
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise KernelTypeError("out must be a tuple (o, lse) of preallocated arrays")
+        check_tensor("out[0] (o)", out[0], dtype=like_q, shape=(b, h, sq, d), device=device)
+        check_tensor("out[1] (lse)", out[1], dtype="float32", shape=(b, h, sq), device=device)
+    return b, h, sq, k.shape[2], d, device
+
+
+def _launch(q, k, v, wl: WorkList, scale: float, o, lse, device: int):
+    """One launch of the persistent kernel; everything but the five tensors is prepared once per
+    (work list, device, tensor sizes, scale) and reused."""
+    import cupy
+
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    arrays = launch.device_arrays(wl, device, wl.device_arrays)
+    key = (b, h, sq, sk, d, scale)
+    ready = arrays.get(key)
+    if ready is None:
+        if wl.num_work * b == 0:
+            return
+        smem = smem_bytes(d, wl.chunk)
+        fn = launch.prepare(launch.function(SOURCE, kernel_name(d, wl.chunk), NAME_EXPRESSIONS), smem)
+        with cupy.cuda.Device(device):
+            counter = cupy.zeros(1, dtype=cupy.int32)
+        values = dict(
+            work_info=arrays["work_info"], work_order=arrays["work_order"], own_pages=arrays["own_entries"],
+            stream_pages=arrays["stream_entries"], item_counter=counter, num_work=np.int32(wl.num_work),
+            batch=np.int32(b), heads=np.int32(h), q_slots=np.int32(sq), k_slots=np.int32(sk),
+            stream_total=np.int32(wl.stream_pages.size), scale_log2=np.float32(scale * math.log2(math.e)),
+        )
+        rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
+        grid = (min(launch.sm_count(device), wl.num_work * b),)
+        ready = arrays[key] = (fn, grid, smem, counter, rest)
+    fn, grid, smem, counter, rest = ready
+    stream = cupy.cuda.get_current_stream()
+    cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, 4, stream.ptr)
+    fn(grid, (THREADS,), (q, k, v, o, lse) + rest, shared_mem=smem)
+
+
+def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "kpage", route="auto"):
+    """Sparse attention forward on the paged kernel skeleton.
+
+    Args:
+        q: bf16 ``[batch, heads, q_slots, d]`` (CuPy ``uint16`` bits / bfloat16, or a torch CUDA
+            bf16 tensor), C-contiguous; ``d`` 64 or 128; ``q_slots`` a multiple of 16.
+        k, v: like ``q`` with ``k_slots``.
+        graph_or_plan: a :class:`SparseGraph` or :class:`HeadStack` (its ``kind`` plan: ``"kpage"`` with
+            ``route``, or ``"bsa"``), a :class:`TilePlan` (owner ``"q"``), a list of single-head plans,
+            or a :class:`WorkList`.
+        scale: softmax scale (default ``1/sqrt(d)``).
+        out: optional ``(o, lse)`` to write into.
+        kind, route: which plan a graph runs (``route``: ``"auto"``, 0 = 64×256, 1 = 128×128).
+
+    Returns:
+        ``(o, lse)``: ``o`` like ``q``, ``lse`` float32 ``[batch, heads, q_slots]`` (natural log). Valid
+        rows without any valid key get ``o = 0``, ``lse = -inf``; padding rows are not written (fresh
+        outputs hold zeros and ``-inf`` there).
+    """
+    if kind not in ("kpage", "bsa"):
+        raise KernelValueError(f"kind must be 'kpage' or 'bsa', got {kind!r}")
+    if launch.is_torch_tensor(q):
+        return _torch_forward(q, k, v, graph_or_plan, scale, out, kind, route)
+    b, h, sq, sk, d, device = _check_tensors(q, k, v, out)
+    wl = resolve_work(graph_or_plan, kind, route, h, sq, sk)
+    scale = check_scale(scale, d)
+    import cupy
+
+    if out is None:
+        with cupy.cuda.Device(device):
+            o = cupy.zeros(q.shape, dtype=q.dtype)
+            lse = cupy.full((b, h, sq), -np.inf, dtype=cupy.float32)
+    else:
+        o, lse = out
+    if cupy.cuda.runtime.getDevice() == device:
+        _launch(q, k, v, wl, scale, o, lse, device)
+    else:
+        with cupy.cuda.Device(device):
+            _launch(q, k, v, wl, scale, o, lse, device)
+    return o, lse
+
+
+def _torch_forward(q, k, v, graph_or_plan, scale, out, kind, route):
+    import torch
+
+    names = ("q", "k", "v")
+    for name, x in zip(names, (q, k, v)):
+        if not launch.is_torch_tensor(x):
+            raise KernelTypeError(f"{name} must be a torch tensor like q, got {type(x).__name__}")
+    if out is None:
+        o_t = torch.zeros_like(q)
+        lse_t = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2 or not all(launch.is_torch_tensor(x) for x in out):
+            raise KernelTypeError("out must be a tuple (o, lse) of torch tensors like q")
+        o_t, lse_t = out
+    cq, ck, cv = (launch.torch_to_cupy(n, x) for n, x in zip(names, (q, k, v)))
+    co, clse = launch.torch_to_cupy("out[0] (o)", o_t), launch.torch_to_cupy("out[1] (lse)", lse_t)
+    with launch.torch_stream():
+        paged_forward(cq, ck, cv, graph_or_plan, scale, (co, clse), kind=kind, route=route)
+    return o_t, lse_t
+
+
+def kpage_forward(q, k, v, graph_or_plan, route="auto", scale=None, out=None):
+    """KPage forward: live 16-row K/V pages of all selected blocks of a Q block packed back to back,
+    the Q block routed to a 64×256 (≤ 64 live rows) or 128×128 tile (``route="auto"``; 0 / 1 fix it).
+    Arguments and results as :func:`paged_forward`."""
+    return paged_forward(q, k, v, graph_or_plan, scale, out, kind="kpage", route=route)
+
+
+def bsa_forward(q, k, v, graph_or_plan, scale=None, out=None):
+    """BSA forward on the same skeleton: one full Bq×Bk tile per selected block pair (B = 64 or 128).
+    Arguments and results as :func:`paged_forward`."""
+    return paged_forward(q, k, v, graph_or_plan, scale, out, kind="bsa")
+
+
+def executed_pairs(graph_or_plan, kind: str = "kpage", route="auto") -> int:
+    """Query–key pairs the kernel computes for one batch entry (M · chunk · chunks over work items)."""
+    obj = graph_or_plan
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
+        obj = HeadStack.of(obj)
+    if isinstance(obj, SparseGraph):
+        return work_list(plan_of(obj, kind, route)).executed_pairs()
+    if isinstance(obj, HeadStack):
+        return work_list([plan_of(g, kind, route) for g in obj.graphs]).executed_pairs()
+    if isinstance(obj, TilePlan):
+        return work_list(obj).executed_pairs()
+    if isinstance(obj, WorkList):
+        return obj.executed_pairs()
+    raise KernelTypeError(f"cannot count pairs of {type(obj).__name__}")

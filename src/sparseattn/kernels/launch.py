@@ -1,0 +1,87 @@
+"""What every kernel launch shares: compiled-function lookup, per-device plan arrays, device facts,
+and torch interop (torch CUDA tensors in, torch tensors out, on torch's current stream, no copies).
+
+Lookups are dictionary hits after the first call: a source file is read and hashed once per process
+and kernel (see :mod:`.runtime`), a plan's arrays are uploaded once per device.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from . import runtime
+from .validate import KernelTypeError
+
+_FUNCTIONS: dict = {}
+_SM_COUNT: dict = {}
+_DEVICE_ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def function(source: str, name: str, name_expressions: tuple[str, ...]):
+    """The compiled kernel ``name`` of ``kernels_cu/<source>`` (compiled once per process)."""
+    key = (source, name, name_expressions)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = _FUNCTIONS[key] = runtime.get_function(source, name, name_expressions)
+    return fn
+
+
+def prepare(fn, smem_bytes: int):
+    """Raise the kernel's dynamic shared-memory limit to ``smem_bytes`` (once)."""
+    fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem_bytes)
+    return fn
+
+
+def sm_count(device: int) -> int:
+    n = _SM_COUNT.get(device)
+    if n is None:
+        import cupy
+
+        n = _SM_COUNT[device] = int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+    return n
+
+
+def device_arrays(owner, device: int, build) -> dict:
+    """``build()`` (a dict of numpy arrays) uploaded to ``device``, cached as long as ``owner`` lives."""
+    per_owner = _DEVICE_ARRAYS.setdefault(owner, {})
+    arrays = per_owner.get(device)
+    if arrays is None:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            arrays = per_owner[device] = {k: cupy.asarray(v) for k, v in build().items()}
+    return arrays
+
+
+# ---- torch interop ----------------------------------------------------------------------------------
+
+
+def is_torch_tensor(x) -> bool:
+    """True for a torch.Tensor (checked without importing torch for other objects)."""
+    if not type(x).__module__.startswith("torch"):
+        return False
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def torch_to_cupy(name: str, x):
+    """A CuPy ``uint16`` (bf16 bits) or ``float32`` view of a torch CUDA tensor, sharing its memory."""
+    import cupy
+    import torch
+
+    if not x.is_cuda:
+        raise KernelTypeError(f"{name} must be a CUDA tensor, got a tensor on {x.device}")
+    if x.dtype == torch.bfloat16:
+        return cupy.from_dlpack(x.detach().view(torch.int16)).view(cupy.uint16)
+    if x.dtype == torch.float32:
+        return cupy.from_dlpack(x.detach())
+    raise KernelTypeError(f"{name} must have dtype torch.bfloat16 (float32 for lse), got {x.dtype}")
+
+
+def torch_stream():
+    """CuPy handle of torch's current CUDA stream (use as a context manager around launches)."""
+    import cupy
+    import torch
+
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)

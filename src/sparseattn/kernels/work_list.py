@@ -1,0 +1,171 @@
+"""The flat work list the persistent paged kernels read, built from tile plans (CPU, numpy).
+
+A :class:`~sparseattn.plans.TilePlan` describes one layout shared by all heads; a work list is what
+one launch executes: every work item with its head, its stream of K/V pages and its owned Q pages,
+the row mask of every entry (so heads with their own layouts — a :class:`~sparseattn.graph.HeadStack`
+— run in one launch), and the order in which the persistent CTAs take the items (largest first).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..constants import PAGE_ROWS
+from ..plans import TilePlan
+from .validate import KernelValueError
+
+#: Owned Q pages per work item the kernel reads (the largest route's M / 16).
+OWN_PAGES = 8
+#: Key-chunk widths the forward kernel is built for.
+CHUNKS = (64, 128)
+#: Query rows (M) of the routes the kernel runs: 64 (two warpgroups split the keys) or 128 (the rows).
+ROUTE_ROWS = (64, 128)
+#: Orders in which the persistent CTAs take items: "head" = head by head, largest first within a
+#: head (concurrent CTAs share one head's K/V in L2); "cost" = largest first over all heads.
+ORDERS = ("head", "cost")
+
+
+def default_order() -> str:
+    """``$SPARSEATTN_WORK_ORDER`` (an experiment knob) or ``"head"``."""
+    order = os.environ.get("SPARSEATTN_WORK_ORDER", "head")
+    if order not in ORDERS:
+        raise KernelValueError(f"SPARSEATTN_WORK_ORDER must be one of {ORDERS}, got {order!r}")
+    return order
+
+
+@dataclass(frozen=True, eq=False)
+class WorkList:
+    """Arrays of one launch of the paged forward kernel.
+
+    Attributes:
+        work_info: int32 ``[W, 4]``: head, first stream entry, stream length (pages), query rows M.
+        work_order: int32 ``[W]``: the order the persistent CTAs take items (see ``ORDERS``).
+        own_pages: int32 ``[W, 8]``: owned Q page ids, ``-1`` padded.
+        own_mask: uint32 ``[W, 8]``: 16-bit row mask of each owned page (0 for padding).
+        stream_pages: int32 ``[S]``; stream_mask: uint32 ``[S]``: streamed K/V page ids and row masks.
+        heads, q_pages, k_pages: sizes of the tensors the list indexes.
+        chunk: keys per chunk (64 or 128) the kernel streams.
+    """
+
+    work_info: np.ndarray
+    work_order: np.ndarray
+    own_pages: np.ndarray
+    own_mask: np.ndarray
+    stream_pages: np.ndarray
+    stream_mask: np.ndarray
+    heads: int
+    q_pages: int
+    k_pages: int
+    chunk: int
+
+    @property
+    def num_work(self) -> int:
+        return int(self.work_info.shape[0])
+
+    def chunks_per_item(self) -> np.ndarray:
+        """int64 ``[W]``: key chunks each item streams."""
+        pages = self.chunk // PAGE_ROWS
+        return -(-self.work_info[:, 2].astype(np.int64) // pages)
+
+    def executed_pairs(self) -> int:
+        """Σ over items of M · chunk · (chunks streamed): the query–key pairs the tensor cores compute."""
+        return int((self.work_info[:, 3].astype(np.int64) * self.chunk * self.chunks_per_item()).sum())
+
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """What the kernel reads: work_info int4 [W], work_order [W], own entries int2 [W, 8] and
+        stream entries int2 [S] of (page id, row mask)."""
+        return {
+            "work_info": np.ascontiguousarray(self.work_info, dtype=np.int32),
+            "work_order": np.ascontiguousarray(self.work_order, dtype=np.int32),
+            "own_entries": np.ascontiguousarray(
+                np.stack([self.own_pages, self.own_mask.astype(np.int32)], axis=-1), dtype=np.int32),
+            "stream_entries": np.ascontiguousarray(
+                np.stack([self.stream_pages, self.stream_mask.astype(np.int32)], axis=-1), dtype=np.int32),
+        }
+
+
+def chunk_for(plans) -> int:
+    """Keys per chunk for the routes these plans use: 64 when every route is 64 keys wide, else 128.
+
+    Raises :class:`KernelValueError` when a route's M is not 64 or 128 or its N is not a multiple of
+    the chunk (the kernel would execute a different tile than the plan counts).
+    """
+    used = set()
+    for plan in plans:
+        if plan.num_work:
+            used |= {tuple(plan.routes[int(r)]) for r in np.unique(plan.work_route)}
+    chunk = 64 if used and all(n == 64 for _, n in used) else 128
+    for m, n in sorted(used):
+        if m not in ROUTE_ROWS or n % chunk:
+            raise KernelValueError(
+                f"plan.routes has tile {(m, n)}; the paged forward kernel runs M in {ROUTE_ROWS} with N a "
+                f"multiple of {chunk} (plans mixing 64- and wider key tiles run with {chunk}-key chunks)"
+            )
+    return chunk
+
+
+def work_list(plans, heads_of=None, q_pages: int | None = None, k_pages: int | None = None,
+              order: str | None = None) -> WorkList:
+    """One work list from owner-``"q"`` plans (validated before: page ids in range).
+
+    Args:
+        plans: one :class:`TilePlan` (all heads) or a sequence of single-head plans (a HeadStack).
+        heads_of: with several plans, the head each plan's head 0 becomes (default ``0, 1, ...``).
+        q_pages, k_pages: page counts of the tensors (default: the plans' mask sizes, max over plans).
+        order: ``"head"`` or ``"cost"`` (default :func:`default_order`).
+    """
+    order = default_order() if order is None else order
+    if order not in ORDERS:
+        raise KernelValueError(f"order must be one of {ORDERS}, got {order!r}")
+    plans = [plans] if isinstance(plans, TilePlan) else list(plans)
+    if not plans:
+        raise KernelValueError("work_list needs at least one plan")
+    for i, plan in enumerate(plans):
+        if not isinstance(plan, TilePlan):
+            raise KernelValueError(f"plans[{i}] must be a TilePlan, got {type(plan).__name__}")
+        if plan.owner != "q":
+            raise KernelValueError(f"plans[{i}].owner is {plan.owner!r}; the forward kernel needs owner='q'")
+    if len(plans) > 1 and any(p.heads != 1 for p in plans):
+        raise KernelValueError("several plans must each hold one head (a HeadStack)")
+    head_base = np.arange(len(plans)) if heads_of is None else np.asarray(heads_of, dtype=np.int64)
+    chunk = chunk_for(plans)
+    parts = {name: [] for name in ("info", "own", "own_mask", "stream", "stream_mask")}
+    offset = 0
+    for plan, h0 in zip(plans, head_base):
+        w = plan.num_work
+        rows = np.asarray(plan.routes, dtype=np.int64)[plan.work_route.astype(np.int64), 0] if w else np.zeros(0)
+        lengths = plan.stream_lengths()
+        info = np.stack([plan.work_head.astype(np.int64) + int(h0), plan.stream_indptr[:-1].astype(np.int64) + offset,
+                         lengths, rows], axis=1) if w else np.zeros((0, 4), np.int64)
+        own = np.full((w, OWN_PAGES), -1, dtype=np.int64)
+        cols = min(OWN_PAGES, plan.own_pages.shape[1])
+        own[:, :cols] = plan.own_pages[:, :cols]
+        own_mask = np.where(own >= 0, plan.own_page_mask[np.maximum(own, 0)], 0).astype(np.uint32)
+        stream = plan.stream_pages.astype(np.int64)
+        parts["info"].append(info)
+        parts["own"].append(own)
+        parts["own_mask"].append(own_mask)
+        parts["stream"].append(stream)
+        parts["stream_mask"].append(plan.stream_page_mask[stream].astype(np.uint32))
+        offset += stream.size
+    info = np.concatenate(parts["info"]).astype(np.int64)
+    if offset > np.iinfo(np.int32).max:
+        raise KernelValueError(f"the plans stream {offset} pages, more than int32 indexing allows")
+    cost = info[:, 3] * -(-info[:, 2] // (chunk // PAGE_ROWS))
+    index = np.arange(info.shape[0])
+    keys = (index, -cost, info[:, 0]) if order == "head" else (index, info[:, 0], -cost)
+    return WorkList(
+        work_info=info.astype(np.int32),
+        work_order=np.lexsort(keys).astype(np.int32),
+        own_pages=np.concatenate(parts["own"]).astype(np.int32),
+        own_mask=np.concatenate(parts["own_mask"]),
+        stream_pages=np.concatenate(parts["stream"]).astype(np.int32),
+        stream_mask=np.concatenate(parts["stream_mask"]),
+        heads=int(head_base.max()) + 1 if len(plans) > 1 else int(plans[0].heads),
+        q_pages=int(q_pages if q_pages is not None else max(p.own_page_mask.size for p in plans)),
+        k_pages=int(k_pages if k_pages is not None else max(p.stream_page_mask.size for p in plans)),
+        chunk=chunk,
+    )

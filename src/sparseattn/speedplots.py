@@ -1,0 +1,219 @@
+"""Speed figures from recorded benchmark runs (:mod:`sparseattn.benchdata`): KPage speedups per workload
+and PageWeaver complete-call speedups per capture.
+
+Each figure draws the numbers of ONE run and says in the figure what that run lacks: while no KPage
+records exist it shows the baselines' useful TFLOP/s, and while no PageWeaver complete-call records
+exist it says so in place of the bars.
+"""
+
+from __future__ import annotations
+
+import math
+
+from matplotlib.figure import Figure
+
+from . import figstyle
+from .benchdata import BenchRun, is_usable, pick_run, useful_tflops
+
+#: KPage speedups are taken over these baselines (when the run has them).
+KPAGE_BASELINES = ("bsa", "flex", "vsa_kernel")
+#: Implementations drawn as useful TFLOP/s while a run has no KPage records.
+RATE_IMPLS = ("bsa", "bsa_mma", "bsa_wgmma", "flex", "vsa_kernel")
+KPAGE_PASSES = ("fwd", "fwdbwd")
+#: PageWeaver complete-call speedups: the union kernels over the per-query paths.
+PW_UNIONS = ("pageweaver_union", "kv_page_union")
+PW_BASELINES = ("flashinfer", "per_query")
+PW_PASS = "complete_call"
+#: The PageWeaver paper's Union8 complete-call speedup over FlashInfer, geometric mean of six H200 captures.
+PAPER_PW_SPEEDUP = 1.70
+
+
+def pick_kpage_run(runs) -> BenchRun | None:
+    """The newest run with KPage and a baseline; else the newest run with any baseline (no KPage yet)."""
+    return (pick_run(runs, all_of=("kpage",), any_of=KPAGE_BASELINES, passes=KPAGE_PASSES)
+            or pick_run(runs, any_of=RATE_IMPLS, passes=KPAGE_PASSES))
+
+
+def pick_pageweaver_run(runs) -> BenchRun | None:
+    """The newest run with complete-call records of the PageWeaver union and FlashInfer, else None."""
+    return pick_run(runs, all_of=("pageweaver_union", "flashinfer"), passes=(PW_PASS,))
+
+
+def kpage_speedups(run: BenchRun) -> list[dict]:
+    """One row per (workload, pass, baseline) where both KPage and the baseline have usable records:
+    ``speedup`` = baseline time ÷ KPage time."""
+    rows = []
+    for pass_ in KPAGE_PASSES:
+        kpage = run.usable("kpage", pass_)
+        for base in KPAGE_BASELINES:
+            other = run.usable(base, pass_)
+            for w in run.workloads():
+                if w in kpage and w in other:
+                    rows.append({"workload": w, "pass": pass_, "baseline": base,
+                                 "kpage_ms": kpage[w]["time_ms"], "baseline_ms": other[w]["time_ms"],
+                                 "speedup": other[w]["time_ms"] / kpage[w]["time_ms"]})
+    return rows
+
+
+def _impls_in(run: BenchRun, impls, pass_: str) -> list[str]:
+    return [i for i in impls if any(r["impl"] == i and r["pass"] == pass_ for r in run.records)]
+
+
+def _missing_note(run: BenchRun, wanted) -> str:
+    absent = [figstyle.impl_label(i) for i in wanted if not run.has(i)]
+    return f"Not in this run: {', '.join(absent)}." if absent else ""
+
+
+def _panel_values(run: BenchRun, workloads, impl: str, pass_: str, value):
+    """(values per workload, notes) of one bar series; ``value(record)`` gives a bar's length.
+    NaN where there is no usable record, and a note where the record failed."""
+    ok, bad = run.usable(impl, pass_), run.failed(impl, pass_)
+    values, notes = [], {}
+    for g, w in enumerate(workloads):
+        values.append(value(ok[w]) if w in ok else float("nan"))
+        if w in bad:
+            notes[g] = "failed (error recorded)" if bad[w].get("error") else "wrong result"
+    return values, notes
+
+
+def kpage_speed_figure(run: BenchRun | None, path=None) -> Figure:
+    """KPage forward (a) and forward+backward (b) speedups over BSA, FlexAttention and the VSA kernel per
+    workload, from one run; a run without KPage records shows the baselines' useful TFLOP/s instead and
+    says that KPage is missing."""
+    if run is None:
+        return _empty_figure("KPage speed", "No recorded benchmark run in data/bench.", path)
+    has_kpage = run.has("kpage", KPAGE_PASSES)
+    impls = KPAGE_BASELINES if has_kpage else RATE_IMPLS
+    if has_kpage:
+        workloads = [w for w in run.workloads() if any(w in run.usable("kpage", p) for p in KPAGE_PASSES)]
+        headline = "KPage speedup over each baseline (time ÷ KPage time)"
+        missing = _missing_note(run, KPAGE_BASELINES)
+    else:
+        workloads = [w for w in run.workloads()
+                     if any(w in run.usable(i, p) or w in run.failed(i, p) for i in impls for p in KPAGE_PASSES)]
+        headline = ("No KPage records yet: the bars show the baselines' useful TFLOP/s; KPage's speedups "
+                    "over BSA, FlexAttention and the VSA kernel replace them once KPage is benchmarked.")
+        missing = _missing_note(run, ("kpage", "flex", "vsa_kernel"))
+    workloads = figstyle.canonical_order(workloads)
+    panels = [(p, _impls_in(run, impls, p)) for p in KPAGE_PASSES]
+    panels = [(p, series) for p, series in panels if series]
+    source = " ".join(s for s in (run.source(), missing) if s)
+    with figstyle.style():
+        head_lines = figstyle.wrap_source(headline)
+        heights = [figstyle.grouped_barh_height(len(workloads), len(s)) + 0.5 for _, s in panels]
+        legend_rows = -(-len({i for _, s in panels for i in s}) // 2)
+        fig = figstyle.sourced_figure(source, height=sum(heights) + 0.15 * (len(head_lines) + legend_rows) + 0.1)
+        axes = fig.subplots(len(panels), 1, height_ratios=heights, squeeze=False)[:, 0]
+        labels = [figstyle.workload_label(w) for w in workloads]
+        legend = {}
+        for letter, ax, (pass_, series_impls) in zip("abcd", axes, panels):
+            series, notes = [], {}
+            for s, impl in enumerate(series_impls):
+                if has_kpage:
+                    kp = run.usable("kpage", pass_)
+
+                    def speedup(r, kp=kp):
+                        k = kp.get(r["workload"])
+                        return r["time_ms"] / k["time_ms"] if k else float("nan")
+
+                    values, impl_notes = _panel_values(run, workloads, impl, pass_, speedup)
+                else:
+                    values, impl_notes = _panel_values(run, workloads, impl, pass_, useful_tflops)
+                series.append((f"vs {figstyle.impl_label(impl)}" if has_kpage else figstyle.impl_label(impl),
+                               figstyle.COLORS.get(impl, figstyle.OKABE_ITO["grey"]), values))
+                notes.update({(g, s): f"{figstyle.impl_label(impl)}: {text}" for g, text in impl_notes.items()})
+            figstyle.grouped_barh(ax, labels, series, notes)
+            if has_kpage:
+                ax.axvline(1.0, color="black", lw=0.8, ls="--")
+                ax.set_xlabel("speedup of KPage (×); 1 = baseline speed")
+                finite = [v for _, _, vals in series for v in vals if math.isfinite(v)]
+                ax.set_xlim(0, max([1.2, *finite]) * 1.15)
+            else:
+                ax.set_xlabel("useful TFLOP/s")
+            figstyle.panel_title(ax, letter, figstyle.PASS_LABELS[pass_].capitalize())
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(label, handle)
+        # the headline (what the bars are, what is missing) heads the legend, above the panels
+        fig.legend(list(legend.values()), list(legend), loc="outside upper left", ncols=2,
+                   title="\n".join(head_lines), alignment="left")
+    return _write(fig, path)
+
+
+def _geomean(values) -> float:
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def pageweaver_speedups(run: BenchRun) -> list[dict]:
+    """One row per (capture, heads, union impl, baseline): complete-call ``speedup`` = baseline ÷ union time."""
+    def by_key(impl):
+        return {(r["workload"], r.get("heads")): r for r in run.records
+                if r["impl"] == impl and r["pass"] == PW_PASS and is_usable(r)}
+
+    rows = []
+    for union in PW_UNIONS:
+        u = by_key(union)
+        for base in PW_BASELINES:
+            b = by_key(base)
+            for key in u:
+                if key in b:
+                    rows.append({"capture": key[0], "heads": key[1], "impl": union, "baseline": base,
+                                 "speedup": b[key]["time_ms"] / u[key]["time_ms"]})
+    return rows
+
+
+def pageweaver_speed_figure(run: BenchRun | None, path=None) -> Figure:
+    """Complete-call speedups (grouping included) of the union kernels over FlashInfer and the per-query
+    path, per capture, beside the paper's 1.70× geometric mean; says so plainly when no run has them."""
+    rows = pageweaver_speedups(run) if run is not None else []
+    if not rows:
+        text = ("No recorded complete-call benchmark yet. This panel fills in from a data/bench/*.json run "
+                "with records of impl 'pageweaver_union' and 'flashinfer', pass 'complete_call'. "
+                f"Paper: {PAPER_PW_SPEEDUP:.2f}× geometric mean over FlashInfer on six H200 captures.")
+        return _empty_figure("PageWeaver complete-call speedup", text, path)
+    multi_heads = len({r["heads"] for r in rows}) > 1
+    keys = list(dict.fromkeys((r["capture"], r["heads"]) for r in rows))
+    pairs = list(dict.fromkeys((r["impl"], r["baseline"]) for r in rows))
+    value = {(r["capture"], r["heads"], r["impl"], r["baseline"]): r["speedup"] for r in rows}
+    labels = [figstyle.capture_label(c) + (f" · {h} heads" if multi_heads else "") for c, h in keys]
+    colours = {("pageweaver_union", "flashinfer"): figstyle.OKABE_ITO["blue"],
+               ("pageweaver_union", "per_query"): figstyle.OKABE_ITO["sky_blue"],
+               ("kv_page_union", "flashinfer"): figstyle.OKABE_ITO["bluish_green"],
+               ("kv_page_union", "per_query"): figstyle.OKABE_ITO["yellow"]}
+    series = []
+    for impl, base in pairs:
+        vals = [value.get((c, h, impl, base), float("nan")) for c, h in keys]
+        geo = _geomean(vals)
+        series.append((f"{figstyle.impl_label(impl)} vs {figstyle.impl_label(base)} (geomean {geo:.2f}×)",
+                       colours.get((impl, base), figstyle.OKABE_ITO["grey"]), vals))
+    missing = _missing_note(run, PW_UNIONS + PW_BASELINES)
+    source = " ".join(s for s in (run.source(), "Complete call = grouping + attention.", missing) if s)
+    with figstyle.style():
+        height = figstyle.grouped_barh_height(len(keys), len(series)) + 0.9 + 0.18 * len(series)
+        fig = figstyle.sourced_figure(source, height=height)
+        ax = fig.add_subplot()
+        figstyle.grouped_barh(ax, labels, series)
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.axvline(PAPER_PW_SPEEDUP, color=figstyle.OKABE_ITO["vermillion"], lw=1.0, ls="--",
+                   label=f"paper: {PAPER_PW_SPEEDUP:.2f}× geomean vs FlashInfer")
+        finite = [v for _, _, vals in series for v in vals if math.isfinite(v)]
+        ax.set_xlim(0, max([PAPER_PW_SPEEDUP, *finite]) * 1.15)
+        ax.set_xlabel("complete-call speedup (×); 1 = baseline speed")
+        fig.legend(*ax.get_legend_handles_labels(), loc="outside upper left", ncols=1)
+    return _write(fig, path)
+
+
+def _empty_figure(title: str, text: str, path) -> Figure:
+    with figstyle.style():
+        fig = figstyle.figure(height=1.5)
+        ax = fig.add_subplot()
+        figstyle.note(ax, "\n".join(figstyle.wrap_source(text, figstyle.ONE_COLUMN * 0.95)))
+        ax.set_title(title)
+    return _write(fig, path)
+
+
+def _write(fig: Figure, path) -> Figure:
+    if path is not None:
+        figstyle.save(fig, path)
+    return fig
+

@@ -1,0 +1,124 @@
+"""The paged forward kernel's work list (CPU): built from BSA/KPage plans and HeadStacks, executed by
+the numpy work-list emulator exactly as the kernel reads it, and equal to the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from small_cases import SMALL_CASES, make_graph, small_layouts
+
+from sparseattn import builders
+from sparseattn.emulator import emulate_work_list
+from sparseattn.graph import HeadStack, SparseGraph
+from sparseattn.kernels.forward import executed_pairs, plan_of, resolve_work
+from sparseattn.kernels.validate import KernelTypeError, KernelValueError
+from sparseattn.kernels.work_list import OWN_PAGES, chunk_for, work_list
+from sparseattn.layouts import contiguous_layout, partition_layout, video_layout
+from sparseattn.plans import bsa_plan, kpage_plan
+from sparseattn.reference import attention_forward
+
+ROUTES = [("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("bsa", "auto")]
+ROUTE_IDS = ["kpage-auto", "kpage-64x256", "kpage-128x128", "bsa"]
+
+
+def _check_against_reference(work, graph_or_heads, rng, heads_slots):
+    h, sq, sk = heads_slots
+    q, k, v = (rng.standard_normal((2, h, n, 16)) for n in (sq, sk, sk))
+    o, lse = emulate_work_list(work, q, k, v)
+    graphs = graph_or_heads if isinstance(graph_or_heads, list) else None
+    if graphs is None:
+        o_ref, lse_ref = attention_forward(q, k, v, graph_or_heads)
+        valid = np.broadcast_to(graph_or_heads.q.valid, (h, sq))
+    else:
+        o_ref = np.full_like(o, np.nan)
+        lse_ref = np.full_like(lse, np.nan)
+        valid = np.zeros((h, sq), dtype=bool)
+        for head, g in enumerate(graphs):
+            nq, nk = g.q.num_slots, g.k.num_slots
+            oh, lh = attention_forward(q[:, head:head + 1, :nq], k[:, head:head + 1, :nk],
+                                       v[:, head:head + 1, :nk], g)
+            o_ref[:, head, :nq], lse_ref[:, head, :nq] = oh[:, 0], lh[:, 0]
+            valid[head, :nq] = g.q.valid
+    assert not np.isnan(o[:, valid]).any(), "a valid row was not written"
+    assert np.isnan(o[:, ~valid]).all(), "a padding row was written"
+    np.testing.assert_allclose(o[:, valid], o_ref[:, valid], atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse[:, valid]), np.isneginf(lse_ref[:, valid]))
+    fin = np.isfinite(lse_ref[:, valid])
+    np.testing.assert_allclose(lse[:, valid][fin], lse_ref[:, valid][fin], atol=1e-12)
+
+
+@pytest.mark.parametrize("kind, route", ROUTES, ids=ROUTE_IDS)
+@pytest.mark.parametrize("case", [c for c in SMALL_CASES if "B32" not in c and "B16" not in c])
+def test_work_list_equals_reference(case, kind, route, seed):
+    q_lay, k_lay = small_layouts(case)
+    graph = make_graph(q_lay, k_lay, heads=3, density=0.4, seed=seed)
+    if kind == "bsa" and (q_lay.block_size not in (64, 128) or k_lay.block_size not in (64, 128)):
+        pytest.skip("the kernel runs BSA tiles of 64 or 128 rows")
+    work = work_list(plan_of(graph, kind, route))
+    _check_against_reference(work, graph, np.random.default_rng(seed), (3, q_lay.num_slots, k_lay.num_slots))
+
+
+@pytest.mark.parametrize("kind, route", ROUTES, ids=ROUTE_IDS)
+def test_head_stack_runs_every_head_with_its_own_layouts(kind, route, rng):
+    graphs = []
+    for _ in range(3):
+        n = int(rng.integers(300, 700))
+        q = partition_layout(rng.integers(0, int(rng.integers(2, 7)), n), 64)
+        k = partition_layout(rng.integers(0, int(rng.integers(2, 9)), n), 64)
+        graphs.append(SparseGraph.from_block_mask(q, k, rng.random((1, q.num_blocks, k.num_blocks)) < 0.5))
+    stack = HeadStack.of(graphs)
+    work = resolve_work(stack, kind, route, stack.heads, stack.q_slots, stack.k_slots)
+    assert work.heads == 3 and set(np.unique(work.work_info[:, 0])) <= {0, 1, 2}
+    _check_against_reference(work, graphs, rng, (3, stack.q_slots, stack.k_slots))
+
+
+def test_chunk_and_executed_pairs_follow_the_routes():
+    layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.3, seed=3)
+    bsa, kpage = work_list(bsa_plan(graph)), work_list(kpage_plan(graph))
+    assert bsa.chunk == 64 and kpage.chunk == 128
+    # BSA: exactly the plan's count; KPage: 128-key chunks never pay more than the 256-wide tiles count
+    assert bsa.executed_pairs() == bsa_plan(graph).physical_pairs()
+    assert kpage.executed_pairs() <= kpage_plan(graph).physical_pairs()
+    _, i, j = graph.pairs
+    assert kpage.executed_pairs() >= int((layout.valid_rows[i] * layout.valid_rows[j]).sum())
+    assert executed_pairs(graph, "kpage") == kpage.executed_pairs()
+
+
+def test_work_order_is_largest_first_permutation():
+    """order="cost": largest M·chunks first over all heads; order="head": head by head, largest first."""
+    layout = contiguous_layout(64 * 50, 64)
+    mask = np.random.default_rng(0).random((2, 50, 50)) < np.linspace(0.05, 0.9, 50)[None, :, None]
+    plan = kpage_plan(SparseGraph.from_block_mask(layout, layout, mask))
+    work = work_list(plan, order="cost")
+    assert sorted(work.work_order) == list(range(work.num_work))
+    cost = work.work_info[:, 3].astype(np.int64) * work.chunks_per_item()
+    assert np.all(np.diff(cost[work.work_order]) <= 0)
+    assert work.own_pages.shape == (work.num_work, OWN_PAGES)
+    by_head = work_list(plan, order="head")
+    heads = by_head.work_info[by_head.work_order, 0]
+    assert np.all(np.diff(heads) >= 0)
+    for h in (0, 1):
+        assert np.all(np.diff(cost[by_head.work_order][heads == h]) <= 0)
+
+
+def test_routes_the_kernel_cannot_run_are_refused():
+    q = contiguous_layout(32 * 8, 32)
+    graph = SparseGraph.from_block_mask(q, q, np.ones((1, 8, 8), dtype=bool))
+    with pytest.raises(KernelValueError, match="M in"):
+        chunk_for([bsa_plan(graph)])
+
+
+def test_resolve_work_names_the_mismatch():
+    layout = contiguous_layout(128 * 4, 128)
+    graph = SparseGraph.from_block_mask(layout, layout, np.ones((2, 4, 4), dtype=bool))
+    with pytest.raises(KernelValueError, match="heads"):
+        resolve_work(graph, "kpage", "auto", 3, 512, 512)
+    with pytest.raises(KernelValueError, match="slots"):
+        resolve_work(graph, "kpage", "auto", 2, 1024, 512)
+    with pytest.raises(KernelValueError, match="multiple of 16"):
+        resolve_work(graph, "kpage", "auto", 2, 500, 512)
+    with pytest.raises(KernelTypeError, match="graph_or_plan"):
+        resolve_work("graph", "kpage", "auto", 2, 512, 512)
+    with pytest.raises(KernelValueError, match="owner"):
+        resolve_work(bsa_plan(graph, owner="kv"), "kpage", "auto", 2, 512, 512)
