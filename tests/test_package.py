@@ -20,7 +20,7 @@ def test_cpu_names_work_from_the_package():
 
 
 def test_every_listed_cpu_name_exists_and_kernels_are_listed():
-    kernels = {"kpage_forward", "bsa_forward", "bsa_backward"}
+    kernels = {"kpage_forward", "bsa_forward", "kpage_backward", "bsa_backward"}
     assert kernels <= set(sparseattn.__all__) and kernels <= set(dir(sparseattn))
     for name in set(sparseattn.__all__) - kernels:
         assert getattr(sparseattn, name) is not None, name

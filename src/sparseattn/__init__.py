@@ -3,7 +3,8 @@
 The CPU toolkit is importable from the package: layouts, :class:`SparseGraph`, the built-in
 workloads and layout files, graph builders, tile plans, the occupancy analysis, the float64
 reference and the plan emulator. The kernel entry points (``kpage_forward``, ``bsa_forward``,
-``bsa_backward``) are loaded on first access, so ``import sparseattn`` never imports CuPy.
+``kpage_backward``, ``bsa_backward``) are loaded on first access, so ``import sparseattn`` never
+imports CuPy.
 """
 
 import importlib
@@ -27,7 +28,7 @@ from .builders import (
     vsa_graph,
 )
 from .emulator import emulate_backward, emulate_forward
-from .graph import GraphError, SparseGraph
+from .graph import GraphError, HeadStack, SparseGraph
 from .layout_file import LayoutFileError, load_layout_file
 from .layouts import (
     BlockLayout,
@@ -48,14 +49,16 @@ __version__ = "0.1.0"
 _KERNELS = {
     "kpage_forward": "sparseattn.kernels.forward",
     "bsa_forward": "sparseattn.kernels.forward",
+    "kpage_backward": "sparseattn.kernels.backward",
     "bsa_backward": "sparseattn.kernels.bsa_backward",
 }
 
-# bsa_backward, bsa_forward, kpage_forward: kernel entry points, loaded on first access (_KERNELS)
+# bsa_backward, bsa_forward, kpage_backward, kpage_forward: kernels, loaded on first access (_KERNELS)
 __all__ = [
     "WORKLOADS",
     "BlockLayout",
     "GraphError",
+    "HeadStack",
     "LayoutError",
     "LayoutFileError",
     "OccupancyReport",
@@ -81,6 +84,7 @@ __all__ = [
     "emulate_forward",
     "get_workload",
     "graph_counts",
+    "kpage_backward",
     "kpage_forward",
     "kpage_plan",
     "load_layout_file",
