@@ -468,7 +468,7 @@ def _kmeans_pp_init(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarr
     cum = np.empty(n)
     d2_new = np.empty(n)
     for i in range(1, k):
-        np.cumsum(d2, out=cum)
+        np.add.accumulate(d2, out=cum)
         if cum[-1] <= 0:  # fewer distinct points than clusters: the rest repeat existing centres
             idx[i:] = idx[rng.integers(i, size=k - i)]
             break
