@@ -11,36 +11,62 @@ from sparseattn.benchdata import BenchFileError, find_runs, load_run, pick_run
 
 
 def _rec(workload, impl, pass_, time_ms, **extra):
-    rec = {"workload": workload, "impl": impl, "pass": pass_, "heads": 40, "head_dim": 128, "time_ms": time_ms,
-           "useful_pairs": 10**10, "physical_pairs": 2 * 10**10, "correct": True}
+    rec = {
+        "workload": workload,
+        "impl": impl,
+        "pass": pass_,
+        "heads": 40,
+        "head_dim": 128,
+        "time_ms": time_ms,
+        "useful_pairs": 10**10,
+        "physical_pairs": 2 * 10**10,
+        "correct": True,
+    }
     rec.update(extra)
     return rec
 
 
 def _write_run(folder, name, date, records, commit="0123456789abcdef0123+x"):
-    doc = {"gpu": "NVIDIA H200", "commit": commit, "date": date, "command": "python -m sparseattn.bench",
-           "records": records}
+    doc = {
+        "gpu": "NVIDIA H200",
+        "commit": commit,
+        "date": date,
+        "command": "python -m sparseattn.bench",
+        "records": records,
+    }
     path = folder / name
     path.write_text(json.dumps(doc))
     return path
 
 
 BASELINES = [
-    _rec("vsa_wan14b_720p", "bsa", "fwd", 80.0), _rec("vsa_wan14b_720p", "flex", "fwd", 60.0),
+    _rec("vsa_wan14b_720p", "bsa", "fwd", 80.0),
+    _rec("vsa_wan14b_720p", "flex", "fwd", 60.0),
     _rec("vsa_wan14b_720p", "flex", "fwdbwd", None, error="InductorError: no choices"),
     _rec("vsa_wan14b_720p", "bsa", "fwdbwd", 300.0),
-    _rec("sta_wan14b_69f", "bsa", "fwd", 40.0), _rec("sta_wan14b_69f", "flex", "fwd", 35.0),
+    _rec("sta_wan14b_69f", "bsa", "fwd", 40.0),
+    _rec("sta_wan14b_69f", "flex", "fwd", 35.0),
 ]
-KPAGE = [_rec("vsa_wan14b_720p", "kpage", "fwd", 40.0), _rec("vsa_wan14b_720p", "kpage", "fwdbwd", 200.0),
-         _rec("sta_wan14b_69f", "kpage", "fwd", 38.0)]
+KPAGE = [
+    _rec("vsa_wan14b_720p", "kpage", "fwd", 40.0),
+    _rec("vsa_wan14b_720p", "kpage", "fwdbwd", 200.0),
+    _rec("sta_wan14b_69f", "kpage", "fwd", 38.0),
+]
 
 
 @pytest.fixture
 def bench_dir(tmp_path):
     """Three runs: an old one with KPage, a newer one without, and files that are not runs."""
-    _write_run(tmp_path, "a_old_with_kpage.json", "2026-11-01T10:00:00+00:00", BASELINES + KPAGE,
-               commit="aaaaaaaaaaaaaaaa")
-    _write_run(tmp_path, "z_new_baselines.json", "2026-11-29T18:00:00+00:00", BASELINES, commit="bbbbbbbbbbbb")
+    _write_run(
+        tmp_path,
+        "a_old_with_kpage.json",
+        "2026-11-01T10:00:00+00:00",
+        BASELINES + KPAGE,
+        commit="aaaaaaaaaaaaaaaa",
+    )
+    _write_run(
+        tmp_path, "z_new_baselines.json", "2026-11-29T18:00:00+00:00", BASELINES, commit="bbbbbbbbbbbb"
+    )
     (tmp_path / "summary.json").write_text(json.dumps([{"step": "pytest"}]))
     (tmp_path / "analysis.json").write_text(json.dumps({"command": "x", "rows": []}))
     (tmp_path / "broken.json").write_text("{not json")
@@ -102,9 +128,13 @@ def test_kpage_speedups_come_from_one_run(bench_dir):
     run = speedplots.pick_kpage_run(find_runs(bench_dir))
     assert run.path.name == "a_old_with_kpage.json"
     rows = {(r["workload"], r["pass"], r["baseline"]): r["speedup"] for r in speedplots.kpage_speedups(run)}
-    assert rows == {("vsa_wan14b_720p", "fwd", "bsa"): 2.0, ("vsa_wan14b_720p", "fwd", "flex"): 1.5,
-                    ("vsa_wan14b_720p", "fwdbwd", "bsa"): 1.5,
-                    ("sta_wan14b_69f", "fwd", "bsa"): 40.0 / 38.0, ("sta_wan14b_69f", "fwd", "flex"): 35.0 / 38.0}
+    assert rows == {
+        ("vsa_wan14b_720p", "fwd", "bsa"): 2.0,
+        ("vsa_wan14b_720p", "fwd", "flex"): 1.5,
+        ("vsa_wan14b_720p", "fwdbwd", "bsa"): 1.5,
+        ("sta_wan14b_69f", "fwd", "bsa"): 40.0 / 38.0,
+        ("sta_wan14b_69f", "fwd", "flex"): 35.0 / 38.0,
+    }
 
 
 def _texts(fig):
@@ -140,8 +170,10 @@ def test_pageweaver_speed_figure_without_records_says_so(bench_dir):
 def test_pageweaver_speed_figure_with_records(tmp_path):
     records = []
     for cap, union_ms in (("nsa_8k", 0.5), ("dsa_64k", 0.25)):
-        records += [_rec(cap, "flashinfer", "complete_call", 1.0, heads=8),
-                    _rec(cap, "pageweaver_union", "complete_call", union_ms, heads=8)]
+        records += [
+            _rec(cap, "flashinfer", "complete_call", 1.0, heads=8),
+            _rec(cap, "pageweaver_union", "complete_call", union_ms, heads=8),
+        ]
     _write_run(tmp_path, "pw.json", "2026-12-01T00:00:00+00:00", records)
     _write_run(tmp_path, "newer_without_pw.json", "2026-12-02T00:00:00+00:00", BASELINES)
     run = speedplots.pick_pageweaver_run(find_runs(tmp_path))

@@ -32,7 +32,10 @@ def test_readable_names():
     assert figstyle.capture_label("my_capture") == "my_capture"
     assert figstyle.impl_label("flex") == "FlexAttention"
     assert figstyle.canonical_order(["mine", "svg2_wan14b_720p", "vsa_wan14b_720p"]) == [
-        "vsa_wan14b_720p", "svg2_wan14b_720p", "mine"]
+        "vsa_wan14b_720p",
+        "svg2_wan14b_720p",
+        "mine",
+    ]
 
 
 def test_pair_unit_follows_the_largest_count():
@@ -47,9 +50,14 @@ def test_source_lines_fit_the_column():
     assert max(len(line) for line in lines) <= figstyle.ONE_COLUMN * 72 / (0.56 * figstyle.MIN_FONT_PT)
 
 
-@pytest.mark.parametrize("draw", [lambda: capacity_bar_chart(_records(), source="a source line"),
-                                  lambda: block_fill_histogram(_small_report().fill, title="t", source="s")],
-                         ids=["capacity", "block_fill"])
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda: capacity_bar_chart(_records(), source="a source line"),
+        lambda: block_fill_histogram(_small_report().fill, title="t", source="s"),
+    ],
+    ids=["capacity", "block_fill"],
+)
 def test_figures_are_one_column_with_text_of_at_least_8pt(draw):
     fig = draw()
     fig.canvas.draw()

@@ -27,8 +27,13 @@ def generated(inputs, tmp_path_factory):
 def test_every_figure_with_data_is_written_in_three_formats(generated):
     out, paths = generated
     stems = {p.stem for p in paths}
-    assert {"kpage_capacity", "kpage_block_fill", "kpage_speed", "pageweaver_page_loads",
-            "pageweaver_union_sizes"} <= stems
+    assert {
+        "kpage_capacity",
+        "kpage_block_fill",
+        "kpage_speed",
+        "pageweaver_page_loads",
+        "pageweaver_union_sizes",
+    } <= stems
     for stem in stems:
         for fmt in figstyle.FORMATS:
             assert (out / f"{stem}.{fmt}").stat().st_size > 1000
@@ -45,8 +50,9 @@ def test_regenerating_gives_identical_bytes(generated, inputs, tmp_path):
 def _committed_files() -> list[str]:
     """Figure files of figures/ that git tracks (the folder itself where git is not available)."""
     try:
-        done = subprocess.run(["git", "ls-files", "figures"], cwd=COMMITTED.parent, capture_output=True,
-                              text=True, check=True)
+        done = subprocess.run(
+            ["git", "ls-files", "figures"], cwd=COMMITTED.parent, capture_output=True, text=True, check=True
+        )
         names = [Path(line).name for line in done.stdout.split()]
     except (OSError, subprocess.CalledProcessError):
         names = [p.name for p in COMMITTED.iterdir()]
@@ -65,7 +71,9 @@ def test_committed_figures_are_what_the_code_draws(generated):
     assert _committed_files() == sorted(p.name for p in paths), "figures/ holds stale or missing files"
     version = _writer_version(COMMITTED / "kpage_capacity.svg")
     if version != matplotlib.__version__:
-        pytest.skip(f"committed figures were written by matplotlib {version}, this is {matplotlib.__version__}")
+        pytest.skip(
+            f"committed figures were written by matplotlib {version}, this is {matplotlib.__version__}"
+        )
     changed = [p.name for p in paths if p.read_bytes() != (COMMITTED / p.name).read_bytes()]
     assert not changed, f"regenerate with `sparseattn figures`: {changed}"
 
@@ -95,7 +103,9 @@ def test_page_loads_figure_states_page_size_and_affinity_gain(inputs):
 
 
 def test_cli_figures_only(tmp_path, capsys):
-    code = cli.main(["figures", "--out", str(tmp_path), "--only", "pageweaver_speed", "--only", "kpage_speed"])
+    code = cli.main(
+        ["figures", "--out", str(tmp_path), "--only", "pageweaver_speed", "--only", "kpage_speed"]
+    )
     err = capsys.readouterr().err
     assert code == 0
     assert (tmp_path / "kpage_speed.svg").is_file() and "wrote" in err

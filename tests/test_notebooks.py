@@ -11,15 +11,24 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = REPO / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-EXPECTED = {"01_tour.ipynb", "02_kpage_reproduction.ipynb", "03_pageweaver_reproduction.ipynb",
-            "04_your_own_layout.ipynb"}
+EXPECTED = {
+    "01_tour.ipynb",
+    "02_kpage_reproduction.ipynb",
+    "03_pageweaver_reproduction.ipynb",
+    "04_your_own_layout.ipynb",
+}
 TIME_LIMIT_S = 60  # each notebook is written to finish in < 30 s on 2 cores; this only guards against hangs
 
 
 def _git_status() -> str | None:
     try:
-        done = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO,
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
     return done.stdout
@@ -46,13 +55,18 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     # figures a notebook writes go to a scratch folder, not into the repository
     monkeypatch.setenv("SPARSEATTN_FIGURES_DIR", str(tmp_path))
     before = _git_status()
-    client = nbclient.NotebookClient(nb, timeout=TIME_LIMIT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=TIME_LIMIT_S, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
     start = time.perf_counter()
     client.execute()  # raises CellExecutionError (with the cell's traceback) on any failing cell
     elapsed = time.perf_counter() - start
     assert elapsed < TIME_LIMIT_S, f"{path.name} took {elapsed:.1f} s"
-    assert any(o.get("output_type") in ("display_data", "execute_result") and "image/png" in o.get("data", {})
-               for c in nb.cells if c.cell_type == "code" for o in c.outputs), "no figure was shown"
+    assert any(
+        o.get("output_type") in ("display_data", "execute_result") and "image/png" in o.get("data", {})
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+    ), "no figure was shown"
     assert any(tmp_path.iterdir()), "the notebook wrote no figure into $SPARSEATTN_FIGURES_DIR"
     assert _git_status() == before, "running the notebook changed the checkout"

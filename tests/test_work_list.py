@@ -35,8 +35,9 @@ def _check_against_reference(work, graph_or_heads, rng, heads_slots):
         valid = np.zeros((h, sq), dtype=bool)
         for head, g in enumerate(graphs):
             nq, nk = g.q.num_slots, g.k.num_slots
-            oh, lh = attention_forward(q[:, head:head + 1, :nq], k[:, head:head + 1, :nk],
-                                       v[:, head:head + 1, :nk], g)
+            oh, lh = attention_forward(
+                q[:, head : head + 1, :nq], k[:, head : head + 1, :nk], v[:, head : head + 1, :nk], g
+            )
             o_ref[:, head, :nq], lse_ref[:, head, :nq] = oh[:, 0], lh[:, 0]
             valid[head, :nq] = g.q.valid
     assert not np.isnan(o[:, valid]).any(), "a valid row was not written"

@@ -23,7 +23,7 @@ the implementation computes. Correctness: each sparse implementation's output fo
 compared with the float64 reference in the same run on 96 random Q blocks (``correct``;
 ‖o − ref‖/‖ref‖ < 1e-2 on their valid rows).
 
-Results go to a JSON file under ``data/bench/`` (DESIGN.md §8 schema) and a table on stdout.
+Results go to a JSON file under ``data/bench/`` (the schema in docs/results.md) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def _torch():
         import torch
 
         return torch if torch.cuda.is_available() else None
-    except Exception:
+    except Exception:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
         return None
 
 
@@ -243,8 +243,16 @@ def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str) -> lis
         rel = case.rel_err_head0(bf16_bits_to_float(cupy.asnumpy(o[:, 0])).astype(np.float64))
     buffers = (o, lse)
     ms, _ = timer(lambda: paged_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind))
-    return [dict(impl=kind, **{"pass": "fwd"}, time_ms=ms, physical_pairs=executed_pairs(g, kind) * case.b,
-                 rel_err_o=rel, correct=None if rel is None else bool(rel < O_REL_TOL))]
+    return [
+        dict(
+            impl=kind,
+            **{"pass": "fwd"},
+            time_ms=ms,
+            physical_pairs=executed_pairs(g, kind) * case.b,
+            rel_err_o=rel,
+            correct=None if rel is None else bool(rel < O_REL_TOL),
+        )
+    ]
 
 
 def bench_kpage(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
@@ -260,8 +268,10 @@ def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
 
     g = case.graph
     if isinstance(g, HeadStack):
-        return [dict(impl="bsa_mma", **{"pass": p}, error="per-head layouts: only the paged skeleton runs them")
-                for p in passes]
+        return [
+            dict(impl="bsa_mma", **{"pass": p}, error="per-head layouts: only the paged skeleton runs them")
+            for p in passes
+        ]
     plan = plan_for(g)
     out = []
     o, lse = bsa_forward(case.q, case.k, case.v, g, scale=case.scale)
@@ -287,7 +297,9 @@ def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
         try:
             from .kernels.bsa_backward import bsa_backward
         except ImportError as exc:
-            out.append(dict(impl="bsa_mma", **{"pass": "fwdbwd"}, error=f"bsa_backward not importable: {exc}"))
+            out.append(
+                dict(impl="bsa_mma", **{"pass": "fwdbwd"}, error=f"bsa_backward not importable: {exc}")
+            )
             return out
 
         def fwdbwd():
@@ -305,7 +317,7 @@ def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
                     correct=None,
                 )
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
             out.append(dict(impl="bsa_mma", **{"pass": "fwdbwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
     return out
 
@@ -391,7 +403,7 @@ def bench_flex(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     t0 = time.time()
     try:
         o = flex(q, k, v, block_mask=block_mask, kernel_options=opts)
-    except Exception:  # one retry from a clean dynamo state (the first compile in a process can trip)
+    except Exception:  # noqa: BLE001 - one retry from a clean dynamo state (the first compile in a process can trip)
         traceback.print_exc()
         torch._dynamo.reset()
         flex = torch.compile(flex_attention)
@@ -426,7 +438,7 @@ def bench_flex(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
             out.append(
                 dict(impl="flex", **{"pass": "fwdbwd"}, time_ms=ms, physical_pairs=physical, correct=None)
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
             out.append(dict(impl="flex", **{"pass": "fwdbwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
     return out
 
@@ -476,9 +488,11 @@ def bench_vsa_kernel(case: Case, timer: Timer, passes, check: bool) -> list[dict
     os.environ.setdefault("FASTVIDEO_VSA_TRITON", "1")
     try:
         from fastvideo_kernel.block_sparse_attn import block_sparse_attn_from_indices
-    except Exception as exc:  # the optional peer is not installed
-        return [dict(impl="vsa_kernel", **{"pass": p}, error=f"fastvideo_kernel not importable: {exc}"[:300])
-                for p in passes]
+    except Exception as exc:  # noqa: BLE001 - the optional peer is not installed
+        return [
+            dict(impl="vsa_kernel", **{"pass": p}, error=f"fastvideo_kernel not importable: {exc}"[:300])
+            for p in passes
+        ]
     torch = _torch()
     q, k, v, do = (x.clone() for x in case.torch_views())
     cnt = np.diff(g.indptr).reshape(g.heads, g.q.num_blocks).astype(np.int32)
@@ -496,8 +510,16 @@ def bench_vsa_kernel(case: Case, timer: Timer, passes, check: bool) -> list[dict
     out = []
     if "fwd" in passes:
         ms, _ = timer(lambda: block_sparse_attn_from_indices(q, k, v, q2k_idx, q2k_num, vbs))
-        out.append(dict(impl="vsa_kernel", **{"pass": "fwd"}, time_ms=ms, physical_pairs=physical, rel_err_o=rel,
-                        correct=None if rel is None else bool(rel < O_REL_TOL)))
+        out.append(
+            dict(
+                impl="vsa_kernel",
+                **{"pass": "fwd"},
+                time_ms=ms,
+                physical_pairs=physical,
+                rel_err_o=rel,
+                correct=None if rel is None else bool(rel < O_REL_TOL),
+            )
+        )
     if "fwdbwd" in passes:
         qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
 
@@ -505,7 +527,9 @@ def bench_vsa_kernel(case: Case, timer: Timer, passes, check: bool) -> list[dict
             block_sparse_attn_from_indices(qg, kg, vg, q2k_idx, q2k_num, vbs)[0].backward(do)
 
         ms, _ = timer(fwdbwd)
-        out.append(dict(impl="vsa_kernel", **{"pass": "fwdbwd"}, time_ms=ms, physical_pairs=physical, correct=None))
+        out.append(
+            dict(impl="vsa_kernel", **{"pass": "fwdbwd"}, time_ms=ms, physical_pairs=physical, correct=None)
+        )
     return out
 
 
@@ -557,8 +581,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-check", action="store_true", help="skip the float64 reference check (head 0)")
-    parser.add_argument("--launch-overhead", action="store_true",
-                        help="also record the host time of one kpage_forward call (no GPU sync)")
+    parser.add_argument(
+        "--launch-overhead",
+        action="store_true",
+        help="also record the host time of one kpage_forward call (no GPU sync)",
+    )
     parser.add_argument(
         "--out", metavar="PATH", help="JSON result file (default data/bench/bench_<date>.json)"
     )
@@ -570,7 +597,7 @@ def _git_commit() -> str:
         return env
     try:
         return (
-            subprocess.run(
+            subprocess.run(  # noqa: PLW1510 (the exit status is read)
                 ["git", "rev-parse", "HEAD"],
                 capture_output=True,
                 text=True,
@@ -579,7 +606,7 @@ def _git_commit() -> str:
             ).stdout.strip()
             or "unknown"
         )
-    except Exception:
+    except Exception:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
         return "unknown"
 
 
@@ -631,8 +658,17 @@ def print_table(records: list[dict], file=None) -> None:
             )
             continue
         if "host_us" in r:
-            table.add_row(r["workload"], r["impl"], r["pass"], str(r["heads"]), f"host {r['host_us']:.1f} us",
-                          "-", "-", "-", "-")
+            table.add_row(
+                r["workload"],
+                r["impl"],
+                r["pass"],
+                str(r["heads"]),
+                f"host {r['host_us']:.1f} us",
+                "-",
+                "-",
+                "-",
+                "-",
+            )
             continue
         rel = r.get("rel_err_o")
         table.add_row(
@@ -650,7 +686,7 @@ def print_table(records: list[dict], file=None) -> None:
 
 
 def write_results(path: Path, records: list[dict], now, torch) -> None:
-    """The DESIGN.md section 8 JSON object (gpu, commit, date, command, records)."""
+    """The benchmark JSON object of docs/results.md (gpu, commit, date, command, records)."""
     argv = sys.argv[1:]
     if sys.argv[1:2] == ["bench"]:
         command = " ".join(["sparseattn", *argv])
@@ -704,7 +740,7 @@ def run(args) -> int:
             t1 = time.time()
             try:
                 recs = BENCHES[impl](case, timer, passes, check=not args.no_check)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
                 traceback.print_exc()
                 recs = [
                     dict(impl=impl, **{"pass": p}, error=f"{type(exc).__name__}: {exc}"[:300]) for p in passes
@@ -716,8 +752,16 @@ def run(args) -> int:
                 records.append(_rates(r, useful, head_dim))
             print(f"  {impl}: {time.time() - t1:.1f}s", flush=True)
         if getattr(args, "launch_overhead", False) and name == workloads[0]:
-            records.append(dict(launch_overhead(case), workload=name, heads=graph.heads, head_dim=head_dim,
-                                batch=args.batch, useful_pairs=useful))
+            records.append(
+                dict(
+                    launch_overhead(case),
+                    workload=name,
+                    heads=graph.heads,
+                    head_dim=head_dim,
+                    batch=args.batch,
+                    useful_pairs=useful,
+                )
+            )
         write_results(path, records, now, torch)  # after every workload: a killed run keeps what it measured
         del case
         cupy.get_default_memory_pool().free_all_blocks()

@@ -44,18 +44,26 @@ class BenchRun:
 
     def usable(self, impl: str, pass_: str) -> dict[str, dict]:
         """Records of ``impl``/``pass_`` with a time and no failure, by workload."""
-        return {r["workload"]: r for r in self.records
-                if r["impl"] == impl and r["pass"] == pass_ and is_usable(r)}
+        return {
+            r["workload"]: r
+            for r in self.records
+            if r["impl"] == impl and r["pass"] == pass_ and is_usable(r)
+        }
 
     def failed(self, impl: str, pass_: str) -> dict[str, dict]:
         """Records of ``impl``/``pass_`` that carry an ``error`` or a wrong result, by workload."""
-        return {r["workload"]: r for r in self.records
-                if r["impl"] == impl and r["pass"] == pass_ and not is_usable(r)}
+        return {
+            r["workload"]: r
+            for r in self.records
+            if r["impl"] == impl and r["pass"] == pass_ and not is_usable(r)
+        }
 
     def has(self, impl: str, passes=None) -> bool:
         """True if the run holds a usable record of ``impl`` (in one of ``passes``, if given)."""
-        return any(r["impl"] == impl and (passes is None or r["pass"] in passes) and is_usable(r)
-                   for r in self.records)
+        return any(
+            r["impl"] == impl and (passes is None or r["pass"] in passes) and is_usable(r)
+            for r in self.records
+        )
 
     def workloads(self) -> list[str]:
         """Workload names in the order they first appear."""
@@ -81,8 +89,13 @@ class BenchRun:
 def is_usable(record: dict) -> bool:
     """A record with a positive finite time, no ``error`` and not marked incorrect."""
     t = record.get("time_ms")
-    return (record.get("error") is None and record.get("correct") is not False
-            and isinstance(t, (int, float)) and math.isfinite(t) and t > 0)
+    return (
+        record.get("error") is None
+        and record.get("correct") is not False
+        and isinstance(t, (int, float))
+        and math.isfinite(t)
+        and t > 0
+    )
 
 
 def useful_tflops(record: dict) -> float:
@@ -119,8 +132,14 @@ def load_run(path) -> BenchRun:
     for i, rec in enumerate(doc["records"]):
         if not isinstance(rec, dict) or any(k not in rec for k in RECORD_FIELDS):
             raise BenchFileError(f"{path}: records[{i}] lacks one of {RECORD_FIELDS}")
-    return BenchRun(path, str(doc["gpu"]), str(doc["commit"]), str(doc["date"]), str(doc["command"]),
-                    tuple(doc["records"]))
+    return BenchRun(
+        path,
+        str(doc["gpu"]),
+        str(doc["commit"]),
+        str(doc["date"]),
+        str(doc["command"]),
+        tuple(doc["records"]),
+    )
 
 
 def _date_key(run: BenchRun):
@@ -150,6 +169,8 @@ def pick_run(runs, all_of=(), any_of=(), passes=None) -> BenchRun | None:
     in ``passes`` if given); None if no run does."""
     runs = sorted(runs, key=_date_key, reverse=True)
     for run in runs:
-        if all(run.has(i, passes) for i in all_of) and (not any_of or any(run.has(i, passes) for i in any_of)):
+        if all(run.has(i, passes) for i in all_of) and (
+            not any_of or any(run.has(i, passes) for i in any_of)
+        ):
             return run
     return None

@@ -133,8 +133,21 @@ RC = {
     "legend.handletextpad": 0.4,
     "legend.columnspacing": 1.0,
     "legend.borderaxespad": 0.2,
-    "axes.prop_cycle": matplotlib.cycler(color=[OKABE_ITO[c] for c in (
-        "blue", "vermillion", "orange", "bluish_green", "sky_blue", "reddish_purple", "black", "yellow")]),
+    "axes.prop_cycle": matplotlib.cycler(
+        color=[
+            OKABE_ITO[c]
+            for c in (
+                "blue",
+                "vermillion",
+                "orange",
+                "bluish_green",
+                "sky_blue",
+                "reddish_purple",
+                "black",
+                "yellow",
+            )
+        ]
+    ),
     "image.cmap": "viridis",
     "figure.dpi": 150,  # on screen (notebooks); files use PNG_DPI
     "savefig.dpi": PNG_DPI,
@@ -191,8 +204,16 @@ def wrap_source(text: str, width: float = ONE_COLUMN) -> list[str]:
 
 def add_source_line(fig: Figure, lines: list[str]) -> None:
     """Write the source lines (from :func:`wrap_source`) at the bottom-left of ``fig``."""
-    fig.text(0.01, 0.01, "\n".join(lines), ha="left", va="bottom", fontsize=MIN_FONT_PT,
-             color="#444444", linespacing=1.25)
+    fig.text(
+        0.01,
+        0.01,
+        "\n".join(lines),
+        ha="left",
+        va="bottom",
+        fontsize=MIN_FONT_PT,
+        color="#444444",
+        linespacing=1.25,
+    )
 
 
 def sourced_figure(source: str, width: float = ONE_COLUMN, height: float = 2.4) -> Figure:
@@ -210,8 +231,9 @@ def panel_title(ax, letter: str, title: str = "") -> None:
 
 def note(ax, text: str, **kwargs) -> None:
     """A plain message in the middle of an empty panel (for data that is not there yet)."""
-    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", wrap=True,
-            color="#444444", **kwargs)
+    ax.text(
+        0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", wrap=True, color="#444444", **kwargs
+    )
     ax.set_xticks([])
     ax.set_yticks([])
     for side in ("left", "bottom"):
@@ -226,7 +248,7 @@ def workload_label(name: str) -> str:
 def canonical_order(workloads) -> list[str]:
     """Workload ids with the built-ins first, in the order of :data:`WORKLOAD_LABELS`."""
     known = list(WORKLOAD_LABELS)
-    return sorted(workloads, key=lambda w: (known.index(w) if w in known else len(known), ))
+    return sorted(workloads, key=lambda w: (known.index(w) if w in known else len(known),))
 
 
 def capture_label(name: str) -> str:
@@ -326,11 +348,27 @@ def grouped_barh(ax, groups: list[str], series: list[tuple[str, str, list]], not
         ax.barh(centres[shown, s], values[shown], bar_h * 0.9, label=label, color=colour, edgecolor="none")
     names = ax.get_yaxis_transform()  # x in axes fraction, y in data
     for g, name in enumerate(groups):
-        ax.text(0.0, g - 0.5 + name_room / 2 + 0.02, name, transform=names, ha="left", va="center",
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+        ax.text(
+            0.0,
+            g - 0.5 + name_room / 2 + 0.02,
+            name,
+            transform=names,
+            ha="left",
+            va="center",
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
+        )
     for (g, s), text in (notes or {}).items():
-        ax.annotate(text, (0.0, centres[g, s]), xycoords=names, xytext=(2, 0), textcoords="offset points",
-                    ha="left", va="center", color="#444444", fontsize=MIN_FONT_PT)
+        ax.annotate(
+            text,
+            (0.0, centres[g, s]),
+            xycoords=names,
+            xytext=(2, 0),
+            textcoords="offset points",
+            ha="left",
+            va="center",
+            color="#444444",
+            fontsize=MIN_FONT_PT,
+        )
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_yticks([])
     ax.spines["left"].set_visible(False)

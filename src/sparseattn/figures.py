@@ -66,10 +66,12 @@ def capacity_figure(inputs: Inputs) -> Figure:
     from .plots import capacity_bar_chart
 
     total = total_record(inputs.reports)
-    source = (f"Counted by sparseattn analyze; VSA, SSTA and SVG2 select from seeded synthetic Q/K "
-              f"(seed{NBSP}{SEED}). Total:{NBSP}{_giga(total['bsa_physical'])}{NBSP}(BSA){NBSP}→"
-              f"{NBSP}{_giga(total['kpage_physical'])}{NBSP}(KPage) physical for "
-              f"{_giga(total['useful_pairs'])}{NBSP}useful.")
+    source = (
+        f"Counted by sparseattn analyze; VSA, SSTA and SVG2 select from seeded synthetic Q/K "
+        f"(seed{NBSP}{SEED}). Total:{NBSP}{_giga(total['bsa_physical'])}{NBSP}(BSA){NBSP}→"
+        f"{NBSP}{_giga(total['kpage_physical'])}{NBSP}(KPage) physical for "
+        f"{_giga(total['useful_pairs'])}{NBSP}useful."
+    )
     return capacity_bar_chart([r.record() for r in inputs.reports], source=source)
 
 
@@ -92,15 +94,20 @@ def kpage_speed_figure(inputs: Inputs) -> Figure | None:
 def page_loads_figure(inputs: Inputs) -> Figure:
     from .pageweaver.plots import page_loads_figure as draw
 
-    return draw(inputs.capture_rows, source="Built-in seeded selection captures (data/captures), "
-                "one KV head group, one attention call.")
+    return draw(
+        inputs.capture_rows,
+        source="Built-in seeded selection captures (data/captures), one KV head group, one attention call.",
+    )
 
 
 def union_sizes_figure(inputs: Inputs) -> Figure:
     from .pageweaver.plots import union_size_figure
 
-    return union_size_figure(inputs.union_samples, source="Box: quartiles; whiskers: 5th–95th percentile; "
-                             "line: median; dot: mean. Built-in seeded captures (data/captures).")
+    return union_size_figure(
+        inputs.union_samples,
+        source="Box: quartiles; whiskers: 5th–95th percentile; "
+        "line: median; dot: mean. Built-in seeded captures (data/captures).",
+    )
 
 
 def pageweaver_speed_figure(inputs: Inputs) -> Figure | None:
@@ -122,24 +129,42 @@ class FigureSpec:
 
 
 FIGURES = (
-    FigureSpec("kpage_capacity", "useful vs BSA vs KPage physical QK pairs of the built-in workloads",
-               capacity_figure),
+    FigureSpec(
+        "kpage_capacity",
+        "useful vs BSA vs KPage physical QK pairs of the built-in workloads",
+        capacity_figure,
+    ),
     FigureSpec("kpage_block_fill", f"block fill of {BLOCK_FILL_WORKLOAD}", block_fill_figure),
-    FigureSpec("kpage_speed", "KPage speedups (or the baselines' rates) from the newest recorded H200 run",
-               kpage_speed_figure, missing="no benchmark run in data/bench"),
-    FigureSpec("pageweaver_page_loads", "page loads per query: per-query vs adjacent vs affinity groups",
-               page_loads_figure),
-    FigureSpec("pageweaver_union_sizes", "union-size distributions of adjacent vs affinity groups",
-               union_sizes_figure),
-    FigureSpec("pageweaver_speed", "PageWeaver complete-call speedups from a recorded run",
-               pageweaver_speed_figure, missing="no recorded complete-call benchmark yet "
-               "(impl pageweaver_union and flashinfer, pass complete_call)"),
+    FigureSpec(
+        "kpage_speed",
+        "KPage speedups (or the baselines' rates) from the newest recorded H200 run",
+        kpage_speed_figure,
+        missing="no benchmark run in data/bench",
+    ),
+    FigureSpec(
+        "pageweaver_page_loads",
+        "page loads per query: per-query vs adjacent vs affinity groups",
+        page_loads_figure,
+    ),
+    FigureSpec(
+        "pageweaver_union_sizes",
+        "union-size distributions of adjacent vs affinity groups",
+        union_sizes_figure,
+    ),
+    FigureSpec(
+        "pageweaver_speed",
+        "PageWeaver complete-call speedups from a recorded run",
+        pageweaver_speed_figure,
+        missing="no recorded complete-call benchmark yet "
+        "(impl pageweaver_union and flashinfer, pass complete_call)",
+    ),
 )
 FIGURE_NAMES = tuple(spec.stem for spec in FIGURES)
 
 
-def regenerate(out_dir=None, only=None, bench_dir=None, formats=figstyle.FORMATS, log=None,
-               inputs: Inputs | None = None) -> list[Path]:
+def regenerate(
+    out_dir=None, only=None, bench_dir=None, formats=figstyle.FORMATS, log=None, inputs: Inputs | None = None
+) -> list[Path]:
     """Draw the figures (all, or the stems in ``only``) into ``out_dir`` (default ``figures/``, created if
     missing) as PNG, PDF and SVG; returns the written paths. ``log(message)`` reports each figure or skip."""
     out = Path(out_dir) if out_dir is not None else DEFAULT_OUT

@@ -29,7 +29,11 @@ SANITIZER_LIMIT_S = 60
 BENCH_LIMIT_S = 300
 BENCH_QUICK_LIMIT_S = 110
 FULL_BENCH_WORKLOADS = (
-    "vsa_wan14b_720p", "ssta_hy15_720p", "sta_hunyuan_117f", "vsa_wan14b_480p", "sta_wan14b_69f",
+    "vsa_wan14b_720p",
+    "ssta_hy15_720p",
+    "sta_hunyuan_117f",
+    "vsa_wan14b_480p",
+    "sta_wan14b_69f",
 )
 
 
@@ -40,7 +44,7 @@ def _run(cmd: list[str], log: Path, timeout: float, env=None) -> tuple[int, floa
         fh.write("$ " + " ".join(cmd) + "\n")
         fh.flush()
         try:
-            proc = subprocess.run(
+            proc = subprocess.run(  # noqa: PLW1510 (the exit status is read)
                 cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO, env=env
             )
             code = proc.returncode
@@ -59,8 +63,8 @@ def sanitize_case(paged_only: bool = False) -> int:
     import numpy as np
 
     from .builders import random_graph
-    from .kernels.forward import paged_forward
     from .kernels.bsa_forward import bsa_forward
+    from .kernels.forward import paged_forward
     from .kernels.validate import float_to_bf16_bits
     from .layouts import slot_layout, video_layout
 
@@ -107,10 +111,20 @@ def main(argv=None) -> int:
     parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--paged-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--racecheck", action="store_true", help="also run compute-sanitizer racecheck")
-    parser.add_argument("--bench-workload", action="append", default=None, metavar="NAME",
-                        help="benchmark these workloads (default: the built-ins whose heads share a layout)")
-    parser.add_argument("--bench-impl", action="append", default=None, metavar="IMPL",
-                        help="benchmark these implementations (default: all)")
+    parser.add_argument(
+        "--bench-workload",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="benchmark these workloads (default: the built-ins whose heads share a layout)",
+    )
+    parser.add_argument(
+        "--bench-impl",
+        action="append",
+        default=None,
+        metavar="IMPL",
+        help="benchmark these implementations (default: all)",
+    )
     parser.add_argument("--bench-limit", type=float, default=None, help="bench step time limit (s)")
     args = parser.parse_args(argv)
     if args.sanitize_case:
@@ -188,16 +202,47 @@ def main(argv=None) -> int:
         )
         if args.racecheck and Path(tool).exists():
             code, sec, tail = _run(
-                [tool, "--tool", "racecheck", "--error-exitcode", "3", py, "-m",
-                 "sparseattn.gpucheck", "--out", str(out), "--sanitize-case", "--paged-only"],
-                out / "racecheck.log", SANITIZER_LIMIT_S * 2, env)
-            note = next((line for line in reversed(tail.splitlines()) if "RACECHECK SUMMARY" in line
-                         or "ERROR SUMMARY" in line), "no summary")
-            steps.append(dict(step="compute-sanitizer racecheck", code=code, seconds=round(sec, 1),
-                              note=note.strip()))
+                [
+                    tool,
+                    "--tool",
+                    "racecheck",
+                    "--error-exitcode",
+                    "3",
+                    py,
+                    "-m",
+                    "sparseattn.gpucheck",
+                    "--out",
+                    str(out),
+                    "--sanitize-case",
+                    "--paged-only",
+                ],
+                out / "racecheck.log",
+                SANITIZER_LIMIT_S * 2,
+                env,
+            )
+            note = next(
+                (
+                    line
+                    for line in reversed(tail.splitlines())
+                    if "RACECHECK SUMMARY" in line or "ERROR SUMMARY" in line
+                ),
+                "no summary",
+            )
+            steps.append(
+                dict(step="compute-sanitizer racecheck", code=code, seconds=round(sec, 1), note=note.strip())
+            )
 
     if "bench" not in args.skip:
-        cmd = [py, "-m", "sparseattn.bench", "--out", str(out / "bench.json"), "--pass", "fwd", "--launch-overhead"]
+        cmd = [
+            py,
+            "-m",
+            "sparseattn.bench",
+            "--out",
+            str(out / "bench.json"),
+            "--pass",
+            "fwd",
+            "--launch-overhead",
+        ]
         if not args.fwd_only:
             cmd += ["--pass", "fwdbwd"]
         if args.quick:
@@ -227,7 +272,7 @@ def main(argv=None) -> int:
             from .bench import print_table
 
             print_table(json.loads((out / "bench.json").read_text())["records"])
-        except Exception as exc:  # the summary below still prints
+        except Exception as exc:  # noqa: BLE001 - the summary below still prints
             print(f"(bench table unavailable: {exc})")
     print(f"{'step':32s} {'exit':>4s} {'sec':>7s}  note")
     for s in steps:

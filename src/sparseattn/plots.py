@@ -37,8 +37,9 @@ def _check_records(records: list[dict]) -> None:
             raise ValueError(f"records[{missing[0]}] has no field {key!r}")
 
 
-def capacity_bar_chart(records: list[dict], path=None, title: str | None = None,
-                       source: str | None = None) -> Figure:
+def capacity_bar_chart(
+    records: list[dict], path=None, title: str | None = None, source: str | None = None
+) -> Figure:
     """Horizontal bars per workload: useful vs BSA vs KPage physical QK pairs, BSA/KPage ratio at the right.
 
     Each workload's name is written above its bars, so long names need no room beside the axis.
@@ -59,21 +60,29 @@ def capacity_bar_chart(records: list[dict], path=None, title: str | None = None,
     n = len(records)
     with figstyle.style():
         height = 0.95 + figstyle.grouped_barh_height(n, len(bars)) + (0.2 if title else 0.0)
-        fig = (figstyle.sourced_figure(source, height=height) if source
-               else figstyle.figure(height=height))
+        fig = figstyle.sourced_figure(source, height=height) if source else figstyle.figure(height=height)
         ax = fig.add_subplot()
-        series = [(label, figstyle.COLORS[colour], [r[key] / scale for r in records])
-                  for key, label, colour in bars]
-        centres = figstyle.grouped_barh(ax, [figstyle.workload_label(str(r["workload"])) for r in records],
-                                        series)
+        series = [
+            (label, figstyle.COLORS[colour], [r[key] / scale for r in records]) for key, label, colour in bars
+        ]
+        centres = figstyle.grouped_barh(
+            ax, [figstyle.workload_label(str(r["workload"])) for r in records], series
+        )
         ratio_texts = []
         for g, r in enumerate(records):  # the ratio sits right of the group's longest bar
             ratio = r["bsa_physical"] / r["kpage_physical"] if r["kpage_physical"] else float("nan")
             end = max(r[b[0]] for b in bars) / scale
             text = f"{ratio:.2f}×" if np.isfinite(ratio) else "–"
             ratio_texts.append(text)
-            ax.annotate(text, (end, centres[g].mean()), xytext=(3, 0), textcoords="offset points",
-                        ha="left", va="center", fontweight="bold")
+            ax.annotate(
+                text,
+                (end, centres[g].mean()),
+                xytext=(3, 0),
+                textcoords="offset points",
+                ha="left",
+                va="center",
+                fontweight="bold",
+            )
         ax.set_xlim(0, 1.2 * largest / scale if largest else 1.0)
         ax.set_xlabel(f"QK pairs per {scope}, all heads ({unit})")
         handles, labels = ax.get_legend_handles_labels()
@@ -94,8 +103,7 @@ def block_fill_histogram(fill: BlockFill, title: str = "", path=None, source: st
         raise TypeError(f"fill must be a BlockFill, got {type(fill).__name__}")
     with figstyle.style():
         height = 4.6
-        fig = (figstyle.sourced_figure(source, height=height) if source
-               else figstyle.figure(height=height))
+        fig = figstyle.sourced_figure(source, height=height) if source else figstyle.figure(height=height)
         ax_rows, ax_pages, ax_pairs = fig.subplots(3, 1)
         if title:
             fig.suptitle(title, x=0.01, ha="left", fontweight="bold")
@@ -107,8 +115,14 @@ def block_fill_histogram(fill: BlockFill, title: str = "", path=None, source: st
         block = fill.q_valid_rows.size - 1
         for hist, label, colour, style in sides:
             cdf = np.cumsum(hist) / max(hist.sum(), 1)
-            ax_rows.step(np.arange(hist.size), 100 * cdf, where="post", label=label,
-                         color=figstyle.COLORS[colour], linestyle=style)
+            ax_rows.step(
+                np.arange(hist.size),
+                100 * cdf,
+                where="post",
+                label=label,
+                color=figstyle.COLORS[colour],
+                linestyle=style,
+            )
         ax_rows.set_xlim(0, block)
         ax_rows.set_ylim(0, 102)
         ax_rows.legend(loc="upper left")
@@ -117,8 +131,14 @@ def block_fill_histogram(fill: BlockFill, title: str = "", path=None, source: st
         for hist, label, colour, _ in sides:
             partial = hist[1:-1].sum() / max(hist[1:].sum(), 1)
             if len(sides) == 1 or label == "Q blocks":
-                ax_rows.text(0.98, 0.06, f"{100 * partial:.0f}% of blocks partial", transform=ax_rows.transAxes,
-                             ha="right", va="bottom")
+                ax_rows.text(
+                    0.98,
+                    0.06,
+                    f"{100 * partial:.0f}% of blocks partial",
+                    transform=ax_rows.transAxes,
+                    ha="right",
+                    va="bottom",
+                )
         figstyle.panel_title(ax_rows, "a", "Valid rows per logical block")
 
         sel = fill.selected_k_live_pages
@@ -130,8 +150,14 @@ def block_fill_histogram(fill: BlockFill, title: str = "", path=None, source: st
         figstyle.panel_title(ax_pages, "b", "Live pages of each selected K block")
 
         edges = fill.pair_fill_bins
-        ax_pairs.bar(100 * edges[:-1], 100 * fill.pair_fill / max(fill.pair_fill.sum(), 1),
-                     width=100 * np.diff(edges), align="edge", color=figstyle.COLORS["bsa"], edgecolor="white")
+        ax_pairs.bar(
+            100 * edges[:-1],
+            100 * fill.pair_fill / max(fill.pair_fill.sum(), 1),
+            width=100 * np.diff(edges),
+            align="edge",
+            color=figstyle.COLORS["bsa"],
+            edgecolor="white",
+        )
         ax_pairs.set_xlim(0, 100)
         ax_pairs.set_xlabel("useful share of the pair's Bq×Bk tile (%)")
         ax_pairs.set_ylabel("selected pairs (%)")

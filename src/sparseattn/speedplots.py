@@ -30,8 +30,9 @@ PAPER_PW_SPEEDUP = 1.70
 
 def pick_kpage_run(runs) -> BenchRun | None:
     """The newest run with KPage and a baseline; else the newest run with any baseline (no KPage yet)."""
-    return (pick_run(runs, all_of=("kpage",), any_of=KPAGE_BASELINES, passes=KPAGE_PASSES)
-            or pick_run(runs, any_of=RATE_IMPLS, passes=KPAGE_PASSES))
+    return pick_run(runs, all_of=("kpage",), any_of=KPAGE_BASELINES, passes=KPAGE_PASSES) or pick_run(
+        runs, any_of=RATE_IMPLS, passes=KPAGE_PASSES
+    )
 
 
 def pick_pageweaver_run(runs) -> BenchRun | None:
@@ -49,9 +50,16 @@ def kpage_speedups(run: BenchRun) -> list[dict]:
             other = run.usable(base, pass_)
             for w in run.workloads():
                 if w in kpage and w in other:
-                    rows.append({"workload": w, "pass": pass_, "baseline": base,
-                                 "kpage_ms": kpage[w]["time_ms"], "baseline_ms": other[w]["time_ms"],
-                                 "speedup": other[w]["time_ms"] / kpage[w]["time_ms"]})
+                    rows.append(
+                        {
+                            "workload": w,
+                            "pass": pass_,
+                            "baseline": base,
+                            "kpage_ms": kpage[w]["time_ms"],
+                            "baseline_ms": other[w]["time_ms"],
+                            "speedup": other[w]["time_ms"] / kpage[w]["time_ms"],
+                        }
+                    )
     return rows
 
 
@@ -89,10 +97,15 @@ def kpage_speed_figure(run: BenchRun | None, path=None) -> Figure:
         headline = "KPage speedup over each baseline (time ÷ KPage time)"
         missing = _missing_note(run, KPAGE_BASELINES)
     else:
-        workloads = [w for w in run.workloads()
-                     if any(w in run.usable(i, p) or w in run.failed(i, p) for i in impls for p in KPAGE_PASSES)]
-        headline = ("No KPage records yet: the bars show the baselines' useful TFLOP/s; KPage's speedups "
-                    "over BSA, FlexAttention and the VSA kernel replace them once KPage is benchmarked.")
+        workloads = [
+            w
+            for w in run.workloads()
+            if any(w in run.usable(i, p) or w in run.failed(i, p) for i in impls for p in KPAGE_PASSES)
+        ]
+        headline = (
+            "No KPage records yet: the bars show the baselines' useful TFLOP/s; KPage's speedups "
+            "over BSA, FlexAttention and the VSA kernel replace them once KPage is benchmarked."
+        )
         missing = _missing_note(run, ("kpage", "flex", "vsa_kernel"))
     workloads = figstyle.canonical_order(workloads)
     panels = [(p, _impls_in(run, impls, p)) for p in KPAGE_PASSES]
@@ -102,7 +115,9 @@ def kpage_speed_figure(run: BenchRun | None, path=None) -> Figure:
         head_lines = figstyle.wrap_source(headline)
         heights = [figstyle.grouped_barh_height(len(workloads), len(s)) + 0.5 for _, s in panels]
         legend_rows = -(-len({i for _, s in panels for i in s}) // 2)
-        fig = figstyle.sourced_figure(source, height=sum(heights) + 0.15 * (len(head_lines) + legend_rows) + 0.1)
+        fig = figstyle.sourced_figure(
+            source, height=sum(heights) + 0.15 * (len(head_lines) + legend_rows) + 0.1
+        )
         axes = fig.subplots(len(panels), 1, height_ratios=heights, squeeze=False)[:, 0]
         labels = [figstyle.workload_label(w) for w in workloads]
         legend = {}
@@ -119,9 +134,16 @@ def kpage_speed_figure(run: BenchRun | None, path=None) -> Figure:
                     values, impl_notes = _panel_values(run, workloads, impl, pass_, speedup)
                 else:
                     values, impl_notes = _panel_values(run, workloads, impl, pass_, useful_tflops)
-                series.append((f"vs {figstyle.impl_label(impl)}" if has_kpage else figstyle.impl_label(impl),
-                               figstyle.COLORS.get(impl, figstyle.OKABE_ITO["grey"]), values))
-                notes.update({(g, s): f"{figstyle.impl_label(impl)}: {text}" for g, text in impl_notes.items()})
+                series.append(
+                    (
+                        f"vs {figstyle.impl_label(impl)}" if has_kpage else figstyle.impl_label(impl),
+                        figstyle.COLORS.get(impl, figstyle.OKABE_ITO["grey"]),
+                        values,
+                    )
+                )
+                notes.update(
+                    {(g, s): f"{figstyle.impl_label(impl)}: {text}" for g, text in impl_notes.items()}
+                )
             figstyle.grouped_barh(ax, labels, series, notes)
             if has_kpage:
                 ax.axvline(1.0, color="black", lw=0.8, ls="--")
@@ -134,8 +156,14 @@ def kpage_speed_figure(run: BenchRun | None, path=None) -> Figure:
             for handle, label in zip(*ax.get_legend_handles_labels()):
                 legend.setdefault(label, handle)
         # the headline (what the bars are, what is missing) heads the legend, above the panels
-        fig.legend(list(legend.values()), list(legend), loc="outside upper left", ncols=2,
-                   title="\n".join(head_lines), alignment="left")
+        fig.legend(
+            list(legend.values()),
+            list(legend),
+            loc="outside upper left",
+            ncols=2,
+            title="\n".join(head_lines),
+            alignment="left",
+        )
     return _write(fig, path)
 
 
@@ -146,9 +174,13 @@ def _geomean(values) -> float:
 
 def pageweaver_speedups(run: BenchRun) -> list[dict]:
     """One row per (capture, heads, union impl, baseline): complete-call ``speedup`` = baseline ÷ union time."""
+
     def by_key(impl):
-        return {(r["workload"], r.get("heads")): r for r in run.records
-                if r["impl"] == impl and r["pass"] == PW_PASS and is_usable(r)}
+        return {
+            (r["workload"], r.get("heads")): r
+            for r in run.records
+            if r["impl"] == impl and r["pass"] == PW_PASS and is_usable(r)
+        }
 
     rows = []
     for union in PW_UNIONS:
@@ -157,8 +189,15 @@ def pageweaver_speedups(run: BenchRun) -> list[dict]:
             b = by_key(base)
             for key in u:
                 if key in b:
-                    rows.append({"capture": key[0], "heads": key[1], "impl": union, "baseline": base,
-                                 "speedup": b[key]["time_ms"] / u[key]["time_ms"]})
+                    rows.append(
+                        {
+                            "capture": key[0],
+                            "heads": key[1],
+                            "impl": union,
+                            "baseline": base,
+                            "speedup": b[key]["time_ms"] / u[key]["time_ms"],
+                        }
+                    )
     return rows
 
 
@@ -167,25 +206,34 @@ def pageweaver_speed_figure(run: BenchRun | None, path=None) -> Figure:
     path, per capture, beside the paper's 1.70× geometric mean; says so plainly when no run has them."""
     rows = pageweaver_speedups(run) if run is not None else []
     if not rows:
-        text = ("No recorded complete-call benchmark yet. This panel fills in from a data/bench/*.json run "
-                "with records of impl 'pageweaver_union' and 'flashinfer', pass 'complete_call'. "
-                f"Paper: {PAPER_PW_SPEEDUP:.2f}× geometric mean over FlashInfer on six H200 captures.")
+        text = (
+            "No recorded complete-call benchmark yet. This panel fills in from a data/bench/*.json run "
+            "with records of impl 'pageweaver_union' and 'flashinfer', pass 'complete_call'. "
+            f"Paper: {PAPER_PW_SPEEDUP:.2f}× geometric mean over FlashInfer on six H200 captures."
+        )
         return _empty_figure("PageWeaver complete-call speedup", text, path)
     multi_heads = len({r["heads"] for r in rows}) > 1
     keys = list(dict.fromkeys((r["capture"], r["heads"]) for r in rows))
     pairs = list(dict.fromkeys((r["impl"], r["baseline"]) for r in rows))
     value = {(r["capture"], r["heads"], r["impl"], r["baseline"]): r["speedup"] for r in rows}
     labels = [figstyle.capture_label(c) + (f" · {h} heads" if multi_heads else "") for c, h in keys]
-    colours = {("pageweaver_union", "flashinfer"): figstyle.OKABE_ITO["blue"],
-               ("pageweaver_union", "per_query"): figstyle.OKABE_ITO["sky_blue"],
-               ("kv_page_union", "flashinfer"): figstyle.OKABE_ITO["bluish_green"],
-               ("kv_page_union", "per_query"): figstyle.OKABE_ITO["yellow"]}
+    colours = {
+        ("pageweaver_union", "flashinfer"): figstyle.OKABE_ITO["blue"],
+        ("pageweaver_union", "per_query"): figstyle.OKABE_ITO["sky_blue"],
+        ("kv_page_union", "flashinfer"): figstyle.OKABE_ITO["bluish_green"],
+        ("kv_page_union", "per_query"): figstyle.OKABE_ITO["yellow"],
+    }
     series = []
     for impl, base in pairs:
         vals = [value.get((c, h, impl, base), float("nan")) for c, h in keys]
         geo = _geomean(vals)
-        series.append((f"{figstyle.impl_label(impl)} vs {figstyle.impl_label(base)} (geomean {geo:.2f}×)",
-                       colours.get((impl, base), figstyle.OKABE_ITO["grey"]), vals))
+        series.append(
+            (
+                f"{figstyle.impl_label(impl)} vs {figstyle.impl_label(base)} (geomean {geo:.2f}×)",
+                colours.get((impl, base), figstyle.OKABE_ITO["grey"]),
+                vals,
+            )
+        )
     missing = _missing_note(run, PW_UNIONS + PW_BASELINES)
     source = " ".join(s for s in (run.source(), "Complete call = grouping + attention.", missing) if s)
     with figstyle.style():
@@ -194,8 +242,13 @@ def pageweaver_speed_figure(run: BenchRun | None, path=None) -> Figure:
         ax = fig.add_subplot()
         figstyle.grouped_barh(ax, labels, series)
         ax.axvline(1.0, color="black", lw=0.8)
-        ax.axvline(PAPER_PW_SPEEDUP, color=figstyle.OKABE_ITO["vermillion"], lw=1.0, ls="--",
-                   label=f"paper: {PAPER_PW_SPEEDUP:.2f}× geomean vs FlashInfer")
+        ax.axvline(
+            PAPER_PW_SPEEDUP,
+            color=figstyle.OKABE_ITO["vermillion"],
+            lw=1.0,
+            ls="--",
+            label=f"paper: {PAPER_PW_SPEEDUP:.2f}× geomean vs FlashInfer",
+        )
         finite = [v for _, _, vals in series for v in vals if math.isfinite(v)]
         ax.set_xlim(0, max([PAPER_PW_SPEEDUP, *finite]) * 1.15)
         ax.set_xlabel("complete-call speedup (×); 1 = baseline speed")
@@ -216,4 +269,3 @@ def _write(fig: Figure, path) -> Figure:
     if path is not None:
         figstyle.save(fig, path)
     return fig
-

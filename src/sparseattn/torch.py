@@ -29,7 +29,9 @@ class KPageAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = kpage_backward(q, k, v, o, lse, do.contiguous(), ctx.graph, route=ctx.route, scale=ctx.scale)
+        dq, dk, dv = kpage_backward(
+            q, k, v, o, lse, do.contiguous(), ctx.graph, route=ctx.route, scale=ctx.scale
+        )
         return dq, dk, dv, None, None, None
 
 

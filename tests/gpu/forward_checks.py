@@ -89,7 +89,7 @@ def check_forward(o_bits, lse, q, k, v, graph, scale: float) -> dict:
     """Assert the kernel's (o, lse) against the reference; returns the error figures."""
     qf, kf, vf = (bf16_bits_to_float(x) for x in (q, k, v))
     o_ref, lse_ref, o_emul = reference_and_emulation(qf, kf, vf, graph, scale)
-    valid = q_valid_of(graph)                                   # [heads, sq]
+    valid = q_valid_of(graph)  # [heads, sq]
     got = bf16_bits_to_float(o_bits).astype(np.float64)
     vo, vr, ve = got[:, valid], o_ref[:, valid], o_emul[:, valid]  # [batch, rows, d]
     assert not np.isnan(vo).any(), "NaN (unwritten or leaked) in a valid output row"
@@ -98,9 +98,12 @@ def check_forward(o_bits, lse, q, k, v, graph, scale: float) -> dict:
     rel, rel_emul = np.linalg.norm(vo - vr) / norm, np.linalg.norm(ve - vr) / norm
     row_err, row_err_emul = np.abs(vo - vr).max(axis=-1), np.abs(ve - vr).max(axis=-1)
     worst = np.unravel_index(np.argmax(row_err), row_err.shape)
-    assert rel <= ERR_FACTOR * rel_emul + ERR_FLOOR, f"‖o − ref‖/‖ref‖ = {rel:.2e} > 2 × emulation {rel_emul:.2e}"
+    assert rel <= ERR_FACTOR * rel_emul + ERR_FLOOR, (
+        f"‖o − ref‖/‖ref‖ = {rel:.2e} > 2 × emulation {rel_emul:.2e}"
+    )
     assert row_err.max() <= ERR_FACTOR * row_err_emul.max() + ERR_FLOOR, (
-        f"row {worst}: max |o − ref| = {row_err.max():.2e} > 2 × emulation's worst row {row_err_emul.max():.2e}")
+        f"row {worst}: max |o − ref| = {row_err.max():.2e} > 2 × emulation's worst row {row_err_emul.max():.2e}"
+    )
     lv, lr = lse[:, valid].astype(np.float64), lse_ref[:, valid]
     empty = np.isneginf(lr)
     assert np.array_equal(np.isneginf(lv), empty), "LSE is -inf exactly where a row has no key"
@@ -110,5 +113,11 @@ def check_forward(o_bits, lse, q, k, v, graph, scale: float) -> dict:
     pad = ~valid
     assert np.all(o_bits[:, pad] == BF16_NAN), "a padding query row of o was written"
     assert np.isnan(lse[:, pad]).all(), "a padding query row of lse was written"
-    return {"rel": float(rel), "rel_emul": float(rel_emul), "row_max": float(row_err.max()),
-            "row_max_emul": float(row_err_emul.max()), "lse_err": lse_err, "empty_rows": int(empty.sum())}
+    return {
+        "rel": float(rel),
+        "rel_emul": float(rel_emul),
+        "row_max": float(row_err.max()),
+        "row_max_emul": float(row_err_emul.max()),
+        "lse_err": lse_err,
+        "empty_rows": int(empty.sum()),
+    }

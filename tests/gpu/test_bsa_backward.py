@@ -33,6 +33,7 @@ H200_SMEM_PER_SM = 228 * 1024  # 1 KB of it reserved per resident CTA
 
 # ---- layouts and graphs ------------------------------------------------------------------------
 
+
 def _video_layouts(rng, block, padding):
     tile = (4, 4, 4) if block == 64 else (4, 4, 8)
     lay = video_layout((6, 7, 10), tile, block, padding)  # partial tiles along every axis
@@ -56,16 +57,16 @@ def _single_page_blocks(rng, block):
     """Blocks holding one valid row, one live page, a scattered page, none at all, and random rows."""
     nb = 6
     q_valid = np.zeros(nb * block, dtype=bool)
-    q_valid[0:block] = True                                  # full block
-    q_valid[block + 3] = True                                # one valid row
-    q_valid[2 * block + 16:2 * block + 32] = True            # exactly one live page
-    q_valid[3 * block::PAGE_ROWS][: block // PAGE_ROWS] = True  # first row of every page
+    q_valid[0:block] = True  # full block
+    q_valid[block + 3] = True  # one valid row
+    q_valid[2 * block + 16 : 2 * block + 32] = True  # exactly one live page
+    q_valid[3 * block :: PAGE_ROWS][: block // PAGE_ROWS] = True  # first row of every page
     # block 4 stays empty (no work item, no stream)
-    q_valid[5 * block:6 * block] = rng.random(block) < 0.3
+    q_valid[5 * block : 6 * block] = rng.random(block) < 0.3
     k_valid = rng.random(nb * block) < 0.4
-    k_valid[2 * block:3 * block] = False
-    k_valid[2 * block + 40] = True                           # single valid K row in one page
-    k_valid[4 * block:5 * block] = False                     # empty K block: its pages are zeroed
+    k_valid[2 * block : 3 * block] = False
+    k_valid[2 * block + 40] = True  # single valid K row in one page
+    k_valid[4 * block : 5 * block] = False  # empty K block: its pages are zeroed
     return slot_layout(q_valid, block), slot_layout(k_valid, block)
 
 
@@ -97,6 +98,7 @@ def _graph(rng, q_lay, k_lay, heads, density=0.45, full=False):
 
 # ---- data ------------------------------------------------------------------------------------
 
+
 def _bf16_tensor(rng, shape, valid, pad_value=np.nan):
     """bf16 bits of N(0, 1) data with padding slots (axis 2) set to ``pad_value``."""
     x = rng.standard_normal(shape).astype(np.float32)
@@ -114,7 +116,7 @@ def _problem(rng, graph, batch, head_dim):
     qf, kf, vf, dof = (bf16_bits_to_float(x) for x in (q, k, v, do))
     o_ref, lse_ref = attention_forward(qf, kf, vf, graph)
     o = float_to_bf16_bits(o_ref)
-    o[:, :, ~graph.q.valid] = 0x7FC0                    # the forward leaves padding rows undefined
+    o[:, :, ~graph.q.valid] = 0x7FC0  # the forward leaves padding rows undefined
     lse = lse_ref.astype(np.float32)
     lse[:, :, ~graph.q.valid] = np.nan
     ref = attention_backward(qf, kf, vf, bf16_bits_to_float(o), lse.astype(np.float64), dof, graph)
@@ -136,8 +138,11 @@ def _run_and_check(cupy, poisoned, graph_or_plan, graph, host, ref, head_dim):
     assert dq is out[0] and dk is out[1] and dv is out[2]
     cupy.cuda.runtime.deviceSynchronize()
     errs = {}
-    for name, got, want, valid in (("dq", dq, ref[0], graph.q.valid), ("dk", dk, ref[1], graph.k.valid),
-                                   ("dv", dv, ref[2], graph.k.valid)):
+    for name, got, want, valid in (
+        ("dq", dq, ref[0], graph.q.valid),
+        ("dk", dk, ref[1], graph.k.valid),
+        ("dv", dv, ref[2], graph.k.valid),
+    ):
         bits = got.get()
         vals = bf16_bits_to_float(bits)
         assert np.isfinite(vals).all(), f"{name}: unwritten (NaN) or non-finite elements"
@@ -150,6 +155,7 @@ def _run_and_check(cupy, poisoned, graph_or_plan, graph, host, ref, head_dim):
 
 
 # ---- GPU: correctness -------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
@@ -182,21 +188,31 @@ def test_default_outputs_and_scale(rng):
     graph = _graph(rng, q_lay, k_lay, heads=1)
     scale = 0.3
     h = graph.heads
-    host = [_bf16_tensor(rng, (1, h, n, 64), valid)
-            for n, valid in ((graph.q.num_slots, graph.q.valid), (graph.k.num_slots, graph.k.valid),
-                             (graph.k.num_slots, graph.k.valid), (graph.q.num_slots, graph.q.valid))]
+    host = [
+        _bf16_tensor(rng, (1, h, n, 64), valid)
+        for n, valid in (
+            (graph.q.num_slots, graph.q.valid),
+            (graph.k.num_slots, graph.k.valid),
+            (graph.k.num_slots, graph.k.valid),
+            (graph.q.num_slots, graph.q.valid),
+        )
+    ]
     qf, kf, vf, dof = (bf16_bits_to_float(x) for x in host)
     o_ref, lse_ref = attention_forward(qf, kf, vf, graph, scale=scale)
     o = float_to_bf16_bits(o_ref)
     lse = lse_ref.astype(np.float32)
-    ref = attention_backward(qf, kf, vf, bf16_bits_to_float(o), lse.astype(np.float64), dof, graph,
-                             scale=scale)
+    ref = attention_backward(
+        qf, kf, vf, bf16_bits_to_float(o), lse.astype(np.float64), dof, graph, scale=scale
+    )
     q, k, v, do = (cupy.asarray(x) for x in host)
     args = (q, k, v, cupy.asarray(o), cupy.asarray(lse), do, graph)
     for _ in range(2):
         dq, dk, dv = bwd.bsa_backward(*args, scale=scale)
-        for name, got, want, valid in (("dq", dq, ref[0], graph.q.valid), ("dk", dk, ref[1], graph.k.valid),
-                                       ("dv", dv, ref[2], graph.k.valid)):
+        for name, got, want, valid in (
+            ("dq", dq, ref[0], graph.q.valid),
+            ("dk", dk, ref[1], graph.k.valid),
+            ("dv", dv, ref[2], graph.k.valid),
+        ):
             vals = bf16_bits_to_float(got.get())
             assert np.isfinite(vals).all(), name
             assert _rel_err(got.get(), want, valid) < REL_TOL, name
@@ -204,6 +220,7 @@ def test_default_outputs_and_scale(rng):
 
 
 # ---- GPU: bad input raises before any launch ----------------------------------------------------
+
 
 @pytest.fixture
 def small_problem(rng):
@@ -230,9 +247,13 @@ BAD_INPUTS = {
     "o_wrong_heads": (lambda cp, g, t: dict(t, o=t["o"][:, :1].copy()), KernelValueError, "o"),
     "lse_bf16": (lambda cp, g, t: dict(t, lse=t["q"][..., 0].copy()), KernelTypeError, "lse"),
     "lse_wrong_shape": (lambda cp, g, t: dict(t, lse=t["lse"][..., :-16].copy()), KernelValueError, "lse"),
-    "head_dim_96": (lambda cp, g, t: {n: (cp.concatenate([x, x], axis=-1)[..., :96].copy()
-                                          if x.ndim == 4 else x) for n, x in t.items()},
-                    KernelValueError, "head_dim"),
+    "head_dim_96": (
+        lambda cp, g, t: {
+            n: (cp.concatenate([x, x], axis=-1)[..., :96].copy() if x.ndim == 4 else x) for n, x in t.items()
+        },
+        KernelValueError,
+        "head_dim",
+    ),
 }
 
 
@@ -247,8 +268,16 @@ def test_bad_tensor_raises_before_launch(case, small_problem):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["forward_plan", "stream_page_out_of_range", "own_page_out_of_range",
-                                  "wrong_heads", "graph_of_other_size"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "forward_plan",
+        "stream_page_out_of_range",
+        "own_page_out_of_range",
+        "wrong_heads",
+        "graph_of_other_size",
+    ],
+)
 def test_bad_plan_raises_before_launch(case, small_problem, poisoned):
     cupy, graph, t = small_problem
     plan = bsa_plan(graph, owner="kv")
@@ -277,6 +306,7 @@ def test_bad_plan_raises_before_launch(case, small_problem, poisoned):
 
 
 # ---- CPU: configuration and host-side refusal ---------------------------------------------------
+
 
 @pytest.mark.parametrize("head_dim", bwd.HEAD_DIMS)
 @pytest.mark.parametrize("owned", bwd.OWNED_ROWS)

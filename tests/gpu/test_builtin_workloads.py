@@ -30,8 +30,9 @@ def scaled_workload(name: str):
     sel = wl.selection
     if wl.tile is None:  # svg2: k-means clusters instead of tiles
         grid = (5, 9, 16)
-        sel = dataclasses.replace(sel, q_clusters=max(4, sel.q_clusters // 25),
-                                  k_clusters=max(8, sel.k_clusters // 25))
+        sel = dataclasses.replace(
+            sel, q_clusters=max(4, sel.q_clusters // 25), k_clusters=max(8, sel.k_clusters // 25)
+        )
     else:
         window = np.asarray(sel.window if sel.window is not None else (3, 3, 3)).reshape(-1, 3).max(0)
         grid = tuple(int(min(g, max(w, 2) * t + g % t)) for g, t, w in zip(wl.grid, wl.tile, window))
@@ -82,16 +83,24 @@ def test_builtin_workload_scaled(name, rng, poisoned):
         # backward from the reference forward (O rounded to bf16), so it is checked on its own
         o_bits = float_to_bf16_bits(o_ref)
         lse32 = lse_ref.astype(np.float32)
-        dq_ref, dk_ref, dv_ref = attention_backward(qf, kf, vf, bf16_bits_to_float(o_bits),
-                                                    lse32.astype(np.float64), dof, graph)
+        dq_ref, dk_ref, dv_ref = attention_backward(
+            qf, kf, vf, bf16_bits_to_float(o_bits), lse32.astype(np.float64), dof, graph
+        )
         outs = (poisoned(q.shape, "bf16"), poisoned(k.shape, "bf16"), poisoned(k.shape, "bf16"))
         bsa_backward(*(cupy.asarray(x) for x in (q, k, v, o_bits, lse32, do)), graph, out=outs)
-        errs = {"o": err_o,
-                "dq": _rel_err(outs[0].get(), dq_ref, graph.q.valid, "dq"),
-                "dk": _rel_err(outs[1].get(), dk_ref, graph.k.valid, "dk"),
-                "dv": _rel_err(outs[2].get(), dv_ref, graph.k.valid, "dv")}
-        print(name, wl.grid, f"pairs={graph.nnz}", {k_: f"{e:.2e}" for k_, e in errs.items()},
-              f"lse_abs={err_lse:.1e}")
+        errs = {
+            "o": err_o,
+            "dq": _rel_err(outs[0].get(), dq_ref, graph.q.valid, "dq"),
+            "dk": _rel_err(outs[1].get(), dk_ref, graph.k.valid, "dk"),
+            "dv": _rel_err(outs[2].get(), dv_ref, graph.k.valid, "dv"),
+        }
+        print(
+            name,
+            wl.grid,
+            f"pairs={graph.nnz}",
+            {k_: f"{e:.2e}" for k_, e in errs.items()},
+            f"lse_abs={err_lse:.1e}",
+        )
         assert err_lse < LSE_TOL, f"LSE abs error {err_lse:.2e}"
         for key, err in errs.items():
             assert err < REL_TOL, f"{key}: relative error {err:.3e} >= {REL_TOL}"

@@ -28,8 +28,11 @@ def test_kpage_backward_matches_reference(layout, head_dim, route, rng, poisoned
     out = (poisoned(q.shape, "bf16"), poisoned(k.shape, "bf16"), poisoned(k.shape, "bf16"))
     dq, dk, dv = kpage_backward(q, k, v, o, lse, do, graph, route=route, out=out)
     cupy.cuda.runtime.deviceSynchronize()
-    for name, got, want, valid in (("dq", dq, ref[0], graph.q.valid), ("dk", dk, ref[1], graph.k.valid),
-                                   ("dv", dv, ref[2], graph.k.valid)):
+    for name, got, want, valid in (
+        ("dq", dq, ref[0], graph.q.valid),
+        ("dk", dk, ref[1], graph.k.valid),
+        ("dv", dv, ref[2], graph.k.valid),
+    ):
         vals = bf16_bits_to_float(got.get())
         assert np.isfinite(vals).all(), f"{name}: unwritten (NaN) elements"
         assert not vals[:, :, ~valid].any(), f"{name}: padding rows must be zero"
@@ -44,7 +47,9 @@ def test_torch_op_forward_and_gradients(rng):
     q_lay, k_lay = bwd_tests.LAYOUTS["video_prefix"](rng, 128)
     graph = bwd_tests._graph(rng, q_lay, k_lay, heads=2)
     shape_q, shape_k = (1, 2, graph.q.num_slots, 128), (1, 2, graph.k.num_slots, 128)
-    bits = [float_to_bf16_bits(rng.standard_normal(s).astype(np.float32)) for s in (shape_q, shape_k, shape_k)]
+    bits = [
+        float_to_bf16_bits(rng.standard_normal(s).astype(np.float32)) for s in (shape_q, shape_k, shape_k)
+    ]
     do_bits = float_to_bf16_bits(rng.standard_normal(shape_q).astype(np.float32))
     q, k, v = (torch.from_numpy(b.view(np.int16)).cuda().view(torch.bfloat16).requires_grad_() for b in bits)
     do = torch.from_numpy(do_bits.view(np.int16)).cuda().view(torch.bfloat16)
@@ -53,8 +58,12 @@ def test_torch_op_forward_and_gradients(rng):
     qf, kf, vf, dof = (bf16_bits_to_float(b).astype(np.float64) for b in (*bits, do_bits))
     o_ref, lse_ref = attention_forward(qf, kf, vf, graph)
     dq_ref, dk_ref, dv_ref = attention_backward(qf, kf, vf, o_ref, lse_ref, dof, graph)
-    for name, got, want, valid in (("o", o, o_ref, graph.q.valid), ("dq", q.grad, dq_ref, graph.q.valid),
-                                   ("dk", k.grad, dk_ref, graph.k.valid), ("dv", v.grad, dv_ref, graph.k.valid)):
+    for name, got, want, valid in (
+        ("o", o, o_ref, graph.q.valid),
+        ("dq", q.grad, dq_ref, graph.q.valid),
+        ("dk", k.grad, dk_ref, graph.k.valid),
+        ("dv", v.grad, dv_ref, graph.k.valid),
+    ):
         g = got.detach().float().cpu().numpy().astype(np.float64)
         assert np.isfinite(g).all(), name
         assert not g[:, :, ~valid].any(), f"{name}: padding rows must be zero"

@@ -51,7 +51,7 @@ def ragged_valid(rng, blocks: int, block_size: int) -> np.ndarray:
     v[3] = False
     v[3, 16:32] = True
     v[4, : block_size // 2] = True
-    v[4, block_size // 2:] = False
+    v[4, block_size // 2 :] = False
     return valid
 
 
@@ -83,7 +83,11 @@ def test_random_ragged_cases(rng, poisoned, kind, route):
 @routes
 @head_dims
 def test_video_layout_partial_tiles(rng, poisoned, kind, route, head_dim):
-    for padding, tile, bs in (("prefix", (4, 4, 8), 128), ("inplace", (4, 4, 8), 128), ("prefix", (4, 4, 4), 64)):
+    for padding, tile, bs in (
+        ("prefix", (4, 4, 8), 128),
+        ("inplace", (4, 4, 8), 128),
+        ("prefix", (4, 4, 4), 64),
+    ):
         layout = video_layout((5, 7, 9), tile, block_size=bs, padding=padding)
         graph = builders.random_graph(layout, layout, heads=2, density=0.3, seed=int(rng.integers(1 << 30)))
         run_case(rng, poisoned, graph, kind, route, batch=2, head_dim=head_dim)
@@ -137,7 +141,9 @@ def test_torch_tensors_in_and_out(rng):
     assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16 and lse.dtype == torch.float32
     o2, _lse2 = kpage_forward(*(cupy.asarray(x) for x in (qb, kb, vb)), graph)
     valid = graph.q.valid
-    assert np.array_equal(o.view(torch.int16).cpu().numpy()[:, :, valid], cupy.asnumpy(o2).view(np.int16)[:, :, valid])
+    assert np.array_equal(
+        o.view(torch.int16).cpu().numpy()[:, :, valid], cupy.asnumpy(o2).view(np.int16)[:, :, valid]
+    )
 
 
 @pytest.mark.parametrize("name", ["vsa_wan14b_720p", "ssta_hy15_720p", "svg2_wan14b_720p"])
@@ -167,17 +173,18 @@ def test_builtin_workload_full_size_sampled(rng, name):
         keep = np.isin(i, chosen)
         sub = SparseGraph.from_pairs(g.q, g.k, 1, h[keep], i[keep], j[keep], drop_empty=False)
         nq, nk = g.q.num_slots, g.k.num_slots
-        o_ref, lse_ref = attention_forward(qf[:, head:head + 1, :nq], kf[:, head:head + 1, :nk],
-                                           vf[:, head:head + 1, :nk], sub)
+        o_ref, lse_ref = attention_forward(
+            qf[:, head : head + 1, :nq], kf[:, head : head + 1, :nk], vf[:, head : head + 1, :nk], sub
+        )
         rows = np.repeat(np.isin(np.arange(g.q.num_blocks), chosen), g.q.block_size) & g.q.valid
-        got = bf16_bits_to_float(ob[:, head:head + 1, :nq]).astype(np.float64)[:, :, rows]
+        got = bf16_bits_to_float(ob[:, head : head + 1, :nq]).astype(np.float64)[:, :, rows]
         ref = o_ref[:, :, rows]
         assert not np.isnan(got).any()
         errs.append(np.linalg.norm(got - ref) ** 2)
         errs_ref.append(np.linalg.norm(ref) ** 2)
         rows_err = max(rows_err, float(np.abs(got - ref).max()))
         fin = np.isfinite(lse_ref[:, :, rows])
-        assert np.abs(lb[:, head:head + 1, :nq][:, :, rows][fin] - lse_ref[:, :, rows][fin]).max() < 1e-3
+        assert np.abs(lb[:, head : head + 1, :nq][:, :, rows][fin] - lse_ref[:, :, rows][fin]).max() < 1e-3
     rel = float(np.sqrt(sum(errs) / sum(errs_ref)))
     print(f"{name}: rel err {rel:.2e}, worst row error {rows_err:.2e}")
     assert rel < 1e-2 and rows_err < 2e-2

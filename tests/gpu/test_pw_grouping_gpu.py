@@ -78,12 +78,25 @@ def test_device_grouping_reports_group_count_on_device():
         pytest.param(lambda cp: np.zeros((4, 2), np.int32), {}, TypeError, "cupy.ndarray", id="host-array"),
         pytest.param(lambda cp: cp.zeros((4, 2), cp.float32), {}, TypeError, "int32", id="float-pages"),
         pytest.param(lambda cp: cp.zeros(8, cp.int32), {}, GroupingError, "2-D", id="1d-pages"),
-        pytest.param(lambda cp: cp.zeros((4, 4), cp.int32)[:, ::2], {}, GroupingError, "contiguous", id="strided"),
-        pytest.param(lambda cp: cp.zeros((4, 2), cp.int32), {"window": 2048}, GroupingError, "window", id="window"),
-        pytest.param(lambda cp: cp.zeros((4, 2), cp.int32), {"max_union": 1}, GroupingError, "max_union", id="cap"),
-        pytest.param(lambda cp: cp.zeros((4, 2), cp.int32), {"num_pages": 0}, GroupingError, "num_pages", id="pages0"),
-        pytest.param(lambda cp: cp.zeros((4, 2), cp.int32), {"num_pages": 10**6, "window": 1024}, GroupingError,
-                     "shared memory", id="smem"),
+        pytest.param(
+            lambda cp: cp.zeros((4, 4), cp.int32)[:, ::2], {}, GroupingError, "contiguous", id="strided"
+        ),
+        pytest.param(
+            lambda cp: cp.zeros((4, 2), cp.int32), {"window": 2048}, GroupingError, "window", id="window"
+        ),
+        pytest.param(
+            lambda cp: cp.zeros((4, 2), cp.int32), {"max_union": 1}, GroupingError, "max_union", id="cap"
+        ),
+        pytest.param(
+            lambda cp: cp.zeros((4, 2), cp.int32), {"num_pages": 0}, GroupingError, "num_pages", id="pages0"
+        ),
+        pytest.param(
+            lambda cp: cp.zeros((4, 2), cp.int32),
+            {"num_pages": 10**6, "window": 1024},
+            GroupingError,
+            "shared memory",
+            id="smem",
+        ),
     ],
 )
 def test_device_grouping_rejects_bad_input(make, kwargs, error, match):

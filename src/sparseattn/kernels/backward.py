@@ -35,8 +35,9 @@ def kv_plan_of(graph: SparseGraph, kind: str = "kpage", route="auto") -> TilePla
     return _cached(graph, ("kv plan", kind, route), build)
 
 
-def paged_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, *, kind: str = "kpage",
-                   route="auto"):
+def paged_backward(
+    q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, *, kind: str = "kpage", route="auto"
+):
     """Gradients ``(dq, dk, dv)`` of sparse attention for the loss ``Σ do · o``.
 
     Args:
@@ -47,9 +48,10 @@ def paged_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, *, 
     """
     if kind not in KINDS:
         raise KernelValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if isinstance(graph_or_plan, HeadStack) or (
-            isinstance(graph_or_plan, (list, tuple)) and graph_or_plan):
-        raise KernelValueError("graph_or_plan: heads with their own layouts (a HeadStack) have no backward yet")
+    if isinstance(graph_or_plan, HeadStack) or (isinstance(graph_or_plan, (list, tuple)) and graph_or_plan):
+        raise KernelValueError(
+            "graph_or_plan: heads with their own layouts (a HeadStack) have no backward yet"
+        )
     plan = graph_or_plan
     if isinstance(graph_or_plan, SparseGraph):
         qs, ks = getattr(q, "shape", ()), getattr(k, "shape", ())
@@ -57,7 +59,9 @@ def paged_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, *, 
             check_graph_matches(graph_or_plan, int(qs[1]), int(qs[2]), int(ks[2]))
         plan = kv_plan_of(graph_or_plan, kind, route)
     elif not isinstance(graph_or_plan, TilePlan):
-        raise KernelTypeError(f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}")
+        raise KernelTypeError(
+            f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
+        )
     if launch.is_torch_tensor(q):
         return _torch_backward(q, k, v, o, lse, do, plan, scale, out)
     return bsa_backward(q, k, v, o, lse, do, plan, scale=scale, out=out)
@@ -73,7 +77,9 @@ def _torch_backward(q, k, v, o, lse, do, plan, scale, out):
             raise KernelTypeError(f"{name} must be a torch tensor like q, got {type(x).__name__}")
     if out is None:
         out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    elif not isinstance(out, (tuple, list)) or len(out) != 3 or not all(launch.is_torch_tensor(x) for x in out):
+    elif (
+        not isinstance(out, (tuple, list)) or len(out) != 3 or not all(launch.is_torch_tensor(x) for x in out)
+    ):
         raise KernelTypeError("out must be a tuple (dq, dk, dv) of torch tensors")
     views = [launch.torch_to_cupy(n, x) for n, x in zip(names, tensors)]
     out_views = tuple(launch.torch_to_cupy(f"out[{i}]", x) for i, x in enumerate(out))

@@ -63,8 +63,11 @@ def preprocess_name(head_dim: int) -> str:
 
 POSTPROCESS_NAME = "bsa_bwd_postprocess"
 
-NAME_EXPRESSIONS = (tuple(kernel_name(d, m) for d in HEAD_DIMS for m in OWNED_ROWS)
-                    + tuple(preprocess_name(d) for d in HEAD_DIMS) + (POSTPROCESS_NAME,))
+NAME_EXPRESSIONS = (
+    tuple(kernel_name(d, m) for d in HEAD_DIMS for m in OWNED_ROWS)
+    + tuple(preprocess_name(d) for d in HEAD_DIMS)
+    + (POSTPROCESS_NAME,)
+)
 
 
 def threads_per_cta(owned_rows: int) -> int:
@@ -168,8 +171,9 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
         contributes); every row of every owned K page is written (0 for padding rows and for K blocks
         no Q block selected); rows of K blocks without any valid row are zeroed by the wrapper.
     """
-    plan, scale, out, (q_pages, k_pages, device) = check_inputs(q, k, v, o, lse, do, graph_or_plan, scale,
-                                                                out)
+    plan, scale, out, (q_pages, k_pages, device) = check_inputs(
+        q, k, v, o, lse, do, graph_or_plan, scale, out
+    )
     import cupy
 
     b, h, sq, d = (int(x) for x in q.shape)
@@ -199,18 +203,43 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
             smem = smem_bytes(d, owned_rows)
             if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
                 fn.max_dynamic_shared_size_bytes = smem
-            fn((stop - start, b), (threads_per_cta(owned_rows),),
-               (q, k, v, do, lse, delta, dq_accum, dk, dv, arrays["work_head"], arrays["own_pages"],
-                own_stride,
-                arrays["stream_indptr"], arrays["stream_pages"], arrays["own_page_mask"],
-                arrays["stream_page_mask"], np.int32(start), np.int32(h), np.int32(sq), np.int32(sk),
-                np.float32(scale), scale_log2),
-               shared_mem=smem)
+            fn(
+                (stop - start, b),
+                (threads_per_cta(owned_rows),),
+                (
+                    q,
+                    k,
+                    v,
+                    do,
+                    lse,
+                    delta,
+                    dq_accum,
+                    dk,
+                    dv,
+                    arrays["work_head"],
+                    arrays["own_pages"],
+                    own_stride,
+                    arrays["stream_indptr"],
+                    arrays["stream_pages"],
+                    arrays["own_page_mask"],
+                    arrays["stream_page_mask"],
+                    np.int32(start),
+                    np.int32(h),
+                    np.int32(sq),
+                    np.int32(sk),
+                    np.float32(scale),
+                    scale_log2,
+                ),
+                shared_mem=smem,
+            )
 
         post = launch.function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
         n4 = b * h * sq * d // 4
-        post((-(-n4 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
-             (dq_accum, dq, np.float32(scale), np.int64(n4)))
+        post(
+            (-(-n4 // ELEMENTWISE_THREADS),),
+            (ELEMENTWISE_THREADS,),
+            (dq_accum, dq, np.float32(scale), np.int64(n4)),
+        )
 
         if arrays["uncovered"] is not None:
             heads_idx, pages_idx = arrays["uncovered"]

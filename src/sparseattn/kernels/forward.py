@@ -64,9 +64,25 @@ def kernel_name(head_dim: int, chunk: int) -> str:
 
 NAME_EXPRESSIONS = tuple(kernel_name(d, c) for d in HEAD_DIMS for c in CHUNKS)
 #: The kernel's parameters, in order (tests/test_compile.py checks them against the source).
-KERNEL_PARAMS = ("Q", "K", "V", "O", "LSE", "work_info", "work_order", "own_pages", "stream_pages",
-                 "item_counter", "num_work", "batch", "heads", "q_slots", "k_slots", "stream_total",
-                 "scale_log2")
+KERNEL_PARAMS = (
+    "Q",
+    "K",
+    "V",
+    "O",
+    "LSE",
+    "work_info",
+    "work_order",
+    "own_pages",
+    "stream_pages",
+    "item_counter",
+    "num_work",
+    "batch",
+    "heads",
+    "q_slots",
+    "k_slots",
+    "stream_total",
+    "scale_log2",
+)
 
 
 def stage_buffers(head_dim: int, chunk: int) -> int:
@@ -78,7 +94,12 @@ def stage_buffers(head_dim: int, chunk: int) -> int:
 
 def smem_bytes(head_dim: int, chunk: int) -> int:
     """Dynamic shared memory: alignment slack, Q tile, K and V rings, barriers and metadata."""
-    return ALIGN_SLACK + Q_ROWS * head_dim * 2 + 2 * stage_buffers(head_dim, chunk) * chunk * head_dim * 2 + SMALL_BYTES
+    return (
+        ALIGN_SLACK
+        + Q_ROWS * head_dim * 2
+        + 2 * stage_buffers(head_dim, chunk) * chunk * head_dim * 2
+        + SMALL_BYTES
+    )
 
 
 # ---- work lists, cached per graph / plan -------------------------------------------------------------
@@ -232,10 +253,14 @@ def _fast_tensors(q, k, v, out):
                 return None
             if lse.shape != (b, h, sq) or dtype_name(lse) != "float32":
                 return None
-            if not (o._c_contiguous and lse._c_contiguous) or o.data.device_id != dev or lse.data.device_id != dev:
+            if (
+                not (o._c_contiguous and lse._c_contiguous)
+                or o.data.device_id != dev
+                or lse.data.device_id != dev
+            ):
                 return None
         return b, h, sq, ks[2], d, dev
-    except Exception:  # anything unexpected: the full checks say what it is
+    except Exception:  # noqa: BLE001 - anything unexpected: the full checks say what it is
         return None
 
 
@@ -278,10 +303,18 @@ def _launch(q, k, v, wl: WorkList, scale: float, o, lse, device: int):
         with cupy.cuda.Device(device):
             counter = cupy.zeros(1, dtype=cupy.int32)
         values = dict(
-            work_info=arrays["work_info"], work_order=arrays["work_order"], own_pages=arrays["own_entries"],
-            stream_pages=arrays["stream_entries"], item_counter=counter, num_work=np.int32(wl.num_work),
-            batch=np.int32(b), heads=np.int32(h), q_slots=np.int32(sq), k_slots=np.int32(sk),
-            stream_total=np.int32(wl.stream_pages.size), scale_log2=np.float32(scale * math.log2(math.e)),
+            work_info=arrays["work_info"],
+            work_order=arrays["work_order"],
+            own_pages=arrays["own_entries"],
+            stream_pages=arrays["stream_entries"],
+            item_counter=counter,
+            num_work=np.int32(wl.num_work),
+            batch=np.int32(b),
+            heads=np.int32(h),
+            q_slots=np.int32(sq),
+            k_slots=np.int32(sk),
+            stream_total=np.int32(wl.stream_pages.size),
+            scale_log2=np.float32(scale * math.log2(math.e)),
         )
         rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
         grid = (min(launch.sm_count(device), wl.num_work * b),)
@@ -345,7 +378,11 @@ def _torch_forward(q, k, v, graph_or_plan, scale, out, kind, route):
         o_t = torch.zeros_like(q)
         lse_t = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     else:
-        if not isinstance(out, (tuple, list)) or len(out) != 2 or not all(launch.is_torch_tensor(x) for x in out):
+        if (
+            not isinstance(out, (tuple, list))
+            or len(out) != 2
+            or not all(launch.is_torch_tensor(x) for x in out)
+        ):
             raise KernelTypeError("out must be a tuple (o, lse) of torch tensors like q")
         o_t, lse_t = out
     cq, ck, cv = (launch.torch_to_cupy(n, x) for n, x in zip(names, (q, k, v)))

@@ -42,8 +42,9 @@ class PlanCache:
             done.add((q_pages, k_pages, heads))
         return plan
 
-    def resolve(self, graph_or_plan, heads: int, q_slots: int, k_slots: int, q_pages: int,
-                k_pages: int) -> TilePlan:
+    def resolve(
+        self, graph_or_plan, heads: int, q_slots: int, k_slots: int, q_pages: int, k_pages: int
+    ) -> TilePlan:
         """The checked plan for tensors of these sizes; a graph must match them too."""
         if isinstance(graph_or_plan, SparseGraph):
             check_graph_matches(graph_or_plan, heads, q_slots, k_slots)

@@ -57,9 +57,9 @@ def source_hash(source: str | Path) -> str:
     return hashlib.sha256(preprocess(source).encode()).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(source: str, name_expressions: tuple[str, ...], options: tuple[str, ...], digest: str):
-    import cupy  # noqa: PLC0415 (GPU-only dependency)
+    import cupy
 
     code = preprocess(source)
     return cupy.RawModule(code=code, options=options, name_expressions=name_expressions)

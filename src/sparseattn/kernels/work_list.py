@@ -81,9 +81,11 @@ class WorkList:
             "work_info": np.ascontiguousarray(self.work_info, dtype=np.int32),
             "work_order": np.ascontiguousarray(self.work_order, dtype=np.int32),
             "own_entries": np.ascontiguousarray(
-                np.stack([self.own_pages, self.own_mask.astype(np.int32)], axis=-1), dtype=np.int32),
+                np.stack([self.own_pages, self.own_mask.astype(np.int32)], axis=-1), dtype=np.int32
+            ),
             "stream_entries": np.ascontiguousarray(
-                np.stack([self.stream_pages, self.stream_mask.astype(np.int32)], axis=-1), dtype=np.int32),
+                np.stack([self.stream_pages, self.stream_mask.astype(np.int32)], axis=-1), dtype=np.int32
+            ),
         }
 
 
@@ -107,8 +109,9 @@ def chunk_for(plans) -> int:
     return chunk
 
 
-def work_list(plans, heads_of=None, q_pages: int | None = None, k_pages: int | None = None,
-              order: str | None = None) -> WorkList:
+def work_list(
+    plans, heads_of=None, q_pages: int | None = None, k_pages: int | None = None, order: str | None = None
+) -> WorkList:
     """One work list from owner-``"q"`` plans (validated before: page ids in range).
 
     Args:
@@ -136,10 +139,23 @@ def work_list(plans, heads_of=None, q_pages: int | None = None, k_pages: int | N
     offset = 0
     for plan, h0 in zip(plans, head_base):
         w = plan.num_work
-        rows = np.asarray(plan.routes, dtype=np.int64)[plan.work_route.astype(np.int64), 0] if w else np.zeros(0)
+        rows = (
+            np.asarray(plan.routes, dtype=np.int64)[plan.work_route.astype(np.int64), 0] if w else np.zeros(0)
+        )
         lengths = plan.stream_lengths()
-        info = np.stack([plan.work_head.astype(np.int64) + int(h0), plan.stream_indptr[:-1].astype(np.int64) + offset,
-                         lengths, rows], axis=1) if w else np.zeros((0, 4), np.int64)
+        info = (
+            np.stack(
+                [
+                    plan.work_head.astype(np.int64) + int(h0),
+                    plan.stream_indptr[:-1].astype(np.int64) + offset,
+                    lengths,
+                    rows,
+                ],
+                axis=1,
+            )
+            if w
+            else np.zeros((0, 4), np.int64)
+        )
         own = np.full((w, OWN_PAGES), -1, dtype=np.int64)
         cols = min(OWN_PAGES, plan.own_pages.shape[1])
         own[:, :cols] = plan.own_pages[:, :cols]

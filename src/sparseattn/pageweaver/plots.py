@@ -51,19 +51,27 @@ def page_loads_figure(rows: list[dict], path=None, source: str | None = None) ->
     group, window = first["affinity"]["group_size"], first["affinity"]["window"]
     page_sizes = sorted({r["page_size"] for r in rows})
     page_text = "/".join(str(p) for p in page_sizes)
-    labels = {"per_query": LOAD_BARS[0][1], "adjacent": f"adjacent groups of {group}",
-              "affinity": f"affinity groups of {group} (window {window})"}
+    labels = {
+        "per_query": LOAD_BARS[0][1],
+        "adjacent": f"adjacent groups of {group}",
+        "affinity": f"affinity groups of {group} (window {window})",
+    }
     n = len(names)
     y = np.arange(n, dtype=float)
     bar_h = 0.26
     with figstyle.style():
         height = 1.25 + 0.3 * n
-        fig = (figstyle.sourced_figure(source, height=height) if source else figstyle.figure(height=height))
+        fig = figstyle.sourced_figure(source, height=height) if source else figstyle.figure(height=height)
         ax_loads, ax_saved = fig.subplots(1, 2, sharey=True, width_ratios=(1.35, 1.0))
         for k, (grouping, _) in enumerate(LOAD_BARS):
             per_query = [table[c][grouping]["page_loads"] / table[c][grouping]["queries"] for c in names]
-            ax_loads.barh(y + (k - 1) * bar_h, per_query, bar_h * 0.92, color=figstyle.COLORS[grouping],
-                          label=labels[grouping])
+            ax_loads.barh(
+                y + (k - 1) * bar_h,
+                per_query,
+                bar_h * 0.92,
+                color=figstyle.COLORS[grouping],
+                label=labels[grouping],
+            )
         ax_loads.set_yticks(y, [figstyle.capture_label(c) for c in names])
         ax_loads.invert_yaxis()
         ax_loads.tick_params(axis="y", length=0)
@@ -71,12 +79,22 @@ def page_loads_figure(rows: list[dict], path=None, source: str | None = None) ->
         ax_loads.grid(axis="x")
         figstyle.panel_title(ax_loads, "a", "Page loads")
 
-        saved = np.array([100 * (1 - table[c]["affinity"]["page_loads"] / table[c]["adjacent"]["page_loads"])
-                          for c in names])
+        saved = np.array(
+            [
+                100 * (1 - table[c]["affinity"]["page_loads"] / table[c]["adjacent"]["page_loads"])
+                for c in names
+            ]
+        )
         ax_saved.barh(y, saved, 0.6, color=figstyle.COLORS["affinity"])
         for yi, s in zip(y, saved):
-            ax_saved.annotate(f"{s:.1f}%", (max(s, 0.0), yi), xytext=(2, 0), textcoords="offset points",
-                              ha="left", va="center")
+            ax_saved.annotate(
+                f"{s:.1f}%",
+                (max(s, 0.0), yi),
+                xytext=(2, 0),
+                textcoords="offset points",
+                ha="left",
+                va="center",
+            )
         ax_saved.set_xlim(min(0.0, saved.min() * 1.3), max(1.0, saved.max()) * 1.45)
         ax_saved.axvline(0, color="black", lw=0.6)
         ax_saved.tick_params(axis="y", length=0)
@@ -89,8 +107,9 @@ def page_loads_figure(rows: list[dict], path=None, source: str | None = None) ->
     return _write(fig, path)
 
 
-def union_size_samples(captures=None, group_size: int = DEFAULT_GROUP_SIZE,
-                       window: int = DEFAULT_WINDOW) -> list[dict]:
+def union_size_samples(
+    captures=None, group_size: int = DEFAULT_GROUP_SIZE, window: int = DEFAULT_WINDOW
+) -> list[dict]:
     """Per capture: ``capture``, ``k``, ``page_size`` and the union size of every adjacent and affinity
     group (``adjacent``, ``affinity``: int arrays). ``captures``: names, paths or Capture objects
     (default: the six built-ins)."""
@@ -99,15 +118,17 @@ def union_size_samples(captures=None, group_size: int = DEFAULT_GROUP_SIZE,
     out = []
     for item in captures if captures is not None else list(BUILTIN_CAPTURES):
         cap = load_capture(item)
-        out.append({
-            "capture": cap.name,
-            "k": int(cap.k),
-            "page_size": int(cap.page_size),
-            "group_size": int(group_size),
-            "window": int(window),
-            "adjacent": union_sizes(cap, adjacent_groups(cap.num_queries, group_size)),
-            "affinity": union_sizes(cap, affinity_groups(cap, group_size, window)),
-        })
+        out.append(
+            {
+                "capture": cap.name,
+                "k": int(cap.k),
+                "page_size": int(cap.page_size),
+                "group_size": int(group_size),
+                "window": int(window),
+                "adjacent": union_sizes(cap, adjacent_groups(cap.num_queries, group_size)),
+                "affinity": union_sizes(cap, affinity_groups(cap, group_size, window)),
+            }
+        )
     return out
 
 
@@ -125,18 +146,27 @@ def union_size_figure(samples: list[dict], path=None, source: str | None = None)
     y = np.arange(n, dtype=float)
     with figstyle.style():
         height = 1.0 + 0.32 * n
-        fig = (figstyle.sourced_figure(source, height=height) if source else figstyle.figure(height=height))
+        fig = figstyle.sourced_figure(source, height=height) if source else figstyle.figure(height=height)
         ax = fig.add_subplot()
-        for k, (grouping, label) in enumerate((("adjacent", f"adjacent groups of {group}"),
-                                                ("affinity", f"affinity groups of {group}"))):
+        for k, (grouping, label) in enumerate(
+            (("adjacent", f"adjacent groups of {group}"), ("affinity", f"affinity groups of {group}"))
+        ):
             data = [np.asarray(s[grouping], dtype=float) / s["k"] for s in samples]
             pos = y + (k - 0.5) * 0.36
             colour = figstyle.COLORS[grouping]
-            ax.boxplot(data, positions=pos, orientation="horizontal", widths=0.3, whis=(5, 95),
-                       showfliers=False, patch_artist=True,
-                       boxprops={"facecolor": colour, "edgecolor": colour, "alpha": 0.35},
-                       medianprops={"color": colour, "lw": 1.5}, whiskerprops={"color": colour},
-                       capprops={"color": colour})
+            ax.boxplot(
+                data,
+                positions=pos,
+                orientation="horizontal",
+                widths=0.3,
+                whis=(5, 95),
+                showfliers=False,
+                patch_artist=True,
+                boxprops={"facecolor": colour, "edgecolor": colour, "alpha": 0.35},
+                medianprops={"color": colour, "lw": 1.5},
+                whiskerprops={"color": colour},
+                capprops={"color": colour},
+            )
             ax.plot([d.mean() for d in data], pos, "o", ms=3, color=colour, label=label)
         ax.set_yticks(y, [f"{figstyle.capture_label(s['capture'])}\n(k = {s['k']})" for s in samples])
         ax.set_ylim(n - 0.5, -0.5)
