@@ -230,11 +230,11 @@ class Case:
 
 
 def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str) -> list[dict]:
-    """``kpage`` or ``bsa`` (its plan) on the paged forward skeleton, forward only for now."""
+    """``kpage`` or ``bsa`` (its plan) on the paged forward skeleton; ``fwdbwd`` adds the backward of
+    the same plan kind (K/V-owned, :mod:`sparseattn.kernels.backward`; the ``mma.sync`` kernel for now)."""
+    from .kernels.backward import paged_backward
     from .kernels.forward import executed_pairs, paged_forward
 
-    if "fwd" not in passes:
-        return []
     g = case.graph
     o, lse = paged_forward(case.q, case.k, case.v, g, scale=case.scale, kind=kind)
     cupy.cuda.Device().synchronize()
@@ -242,17 +242,43 @@ def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str) -> lis
     if check:
         rel = case.rel_err_head0(bf16_bits_to_float(cupy.asnumpy(o[:, 0])).astype(np.float64))
     buffers = (o, lse)
-    ms, _ = timer(lambda: paged_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind))
-    return [
-        dict(
-            impl=kind,
-            **{"pass": "fwd"},
-            time_ms=ms,
-            physical_pairs=executed_pairs(g, kind) * case.b,
-            rel_err_o=rel,
-            correct=None if rel is None else bool(rel < O_REL_TOL),
+    physical = executed_pairs(g, kind) * case.b
+    out = []
+    if "fwd" in passes:
+        ms, _ = timer(
+            lambda: paged_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind)
         )
-    ]
+        out.append(
+            dict(
+                impl=kind,
+                **{"pass": "fwd"},
+                time_ms=ms,
+                physical_pairs=physical,
+                rel_err_o=rel,
+                correct=None if rel is None else bool(rel < O_REL_TOL),
+            )
+        )
+    if "fwdbwd" in passes:
+
+        def fwdbwd():
+            o2, l2 = paged_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind)
+            paged_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale, kind=kind)
+
+        try:
+            ms, _ = timer(fwdbwd)
+            out.append(
+                dict(
+                    impl=kind,
+                    **{"pass": "fwdbwd"},
+                    time_ms=ms,
+                    physical_pairs=physical,
+                    correct=None,
+                    backward="mma.sync (kernels_cu/bsa_bwd.cu)",
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - a plan the backward cannot run is recorded, not fatal
+            out.append(dict(impl=kind, **{"pass": "fwdbwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
+    return out
 
 
 def bench_kpage(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
