@@ -45,6 +45,7 @@ try:  # the GPU side is optional: `sparseattn bench --help` works without it
 except ImportError:  # pragma: no cover - depends on the machine
     cupy = None
 
+from .flex import to_flex_block_mask
 from .graph import HeadStack, SparseGraph
 from .kernels.validate import bf16_bits_to_float
 
@@ -108,14 +109,6 @@ def _concat_heads(graphs: list[SparseGraph]) -> SparseGraph:
         g0.name,
         drop_empty=False,
     )
-
-
-def useful_pairs(graph) -> int:
-    """Σ over selected pairs of valid Q rows × valid K rows (all heads)."""
-    if isinstance(graph, HeadStack):
-        return graph.useful_pairs()
-    _, i, j = graph.pairs
-    return int((graph.q.valid_rows[i] * graph.k.valid_rows[j]).sum())
 
 
 def head_graph(graph, head: int) -> SparseGraph:
@@ -348,68 +341,6 @@ def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     return out
 
 
-def flex_block_mask(graph, batch: int):
-    """FlexAttention BlockMask from the graph's per-head block lists: selected blocks split into full
-    (both blocks fully valid) and partial (the padding mask_mod applied). A HeadStack gives every head
-    its own block lists and padding masks (blocks past a head's layout are never selected)."""
-    torch = _torch()
-    from torch.nn.attention.flex_attention import BlockMask
-
-    dev = "cuda"
-    heads = [head_graph(graph, h) for h in range(graph.heads)]
-    sq, sk = graph_slots(graph)
-    bq, bk = heads[0].q.block_size, heads[0].k.block_size
-    nqb, nkb = -(-sq // bq), -(-sk // bk)
-    bm = np.zeros((graph.heads, nqb, nkb), dtype=bool)
-    qfull = np.zeros((graph.heads, nqb), dtype=bool)
-    kfull = np.zeros((graph.heads, nkb), dtype=bool)
-    q_valid = np.zeros((graph.heads, sq), dtype=bool)
-    k_valid = np.zeros((graph.heads, sk), dtype=bool)
-    for h, g in enumerate(heads):
-        _, i, j = g.pairs
-        bm[h, i, j] = True
-        qfull[h, : g.q.num_blocks] = g.q.valid_rows == bq
-        kfull[h, : g.k.num_blocks] = g.k.valid_rows == bk
-        q_valid[h, : g.q.num_slots] = g.q.valid
-        k_valid[h, : g.k.num_slots] = g.k.valid
-    full = bm & qfull[:, :, None] & kfull[:, None, :]
-    part = bm & ~full
-
-    def pack(m):
-        counts = m.sum(-1).astype(np.int32)
-        order = np.argsort(~m, axis=-1, kind="stable").astype(np.int32)  # selected K blocks first
-
-        def to(a):
-            return torch.as_tensor(a, device=dev)[None].expand(batch, *a.shape).contiguous()
-
-        return to(counts), to(order)
-
-    pn, pi = pack(part)
-    fn, fi = pack(full)
-    if isinstance(graph, HeadStack):  # every head its own padding
-        qv = torch.tensor(q_valid, device=dev)
-        kv = torch.tensor(k_valid, device=dev)
-
-        def mask_mod(b, h, qi, ki):
-            return qv[h, qi] & kv[h, ki]
-    else:  # one padding mask for all heads (a 1-D lookup: what FlexAttention compiles best)
-        qv = torch.tensor(q_valid[0], device=dev)
-        kv = torch.tensor(k_valid[0], device=dev)
-
-        def mask_mod(b, h, qi, ki):
-            return qv[qi] & kv[ki]
-
-    return BlockMask.from_kv_blocks(
-        pn,
-        pi,
-        fn,
-        fi,
-        BLOCK_SIZE=(bq, bk),
-        mask_mod=mask_mod,
-        seq_lengths=(sq, sk),
-    )
-
-
 def bench_flex(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     torch = _torch()
     from torch.nn.attention.flex_attention import flex_attention
@@ -417,7 +348,7 @@ def bench_flex(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     g = case.graph
     # torch-owned copies (the compiled FlexAttention refused tensors imported through DLPack on the H200)
     q, k, v, do = (x.clone() for x in case.torch_views())
-    block_mask = flex_block_mask(g, case.b)
+    block_mask = to_flex_block_mask(g, case.b, device="cuda", mask_mod="padding")
     g0 = head_graph(g, 0)
     opts = None
     if g0.q.block_size < 128 or g0.k.block_size < 128:
@@ -751,7 +682,7 @@ def run(args) -> int:
     for name in workloads:
         t0 = time.time()
         graph, head_dim = workload_graph(name, args.heads, seed=args.seed)
-        useful = useful_pairs(graph) * args.batch
+        useful = graph.useful_pairs() * args.batch
         case = Case(graph, head_dim, args.batch, seed=args.seed + 1)
         sq, sk = graph_slots(graph)
         print(

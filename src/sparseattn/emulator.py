@@ -36,6 +36,29 @@ class EmulationError(ValueError):
 _BITS = np.uint16(1) << np.arange(PAGE_ROWS, dtype=np.uint16)
 
 
+def _softmax_init(b: int, m: int, dv: int):
+    """Running (max, sum, unnormalized O) of an online softmax over ``m`` rows, ``b`` batches."""
+    return np.full((b, m), -np.inf), np.zeros((b, m)), np.zeros((b, m, dv))
+
+
+def _softmax_step(state, s: np.ndarray, v_tile: np.ndarray):
+    """The state after one key tile: scores ``s`` ``[b, m, n]`` (masked keys -inf), values ``[b, n, dv]``."""
+    run_max, run_sum, acc = state
+    new_max = np.maximum(run_max, s.max(axis=-1))
+    base = np.where(np.isfinite(new_max), new_max, 0.0)  # all -inf so far: keep exp() at 0
+    p = np.exp(s - base[..., None])
+    alpha = np.exp(run_max - base)
+    return new_max, alpha * run_sum + p.sum(axis=-1), alpha[..., None] * acc + np.matmul(p, v_tile)
+
+
+def _softmax_finish(state):
+    """(O, LSE) of an online-softmax state; rows without any key get O = 0, LSE = -inf."""
+    run_max, run_sum, acc = state
+    has_keys = run_sum > 0
+    o_tile = acc / np.where(has_keys, run_sum, 1.0)[..., None]
+    return o_tile, np.where(has_keys, run_max + np.log(np.where(has_keys, run_sum, 1.0)), -np.inf)
+
+
 def _page_rows_valid(mask: np.ndarray, pages: np.ndarray) -> np.ndarray:
     """bool ``[len(pages) * 16]``: row validity of the given pages (``-1`` pages are all invalid)."""
     bits = (mask[np.maximum(pages, 0)][:, None] & _BITS) != 0
@@ -167,25 +190,14 @@ def emulate_forward(plan: TilePlan, q, k, v, scale=None):
     for h, m, _n, own, tiles in _work_items(plan):
         row_ok = _page_rows_valid(plan.own_page_mask, own)
         q_tile = _gather(q[:, h], own, row_ok)
-        run_max = np.full((b, m), -np.inf)
-        run_sum = np.zeros((b, m))
-        acc = np.zeros((b, m, v.shape[-1]))
+        state = _softmax_init(b, m, v.shape[-1])
         for pages in tiles:
             col_ok = _page_rows_valid(plan.stream_page_mask, pages)
             k_tile = _gather(k[:, h], pages, col_ok)
-            v_tile = _gather(v[:, h], pages, col_ok)
             s = scale * np.matmul(q_tile, k_tile.transpose(0, 2, 1))
             s[:, :, ~col_ok] = -np.inf
-            new_max = np.maximum(run_max, s.max(axis=-1))
-            base = np.where(np.isfinite(new_max), new_max, 0.0)  # all -inf so far: keep exp() at 0
-            p = np.exp(s - base[..., None])
-            alpha = np.exp(run_max - base)
-            run_sum = alpha * run_sum + p.sum(axis=-1)
-            acc = alpha[..., None] * acc + np.matmul(p, v_tile)
-            run_max = new_max
-        has_keys = run_sum > 0
-        o_tile = acc / np.where(has_keys, run_sum, 1.0)[..., None]
-        lse_tile = np.where(has_keys, run_max + np.log(np.where(has_keys, run_sum, 1.0)), -np.inf)
+            state = _softmax_step(state, s, _gather(v[:, h], pages, col_ok))
+        o_tile, lse_tile = _softmax_finish(state)
         slots = _page_slots(own)[row_ok]
         if np.any(written[h, slots]):
             raise EmulationError(
@@ -376,47 +388,38 @@ def emulate_work_list(work, q, k, v, scale=None):
     per_chunk = work.chunk // PAGE_ROWS
     bits = _BITS.astype(np.uint32)
 
-    def rows_of(entries):  # (page, mask) pairs -> slot ids, validity
-        pages, masks = entries[:, 0].astype(np.int64), entries[:, 1].astype(np.uint32)
-        valid = ((masks[:, None] & bits) != 0) & (pages >= 0)[:, None]
-        return _page_slots(pages), valid.ravel()
+    def rows_ok(pages, masks):  # row validity of (page, row mask) entries; -1 pages are empty
+        valid = ((masks.astype(np.uint32)[:, None] & bits) != 0) & (pages >= 0)[:, None]
+        return valid.ravel()
 
     for w in work.work_order:
         head, begin, length, m = (int(x) for x in work.work_info[w])
-        own = np.stack([work.own_pages[w, : m // PAGE_ROWS], work.own_mask[w, : m // PAGE_ROWS]], axis=1)
-        q_slots, q_ok = rows_of(own)
-        stream = np.stack(
-            [work.stream_pages[begin : begin + length], work.stream_mask[begin : begin + length]], axis=1
-        )
+        own = work.own_pages[w, : m // PAGE_ROWS].astype(np.int64)
+        q_ok = rows_ok(own, work.own_mask[w, : m // PAGE_ROWS])
+        pages = work.stream_pages[begin : begin + length].astype(np.int64)
+        masks = work.stream_mask[begin : begin + length]
         n_chunks = -(-length // per_chunk)
+        qt = _gather(q[:, head], own, q_ok)
         states = []
         for part in (range(n_chunks),) if m > 64 else (range(0, n_chunks, 2), range(1, n_chunks, 2)):
-            run_max = np.full((b, m), -np.inf)
-            run_sum = np.zeros((b, m))
-            acc = np.zeros((b, m, v.shape[-1]))
-            qt = _gather(q[:, head], own[:, 0].astype(np.int64), q_ok)
+            state = _softmax_init(b, m, v.shape[-1])
             for c in part:
-                chunk = stream[c * per_chunk : (c + 1) * per_chunk]
-                k_slots, k_ok = rows_of(chunk)
-                kt = k[:, head][:, k_slots] * k_ok[None, :, None]
-                vt = v[:, head][:, k_slots] * k_ok[None, :, None]
-                s = scale * np.matmul(qt, kt.transpose(0, 2, 1))
+                chunk = slice(c * per_chunk, (c + 1) * per_chunk)
+                k_ok = rows_ok(pages[chunk], masks[chunk])
+                s = scale * np.matmul(qt, _gather(k[:, head], pages[chunk], k_ok).transpose(0, 2, 1))
                 s[:, :, ~k_ok] = -np.inf
-                new_max = np.maximum(run_max, s.max(axis=-1))
-                base = np.where(np.isfinite(new_max), new_max, 0.0)
-                p = np.exp(s - base[..., None])
-                alpha = np.exp(run_max - base)
-                run_sum = alpha * run_sum + p.sum(axis=-1)
-                acc = alpha[..., None] * acc + np.matmul(p, vt)
-                run_max = new_max
-            states.append((run_max, run_sum, acc))
-        run_max = np.maximum.reduce([s[0] for s in states])
+                state = _softmax_step(state, s, _gather(v[:, head], pages[chunk], k_ok))
+            states.append(state)
+        run_max = np.maximum.reduce([st[0] for st in states])
         base = np.where(np.isfinite(run_max), run_max, 0.0)
-        run_sum = sum(np.exp(s[0] - base) * s[1] for s in states)
-        acc = sum(np.exp(s[0] - base)[..., None] * s[2] for s in states)
-        has_keys = run_sum > 0
-        o_tile = acc / np.where(has_keys, run_sum, 1.0)[..., None]
-        lse_tile = np.where(has_keys, run_max + np.log(np.where(has_keys, run_sum, 1.0)), -np.inf)
+        weights = [np.exp(st[0] - base) for st in states]
+        merged = (
+            run_max,
+            sum(wt * st[1] for wt, st in zip(weights, states)),
+            sum(wt[..., None] * st[2] for wt, st in zip(weights, states)),
+        )
+        o_tile, lse_tile = _softmax_finish(merged)
+        q_slots = _page_slots(own)
         slots = q_slots[q_ok]
         if np.any(written[head, slots]):
             raise EmulationError(

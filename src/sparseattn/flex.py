@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .graph import GraphError, GraphTypeError, SparseGraph
+from .graph import GraphError, GraphTypeError, HeadStack, SparseGraph
 from .layouts import BlockLayout
 from .limits import memory_problem
 
@@ -38,24 +38,58 @@ def _ordered_rows(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return counts, order
 
 
-def kv_blocks_from_graph(graph: SparseGraph) -> dict[str, np.ndarray]:
-    """The four BlockMask index arrays of ``graph`` (numpy, no batch axis).
+def _block_view(graph) -> dict:
+    """Selection, full-block flags and padding of a SparseGraph or a HeadStack (every head its own
+    layouts, block counts padded to the largest head's): ``selected`` bool ``[H, nq, nk]``, ``full``
+    likewise, ``q_valid`` / ``k_valid`` bool ``[H, slots]``, block sizes and slot counts."""
+    if isinstance(graph, SparseGraph):
+        heads = [graph]
+        sq, sk = graph.q.num_slots, graph.k.num_slots
+    elif isinstance(graph, HeadStack):
+        heads = list(graph.graphs)
+        sq, sk = graph.q_slots, graph.k_slots
+    else:
+        raise GraphTypeError(f"graph must be a SparseGraph or a HeadStack, got {type(graph).__name__}")
+    bq, bk = heads[0].q.block_size, heads[0].k.block_size
+    if any(g.q.block_size != bq or g.k.block_size != bk for g in heads):
+        raise FlexError("every head of a HeadStack needs the same block sizes for one BlockMask")
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    problem = memory_problem(10 * graph.heads * nq * nk, "the BlockMask index arrays")
+    if problem:
+        raise FlexError(problem)
+    if isinstance(graph, SparseGraph):
+        selected = graph.block_mask()
+        full_q = (graph.q.valid_rows == bq)[None]
+        full_k = (graph.k.valid_rows == bk)[None]
+        q_valid, k_valid = graph.q.valid[None], graph.k.valid[None]
+    else:
+        selected = np.zeros((graph.heads, nq, nk), dtype=bool)
+        full_q = np.zeros((graph.heads, nq), dtype=bool)
+        full_k = np.zeros((graph.heads, nk), dtype=bool)
+        q_valid = np.zeros((graph.heads, sq), dtype=bool)
+        k_valid = np.zeros((graph.heads, sk), dtype=bool)
+        for h, g in enumerate(heads):
+            _, i, j = g.pairs
+            selected[h, i, j] = True
+            full_q[h, : g.q.num_blocks] = g.q.valid_rows == bq
+            full_k[h, : g.k.num_blocks] = g.k.valid_rows == bk
+            q_valid[h, : g.q.num_slots] = g.q.valid
+            k_valid[h, : g.k.num_slots] = g.k.valid
+    full = selected & full_q[:, :, None] & full_k[:, None, :]
+    return dict(
+        selected=selected, full=full, q_valid=q_valid, k_valid=k_valid, block=(bq, bk), seq_lengths=(sq, sk)
+    )
+
+
+def kv_blocks_from_graph(graph) -> dict[str, np.ndarray]:
+    """The four BlockMask index arrays of ``graph`` (a SparseGraph or a HeadStack; numpy, no batch axis).
 
     Returns ``kv_num_blocks``/``kv_indices`` (partial blocks) and ``full_kv_num_blocks``/
     ``full_kv_indices`` (full blocks); see the module docstring for shapes.
     """
-    if not isinstance(graph, SparseGraph):
-        raise GraphTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
-    q, k = graph.q, graph.k
-    problem = memory_problem(10 * graph.heads * q.num_blocks * k.num_blocks, "the BlockMask index arrays")
-    if problem:
-        raise FlexError(problem)
-    selected = graph.block_mask()
-    full_q = q.valid_rows == q.block_size
-    full_k = k.valid_rows == k.block_size
-    full = selected & full_q[None, :, None] & full_k[None, None, :]
-    partial_num, partial_idx = _ordered_rows(selected & ~full)
-    full_num, full_idx = _ordered_rows(full)
+    view = _block_view(graph)
+    partial_num, partial_idx = _ordered_rows(view["selected"] & ~view["full"])
+    full_num, full_idx = _ordered_rows(view["full"])
     return {
         "kv_num_blocks": partial_num,
         "kv_indices": partial_idx,
@@ -131,12 +165,14 @@ def _torch():
 MASK_MODS = ("exact", "padding")
 
 
-def to_flex_block_mask(graph: SparseGraph, batch: int = 1, device=None, mask_mod: str = "exact"):
+def to_flex_block_mask(graph, batch: int = 1, device=None, mask_mod: str = "exact"):
     """A FlexAttention ``BlockMask`` of ``graph`` for ``batch`` sequences (the same mask each).
 
-    ``device`` defaults to CUDA when available, else the CPU. ``mask_mod``: ``"exact"`` (block
-    selection and padding: right for eager and compiled FlexAttention) or ``"padding"`` (compiled
-    kernels only; see the module docstring). ``BLOCK_SIZE`` and ``seq_lengths`` are the layouts'.
+    ``graph``: a SparseGraph, or a HeadStack (every head its own padding; the tensors have the
+    largest head's slot count). ``device`` defaults to CUDA when available, else the CPU.
+    ``mask_mod``: ``"exact"`` (block selection and padding: right for eager and compiled
+    FlexAttention) or ``"padding"`` (compiled kernels only; see the module docstring).
+    ``BLOCK_SIZE`` and ``seq_lengths`` are the layouts'.
     """
     torch = _torch()
     from torch.nn.attention.flex_attention import BlockMask
@@ -147,30 +183,39 @@ def to_flex_block_mask(graph: SparseGraph, batch: int = 1, device=None, mask_mod
         raise FlexError(f"mask_mod must be one of {MASK_MODS}, got {mask_mod!r}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    view = _block_view(graph)
     arrays = kv_blocks_from_graph(graph)
 
     def batched(a: np.ndarray):
         return torch.from_numpy(a).to(device)[None].expand(int(batch), *a.shape).contiguous()
 
-    q_valid = torch.from_numpy(np.array(graph.q.valid)).to(device)
-    k_valid = torch.from_numpy(np.array(graph.k.valid)).to(device)
-    selected = torch.from_numpy(graph.block_mask()).to(device)  # [H, nq, nk]
-    bq, bk = graph.q.block_size, graph.k.block_size
+    def on_device(a: np.ndarray):
+        return torch.from_numpy(np.array(a)).to(device)  # a writable copy
 
-    def padding_mask(b, h, q_idx, kv_idx):
-        return q_valid[q_idx] & k_valid[kv_idx]
+    selected = on_device(view["selected"])  # [H, nq, nk]
+    bq, bk = view["block"]
+    if isinstance(graph, HeadStack):  # every head its own padding
+        q_valid, k_valid = on_device(view["q_valid"]), on_device(view["k_valid"])
+
+        def padding_mask(b, h, q_idx, kv_idx):
+            return q_valid[h, q_idx] & k_valid[h, kv_idx]
+    else:  # one padding mask for all heads (a 1-D lookup: what FlexAttention compiles best)
+        q_valid, k_valid = on_device(view["q_valid"][0]), on_device(view["k_valid"][0])
+
+        def padding_mask(b, h, q_idx, kv_idx):
+            return q_valid[q_idx] & k_valid[kv_idx]
 
     def exact_mask(b, h, q_idx, kv_idx):
-        return selected[h, q_idx // bq, kv_idx // bk] & q_valid[q_idx] & k_valid[kv_idx]
+        return selected[h, q_idx // bq, kv_idx // bk] & padding_mask(b, h, q_idx, kv_idx)
 
     return BlockMask.from_kv_blocks(
         batched(arrays["kv_num_blocks"]),
         batched(arrays["kv_indices"]),
         batched(arrays["full_kv_num_blocks"]),
         batched(arrays["full_kv_indices"]),
-        BLOCK_SIZE=(graph.q.block_size, graph.k.block_size),
+        BLOCK_SIZE=view["block"],
         mask_mod=exact_mask if mask_mod == "exact" else padding_mask,
-        seq_lengths=(graph.q.num_slots, graph.k.num_slots),
+        seq_lengths=view["seq_lengths"],
     )
 
 

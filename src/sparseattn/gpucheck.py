@@ -172,65 +172,25 @@ def main(argv=None) -> int:
 
     if "sanitizer" not in args.skip:
         tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
-        if Path(tool).exists():
-            code, sec, tail = _run(
-                [
-                    tool,
-                    "--tool",
-                    "memcheck",
-                    "--error-exitcode",
-                    "3",
-                    py,
-                    "-m",
-                    "sparseattn.gpucheck",
-                    "--out",
-                    str(out),
-                    "--sanitize-case",
-                ],
-                out / "sanitizer.log",
-                SANITIZER_LIMIT_S,
-                env,
-            )
-            note = next(
-                (line for line in reversed(tail.splitlines()) if "ERROR SUMMARY" in line), "no summary"
-            )
-        else:
-            code, sec, note = 127, 0.0, "compute-sanitizer not found"
-            (out / "sanitizer.log").write_text(note + "\n")
-        steps.append(
-            dict(step="compute-sanitizer memcheck", code=code, seconds=round(sec, 1), note=note.strip())
-        )
-        if args.racecheck and Path(tool).exists():
-            code, sec, tail = _run(
-                [
-                    tool,
-                    "--tool",
-                    "racecheck",
-                    "--error-exitcode",
-                    "3",
-                    py,
-                    "-m",
-                    "sparseattn.gpucheck",
-                    "--out",
-                    str(out),
-                    "--sanitize-case",
-                    "--paged-only",
-                ],
-                out / "racecheck.log",
-                SANITIZER_LIMIT_S * 2,
-                env,
-            )
-            note = next(
-                (
-                    line
-                    for line in reversed(tail.splitlines())
-                    if "RACECHECK SUMMARY" in line or "ERROR SUMMARY" in line
-                ),
-                "no summary",
-            )
+
+        def sanitize(which: str, log: str, limit: float, *case_args: str) -> None:
+            """compute-sanitizer ``which`` over the sanitize case; one summary step."""
+            if Path(tool).exists():
+                cmd = [tool, "--tool", which, "--error-exitcode", "3", py, "-m", "sparseattn.gpucheck"]
+                code, sec, tail = _run(
+                    [*cmd, "--out", str(out), "--sanitize-case", *case_args], out / log, limit, env
+                )
+                note = next((line for line in reversed(tail.splitlines()) if "SUMMARY" in line), "no summary")
+            else:
+                code, sec, note = 127, 0.0, "compute-sanitizer not found"
+                (out / log).write_text(note + "\n")
             steps.append(
-                dict(step="compute-sanitizer racecheck", code=code, seconds=round(sec, 1), note=note.strip())
+                dict(step=f"compute-sanitizer {which}", code=code, seconds=round(sec, 1), note=note.strip())
             )
+
+        sanitize("memcheck", "sanitizer.log", SANITIZER_LIMIT_S)
+        if args.racecheck and Path(tool).exists():
+            sanitize("racecheck", "racecheck.log", SANITIZER_LIMIT_S * 2, "--paged-only")
 
     if "bench" not in args.skip:
         cmd = [

@@ -240,6 +240,11 @@ class SparseGraph:
         r = head * self.q.num_blocks + q_block
         return self.indices[self.indptr[r] : self.indptr[r + 1]]
 
+    def useful_pairs(self) -> int:
+        """Σ over heads and selected block pairs of valid Q rows × valid K rows."""
+        _, i, j = self.pairs
+        return int((self.q.valid_rows[i] * self.k.valid_rows[j]).sum())
+
     def head_nnz(self) -> np.ndarray:
         """int64 ``[heads]``: selected pairs per head."""
         ends = self.indptr[np.arange(1, self.heads + 1) * self.q.num_blocks]
@@ -347,11 +352,7 @@ class HeadStack:
 
     def useful_pairs(self) -> int:
         """Σ over heads and selected block pairs of valid Q rows × valid K rows."""
-        total = 0
-        for g in self.graphs:
-            _, i, j = g.pairs
-            total += int((g.q.valid_rows[i] * g.k.valid_rows[j]).sum())
-        return total
+        return sum(g.useful_pairs() for g in self.graphs)
 
     def q_valid(self) -> np.ndarray:
         """bool ``[heads, q_slots]``: valid query slots of every head (padding past a head's layout is False)."""

@@ -22,22 +22,17 @@ ERR_FLOOR = 1e-5  # absolute slack for outputs whose emulated error happens to b
 
 def heads_of(graph) -> list[SparseGraph]:
     """Single-head graphs, one per head (a HeadStack's own, or the heads of one graph)."""
-    if isinstance(graph, HeadStack):
-        return list(graph.graphs)
-    return [graph.select_heads([h]) for h in range(graph.heads)]
+    return list(HeadStack.of(graph).graphs)
 
 
 def slots_of(graph) -> tuple[int, int, int]:
-    if isinstance(graph, HeadStack):
-        return graph.heads, graph.q_slots, graph.k_slots
-    return graph.heads, graph.q.num_slots, graph.k.num_slots
+    stack = HeadStack.of(graph)
+    return stack.heads, stack.q_slots, stack.k_slots
 
 
 def q_valid_of(graph) -> np.ndarray:
     """bool [heads, q_slots]."""
-    if isinstance(graph, HeadStack):
-        return graph.q_valid()
-    return np.broadcast_to(graph.q.valid, (graph.heads, graph.q.num_slots)).copy()
+    return HeadStack.of(graph).q_valid()
 
 
 def random_inputs(rng, graph, batch: int, head_dim: int):

@@ -13,26 +13,13 @@ come back, computed on torch's current stream without copies).
 from __future__ import annotations
 
 from ..graph import HeadStack, SparseGraph
-from ..plans import TilePlan, bsa_plan, kpage_plan, kpage_route_of_block
+from ..plans import TilePlan
 from . import launch
 from .bsa_backward import bsa_backward
-from .forward import _cached
-from .plan_cache import check_graph_matches
+from .plan_cache import check_graph_matches, plan_of
 from .validate import KernelTypeError, KernelValueError
 
 KINDS = ("kpage", "bsa")
-
-
-def kv_plan_of(graph: SparseGraph, kind: str = "kpage", route="auto") -> TilePlan:
-    """The graph's K/V-owned ``"kpage"`` or ``"bsa"`` plan, built once per graph."""
-
-    def build():
-        if kind == "kpage":
-            kpage_route_of_block(graph.k.live_pages[:0], route)  # validates `route`
-            return kpage_plan(graph, route=route, owner="kv")
-        return bsa_plan(graph, owner="kv")
-
-    return _cached(graph, ("kv plan", kind, route), build)
 
 
 def paged_backward(
@@ -57,7 +44,7 @@ def paged_backward(
         qs, ks = getattr(q, "shape", ()), getattr(k, "shape", ())
         if len(qs) == 4 and len(ks) == 4:  # other shapes: the kernel wrapper names the argument
             check_graph_matches(graph_or_plan, int(qs[1]), int(qs[2]), int(ks[2]))
-        plan = kv_plan_of(graph_or_plan, kind, route)
+        plan = plan_of(graph_or_plan, kind, route, owner="kv")
     elif not isinstance(graph_or_plan, TilePlan):
         raise KernelTypeError(
             f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
@@ -70,21 +57,13 @@ def paged_backward(
 def _torch_backward(q, k, v, o, lse, do, plan, scale, out):
     import torch
 
-    names = ("q", "k", "v", "o", "lse", "do")
-    tensors = (q, k, v, o, lse, do)
-    for name, x in zip(names, tensors):
-        if not launch.is_torch_tensor(x):
-            raise KernelTypeError(f"{name} must be a torch tensor like q, got {type(x).__name__}")
     if out is None:
         out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    elif (
-        not isinstance(out, (tuple, list)) or len(out) != 3 or not all(launch.is_torch_tensor(x) for x in out)
-    ):
-        raise KernelTypeError("out must be a tuple (dq, dk, dv) of torch tensors")
-    views = [launch.torch_to_cupy(n, x) for n, x in zip(names, tensors)]
-    out_views = tuple(launch.torch_to_cupy(f"out[{i}]", x) for i, x in enumerate(out))
+    inputs, outputs = launch.torch_views(
+        dict(q=q, k=k, v=v, o=o, lse=lse, do=do), out, ("out[0]", "out[1]", "out[2]"), "(dq, dk, dv)"
+    )
     with launch.torch_stream():
-        bsa_backward(*views, plan, scale=scale, out=out_views)
+        bsa_backward(*inputs, plan, scale=scale, out=tuple(outputs))
     return tuple(out)
 
 

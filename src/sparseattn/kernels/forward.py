@@ -27,9 +27,9 @@ import weakref
 import numpy as np
 
 from ..graph import HeadStack, SparseGraph
-from ..plans import TilePlan, bsa_plan, kpage_plan, kpage_route_of_block
+from ..plans import TilePlan
 from . import launch
-from .plan_cache import check_graph_matches
+from .plan_cache import cached, check_graph_matches, plan_of
 from .validate import (
     BF16_DTYPE_NAMES,
     CUPY_TYPES,
@@ -104,32 +104,42 @@ def smem_bytes(head_dim: int, chunk: int) -> int:
 
 # ---- work lists, cached per graph / plan -------------------------------------------------------------
 
-_WORK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _RESOLVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _plan(graph: SparseGraph, kind: str, route):
-    return bsa_plan(graph) if kind == "bsa" else kpage_plan(graph, route=route)
+def work_of(graph_or_plan, kind: str = "kpage", route="auto") -> WorkList:
+    """The work list of a graph, HeadStack (or list of per-head graphs), plan, list of single-head
+    plans or work list; built once per graph / plan. Index ranges against tensors: :func:`resolve_work`."""
+    obj = graph_or_plan
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
+        obj = HeadStack.of(obj)
+    if isinstance(obj, SparseGraph):
+        plan = plan_of(obj, kind, route)
+        return cached(
+            plan, "work", lambda: work_list(check_plan(plan, obj.q.num_pages, obj.k.num_pages, obj.heads))
+        )
+    if isinstance(obj, HeadStack):
 
+        def build():
+            plans = [plan_of(g, kind, route) for g in obj.graphs]
+            for g, p in zip(obj.graphs, plans):
+                check_plan(p, g.q.num_pages, g.k.num_pages, 1)
+            return work_list(plans)
 
-def _cached(owner, key, build):
-    per = _WORK.setdefault(owner, {})
-    value = per.get(key)
-    if value is None:
-        value = per[key] = build()
-    return value
-
-
-def plan_of(graph: SparseGraph, kind: str = "kpage", route="auto") -> TilePlan:
-    """The graph's ``"bsa"`` or ``"kpage"`` plan (owner ``"q"``), built once per graph."""
-
-    def build():
-        if kind == "kpage":
-            kpage_route_of_block(np.zeros(0, dtype=np.int64), route)  # validates `route`
-        return _plan(graph, kind, route)
-
-    return _cached(graph, ("plan", kind, route), build)
+        return cached(obj, ("work", kind, route), build)
+    if isinstance(obj, TilePlan):
+        return cached(obj, "work", lambda: work_list(obj))
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(p, TilePlan) for p in obj):
+        for p in obj:
+            check_plan(p, p.own_page_mask.size, p.stream_page_mask.size, 1)
+        return work_list(list(obj))
+    if isinstance(obj, WorkList):
+        return obj
+    raise KernelTypeError(
+        "graph_or_plan must be a SparseGraph, a HeadStack (or list of per-head SparseGraphs), a "
+        f"TilePlan, a list of single-head TilePlans or a WorkList; got {type(graph_or_plan).__name__}"
+    )
 
 
 def resolve_work(graph_or_plan, kind: str, route, heads: int, q_slots: int, k_slots: int) -> WorkList:
@@ -158,8 +168,6 @@ def _resolve_work(graph_or_plan, kind: str, route, heads: int, q_slots: int, k_s
         obj = HeadStack.of(obj)
     if isinstance(obj, SparseGraph):
         check_graph_matches(obj, heads, q_slots, k_slots)
-        plan = plan_of(obj, kind, route)
-        wl = _cached(plan, "work", lambda: work_list(check_plan(plan, q_pages, k_pages, heads)))
     elif isinstance(obj, HeadStack):
         if obj.heads != heads:
             raise KernelValueError(f"the HeadStack has {obj.heads} heads but q has {heads}")
@@ -168,28 +176,9 @@ def _resolve_work(graph_or_plan, kind: str, route, heads: int, q_slots: int, k_s
                 f"the HeadStack's largest layouts have {obj.q_slots} Q / {obj.k_slots} K slots, "
                 f"the tensors {q_slots} / {k_slots}"
             )
-
-        def build():
-            plans = [plan_of(g, kind, route) for g in obj.graphs]
-            for g, p in zip(obj.graphs, plans):
-                check_plan(p, g.q.num_pages, g.k.num_pages, 1)
-            return work_list(plans, q_pages=q_pages, k_pages=k_pages)
-
-        wl = _cached(obj, ("work", kind, route), build)
     elif isinstance(obj, TilePlan):
-        wl = _cached(obj, "work", lambda: work_list(check_plan(obj, q_pages, k_pages, heads)))
-    elif isinstance(obj, (list, tuple)) and obj and all(isinstance(p, TilePlan) for p in obj):
-        for p in obj:
-            check_plan(p, p.own_page_mask.size, p.stream_page_mask.size, 1)
-        wl = work_list(list(obj), q_pages=q_pages, k_pages=k_pages)
-    elif isinstance(obj, WorkList):
-        wl = obj
-    else:
-        raise KernelTypeError(
-            "graph_or_plan must be a SparseGraph, a HeadStack (or list of per-head SparseGraphs), a "
-            f"TilePlan, a list of single-head TilePlans or a WorkList; got {type(graph_or_plan).__name__}"
-        )
-    return check_work_list(wl, q_pages, k_pages, heads)
+        check_plan(obj, q_pages, k_pages, heads)
+    return check_work_list(work_of(obj, kind, route), q_pages, k_pages, heads)
 
 
 def check_work_list(wl: WorkList, q_pages: int, k_pages: int, heads: int) -> WorkList:
@@ -370,26 +359,15 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
 def _torch_forward(q, k, v, graph_or_plan, scale, out, kind, route):
     import torch
 
-    names = ("q", "k", "v")
-    for name, x in zip(names, (q, k, v)):
-        if not launch.is_torch_tensor(x):
-            raise KernelTypeError(f"{name} must be a torch tensor like q, got {type(x).__name__}")
     if out is None:
-        o_t = torch.zeros_like(q)
-        lse_t = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    else:
-        if (
-            not isinstance(out, (tuple, list))
-            or len(out) != 2
-            or not all(launch.is_torch_tensor(x) for x in out)
-        ):
-            raise KernelTypeError("out must be a tuple (o, lse) of torch tensors like q")
-        o_t, lse_t = out
-    cq, ck, cv = (launch.torch_to_cupy(n, x) for n, x in zip(names, (q, k, v)))
-    co, clse = launch.torch_to_cupy("out[0] (o)", o_t), launch.torch_to_cupy("out[1] (lse)", lse_t)
+        out = (
+            torch.zeros_like(q),
+            torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device),
+        )
+    inputs, outputs = launch.torch_views(dict(q=q, k=k, v=v), out, ("out[0] (o)", "out[1] (lse)"), "(o, lse)")
     with launch.torch_stream():
-        paged_forward(cq, ck, cv, graph_or_plan, scale, (co, clse), kind=kind, route=route)
-    return o_t, lse_t
+        paged_forward(*inputs, graph_or_plan, scale, tuple(outputs), kind=kind, route=route)
+    return tuple(out)
 
 
 def kpage_forward(q, k, v, graph_or_plan, route="auto", scale=None, out=None):
@@ -407,15 +385,4 @@ def bsa_forward(q, k, v, graph_or_plan, scale=None, out=None):
 
 def executed_pairs(graph_or_plan, kind: str = "kpage", route="auto") -> int:
     """Query–key pairs the kernel computes for one batch entry (M · chunk · chunks over work items)."""
-    obj = graph_or_plan
-    if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
-        obj = HeadStack.of(obj)
-    if isinstance(obj, SparseGraph):
-        return work_list(plan_of(obj, kind, route)).executed_pairs()
-    if isinstance(obj, HeadStack):
-        return work_list([plan_of(g, kind, route) for g in obj.graphs]).executed_pairs()
-    if isinstance(obj, TilePlan):
-        return work_list(obj).executed_pairs()
-    if isinstance(obj, WorkList):
-        return obj.executed_pairs()
-    raise KernelTypeError(f"cannot count pairs of {type(obj).__name__}")
+    return work_of(graph_or_plan, kind, route).executed_pairs()

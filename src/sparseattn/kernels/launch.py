@@ -79,6 +79,18 @@ def torch_to_cupy(name: str, x):
     raise KernelTypeError(f"{name} must have dtype torch.bfloat16 (float32 for lse), got {x.dtype}")
 
 
+def torch_views(tensors: dict, out, out_names: tuple[str, ...], out_like: str) -> tuple[list, list]:
+    """CuPy views of named torch inputs and of the caller's outputs (``out``, a tuple of torch tensors
+    named ``out_names``); every input must be a torch tensor. Returns ``(inputs, outputs)``."""
+    for name, x in tensors.items():
+        if not is_torch_tensor(x):
+            raise KernelTypeError(f"{name} must be a torch tensor like q, got {type(x).__name__}")
+    if not isinstance(out, (tuple, list)) or len(out) != len(out_names) or not all(map(is_torch_tensor, out)):
+        raise KernelTypeError(f"out must be a tuple {out_like} of torch tensors")
+    inputs = [torch_to_cupy(name, x) for name, x in tensors.items()]
+    return inputs, [torch_to_cupy(name, x) for name, x in zip(out_names, out)]
+
+
 def torch_stream():
     """CuPy handle of torch's current CUDA stream (use as a context manager around launches)."""
     import cupy

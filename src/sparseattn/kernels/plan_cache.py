@@ -1,6 +1,6 @@
 """The plans a kernel wrapper launches: built once per graph, checked once per tensor size.
 
-Both caches are weak: a plan lives as long as its graph (or the caller's plan object) does.
+Every cache is weak: a plan lives as long as its graph (or the caller's plan object) does.
 """
 
 from __future__ import annotations
@@ -8,8 +8,26 @@ from __future__ import annotations
 import weakref
 
 from ..graph import SparseGraph
-from ..plans import TilePlan, bsa_plan
+from ..plans import TilePlan, bsa_plan, kpage_plan
 from .validate import KernelTypeError, KernelValueError, check_plan
+
+_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cached(owner, key, build):
+    """``build()``, computed once per (``owner``, ``key``) and kept as long as ``owner`` lives."""
+    per = _DERIVED.setdefault(owner, {})
+    value = per.get(key)
+    if value is None:
+        value = per[key] = build()
+    return value
+
+
+def plan_of(graph: SparseGraph, kind: str = "kpage", route="auto", owner: str = "q") -> TilePlan:
+    """The graph's ``"bsa"`` or ``"kpage"`` plan of one orientation, built once per graph."""
+    if kind == "bsa":
+        return cached(graph, ("plan", "bsa", owner), lambda: bsa_plan(graph, owner=owner))
+    return cached(graph, ("plan", kind, route, owner), lambda: kpage_plan(graph, route=route, owner=owner))
 
 
 class PlanCache:
@@ -18,7 +36,6 @@ class PlanCache:
     def __init__(self, owner: str, tile_shapes):
         self.owner = owner
         self.tile_shapes = tuple(tile_shapes)
-        self._plans: weakref.WeakKeyDictionary[SparseGraph, TilePlan] = weakref.WeakKeyDictionary()
         self._checked: weakref.WeakKeyDictionary[TilePlan, set] = weakref.WeakKeyDictionary()
 
     def plan_for(self, graph_or_plan) -> TilePlan:
@@ -26,10 +43,7 @@ class PlanCache:
         if isinstance(graph_or_plan, TilePlan):
             return graph_or_plan
         if isinstance(graph_or_plan, SparseGraph):
-            plan = self._plans.get(graph_or_plan)
-            if plan is None:
-                plan = self._plans[graph_or_plan] = bsa_plan(graph_or_plan, owner=self.owner)
-            return plan
+            return plan_of(graph_or_plan, "bsa", owner=self.owner)
         raise KernelTypeError(
             f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
         )

@@ -46,7 +46,7 @@ class WorkList:
         own_pages: int32 ``[W, 8]``: owned Q page ids, ``-1`` padded.
         own_mask: uint32 ``[W, 8]``: 16-bit row mask of each owned page (0 for padding).
         stream_pages: int32 ``[S]``; stream_mask: uint32 ``[S]``: streamed K/V page ids and row masks.
-        heads, q_pages, k_pages: sizes of the tensors the list indexes.
+        heads: heads the list indexes.
         chunk: keys per chunk (64 or 128) the kernel streams.
     """
 
@@ -57,8 +57,6 @@ class WorkList:
     stream_pages: np.ndarray
     stream_mask: np.ndarray
     heads: int
-    q_pages: int
-    k_pages: int
     chunk: int
 
     @property
@@ -109,15 +107,12 @@ def chunk_for(plans) -> int:
     return chunk
 
 
-def work_list(
-    plans, heads_of=None, q_pages: int | None = None, k_pages: int | None = None, order: str | None = None
-) -> WorkList:
+def work_list(plans, heads_of=None, order: str | None = None) -> WorkList:
     """One work list from owner-``"q"`` plans (validated before: page ids in range).
 
     Args:
         plans: one :class:`TilePlan` (all heads) or a sequence of single-head plans (a HeadStack).
         heads_of: with several plans, the head each plan's head 0 becomes (default ``0, 1, ...``).
-        q_pages, k_pages: page counts of the tensors (default: the plans' mask sizes, max over plans).
         order: ``"head"`` or ``"cost"`` (default :func:`default_order`).
     """
     order = default_order() if order is None else order
@@ -181,7 +176,5 @@ def work_list(
         stream_pages=np.concatenate(parts["stream"]).astype(np.int32),
         stream_mask=np.concatenate(parts["stream_mask"]),
         heads=int(head_base.max()) + 1 if len(plans) > 1 else int(plans[0].heads),
-        q_pages=int(q_pages if q_pages is not None else max(p.own_page_mask.size for p in plans)),
-        k_pages=int(k_pages if k_pages is not None else max(p.stream_page_mask.size for p in plans)),
         chunk=chunk,
     )
