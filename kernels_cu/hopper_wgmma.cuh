@@ -185,6 +185,48 @@ __device__ __forceinline__ void warp_copy_pages(uint32_t tile, int row0, const _
     }
 }
 
+// ---- the two GEMMs of one key chunk ---------------------------------------------------------------
+
+// S = Q·Kᵀ for 64 query rows (starting at aQrows of a Q_ROWS-row Q tile) and one CHUNK-key K tile.
+template <int HEAD_DIM, int CHUNK, int Q_ROWS>
+__device__ __forceinline__ void issue_qk(float (&s)[CHUNK / 2], uint32_t aQrows, uint32_t tK) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const uint32_t col = static_cast<uint32_t>(kk & 3) * 32u;  // k-step inside a 128-byte column block
+        const uint64_t da = smem_desc(aQrows + (kk >> 2) * (Q_ROWS * 128) + col, 16, 1024);
+        const uint64_t db = smem_desc(tK + (kk >> 2) * (CHUNK * 128) + col, 16, 1024);
+        wgmma_ss<CHUNK>(s, da, db, kk > 0);
+    }
+}
+
+// O += P·V over the 16-key k-steps of one CHUNK-key V tile; P as A register fragments.
+template <int HEAD_DIM, int CHUNK>
+__device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const uint32_t (&pa)[CHUNK / PAGE_ROWS][4],
+                                         uint32_t tV) {
+#pragma unroll
+    for (int p = 0; p < CHUNK / PAGE_ROWS; ++p)
+        wgmma_rs_tb<HEAD_DIM>(o, pa[p], smem_desc(tV + p * (PAGE_ROWS * 128), CHUNK * 128, 1024));
+}
+
+// ---- FP8 operands ----------------------------------------------------------------------------------
+
+// Four e4m3 values (the bytes of `w`, lowest first) -> bf16(float32(e4m3) · scale), packed as two bf16x2
+// words in the same order. e4m3 -> f16 is exact; the one rounding is float32 -> bf16 (nearest even).
+__device__ __forceinline__ void dequant_e4m3x4(uint32_t& lo, uint32_t& hi, uint32_t w, float scale) {
+    float f[4];
+    asm("{\n.reg .b16 a, b, h0, h1, h2, h3;\n.reg .b32 x, y;\n"
+        "mov.b32 {a, b}, %4;\n"
+        "cvt.rn.f16x2.e4m3x2 x, a;\n"
+        "cvt.rn.f16x2.e4m3x2 y, b;\n"
+        "mov.b32 {h0, h1}, x;\n"
+        "mov.b32 {h2, h3}, y;\n"
+        "cvt.f32.f16 %0, h0;\ncvt.f32.f16 %1, h1;\ncvt.f32.f16 %2, h2;\ncvt.f32.f16 %3, h3;\n}\n"
+        : "=f"(f[0]), "=f"(f[1]), "=f"(f[2]), "=f"(f[3])
+        : "r"(w));
+    lo = paged::pack_bf16x2(f[0] * scale, f[1] * scale);
+    hi = paged::pack_bf16x2(f[2] * scale, f[3] * scale);
+}
+
 // ---- masked online softmax on the wgmma accumulator layout ----------------------------------------
 
 // Valid-key bits of one thread for a KEYS-wide key tile: bit 2j (2j + 1) = column 8j + 2·t4 (+1), from

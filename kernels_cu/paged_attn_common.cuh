@@ -15,6 +15,7 @@
 typedef unsigned long long uint64_t;
 typedef unsigned int uint32_t;
 typedef unsigned short uint16_t;
+typedef unsigned char uint8_t;
 typedef int int32_t;
 #else
 #include <stdint.h>

@@ -122,27 +122,6 @@ __device__ __forceinline__ WorkItem decode_item(int item, int num_work, const in
     return it;
 }
 
-// S = Q·Kᵀ for 64 query rows (Q tile rows at aQrows, Q tile of PAGED_FWD_Q_ROWS rows) and one K chunk.
-template <int HEAD_DIM, int CHUNK>
-__device__ __forceinline__ void issue_qk(float (&s)[CHUNK / 2], uint32_t aQrows, uint32_t tK) {
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        const uint32_t col = static_cast<uint32_t>(kk & 3) * 32u;  // k-step inside a 128-byte column block
-        const uint64_t da = hopper::smem_desc(aQrows + (kk >> 2) * (PAGED_FWD_Q_ROWS * 128) + col, 16, 1024);
-        const uint64_t db = hopper::smem_desc(tK + (kk >> 2) * (CHUNK * 128) + col, 16, 1024);
-        hopper::wgmma_ss<CHUNK>(s, da, db, kk > 0);
-    }
-}
-
-// O += P·V over the pages (k-steps) of one V chunk; P as A register fragments.
-template <int HEAD_DIM, int CHUNK>
-__device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const uint32_t (&pa)[CHUNK / PAGE_ROWS][4],
-                                         uint32_t tV) {
-#pragma unroll
-    for (int p = 0; p < CHUNK / PAGE_ROWS; ++p)
-        hopper::wgmma_rs_tb<HEAD_DIM>(o, pa[p], hopper::smem_desc(tV + p * (PAGE_ROWS * 128), CHUNK * 128, 1024));
-}
-
 }  // namespace
 
 template <int HEAD_DIM, int CHUNK>
@@ -307,10 +286,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 // S = Q·Kᵀ of this chunk, then O += P·V of the previous one right behind it: no control
                 // flow between the two issues, so the tensor cores run them back to back
                 hopper::wgmma_fence();
-                issue_qk<HEAD_DIM, CHUNK>(s, aQrows, sm.k + buf * C::KV_BYTES);
+                hopper::issue_qk<HEAD_DIM, CHUNK, PAGED_FWD_Q_ROWS>(s, aQrows, sm.k + buf * C::KV_BYTES);
                 hopper::wgmma_commit();
                 if (prev >= 0) {
-                    issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
+                    hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
                     hopper::wgmma_commit();
                     hopper::wgmma_wait<1>();  // S landed; the previous chunk's P·V may still run
                 } else {
@@ -336,7 +315,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 hopper::mbar_wait(sm.v_full(prev), prev_par);
                 hopper::fence_async_proxy();
                 hopper::wgmma_fence();
-                issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
+                hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
                 hopper::wgmma_commit();
                 hopper::wgmma_wait<0>();
                 hopper::pin_registers(o);

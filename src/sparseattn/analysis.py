@@ -123,8 +123,16 @@ _COUNT_FIELDS = (
 
 def _segment_sums(indptr: np.ndarray, values: np.ndarray) -> np.ndarray:
     """int64 ``[len(indptr) - 1]``: sum of ``values`` over each CSR segment (exact integers)."""
-    csum = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+    csum = np.empty(values.size + 1, dtype=np.int64)
+    csum[0] = 0
+    np.cumsum(values, dtype=np.int64, out=csum[1:])
     return csum[indptr[1:]] - csum[indptr[:-1]]
+
+
+def _k_pair_stats(graph: SparseGraph) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``[nnz]``: valid rows and live pages of each selected pair's K block (shared by the
+    counts and the fill histograms of one graph)."""
+    return graph.k.valid_rows[graph.indices], graph.k.live_pages[graph.indices]
 
 
 def _kpage_row_physical(q_live_pages: np.ndarray, row_k_pages: np.ndarray, route) -> np.ndarray:
@@ -144,16 +152,18 @@ def graph_counts(graph: SparseGraph, route="auto") -> PairCounts:
     """
     if not isinstance(graph, SparseGraph):
         raise AnalysisError(f"graph must be a SparseGraph, got {type(graph).__name__}")
-    route = parse_route(route)
+    return _graph_counts(graph, parse_route(route), *_k_pair_stats(graph))
+
+
+def _graph_counts(graph: SparseGraph, route, k_valid: np.ndarray, k_pages: np.ndarray) -> PairCounts:
     q, k = graph.q, graph.k
     nbq = q.num_blocks
     q_block = np.arange(graph.num_rows, dtype=np.int64) % nbq
     q_has_rows = q.valid_rows[q_block] > 0
-    kb = graph.indices.astype(np.int64)
 
     row_pairs = np.diff(graph.indptr) * q_has_rows
-    row_k_valid = _segment_sums(graph.indptr, k.valid_rows[kb])
-    row_k_pages = _segment_sums(graph.indptr, k.live_pages[kb])
+    row_k_valid = _segment_sums(graph.indptr, k_valid)
+    row_k_pages = _segment_sums(graph.indptr, k_pages)
     q_live = q.live_pages[q_block]
 
     rows = {
@@ -234,27 +244,42 @@ def pair_fill(graph: SparseGraph) -> np.ndarray:
 
 def graph_fill(graph: SparseGraph) -> BlockFill:
     """Block-fill histograms of ``graph`` (layout histograms counted once per head)."""
+    return _graph_fill(graph, *_k_pair_stats(graph))
+
+
+def _graph_fill(graph: SparseGraph, k_valid: np.ndarray, k_pages: np.ndarray) -> BlockFill:
     q_rows, q_pages = layout_fill(graph.q)
-    k_rows, k_pages = layout_fill(graph.k)
-    kb = graph.indices.astype(np.int64)
+    k_rows, k_pages_hist = layout_fill(graph.k)
     return BlockFill(
         q_valid_rows=q_rows * graph.heads,
         k_valid_rows=k_rows * graph.heads,
         q_live_pages=q_pages * graph.heads,
-        k_live_pages=k_pages * graph.heads,
-        selected_k_valid_rows=np.bincount(graph.k.valid_rows[kb], minlength=graph.k.block_size + 1),
-        selected_k_live_pages=np.bincount(graph.k.live_pages[kb], minlength=graph.k.pages_per_block + 1),
-        pair_fill=_pair_fill_hist(graph),
+        k_live_pages=k_pages_hist * graph.heads,
+        selected_k_valid_rows=np.bincount(k_valid, minlength=graph.k.block_size + 1),
+        selected_k_live_pages=np.bincount(k_pages, minlength=graph.k.pages_per_block + 1),
+        pair_fill=_pair_fill_hist(graph, k_valid),
     )
 
 
-def _pair_fill_hist(graph: SparseGraph) -> np.ndarray:
-    """Selected pairs per ``PAIR_FILL_BINS`` bin, in exact integer arithmetic (last bin closed)."""
+def _pair_fill_hist(graph: SparseGraph, k_valid: np.ndarray) -> np.ndarray:
+    """Selected pairs per ``PAIR_FILL_BINS`` bin, in exact integer arithmetic (last bin closed).
+
+    Pairs are counted by (Q valid rows, K valid rows) first when there are fewer such combinations
+    than pairs, then each combination goes to its bin.
+    """
     nbins = PAIR_FILL_BINS.size - 1
+    bq, bk = graph.q.block_size, graph.k.block_size
     q_rows = graph.q.valid_rows[np.arange(graph.num_rows) % graph.q.num_blocks]
-    useful = np.repeat(q_rows, np.diff(graph.indptr)) * graph.k.valid_rows[graph.indices]
-    tile = graph.q.block_size * graph.k.block_size
-    return np.bincount(np.minimum(useful * nbins // tile, nbins - 1), minlength=nbins).astype(np.int64)
+    combos = (bq + 1) * (bk + 1)
+    if combos > k_valid.size:  # few pairs: bin each pair
+        useful = np.repeat(q_rows, np.diff(graph.indptr)) * k_valid
+        counts = np.bincount(np.minimum(useful * nbins // (bq * bk), nbins - 1), minlength=nbins)
+        return counts.astype(np.int64)
+    combo = np.repeat(q_rows * (bk + 1), np.diff(graph.indptr))
+    combo += k_valid
+    vq, vk = np.divmod(np.arange(combos, dtype=np.int64), bk + 1)
+    bins = np.minimum(vq * vk * nbins // (bq * bk), nbins - 1)
+    return np.bincount(bins, weights=np.bincount(combo, minlength=combos), minlength=nbins).astype(np.int64)
 
 
 # --- workload reports -----------------------------------------------------------------------------
@@ -377,10 +402,15 @@ def _report(graphs, workload="", layers=1, route="auto", head_dim=None, descript
     layers = _check_positive_int("layers", layers)
     if head_dim is not None:
         head_dim = _check_positive_int("head_dim", head_dim)
-    counts = PairCounts.concat([graph_counts(g, route) for g in graphs])
-    fill = graph_fill(graphs[0])
-    for g in graphs[1:]:
-        fill = fill + graph_fill(g)
+    route = parse_route(route)
+    counts, fill = [], None
+    for g in graphs:
+        if not isinstance(g, SparseGraph):
+            raise AnalysisError(f"graph must be a SparseGraph, got {type(g).__name__}")
+        stats = _k_pair_stats(g)
+        counts.append(_graph_counts(g, route, *stats))
+        fill = _graph_fill(g, *stats) if fill is None else fill + _graph_fill(g, *stats)
+    counts = PairCounts.concat(counts)
     name = workload or graphs[0].name
     return OccupancyReport(name, layers, counts, fill, head_dim, description)
 

@@ -130,16 +130,24 @@ def token_groups(layout: BlockLayout, level: str = "block") -> np.ndarray:
     return block if level == "block" else layout.block_group[block]
 
 
-def group_means(groups: np.ndarray, x: np.ndarray, num_groups: int):
-    """Means of the rows of ``x`` ``[n, d]`` per group over the rows present (valid tokens only).
-
-    Returns ``(means float32 [num_groups, d], counts int64 [num_groups])``; empty groups have zero means.
-    """
+def group_averager(groups: np.ndarray, num_groups: int) -> tuple[sp.csr_matrix, np.ndarray]:
+    """``(avg, counts)``: float32 CSR ``[num_groups, n]`` with ``avg @ x`` the group means of ``x``'s
+    rows, and int64 ``counts [num_groups]``. Build it once to average several arrays over one grouping."""
     counts = np.bincount(groups, minlength=num_groups).astype(np.int64)
     inv = 1.0 / np.maximum(counts, 1)
     avg = sp.csr_matrix(
         (inv[groups].astype(np.float32), (groups, np.arange(groups.size))), shape=(num_groups, groups.size)
     )
+    return avg, counts
+
+
+def group_means(groups: np.ndarray, x: np.ndarray, num_groups: int, averager=None):
+    """Means of the rows of ``x`` ``[n, d]`` per group over the rows present (valid tokens only).
+
+    Returns ``(means float32 [num_groups, d], counts int64 [num_groups])``; empty groups have zero means.
+    ``averager``: :func:`group_averager` of ``(groups, num_groups)``, when already built.
+    """
+    avg, counts = group_averager(groups, num_groups) if averager is None else averager
     return np.asarray(avg @ np.asarray(x, dtype=np.float32), dtype=np.float32), counts
 
 
@@ -360,7 +368,7 @@ def _topk_rows(scores: np.ndarray, topk: int, alive_cols: np.ndarray) -> np.ndar
     rows = scores.shape[0]
     if m == 0:
         return np.zeros((rows, 0), dtype=np.int64)
-    neg = np.where(alive_cols[None, :], -scores, np.inf)
+    neg = -scores if alive_cols.all() else np.where(alive_cols[None, :], -scores, np.inf)
     if m == neg.shape[1]:
         return np.broadcast_to(np.arange(m, dtype=np.int64), neg.shape).copy()
     kth = np.partition(neg, m - 1, axis=1)[:, m - 1 : m]
@@ -408,10 +416,12 @@ def ssta_graph(
         mask[sta_tile_pairs(vg.tiles_per_axis, w, clamp)] = True
         windows[w] = mask
 
+    averager = group_averager(groups, nt)  # the same for Q, K and every head
+
     def one_head(h: int) -> np.ndarray:
         qh, kh = feats.head(h)
-        qm, _ = group_means(groups, qh, nt)
-        km, kc = group_means(groups, kh, nt)
+        qm, _ = group_means(groups, qh, nt, averager)
+        km, kc = group_means(groups, kh, nt, averager)
         sel = _topk_rows(qm @ km.T, topk, kc > 0)
         mask = windows[win[h]].copy()
         mask[np.arange(nt)[:, None], sel] = True
@@ -447,10 +457,12 @@ def vsa_graph(
     blocks = token_groups(layout, "block")
     alive = layout.valid_rows > 0
 
+    averager = group_averager(blocks, nb)  # the same for Q, K and every head
+
     def one_head(h: int) -> np.ndarray:
         qh, kh = feats.head(h)
-        qm, _ = group_means(blocks, qh, nb)
-        km, _ = group_means(blocks, kh, nb)
+        qm, _ = group_means(blocks, qh, nb, averager)
+        km, _ = group_means(blocks, kh, nb, averager)
         return _topk_rows(qm @ km.T, topk, alive)
 
     return _graph_from_rows(layout, layout, _map_heads(one_head, feats.ids, workers), name)
@@ -622,6 +634,10 @@ def svg2_graph(
         gi, gj = svg2_select(qc, kc, k_sizes, feats.head_dim, top_p, min_fraction)
         mask = sp.csr_matrix((np.ones(gi.size, dtype=np.int32), (gi, gj)), shape=(q_clusters, k_clusters))
         return graph_from_group_masks(q_lay, k_lay, [mask], f"{name} head {h}", q_clusters, k_clusters)
+
+    # Load scipy's own BLAS (k-means) before _map_heads limits BLAS to one thread: a library loaded
+    # inside the limit keeps its default thread count and oversubscribes the cores.
+    import scipy.cluster.vq  # noqa: F401
 
     return _map_heads(one_head, feats.ids, workers)
 

@@ -584,7 +584,7 @@ def load_bench():
 
 def _add_bench_parser(sub, bench) -> None:
     """The ``bench`` subcommand; its arguments come from ``bench.add_arguments`` when it is loaded."""
-    help_text = "benchmark the CUDA kernels on a GPU (needs the gpu extra)"
+    help_text = "benchmark the CUDA kernels on a GPU (needs the gpu extra); 'bench pageweaver --help': PageWeaver's suite"
     if bench is None:
         sub.add_parser("bench", help=help_text, add_help=False)
         return
@@ -688,6 +688,12 @@ def _error(message: str, code: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     bench = None
+    if argv[:2] == ["bench", "pageweaver"]:  # PageWeaver's complete-call suite has its own arguments
+        try:
+            from .pageweaver import kernel_bench
+        except ImportError as err:
+            return _error(err, EXIT_UNAVAILABLE)
+        return kernel_bench.main(argv[2:], prog=f"{PROG} bench pageweaver")
     if argv and argv[0] == "bench":
         try:
             bench = load_bench()

@@ -66,28 +66,32 @@ def _head_rngs(seed: int, head: int):
     return [np.random.default_rng(s) for s in ss.spawn(3)]  # structure, q noise, k noise
 
 
-def _fourier(where, omega: np.ndarray, phase: np.ndarray) -> np.ndarray:
-    """float32 ``[tokens, F]``: ``sqrt(2/F) cos(omega @ x + phase)``.
+def _fourier_chunks(where, omega: np.ndarray, phase: np.ndarray):
+    """``sqrt(2/F) cos(omega @ x + phase)`` in pieces: yields ``(start, stop, float32 [stop - start, F])``
+    for consecutive token ranges (each piece is only valid until the next one is asked for).
 
     ``where`` is a grid ``(T, H, W)`` (computed separably: one complex product per token and feature,
     no per-token cosine, a few frames at a time so the temporaries stay in cache) or positions
-    ``[tokens, 3]``.
+    ``[tokens, 3]`` (one piece).
     """
     F = omega.shape[0]
     amp = np.sqrt(2.0 / F)
-    if isinstance(where, tuple):
-        T, H, W = where
-        et = np.exp(1j * (omega[:, 0, None] * np.arange(T) + phase[:, None])).astype(np.complex64)
-        eh = np.exp(1j * omega[:, 1, None] * np.arange(H)).astype(np.complex64)
-        ew = np.exp(1j * omega[:, 2, None] * np.arange(W)).astype(np.complex64)
-        out = np.empty((T * H * W, F), dtype=np.float32)
-        frames = max(1, _FOURIER_CHUNK_TOKENS // (H * W))
-        for t0 in range(0, T, frames):
-            t1 = min(T, t0 + frames)
-            field = (et[:, t0:t1, None, None] * eh[:, None, :, None]) * ew[:, None, None, :]
-            np.multiply(field.real.reshape(F, -1).T, amp, out=out[t0 * H * W : t1 * H * W])
-        return out
-    return (amp * np.cos(where @ omega.T + phase)).astype(np.float32)
+    if not isinstance(where, tuple):
+        out = (amp * np.cos(where @ omega.T + phase)).astype(np.float32)
+        yield 0, out.shape[0], out
+        return
+    T, H, W = where
+    et = np.exp(1j * (omega[:, 0, None] * np.arange(T) + phase[:, None])).astype(np.complex64)
+    eh = np.exp(1j * omega[:, 1, None] * np.arange(H)).astype(np.complex64)
+    ew = np.exp(1j * omega[:, 2, None] * np.arange(W)).astype(np.complex64)
+    frames = max(1, _FOURIER_CHUNK_TOKENS // (H * W))
+    buf = np.empty((frames * H * W, F), dtype=np.float32)
+    for t0 in range(0, T, frames):
+        t1 = min(T, t0 + frames)
+        field = (et[:, t0:t1, None, None] * eh[:, None, :, None]) * ew[:, None, None, :]
+        m = (t1 - t0) * H * W
+        np.multiply(field.real.reshape(F, -1).T, amp, out=buf[:m])
+        yield t0 * H * W, t1 * H * W, buf[:m]
 
 
 def _as_where(grid=None, positions=None):
@@ -152,15 +156,24 @@ def _draw_factors(head: int, where, n: int, r: int, dim: int, seed: int):
 
     s = np.sqrt(dim)
     noise_amp = np.float32(np.sqrt(s / np.sqrt(NOISE_DIMS)))
+    local_amp = np.float32(np.sqrt(local_logit * s))
+    salience_amp = np.float32(np.sqrt(salience_logit * s))
     zq = np.empty((n, r), dtype=np.float32)
     zk = np.empty((n, r), dtype=np.float32)
-    np.multiply(_fourier(where, omega, phase), np.float32(np.sqrt(local_logit * s)), out=zq[:, :F])  # phi
-    zk[:, :F] = zq[:, :F]
-    psi = _fourier(where, omega_s, phase_s).sum(axis=1)  # unit variance
-    zq[:, F] = np.float32(np.sqrt(salience_logit * s))
-    zk[:, F] = psi * np.float32(np.sqrt(salience_logit * s))
-    zq[:, F + 1 :] = rng_q.standard_normal((n, NOISE_DIMS), dtype=np.float32) * noise_amp
-    zk[:, F + 1 :] = rng_k.standard_normal((n, NOISE_DIMS), dtype=np.float32) * noise_amp
+    # Piece by piece, so each piece is scaled and copied while it is in cache.
+    for start, stop, phi in _fourier_chunks(where, omega, phase):
+        np.multiply(phi, local_amp, out=zq[start:stop, :F])
+        zk[start:stop, :F] = zq[start:stop, :F]
+    for start, stop, f in _fourier_chunks(where, omega_s, phase_s):
+        # psi = f.sum(axis=1) (unit variance), added term by term as np.sum does for so few terms
+        # (fewer than 8: no pairwise split), about 10x faster than a reduction over a short axis.
+        psi = f[:, 0] + f[:, 1]
+        for c in range(2, SALIENCE_FEATURES):
+            psi += f[:, c]
+        np.multiply(psi, salience_amp, out=zk[start:stop, F])
+    zq[:, F] = salience_amp
+    np.multiply(rng_q.standard_normal((n, NOISE_DIMS), dtype=np.float32), noise_amp, out=zq[:, F + 1 :])
+    np.multiply(rng_k.standard_normal((n, NOISE_DIMS), dtype=np.float32), noise_amp, out=zk[:, F + 1 :])
     return zq, zk
 
 

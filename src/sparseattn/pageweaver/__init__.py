@@ -5,6 +5,9 @@
 * :mod:`.grouping` — adjacent and affinity groupings (numpy reference), union sizes;
 * :mod:`.grouping_gpu` — the same affinity search as a CuPy kernel (``kernels_cu/pw_grouping.cu``);
 * :mod:`.analysis` — page loads, physical pairs and occupancy of per-query vs union paths;
+* :mod:`.union_plan` — per-group page unions with member masks, their validation and numpy emulator;
+* :mod:`.fp8` — paged e4m3 K/V cache with per-(KV head, page) scales;
+* :mod:`.reference` — float64 reference of per-query paged sparse attention (GQA);
 * :mod:`.gpu_bench` — ``python -m sparseattn.pageweaver.gpu_bench --out DIR``.
 
 Names are imported lazily, so ``python -m sparseattn.pageweaver.<module>`` runs each module once.
@@ -34,6 +37,17 @@ _EXPORTS = {
     ),
     "quest": ("quest_select",),
     "analysis": ("analyze_capture", "analyze_captures", "grouping_counts"),
+    "union_plan": (
+        "build_union_plan",
+        "MEMBER_SLOTS",
+        "UnionPlan",
+        "UnionPlanError",
+        "emulate_union",
+        "union_counts",
+        "validate_union_plan",
+    ),
+    "fp8": ("Fp8CacheError", "Fp8KVCache", "dequantize", "quantize_kv", "random_cache"),
+    "reference": ("paged_attention_reference",),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = [name for names in _EXPORTS.values() for name in names]

@@ -1,0 +1,524 @@
+// PageWeaver's ID-aware union attention forward on Hopper (sm_90a): FP8 (e4m3) paged K/V, bf16 Q.
+//
+// A work item is (KV head h, query group g). The group is a CSR slice of query ids (ids[offsets[g] ..
+// offsets[g+1]), at most 8 members); nothing is reordered on the host. A grouping made on the GPU may
+// hold its group count on the device (group_count; groups past it are empty items). Its rows are (query head of h,
+// member): row r = 8·hl + m holds query head h·G + hl of member m (G = q_heads / kv_heads ≤ 16), so the
+// tile has 8·G rows: 64 rows (G ≤ 8, the two consumer warpgroups split the keys) or 128 (G = 16, they
+// split the rows), the routes of the KPage skeleton (paged_fwd.cu), whose consumer loop this kernel runs.
+//
+// The producer warpgroup builds the group's union itself: it ORs the members' selected pages into one
+// page bitset per member in shared memory, then compacts the union of the bitsets into an ascending page
+// list with a member bitmask per page (bit m: member m selected it). The union's keys — the pages back
+// to back, PAGE keys each — stream in chunks of 64 keys: cp.async copies the e4m3 rows into a staging
+// ring (PW_NSTAGE chunks in flight, each thread later reads only the bytes it copied itself), and the
+// same thread dequantises them, bf16(float32(e4m3) · scale[h, page]), into the 128-byte-swizzled bf16
+// K/V chunk buffers the wgmma consumers read. Per chunk the producer also publishes, per 16 keys, the
+// key position of the first key (−1: no key) and the member mask; a consumer thread (member m = its
+// lane / 4) keeps key j iff bit m is set, j < context and, causal, j ≤ positions[id]: each member
+// attends exactly to its own pages although the tile computes the union.
+//
+// Each query's O row (bf16 [q_heads, num_queries, 128]) and LSE (fp32 [q_heads, num_queries], natural
+// log) are written once, by id, by the CTA that owns its group: no partial outputs. A query without a
+// valid key gets O = 0, LSE = −inf. Every id, page and row is range-checked before use.
+#include "hopper_wgmma.cuh"
+
+// Geometry mirrored in sparseattn/kernels/pageweaver.py.
+#define PW_THREADS 384
+#define PW_HEAD_DIM 128
+#define PW_Q_ROWS 128        // Q tile rows (8 members x up to 16 query heads)
+#define PW_CHUNK 64          // keys per chunk
+#ifndef PW_NBUF
+#define PW_NBUF 4            // bf16 K and V chunk buffers
+#endif
+#ifndef PW_NSTAGE
+#define PW_NSTAGE 3          // e4m3 chunks in flight (staging ring)
+#endif
+#define PW_MEMBERS 8         // query ids per group
+#define PW_MAX_SELECTED 64   // columns of the capture's page table the kernel reads per query
+#define PW_MAX_PAGES 8192    // pages per head the union bitsets cover
+#define PW_PRODUCER_REGS 72
+#define PW_CONSUMER_REGS 208
+
+namespace {
+
+constexpr int kProducerThreads = 128;
+constexpr int kConsumerWarps = 8;
+constexpr int kWords = PW_MAX_PAGES / 32;                // bitset words per member
+constexpr int kMaxUnion = PW_MEMBERS * PW_MAX_SELECTED;  // union pages per group, at most
+constexpr int kQBytes = PW_Q_ROWS * PW_HEAD_DIM * 2;
+constexpr int kTileBytes = PW_CHUNK * PW_HEAD_DIM * 2;   // one bf16 K or V chunk
+constexpr int kStageBytes = PW_CHUNK * PW_HEAD_DIM;      // one e4m3 K or V chunk
+constexpr int kSubPages = PW_CHUNK / PAGE_ROWS;          // 16-key parts of a chunk
+constexpr int kSmallBytes = 8 * (4 * PW_NBUF + 6) + 8 * PW_NBUF * kSubPages + 16 + 2 * 64 * 4 + 32;
+constexpr int kScaleBytes = PW_NSTAGE * kProducerThreads * 8;  // (k, v) scale of each thread's staged row
+constexpr int kSmemBytes = 1024 + kQBytes + 2 * PW_NBUF * kTileBytes + 2 * PW_NSTAGE * kStageBytes + kScaleBytes +
+                           4 * PW_MEMBERS * kWords + 8 * kMaxUnion + kSmallBytes;
+static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory limit");
+static_assert(64 * PW_HEAD_DIM * 4 <= kQBytes, "the key-split merge staging must fit the Q buffer");
+static_assert(kWords == 2 * kProducerThreads, "the union compaction gives each producer thread two words");
+
+// Shared-memory map: [1024-aligned] Q | K ring | V ring | staging | staged scales | bitsets | union list | small
+struct UnionSmem {
+    uint32_t q, k, v, stage, scales, bars;
+    unsigned char* base;  // generic pointer of `q`
+    uint32_t* bits;       // [PW_MEMBERS][kWords]
+    int2* list;           // [kMaxUnion] (page, member mask)
+    int2* kinfo;          // [PW_NBUF][kSubPages] (first key position or -1, member mask)
+    volatile int* items;  // [2] item ring
+    float* stats;         // [2][64] max and sum of the key-split merge
+    int* scan;            // [4] warp totals of the compaction
+    volatile int* ulen;   // union length of the item whose Q tile is loaded (guarded by q_full/q_empty)
+
+    __device__ __forceinline__ UnionSmem(unsigned char* raw_ptr) {
+        const uint32_t raw = paged::smem_u32(raw_ptr);
+        q = (raw + 1023u) & ~1023u;
+        base = raw_ptr + (q - raw);
+        k = q + kQBytes;
+        v = k + PW_NBUF * kTileBytes;
+        stage = v + PW_NBUF * kTileBytes;
+        scales = stage + 2 * PW_NSTAGE * kStageBytes;
+        const uint32_t bits_addr = scales + kScaleBytes;
+        bits = reinterpret_cast<uint32_t*>(base + (bits_addr - q));
+        list = reinterpret_cast<int2*>(bits + PW_MEMBERS * kWords);
+        bars = bits_addr + 4 * PW_MEMBERS * kWords + 8 * kMaxUnion;
+        unsigned char* small = base + (bars - q);
+        kinfo = reinterpret_cast<int2*>(small + 8 * (4 * PW_NBUF + 6));
+        items = reinterpret_cast<volatile int*>(kinfo + PW_NBUF * kSubPages);
+        stats = reinterpret_cast<float*>(small + 8 * (4 * PW_NBUF + 6) + 8 * PW_NBUF * kSubPages + 16);
+        scan = reinterpret_cast<int*>(stats + 2 * 64);
+        ulen = scan + 4;
+    }
+    __device__ __forceinline__ uint32_t k_full(int i) const { return bars + 8 * i; }
+    __device__ __forceinline__ uint32_t k_empty(int i) const { return bars + 8 * (PW_NBUF + i); }
+    __device__ __forceinline__ uint32_t v_full(int i) const { return bars + 8 * (2 * PW_NBUF + i); }
+    __device__ __forceinline__ uint32_t v_empty(int i) const { return bars + 8 * (3 * PW_NBUF + i); }
+    __device__ __forceinline__ uint32_t q_full() const { return bars + 8 * (4 * PW_NBUF); }
+    __device__ __forceinline__ uint32_t q_empty() const { return bars + 8 * (4 * PW_NBUF + 1); }
+    __device__ __forceinline__ uint32_t item_full(int i) const { return bars + 8 * (4 * PW_NBUF + 2 + i); }
+    __device__ __forceinline__ uint32_t item_empty(int i) const { return bars + 8 * (4 * PW_NBUF + 4 + i); }
+    __device__ __forceinline__ uint32_t stage_k(int s) const { return stage + s * 2 * kStageBytes; }
+    __device__ __forceinline__ uint32_t stage_v(int s) const { return stage + s * 2 * kStageBytes + kStageBytes; }
+    __device__ __forceinline__ uint32_t stage_scale(int s, int t) const { return scales + (s * kProducerThreads + t) * 8; }
+};
+
+// One work item: KV head, group, member range (validated on the host, clamped here).
+struct UnionItem {
+    int head, group, first, size;
+};
+
+__device__ __forceinline__ UnionItem decode_union_item(int item, int num_groups, const int* __restrict__ offsets,
+                                                       const int* __restrict__ group_count, int num_queries) {
+    UnionItem it;
+    it.head = item / num_groups;
+    it.group = item - it.head * num_groups;
+    const int live = group_count ? min(*group_count, num_groups) : num_groups;  // a device grouping's count
+    int a = 0, b = 0;
+    if (it.group < live) {
+        a = offsets[it.group];
+        b = offsets[it.group + 1];
+    }
+    a = __shfl_sync(0xffffffffu, a, 0);
+    b = __shfl_sync(0xffffffffu, b, 0);
+    it.first = min(max(a, 0), num_queries);
+    it.size = min(max(b - it.first, 0), min(PW_MEMBERS, num_queries - it.first));
+    return it;
+}
+
+// The 16-key part `sub` of chunk c: (position of its first key or -1, member mask, page).
+struct SubPage {
+    int base, mask, page;
+};
+
+__device__ __forceinline__ SubPage sub_page(const int2* list, int union_len, int c, int sub, int log2_page) {
+    const int u0 = c * PW_CHUNK + sub * PAGE_ROWS;
+    const int e = u0 >> log2_page;
+    SubPage sp{-1, 0, 0};
+    if (e < union_len) {
+        const int2 entry = list[e];
+        sp.page = entry.x;
+        sp.mask = entry.y;
+        sp.base = (entry.x << log2_page) + (u0 & ((1 << log2_page) - 1));
+    }
+    return sp;
+}
+
+}  // namespace
+
+__global__ void __launch_bounds__(PW_THREADS, 1)
+pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restrict__ K, const uint8_t* __restrict__ V,
+                    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                    __nv_bfloat16* __restrict__ O, float* __restrict__ LSE, const int* __restrict__ ids,
+                    const int* __restrict__ offsets, const int* __restrict__ group_count,
+                    const int* __restrict__ pages, const int* __restrict__ positions,
+                    int* __restrict__ item_counter, int num_groups, int kv_heads, int gqa, int num_queries,
+                    int selected, int num_pages, int log2_page, int context, int causal, float scale_log2) {
+    using namespace hopper;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const UnionSmem sm(smem_raw);
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int total_items = num_groups * kv_heads;
+    const int kv_rows = num_pages << log2_page;
+    const int q_heads = kv_heads * gqa;
+    const int rows = PW_MEMBERS * gqa;
+
+    if (tid == 0) {
+        for (int i = 0; i < PW_NBUF; ++i) {
+            mbar_init(sm.k_full(i), kProducerThreads);
+            mbar_init(sm.v_full(i), kProducerThreads);
+            mbar_init(sm.k_empty(i), kConsumerWarps);
+            mbar_init(sm.v_empty(i), kConsumerWarps);
+        }
+        mbar_init(sm.q_full(), kProducerThreads);
+        mbar_init(sm.q_empty(), kConsumerWarps);
+        for (int i = 0; i < 2; ++i) {
+            mbar_init(sm.item_full(i), 1);
+            mbar_init(sm.item_empty(i), kConsumerWarps + kProducerThreads / 32);
+        }
+    }
+    __syncthreads();
+
+    const int role = __shfl_sync(0xffffffffu, tid / 128, 0);
+    if (role == 0) {
+        // ================================ producer ================================
+        regs_release<PW_PRODUCER_REGS>();
+        const int pwarp = tid >> 5;
+        const int words = min((num_pages + 31) >> 5, kWords);
+        const int crow = tid >> 1;  // K/V chunk row this thread copies and dequantises (half `chalf`)
+        const int chalf = tid & 1;
+        int chunk_count = 0;
+        for (int k = 0;; ++k) {
+            const int islot = k & 1;
+            const uint32_t ipar = (k >> 1) & 1;
+            if (tid == 0) {
+                const int ticket = atomicAdd(item_counter, 1);
+                mbar_wait(sm.item_empty(islot), ipar ^ 1u);
+                sm.items[islot] = ticket < total_items ? ticket : -1;
+                mbar_arrive(sm.item_full(islot));
+            }
+            mbar_wait(sm.item_full(islot), ipar);
+            const int item = __shfl_sync(0xffffffffu, sm.items[islot], 0);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(sm.item_empty(islot));
+            if (item < 0) break;
+            const UnionItem it = decode_union_item(item, num_groups, offsets, group_count, num_queries);
+
+            // ---- the group's union: member bitsets, then the ascending page list with member masks
+            named_sync(3, kProducerThreads);  // every thread is done with the previous item's list
+            for (int i = tid; i < PW_MEMBERS * words; i += kProducerThreads)
+                sm.bits[(i / words) * kWords + i % words] = 0u;
+            named_sync(3, kProducerThreads);
+            for (int e = tid; e < it.size * selected; e += kProducerThreads) {
+                const int m = e / selected;
+                const int id = ids[it.first + m];
+                if (static_cast<unsigned>(id) >= static_cast<unsigned>(num_queries)) continue;
+                const int p = pages[static_cast<size_t>(id) * selected + (e - m * selected)];
+                if (static_cast<unsigned>(p) < static_cast<unsigned>(num_pages))
+                    atomicOr(sm.bits + m * kWords + (p >> 5), 1u << (p & 31));
+            }
+            named_sync(3, kProducerThreads);
+            uint32_t uw[2] = {0u, 0u};
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int w = 2 * tid + j;
+                if (w < words) {
+#pragma unroll
+                    for (int m = 0; m < PW_MEMBERS; ++m) uw[j] |= sm.bits[m * kWords + w];
+                }
+            }
+            const int count = __popc(uw[0]) + __popc(uw[1]);
+            int incl = count;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int n = __shfl_up_sync(0xffffffffu, incl, d);
+                if (lane >= d) incl += n;
+            }
+            if (lane == 31) sm.scan[pwarp] = incl;
+            named_sync(3, kProducerThreads);
+            int at = incl - count;
+            for (int w = 0; w < pwarp; ++w) at += sm.scan[w];
+            const int union_len = min(sm.scan[0] + sm.scan[1] + sm.scan[2] + sm.scan[3], kMaxUnion);
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                uint32_t rest = uw[j];
+                while (rest) {
+                    const int b = __ffs(rest) - 1;
+                    rest &= rest - 1u;
+                    const int w = 2 * tid + j;
+                    int mask = 0;
+#pragma unroll
+                    for (int m = 0; m < PW_MEMBERS; ++m) mask |= ((sm.bits[m * kWords + w] >> b) & 1u) << m;
+                    if (at < kMaxUnion) sm.list[at] = make_int2(32 * w + b, mask);
+                    ++at;
+                }
+            }
+            named_sync(3, kProducerThreads);
+
+            // ---- Q rows by id: thread t copies 16-byte chunk t % 16 of rows t / 16 + 8i
+            mbar_wait(sm.q_empty(), (k & 1) ^ 1u);
+            if (tid == 0) *sm.ulen = union_len;
+            {
+                const int ch = tid & 15;
+#pragma unroll 4
+                for (int i = 0; i < PW_Q_ROWS / 8; ++i) {
+                    const int r = (tid >> 4) + 8 * i;
+                    const int hl = r >> 3, m = r & 7;
+                    const int id = (r < rows && m < it.size) ? ids[it.first + m] : -1;
+                    const bool valid = static_cast<unsigned>(id) < static_cast<unsigned>(num_queries);
+                    const __nv_bfloat16* src =
+                        valid ? Q + ((static_cast<size_t>(it.head) * gqa + hl) * num_queries + id) * PW_HEAD_DIM + ch * 8
+                              : Q;
+                    paged::cp_async_16_zfill(sm.q + tile_offset<PW_Q_ROWS>(r, ch), src, valid);
+                }
+            }
+            paged::cp_async_commit();
+            mbar_track_cp_async(sm.q_full());
+            mbar_arrive(sm.q_full());
+
+            // ---- K/V chunks through the staging ring
+            const int chunks = ((union_len << log2_page) + PW_CHUNK - 1) / PW_CHUNK;
+            const size_t head_rows = static_cast<size_t>(it.head) * kv_rows;
+            // this thread's key row of chunk c (-1: none) and its page's scale entry
+            auto row_of = [&](int c, int& scale_at) {
+                const SubPage sp = sub_page(sm.list, union_len, c, crow >> 4, log2_page);
+                const int pos = sp.base + (crow & 15);
+                const bool ok = sp.base >= 0 && pos < context && static_cast<unsigned>(sp.page) < static_cast<unsigned>(num_pages);
+                scale_at = it.head * num_pages + (ok ? sp.page : 0);
+                return ok ? pos : -1;
+            };
+            // chunk c's e4m3 row half and its two scales into staging slot c % PW_NSTAGE (read back by this
+            // thread only, once its own cp.async group has completed)
+            auto issue_stage = [&](int c) {
+                int scale_at;
+                const int pos = row_of(c, scale_at);
+                const int s = c % PW_NSTAGE;
+#ifndef PW_NO_LOAD
+                const size_t src = (head_rows + static_cast<size_t>(pos < 0 ? 0 : pos)) * PW_HEAD_DIM + chalf * 64;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const uint32_t off = crow * 128 + ((((chalf << 2) + i) ^ (crow & 7)) << 4);
+                    paged::cp_async_16_zfill(sm.stage_k(s) + off, K + src + 16 * i, pos >= 0);
+                    paged::cp_async_16_zfill(sm.stage_v(s) + off, V + src + 16 * i, pos >= 0);
+                }
+#endif
+                paged::cp_async_4_zfill(sm.stage_scale(s, tid), k_scale + scale_at, pos >= 0);
+                paged::cp_async_4_zfill(sm.stage_scale(s, tid) + 4, v_scale + scale_at, pos >= 0);
+            };
+            auto dequant = [&](int s, uint32_t staged, uint32_t tile, int which) {
+#ifndef PW_NO_DEQUANT
+                float scale;
+                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(scale) : "r"(sm.stage_scale(s, tid) + 4 * which));
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const uint32_t off = crow * 128 + ((((chalf << 2) + i) ^ (crow & 7)) << 4);
+                    uint32_t w[4];
+                    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                                 : "r"(staged + off));
+                    uint32_t out[8];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) dequant_e4m3x4(out[2 * j], out[2 * j + 1], w[j], scale);
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const uint32_t dst = tile + tile_offset<PW_CHUNK>(crow, chalf * 8 + 2 * i + h);
+                        asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(out[4 * h]),
+                                     "r"(out[4 * h + 1]), "r"(out[4 * h + 2]), "r"(out[4 * h + 3])
+                                     : "memory");
+                    }
+                }
+#endif
+            };
+#pragma unroll 1
+            for (int c = 0; c < PW_NSTAGE - 1; ++c) {
+                if (c < chunks) issue_stage(c);
+                paged::cp_async_commit();
+            }
+#pragma unroll 1
+            for (int c = 0; c < chunks; ++c, ++chunk_count) {
+                if (c + PW_NSTAGE - 1 < chunks) issue_stage(c + PW_NSTAGE - 1);
+                paged::cp_async_commit();
+                paged::cp_async_wait<PW_NSTAGE - 1>();  // this thread's copies of chunk c have landed
+                const int buf = chunk_count % PW_NBUF;
+                const uint32_t par = (chunk_count / PW_NBUF) & 1;
+                mbar_wait(sm.k_empty(buf), par ^ 1u);
+                if (tid < kSubPages) {
+                    const SubPage sp = sub_page(sm.list, union_len, c, tid, log2_page);
+                    sm.kinfo[buf * kSubPages + tid] = make_int2(sp.base, sp.mask);
+                }
+                dequant(c % PW_NSTAGE, sm.stage_k(c % PW_NSTAGE), sm.k + buf * kTileBytes, 0);
+                fence_async_proxy();
+                mbar_arrive(sm.k_full(buf));
+                mbar_wait(sm.v_empty(buf), par ^ 1u);
+                dequant(c % PW_NSTAGE, sm.stage_v(c % PW_NSTAGE), sm.v + buf * kTileBytes, 1);
+                fence_async_proxy();
+                mbar_arrive(sm.v_full(buf));
+            }
+        }
+        paged::cp_async_wait<0>();
+    } else {
+        // ================================ consumers ================================
+        regs_claim<PW_CONSUMER_REGS>();
+        const int cw = role - 1;
+        const int wtid = (tid - kProducerThreads) & 127;
+        const int wq = wtid >> 5;
+        const int g = lane >> 2;  // this thread's member slot (rows 16wq + g and + 8 are two heads of it)
+        const int t4 = lane & 3;
+        const bool row_split = rows > 64;
+        const uint32_t release = row_split ? 1u : 2u;
+        const uint32_t aQrows = sm.q + (row_split ? cw * 64 * 128 : 0);
+        int chunk_base = 0;
+        for (int k = 0;; ++k) {
+            const int islot = k & 1;
+            mbar_wait(sm.item_full(islot), (k >> 1) & 1);
+            const int item = __shfl_sync(0xffffffffu, sm.items[islot], 0);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(sm.item_empty(islot));
+            if (item < 0) break;
+            const UnionItem it = decode_union_item(item, num_groups, offsets, group_count, num_queries);
+            const int id = g < it.size ? ids[it.first + g] : -1;
+            const bool member = static_cast<unsigned>(id) < static_cast<unsigned>(num_queries);
+            int limit = member ? context - 1 : -1;  // last key position this member may see
+            if (member && causal) limit = min(limit, positions[id]);
+
+            mbar_wait(sm.q_full(), k & 1);
+            fence_async_proxy();
+            const int union_len = __shfl_sync(0xffffffffu, *sm.ulen, 0);  // published with the Q tile
+            const int chunks = ((union_len << log2_page) + PW_CHUNK - 1) / PW_CHUNK;
+            float o[PW_HEAD_DIM / 2];
+#pragma unroll
+            for (int i = 0; i < PW_HEAD_DIM / 2; ++i) o[i] = 0.f;
+            float row_max[2] = {-INFINITY, -INFINITY};
+            float row_sum[2] = {0.f, 0.f};
+            float alpha[2];
+            float s[PW_CHUNK / 2];
+            uint32_t pa[kSubPages][4];
+            int prev = -1;
+            uint32_t prev_par = 0;
+#pragma unroll 1
+            for (int c = row_split ? 0 : cw; c < chunks; c += row_split ? 1 : 2) {
+                const int pos = chunk_base + c;
+                const int buf = pos % PW_NBUF;
+                const uint32_t par = (pos / PW_NBUF) & 1;
+                mbar_wait(sm.k_full(buf), par);
+                if (prev >= 0) mbar_wait(sm.v_full(prev), prev_par);
+                uint32_t col_bits = 0;
+#pragma unroll
+                for (int p = 0; p < kSubPages; ++p) {
+                    const int2 info = sm.kinfo[buf * kSubPages + p];
+                    if (info.x >= 0 && ((info.y >> g) & 1)) {
+                        const int b0 = info.x + 2 * t4;
+                        col_bits |= (static_cast<uint32_t>(b0 <= limit) | (static_cast<uint32_t>(b0 + 1 <= limit) << 1) |
+                                     (static_cast<uint32_t>(b0 + 8 <= limit) << 2) |
+                                     (static_cast<uint32_t>(b0 + 9 <= limit) << 3))
+                                    << (4 * p);
+                    }
+                }
+                fence_async_proxy();
+                wgmma_fence();
+#ifndef PW_NO_MMA
+                issue_qk<PW_HEAD_DIM, PW_CHUNK, PW_Q_ROWS>(s, aQrows, sm.k + buf * kTileBytes);
+#endif
+                wgmma_commit();
+                if (prev >= 0) {
+#ifndef PW_NO_MMA
+                    issue_pv<PW_HEAD_DIM, PW_CHUNK>(o, pa, sm.v + prev * kTileBytes);
+#endif
+                    wgmma_commit();
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
+                }
+                pin_registers(s);
+                if (lane == 0) mbar_arrive(sm.k_empty(buf), release);
+                online_softmax<PW_CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
+                pin_registers(s);
+                wgmma_wait<0>();
+                pin_registers(o);
+                if (prev >= 0 && lane == 0) mbar_arrive(sm.v_empty(prev), release);
+                rescale_rows(o, alpha);
+                pack_p<PW_CHUNK>(pa, s);
+                prev = buf;
+                prev_par = par;
+            }
+            if (row_split) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(sm.q_empty(), 1u);
+            }
+            if (prev >= 0) {
+                mbar_wait(sm.v_full(prev), prev_par);
+                fence_async_proxy();
+                wgmma_fence();
+                issue_pv<PW_HEAD_DIM, PW_CHUNK>(o, pa, sm.v + prev * kTileBytes);
+                wgmma_commit();
+                wgmma_wait<0>();
+                pin_registers(o);
+                if (lane == 0) mbar_arrive(sm.v_empty(prev), release);
+            }
+            chunk_base += chunks;
+
+            // ---- epilogue (the key-split merge of paged_fwd.cu, then rows stored by id)
+            float sum[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) sum[r] = paged::quad_sum(row_sum[r]);
+            float m_l2[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) m_l2[r] = row_max[r] == -INFINITY ? -INFINITY : row_max[r] * scale_log2;
+            float* staging = reinterpret_cast<float*>(sm.base);
+            if (!row_split && cw == 1) {
+                named_sync(1, 256);
+#pragma unroll
+                for (int i = 0; i < PW_HEAD_DIM / 2; ++i) staging[i * 128 + wtid] = o[i];
+                if (t4 == 0) {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        sm.stats[wq * 16 + g + 8 * r] = m_l2[r];
+                        sm.stats[64 + wq * 16 + g + 8 * r] = sum[r];
+                    }
+                }
+                named_arrive(2, 256);
+                continue;
+            }
+            if (!row_split) {
+                named_arrive(1, 256);
+                named_sync(2, 256);
+                float a0[2], a1[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float m1 = sm.stats[wq * 16 + g + 8 * r];
+                    const float l1 = sm.stats[64 + wq * 16 + g + 8 * r];
+                    const float mm = fmaxf(m_l2[r], m1);
+                    a0[r] = mm == -INFINITY ? 0.f : exp2f(m_l2[r] - mm);
+                    a1[r] = mm == -INFINITY ? 0.f : exp2f(m1 - mm);
+                    sum[r] = sum[r] * a0[r] + l1 * a1[r];
+                    m_l2[r] = mm;
+                }
+#pragma unroll
+                for (int j = 0; j < PW_HEAD_DIM / 8; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = e >> 1;
+                        o[4 * j + e] = o[4 * j + e] * a0[r] + staging[(4 * j + e) * 128 + wtid] * a1[r];
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = (row_split ? 64 * cw : 0) + 16 * wq + g + 8 * r;
+                const int hq = it.head * gqa + (row >> 3);
+                if (!member || row >= rows || hq >= q_heads) continue;
+                const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+                const size_t at = static_cast<size_t>(hq) * num_queries + id;
+                uint32_t* dst = reinterpret_cast<uint32_t*>(O + at * PW_HEAD_DIM + 2 * t4);
+#pragma unroll
+                for (int j = 0; j < PW_HEAD_DIM / 8; ++j)
+                    dst[4 * j] = paged::pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+                if (t4 == 0) LSE[at] = sum[r] > 0.f ? (m_l2[r] + log2f(sum[r])) * paged::kLn2 : -INFINITY;
+            }
+            if (!row_split) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(sm.q_empty(), 2u);
+            }
+        }
+    }
+}

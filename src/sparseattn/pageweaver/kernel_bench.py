@@ -1,0 +1,325 @@
+"""Complete-call benchmark of PageWeaver's attention: union kernel, per-query design, FlashInfer.
+
+``sparseattn bench pageweaver --out DIR`` (or ``python -m sparseattn.pageweaver.kernel_bench``) runs, on every built-in capture and GQA group
+size (8 KV heads by default, head dim 128, e4m3 K/V with per-page scales, bf16 Q):
+
+* ``pageweaver_union`` / grouping ``adjacent8`` — fixed adjacent groups of 8 (the paper's Union8: no
+  search, the call is the union kernel alone);
+* ``pageweaver_union`` / grouping ``affinity`` — the GPU affinity search (window 64) then the union
+  kernel, without a host synchronisation in between; the search's own time is recorded too;
+* ``per_query`` — every query its own group on the same kernel (each query loads its own pages;
+  rows = its G query heads, padded to the 64-row wgmma tile);
+* ``flashinfer`` — FlashInfer's ``BlockSparseAttentionWrapper`` (R = 1, C = page size, backend ``fa2``,
+  e4m3 K/V, bf16 Q), when the package imports; its ``plan`` (host work) is not timed. Queries are cut
+  into chunks of at most 32,768 rows (the wrapper fails on 65,536 rows at GQA ≥ 4).
+
+Times are medians of CUDA events with the L2 cache flushed before every call (a 256 MB memset).
+``useful_pairs`` counts the valid (query head, key) pairs (causal keys of the selected pages);
+``physical_pairs`` what the union kernel computes (tile rows × 64-key chunks). The same run checks the
+union kernel's output on sampled queries of KV head 0 against the float64 reference (``correct``).
+Writes ``DIR/pageweaver_kernels.json`` and ``DIR/pageweaver_kernels.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from .analysis import _commit
+from .captures import BUILTIN_CAPTURES, Capture, load_capture
+from .grouping import adjacent_groups
+from .reference import key_index, paged_attention_reference
+
+FLUSH_BYTES = 256 << 20
+CHECK_QUERIES = 48
+FLASHINFER_MAX_ROWS = 32768
+
+
+def useful_pairs(capture: Capture) -> int:
+    """Valid (query, key) pairs of one query head: selected keys before the context end (and causal)."""
+    total = 0
+    for a in range(0, capture.num_queries, 4096):
+        _, valid = key_index(capture, np.arange(a, min(a + 4096, capture.num_queries)))
+        total += int(valid.sum())
+    return total
+
+
+def union_chunks(capture: Capture, grouping) -> int:
+    """64-key chunks the union kernel runs per KV head: Σ_g ⌈|U_g|·P / 64⌉."""
+    from .grouping import union_sizes
+
+    sizes = union_sizes(capture, grouping)
+    return int((-(-(sizes * capture.page_size) // 64)).sum())
+
+
+class Timer:
+    def __init__(self, reps: int):
+        import cupy as cp
+
+        self.reps = reps
+        self.flush = cp.empty(FLUSH_BYTES, dtype=cp.uint8)
+
+    def __call__(self, fn) -> float:
+        import cupy as cp
+
+        fn()
+        cp.cuda.Device().synchronize()
+        times = []
+        for _ in range(self.reps):
+            self.flush.fill(0)
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop))
+        return float(np.median(times))
+
+
+def _flashinfer_calls(capture: Capture, q_t, k_t, v_t, kv_heads: int, gqa: int):
+    """FlashInfer wrappers (planned) and a callable running them; None when FlashInfer is missing."""
+    try:
+        import flashinfer
+        import torch
+    except Exception:  # noqa: BLE001 - FlashInfer is an optional peer: any import failure means "not run"
+        return None
+    P, L = capture.page_size, capture.context
+    cnt = (capture.pages >= 0).sum(1)
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(cnt)]), dtype=torch.int32, device="cuda")
+    indices = torch.tensor(capture.pages[capture.pages >= 0], dtype=torch.int32, device="cuda")
+    nq = capture.num_queries
+    step = FLASHINFER_MAX_ROWS if gqa > 1 else nq
+    calls = []
+    for a in range(0, nq, step):
+        b = min(nq, a + step)
+        ip = (indptr[a : b + 1] - indptr[a]).contiguous()
+        ix = indices[int(indptr[a]) : int(indptr[b])].contiguous()
+        w = flashinfer.BlockSparseAttentionWrapper(
+            torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), backend="fa2"
+        )
+        w.plan(
+            ip,
+            ix,
+            b - a,
+            -(-L // P) * P,
+            1,
+            P,
+            kv_heads * gqa,
+            kv_heads,
+            128,
+            q_data_type=torch.bfloat16,
+            kv_data_type=torch.float8_e4m3fn,
+            o_data_type=torch.bfloat16,
+        )
+        calls.append((w, q_t[a:b]))
+    return lambda: [w.run(qq, k_t, v_t) for w, qq in calls]
+
+
+def check_sample(capture, q, k, v, ks, vs, o, gqa, rng) -> dict:
+    """Union-kernel rows of KV head 0 on sampled queries against the float64 reference (2× emulation rule)."""
+    import cupy as cp
+
+    from ..bf16 import bf16_bits_to_float
+    from .fp8 import dequantize
+
+    queries = np.sort(rng.choice(capture.num_queries, min(CHECK_QUERIES, capture.num_queries), replace=False))
+    sub = Capture(
+        pages=capture.pages[queries],
+        positions=capture.positions[queries],
+        context=capture.context,
+        page_size=capture.page_size,
+        causal=capture.causal,
+    )
+    qh = bf16_bits_to_float(cp.asnumpy(q[:gqa, queries])).astype(np.float64)
+    kb, vb = cp.asnumpy(k[:1]), cp.asnumpy(v[:1])
+    ksc, vsc = cp.asnumpy(ks[:1]), cp.asnumpy(vs[:1])
+    P = capture.page_size
+    ke, ve = dequantize(kb, ksc, P), dequantize(vb, vsc, P)
+    kr, vr = dequantize(kb, ksc, P, True), dequantize(vb, vsc, P, True)
+    o_ref, _ = paged_attention_reference(qh, ke, ve, sub)
+    o_emul, _ = paged_attention_reference(qh, kr, vr, sub, emulate_bf16=True)
+    got = bf16_bits_to_float(cp.asnumpy(o[:gqa, queries])).astype(np.float64)
+    norm = max(np.linalg.norm(o_ref), 1e-30)
+    rel, rel_emul = np.linalg.norm(got - o_ref) / norm, np.linalg.norm(o_emul - o_ref) / norm
+    row, row_emul = np.abs(got - o_ref).max(-1).max(), np.abs(o_emul - o_ref).max(-1).max()
+    ok = bool(np.isfinite(got).all() and rel <= 2 * rel_emul + 1e-5 and row <= 2 * row_emul + 1e-5)
+    return {"correct": ok, "rel_err": float(rel), "rel_err_emulation": float(rel_emul)}
+
+
+def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log) -> list[dict]:
+    import cupy as cp
+
+    from ..kernels.pageweaver import per_query_groups, union_forward
+    from .grouping_gpu import affinity_groups_device
+
+    cap = load_capture(name)
+    P, nq = cap.page_size, cap.num_queries
+    rows = cap.num_pages * P
+    useful = useful_pairs(cap)
+    k = cp.random.standard_normal((kv_heads, rows, 128), dtype=cp.float32)
+    v = cp.random.standard_normal((kv_heads, rows, 128), dtype=cp.float32)
+    # per-(head, page) power-of-two scales, as quantize_kv picks them
+    ks = cp.exp2(cp.ceil(cp.log2(cp.abs(k).reshape(kv_heads, cap.num_pages, -1).max(-1) / 448))).astype(
+        cp.float32
+    )
+    vs = cp.exp2(cp.ceil(cp.log2(cp.abs(v).reshape(kv_heads, cap.num_pages, -1).max(-1) / 448))).astype(
+        cp.float32
+    )
+    import torch
+
+    def e4m3(x, s):
+        scaled = x / cp.repeat(s, P, axis=1)[:, :, None]
+        return cp.from_dlpack(torch.from_dlpack(scaled).to(torch.float8_e4m3fn).view(torch.uint8))
+
+    k8, v8 = e4m3(k, ks), e4m3(v, vs)
+    del k, v
+    pages_dev = cp.asarray(cap.pages)
+    adjacent = adjacent_groups(nq, 8)
+    per_query = per_query_groups(nq)
+    chunks = {"adjacent8": union_chunks(cap, adjacent), "per_query": union_chunks(cap, per_query)}
+    records = []
+
+    def run_gqa(gqa: int) -> None:
+        hq = kv_heads * gqa
+        q = cp.asarray(torch.randn(hq, nq, 128, dtype=torch.bfloat16, device="cuda").view(torch.int16)).view(
+            cp.uint16
+        )
+        o = cp.empty((hq, nq, 128), dtype=cp.uint16)
+        lse = cp.empty((hq, nq), dtype=cp.float32)
+        tile_rows = 64 if 8 * gqa <= 64 else 128
+        base = {
+            "workload": name,
+            "pass": "complete_call",
+            "heads": hq,
+            "kv_heads": kv_heads,
+            "gqa": gqa,
+            "head_dim": 128,
+            "queries": nq,
+            "context": cap.context,
+            "page_size": P,
+            "k": cap.k,
+            "useful_pairs": useful * hq,
+        }
+
+        def record(impl, ms, physical=None, **extra):
+            rec = dict(base, impl=impl, time_ms=ms, physical_pairs=physical, **extra)
+            rec["useful_tflops"] = 4 * rec["useful_pairs"] * 128 / (ms * 1e9)
+            records.append(rec)
+            log(
+                f"{name:8s} G={gqa:2d} {impl:17s} {extra.get('grouping', ''):9s} {ms:9.3f} ms  "
+                f"useful {rec['useful_tflops']:6.1f} TFLOP/s  correct={rec.get('correct')}"
+            )
+
+        if "pageweaver_union" in impls:
+            ms = timer(lambda: union_forward(q, k8, v8, ks, vs, cap, adjacent, out=(o, lse)))
+            chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
+            record(
+                "pageweaver_union",
+                ms,
+                tile_rows * 64 * chunks["adjacent8"] * kv_heads,
+                grouping="adjacent8",
+                **chk,
+            )
+
+            def affinity_call():
+                g = affinity_groups_device(pages_dev, cap.num_pages, 8, 64)
+                union_forward(q, k8, v8, ks, vs, cap, g, out=(o, lse))
+
+            gms = timer(lambda: affinity_groups_device(pages_dev, cap.num_pages, 8, 64))
+            ms = timer(affinity_call)
+            chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
+            host_groups = affinity_groups_device(pages_dev, cap.num_pages, 8, 64).to_host()
+            record(
+                "pageweaver_union",
+                ms,
+                tile_rows * 64 * union_chunks(cap, host_groups) * kv_heads,
+                grouping="affinity",
+                grouping_ms=gms,
+                **chk,
+            )
+        if "per_query" in impls:
+            ms = timer(lambda: union_forward(q, k8, v8, ks, vs, cap, per_query, out=(o, lse)))
+            chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
+            record("per_query", ms, tile_rows * 64 * chunks["per_query"] * kv_heads, grouping="single", **chk)
+        if "flashinfer" in impls:
+            qt = torch.randn(nq, hq, 128, dtype=torch.bfloat16, device="cuda")
+            kt = torch.from_dlpack(k8).view(torch.float8_e4m3fn).permute(1, 0, 2).contiguous()
+            vt = torch.from_dlpack(v8).view(torch.float8_e4m3fn).permute(1, 0, 2).contiguous()
+            try:
+                t0 = time.perf_counter()
+                run = _flashinfer_calls(cap, qt, kt, vt, kv_heads, gqa)
+                if run is None:
+                    log("flashinfer not importable: skipped")
+                    impls.remove("flashinfer")
+                else:
+                    run()
+                    cp.cuda.Device().synchronize()
+                    plan_s = time.perf_counter() - t0
+                    ms = timer(run)
+                    record(
+                        "flashinfer", ms, None, grouping="none", plan_first_s=round(plan_s, 1), correct=None
+                    )
+            except Exception as err:  # noqa: BLE001 - a failing peer is recorded, the run goes on
+                log(f"{name} G={gqa} flashinfer failed: {type(err).__name__}: {str(err)[:300]}")
+            del qt, kt, vt
+            torch.cuda.empty_cache()
+
+    for gqa in gqas:
+        run_gqa(gqa)
+    return records
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--captures", nargs="*", default=list(BUILTIN_CAPTURES))
+    ap.add_argument("--gqa", nargs="*", type=int, default=[1, 4, 8, 16])
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--impl", nargs="*", default=["pageweaver_union", "per_query", "flashinfer"])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        import cupy as cp
+    except ImportError:
+        print(
+            "sparseattn bench pageweaver needs cupy and a CUDA GPU: pip install -e '.[gpu]'", file=sys.stderr
+        )
+        return 1
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    gpu = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+    gpu = gpu.decode() if isinstance(gpu, bytes) else str(gpu)
+    log(f"gpu {gpu}; kv_heads {args.kv_heads}; reps {args.reps} (median, L2 flushed before each call)")
+    timer = Timer(args.reps)
+    rng = np.random.default_rng(args.seed)
+    records = []
+    for name in args.captures:
+        records += bench_capture(name, args.gqa, args.kv_heads, timer, list(args.impl), rng, log)
+    doc = {
+        "gpu": gpu,
+        "commit": _commit(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "sparseattn bench pageweaver " + " ".join(sys.argv[1:] if argv is None else argv),
+        "records": records,
+    }
+    (out / "pageweaver_kernels.json").write_text(json.dumps(doc, indent=1))
+    (out / "pageweaver_kernels.log").write_text("\n".join(lines) + "\n")
+    return 0 if all(r.get("correct") in (True, None) for r in records) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""GPU tests of PageWeaver's union kernel (``kernels_cu/pw_union_fwd.cu``) and of the per-query design
+on the same kernel, against the float64 reference over the FP8 cache's exact values.
+
+Every case: fresh random bf16 Q and e4m3 K/V (seed printed), NaN bytes in every cache row past the
+context, NaN-poisoned outputs (every query row must be written), FlashAttention's error rule (≤ 2× the
+error of a bf16-rounding emulation — bf16 K/V operands as the kernel dequantises them, P and O rounded
+to bf16 — in norm and per row), LSE within 1e-3, o = 0 and LSE = -inf exactly for queries without keys.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparseattn.bf16 import bf16_bits_to_float, float_to_bf16_bits
+from sparseattn.pageweaver.captures import Capture, GeneratorConfig, generate_capture
+from sparseattn.pageweaver.fp8 import Fp8KVCache, random_cache
+from sparseattn.pageweaver.grouping import Grouping, adjacent_groups, affinity_groups
+from sparseattn.pageweaver.reference import paged_attention_reference
+
+pytestmark = pytest.mark.gpu
+
+E4M3_NAN = 0x7F
+ERR_FACTOR = 2.0
+ERR_FLOOR = 1e-5
+LSE_ABS_TOL = 1e-3
+
+
+def random_capture(rng, page_size: int, causal: bool) -> Capture:
+    context = int(rng.integers(2, 40)) * page_size - int(rng.integers(0, page_size))  # ragged last page
+    nq = int(rng.integers(1, min(context, 180) + 1))
+    if causal:
+        budget = int(rng.choice([2, 4, 8, 16, 32])) * page_size
+        cfg = GeneratorConfig(
+            context=context,
+            page_size=page_size,
+            budget_tokens=budget,
+            sink_tokens=page_size,
+            local_tokens=page_size * int(rng.integers(1, 3)),
+            num_queries=nq,
+            segment_mean=float(rng.uniform(2, 30)),
+            seed=int(rng.integers(2**31)),
+        )
+        return generate_capture(cfg)
+    num_pages = -(-context // page_size)
+    k = int(rng.integers(1, min(num_pages, 40) + 1))
+    pages = np.full((nq, k), -1, dtype=np.int32)
+    for i in range(nq):
+        n = int(rng.integers(0, k + 1))  # some queries select nothing
+        pages[i, :n] = rng.choice(num_pages, n, replace=False)
+    positions = rng.integers(0, context, nq)
+    return Capture(pages=pages, positions=positions, context=context, page_size=page_size, causal=False)
+
+
+def random_grouping(rng, nq: int, kind: str, capture: Capture) -> Grouping:
+    if kind == "adjacent":
+        return adjacent_groups(nq, 8)
+    if kind == "affinity":
+        return affinity_groups(capture, 8, int(rng.choice([16, 64])))
+    if kind == "per_query":
+        from sparseattn.kernels.pageweaver import per_query_groups
+
+        return per_query_groups(nq)
+    ids = rng.permutation(nq).astype(np.int32)  # scattered members, ragged group sizes
+    sizes = []
+    while sum(sizes) < nq:
+        sizes.append(int(min(rng.integers(1, 9), nq - sum(sizes))))
+    return Grouping(ids, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32), 8, "random")
+
+
+def run_case(rng, poisoned, capture: Capture, grouping: Grouping, kv_heads: int, gqa: int):
+    import cupy
+
+    from sparseattn.kernels.pageweaver import union_forward
+
+    d = 128
+    cache = random_cache(rng, kv_heads, capture.context, d, capture.page_size)
+    if rng.random() < 0.25:  # scales that are not powers of two: the dequantisation rounds to bf16
+        factor = rng.uniform(1.0, 2.0, cache.k_scale.shape).astype(np.float32)
+        cache = Fp8KVCache(
+            cache.k, cache.v, cache.k_scale * factor, cache.v_scale / factor, cache.page_size, cache.context
+        )
+    kb, vb = cache.k.copy(), cache.v.copy()
+    kb[:, capture.context :] = E4M3_NAN  # rows past the context: never read
+    vb[:, capture.context :] = E4M3_NAN
+    hq, nq = kv_heads * gqa, capture.num_queries
+    qb = float_to_bf16_bits(rng.standard_normal((hq, nq, d), dtype=np.float32))
+    scale = float(rng.uniform(0.5, 1.5)) / np.sqrt(d)
+    o, lse = poisoned((hq, nq, d), "bf16"), poisoned((hq, nq), "float32")
+    union_forward(
+        cupy.asarray(qb),
+        cupy.asarray(kb),
+        cupy.asarray(vb),
+        cupy.asarray(cache.k_scale),
+        cupy.asarray(cache.v_scale),
+        capture,
+        grouping,
+        scale=scale,
+        out=(o, lse),
+    )
+    cupy.cuda.Device().synchronize()
+    qf = bf16_bits_to_float(qb).astype(np.float64)
+    k_exact, v_exact = cache.dequantized()
+    k_bf16, v_bf16 = cache.dequantized(round_bf16=True)
+    o_ref, lse_ref = paged_attention_reference(qf, k_exact, v_exact, capture, scale)
+    o_emul, lse_emul = paged_attention_reference(qf, k_bf16, v_bf16, capture, scale, emulate_bf16=True)
+    got = bf16_bits_to_float(cupy.asnumpy(o)).astype(np.float64)
+    lse = cupy.asnumpy(lse).astype(np.float64)
+    assert not np.isnan(got).any(), "NaN in o: a query row unwritten (or a NaN cache row read)"
+    assert not np.isnan(lse).any(), "NaN in lse: a query row unwritten"
+    norm = max(np.linalg.norm(o_ref), 1e-30)
+    rel, rel_emul = np.linalg.norm(got - o_ref) / norm, np.linalg.norm(o_emul - o_ref) / norm
+    row, row_emul = np.abs(got - o_ref).max(axis=-1), np.abs(o_emul - o_ref).max(axis=-1)
+    assert rel <= ERR_FACTOR * rel_emul + ERR_FLOOR, (
+        f"‖o − ref‖/‖ref‖ = {rel:.2e} > 2 × emulation {rel_emul:.2e}"
+    )
+    worst = np.unravel_index(np.argmax(row), row.shape)
+    assert row.max() <= ERR_FACTOR * row_emul.max() + ERR_FLOOR, (
+        f"(head, query) {worst}: max |o − ref| = {row.max():.2e} > 2 × emulation's worst row {row_emul.max():.2e}"
+    )
+    empty = np.isneginf(lse_ref)
+    assert np.array_equal(np.isneginf(lse), empty), "LSE is -inf exactly where a query has no key"
+    assert np.all(got[empty] == 0.0), "queries without keys must have o = 0"
+    if (~empty).any():
+        err = float(np.abs(lse[~empty] - lse_ref[~empty]).max())
+        err_emul = float(np.abs(lse_emul[~empty] - lse_ref[~empty]).max())  # bf16 K operands (non-2^k scales)
+        assert err < ERR_FACTOR * err_emul + LSE_ABS_TOL, (
+            f"max |lse − ref| = {err:.3e} (emulation {err_emul:.3e})"
+        )
+    return {"rel": rel, "rel_emul": rel_emul, "empty": int(empty.sum())}
+
+
+GROUPINGS = ["adjacent", "affinity", "random", "per_query"]
+PAGE_SIZES = [16, 64, 128]
+
+
+@pytest.mark.parametrize("seed", range(20), ids=lambda s: f"case{s}")
+@pytest.mark.parametrize("grouping", GROUPINGS)
+@pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"P{p}")
+def test_union_random(rng, poisoned, page_size, grouping, seed):
+    """240 random cases: causal generated and non-causal hand-made captures, ragged contexts, GQA 1-16."""
+    causal = bool(rng.random() < 0.7)
+    capture = random_capture(rng, page_size, causal)
+    kv_heads = int(rng.integers(1, 3))
+    gqa = int(rng.choice([1, 2, 4, 8, 16]))
+    run_case(
+        rng, poisoned, capture, random_grouping(rng, capture.num_queries, grouping, capture), kv_heads, gqa
+    )
+
+
+@pytest.mark.parametrize("gqa", [1, 4, 8, 16], ids=lambda g: f"G{g}")
+def test_union_builtin_sampled(rng, poisoned, gqa):
+    """A slice of a built-in 8K capture (its last 256 queries), 2 KV heads, adjacent groups of 8."""
+    from sparseattn.pageweaver.captures import load_capture
+
+    full = load_capture("nsa_8k")
+    rows = slice(full.num_queries - 256, full.num_queries)
+    capture = Capture(
+        pages=full.pages[rows], positions=full.positions[rows], context=full.context, page_size=full.page_size
+    )
+    run_case(rng, poisoned, capture, adjacent_groups(capture.num_queries, 8), 2, gqa)
+
+
+def test_union_rejects_bad_input(rng):
+    import cupy
+
+    from sparseattn.kernels.pageweaver import union_forward
+    from sparseattn.kernels.validate import KernelTypeError, KernelValueError
+
+    capture = generate_capture(GeneratorConfig(context=2048, page_size=64, num_queries=64, seed=1))
+    cache = random_cache(rng, 2, capture.context, 128, 64)
+    nq = capture.num_queries
+    q = cupy.zeros((4, nq, 128), dtype=cupy.uint16)
+    k, v, ks, vs = (cupy.asarray(x) for x in (cache.k, cache.v, cache.k_scale, cache.v_scale))
+    good = adjacent_groups(nq, 8)
+    bad_groupings = {
+        "group of 9": adjacent_groups(nq, 9),
+        "query missing": Grouping(good.ids[:-1].copy(), np.minimum(good.offsets, nq - 1), 8),
+        "query repeated": Grouping(np.concatenate([good.ids[:-1], [0]]).astype(np.int32), good.offsets, 8),
+        "id out of range": Grouping(np.concatenate([good.ids[:-1], [nq]]).astype(np.int32), good.offsets, 8),
+    }
+    for grouping in bad_groupings.values():
+        with pytest.raises(KernelValueError, match="grouping"):
+            union_forward(q, k, v, ks, vs, capture, grouping)
+    with pytest.raises(KernelTypeError, match="k_cache"):
+        union_forward(q, k.astype(cupy.float32), v, ks, vs, capture, good)
+    with pytest.raises(KernelValueError, match="k_scale"):
+        union_forward(q, k, v, ks[:, :-1].copy(), vs, capture, good)
+    with pytest.raises(KernelValueError, match="heads"):
+        union_forward(cupy.zeros((3, nq, 128), dtype=cupy.uint16), k, v, ks, vs, capture, good)
+    with pytest.raises(KernelValueError, match="queries"):
+        union_forward(q[:, :-1].copy(), k, v, ks, vs, capture, good)
+    with pytest.raises(KernelValueError, match="head_dim"):
+        union_forward(cupy.zeros((4, nq, 64), dtype=cupy.uint16), k, v, ks, vs, capture, good)
