@@ -476,11 +476,11 @@ pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restri
                         sm.stats[64 + wq * 16 + g + 8 * r] = sum[r];
                     }
                 }
-                named_arrive(2, 256);
+                named_sync(2, 256);  // bar.sync on both sides (the arrive form is not seen as ordering by racecheck)
                 continue;
             }
             if (!row_split) {
-                named_arrive(1, 256);
+                named_sync(1, 256);
                 named_sync(2, 256);
                 float a0[2], a1[2];
 #pragma unroll
