@@ -430,6 +430,7 @@ pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restri
                     wgmma_wait<0>();
                 }
                 pin_registers(s);
+                __syncwarp();  // every lane has read this chunk's kinfo before the buffer is released
                 if (lane == 0) mbar_arrive(sm.k_empty(buf), release);
                 online_softmax<PW_CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
                 pin_registers(s);
@@ -476,7 +477,7 @@ pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restri
                         sm.stats[64 + wq * 16 + g + 8 * r] = sum[r];
                     }
                 }
-                named_sync(2, 256);  // bar.sync on both sides (the arrive form is not seen as ordering by racecheck)
+                named_sync(2, 256);  // bar.sync on both sides: racecheck flagged the bar.arrive hand-off
                 continue;
             }
             if (!row_split) {
