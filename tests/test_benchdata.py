@@ -181,5 +181,20 @@ def test_pageweaver_speed_figure_with_records(tmp_path):
     rows = speedplots.pageweaver_speedups(run)
     assert sorted(r["speedup"] for r in rows) == [2.0, 4.0]
     text = _texts(speedplots.pageweaver_speed_figure(run))
-    assert f"geomean {math.sqrt(8):.2f}×" in text and "paper: 1.70×" in text
+    assert f"{math.sqrt(8):.2f}× geomean" in text and "paper: 1.70×" in text
     assert "NSA-like 8K" in text and "DSA-like 64K" in text
+
+
+def test_pageweaver_speedups_keep_each_grouping(tmp_path):
+    """A union recorded with both groupings (fixed adjacent groups, affinity search) gives one row each."""
+    records = [_rec("nsa_8k", "flashinfer", "complete_call", 1.0, heads=32)]
+    for grouping, ms in (("adjacent8", 0.5), ("affinity", 0.4)):
+        rec = _rec("nsa_8k", "pageweaver_union", "complete_call", ms, heads=32)
+        rec.update(grouping=grouping, gqa=4)
+        records.append(rec)
+    _write_run(tmp_path, "pw.json", "2026-12-01T00:00:00+00:00", records)
+    run = speedplots.pick_pageweaver_run(find_runs(tmp_path))
+    rows = speedplots.pageweaver_speedups(run)
+    assert sorted((r["grouping"], r["speedup"]) for r in rows) == [("adjacent8", 2.0), ("affinity", 2.5)]
+    text = _texts(speedplots.pageweaver_speed_figure(run))
+    assert "(adjacent 8): 2.00× geomean" in text and "(affinity): 2.50× geomean" in text

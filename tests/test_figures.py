@@ -107,8 +107,19 @@ def test_cli_figures_only(tmp_path, capsys):
         ["figures", "--out", str(tmp_path), "--only", "pageweaver_speed", "--only", "kpage_speed"]
     )
     err = capsys.readouterr().err
+    assert code == 0 and "wrote" in err
+    assert (tmp_path / "kpage_speed.svg").is_file() and (tmp_path / "pageweaver_speed.svg").is_file()
+    assert not (tmp_path / "kpage_capacity.svg").exists()  # only what was asked for
+
+
+def test_cli_figures_skips_a_figure_without_data(tmp_path, capsys):
+    empty = tmp_path / "bench"
+    empty.mkdir()
+    code = cli.main(
+        ["figures", "--out", str(tmp_path), "--only", "pageweaver_speed", "--bench-dir", str(empty)]
+    )
+    err = capsys.readouterr().err
     assert code == 0
-    assert (tmp_path / "kpage_speed.svg").is_file() and "wrote" in err
     assert "skipped pageweaver_speed: no recorded complete-call benchmark yet" in err
     assert not (tmp_path / "pageweaver_speed.png").exists()
 

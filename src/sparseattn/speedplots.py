@@ -23,6 +23,7 @@ KPAGE_PASSES = ("fwd", "fwdbwd")
 #: PageWeaver complete-call speedups: the union kernels over the per-query paths.
 PW_UNIONS = ("pageweaver_union", "kv_page_union")
 PW_BASELINES = ("flashinfer", "per_query")
+GROUPING_LABELS = {"adjacent8": "adjacent 8", "affinity": "affinity"}
 PW_PASS = "complete_call"
 #: The PageWeaver paper's Union8 complete-call speedup over FlashInfer, geometric mean of six H200 captures.
 PAPER_PW_SPEEDUP = 1.70
@@ -173,29 +174,29 @@ def _geomean(values) -> float:
 
 
 def pageweaver_speedups(run: BenchRun) -> list[dict]:
-    """One row per (capture, heads, union impl, baseline): complete-call ``speedup`` = baseline ÷ union time."""
+    """One row per (capture, heads, union impl and grouping, baseline): complete-call ``speedup`` =
+    baseline ÷ union time. A union recorded with several groupings (``grouping``: fixed adjacent groups,
+    online affinity search) gives one row per grouping."""
 
-    def by_key(impl):
-        return {
-            (r["workload"], r.get("heads")): r
-            for r in run.records
-            if r["impl"] == impl and r["pass"] == PW_PASS and is_usable(r)
-        }
+    def records(impl):
+        return [r for r in run.records if r["impl"] == impl and r["pass"] == PW_PASS and is_usable(r)]
 
     rows = []
     for union in PW_UNIONS:
-        u = by_key(union)
         for base in PW_BASELINES:
-            b = by_key(base)
-            for key in u:
+            b = {(r["workload"], r.get("heads")): r for r in records(base)}
+            for u in records(union):
+                key = (u["workload"], u.get("heads"))
                 if key in b:
                     rows.append(
                         {
                             "capture": key[0],
                             "heads": key[1],
+                            "gqa": u.get("gqa"),
                             "impl": union,
+                            "grouping": u.get("grouping"),
                             "baseline": base,
-                            "speedup": b[key]["time_ms"] / u[key]["time_ms"],
+                            "speedup": b[key]["time_ms"] / u["time_ms"],
                         }
                     )
     return rows
@@ -212,28 +213,42 @@ def pageweaver_speed_figure(run: BenchRun | None, path=None) -> Figure:
             f"Paper: {PAPER_PW_SPEEDUP:.2f}× geometric mean over FlashInfer on six H200 captures."
         )
         return _empty_figure("PageWeaver complete-call speedup", text, path)
+    if any(r["baseline"] == "flashinfer" for r in rows):  # the paper's baseline; per-query ratios: the JSON
+        rows = [r for r in rows if r["baseline"] == "flashinfer"]
     multi_heads = len({r["heads"] for r in rows}) > 1
     keys = list(dict.fromkeys((r["capture"], r["heads"]) for r in rows))
-    pairs = list(dict.fromkeys((r["impl"], r["baseline"]) for r in rows))
-    value = {(r["capture"], r["heads"], r["impl"], r["baseline"]): r["speedup"] for r in rows}
-    labels = [figstyle.capture_label(c) + (f" · {h} heads" if multi_heads else "") for c, h in keys]
+    gqa = {(r["capture"], r["heads"]): r.get("gqa") for r in rows}
+    pairs = list(dict.fromkeys((r["impl"], r["grouping"], r["baseline"]) for r in rows))
+    value = {(r["capture"], r["heads"], r["impl"], r["grouping"], r["baseline"]): r["speedup"] for r in rows}
+
+    def key_label(c, h):
+        if not multi_heads:
+            return figstyle.capture_label(c)
+        g = gqa[(c, h)]
+        return figstyle.capture_label(c) + (f" · GQA {g} ({h} heads)" if g else f" · {h} heads")
+
+    labels = [key_label(c, h) for c, h in keys]
     colours = {
         ("pageweaver_union", "flashinfer"): figstyle.OKABE_ITO["blue"],
         ("pageweaver_union", "per_query"): figstyle.OKABE_ITO["sky_blue"],
         ("kv_page_union", "flashinfer"): figstyle.OKABE_ITO["bluish_green"],
         ("kv_page_union", "per_query"): figstyle.OKABE_ITO["yellow"],
     }
+    second = {"pageweaver_union": figstyle.OKABE_ITO["orange"], "kv_page_union": figstyle.OKABE_ITO["reddish_purple"]}
     series = []
-    for impl, base in pairs:
-        vals = [value.get((c, h, impl, base), float("nan")) for c, h in keys]
+    seen = set()
+    bases = list(dict.fromkeys(base for _, _, base in pairs))
+    for impl, grouping, base in pairs:
+        vals = [value.get((c, h, impl, grouping, base), float("nan")) for c, h in keys]
         geo = _geomean(vals)
-        series.append(
-            (
-                f"{figstyle.impl_label(impl)} vs {figstyle.impl_label(base)} (geomean {geo:.2f}×)",
-                colours.get((impl, base), figstyle.OKABE_ITO["grey"]),
-                vals,
-            )
-        )
+        colour = colours.get((impl, base), figstyle.OKABE_ITO["grey"])
+        if (impl, base) in seen:
+            colour = second.get(impl, figstyle.OKABE_ITO["grey"])
+        seen.add((impl, base))
+        name = figstyle.impl_label(impl) + (f" ({GROUPING_LABELS.get(grouping, grouping)})" if grouping else "")
+        if len(bases) > 1:
+            name += f" vs {figstyle.impl_label(base)}"
+        series.append((f"{name}: {geo:.2f}× geomean", colour, vals))
     missing = _missing_note(run, PW_UNIONS + PW_BASELINES)
     source = " ".join(s for s in (run.source(), "Complete call = grouping + attention.", missing) if s)
     with figstyle.style():
@@ -251,7 +266,8 @@ def pageweaver_speed_figure(run: BenchRun | None, path=None) -> Figure:
         )
         finite = [v for _, _, vals in series for v in vals if math.isfinite(v)]
         ax.set_xlim(0, max([PAPER_PW_SPEEDUP, *finite]) * 1.15)
-        ax.set_xlabel("complete-call speedup (×); 1 = baseline speed")
+        over = figstyle.impl_label(bases[0]) if len(bases) == 1 else "the baseline"
+        ax.set_xlabel(f"complete-call speedup over {over} (×)")
         fig.legend(*ax.get_legend_handles_labels(), loc="outside upper left", ncols=1)
     return _write(fig, path)
 
