@@ -234,7 +234,10 @@ def pageweaver_speed_figure(run: BenchRun | None, path=None) -> Figure:
         ("kv_page_union", "flashinfer"): figstyle.OKABE_ITO["bluish_green"],
         ("kv_page_union", "per_query"): figstyle.OKABE_ITO["yellow"],
     }
-    second = {"pageweaver_union": figstyle.OKABE_ITO["orange"], "kv_page_union": figstyle.OKABE_ITO["reddish_purple"]}
+    second = {
+        "pageweaver_union": figstyle.OKABE_ITO["orange"],
+        "kv_page_union": figstyle.OKABE_ITO["reddish_purple"],
+    }
     series = []
     seen = set()
     bases = list(dict.fromkeys(base for _, _, base in pairs))
@@ -245,7 +248,9 @@ def pageweaver_speed_figure(run: BenchRun | None, path=None) -> Figure:
         if (impl, base) in seen:
             colour = second.get(impl, figstyle.OKABE_ITO["grey"])
         seen.add((impl, base))
-        name = figstyle.impl_label(impl) + (f" ({GROUPING_LABELS.get(grouping, grouping)})" if grouping else "")
+        name = figstyle.impl_label(impl) + (
+            f" ({GROUPING_LABELS.get(grouping, grouping)})" if grouping else ""
+        )
         if len(bases) > 1:
             name += f" vs {figstyle.impl_label(base)}"
         series.append((f"{name}: {geo:.2f}× geomean", colour, vals))
