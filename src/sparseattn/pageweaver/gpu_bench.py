@@ -26,8 +26,9 @@ from .grouping import DEFAULT_GROUP_SIZE, DEFAULT_WINDOW, affinity_groups
 from .grouping_gpu import affinity_groups_device
 
 
-def time_device(fn, reps: int = 50, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn()`` between CUDA events."""
+def time_device(fn, reps: int = 50, warmup: int = 5, flush=None) -> float:
+    """Median milliseconds of ``fn()`` between CUDA events; ``flush`` (a device buffer larger than L2)
+    is zeroed before every timed call so each call starts with a cold cache."""
     import cupy as cp
 
     for _ in range(warmup):
@@ -35,6 +36,8 @@ def time_device(fn, reps: int = 50, warmup: int = 5) -> float:
     cp.cuda.Device().synchronize()
     times = []
     for _ in range(reps):
+        if flush is not None:
+            flush.fill(0)
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record()
         fn()
@@ -59,6 +62,33 @@ def time_pipelined(fn, reps: int = 50) -> tuple[float, float]:
     stop.record()
     stop.synchronize()
     return cp.cuda.get_elapsed_time(start, stop) / reps, host
+
+
+class RunLog:
+    """Lines printed as they come and kept for the run's ``.log``; :meth:`write` saves the run's JSON
+    (gpu, commit, date, command, records) and the log as ``DIR/<stem>.json`` / ``.log``."""
+
+    def __init__(self):
+        import cupy as cp
+
+        name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+        self.gpu = name.decode() if isinstance(name, bytes) else str(name)
+        self.lines: list[str] = []
+
+    def __call__(self, msg: str) -> None:
+        print(msg, flush=True)
+        self.lines.append(msg)
+
+    def write(self, out: Path, stem: str, command: str, records: list) -> None:
+        doc = {
+            "gpu": self.gpu,
+            "commit": _commit(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": command,
+            "records": records,
+        }
+        (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+        (out / f"{stem}.log").write_text("\n".join(self.lines) + "\n")
 
 
 def bench_capture(name, group_size, window, max_union, reps, log) -> dict:
@@ -115,20 +145,11 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args(argv)
-    import cupy as cp
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lines = []
-
-    def log(msg):
-        print(msg, flush=True)
-        lines.append(msg)
-
-    gpu = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
-    gpu = gpu.decode() if isinstance(gpu, bytes) else str(gpu)
+    log = RunLog()
     log(
-        f"gpu {gpu}; group_size {args.group_size}, window {args.window}, reps {args.reps} (median of CUDA events)"
+        f"gpu {log.gpu}; group_size {args.group_size}, window {args.window}, reps {args.reps} (median of CUDA events)"
     )
     records = []
     for name in args.captures:
@@ -136,18 +157,10 @@ def main(argv=None) -> int:
     for name in [n for n in args.captures if n.endswith("64k")]:
         k = load_capture(name).k
         records.append(bench_capture(name, args.group_size, args.window, 2 * k, args.reps, log))
-    doc = {
-        "gpu": gpu,
-        "commit": _commit(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m sparseattn.pageweaver.gpu_bench "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "records": records,
-    }
-    (out / "pageweaver_grouping_gpu.json").write_text(json.dumps(doc, indent=1))
     ok = all(r["correct"] for r in records)
     log(f"all equal to the numpy reference: {ok}")
-    (out / "pageweaver_grouping_gpu.log").write_text("\n".join(lines) + "\n")
+    command = "python -m sparseattn.pageweaver.gpu_bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    log.write(out, "pageweaver_grouping_gpu", command, records)
     return 0 if ok else 1
 
 

@@ -23,15 +23,12 @@ Writes ``DIR/pageweaver_kernels.json`` and ``DIR/pageweaver_kernels.log``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from .analysis import _commit
 from .captures import BUILTIN_CAPTURES, Capture, load_capture
 from .grouping import adjacent_groups
 from .reference import key_index, paged_attention_reference
@@ -66,20 +63,9 @@ class Timer:
         self.flush = cp.empty(FLUSH_BYTES, dtype=cp.uint8)
 
     def __call__(self, fn) -> float:
-        import cupy as cp
+        from .gpu_bench import time_device
 
-        fn()
-        cp.cuda.Device().synchronize()
-        times = []
-        for _ in range(self.reps):
-            self.flush.fill(0)
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, stop))
-        return float(np.median(times))
+        return time_device(fn, self.reps, warmup=1, flush=self.flush)
 
 
 def _flashinfer_calls(capture: Capture, q_t, k_t, v_t, kv_heads: int, gqa: int):
@@ -286,38 +272,25 @@ def main(argv=None, prog: str | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
-        import cupy as cp
+        import cupy  # noqa: F401 - the suite needs it; say so plainly when it is missing
     except ImportError:
         print(
             "sparseattn bench pageweaver needs cupy and a CUDA GPU: pip install -e '.[gpu]'", file=sys.stderr
         )
         return 1
+    from .gpu_bench import RunLog
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lines = []
-
-    def log(msg):
-        print(msg, flush=True)
-        lines.append(msg)
-
-    gpu = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
-    gpu = gpu.decode() if isinstance(gpu, bytes) else str(gpu)
-    log(f"gpu {gpu}; kv_heads {args.kv_heads}; reps {args.reps} (median, L2 flushed before each call)")
+    log = RunLog()
+    log(f"gpu {log.gpu}; kv_heads {args.kv_heads}; reps {args.reps} (median, L2 flushed before each call)")
     timer = Timer(args.reps)
     rng = np.random.default_rng(args.seed)
     records = []
     for name in args.captures:
         records += bench_capture(name, args.gqa, args.kv_heads, timer, list(args.impl), rng, log)
-    doc = {
-        "gpu": gpu,
-        "commit": _commit(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "sparseattn bench pageweaver " + " ".join(sys.argv[1:] if argv is None else argv),
-        "records": records,
-    }
-    (out / "pageweaver_kernels.json").write_text(json.dumps(doc, indent=1))
-    (out / "pageweaver_kernels.log").write_text("\n".join(lines) + "\n")
+    command = "sparseattn bench pageweaver " + " ".join(sys.argv[1:] if argv is None else argv)
+    log.write(out, "pageweaver_kernels", command, records)
     return 0 if all(r.get("correct") in (True, None) for r in records) else 1
 
 

@@ -38,6 +38,24 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return bf16_bits_to_float(float_to_bf16_bits(x)).astype(np.float64)
 
 
+def check_paged_qkv(q, k, v, capture: Capture, error=ValueError):
+    """``q``, ``k``, ``v`` as arrays after the shape checks every paged model shares (raises ``error``)."""
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
+        raise error(
+            f"q must be [q_heads, Q, d] and k, v [kv_heads, rows, d]; got {q.shape}, {k.shape}, {v.shape}"
+        )
+    hq, nq, d = q.shape
+    hkv = k.shape[0]
+    if hkv < 1 or hq % hkv or k.shape[2] != d:
+        raise error(f"q heads ({hq}) must be a multiple of kv heads ({hkv}) with the same head_dim")
+    if nq != capture.num_queries or k.shape[1] < capture.context:
+        raise error(
+            f"q must hold the capture's {capture.num_queries} queries and k at least {capture.context} rows"
+        )
+    return q, k, v
+
+
 def paged_attention_reference(
     q, k, v, capture: Capture, scale=None, queries=None, emulate_bf16: bool = False
 ):
@@ -48,19 +66,9 @@ def paged_attention_reference(
     """
     if not isinstance(capture, Capture):
         raise TypeError(f"capture must be a Capture, got {type(capture).__name__}")
-    q, k, v = (np.asarray(x) for x in (q, k, v))
-    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
-        raise ValueError(
-            f"q must be [q_heads, Q, d] and k, v [kv_heads, rows, d]; got {q.shape}, {k.shape}, {v.shape}"
-        )
+    q, k, v = check_paged_qkv(q, k, v, capture)
     hq, nq, d = q.shape
     hkv = k.shape[0]
-    if hq % hkv or k.shape[2] != d:
-        raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv}) with the same head_dim")
-    if nq != capture.num_queries or k.shape[1] < capture.context:
-        raise ValueError(
-            f"q must hold the capture's {capture.num_queries} queries and k at least {capture.context} rows"
-        )
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     queries = np.arange(nq) if queries is None else np.asarray(queries, dtype=np.int64)
     G = hq // hkv

@@ -27,6 +27,7 @@ import numpy as np
 
 from .captures import Capture
 from .grouping import Grouping, GroupingError, validate_grouping
+from .reference import check_paged_qkv
 
 #: Queries per group the kernel holds (one bit each in a ``uint8`` member mask).
 MEMBER_SLOTS = 8
@@ -274,19 +275,9 @@ def emulate_union(plan: UnionPlan, capture: Capture, q, k, v, scale=None, chunk_
     validate_union_plan(plan, capture)
     if isinstance(chunk_keys, bool) or not isinstance(chunk_keys, (int, np.integer)) or chunk_keys < 1:
         raise UnionPlanError(f"chunk_keys must be a positive integer, got {chunk_keys!r}")
-    q, k, v = (np.asarray(x) for x in (q, k, v))
-    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
-        raise UnionPlanError(
-            f"q must be [q_heads, Q, d] and k, v [kv_heads, rows, d]; got {q.shape}, {k.shape}, {v.shape}"
-        )
+    q, k, v = check_paged_qkv(q, k, v, capture, UnionPlanError)
     hq, nq, d = q.shape
     hkv = k.shape[0]
-    if hkv < 1 or hq % hkv or k.shape[2] != d:
-        raise UnionPlanError(f"q heads ({hq}) must be a multiple of kv heads ({hkv}) with the same head_dim")
-    if nq != capture.num_queries or k.shape[1] < capture.context:
-        raise UnionPlanError(
-            f"q must hold the capture's {capture.num_queries} queries and k at least {capture.context} rows"
-        )
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     G, P, S = hq // hkv, plan.page_size, MEMBER_SLOTS
     members = np.asarray(plan.members, dtype=np.int64)
