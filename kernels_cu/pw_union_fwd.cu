@@ -145,14 +145,19 @@ __device__ __forceinline__ SubPage sub_page(const int2* list, int union_len, int
 
 }  // namespace
 
-__global__ void __launch_bounds__(PW_THREADS, 1)
-pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restrict__ K, const uint8_t* __restrict__ V,
-                    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-                    __nv_bfloat16* __restrict__ O, float* __restrict__ LSE, const int* __restrict__ ids,
-                    const int* __restrict__ offsets, const int* __restrict__ group_count,
-                    const int* __restrict__ pages, const int* __restrict__ positions,
-                    int* __restrict__ item_counter, int num_groups, int kv_heads, int gqa, int num_queries,
-                    int selected, int num_pages, int log2_page, int context, int causal, float scale_log2) {
+// The kernel body of both designs. kKvPage = false: the union kernel (pages = the capture's page table,
+// O/LSE bf16/fp32 rows by query id). kKvPage = true: the direct KV-page union, one page per item
+// (pages[item's group] = its page; ids = the entries' query ids, grouped by page), writing each entry's
+// normalised partial O (fp32 [q_heads, num_entries, 128]) and LSE (fp32 [q_heads, num_entries]) at the
+// entry's index; pw_lse_merge_kernel merges the partials of a query by LSE.
+template <bool kKvPage>
+__device__ __forceinline__ void union_attention(
+    const __nv_bfloat16* __restrict__ Q, const uint8_t* __restrict__ K, const uint8_t* __restrict__ V,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale, void* __restrict__ O_out,
+    float* __restrict__ LSE, const int* __restrict__ ids, const int* __restrict__ offsets,
+    const int* __restrict__ group_count, const int* __restrict__ pages, const int* __restrict__ positions,
+    int* __restrict__ item_counter, int num_groups, int kv_heads, int gqa, int num_queries, int selected,
+    int num_pages, int log2_page, int context, int causal, float scale_log2, int num_entries) {
     using namespace hopper;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const UnionSmem sm(smem_raw);
@@ -162,12 +167,17 @@ pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restri
     const int kv_rows = num_pages << log2_page;
     const int q_heads = kv_heads * gqa;
     const int rows = PW_MEMBERS * gqa;
+    const int num_ids = kKvPage ? num_entries : num_queries;  // length of ids
 
     if (tid == 0) {
         for (int i = 0; i < PW_NBUF; ++i) {
             mbar_init(sm.k_full(i), kProducerThreads);
             mbar_init(sm.v_full(i), kProducerThreads);
+#ifdef PW_ALL_LANES_RELEASE
+            mbar_init(sm.k_empty(i), 32 * kConsumerWarps);
+#else
             mbar_init(sm.k_empty(i), kConsumerWarps);
+#endif
             mbar_init(sm.v_empty(i), kConsumerWarps);
         }
         mbar_init(sm.q_full(), kProducerThreads);
@@ -202,58 +212,69 @@ pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restri
             __syncwarp();
             if (lane == 0) mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
-            const UnionItem it = decode_union_item(item, num_groups, offsets, group_count, num_queries);
+            const UnionItem it = decode_union_item(item, num_groups, offsets, group_count, num_ids);
 
-            // ---- the group's union: member bitsets, then the ascending page list with member masks
-            named_sync(3, kProducerThreads);  // every thread is done with the previous item's list
-            for (int i = tid; i < PW_MEMBERS * words; i += kProducerThreads)
-                sm.bits[(i / words) * kWords + i % words] = 0u;
-            named_sync(3, kProducerThreads);
-            for (int e = tid; e < it.size * selected; e += kProducerThreads) {
-                const int m = e / selected;
-                const int id = ids[it.first + m];
-                if (static_cast<unsigned>(id) >= static_cast<unsigned>(num_queries)) continue;
-                const int p = pages[static_cast<size_t>(id) * selected + (e - m * selected)];
-                if (static_cast<unsigned>(p) < static_cast<unsigned>(num_pages))
-                    atomicOr(sm.bits + m * kWords + (p >> 5), 1u << (p & 31));
-            }
-            named_sync(3, kProducerThreads);
-            uint32_t uw[2] = {0u, 0u};
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int w = 2 * tid + j;
-                if (w < words) {
-#pragma unroll
-                    for (int m = 0; m < PW_MEMBERS; ++m) uw[j] |= sm.bits[m * kWords + w];
+            int union_len;
+            if constexpr (kKvPage) {
+                // ---- the item's one page, selected by every member
+                const int p = pages[it.group];
+                const bool ok = static_cast<unsigned>(p) < static_cast<unsigned>(num_pages) && it.size > 0;
+                union_len = ok ? 1 : 0;
+                named_sync(3, kProducerThreads);  // every thread is done with the previous item's list
+                if (tid == 0) sm.list[0] = make_int2(ok ? p : 0, (1 << it.size) - 1);
+                named_sync(3, kProducerThreads);
+            } else {
+                // ---- the group's union: member bitsets, then the ascending page list with member masks
+                named_sync(3, kProducerThreads);  // every thread is done with the previous item's list
+                for (int i = tid; i < PW_MEMBERS * words; i += kProducerThreads)
+                    sm.bits[(i / words) * kWords + i % words] = 0u;
+                named_sync(3, kProducerThreads);
+                for (int e = tid; e < it.size * selected; e += kProducerThreads) {
+                    const int m = e / selected;
+                    const int id = ids[it.first + m];
+                    if (static_cast<unsigned>(id) >= static_cast<unsigned>(num_queries)) continue;
+                    const int p = pages[static_cast<size_t>(id) * selected + (e - m * selected)];
+                    if (static_cast<unsigned>(p) < static_cast<unsigned>(num_pages))
+                        atomicOr(sm.bits + m * kWords + (p >> 5), 1u << (p & 31));
                 }
-            }
-            const int count = __popc(uw[0]) + __popc(uw[1]);
-            int incl = count;
+                named_sync(3, kProducerThreads);
+                uint32_t uw[2] = {0u, 0u};
 #pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const int n = __shfl_up_sync(0xffffffffu, incl, d);
-                if (lane >= d) incl += n;
-            }
-            if (lane == 31) sm.scan[pwarp] = incl;
-            named_sync(3, kProducerThreads);
-            int at = incl - count;
-            for (int w = 0; w < pwarp; ++w) at += sm.scan[w];
-            const int union_len = min(sm.scan[0] + sm.scan[1] + sm.scan[2] + sm.scan[3], kMaxUnion);
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                uint32_t rest = uw[j];
-                while (rest) {
-                    const int b = __ffs(rest) - 1;
-                    rest &= rest - 1u;
+                for (int j = 0; j < 2; ++j) {
                     const int w = 2 * tid + j;
-                    int mask = 0;
+                    if (w < words) {
 #pragma unroll
-                    for (int m = 0; m < PW_MEMBERS; ++m) mask |= ((sm.bits[m * kWords + w] >> b) & 1u) << m;
-                    if (at < kMaxUnion) sm.list[at] = make_int2(32 * w + b, mask);
-                    ++at;
+                        for (int m = 0; m < PW_MEMBERS; ++m) uw[j] |= sm.bits[m * kWords + w];
+                    }
                 }
+                const int count = __popc(uw[0]) + __popc(uw[1]);
+                int incl = count;
+#pragma unroll
+                for (int d = 1; d < 32; d <<= 1) {
+                    const int n = __shfl_up_sync(0xffffffffu, incl, d);
+                    if (lane >= d) incl += n;
+                }
+                if (lane == 31) sm.scan[pwarp] = incl;
+                named_sync(3, kProducerThreads);
+                int at = incl - count;
+                for (int w = 0; w < pwarp; ++w) at += sm.scan[w];
+                union_len = min(sm.scan[0] + sm.scan[1] + sm.scan[2] + sm.scan[3], kMaxUnion);
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    uint32_t rest = uw[j];
+                    while (rest) {
+                        const int b = __ffs(rest) - 1;
+                        rest &= rest - 1u;
+                        const int w = 2 * tid + j;
+                        int mask = 0;
+#pragma unroll
+                        for (int m = 0; m < PW_MEMBERS; ++m) mask |= ((sm.bits[m * kWords + w] >> b) & 1u) << m;
+                        if (at < kMaxUnion) sm.list[at] = make_int2(32 * w + b, mask);
+                        ++at;
+                    }
+                }
+                named_sync(3, kProducerThreads);
             }
-            named_sync(3, kProducerThreads);
 
             // ---- Q rows by id: thread t copies 16-byte chunk t % 16 of rows t / 16 + 8i
             mbar_wait(sm.q_empty(), (k & 1) ^ 1u);
@@ -375,7 +396,7 @@ pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restri
             __syncwarp();
             if (lane == 0) mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
-            const UnionItem it = decode_union_item(item, num_groups, offsets, group_count, num_queries);
+            const UnionItem it = decode_union_item(item, num_groups, offsets, group_count, num_ids);
             const int id = g < it.size ? ids[it.first + g] : -1;
             const bool member = static_cast<unsigned>(id) < static_cast<unsigned>(num_queries);
             int limit = member ? context - 1 : -1;  // last key position this member may see
@@ -430,8 +451,12 @@ pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restri
                     wgmma_wait<0>();
                 }
                 pin_registers(s);
+#ifdef PW_ALL_LANES_RELEASE  // candidate fix of racecheck's kinfo WAR report (each reading lane arrives itself)
+                mbar_arrive(sm.k_empty(buf), release);
+#else
                 __syncwarp();  // every lane has read this chunk's kinfo before the buffer is released
                 if (lane == 0) mbar_arrive(sm.k_empty(buf), release);
+#endif
                 online_softmax<PW_CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
                 pin_registers(s);
                 wgmma_wait<0>();
@@ -509,12 +534,22 @@ pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restri
                 const int hq = it.head * gqa + (row >> 3);
                 if (!member || row >= rows || hq >= q_heads) continue;
                 const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
-                const size_t at = static_cast<size_t>(hq) * num_queries + id;
-                uint32_t* dst = reinterpret_cast<uint32_t*>(O + at * PW_HEAD_DIM + 2 * t4);
+                if constexpr (kKvPage) {  // the entry's partial row, fp32
+                    const size_t at = static_cast<size_t>(hq) * num_entries + it.first + g;
+                    float2* dst = reinterpret_cast<float2*>(static_cast<float*>(O_out) + at * PW_HEAD_DIM + 2 * t4);
 #pragma unroll
-                for (int j = 0; j < PW_HEAD_DIM / 8; ++j)
-                    dst[4 * j] = paged::pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-                if (t4 == 0) LSE[at] = sum[r] > 0.f ? (m_l2[r] + log2f(sum[r])) * paged::kLn2 : -INFINITY;
+                    for (int j = 0; j < PW_HEAD_DIM / 8; ++j)
+                        dst[4 * j] = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+                    if (t4 == 0) LSE[at] = sum[r] > 0.f ? (m_l2[r] + log2f(sum[r])) * paged::kLn2 : -INFINITY;
+                } else {
+                    const size_t at = static_cast<size_t>(hq) * num_queries + id;
+                    uint32_t* dst =
+                        reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(O_out) + at * PW_HEAD_DIM + 2 * t4);
+#pragma unroll
+                    for (int j = 0; j < PW_HEAD_DIM / 8; ++j)
+                        dst[4 * j] = paged::pack_bf16x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+                    if (t4 == 0) LSE[at] = sum[r] > 0.f ? (m_l2[r] + log2f(sum[r])) * paged::kLn2 : -INFINITY;
+                }
             }
             if (!row_split) {
                 __syncwarp();
@@ -522,4 +557,72 @@ pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restri
             }
         }
     }
+}
+
+__global__ void __launch_bounds__(PW_THREADS, 1)
+pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restrict__ K, const uint8_t* __restrict__ V,
+                    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                    __nv_bfloat16* __restrict__ O, float* __restrict__ LSE, const int* __restrict__ ids,
+                    const int* __restrict__ offsets, const int* __restrict__ group_count,
+                    const int* __restrict__ pages, const int* __restrict__ positions,
+                    int* __restrict__ item_counter, int num_groups, int kv_heads, int gqa, int num_queries,
+                    int selected, int num_pages, int log2_page, int context, int causal, float scale_log2,
+                    int num_entries) {
+    union_attention<false>(Q, K, V, k_scale, v_scale, O, LSE, ids, offsets, group_count, pages, positions,
+                           item_counter, num_groups, kv_heads, gqa, num_queries, selected, num_pages, log2_page,
+                           context, causal, scale_log2, num_entries);
+}
+
+// Direct KV-page union: num_groups items per KV head, item g = page pages[g] with the entries
+// ids[offsets[g] .. offsets[g+1]) (at most 8 queries that selected it); O / LSE are the partials.
+__global__ void __launch_bounds__(PW_THREADS, 1)
+pw_kvpage_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restrict__ K, const uint8_t* __restrict__ V,
+                     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+                     float* __restrict__ O, float* __restrict__ LSE, const int* __restrict__ ids,
+                     const int* __restrict__ offsets, const int* __restrict__ group_count,
+                     const int* __restrict__ pages, const int* __restrict__ positions,
+                     int* __restrict__ item_counter, int num_groups, int kv_heads, int gqa, int num_queries,
+                     int selected, int num_pages, int log2_page, int context, int causal, float scale_log2,
+                     int num_entries) {
+    union_attention<true>(Q, K, V, k_scale, v_scale, O, LSE, ids, offsets, group_count, pages, positions,
+                          item_counter, num_groups, kv_heads, gqa, num_queries, selected, num_pages, log2_page,
+                          context, causal, scale_log2, num_entries);
+}
+
+// The KV-page union's reduction: one warp per (query head, query) row merges the row's partials
+// (slot_entry[query, j] = its entry for selection column j, -1: none) by their LSE into bf16 O and LSE.
+// Lane l owns columns 4l .. 4l + 3.
+__global__ void __launch_bounds__(256)
+pw_lse_merge_kernel(const float* __restrict__ O_part, const float* __restrict__ LSE_part,
+                    const int* __restrict__ slot_entry, __nv_bfloat16* __restrict__ O, float* __restrict__ LSE,
+                    int q_heads, int num_queries, int selected, int num_entries) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x & 31;
+    if (row >= q_heads * num_queries) return;
+    const int hq = row / num_queries;
+    const int query = row - hq * num_queries;
+    float m = -INFINITY, l = 0.f;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < selected; ++j) {
+        const int e = slot_entry[static_cast<size_t>(query) * selected + j];
+        if (static_cast<unsigned>(e) >= static_cast<unsigned>(num_entries)) continue;
+        const size_t at = static_cast<size_t>(hq) * num_entries + e;
+        const float lse_j = LSE_part[at];
+        if (lse_j == -INFINITY) continue;
+        const float4 oj = *reinterpret_cast<const float4*>(O_part + at * PW_HEAD_DIM + 4 * lane);
+        const float mm = fmaxf(m, lse_j);
+        const float a = expf(m - mm), b = expf(lse_j - mm);
+        acc[0] = acc[0] * a + oj.x * b;
+        acc[1] = acc[1] * a + oj.y * b;
+        acc[2] = acc[2] * a + oj.z * b;
+        acc[3] = acc[3] * a + oj.w * b;
+        l = l * a + b;
+        m = mm;
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    uint2 packed;
+    packed.x = paged::pack_bf16x2(acc[0] * inv, acc[1] * inv);
+    packed.y = paged::pack_bf16x2(acc[2] * inv, acc[3] * inv);
+    *reinterpret_cast<uint2*>(O + static_cast<size_t>(row) * PW_HEAD_DIM + 4 * lane) = packed;
+    if (lane == 0) LSE[row] = l > 0.f ? m + logf(l) : -INFINITY;
 }

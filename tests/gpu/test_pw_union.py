@@ -57,6 +57,8 @@ def random_grouping(rng, nq: int, kind: str, capture: Capture) -> Grouping:
         return adjacent_groups(nq, 8)
     if kind == "affinity":
         return affinity_groups(capture, 8, int(rng.choice([16, 64])))
+    if kind == "kv_page":
+        return "kv_page"
     if kind == "per_query":
         from sparseattn.kernels.pageweaver import per_query_groups
 
@@ -68,10 +70,11 @@ def random_grouping(rng, nq: int, kind: str, capture: Capture) -> Grouping:
     return Grouping(ids, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32), 8, "random")
 
 
-def run_case(rng, poisoned, capture: Capture, grouping: Grouping, kv_heads: int, gqa: int):
+def run_case(rng, poisoned, capture: Capture, grouping, kv_heads: int, gqa: int, **kv_page_options):
+    """One case; ``grouping="kv_page"`` runs the direct KV-page union (``kv_page_forward``) instead."""
     import cupy
 
-    from sparseattn.kernels.pageweaver import union_forward
+    from sparseattn.kernels.pageweaver import kv_page_forward, union_forward
 
     d = 128
     cache = random_cache(rng, kv_heads, capture.context, d, capture.page_size)
@@ -87,17 +90,11 @@ def run_case(rng, poisoned, capture: Capture, grouping: Grouping, kv_heads: int,
     qb = float_to_bf16_bits(rng.standard_normal((hq, nq, d), dtype=np.float32))
     scale = float(rng.uniform(0.5, 1.5)) / np.sqrt(d)
     o, lse = poisoned((hq, nq, d), "bf16"), poisoned((hq, nq), "float32")
-    union_forward(
-        cupy.asarray(qb),
-        cupy.asarray(kb),
-        cupy.asarray(vb),
-        cupy.asarray(cache.k_scale),
-        cupy.asarray(cache.v_scale),
-        capture,
-        grouping,
-        scale=scale,
-        out=(o, lse),
-    )
+    tensors = [cupy.asarray(x) for x in (qb, kb, vb, cache.k_scale, cache.v_scale)]
+    if isinstance(grouping, str) and grouping == "kv_page":
+        kv_page_forward(*tensors, capture, scale=scale, out=(o, lse), **kv_page_options)
+    else:
+        union_forward(*tensors, capture, grouping, scale=scale, out=(o, lse))
     cupy.cuda.Device().synchronize()
     qf = bf16_bits_to_float(qb).astype(np.float64)
     k_exact, v_exact = cache.dequantized()
@@ -130,7 +127,7 @@ def run_case(rng, poisoned, capture: Capture, grouping: Grouping, kv_heads: int,
     return {"rel": rel, "rel_emul": rel_emul, "empty": int(empty.sum())}
 
 
-GROUPINGS = ["adjacent", "affinity", "random", "per_query"]
+GROUPINGS = ["adjacent", "affinity", "random", "per_query", "kv_page"]
 PAGE_SIZES = [16, 64, 128]
 
 
@@ -138,7 +135,8 @@ PAGE_SIZES = [16, 64, 128]
 @pytest.mark.parametrize("grouping", GROUPINGS)
 @pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"P{p}")
 def test_union_random(rng, poisoned, page_size, grouping, seed):
-    """240 random cases: causal generated and non-causal hand-made captures, ragged contexts, GQA 1-16."""
+    """300 random cases (60 per design: union with three groupings, per-query, KV-page union): causal
+    generated and non-causal hand-made captures, ragged contexts, GQA 1-16."""
     causal = bool(rng.random() < 0.7)
     capture = random_capture(rng, page_size, causal)
     kv_heads = int(rng.integers(1, 3))
@@ -148,9 +146,11 @@ def test_union_random(rng, poisoned, page_size, grouping, seed):
     )
 
 
+@pytest.mark.parametrize("design", ["adjacent", "kv_page"])
 @pytest.mark.parametrize("gqa", [1, 4, 8, 16], ids=lambda g: f"G{g}")
-def test_union_builtin_sampled(rng, poisoned, gqa):
-    """A slice of a built-in 8K capture (its last 256 queries), 2 KV heads, adjacent groups of 8."""
+def test_union_builtin_sampled(rng, poisoned, gqa, design):
+    """A slice of a built-in 8K capture (its last 256 queries), 2 KV heads: the union with adjacent groups
+    of 8, and the KV-page union."""
     from sparseattn.pageweaver.captures import load_capture
 
     full = load_capture("nsa_8k")
@@ -158,7 +158,21 @@ def test_union_builtin_sampled(rng, poisoned, gqa):
     capture = Capture(
         pages=full.pages[rows], positions=full.positions[rows], context=full.context, page_size=full.page_size
     )
-    run_case(rng, poisoned, capture, adjacent_groups(capture.num_queries, 8), 2, gqa)
+    grouping = adjacent_groups(capture.num_queries, 8) if design == "adjacent" else "kv_page"
+    run_case(rng, poisoned, capture, grouping, 2, gqa)
+
+
+def test_kv_page_head_chunks_and_phase_times(rng, poisoned):
+    """A partial budget of one KV head's partials: 3 KV heads run as 3 launches (+ merges), still exact."""
+    from sparseattn.kernels.pageweaver import kv_page_plan
+
+    capture = random_capture(rng, 64, True)
+    gqa = 4
+    per_head = gqa * kv_page_plan(capture).num_entries * 129 * 4
+    phases = {}
+    run_case(rng, poisoned, capture, "kv_page", 3, gqa, partial_budget=per_head, phases=phases)
+    assert phases["head_chunks"] == 3
+    assert phases["partials_ms"] > 0 and phases["merge_ms"] > 0
 
 
 def test_union_rejects_bad_input(rng):
@@ -192,3 +206,39 @@ def test_union_rejects_bad_input(rng):
         union_forward(q[:, :-1].copy(), k, v, ks, vs, capture, good)
     with pytest.raises(KernelValueError, match="head_dim"):
         union_forward(cupy.zeros((4, nq, 64), dtype=cupy.uint16), k, v, ks, vs, capture, good)
+    from sparseattn.kernels.pageweaver import kv_page_forward
+
+    with pytest.raises(KernelValueError, match="k_scale"):
+        kv_page_forward(q, k, v, ks[:, :-1].copy(), vs, capture)
+    with pytest.raises(KernelValueError, match="partial_budget"):
+        kv_page_forward(q, k, v, ks, vs, capture, partial_budget=1024)
+
+
+@pytest.mark.parametrize("design", ["adjacent", "kv_page"])
+def test_torch_tensors_in_and_out(rng, design):
+    """torch bf16 / float8_e4m3fn CUDA tensors in, torch (o, lse) out, equal to the CuPy call's result."""
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    from sparseattn.kernels.pageweaver import kv_page_forward, union_forward
+
+    capture = generate_capture(GeneratorConfig(context=1500, page_size=64, num_queries=40, seed=3))
+    cache = random_cache(rng, 2, capture.context, 128, 64)
+    qb = float_to_bf16_bits(rng.standard_normal((4, capture.num_queries, 128), dtype=np.float32))
+    grouping = adjacent_groups(capture.num_queries, 8)
+
+    def call(*tensors):
+        if design == "kv_page":
+            return kv_page_forward(*tensors, capture)
+        return union_forward(*tensors, capture, grouping)
+
+    o_c, lse_c = call(*(cupy.asarray(x) for x in (qb, cache.k, cache.v, cache.k_scale, cache.v_scale)))
+    dev = torch.device("cuda")
+    q_t = torch.from_numpy(qb.view(np.int16)).to(dev).view(torch.bfloat16)
+    k_t, v_t = (torch.from_numpy(x).to(dev).view(torch.float8_e4m3fn) for x in (cache.k, cache.v))
+    ks_t, vs_t = (torch.from_numpy(x).to(dev) for x in (cache.k_scale, cache.v_scale))
+    o_t, lse_t = call(q_t, k_t, v_t, ks_t, vs_t)
+    torch.cuda.synchronize()
+    assert o_t.dtype == torch.bfloat16 and lse_t.dtype == torch.float32
+    assert np.array_equal(o_t.view(torch.int16).cpu().numpy().view(np.uint16), cupy.asnumpy(o_c))
+    assert np.array_equal(lse_t.cpu().numpy(), cupy.asnumpy(lse_c))

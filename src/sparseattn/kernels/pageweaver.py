@@ -22,11 +22,13 @@ shares the capture's selection.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
 from ..pageweaver.captures import Capture
 from ..pageweaver.grouping import Grouping, GroupingError, validate_grouping
+from ..pageweaver.kv_page_plan import build_kv_page_plan
 from . import launch
 from .validate import (
     BF16_DTYPE_NAMES,
@@ -39,7 +41,9 @@ from .validate import (
 
 SOURCE = "pw_union_fwd.cu"
 KERNEL = "pw_union_fwd_kernel"
-NAME_EXPRESSIONS = (KERNEL,)
+KVPAGE_KERNEL = "pw_kvpage_fwd_kernel"
+MERGE_KERNEL = "pw_lse_merge_kernel"
+NAME_EXPRESSIONS = (KERNEL, KVPAGE_KERNEL, MERGE_KERNEL)
 #: The kernel's parameters, in order (tests/test_compile.py checks them against the source).
 KERNEL_PARAMS = (
     "Q",
@@ -65,6 +69,7 @@ KERNEL_PARAMS = (
     "context",
     "causal",
     "scale_log2",
+    "num_entries",
 )
 
 # Mirrors of the kernel's compile-time geometry (PW_* in the source).
@@ -178,7 +183,8 @@ def check_device_grouping(ids, offsets, num_queries: int) -> None:
         raise KernelValueError("grouping ids must hold every query exactly once")
 
 
-def _torch_union(q, k_cache, v_cache, k_scale, v_scale, capture, grouping, scale, out):
+def _torch_call(fn, q, k_cache, v_cache, k_scale, v_scale, out, *args, **kwargs):
+    """``fn`` on CuPy views of torch tensors (no copies), on torch's current stream; returns torch (o, lse)."""
     import torch
 
     if out is None:
@@ -197,7 +203,7 @@ def _torch_union(q, k_cache, v_cache, k_scale, v_scale, capture, grouping, scale
             return cupy.from_dlpack(x.detach())
         return launch.torch_to_cupy(name, x)
 
-    args = [
+    views = [
         view(n, x)
         for n, x in (
             ("q", q),
@@ -209,24 +215,12 @@ def _torch_union(q, k_cache, v_cache, k_scale, v_scale, capture, grouping, scale
     ]
     outs = tuple(view(n, x) for n, x in (("out[0] (o)", out[0]), ("out[1] (lse)", out[1])))
     with launch.torch_stream():
-        union_forward(*args, capture, grouping, scale, outs)
+        fn(*views, *args, out=outs, **kwargs)
     return tuple(out)
 
 
-def union_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, grouping, scale=None, out=None):
-    """PageWeaver's union attention (see the module docstring for shapes).
-
-    Args:
-        grouping: a :class:`Grouping` (groups of at most 8 queries; validated), a
-            :class:`~sparseattn.pageweaver.grouping_gpu.DeviceGrouping` (the GPU search's output, used
-            without a host synchronisation), or ``(ids, offsets)`` int32 device arrays (shapes checked;
-            :func:`check_device_grouping` validates the contents on request).
-        scale: softmax scale (default ``1/sqrt(128)``).
-        out: optional ``(o, lse)`` to write into.
-    """
-    if launch.is_torch_tensor(q):
-        return _torch_union(q, k_cache, v_cache, k_scale, v_scale, capture, grouping, scale, out)
-    capture = check_capture(capture)
+def _check_inputs(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, scale):
+    """(q_heads, num_queries, kv_heads, device, scale) after every tensor check both designs share."""
     check_tensor("q", q, dtype=BF16_DTYPE_NAMES, ndim=3)
     hq, nq, d = q.shape
     if d != HEAD_DIM:
@@ -248,28 +242,101 @@ def union_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, group
     if hkv * rows * HEAD_DIM >= 2**31 or hq * nq * HEAD_DIM >= 2**62:
         raise KernelValueError("the cache is too large for the kernel's 32-bit row offsets")
     scale = check_scale(scale, HEAD_DIM)
+    return hq, nq, hkv, device, scale
+
+
+def union_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, grouping, scale=None, out=None):
+    """PageWeaver's union attention (see the module docstring for shapes).
+
+    Args:
+        grouping: a :class:`Grouping` (groups of at most 8 queries; validated), a
+            :class:`~sparseattn.pageweaver.grouping_gpu.DeviceGrouping` (the GPU search's output, used
+            without a host synchronisation), or ``(ids, offsets)`` int32 device arrays (shapes checked;
+            :func:`check_device_grouping` validates the contents on request).
+        scale: softmax scale (default ``1/sqrt(128)``).
+        out: optional ``(o, lse)`` to write into.
+    """
+    if launch.is_torch_tensor(q):
+        return _torch_call(
+            union_forward, q, k_cache, v_cache, k_scale, v_scale, out, capture, grouping, scale
+        )
+    capture = check_capture(capture)
+    _, _, hkv, device, scale = _check_inputs(q, k_cache, v_cache, k_scale, v_scale, capture, scale)
     ids, offsets, num_groups, group_count = _device_grouping(grouping, capture, device)
+    o, lse = _outputs(q, out, device)
+    cap = _device_capture(capture, device)
+    _launch(
+        KERNEL,
+        q,
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        o,
+        lse,
+        ids,
+        offsets,
+        group_count,
+        cap["pages"],
+        cap["positions"],
+        num_groups,
+        hkv,
+        capture,
+        scale,
+        0,
+    )
+    return o, lse
+
+
+def _outputs(q, out, device):
+    """(o, lse): fresh (o = 0, lse = -inf) or ``out`` after its checks."""
     import cupy
 
+    hq, nq = q.shape[:2]
     if out is None:
         with cupy.cuda.Device(device):
-            o = cupy.zeros(q.shape, dtype=q.dtype)
-            lse = cupy.full((hq, nq), -np.inf, dtype=cupy.float32)
-    else:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise KernelTypeError("out must be a tuple (o, lse) of preallocated arrays")
-        o, lse = out
-        check_tensor(
-            "out[0] (o)",
-            o,
-            dtype=(q.dtype.name if q.dtype.name in BF16_DTYPE_NAMES else BF16_DTYPE_NAMES),
-            shape=q.shape,
-            device=device,
-        )
-        check_tensor("out[1] (lse)", lse, dtype="float32", shape=(hq, nq), device=device)
-    cap = _device_capture(capture, device)
+            return cupy.zeros(q.shape, dtype=q.dtype), cupy.full((hq, nq), -np.inf, dtype=cupy.float32)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise KernelTypeError("out must be a tuple (o, lse) of preallocated arrays")
+    o, lse = out
+    check_tensor(
+        "out[0] (o)",
+        o,
+        dtype=(q.dtype.name if q.dtype.name in BF16_DTYPE_NAMES else BF16_DTYPE_NAMES),
+        shape=q.shape,
+        device=device,
+    )
+    check_tensor("out[1] (lse)", lse, dtype="float32", shape=(hq, nq), device=device)
+    return o, lse
+
+
+def _launch(
+    kernel,
+    q,
+    k_cache,
+    v_cache,
+    k_scale,
+    v_scale,
+    o,
+    lse,
+    ids,
+    offsets,
+    group_count,
+    pages,
+    positions,
+    num_groups,
+    hkv,
+    capture,
+    scale,
+    num_entries,
+) -> None:
+    """One persistent launch of ``kernel`` (the union or the KV-page kernel) over ``num_groups · hkv`` items."""
+    import cupy
+
+    hq, nq = q.shape[:2]
+    device = device_of(q)
     with cupy.cuda.Device(device):
-        fn = launch.prepare(launch.function(SOURCE, KERNEL, NAME_EXPRESSIONS), SMEM_BYTES)
+        fn = launch.prepare(launch.function(SOURCE, kernel, NAME_EXPRESSIONS), SMEM_BYTES)
         counter = _counter(device)
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, 4, stream.ptr)
@@ -286,8 +353,8 @@ def union_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, group
             ids,
             offsets,
             np.uint64(0) if group_count is None else group_count,
-            cap["pages"],
-            cap["positions"],
+            pages,
+            positions,
             counter,
             np.int32(num_groups),
             np.int32(hkv),
@@ -299,10 +366,153 @@ def union_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, group
             np.int32(capture.context),
             np.int32(1 if capture.causal else 0),
             np.float32(scale * math.log2(math.e)),
+            np.int32(num_entries),
         )
         if items:
             fn(grid, (THREADS,), args, shared_mem=SMEM_BYTES)
+
+
+MERGE_THREADS = 256
+
+
+def kv_page_plan(capture: Capture):
+    """The capture's :class:`~sparseattn.pageweaver.kv_page_plan.KvPagePlan`, built once per capture."""
+    plan = _KV_PLANS.get(capture)
+    if plan is None:
+        plan = _KV_PLANS[capture] = build_kv_page_plan(capture, MEMBERS)
+    return plan
+
+
+def kv_page_forward(
+    q,
+    k_cache,
+    v_cache,
+    k_scale,
+    v_scale,
+    capture: Capture,
+    scale=None,
+    out=None,
+    partial_budget=None,
+    phases=None,
+):
+    """The direct KV-page union (the comparison design): partials per (query, page), merged by LSE.
+
+    Same tensors as :func:`union_forward`. Work is split by KV page (:func:`kv_page_plan`: items of up to
+    8 queries that selected one page); each item writes every member's normalised partial O (fp32) and
+    LSE, and ``pw_lse_merge_kernel`` combines each query's partials. KV heads run in chunks whose fp32
+    partials fit ``partial_budget`` bytes (default: half the device's free memory).
+
+    Args:
+        phases: optional dict; when given, CUDA events time the two phases and it receives
+            ``partials_ms`` and ``merge_ms`` (the reduction's own cost; this synchronises).
+    """
+    if launch.is_torch_tensor(q):
+        return _torch_call(
+            kv_page_forward,
+            q,
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            out,
+            capture,
+            scale=scale,
+            partial_budget=partial_budget,
+            phases=phases,
+        )
+    capture = check_capture(capture)
+    hq, nq, hkv, device, scale = _check_inputs(q, k_cache, v_cache, k_scale, v_scale, capture, scale)
+    o, lse = _outputs(q, out, device)
+    plan = kv_page_plan(capture)
+    arrays = launch.device_arrays(
+        plan,
+        device,
+        lambda: {
+            "ids": plan.ids,
+            "offsets": plan.offsets,
+            "item_pages": plan.item_pages,
+            "slot_entry": plan.slot_entry,
+        },
+    )
+    cap = _device_capture(capture, device)
+    G = hq // hkv
+    E = plan.num_entries
+    import cupy
+
+    if partial_budget is None:
+        with cupy.cuda.Device(device):
+            budget = cupy.cuda.runtime.memGetInfo()[0] // 2 + cupy.get_default_memory_pool().free_bytes() // 2
+    else:
+        budget = int(partial_budget)
+    per_head = G * max(E, 1) * (HEAD_DIM + 1) * 4
+    if per_head > budget:
+        raise KernelValueError(
+            f"partial_budget ({budget} bytes) is below one KV head's partials ({per_head} bytes)"
+        )
+    chunk = max(1, min(hkv, budget // per_head))
+
+    with cupy.cuda.Device(device):
+        o_part = cupy.empty((chunk * G, E, HEAD_DIM), dtype=cupy.float32)
+        lse_part = cupy.empty((chunk * G, E), dtype=cupy.float32)
+        merge = launch.function(SOURCE, MERGE_KERNEL, NAME_EXPRESSIONS)
+        events = [cupy.cuda.Event() for _ in range(3)] if phases is not None else None
+        spent = [0.0, 0.0]
+        for h0 in range(0, hkv, chunk):
+            h1 = min(hkv, h0 + chunk)
+            qs, os_, ls = q[h0 * G : h1 * G], o[h0 * G : h1 * G], lse[h0 * G : h1 * G]
+            if events:
+                events[0].record()
+            _launch(
+                KVPAGE_KERNEL,
+                qs,
+                k_cache[h0:h1],
+                v_cache[h0:h1],
+                k_scale[h0:h1],
+                v_scale[h0:h1],
+                o_part,
+                lse_part,
+                arrays["ids"],
+                arrays["offsets"],
+                None,
+                arrays["item_pages"],
+                cap["positions"],
+                plan.num_items,
+                h1 - h0,
+                capture,
+                scale,
+                E,
+            )
+            if events:
+                events[1].record()
+            rows = (h1 - h0) * G * nq
+            warps = MERGE_THREADS // 32
+            merge(
+                ((rows + warps - 1) // warps,),
+                (MERGE_THREADS,),
+                (
+                    o_part,
+                    lse_part,
+                    arrays["slot_entry"],
+                    os_,
+                    ls,
+                    np.int32((h1 - h0) * G),
+                    np.int32(nq),
+                    np.int32(capture.k),
+                    np.int32(E),
+                ),
+            )
+            if events:
+                events[2].record()
+                events[2].synchronize()
+                spent[0] += cupy.cuda.get_elapsed_time(events[0], events[1])
+                spent[1] += cupy.cuda.get_elapsed_time(events[1], events[2])
+        if phases is not None:
+            phases["partials_ms"], phases["merge_ms"] = spent
+            phases["head_chunks"] = -(-hkv // chunk)
     return o, lse
+
+
+_KV_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 _COUNTERS: dict = {}

@@ -6,6 +6,7 @@
 * :mod:`.grouping_gpu` — the same affinity search as a CuPy kernel (``kernels_cu/pw_grouping.cu``);
 * :mod:`.analysis` — page loads, physical pairs and occupancy of per-query vs union paths;
 * :mod:`.union_plan` — per-group page unions with member masks, their validation and numpy emulator;
+* :mod:`.kv_page_plan` — the direct KV-page union's entries, items and float64 emulator;
 * :mod:`.fp8` — paged e4m3 K/V cache with per-(KV head, page) scales;
 * :mod:`.reference` — float64 reference of per-query paged sparse attention (GQA);
 * :mod:`.gpu_bench` — ``python -m sparseattn.pageweaver.gpu_bench --out DIR``.
@@ -46,6 +47,7 @@ _EXPORTS = {
         "union_counts",
         "validate_union_plan",
     ),
+    "kv_page_plan": ("KvPagePlan", "build_kv_page_plan", "emulate_kv_page"),
     "fp8": ("Fp8CacheError", "Fp8KVCache", "dequantize", "quantize_kv", "random_cache"),
     "reference": ("paged_attention_reference",),
 }
