@@ -172,3 +172,36 @@ def test_paged_forward_shared_memory_formula_matches_the_kernel(reports):
         code, "paged_smem_check.cu", compile_check.compile_options(compile_check.find_cuda_include()), ()
     )
     assert ok, log
+
+
+@pytest.mark.parametrize(
+    "source_attr, kernel, params_attr",
+    [
+        ("SOURCE", "pw_union_fwd_kernel", "KERNEL_PARAMS"),
+        ("SOURCE", "pw_kvpage_fwd_kernel", "KERNEL_PARAMS"),
+        ("PER_QUERY_SOURCE", "pw_per_query_fwd_kernel", "PER_QUERY_PARAMS"),
+    ],
+)
+def test_pageweaver_launches_match_the_kernel_signatures(source_attr, kernel, params_attr):
+    """The wrappers pass their parameter tuples in order: the names equal the kernels' parameters."""
+    from sparseattn.kernels import pageweaver
+
+    text = (runtime.kernel_dir() / getattr(pageweaver, source_attr)).read_text()
+    sig = re.search(rf"\n{kernel}\((.*?)\)\s*\{{", text, re.DOTALL).group(1)
+    names = tuple(re.findall(r"(\w+)\s*(?:,|$)", " ".join(sig.split())))
+    assert names == getattr(pageweaver, params_attr)
+
+
+def test_pageweaver_shared_memory_formulas_match_the_kernels(reports):
+    """The wrappers' SMEM_BYTES / PQ_SMEM_BYTES equal the kernels' own constants (NVRTC static_asserts)."""
+    from sparseattn.kernels import pageweaver
+
+    nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
+    options = compile_check.compile_options(compile_check.find_cuda_include())
+    for source, check in (
+        (pageweaver.SOURCE, f'static_assert(kSmemBytes == {pageweaver.SMEM_BYTES}, "union smem");'),
+        (pageweaver.PER_QUERY_SOURCE, f'static_assert(kSmemBytes == {pageweaver.PQ_SMEM_BYTES}, "pq smem");'),
+    ):
+        code = runtime.preprocess(source) + "\nnamespace {\n" + check + "\n}\n"
+        ok, log, _, _ = nvrtc.compile(code, "pw_smem_check.cu", options, ())
+        assert ok, log

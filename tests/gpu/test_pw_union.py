@@ -1,5 +1,6 @@
-"""GPU tests of PageWeaver's union kernel (``kernels_cu/pw_union_fwd.cu``) and of the per-query design
-on the same kernel, against the float64 reference over the FP8 cache's exact values.
+"""GPU tests of PageWeaver's attention kernels against the float64 reference over the FP8 cache's exact
+values: the union kernel (``kernels_cu/pw_union_fwd.cu``, also with singleton groups), the direct
+KV-page union (same source, plus its LSE merge) and the per-query kernel (``pw_per_query_fwd.cu``).
 
 Every case: fresh random bf16 Q and e4m3 K/V (seed printed), NaN bytes in every cache row past the
 context, NaN-poisoned outputs (every query row must be written), FlashAttention's error rule (≤ 2× the
@@ -57,8 +58,8 @@ def random_grouping(rng, nq: int, kind: str, capture: Capture) -> Grouping:
         return adjacent_groups(nq, 8)
     if kind == "affinity":
         return affinity_groups(capture, 8, int(rng.choice([16, 64])))
-    if kind == "kv_page":
-        return "kv_page"
+    if kind in ("kv_page", "per_query_mma"):
+        return kind
     if kind == "per_query":
         from sparseattn.kernels.pageweaver import per_query_groups
 
@@ -70,11 +71,12 @@ def random_grouping(rng, nq: int, kind: str, capture: Capture) -> Grouping:
     return Grouping(ids, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32), 8, "random")
 
 
-def run_case(rng, poisoned, capture: Capture, grouping, kv_heads: int, gqa: int, **kv_page_options):
-    """One case; ``grouping="kv_page"`` runs the direct KV-page union (``kv_page_forward``) instead."""
+def run_case(rng, poisoned, capture: Capture, grouping, kv_heads: int, gqa: int, **options):
+    """One case of the union kernel with ``grouping``, or of another design when ``grouping`` names it:
+    ``"kv_page"`` (direct KV-page union) or ``"per_query_mma"`` (the per-query mma.sync kernel)."""
     import cupy
 
-    from sparseattn.kernels.pageweaver import kv_page_forward, union_forward
+    from sparseattn.kernels.pageweaver import kv_page_forward, per_query_forward, union_forward
 
     d = 128
     cache = random_cache(rng, kv_heads, capture.context, d, capture.page_size)
@@ -92,7 +94,9 @@ def run_case(rng, poisoned, capture: Capture, grouping, kv_heads: int, gqa: int,
     o, lse = poisoned((hq, nq, d), "bf16"), poisoned((hq, nq), "float32")
     tensors = [cupy.asarray(x) for x in (qb, kb, vb, cache.k_scale, cache.v_scale)]
     if isinstance(grouping, str) and grouping == "kv_page":
-        kv_page_forward(*tensors, capture, scale=scale, out=(o, lse), **kv_page_options)
+        kv_page_forward(*tensors, capture, scale=scale, out=(o, lse), **options)
+    elif isinstance(grouping, str) and grouping == "per_query_mma":
+        per_query_forward(*tensors, capture, scale=scale, out=(o, lse))
     else:
         union_forward(*tensors, capture, grouping, scale=scale, out=(o, lse))
     cupy.cuda.Device().synchronize()
@@ -127,7 +131,7 @@ def run_case(rng, poisoned, capture: Capture, grouping, kv_heads: int, gqa: int,
     return {"rel": rel, "rel_emul": rel_emul, "empty": int(empty.sum())}
 
 
-GROUPINGS = ["adjacent", "affinity", "random", "per_query", "kv_page"]
+GROUPINGS = ["adjacent", "affinity", "random", "per_query", "kv_page", "per_query_mma"]
 PAGE_SIZES = [16, 64, 128]
 
 
@@ -135,8 +139,9 @@ PAGE_SIZES = [16, 64, 128]
 @pytest.mark.parametrize("grouping", GROUPINGS)
 @pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"P{p}")
 def test_union_random(rng, poisoned, page_size, grouping, seed):
-    """300 random cases (60 per design: union with three groupings, per-query, KV-page union): causal
-    generated and non-causal hand-made captures, ragged contexts, GQA 1-16."""
+    """360 random cases, 60 per design: the union kernel with three groupings and singleton groups, the
+    KV-page union, the per-query mma.sync kernel; causal generated and non-causal hand-made captures,
+    ragged contexts, GQA 1-16."""
     causal = bool(rng.random() < 0.7)
     capture = random_capture(rng, page_size, causal)
     kv_heads = int(rng.integers(1, 3))
@@ -146,11 +151,11 @@ def test_union_random(rng, poisoned, page_size, grouping, seed):
     )
 
 
-@pytest.mark.parametrize("design", ["adjacent", "kv_page"])
+@pytest.mark.parametrize("design", ["adjacent", "kv_page", "per_query_mma"])
 @pytest.mark.parametrize("gqa", [1, 4, 8, 16], ids=lambda g: f"G{g}")
 def test_union_builtin_sampled(rng, poisoned, gqa, design):
     """A slice of a built-in 8K capture (its last 256 queries), 2 KV heads: the union with adjacent groups
-    of 8, and the KV-page union."""
+    of 8, the KV-page union and the per-query kernel."""
     from sparseattn.pageweaver.captures import load_capture
 
     full = load_capture("nsa_8k")
@@ -158,7 +163,7 @@ def test_union_builtin_sampled(rng, poisoned, gqa, design):
     capture = Capture(
         pages=full.pages[rows], positions=full.positions[rows], context=full.context, page_size=full.page_size
     )
-    grouping = adjacent_groups(capture.num_queries, 8) if design == "adjacent" else "kv_page"
+    grouping = adjacent_groups(capture.num_queries, 8) if design == "adjacent" else design
     run_case(rng, poisoned, capture, grouping, 2, gqa)
 
 
@@ -206,21 +211,23 @@ def test_union_rejects_bad_input(rng):
         union_forward(q[:, :-1].copy(), k, v, ks, vs, capture, good)
     with pytest.raises(KernelValueError, match="head_dim"):
         union_forward(cupy.zeros((4, nq, 64), dtype=cupy.uint16), k, v, ks, vs, capture, good)
-    from sparseattn.kernels.pageweaver import kv_page_forward
+    from sparseattn.kernels.pageweaver import kv_page_forward, per_query_forward
 
     with pytest.raises(KernelValueError, match="k_scale"):
         kv_page_forward(q, k, v, ks[:, :-1].copy(), vs, capture)
+    with pytest.raises(KernelValueError, match="v_cache"):
+        per_query_forward(q, k, v[:, :-1].copy(), ks, vs, capture)
     with pytest.raises(KernelValueError, match="partial_budget"):
         kv_page_forward(q, k, v, ks, vs, capture, partial_budget=1024)
 
 
-@pytest.mark.parametrize("design", ["adjacent", "kv_page"])
+@pytest.mark.parametrize("design", ["adjacent", "kv_page", "per_query_mma"])
 def test_torch_tensors_in_and_out(rng, design):
     """torch bf16 / float8_e4m3fn CUDA tensors in, torch (o, lse) out, equal to the CuPy call's result."""
     torch = pytest.importorskip("torch")
     import cupy
 
-    from sparseattn.kernels.pageweaver import kv_page_forward, union_forward
+    from sparseattn.kernels.pageweaver import kv_page_forward, per_query_forward, union_forward
 
     capture = generate_capture(GeneratorConfig(context=1500, page_size=64, num_queries=40, seed=3))
     cache = random_cache(rng, 2, capture.context, 128, 64)
@@ -230,6 +237,8 @@ def test_torch_tensors_in_and_out(rng, design):
     def call(*tensors):
         if design == "kv_page":
             return kv_page_forward(*tensors, capture)
+        if design == "per_query_mma":
+            return per_query_forward(*tensors, capture)
         return union_forward(*tensors, capture, grouping)
 
     o_c, lse_c = call(*(cupy.asarray(x) for x in (qb, cache.k, cache.v, cache.k_scale, cache.v_scale)))

@@ -44,6 +44,30 @@ KERNEL = "pw_union_fwd_kernel"
 KVPAGE_KERNEL = "pw_kvpage_fwd_kernel"
 MERGE_KERNEL = "pw_lse_merge_kernel"
 NAME_EXPRESSIONS = (KERNEL, KVPAGE_KERNEL, MERGE_KERNEL)
+PER_QUERY_SOURCE = "pw_per_query_fwd.cu"
+PER_QUERY_KERNEL = "pw_per_query_fwd_kernel"
+KERNEL_SOURCES = {PER_QUERY_SOURCE: (PER_QUERY_KERNEL,)}
+#: The per-query kernel's parameters, in order (tests/test_compile.py checks them against the source).
+PER_QUERY_PARAMS = (
+    "Q",
+    "K",
+    "V",
+    "k_scale",
+    "v_scale",
+    "O",
+    "LSE",
+    "pages",
+    "positions",
+    "kv_heads",
+    "gqa",
+    "num_queries",
+    "selected",
+    "num_pages",
+    "log2_page",
+    "context",
+    "causal",
+    "scale_log2",
+)
 #: The kernel's parameters, in order (tests/test_compile.py checks them against the source).
 KERNEL_PARAMS = (
     "Q",
@@ -96,6 +120,11 @@ SMEM_BYTES = (
     + SMALL_BYTES
 )
 E4M3_DTYPE_NAMES = ("uint8", "float8_e4m3fn")
+# Mirrors of the per-query kernel's geometry (PQ_* in pw_per_query_fwd.cu).
+PQ_WARPS = 12
+PQ_STEP_KEYS = 16
+PQ_NSTAGE = 4
+PQ_SMEM_BYTES = PQ_WARPS * PQ_NSTAGE * (2 * PQ_STEP_KEYS * HEAD_DIM + 8)
 
 
 def per_query_groups(num_queries: int) -> Grouping:
@@ -373,6 +402,52 @@ def _launch(
 
 
 MERGE_THREADS = 256
+
+
+def per_query_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, scale=None, out=None):
+    """The per-query paged baseline (FlashInfer's design): every query loads its own selected pages.
+
+    Same tensors as :func:`union_forward`, no grouping. One warp per (query, KV head) work item on
+    ``mma.sync`` 16-row tiles holding the query's ``G`` heads (``kernels_cu/pw_per_query_fwd.cu``).
+    """
+    if launch.is_torch_tensor(q):
+        return _torch_call(
+            per_query_forward, q, k_cache, v_cache, k_scale, v_scale, out, capture, scale=scale
+        )
+    capture = check_capture(capture)
+    hq, nq, hkv, device, scale = _check_inputs(q, k_cache, v_cache, k_scale, v_scale, capture, scale)
+    o, lse = _outputs(q, out, device)
+    cap = _device_capture(capture, device)
+    import cupy
+
+    with cupy.cuda.Device(device):
+        fn = launch.prepare(
+            launch.function(PER_QUERY_SOURCE, PER_QUERY_KERNEL, (PER_QUERY_KERNEL,)), PQ_SMEM_BYTES
+        )
+        items = nq * hkv
+        grid = (max(1, min(launch.sm_count(device), -(-items // PQ_WARPS))),)
+        args = (
+            q,
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            o,
+            lse,
+            cap["pages"],
+            cap["positions"],
+            np.int32(hkv),
+            np.int32(hq // hkv),
+            np.int32(nq),
+            np.int32(capture.k),
+            np.int32(capture.num_pages),
+            np.int32(int(math.log2(capture.page_size))),
+            np.int32(capture.context),
+            np.int32(1 if capture.causal else 0),
+            np.float32(scale * math.log2(math.e)),
+        )
+        fn(grid, (PQ_WARPS * 32,), args, shared_mem=PQ_SMEM_BYTES)
+    return o, lse
 
 
 def kv_page_plan(capture: Capture):

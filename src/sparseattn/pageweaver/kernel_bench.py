@@ -12,6 +12,8 @@ size (8 KV heads by default, head dim 128, e4m3 K/V with per-page scales, bf16 Q
   apart (the reduction's own cost); its plan (a host sort by page) is built once and not timed;
 * ``per_query`` — every query its own group on the same kernel (each query loads its own pages;
   rows = its G query heads, padded to the 64-row wgmma tile);
+* ``per_query_mma`` — the per-query kernel proper (``pw_per_query_fwd.cu``): one warp per (query, KV
+  head), mma.sync 16-row tiles holding the query's G heads, 16-key steps;
 * ``flashinfer`` — FlashInfer's ``BlockSparseAttentionWrapper`` (R = 1, C = page size, backend ``fa2``,
   e4m3 K/V, bf16 Q), when the package imports; its ``plan`` (host work) is not timed. Queries are cut
   into chunks of at most 32,768 rows (the wrapper fails on 65,536 rows at GQA ≥ 4).
@@ -56,6 +58,16 @@ def union_chunks(capture: Capture, grouping) -> int:
 
     sizes = union_sizes(capture, grouping)
     return int((-(-(sizes * capture.page_size) // 64)).sum())
+
+
+def per_query_steps(capture: Capture) -> int:
+    """16-key steps the per-query kernel computes per KV head: page parts whose first key the query may see."""
+    P = capture.page_size
+    first = capture.pages.astype(np.int64)[:, :, None] * P + np.arange(0, P, 16)  # [Q, k, P/16]
+    limit = np.full(capture.num_queries, capture.context - 1)
+    if capture.causal:
+        limit = np.minimum(limit, capture.positions)
+    return int(((capture.pages[:, :, None] >= 0) & (first <= limit[:, None, None])).sum())
 
 
 class Timer:
@@ -144,7 +156,13 @@ def check_sample(capture, q, k, v, ks, vs, o, gqa, rng) -> dict:
 def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log) -> list[dict]:
     import cupy as cp
 
-    from ..kernels.pageweaver import kv_page_forward, kv_page_plan, per_query_groups, union_forward
+    from ..kernels.pageweaver import (
+        kv_page_forward,
+        kv_page_plan,
+        per_query_forward,
+        per_query_groups,
+        union_forward,
+    )
     from .grouping_gpu import affinity_groups_device
 
     cap = load_capture(name)
@@ -172,6 +190,7 @@ def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log)
     adjacent = adjacent_groups(nq, 8)
     per_query = per_query_groups(nq)
     chunks = {"adjacent8": union_chunks(cap, adjacent), "per_query": union_chunks(cap, per_query)}
+    steps = per_query_steps(cap)
     records = []
 
     def run_gqa(gqa: int) -> None:
@@ -236,6 +255,10 @@ def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log)
             ms = timer(lambda: union_forward(q, k8, v8, ks, vs, cap, per_query, out=(o, lse)))
             chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
             record("per_query", ms, tile_rows * 64 * chunks["per_query"] * kv_heads, grouping="single", **chk)
+        if "per_query_mma" in impls:
+            ms = timer(lambda: per_query_forward(q, k8, v8, ks, vs, cap, out=(o, lse)))
+            chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
+            record("per_query_mma", ms, 16 * 16 * steps * kv_heads, grouping="single", **chk)
         if "kv_page_union" in impls:
             t0 = time.perf_counter()
             plan = kv_page_plan(cap)  # host work, built once per capture (not in the timed call)
@@ -298,7 +321,7 @@ def main(argv=None, prog: str | None = None) -> int:
         "--impl",
         nargs="*",
         default=["pageweaver_union", "per_query", "flashinfer"],
-        help="also: kv_page_union (not in the default run until its GPU tests have passed on an H200)",
+        help="also: kv_page_union, per_query_mma (not in the default run until their GPU tests have passed on an H200)",
     )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
