@@ -6,8 +6,13 @@ Steps (each with its own time limit, total < 10 minutes on the H200):
 2. ``compute-sanitizer --tool memcheck`` over a small ragged forward (+ backward) case;
 3. the benchmark subset (``sparseattn.bench``) with the peers, forward and forward+backward.
 
-Writes into DIR (at most 8 files): ``pytest.log``, ``sanitizer.log``, ``bench.log``, ``bench.json``,
-``summary.json``; prints a short table last. Exit status 0 only when every step passed.
+``--suite pageweaver`` does the same for PageWeaver's kernels: their GPU tests, the sanitizers over a
+small capture (union kernel with adjacent and singleton groups, KV-page union, per-query kernel), and
+``sparseattn bench pageweaver`` (``--bench-impl`` picks its implementations).
+
+Writes into DIR (at most 8 files): ``pytest.log``, ``sanitizer.log``, ``bench.log``, ``bench.json``
+(PageWeaver: ``pageweaver_kernels.log`` / ``.json``), ``summary.json``; prints a short table last. Exit
+status 0 only when every step passed.
 """
 
 from __future__ import annotations
@@ -53,6 +58,37 @@ def _run(cmd: list[str], log: Path, timeout: float, env=None) -> tuple[int, floa
             fh.write(f"\n!!! timed out after {timeout:.0f} s\n")
     tail = log.read_text(errors="replace").splitlines()[-40:]
     return code, time.time() - t0, "\n".join(tail)
+
+
+PAGEWEAVER_TESTS = ("tests/gpu/test_pw_union.py", "tests/gpu/test_pw_grouping_gpu.py")
+
+
+def pageweaver_sanitize_case() -> int:
+    """A small ragged capture (P = 16 and 64, 2 KV heads, G = 4) through every PageWeaver kernel."""
+    import cupy
+    import numpy as np
+
+    from .kernels.pageweaver import kv_page_forward, per_query_forward, per_query_groups, union_forward
+    from .kernels.validate import float_to_bf16_bits
+    from .pageweaver.captures import GeneratorConfig, generate_capture
+    from .pageweaver.fp8 import random_cache
+    from .pageweaver.grouping import adjacent_groups
+
+    rng = np.random.default_rng(0)
+    for P in (16, 64):
+        cap = generate_capture(
+            GeneratorConfig(context=40 * P - 5, page_size=P, num_queries=37, budget_tokens=8 * P, seed=P)
+        )
+        cache = random_cache(rng, 2, cap.context, 128, P)
+        q = float_to_bf16_bits(rng.standard_normal((8, cap.num_queries, 128)))
+        args = [cupy.asarray(x) for x in (q, cache.k, cache.v, cache.k_scale, cache.v_scale)]
+        union_forward(*args, cap, adjacent_groups(cap.num_queries, 8))
+        union_forward(*args, cap, per_query_groups(cap.num_queries))
+        kv_page_forward(*args, cap)
+        per_query_forward(*args, cap)
+        cupy.cuda.Device().synchronize()
+    print("pageweaver sanitize case done")
+    return 0
 
 
 def sanitize_case(paged_only: bool = False) -> int:
@@ -108,6 +144,12 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", action="append", default=[], choices=("pytest", "sanitizer", "bench"))
     parser.add_argument("--tests", nargs="+", default=["tests/"], help="pytest paths (default: tests/)")
     parser.add_argument("--fwd-only", action="store_true", help="benchmark the forward pass only")
+    parser.add_argument(
+        "--suite",
+        choices=("kpage", "pageweaver"),
+        default="kpage",
+        help="which kernels to check (default kpage)",
+    )
     parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--paged-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--racecheck", action="store_true", help="also run compute-sanitizer racecheck")
@@ -127,8 +169,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--bench-limit", type=float, default=None, help="bench step time limit (s)")
     args = parser.parse_args(argv)
+    pageweaver = args.suite == "pageweaver"
     if args.sanitize_case:
-        return sanitize_case(args.paged_only)
+        return pageweaver_sanitize_case() if pageweaver else sanitize_case(args.paged_only)
+    if pageweaver and args.tests == ["tests/"]:
+        args.tests = list(PAGEWEAVER_TESTS)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -177,9 +222,8 @@ def main(argv=None) -> int:
             """compute-sanitizer ``which`` over the sanitize case; one summary step."""
             if Path(tool).exists():
                 cmd = [tool, "--tool", which, "--error-exitcode", "3", py, "-m", "sparseattn.gpucheck"]
-                code, sec, tail = _run(
-                    [*cmd, "--out", str(out), "--sanitize-case", *case_args], out / log, limit, env
-                )
+                cmd += ["--suite", args.suite, "--out", str(out), "--sanitize-case", *case_args]
+                code, sec, tail = _run(cmd, out / log, limit, env)
                 note = next((line for line in reversed(tail.splitlines()) if "SUMMARY" in line), "no summary")
             else:
                 code, sec, note = 127, 0.0, "compute-sanitizer not found"
@@ -192,7 +236,20 @@ def main(argv=None) -> int:
         if args.racecheck and Path(tool).exists():
             sanitize("racecheck", "racecheck.log", SANITIZER_LIMIT_S * 2, "--paged-only")
 
-    if "bench" not in args.skip:
+    if "bench" not in args.skip and pageweaver:
+        cmd = [py, "-m", "sparseattn.pageweaver.kernel_bench", "--out", str(out)]
+        if args.quick:
+            cmd += ["--captures", "nsa_8k", "dsa_64k", "--gqa", "1", "8", "--reps", "5"]
+        if args.bench_impl:
+            cmd += ["--impl", *args.bench_impl]
+        limit = args.bench_limit or (BENCH_QUICK_LIMIT_S if args.quick else BENCH_LIMIT_S)
+        code, sec, tail = _run(cmd, out / "bench_stdout.log", limit, env)
+        steps.append(
+            dict(
+                step="bench pageweaver", code=code, seconds=round(sec, 1), note="see pageweaver_kernels.json"
+            )
+        )
+    elif "bench" not in args.skip:
         cmd = [
             py,
             "-m",
