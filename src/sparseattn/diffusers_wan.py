@@ -1,0 +1,236 @@
+"""Block-sparse self-attention inside diffusers' Wan transformer (``WanTransformer3DModel``).
+
+>>> from sparseattn.diffusers_wan import WanSelection, install_sparse_attention
+>>> install_sparse_attention(transformer, grid=(frames, height // 2, width // 2),
+...                          selection=WanSelection.sta(tile=(4, 4, 4), window=(3, 3, 3)))
+
+After this, every block's self-attention (``attn1``) runs exact sparse attention of the selection
+over the latent's token grid. ``grid`` is the token grid after Wan's (1, 2, 2) patching. Cross-attention
+(``attn2``) keeps diffusers' processor.
+
+* ``backend="kpage"`` runs :func:`sparseattn.torch.kpage_attention` (bf16, CUDA, with autograd). The
+  tokens are scattered into the layout's slot order (tile-major, padded tiles) and gathered back.
+* ``backend="masked_sdpa"`` runs ``torch.nn.functional.scaled_dot_product_attention`` with the
+  selection's boolean token mask. It is the same sparse graph on any device, and it is what the KPage
+  op is checked against.
+
+Selections (:class:`WanSelection`):
+
+* ``sta``: a sliding window of tiles, the same for every head, built once per grid;
+* ``vsa``: per head and Q cube, the ``topk`` K cubes of highest mean(q)·mean(k). It is computed from
+  each call's rotated Q and K, per batch entry (a host round trip per call);
+* ``full``: every block pair (dense attention through the sparse path, for checks).
+
+Needs ``torch`` and ``diffusers`` (``pip install -e '.[diffusers]'``), both imported on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .builders import sta_graph, vsa_graph
+from .graph import SparseGraph
+from .layouts import video_layout
+
+BACKENDS = ("kpage", "masked_sdpa")
+
+
+@dataclass(frozen=True)
+class WanSelection:
+    """Which block pairs self-attention keeps (see the module docstring)."""
+
+    kind: str
+    tile: tuple[int, int, int]
+    window: tuple[int, int, int] | None = None
+    topk: int | None = None
+    block_size: int | None = None
+
+    @classmethod
+    def sta(cls, tile=(4, 4, 4), window=(3, 3, 3), block_size=None) -> WanSelection:
+        return cls("sta", tuple(tile), window=tuple(window), block_size=block_size)
+
+    @classmethod
+    def vsa(cls, tile=(4, 4, 4), topk: int = 8, block_size=None) -> WanSelection:
+        return cls("vsa", tuple(tile), topk=int(topk), block_size=block_size)
+
+    @classmethod
+    def full(cls, tile=(4, 4, 4), block_size=None) -> WanSelection:
+        return cls("full", tuple(tile), block_size=block_size)
+
+    def __post_init__(self):
+        if self.kind not in ("sta", "vsa", "full"):
+            raise ValueError(f"selection kind must be 'sta', 'vsa' or 'full', got {self.kind!r}")
+        if self.kind == "sta" and self.window is None:
+            raise ValueError("an 'sta' selection needs a window (tiles per axis)")
+        if self.kind == "vsa" and (self.topk is None or self.topk < 1):
+            raise ValueError(f"a 'vsa' selection needs topk >= 1, got {self.topk!r}")
+
+    @property
+    def dynamic(self) -> bool:
+        """True when the graph depends on each call's Q and K (VSA)."""
+        return self.kind == "vsa"
+
+    def blocks(self) -> int:
+        """Block size of the layout: the selection's, else 64 for tiles of at most 64 tokens, else 128."""
+        if self.block_size is not None:
+            return int(self.block_size)
+        return 64 if int(np.prod(self.tile)) <= 64 else 128
+
+    def graph(self, grid, heads: int, q=None, k=None) -> SparseGraph:
+        """The graph over ``grid``: static kinds from the grid alone, VSA from ``q``, ``k`` ``[heads, tokens, d]``
+        (numpy, raster token order)."""
+        grid = tuple(int(x) for x in grid)
+        if self.kind == "sta":
+            return sta_graph(
+                grid, self.tile, self.window, heads=heads, block_size=self.blocks(), name="wan sta"
+            )
+        if self.kind == "vsa":
+            return vsa_graph(grid, self.tile, self.topk, heads=heads, block_size=self.blocks(), q=q, k=k)
+        layout = video_layout(grid, self.tile, self.blocks())
+        mask = np.ones((heads, layout.num_blocks, layout.num_blocks), dtype=bool)
+        return SparseGraph.from_block_mask(layout, layout, mask, name="wan full")
+
+
+def token_mask(graph: SparseGraph) -> np.ndarray:
+    """bool ``[heads, tokens, tokens]`` in raster token order: which (query, key) pairs the graph keeps."""
+    slots = graph.q.token_slot
+    return np.stack([graph.token_mask(h)[np.ix_(slots, slots)] for h in range(graph.heads)])
+
+
+def apply_rotary(x, freqs_cos, freqs_sin):
+    """Wan's rotary embedding on ``x`` ``[B, L, heads, d]``: pairs (2i, 2i+1) rotated by the frequencies."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = x.new_empty(x.shape)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class WanSparseAttnProcessor:
+    """A diffusers attention processor for Wan's self-attention: exact block-sparse attention of a
+    :class:`WanSelection` over a token ``grid`` (cross-attention and masked calls go to diffusers')."""
+
+    def __init__(self, grid, selection: WanSelection, backend: str = "kpage", route="auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not isinstance(selection, WanSelection):
+            raise TypeError(f"selection must be a WanSelection, got {type(selection).__name__}")
+        self.grid = tuple(int(x) for x in grid)
+        if len(self.grid) != 3 or min(self.grid) < 1:
+            raise ValueError(
+                f"grid must be three positive token counts (frames, height, width), got {grid!r}"
+            )
+        self.selection, self.backend, self.route = selection, backend, route
+        self._graphs: dict = {}
+        self._masks: dict = {}
+        self._slots: dict = {}
+        self._dense = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(np.prod(self.grid))
+
+    def graph_for(self, heads: int, q=None, k=None) -> SparseGraph:
+        """The static graph (cached per head count), or VSA's from one batch entry's ``[L, heads, d]`` q, k."""
+        if self.selection.dynamic:
+            qn, kn = (x.detach().float().permute(1, 0, 2).cpu().numpy() for x in (q, k))
+            return self.selection.graph(self.grid, heads, qn, kn)
+        if heads not in self._graphs:
+            self._graphs[heads] = self.selection.graph(self.grid, heads)
+        return self._graphs[heads]
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            return self._diffusers_processor()(
+                attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
+            )
+        if hidden_states.shape[1] != self.num_tokens:
+            raise ValueError(
+                f"hidden_states holds {hidden_states.shape[1]} tokens; the processor's grid "
+                f"{self.grid} has {self.num_tokens} (give the token grid after patching)"
+            )
+        if getattr(attn, "to_qkv", None) is not None and getattr(attn, "fused_projections", False):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
+        if rotary_emb is not None:
+            query, key = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
+        out = self.attend(query, key, value)
+        out = out.flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+    def attend(self, q, k, v):
+        """Sparse attention of ``[B, L, heads, d]`` q, k, v in raster token order; returns the same shape."""
+        heads = q.shape[2]
+        if self.selection.dynamic:
+            return self._torch().cat(
+                [
+                    self._attend_graph(
+                        q[b : b + 1], k[b : b + 1], v[b : b + 1], self.graph_for(heads, q[b], k[b])
+                    )
+                    for b in range(q.shape[0])
+                ]
+            )
+        return self._attend_graph(q, k, v, self.graph_for(heads))
+
+    def _attend_graph(self, q, k, v, graph: SparseGraph):
+        torch = self._torch()
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, heads, L, d]
+        if self.backend == "masked_sdpa":
+            key = (graph.heads, q.device)
+            mask = None if self.selection.dynamic else self._masks.get(key)
+            if mask is None:
+                mask = torch.from_numpy(token_mask(graph)).to(q.device)
+                if not self.selection.dynamic:
+                    self._masks[key] = mask
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[None])
+            return out.transpose(1, 2)
+        from .torch import kpage_attention
+
+        slots = self._slots.get(q.device)
+        if slots is None:
+            slots = self._slots[q.device] = torch.from_numpy(graph.q.token_slot).to(q.device)
+        n_slots = graph.q.num_slots
+
+        def to_slots(x):
+            out = x.new_zeros(x.shape[0], x.shape[1], n_slots, x.shape[3], dtype=torch.bfloat16)
+            return out.index_copy(2, slots, x.to(torch.bfloat16))
+
+        out = kpage_attention(to_slots(q), to_slots(k), to_slots(v), graph, route=self.route)
+        return out.index_select(2, slots).to(q.dtype).transpose(1, 2)
+
+    def _diffusers_processor(self):
+        if self._dense is None:
+            from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+            self._dense = WanAttnProcessor()
+        return self._dense
+
+    @staticmethod
+    def _torch():
+        import torch
+
+        return torch
+
+
+def install_sparse_attention(
+    transformer, grid, selection: WanSelection, backend: str = "kpage", route="auto"
+):
+    """Give every block's self-attention of a ``WanTransformer3DModel`` a :class:`WanSparseAttnProcessor`
+    (one shared instance, so the static graph is built once); returns it."""
+    blocks = getattr(transformer, "blocks", None)
+    if blocks is None:
+        raise TypeError(
+            f"transformer must be a diffusers WanTransformer3DModel, got {type(transformer).__name__}"
+        )
+    processor = WanSparseAttnProcessor(grid, selection, backend, route)
+    for block in blocks:
+        block.attn1.set_processor(processor)
+    return processor

@@ -1,0 +1,169 @@
+"""The diffusers Wan processor on CPU (masked-SDPA backend): plumbing against diffusers' own processor,
+the selections' token masks against brute-force definitions, and a whole random-init model.
+Skipped unless torch and diffusers import (``pip install -e '.[diffusers]'``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+from diffusers import WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+from sparseattn.diffusers_wan import (
+    WanSelection,
+    WanSparseAttnProcessor,
+    install_sparse_attention,
+    token_mask,
+)
+
+LATENT = (5, 8, 12)  # frames, height, width of the latent; tokens after (1, 2, 2) patching: (5, 4, 6)
+GRID = (5, 4, 6)
+HEADS, HEAD_DIM = 2, 32
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=HEADS,
+        attention_head_dim=HEAD_DIM,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        rope_max_seq_len=64,
+    ).eval()
+
+
+def model_inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(2, 4, *LATENT, generator=g),
+        torch.tensor([500, 20]),
+        torch.randn(2, 7, 16, generator=g),
+    )
+
+
+def self_attention_call(model, seed=2):
+    """(attn module, hidden states [2, L, C], rotary (cos, sin)) of the first block."""
+    g = torch.Generator().manual_seed(seed)
+    attn = model.blocks[0].attn1
+    x = model_inputs()[0]
+    rotary = model.rope(x)
+    hidden = torch.randn(2, int(np.prod(GRID)), HEADS * HEAD_DIM, generator=g)
+    return attn, hidden, rotary
+
+
+def tile_window_mask(grid, tile, window) -> np.ndarray:
+    """STA by definition: query tile c sees key tiles [s, s + w) per axis, s = clip(c - w//2, 0, n - w)."""
+    coords = np.stack(np.meshgrid(*[np.arange(n) for n in grid], indexing="ij"), -1).reshape(-1, 3)
+    t = coords // np.asarray(tile)
+    n = -(-np.asarray(grid) // np.asarray(tile))
+    w = np.minimum(np.asarray(window), n)
+    s = np.clip(t - w // 2, 0, n - w)
+    ok = np.ones((len(t), len(t)), dtype=bool)
+    for a in range(3):
+        ok &= (t[None, :, a] >= s[:, None, a]) & (t[None, :, a] < s[:, None, a] + w[a])
+    return ok
+
+
+def test_full_selection_equals_diffusers_processor():
+    model = tiny_model()
+    attn, hidden, rotary = self_attention_call(model)
+    with torch.no_grad():
+        ref = WanAttnProcessor()(attn, hidden, None, None, rotary)
+        got = WanSparseAttnProcessor(GRID, WanSelection.full(tile=(2, 2, 2)), "masked_sdpa")(
+            attn, hidden, None, None, rotary
+        )
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "tile,window", [((2, 2, 2), (1, 1, 1)), ((2, 2, 3), (3, 1, 2)), ((1, 4, 4), (2, 1, 1))]
+)
+def test_sta_equals_diffusers_processor_under_the_window_mask(tile, window):
+    model = tiny_model()
+    attn, hidden, rotary = self_attention_call(model)
+    mask = torch.from_numpy(tile_window_mask(GRID, tile, window))
+    processor = WanSparseAttnProcessor(GRID, WanSelection.sta(tile, window), "masked_sdpa")
+    assert np.array_equal(token_mask(processor.graph_for(HEADS))[0], mask.numpy())
+    with torch.no_grad():
+        ref = WanAttnProcessor()(attn, hidden, None, mask, rotary)
+        got = processor(attn, hidden, None, None, rotary)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_vsa_keeps_the_topk_cubes_of_each_query_cube_per_head_and_batch_entry():
+    tile, topk = (1, 2, 2), 3
+    processor = WanSparseAttnProcessor(GRID, WanSelection.vsa(tile, topk), "masked_sdpa")
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(int(np.prod(GRID)), HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    graph = processor.graph_for(HEADS, q, k)
+    mask = token_mask(graph)
+    coords = np.stack(np.meshgrid(*[np.arange(n) for n in GRID], indexing="ij"), -1).reshape(-1, 3)
+    cube = np.ravel_multi_index((coords // np.asarray(tile)).T, tuple(np.asarray(GRID) // np.asarray(tile)))
+    for h in range(HEADS):
+        qm = np.stack([q[cube == c, h].double().mean(0).numpy() for c in range(cube.max() + 1)])
+        km = np.stack([k[cube == c, h].double().mean(0).numpy() for c in range(cube.max() + 1)])
+        top = np.argsort(-(qm @ km.T), axis=1, kind="stable")[:, :topk]
+        want = np.zeros((len(cube), len(cube)), dtype=bool)
+        for i in range(len(cube)):
+            want[i] = np.isin(cube, top[cube[i]])
+        assert np.array_equal(mask[h], want)
+
+
+def test_installed_model_runs_sparse_self_attention():
+    """Whole model: a full selection matches the stock model; an STA window changes the output."""
+    x, t, enc = model_inputs()
+    stock = tiny_model()
+    with torch.no_grad():
+        ref = stock(x, t, enc, return_dict=False)[0]
+    full = tiny_model()
+    processor = install_sparse_attention(full, GRID, WanSelection.full((2, 2, 2)), backend="masked_sdpa")
+    assert all(b.attn1.processor is processor for b in full.blocks)
+    assert all(isinstance(b.attn2.processor, WanAttnProcessor) for b in full.blocks)
+    sta = tiny_model()
+    install_sparse_attention(sta, GRID, WanSelection.sta((2, 2, 2), (1, 1, 1)), backend="masked_sdpa")
+    with torch.no_grad():
+        got = full(x, t, enc, return_dict=False)[0]
+        windowed = sta(x, t, enc, return_dict=False)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert (windowed - ref).abs().max() > 1e-3
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        WanSparseAttnProcessor(GRID, WanSelection.full(), backend="flash")
+    with pytest.raises(ValueError, match="grid"):
+        WanSparseAttnProcessor((5, 4), WanSelection.full(), backend="masked_sdpa")
+    with pytest.raises(ValueError, match="window"):
+        WanSelection("sta", (2, 2, 2))
+    with pytest.raises(ValueError, match="topk"):
+        WanSelection.vsa(topk=0)
+    model = tiny_model()
+    attn, hidden, rotary = self_attention_call(model)
+    with pytest.raises(ValueError, match="tokens"):
+        WanSparseAttnProcessor((5, 4, 5), WanSelection.full(), "masked_sdpa")(
+            attn, hidden, None, None, rotary
+        )
+    with pytest.raises(TypeError, match="WanTransformer3DModel"):
+        install_sparse_attention(object(), GRID, WanSelection.full())
+
+
+def test_training_script_runs_a_few_steps_on_cpu(tmp_path):
+    import json
+
+    from sparseattn.wan_training import main
+
+    assert main(["--out", str(tmp_path), "--steps", "3", "--device", "cpu"]) == 0
+    record = json.loads((tmp_path / "wan_training.json").read_text())
+    losses = record["losses"]["masked_sdpa"]
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    assert (tmp_path / "wan_training.png").stat().st_size > 0
