@@ -85,6 +85,24 @@ def test_backward_matches_dense_formula(case):
         assert rel_err(g, w) < RTOL, name
 
 
+@pytest.mark.parametrize("case", SMALL_CASES[:4])
+def test_backward_bf16_emulation_rounds_where_a_kernel_does(case):
+    """The emulation (the GPU backward's yardstick) differs from the exact gradients by bf16 rounding
+    only: outputs are bf16 values, the difference is small and not zero."""
+    from sparseattn.bf16 import bf16_bits_to_float, float_to_bf16_bits
+
+    ql, kl = small_layouts(case)
+    graph = make_graph(ql, kl, heads=2, density=0.35, seed=3)
+    q, k, v = make_tensors(ql, kl, batch=1, heads=2, d=16, seed=4)
+    o, lse = attention_forward(q, k, v, graph)
+    do = np.random.default_rng(5).standard_normal(o.shape)
+    exact = attention_backward(q, k, v, o, lse, do, graph)
+    emul = attention_backward(q, k, v, o, lse, do, graph, emulate_bf16=True)
+    for name, g, w in zip(("dq", "dk", "dv"), emul, exact):
+        assert np.array_equal(g, bf16_bits_to_float(float_to_bf16_bits(g))), f"{name}: not bf16 values"
+        assert 1e-5 < rel_err(g, w) < 2e-2, name
+
+
 def test_empty_selections_give_zero_output_and_neg_inf_lse():
     lay = video_layout((3, 10, 10), (2, 8, 8), 64)  # edge tiles leave whole 64-slot blocks empty
     empty_k = np.flatnonzero(lay.valid_rows == 0)

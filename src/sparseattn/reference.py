@@ -159,11 +159,23 @@ def _check_like(name: str, arr, shape) -> np.ndarray:
     return arr
 
 
-def attention_backward(q, k, v, o, lse, do, graph: SparseGraph, scale=None, heads=None):
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    from .bf16 import bf16_bits_to_float, float_to_bf16_bits
+
+    return bf16_bits_to_float(float_to_bf16_bits(x)).astype(np.float64)
+
+
+def attention_backward(
+    q, k, v, o, lse, do, graph: SparseGraph, scale=None, heads=None, emulate_bf16: bool = False
+):
     """Exact gradients of :func:`attention_forward` for the loss ``Σ do · o``, in float64.
 
     Args:
         q, k, v, graph, scale, heads: as in :func:`attention_forward`.
+        emulate_bf16: the bf16-rounding emulation of a backward kernel instead. ``P`` is rounded to bf16
+            before ``dV = Pᵀ·dO``, and ``dS`` before ``dQ = dS·K`` and ``dK = dSᵀ·Q``. Accumulation stays
+            exact, and dQ, dK, dV are rounded to bf16 at the end. This is the yardstick of the kernels'
+            error rule (their error at most twice the emulation's).
         o, lse: the forward outputs ``[batch, H, sq, dv]`` / ``[batch, H, sq]`` for the computed heads
             (``H = len(heads)``, all heads by default); ``None`` for both recomputes them.
         do: ``[batch, H, sq, dv]``, the gradient of the loss w.r.t. ``o``.
@@ -202,8 +214,12 @@ def attention_backward(q, k, v, o, lse, do, graph: SparseGraph, scale=None, head
             p = np.where(np.isfinite(lb), np.exp(s - np.where(np.isfinite(lb), lb, 0.0)), 0.0)
             delta = (dob * oh[:, rows]).sum(axis=-1, keepdims=True)
             ds = p * (np.matmul(dob, vb.transpose(0, 2, 1)) - delta)
+            if emulate_bf16:
+                p, ds = _round_bf16(p), _round_bf16(ds)
             dq[:, out_h, rows] = scale * np.matmul(ds, kb)
             # K slots are unique within one Q block's gather, so fancy-index += is exact
             dk[:, out_h, cols] += scale * np.matmul(ds.transpose(0, 2, 1), qb)
             dv[:, out_h, cols] += np.matmul(p.transpose(0, 2, 1), dob)
+    if emulate_bf16:
+        dq, dk, dv = (_round_bf16(x) for x in (dq, dk, dv))
     return dq, dk, dv
