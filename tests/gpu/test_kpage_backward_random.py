@@ -73,3 +73,73 @@ def test_kpage_backward_random(layout, head_dim, seed, rng, poisoned):
         ("dv", dv, exact[2], emul[2], graph.k.valid),
     ):
         check_gradient(name, got.get(), ex, em, valid)
+
+
+@pytest.mark.parametrize("seed", range(8), ids=lambda s: f"case{s}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_kpage_backward_head_stack(head_dim, seed, rng, poisoned):
+    """SVG2's per-head layouts (a HeadStack: every head its own Q and K partition and slot count)."""
+    cupy = pytest.importorskip("cupy")
+    from sparseattn.graph import HeadStack
+    from sparseattn.kernels.backward import kpage_backward
+    from sparseattn.kernels.validate import float_to_bf16_bits
+    from sparseattn.layouts import partition_layout
+    from sparseattn.reference import attention_forward
+
+    heads, batch, block = int(rng.integers(2, 4)), int(rng.integers(1, 3)), int(rng.choice([64, 128]))
+    graphs = []
+    for _ in range(heads):
+        q_lay = partition_layout(
+            rng.integers(0, int(rng.integers(3, 9)), size=int(rng.integers(300, 700))), block
+        )
+        k_lay = partition_layout(
+            rng.integers(0, int(rng.integers(3, 12)), size=int(rng.integers(300, 700))), block
+        )
+        graphs.append(bwd_tests._graph(rng, q_lay, k_lay, 1, density=float(rng.uniform(0.2, 0.7))))
+    stack = HeadStack.of(graphs)
+    sq, sk = stack.q_slots, stack.k_slots
+    shapes = {
+        "q": (batch, heads, sq),
+        "k": (batch, heads, sk),
+        "v": (batch, heads, sk),
+        "do": (batch, heads, sq),
+    }
+    data = {n: np.full((*s, head_dim), np.nan, dtype=np.float32) for n, s in shapes.items()}
+    o = np.full((batch, heads, sq, head_dim), np.nan, dtype=np.float32)
+    lse = np.full((batch, heads, sq), np.nan, dtype=np.float32)
+    per_head = []
+    for h, g in enumerate(graphs):
+        for n, lay in (("q", g.q), ("k", g.k), ("v", g.k), ("do", g.q)):
+            x = rng.standard_normal((batch, lay.num_slots, head_dim)).astype(np.float32)
+            x[:, ~lay.valid] = np.nan
+            data[n][:, h, : lay.num_slots] = x
+        qf, kf, vf, dof = (
+            bf16_bits_to_float(float_to_bf16_bits(data[n][:, h : h + 1, : lay.num_slots]))
+            for n, lay in (("q", g.q), ("k", g.k), ("v", g.k), ("do", g.q))
+        )
+        o_ref, lse_ref = attention_forward(qf, kf, vf, g)
+        o_bf = bf16_bits_to_float(float_to_bf16_bits(o_ref))
+        o[:, h : h + 1, : g.q.num_slots] = np.where(g.q.valid[:, None], o_bf, np.nan)
+        lse[:, h : h + 1, : g.q.num_slots] = np.where(g.q.valid, lse_ref, np.nan)
+        lse_h = lse[:, h : h + 1, : g.q.num_slots].astype(np.float64)
+        exact = attention_backward(qf, kf, vf, o_bf, lse_h, dof, g)
+        emul = attention_backward(qf, kf, vf, o_bf, lse_h, dof, g, emulate_bf16=True)
+        per_head.append((exact, emul))
+    q, k, v, do = (cupy.asarray(float_to_bf16_bits(data[n])) for n in ("q", "k", "v", "do"))
+    o_d, lse_d = cupy.asarray(float_to_bf16_bits(o)), cupy.asarray(lse)
+    out = (poisoned(q.shape, "bf16"), poisoned(k.shape, "bf16"), poisoned(k.shape, "bf16"))
+    dq, dk, dv = kpage_backward(q, k, v, o_d, lse_d, do, stack, out=out)
+    cupy.cuda.runtime.deviceSynchronize()
+    grads = [x.get() for x in (dq, dk, dv)]
+    for h, g in enumerate(graphs):
+        exact, emul = per_head[h]
+        for i, (name, n, valid) in enumerate(
+            (
+                ("dq", g.q.num_slots, g.q.valid),
+                ("dk", g.k.num_slots, g.k.valid),
+                ("dv", g.k.num_slots, g.k.valid),
+            )
+        ):
+            bits = grads[i][:, h : h + 1]
+            assert not bf16_bits_to_float(bits[:, :, n:]).any(), f"head {h} {name}: slots past its layout"
+            check_gradient(f"head {h} {name}", bits[:, :, :n], exact[i], emul[i], valid)

@@ -29,16 +29,18 @@ def paged_backward(
 
     Args:
         q, k, v: the forward's inputs; o, lse: its outputs; do: the gradient of ``o`` (bf16 like ``o``).
-        graph_or_plan: a :class:`SparseGraph` (its ``kind`` plan, owner ``"kv"``) or an owner-``"kv"``
-            :class:`TilePlan`.
+        graph_or_plan: a :class:`SparseGraph` (its ``kind`` plan, owner ``"kv"``), an owner-``"kv"``
+            :class:`TilePlan`, or a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
+            layouts; one launch per head for now).
         scale, out: as :func:`sparseattn.kernels.bsa_backward.bsa_backward`.
     """
     if kind not in KINDS:
         raise KernelValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if isinstance(graph_or_plan, HeadStack) or (isinstance(graph_or_plan, (list, tuple)) and graph_or_plan):
-        raise KernelValueError(
-            "graph_or_plan: heads with their own layouts (a HeadStack) have no backward yet"
-        )
+        stack = HeadStack.of(graph_or_plan)
+        if launch.is_torch_tensor(q):
+            return _torch_backward(q, k, v, o, lse, do, stack, scale, out, kind, route)
+        return _head_stack_backward(q, k, v, o, lse, do, stack, scale, out, kind, route)
     plan = graph_or_plan
     if isinstance(graph_or_plan, SparseGraph):
         qs, ks = getattr(q, "shape", ()), getattr(k, "shape", ())
@@ -50,11 +52,58 @@ def paged_backward(
             f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
         )
     if launch.is_torch_tensor(q):
-        return _torch_backward(q, k, v, o, lse, do, plan, scale, out)
+        return _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind, route)
     return bsa_backward(q, k, v, o, lse, do, plan, scale=scale, out=out)
 
 
-def _torch_backward(q, k, v, o, lse, do, plan, scale, out):
+def _head_stack_backward(q, k, v, o, lse, do, stack: HeadStack, scale, out, kind, route):
+    """Heads with their own layouts (SVG2): one launch per head, on head ``h``'s first slots.
+
+    Each head's slices are copied to contiguous buffers (the kernel's layout), and its gradients are
+    copied back. Slots past a head's layout get zero gradients.
+    """
+    import cupy
+
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
+        if getattr(x, "ndim", 0) != 4:
+            raise KernelValueError(
+                f"{name} must be [batch, heads, slots, d], got shape {getattr(x, 'shape', None)}"
+            )
+    if getattr(lse, "ndim", 0) != 3:
+        raise KernelValueError(
+            f"lse must be [batch, heads, q_slots], got shape {getattr(lse, 'shape', None)}"
+        )
+    _, heads, sq, _ = q.shape
+    sk = k.shape[2]
+    if heads != stack.heads:
+        raise KernelValueError(f"the HeadStack has {stack.heads} heads but q has {heads}")
+    if sq < stack.q_slots or sk < stack.k_slots:
+        raise KernelValueError(
+            f"the HeadStack's largest layouts have {stack.q_slots} Q / {stack.k_slots} K slots, "
+            f"q has {sq} and k {sk}"
+        )
+    if out is None:
+        out = (cupy.zeros_like(q), cupy.zeros_like(k), cupy.zeros_like(v))
+    elif not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise KernelTypeError("out must be a tuple (dq, dk, dv) of preallocated arrays")
+    dq, dk, dv = out
+    for name, buf, like in (("out[0] (dq)", dq, q), ("out[1] (dk)", dk, k), ("out[2] (dv)", dv, v)):
+        if getattr(buf, "shape", None) != like.shape or getattr(buf, "dtype", None) != like.dtype:
+            raise KernelValueError(f"{name} must be shaped and typed like its input {tuple(like.shape)}")
+    for h, graph in enumerate(stack.graphs):
+        nq, nk = graph.q.num_slots, graph.k.num_slots
+        ins = [
+            cupy.ascontiguousarray(x[:, h : h + 1, :n])
+            for x, n in ((q, nq), (k, nk), (v, nk), (o, nq), (lse, nq), (do, nq))
+        ]
+        grads = paged_backward(*ins, graph, scale=scale, kind=kind, route=route)
+        for buf, g, n in ((dq, grads[0], nq), (dk, grads[1], nk), (dv, grads[2], nk)):
+            buf[:, h : h + 1, :n] = g
+            buf[:, h : h + 1, n:] = 0
+    return dq, dk, dv
+
+
+def _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind="kpage", route="auto"):
     import torch
 
     if out is None:
@@ -63,7 +112,10 @@ def _torch_backward(q, k, v, o, lse, do, plan, scale, out):
         dict(q=q, k=k, v=v, o=o, lse=lse, do=do), out, ("out[0]", "out[1]", "out[2]"), "(dq, dk, dv)"
     )
     with launch.torch_stream():
-        bsa_backward(*inputs, plan, scale=scale, out=tuple(outputs))
+        if isinstance(plan, HeadStack):
+            _head_stack_backward(*inputs, plan, scale, tuple(outputs), kind, route)
+        else:
+            bsa_backward(*inputs, plan, scale=scale, out=tuple(outputs))
     return tuple(out)
 
 
