@@ -83,6 +83,47 @@ __device__ __forceinline__ void wgmma_rs_tb<64>(float (&d)[32], const uint32_t (
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 }
 
+// The same four shapes with f16 operands (PageWeaver's f16 path: e4m3 converts to f16 exactly).
+template <int N>
+__device__ __forceinline__ void wgmma_ss_f16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
+
+template <>
+__device__ __forceinline__ void wgmma_ss_f16<64>(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " HW_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : HW_ACC32
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss_f16<128>(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " HW_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : HW_ACC64
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_rs_tb_f16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b);
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb_f16<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " HW_REGS64
+                 ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+                 : HW_ACC64
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb_f16<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " HW_REGS32
+                 ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+                 : HW_ACC32
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int PENDING>
@@ -187,25 +228,34 @@ __device__ __forceinline__ void warp_copy_pages(uint32_t tile, int row0, const _
 
 // ---- the two GEMMs of one key chunk ---------------------------------------------------------------
 
-// S = Q·Kᵀ for 64 query rows (starting at aQrows of a Q_ROWS-row Q tile) and one CHUNK-key K tile.
-template <int HEAD_DIM, int CHUNK, int Q_ROWS>
+// S = Q·Kᵀ for 64 query rows (starting at aQrows of a Q_ROWS-row Q tile) and one CHUNK-key K tile
+// (bf16 operands, or f16 with F16).
+template <int HEAD_DIM, int CHUNK, int Q_ROWS, bool F16 = false>
 __device__ __forceinline__ void issue_qk(float (&s)[CHUNK / 2], uint32_t aQrows, uint32_t tK) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const uint32_t col = static_cast<uint32_t>(kk & 3) * 32u;  // k-step inside a 128-byte column block
         const uint64_t da = smem_desc(aQrows + (kk >> 2) * (Q_ROWS * 128) + col, 16, 1024);
         const uint64_t db = smem_desc(tK + (kk >> 2) * (CHUNK * 128) + col, 16, 1024);
-        wgmma_ss<CHUNK>(s, da, db, kk > 0);
+        if constexpr (F16)
+            wgmma_ss_f16<CHUNK>(s, da, db, kk > 0);
+        else
+            wgmma_ss<CHUNK>(s, da, db, kk > 0);
     }
 }
 
 // O += P·V over the 16-key k-steps of one CHUNK-key V tile; P as A register fragments.
-template <int HEAD_DIM, int CHUNK>
+template <int HEAD_DIM, int CHUNK, bool F16 = false>
 __device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const uint32_t (&pa)[CHUNK / PAGE_ROWS][4],
                                          uint32_t tV) {
 #pragma unroll
-    for (int p = 0; p < CHUNK / PAGE_ROWS; ++p)
-        wgmma_rs_tb<HEAD_DIM>(o, pa[p], smem_desc(tV + p * (PAGE_ROWS * 128), CHUNK * 128, 1024));
+    for (int p = 0; p < CHUNK / PAGE_ROWS; ++p) {
+        const uint64_t db = smem_desc(tV + p * (PAGE_ROWS * 128), CHUNK * 128, 1024);
+        if constexpr (F16)
+            wgmma_rs_tb_f16<HEAD_DIM>(o, pa[p], db);
+        else
+            wgmma_rs_tb<HEAD_DIM>(o, pa[p], db);
+    }
 }
 
 // ---- FP8 operands ----------------------------------------------------------------------------------
@@ -225,6 +275,22 @@ __device__ __forceinline__ void dequant_e4m3x4(uint32_t& lo, uint32_t& hi, uint3
         : "r"(w));
     lo = paged::pack_bf16x2(f[0] * scale, f[1] * scale);
     hi = paged::pack_bf16x2(f[2] * scale, f[3] * scale);
+}
+
+// Four e4m3 values (the bytes of `w`, lowest first) -> f16, exactly (no scale), as two f16x2 words in the
+// same order as dequant_e4m3x4.
+__device__ __forceinline__ void e4m3x4_to_f16(uint32_t& lo, uint32_t& hi, uint32_t w) {
+    asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\n"
+        "cvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+}
+
+// Two floats -> f16x2 (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+    uint32_t d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
 }
 
 // ---- masked online softmax on the wgmma accumulator layout ----------------------------------------
@@ -294,14 +360,14 @@ __device__ __forceinline__ void rescale_rows(float (&o)[OREG], const float (&alp
 
 // P (bf16) as the A register fragments of O += P·V, one per 16-key page (k-step): the accumulator
 // layout of S is the A fragment layout (rows g / g + 8, k columns 2·t4 (+1) and 8 + 2·t4 (+1)).
-template <int KEYS>
+template <int KEYS, bool F16 = false>
 __device__ __forceinline__ void pack_p(uint32_t (&pa)[KEYS / PAGE_ROWS][4], const float (&s)[KEYS / 2]) {
 #pragma unroll
     for (int p = 0; p < KEYS / PAGE_ROWS; ++p) {
-        pa[p][0] = paged::pack_bf16x2(s[8 * p], s[8 * p + 1]);
-        pa[p][1] = paged::pack_bf16x2(s[8 * p + 2], s[8 * p + 3]);
-        pa[p][2] = paged::pack_bf16x2(s[8 * p + 4], s[8 * p + 5]);
-        pa[p][3] = paged::pack_bf16x2(s[8 * p + 6], s[8 * p + 7]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            pa[p][i] = F16 ? pack_f16x2(s[8 * p + 2 * i], s[8 * p + 2 * i + 1])
+                           : paged::pack_bf16x2(s[8 * p + 2 * i], s[8 * p + 2 * i + 1]);
     }
 }
 

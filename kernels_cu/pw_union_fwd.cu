@@ -38,6 +38,11 @@
 #define PW_MAX_SELECTED 64   // columns of the capture's page table the kernel reads per query
 #define PW_MAX_PAGES 8192    // pages per head the union bitsets cover
 #define PW_PRODUCER_REGS 72
+// -DPW_F16_OPERANDS: the f16 operand path (an experiment, off by default). K and V convert from e4m3 to
+// f16 exactly (one cvt per pair, no scale); Q converts in place from bf16 to f16 after a per-row
+// power-of-two prescale σ_r, which keeps the row maximum under 2^14, so the conversion is exact. The K
+// scale and 1/σ_r then multiply S. The V scale enters P as the ratio to the chunk's largest V scale R,
+// and that reference scale rides on the online-softmax rescale of O (O = R · O_acc).
 #define PW_CONSUMER_REGS 208
 
 namespace {
@@ -50,13 +55,20 @@ constexpr int kQBytes = PW_Q_ROWS * PW_HEAD_DIM * 2;
 constexpr int kTileBytes = PW_CHUNK * PW_HEAD_DIM * 2;   // one bf16 K or V chunk
 constexpr int kStageBytes = PW_CHUNK * PW_HEAD_DIM;      // one e4m3 K or V chunk
 constexpr int kSubPages = PW_CHUNK / PAGE_ROWS;          // 16-key parts of a chunk
-constexpr int kSmallBytes = 8 * (4 * PW_NBUF + 6) + 8 * PW_NBUF * kSubPages + 16 + 2 * 64 * 4 + 32;
+constexpr int kSmallBytes =
+    8 * (4 * PW_NBUF + 6) + 8 * PW_NBUF * kSubPages + 16 + 2 * 64 * 4 + 32 + 8 * PW_NBUF * kSubPages + 4 * PW_Q_ROWS;
+#ifdef PW_F16_OPERANDS
+constexpr bool kF16 = true;
+#else
+constexpr bool kF16 = false;
+#endif
 constexpr int kScaleBytes = PW_NSTAGE * kProducerThreads * 8;  // (k, v) scale of each thread's staged row
 constexpr int kSmemBytes = 1024 + kQBytes + 2 * PW_NBUF * kTileBytes + 2 * PW_NSTAGE * kStageBytes + kScaleBytes +
                            4 * PW_MEMBERS * kWords + 8 * kMaxUnion + kSmallBytes;
 static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory limit");
 static_assert(64 * PW_HEAD_DIM * 4 <= kQBytes, "the key-split merge staging must fit the Q buffer");
 static_assert(kWords == 2 * kProducerThreads, "the union compaction gives each producer thread two words");
+static_assert(kSubPages == kProducerThreads / 32, "producer warp p publishes the scales of 16-key part p");
 
 // Shared-memory map: [1024-aligned] Q | K ring | V ring | staging | staged scales | bitsets | union list | small
 struct UnionSmem {
@@ -69,6 +81,8 @@ struct UnionSmem {
     float* stats;         // [2][64] max and sum of the key-split merge
     int* scan;            // [4] warp totals of the compaction
     volatile int* ulen;   // union length of the item whose Q tile is loaded (guarded by q_full/q_empty)
+    float2* kscale;       // [PW_NBUF][kSubPages] (k, v) scale of each 16-key part (f16 path)
+    float* qinv;          // [PW_Q_ROWS] 1/σ_r of the converted Q rows (f16 path)
 
     __device__ __forceinline__ UnionSmem(unsigned char* raw_ptr) {
         const uint32_t raw = paged::smem_u32(raw_ptr);
@@ -88,6 +102,8 @@ struct UnionSmem {
         stats = reinterpret_cast<float*>(small + 8 * (4 * PW_NBUF + 6) + 8 * PW_NBUF * kSubPages + 16);
         scan = reinterpret_cast<int*>(stats + 2 * 64);
         ulen = scan + 4;
+        kscale = reinterpret_cast<float2*>(small + 8 * (4 * PW_NBUF + 6) + 8 * PW_NBUF * kSubPages + 16 + 2 * 64 * 4 + 32);
+        qinv = reinterpret_cast<float*>(kscale + PW_NBUF * kSubPages);
     }
     __device__ __forceinline__ uint32_t k_full(int i) const { return bars + 8 * i; }
     __device__ __forceinline__ uint32_t k_empty(int i) const { return bars + 8 * (PW_NBUF + i); }
@@ -339,7 +355,12 @@ __device__ __forceinline__ void union_attention(
                                  : "r"(staged + off));
                     uint32_t out[8];
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) dequant_e4m3x4(out[2 * j], out[2 * j + 1], w[j], scale);
+                    for (int j = 0; j < 4; ++j) {
+                        if constexpr (kF16)
+                            e4m3x4_to_f16(out[2 * j], out[2 * j + 1], w[j]);
+                        else
+                            dequant_e4m3x4(out[2 * j], out[2 * j + 1], w[j], scale);
+                    }
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const uint32_t dst = tile + tile_offset<PW_CHUNK>(crow, chalf * 8 + 2 * i + h);
@@ -366,6 +387,13 @@ __device__ __forceinline__ void union_attention(
                 if (tid < kSubPages) {
                     const SubPage sp = sub_page(sm.list, union_len, c, tid, log2_page);
                     sm.kinfo[buf * kSubPages + tid] = make_int2(sp.base, sp.mask);
+                }
+                if (kF16 && (tid & 31) == 0) {  // row 16·pwarp, the first of 16-key part pwarp: its staged scales
+                    float2 kv;
+                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                                 : "=f"(kv.x), "=f"(kv.y)
+                                 : "r"(sm.stage_scale(c % PW_NSTAGE, tid)));
+                    sm.kscale[buf * kSubPages + pwarp] = kv;
                 }
                 dequant(c % PW_NSTAGE, sm.stage_k(c % PW_NSTAGE), sm.k + buf * kTileBytes, 0);
                 fence_async_proxy();
@@ -405,6 +433,54 @@ __device__ __forceinline__ void union_attention(
             mbar_wait(sm.q_full(), k & 1);
             fence_async_proxy();
             const int union_len = __shfl_sync(0xffffffffu, *sm.ulen, 0);  // published with the Q tile
+            float qinv[2] = {1.f, 1.f};  // 1/σ of this thread's rows (f16 path)
+            if constexpr (kF16) {
+                // This warpgroup converts its share of the Q rows in place: 32 of the shared 64 (key split)
+                // or its own 64 (row split); 128/R threads per row, 16/(128/R) chunks each.
+                const int wg_rows = row_split ? 64 : 32;
+                const int tpr = 128 / wg_rows;
+                const int row = (row_split ? 64 * cw : 32 * cw) + wtid / tpr;
+                const int per = 16 / tpr;
+                const int ch0 = (wtid % tpr) * per;
+                float amax = 0.f;
+                for (int c = ch0; c < ch0 + per; ++c) {
+                    uint32_t w[4];
+                    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                                 : "r"(sm.q + tile_offset<PW_Q_ROWS>(row, c)));
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[j] << 16)), fabsf(__uint_as_float(w[j] & 0xffff0000u))));
+                }
+                for (int d = 1; d < tpr; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+                int e = 0;
+                if (amax > 0.f) frexpf(amax, &e);  // amax = m · 2^e, m in [0.5, 1)
+                e = max(min(14 - e, 110), -110);    // σ = 2^e keeps the row maximum below 2^14
+                const float sigma = __int_as_float((e + 127) << 23);
+                for (int c = ch0; c < ch0 + per; ++c) {
+                    const uint32_t at = sm.q + tile_offset<PW_Q_ROWS>(row, c);
+                    uint32_t w[4];
+                    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                                 : "r"(at));
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+                        w[j] = pack_f16x2(__uint_as_float(w[j] << 16) * sigma, __uint_as_float(w[j] & 0xffff0000u) * sigma);
+                    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(at), "r"(w[0]), "r"(w[1]), "r"(w[2]),
+                                 "r"(w[3])
+                                 : "memory");
+                }
+                if (wtid % tpr == 0) sm.qinv[row] = __int_as_float((127 - e) << 23);
+                fence_async_proxy();
+                if (row_split)
+                    named_sync(5 + cw, 128);
+                else
+                    named_sync(4, 256);
+                const int r0 = (row_split ? 64 * cw : 0) + 16 * wq + g;
+                qinv[0] = sm.qinv[r0];
+                qinv[1] = sm.qinv[r0 + 8];
+            }
+            float v_ref = 0.f;  // the reference V scale R of O's accumulator (f16 path)
             const int chunks = ((union_len << log2_page) + PW_CHUNK - 1) / PW_CHUNK;
             float o[PW_HEAD_DIM / 2];
 #pragma unroll
@@ -424,8 +500,10 @@ __device__ __forceinline__ void union_attention(
                 mbar_wait(sm.k_full(buf), par);
                 if (prev >= 0) mbar_wait(sm.v_full(prev), prev_par);
                 uint32_t col_bits = 0;
+                float2 kvs[kSubPages];
 #pragma unroll
                 for (int p = 0; p < kSubPages; ++p) {
+                    if constexpr (kF16) kvs[p] = sm.kscale[buf * kSubPages + p];
                     const int2 info = sm.kinfo[buf * kSubPages + p];
                     if (info.x >= 0 && ((info.y >> g) & 1)) {
                         const int b0 = info.x + 2 * t4;
@@ -438,12 +516,12 @@ __device__ __forceinline__ void union_attention(
                 fence_async_proxy();
                 wgmma_fence();
 #ifndef PW_NO_MMA
-                issue_qk<PW_HEAD_DIM, PW_CHUNK, PW_Q_ROWS>(s, aQrows, sm.k + buf * kTileBytes);
+                issue_qk<PW_HEAD_DIM, PW_CHUNK, PW_Q_ROWS, kF16>(s, aQrows, sm.k + buf * kTileBytes);
 #endif
                 wgmma_commit();
                 if (prev >= 0) {
 #ifndef PW_NO_MMA
-                    issue_pv<PW_HEAD_DIM, PW_CHUNK>(o, pa, sm.v + prev * kTileBytes);
+                    issue_pv<PW_HEAD_DIM, PW_CHUNK, kF16>(o, pa, sm.v + prev * kTileBytes);
 #endif
                     wgmma_commit();
                     wgmma_wait<1>();
@@ -457,13 +535,37 @@ __device__ __forceinline__ void union_attention(
                 __syncwarp();  // every lane has read this chunk's kinfo before the buffer is released
                 if (lane == 0) mbar_arrive(sm.k_empty(buf), release);
 #endif
-                online_softmax<PW_CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
+                float v_ratio[kSubPages];
+                if constexpr (kF16) {
+#pragma unroll
+                    for (int p = 0; p < kSubPages; ++p) {  // S · k_scale(column) / σ(row)
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) s[8 * p + i] *= kvs[p].x * qinv[(i >> 1) & 1];
+                    }
+                    float chunk_ref = 0.f;
+#pragma unroll
+                    for (int p = 0; p < kSubPages; ++p) chunk_ref = fmaxf(chunk_ref, kvs[p].y);
+                    const float carry = (v_ref > 0.f && chunk_ref > 0.f) ? v_ref / chunk_ref : 1.f;
+#pragma unroll
+                    for (int p = 0; p < kSubPages; ++p) v_ratio[p] = chunk_ref > 0.f ? kvs[p].y / chunk_ref : 0.f;
+                    if (chunk_ref > 0.f) v_ref = chunk_ref;
+                    online_softmax<PW_CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
+                    alpha[0] *= carry;
+                    alpha[1] *= carry;
+#pragma unroll
+                    for (int p = 0; p < kSubPages; ++p) {
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) s[8 * p + i] *= v_ratio[p];
+                    }
+                } else {
+                    online_softmax<PW_CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
+                }
                 pin_registers(s);
                 wgmma_wait<0>();
                 pin_registers(o);
                 if (prev >= 0 && lane == 0) mbar_arrive(sm.v_empty(prev), release);
                 rescale_rows(o, alpha);
-                pack_p<PW_CHUNK>(pa, s);
+                pack_p<PW_CHUNK, kF16>(pa, s);
                 prev = buf;
                 prev_par = par;
             }
@@ -475,13 +577,17 @@ __device__ __forceinline__ void union_attention(
                 mbar_wait(sm.v_full(prev), prev_par);
                 fence_async_proxy();
                 wgmma_fence();
-                issue_pv<PW_HEAD_DIM, PW_CHUNK>(o, pa, sm.v + prev * kTileBytes);
+                issue_pv<PW_HEAD_DIM, PW_CHUNK, kF16>(o, pa, sm.v + prev * kTileBytes);
                 wgmma_commit();
                 wgmma_wait<0>();
                 pin_registers(o);
                 if (lane == 0) mbar_arrive(sm.v_empty(prev), release);
             }
             chunk_base += chunks;
+            if constexpr (kF16) {  // O = R · O_acc
+#pragma unroll
+                for (int i = 0; i < PW_HEAD_DIM / 2; ++i) o[i] *= v_ref;
+            }
 
             // ---- epilogue (the key-split merge of paged_fwd.cu, then rows stored by id)
             float sum[2];

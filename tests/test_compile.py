@@ -205,3 +205,18 @@ def test_pageweaver_shared_memory_formulas_match_the_kernels(reports):
         code = runtime.preprocess(source) + "\nnamespace {\n" + check + "\n}\n"
         ok, log, _, _ = nvrtc.compile(code, "pw_smem_check.cu", options, ())
         assert ok, log
+
+
+@pytest.mark.parametrize("variant", ["PW_F16_OPERANDS", "PW_ALL_LANES_RELEASE"])
+def test_pageweaver_variants_compile_without_spills(variant, reports):
+    """The union kernel's compile-time variants (sparseattn.kernels.pageweaver.set_variant) build too."""
+    from sparseattn.kernels import pageweaver
+
+    nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
+    options = compile_check.compile_options(compile_check.find_cuda_include()) + (f"-D{variant}",)
+    code = runtime.preprocess(pageweaver.SOURCE)
+    ok, log, _, lowered = nvrtc.compile(code, pageweaver.SOURCE, options, pageweaver.NAME_EXPRESSIONS)
+    assert ok, log
+    kernels = compile_check.parse_ptxas_log(pageweaver.SOURCE, log, lowered)
+    assert {k.kernel for k in kernels} >= set(pageweaver.NAME_EXPRESSIONS)
+    assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]

@@ -17,12 +17,14 @@ _SM_COUNT: dict = {}
 _DEVICE_ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def function(source: str, name: str, name_expressions: tuple[str, ...]):
-    """The compiled kernel ``name`` of ``kernels_cu/<source>`` (compiled once per process)."""
-    key = (source, name, name_expressions)
+def function(source: str, name: str, name_expressions: tuple[str, ...], defines: tuple[str, ...] = ()):
+    """The compiled kernel ``name`` of ``kernels_cu/<source>`` (compiled once per process); ``defines``
+    are preprocessor macros (``"NAME"`` or ``"NAME=VALUE"``) for a kernel's compile-time variants."""
+    key = (source, name, name_expressions, defines)
     fn = _FUNCTIONS.get(key)
     if fn is None:
-        fn = _FUNCTIONS[key] = runtime.get_function(source, name, name_expressions)
+        options = runtime.NVRTC_OPTIONS + tuple(f"-D{d}" for d in defines)
+        fn = _FUNCTIONS[key] = runtime.get_function(source, name, name_expressions, options)
     return fn
 
 

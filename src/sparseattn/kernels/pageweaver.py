@@ -22,6 +22,7 @@ shares the capture's selection.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 
 import numpy as np
@@ -108,7 +109,9 @@ MAX_SELECTED = 64
 MAX_PAGES = 8192
 MAX_GQA = Q_ROWS // MEMBERS
 _SUB_PAGES = CHUNK // 16
-SMALL_BYTES = 8 * (4 * NBUF + 6) + 8 * NBUF * _SUB_PAGES + 16 + 2 * 64 * 4 + 32
+SMALL_BYTES = (
+    8 * (4 * NBUF + 6) + 8 * NBUF * _SUB_PAGES + 16 + 2 * 64 * 4 + 32 + 8 * NBUF * _SUB_PAGES + 4 * Q_ROWS
+)
 SMEM_BYTES = (
     1024
     + Q_ROWS * HEAD_DIM * 2
@@ -120,6 +123,32 @@ SMEM_BYTES = (
     + SMALL_BYTES
 )
 E4M3_DTYPE_NAMES = ("uint8", "float8_e4m3fn")
+#: Compile-time variants of ``pw_union_fwd.cu`` that :func:`set_variant` (or the environment variable
+#: ``SPARSEATTN_PW_VARIANT``, comma-separated) may switch on.
+VARIANTS = ("PW_F16_OPERANDS", "PW_ALL_LANES_RELEASE")
+_variant: tuple[str, ...] = ()
+
+
+def set_variant(*names: str) -> tuple[str, ...]:
+    """Compile the union and KV-page kernels with these :data:`VARIANTS` (none: the default build).
+
+    ``PW_F16_OPERANDS``: the f16 operand path (e4m3 → f16 exactly, scales applied to S and P).
+    ``PW_ALL_LANES_RELEASE``: every consumer lane releases a K buffer itself. Returns the variant in force.
+    """
+    global _variant
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        raise KernelValueError(f"unknown variant {bad[0]!r}; choose from {VARIANTS}")
+    _variant = tuple(sorted(set(names)))
+    return _variant
+
+
+def variant() -> tuple[str, ...]:
+    """The compile-time variant in force for ``pw_union_fwd.cu`` (empty: the default build)."""
+    return _variant
+
+
+set_variant(*[n for n in os.environ.get("SPARSEATTN_PW_VARIANT", "").split(",") if n])
 # Mirrors of the per-query kernel's geometry (PQ_* in pw_per_query_fwd.cu).
 PQ_WARPS = 12
 PQ_STEP_KEYS = 16
@@ -365,7 +394,7 @@ def _launch(
     hq, nq = q.shape[:2]
     device = device_of(q)
     with cupy.cuda.Device(device):
-        fn = launch.prepare(launch.function(SOURCE, kernel, NAME_EXPRESSIONS), SMEM_BYTES)
+        fn = launch.prepare(launch.function(SOURCE, kernel, NAME_EXPRESSIONS, _variant), SMEM_BYTES)
         counter = _counter(device)
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, 4, stream.ptr)
@@ -529,7 +558,7 @@ def kv_page_forward(
     with cupy.cuda.Device(device):
         o_part = cupy.empty((chunk * G, E, HEAD_DIM), dtype=cupy.float32)
         lse_part = cupy.empty((chunk * G, E), dtype=cupy.float32)
-        merge = launch.function(SOURCE, MERGE_KERNEL, NAME_EXPRESSIONS)
+        merge = launch.function(SOURCE, MERGE_KERNEL, NAME_EXPRESSIONS, _variant)
         events = [cupy.cuda.Event() for _ in range(3)] if phases is not None else None
         spent = [0.0, 0.0]
         for h0 in range(0, hkv, chunk):

@@ -162,6 +162,7 @@ def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log)
         per_query_forward,
         per_query_groups,
         union_forward,
+        variant,
     )
     from .grouping_gpu import affinity_groups_device
 
@@ -203,6 +204,7 @@ def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log)
         tile_rows = 64 if 8 * gqa <= 64 else 128
         base = {
             "workload": name,
+            "variant": ",".join(variant()) or "default",
             "pass": "complete_call",
             "heads": hq,
             "kv_heads": kv_heads,
@@ -324,6 +326,12 @@ def main(argv=None, prog: str | None = None) -> int:
         help="also: kv_page_union, per_query_mma (not in the default run until their GPU tests have passed on an H200)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--variant",
+        nargs="*",
+        default=None,
+        help="compile-time variant of the union / KV-page kernels (sparseattn.kernels.pageweaver.VARIANTS)",
+    )
     args = ap.parse_args(argv)
     try:
         import cupy  # noqa: F401 - the suite needs it; say so plainly when it is missing
@@ -332,12 +340,18 @@ def main(argv=None, prog: str | None = None) -> int:
             "sparseattn bench pageweaver needs cupy and a CUDA GPU: pip install -e '.[gpu]'", file=sys.stderr
         )
         return 1
+    from ..kernels import pageweaver
     from .gpu_bench import RunLog
 
+    if args.variant is not None:
+        pageweaver.set_variant(*args.variant)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = RunLog()
-    log(f"gpu {log.gpu}; kv_heads {args.kv_heads}; reps {args.reps} (median, L2 flushed before each call)")
+    log(
+        f"gpu {log.gpu}; kv_heads {args.kv_heads}; reps {args.reps} (median, L2 flushed before each call); "
+        f"union kernel variant {','.join(pageweaver.variant()) or 'default'}"
+    )
     timer = Timer(args.reps)
     rng = np.random.default_rng(args.seed)
     records = []
