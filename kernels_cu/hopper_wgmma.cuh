@@ -41,88 +41,46 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes
                   "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45," \
                   "%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 
-// d (m64 x nN) {=, +=} A (64 x 16, shared, K-major) · B (nN x 16, shared, K-major)ᵀ
+// The wgmma shapes the kernels use, for operand type TY (bf16 or f16), as explicit specializations:
+// NAME<N>(d, desc_a, desc_b, accumulate): d (m64 x nN) {=, +=} A (64 x 16, shared, K-major) · B (nN x 16,
+// shared, K-major)ᵀ; NAME<N>(d, a, desc_b): d += A (64 x 16, registers) · B (16 x nN, shared, MN-major).
+#define HW_WGMMA_SS(NAME, N, TY, ACC, REGS, IA, IB, IP)                                                     \
+    template <>                                                                                             \
+    __device__ __forceinline__ void NAME<N>(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                       \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", %" #IA ", %" #IB \
+                     ", p, 1, 1, 0, 0;\n}\n"                                                                \
+                     : ACC                                                                                  \
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                          \
+    }
+#define HW_WGMMA_RS_TB(NAME, N, TY, ACC, REGS, I0, I1, I2, I3, IB, IP)                                      \
+    template <>                                                                                             \
+    __device__ __forceinline__ void NAME<N>(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {      \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                       \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", {%" #I0 ",%" #I1 \
+                     ",%" #I2 ",%" #I3 "}, %" #IB ", p, 1, 1, 1;\n}\n"                                         \
+                     : ACC                                                                                  \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));                    \
+    }
+
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
-
-template <>
-__device__ __forceinline__ void wgmma_ss<128>(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " HW_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : HW_ACC64
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_ss<64>(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " HW_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : HW_ACC32
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// d (m64 x nN) += A (64 x 16 bf16, registers) · B (16 x nN, shared, MN-major: transposed)
 template <int N>
 __device__ __forceinline__ void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b);
-
-template <>
-__device__ __forceinline__ void wgmma_rs_tb<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " HW_REGS64
-                 ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
-                 : HW_ACC64
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_rs_tb<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " HW_REGS32
-                 ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
-                 : HW_ACC32
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
-// The same four shapes with f16 operands (PageWeaver's f16 path: e4m3 converts to f16 exactly).
 template <int N>
 __device__ __forceinline__ void wgmma_ss_f16(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
-
-template <>
-__device__ __forceinline__ void wgmma_ss_f16<64>(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " HW_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : HW_ACC32
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_ss_f16<128>(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " HW_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : HW_ACC64
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
 template <int N>
 __device__ __forceinline__ void wgmma_rs_tb_f16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b);
 
-template <>
-__device__ __forceinline__ void wgmma_rs_tb_f16<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " HW_REGS64
-                 ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
-                 : HW_ACC64
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
-template <>
-__device__ __forceinline__ void wgmma_rs_tb_f16<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " HW_REGS32
-                 ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
-                 : HW_ACC32
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
+HW_WGMMA_SS(wgmma_ss, 128, "bf16", HW_ACC64, HW_REGS64, 64, 65, 66)
+HW_WGMMA_SS(wgmma_ss, 64, "bf16", HW_ACC32, HW_REGS32, 32, 33, 34)
+HW_WGMMA_RS_TB(wgmma_rs_tb, 128, "bf16", HW_ACC64, HW_REGS64, 64, 65, 66, 67, 68, 69)
+HW_WGMMA_RS_TB(wgmma_rs_tb, 64, "bf16", HW_ACC32, HW_REGS32, 32, 33, 34, 35, 36, 37)
+// f16 operands (PageWeaver's f16 path: e4m3 converts to f16 exactly)
+HW_WGMMA_SS(wgmma_ss_f16, 128, "f16", HW_ACC64, HW_REGS64, 64, 65, 66)
+HW_WGMMA_SS(wgmma_ss_f16, 64, "f16", HW_ACC32, HW_REGS32, 32, 33, 34)
+HW_WGMMA_RS_TB(wgmma_rs_tb_f16, 128, "f16", HW_ACC64, HW_REGS64, 64, 65, 66, 67, 68, 69)
+HW_WGMMA_RS_TB(wgmma_rs_tb_f16, 64, "f16", HW_ACC32, HW_REGS32, 32, 33, 34, 35, 36, 37)
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

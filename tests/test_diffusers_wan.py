@@ -10,7 +10,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
-from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from sparseattn.diffusers_wan import (
@@ -19,6 +18,7 @@ from sparseattn.diffusers_wan import (
     install_sparse_attention,
     token_mask,
 )
+from sparseattn.wan_training import tiny_wan
 
 LATENT = (5, 8, 12)  # frames, height, width of the latent; tokens after (1, 2, 2) patching: (5, 4, 6)
 GRID = (5, 4, 6)
@@ -26,20 +26,7 @@ HEADS, HEAD_DIM = 2, 32
 
 
 def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=HEADS,
-        attention_head_dim=HEAD_DIM,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        cross_attn_norm=True,
-        rope_max_seq_len=64,
-    ).eval()
+    return tiny_wan(seed, head_dim=HEAD_DIM, text_dim=16, ffn_dim=64).eval()
 
 
 def model_inputs(seed=1):

@@ -21,6 +21,27 @@ from pathlib import Path
 LATENT = (8, 16, 16)  # frames, height, width of the latent; tokens after (1, 2, 2) patching: (8, 8, 8)
 
 
+def tiny_wan(seed: int = 0, head_dim: int = 64, text_dim: int = 32, ffn_dim: int = 128):
+    """A random-init ``WanTransformer3DModel`` small enough for checks: 2 layers of 2 heads, 4 latent channels."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        out_channels=4,
+        text_dim=text_dim,
+        freq_dim=32,
+        ffn_dim=ffn_dim,
+        num_layers=2,
+        cross_attn_norm=True,
+        rope_max_seq_len=64,
+    )
+
+
 def selection_of(name: str):
     from .diffusers_wan import WanSelection
 
@@ -43,24 +64,10 @@ def smooth_latents(gen, batch: int, device):
 
 def train(backend: str, selection: str, steps: int, device: str, seed: int = 0, log=print) -> list[float]:
     import torch
-    from diffusers import WanTransformer3DModel
 
     from .diffusers_wan import install_sparse_attention
 
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=64,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=256,
-        num_layers=2,
-        cross_attn_norm=True,
-        rope_max_seq_len=64,
-    ).to(device)
+    model = tiny_wan(seed, ffn_dim=256).to(device)
     grid = (LATENT[0], LATENT[1] // 2, LATENT[2] // 2)
     install_sparse_attention(model, grid, selection_of(selection), backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)

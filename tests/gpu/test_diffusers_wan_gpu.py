@@ -16,22 +16,9 @@ GRID = (8, 8, 8)
 
 
 def model_and_inputs(seed: int):
-    from diffusers import WanTransformer3DModel
+    from sparseattn.wan_training import tiny_wan
 
-    torch.manual_seed(seed)
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=64,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=128,
-        num_layers=2,
-        cross_attn_norm=True,
-        rope_max_seq_len=64,
-    ).cuda()
+    model = tiny_wan(seed).cuda()
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     x = torch.randn(2, 4, *LATENT, device="cuda", generator=g)
     enc = torch.randn(2, 9, 32, device="cuda", generator=g)
