@@ -496,14 +496,21 @@ def _kmeans_pp_init(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarr
     return x[idx].astype(np.float64)
 
 
-def nearest_centroid(x: np.ndarray, centroids: np.ndarray, chunk: int = 512) -> np.ndarray:
+#: Distance entries per chunk of :func:`nearest_centroid` (8 MB of float32: fastest on 2 cores here).
+NEAREST_CHUNK_ENTRIES = 1 << 21
+
+
+def nearest_centroid(x: np.ndarray, centroids: np.ndarray, chunk: int | None = None) -> np.ndarray:
     """int64 ``[n]``: index of the nearest centroid (squared Euclidean) of each row of ``x``.
 
     Same result as ``scipy.cluster.vq.vq`` but through chunked matrix products, 3-10x faster here:
-    ``argmin_c |c|^2 - 2 x·c`` is one product of ``[x, 1]`` with ``[-2 c; |c|^2]``.
+    ``argmin_c |c|^2 - 2 x·c`` is one product of ``[x, 1]`` with ``[-2 c; |c|^2]``. ``chunk`` rows per
+    product (default: about :data:`NEAREST_CHUNK_ENTRIES` distances, 512 to 8192 rows).
     """
     x = np.asarray(x, dtype=np.float32)
     c = np.asarray(centroids, dtype=np.float32)
+    if chunk is None:
+        chunk = max(512, min(8192, NEAREST_CHUNK_ENTRIES // max(1, c.shape[0])))
     n, d = x.shape
     cols = np.empty((d + 1, c.shape[0]), dtype=np.float32)
     cols[:d] = -2.0 * c.T
