@@ -473,6 +473,7 @@ def _kmeans_pp_init(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarr
     """k-means++ seeding (D² sampling), updated incrementally: O(k·n·d) instead of scipy's O(k²·n·d)."""
     n = x.shape[0]
     sq = np.einsum("ij,ij->i", x, x, dtype=np.float64)
+    xm2 = -2.0 * x  # (-2 x)·x_j equals -2 (x·x_j) bit for bit: scaling by a power of two is exact
     idx = np.empty(k, dtype=np.int64)
     idx[0] = rng.integers(n)
     d2 = np.maximum(sq - 2.0 * (x @ x[idx[0]]) + sq[idx[0]], 0.0)
@@ -487,8 +488,7 @@ def _kmeans_pp_init(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarr
         j = min(int(cum.searchsorted(u[i] * cum[-1], side="right")), n - 1)
         idx[i] = j
         # d2_new = max(sq - 2 x·x_j + sq_j, 0), in place
-        np.matmul(x, x[j], out=d2_new)
-        d2_new *= -2.0
+        np.matmul(xm2, x[j], out=d2_new)
         d2_new += sq
         d2_new += sq[j]
         np.maximum(d2_new, 0.0, out=d2_new)
