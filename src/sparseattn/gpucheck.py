@@ -18,6 +18,7 @@ status 0 only when every step passed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
                 "-p",
                 "no:cacheprovider",
                 "-rfEs",
-                f"--timeout={PYTEST_LIMIT_S - 30}",
+                *([f"--timeout={PYTEST_LIMIT_S - 30}"] if importlib.util.find_spec("pytest_timeout") else []),
                 *args.tests,
             ],
             out / "pytest.log",
