@@ -30,6 +30,16 @@
 #ifndef PQ_NSTAGE
 #define PQ_NSTAGE 4          // steps in flight per warp
 #endif
+// -DPQ_F16_OPERANDS: f16 operands (an experiment, off by default). K and V convert from e4m3 to f16
+// exactly, with no scale. Q's fragments are multiplied per row by a power of two σ that keeps the row
+// maximum below 2^14, then converted to f16, exactly. S is multiplied by k_scale(page) / σ(row). A step
+// is one page, so its V scale rides on the online-softmax rescale of O (O = v_scale · O_acc); P keeps
+// its value.
+#ifdef PQ_F16_OPERANDS
+constexpr bool kF16 = true;
+#else
+constexpr bool kF16 = false;
+#endif
 
 namespace {
 
@@ -53,6 +63,35 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
+}
+
+// c (16x8 fp32) += a (16x16 f16, row) * b (16x8 f16, col)
+__device__ __forceinline__ void mma_f16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One MMA step in the build's operand type.
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (kF16)
+        mma_f16_16816(c, a, b0, b1);
+    else
+        paged::mma_bf16_16816(c, a, b0, b1);
+}
+
+// Four e4m3 bytes -> two operand words: bf16(e4m3 · scale), or f16(e4m3) exactly.
+__device__ __forceinline__ void operand_x4(uint32_t& lo, uint32_t& hi, uint32_t w, float scale) {
+    if constexpr (kF16)
+        hopper::e4m3x4_to_f16(lo, hi, w);
+    else
+        hopper::dequant_e4m3x4(lo, hi, w, scale);
+}
+
+__device__ __forceinline__ uint32_t pack_operand(float lo, float hi) {
+    return kF16 ? hopper::pack_f16x2(lo, hi) : paged::pack_bf16x2(lo, hi);
 }
 
 __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
@@ -139,6 +178,35 @@ pw_per_query_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __re
                 qa[c][3] = r1.y;
             }
         }
+        float qinv[2] = {1.f, 1.f};  // 1/σ of rows g and g + 8 (f16 path)
+        if constexpr (kF16) {
+            auto lo = [](uint32_t w) { return __uint_as_float(w << 16); };
+            auto hi = [](uint32_t w) { return __uint_as_float(w & 0xffff0000u); };
+            float amax[2] = {0.f, 0.f};
+#pragma unroll
+            for (int c = 0; c < PQ_HEAD_DIM / 16; ++c) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    amax[j & 1] = fmaxf(amax[j & 1], fmaxf(fabsf(lo(qa[c][j])), fabsf(hi(qa[c][j]))));
+            }
+            float sigma[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                amax[r] = paged::quad_max(amax[r]);
+                int e = 0;
+                if (amax[r] > 0.f) frexpf(amax[r], &e);
+                e = max(min(14 - e, 110), -110);
+                sigma[r] = __int_as_float((e + 127) << 23);
+                qinv[r] = __int_as_float((127 - e) << 23);
+            }
+#pragma unroll
+            for (int c = 0; c < PQ_HEAD_DIM / 16; ++c) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    qa[c][j] = hopper::pack_f16x2(lo(qa[c][j]) * sigma[j & 1], hi(qa[c][j]) * sigma[j & 1]);
+            }
+        }
+        float v_ref = 0.f;  // the V scale O's accumulator is in (f16 path)
 
         float o[PQ_HEAD_DIM / 8][4];
 #pragma unroll
@@ -177,9 +245,17 @@ pw_per_query_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __re
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         uint32_t b0, b1;
-                        hopper::dequant_e4m3x4(b0, b1, w[j], ks);
-                        paged::mma_bf16_16816(sacc[nt], qa[c0 + j], b0, b1);
+                        operand_x4(b0, b1, w[j], ks);
+                        mma_16816(sacc[nt], qa[c0 + j], b0, b1);
                     }
+                }
+            }
+
+            if constexpr (kF16) {  // S · k_scale / σ(row)
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sacc[nt][e] *= ks * qinv[e >> 1];
                 }
             }
 
@@ -213,6 +289,12 @@ pw_per_query_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __re
                     row_sum[e >> 1] += p;
                 }
             }
+            if constexpr (kF16) {  // O's accumulator moves to this page's V scale
+                const float carry = v_ref > 0.f && vs > 0.f ? v_ref / vs : 1.f;
+                if (vs > 0.f) v_ref = vs;
+                alpha[0] *= carry;
+                alpha[1] *= carry;
+            }
 #pragma unroll
             for (int i = 0; i < PQ_HEAD_DIM / 8; ++i) {
                 o[i][0] *= alpha[0];
@@ -221,10 +303,11 @@ pw_per_query_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __re
                 o[i][3] *= alpha[1];
             }
             uint32_t pa[4];
-            pa[0] = paged::pack_bf16x2(sacc[0][0], sacc[0][1]);
-            pa[1] = paged::pack_bf16x2(sacc[0][2], sacc[0][3]);
-            pa[2] = paged::pack_bf16x2(sacc[1][0], sacc[1][1]);
-            pa[3] = paged::pack_bf16x2(sacc[1][2], sacc[1][3]);
+            pa[0] = pack_operand(sacc[0][0], sacc[0][1]);
+            pa[1] = pack_operand(sacc[0][2], sacc[0][3]);
+            pa[2] = pack_operand(sacc[1][0], sacc[1][1]);
+            pa[3] = pack_operand(sacc[1][2], sacc[1][3]);
+            if (kF16 && vs == 0.f) pa[0] = pa[1] = pa[2] = pa[3] = 0u;  // an all-zero V page adds nothing
 
             // ---- O += P·V: dim chunks c, c + 1 per ldmatrix.x4.trans; o[2c] even / o[2c + 1] odd dims
 #pragma unroll
@@ -234,10 +317,10 @@ pw_per_query_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __re
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     uint32_t b0, b1;
-                    hopper::dequant_e4m3x4(b0, b1, byte_perm(r[2 * h], r[2 * h + 1], 0x6420), vs);
-                    paged::mma_bf16_16816(o[2 * (c + h)], pa, b0, b1);
-                    hopper::dequant_e4m3x4(b0, b1, byte_perm(r[2 * h], r[2 * h + 1], 0x7531), vs);
-                    paged::mma_bf16_16816(o[2 * (c + h) + 1], pa, b0, b1);
+                    operand_x4(b0, b1, byte_perm(r[2 * h], r[2 * h + 1], 0x6420), vs);
+                    mma_16816(o[2 * (c + h)], pa, b0, b1);
+                    operand_x4(b0, b1, byte_perm(r[2 * h], r[2 * h + 1], 0x7531), vs);
+                    mma_16816(o[2 * (c + h) + 1], pa, b0, b1);
                 }
             }
             __syncwarp();  // every lane is done with stage s before it is refilled
@@ -253,7 +336,7 @@ pw_per_query_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __re
             if (hl >= gqa) continue;
             const int hq = head * gqa + hl;
             if (hq >= q_heads) continue;
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            const float inv = sum > 0.f ? (kF16 ? v_ref : 1.f) / sum : 0.f;  // f16 path: O = v_scale · O_acc
             const size_t at = static_cast<size_t>(hq) * num_queries + query;
             uint2* dst = reinterpret_cast<uint2*>(O + at * PQ_HEAD_DIM + 4 * t4);
 #pragma unroll

@@ -207,16 +207,21 @@ def test_pageweaver_shared_memory_formulas_match_the_kernels(reports):
         assert ok, log
 
 
-@pytest.mark.parametrize("variant", ["PW_F16_OPERANDS", "PW_ALL_LANES_RELEASE"])
+@pytest.mark.parametrize("variant", ["PW_F16_OPERANDS", "PW_ALL_LANES_RELEASE", "PQ_F16_OPERANDS"])
 def test_pageweaver_variants_compile_without_spills(variant, reports):
-    """The union kernel's compile-time variants (sparseattn.kernels.pageweaver.set_variant) build too."""
+    """The PageWeaver kernels' compile-time variants (sparseattn.kernels.pageweaver.set_variant) build too."""
     from sparseattn.kernels import pageweaver
 
+    assert variant in pageweaver.VARIANTS
+    source, names = (
+        (pageweaver.PER_QUERY_SOURCE, (pageweaver.PER_QUERY_KERNEL,))
+        if variant.startswith("PQ_")
+        else (pageweaver.SOURCE, pageweaver.NAME_EXPRESSIONS)
+    )
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
     options = compile_check.compile_options(compile_check.find_cuda_include()) + (f"-D{variant}",)
-    code = runtime.preprocess(pageweaver.SOURCE)
-    ok, log, _, lowered = nvrtc.compile(code, pageweaver.SOURCE, options, pageweaver.NAME_EXPRESSIONS)
+    ok, log, _, lowered = nvrtc.compile(runtime.preprocess(source), source, options, names)
     assert ok, log
-    kernels = compile_check.parse_ptxas_log(pageweaver.SOURCE, log, lowered)
-    assert {k.kernel for k in kernels} >= set(pageweaver.NAME_EXPRESSIONS)
+    kernels = compile_check.parse_ptxas_log(source, log, lowered)
+    assert {k.kernel for k in kernels} >= set(names)
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]

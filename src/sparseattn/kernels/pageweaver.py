@@ -123,17 +123,18 @@ SMEM_BYTES = (
     + SMALL_BYTES
 )
 E4M3_DTYPE_NAMES = ("uint8", "float8_e4m3fn")
-#: Compile-time variants of ``pw_union_fwd.cu`` that :func:`set_variant` (or the environment variable
-#: ``SPARSEATTN_PW_VARIANT``, comma-separated) may switch on.
-VARIANTS = ("PW_F16_OPERANDS", "PW_ALL_LANES_RELEASE")
+#: Compile-time variants that :func:`set_variant` (or the environment variable ``SPARSEATTN_PW_VARIANT``,
+#: comma-separated) may switch on: ``PW_*`` for ``pw_union_fwd.cu``, ``PQ_*`` for ``pw_per_query_fwd.cu``.
+VARIANTS = ("PW_F16_OPERANDS", "PW_ALL_LANES_RELEASE", "PQ_F16_OPERANDS")
 _variant: tuple[str, ...] = ()
 
 
 def set_variant(*names: str) -> tuple[str, ...]:
-    """Compile the union and KV-page kernels with these :data:`VARIANTS` (none: the default build).
+    """Compile the PageWeaver kernels with these :data:`VARIANTS` (none: the default builds).
 
-    ``PW_F16_OPERANDS``: the f16 operand path (e4m3 → f16 exactly, scales applied to S and P).
-    ``PW_ALL_LANES_RELEASE``: every consumer lane releases a K buffer itself. Returns the variant in force.
+    ``PW_F16_OPERANDS``: the union / KV-page kernels' f16 operand path (e4m3 → f16 exactly, scales
+    applied to S and P). ``PW_ALL_LANES_RELEASE``: every consumer lane releases a K buffer itself.
+    ``PQ_F16_OPERANDS``: the per-query kernel's f16 operand path. Returns the variant in force.
     """
     global _variant
     bad = [n for n in names if n not in VARIANTS]
@@ -141,6 +142,11 @@ def set_variant(*names: str) -> tuple[str, ...]:
         raise KernelValueError(f"unknown variant {bad[0]!r}; choose from {VARIANTS}")
     _variant = tuple(sorted(set(names)))
     return _variant
+
+
+def _defines(prefix: str) -> tuple[str, ...]:
+    """The variant's macros for one source (``PW_`` or ``PQ_``)."""
+    return tuple(n for n in _variant if n.startswith(prefix))
 
 
 def variant() -> tuple[str, ...]:
@@ -394,7 +400,7 @@ def _launch(
     hq, nq = q.shape[:2]
     device = device_of(q)
     with cupy.cuda.Device(device):
-        fn = launch.prepare(launch.function(SOURCE, kernel, NAME_EXPRESSIONS, _variant), SMEM_BYTES)
+        fn = launch.prepare(launch.function(SOURCE, kernel, NAME_EXPRESSIONS, _defines("PW_")), SMEM_BYTES)
         counter = _counter(device)
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, 4, stream.ptr)
@@ -451,7 +457,8 @@ def per_query_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, s
 
     with cupy.cuda.Device(device):
         fn = launch.prepare(
-            launch.function(PER_QUERY_SOURCE, PER_QUERY_KERNEL, (PER_QUERY_KERNEL,)), PQ_SMEM_BYTES
+            launch.function(PER_QUERY_SOURCE, PER_QUERY_KERNEL, (PER_QUERY_KERNEL,), _defines("PQ_")),
+            PQ_SMEM_BYTES,
         )
         items = nq * hkv
         grid = (max(1, min(launch.sm_count(device), -(-items // PQ_WARPS))),)
@@ -558,7 +565,7 @@ def kv_page_forward(
     with cupy.cuda.Device(device):
         o_part = cupy.empty((chunk * G, E, HEAD_DIM), dtype=cupy.float32)
         lse_part = cupy.empty((chunk * G, E), dtype=cupy.float32)
-        merge = launch.function(SOURCE, MERGE_KERNEL, NAME_EXPRESSIONS, _variant)
+        merge = launch.function(SOURCE, MERGE_KERNEL, NAME_EXPRESSIONS, _defines("PW_"))
         events = [cupy.cuda.Event() for _ in range(3)] if phases is not None else None
         spent = [0.0, 0.0]
         for h0 in range(0, hkv, chunk):
