@@ -244,6 +244,16 @@ __device__ __forceinline__ void e4m3x4_to_f16(uint32_t& lo, uint32_t& hi, uint32
         : "r"(w));
 }
 
+// The power of two σ (and 1/σ) that brings a row's largest magnitude `amax` below 2^14, so bf16 values
+// of the row times σ are exact in f16 (amax = 0: σ = 1).
+__device__ __forceinline__ void f16_prescale(float amax, float& sigma, float& inv_sigma) {
+    int e = 0;
+    if (amax > 0.f) frexpf(amax, &e);  // amax = m · 2^e, m in [0.5, 1)
+    e = max(min(14 - e, 110), -110);
+    sigma = __int_as_float((e + 127) << 23);
+    inv_sigma = __int_as_float((127 - e) << 23);
+}
+
 // Two floats -> f16x2 (round to nearest even), `lo` in the low half.
 __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
     uint32_t d;
@@ -326,6 +336,52 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[KEYS / PAGE_ROWS][4], cons
         for (int i = 0; i < 4; ++i)
             pa[p][i] = F16 ? pack_f16x2(s[8 * p + 2 * i], s[8 * p + 2 * i + 1])
                            : paged::pack_bf16x2(s[8 * p + 2 * i], s[8 * p + 2 * i + 1]);
+    }
+}
+
+// ---- key split: two warpgroups that took alternate key chunks of one tile combine their states ----
+
+// Warpgroup 1 parks its O accumulator (staging [OREG][128] fp32, over a buffer neither reads any more)
+// and its rows' max (exp2 domain) and sum (stats [2][64]). Thread (wq, g, t4) of the warpgroup holds
+// rows 16·wq + g and + 8; wtid is its index in the warpgroup.
+template <int OREG>
+__device__ __forceinline__ void park_softmax_state(float* staging, float* stats, const float (&o)[OREG],
+                                                   const float (&m_l2)[2], const float (&sum)[2], int wtid, int wq,
+                                                   int g, int t4) {
+#pragma unroll
+    for (int i = 0; i < OREG; ++i) staging[i * 128 + wtid] = o[i];
+    if (t4 == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            stats[wq * 16 + g + 8 * r] = m_l2[r];
+            stats[64 + wq * 16 + g + 8 * r] = sum[r];
+        }
+    }
+}
+
+// Warpgroup 0 folds the parked state into its own O, max and sum (after the hand-off barrier).
+template <int OREG>
+__device__ __forceinline__ void merge_softmax_state(float (&o)[OREG], float (&m_l2)[2], float (&sum)[2],
+                                                    const float* staging, const float* stats, int wtid, int wq,
+                                                    int g) {
+    float a0[2], a1[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float m1 = stats[wq * 16 + g + 8 * r];
+        const float l1 = stats[64 + wq * 16 + g + 8 * r];
+        const float mm = fmaxf(m_l2[r], m1);
+        a0[r] = mm == -INFINITY ? 0.f : exp2f(m_l2[r] - mm);
+        a1[r] = mm == -INFINITY ? 0.f : exp2f(m1 - mm);
+        sum[r] = sum[r] * a0[r] + l1 * a1[r];
+        m_l2[r] = mm;
+    }
+#pragma unroll
+    for (int j = 0; j < OREG / 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            o[4 * j + e] = o[4 * j + e] * a0[r] + staging[(4 * j + e) * 128 + wtid] * a1[r];
+        }
     }
 }
 

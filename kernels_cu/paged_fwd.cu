@@ -333,40 +333,14 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             float* staging = reinterpret_cast<float*>(sm.base);  // key split: [OREG][128] fp32 over the Q buffer
             if (!row_split && cw == 1) {
                 hopper::named_sync(1, 256);  // warpgroup 0 no longer reads Q
-#pragma unroll
-                for (int i = 0; i < C::OREG; ++i) staging[i * 128 + wtid] = o[i];
-                if (t4 == 0) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        sm.stats[wq * 16 + g + 8 * r] = m_l2[r];
-                        sm.stats[64 + wq * 16 + g + 8 * r] = sum[r];
-                    }
-                }
+                hopper::park_softmax_state(staging, sm.stats, o, m_l2, sum, wtid, wq, g, t4);
                 hopper::named_arrive(2, 256);
                 continue;
             }
             if (!row_split) {  // warpgroup 0 merges warpgroup 1's softmax state into its own
                 hopper::named_arrive(1, 256);
                 hopper::named_sync(2, 256);
-                float a0[2], a1[2];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float m1 = sm.stats[wq * 16 + g + 8 * r];
-                    const float l1 = sm.stats[64 + wq * 16 + g + 8 * r];
-                    const float mm = fmaxf(m_l2[r], m1);
-                    a0[r] = mm == -INFINITY ? 0.f : exp2f(m_l2[r] - mm);
-                    a1[r] = mm == -INFINITY ? 0.f : exp2f(m1 - mm);
-                    sum[r] = sum[r] * a0[r] + l1 * a1[r];
-                    m_l2[r] = mm;
-                }
-#pragma unroll
-                for (int j = 0; j < C::OREG / 4; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int r = e >> 1;
-                        o[4 * j + e] = o[4 * j + e] * a0[r] + staging[(4 * j + e) * 128 + wtid] * a1[r];
-                    }
-                }
+                hopper::merge_softmax_state(o, m_l2, sum, staging, sm.stats, wtid, wq, g);
             }
             float inv[2], lse[2];
 #pragma unroll

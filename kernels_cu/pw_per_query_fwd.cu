@@ -53,31 +53,10 @@ __device__ __forceinline__ uint32_t step_offset(int row, int chunk) {
     return static_cast<uint32_t>(row * PQ_HEAD_DIM + ((chunk ^ (row & 7)) << 4));
 }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-// c (16x8 fp32) += a (16x16 f16, row) * b (16x8 f16, col)
-__device__ __forceinline__ void mma_f16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // One MMA step in the build's operand type.
 __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     if constexpr (kF16)
-        mma_f16_16816(c, a, b0, b1);
+        paged::mma_f16_16816(c, a, b0, b1);
     else
         paged::mma_bf16_16816(c, a, b0, b1);
 }
@@ -192,12 +171,7 @@ pw_per_query_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __re
             float sigma[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                amax[r] = paged::quad_max(amax[r]);
-                int e = 0;
-                if (amax[r] > 0.f) frexpf(amax[r], &e);
-                e = max(min(14 - e, 110), -110);
-                sigma[r] = __int_as_float((e + 127) << 23);
-                qinv[r] = __int_as_float((127 - e) << 23);
+                hopper::f16_prescale(paged::quad_max(amax[r]), sigma[r], qinv[r]);
             }
 #pragma unroll
             for (int c = 0; c < PQ_HEAD_DIM / 16; ++c) {
@@ -241,7 +215,7 @@ pw_per_query_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __re
 #pragma unroll
                 for (int c0 = 0; c0 < PQ_HEAD_DIM / 16; c0 += 4) {
                     uint32_t w[4];
-                    ldsm_x4(w, kbuf + step_offset(8 * nt + (lane & 7), c0 + (lane >> 3)));
+                    paged::ldmatrix_x4(w, kbuf + step_offset(8 * nt + (lane & 7), c0 + (lane >> 3)));
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         uint32_t b0, b1;
@@ -313,7 +287,7 @@ pw_per_query_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __re
 #pragma unroll
             for (int c = 0; c < PQ_HEAD_DIM / 16; c += 2) {
                 uint32_t r[4];
-                ldsm_x4_trans(r, vbuf + step_offset((lane & 7) + ((lane >> 3) & 1) * 8, c + (lane >> 4)));
+                paged::ldmatrix_x4_trans(r, vbuf + step_offset((lane & 7) + ((lane >> 3) & 1) * 8, c + (lane >> 4)));
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     uint32_t b0, b1;

@@ -453,10 +453,8 @@ __device__ __forceinline__ void union_attention(
                         amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[j] << 16)), fabsf(__uint_as_float(w[j] & 0xffff0000u))));
                 }
                 for (int d = 1; d < tpr; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-                int e = 0;
-                if (amax > 0.f) frexpf(amax, &e);  // amax = m · 2^e, m in [0.5, 1)
-                e = max(min(14 - e, 110), -110);    // σ = 2^e keeps the row maximum below 2^14
-                const float sigma = __int_as_float((e + 127) << 23);
+                float sigma, inv_sigma;
+                f16_prescale(amax, sigma, inv_sigma);
                 for (int c = ch0; c < ch0 + per; ++c) {
                     const uint32_t at = sm.q + tile_offset<PW_Q_ROWS>(row, c);
                     uint32_t w[4];
@@ -470,7 +468,7 @@ __device__ __forceinline__ void union_attention(
                                  "r"(w[3])
                                  : "memory");
                 }
-                if (wtid % tpr == 0) sm.qinv[row] = __int_as_float((127 - e) << 23);
+                if (wtid % tpr == 0) sm.qinv[row] = inv_sigma;
                 fence_async_proxy();
                 if (row_split)
                     named_sync(5 + cw, 128);
@@ -599,40 +597,14 @@ __device__ __forceinline__ void union_attention(
             float* staging = reinterpret_cast<float*>(sm.base);
             if (!row_split && cw == 1) {
                 named_sync(1, 256);
-#pragma unroll
-                for (int i = 0; i < PW_HEAD_DIM / 2; ++i) staging[i * 128 + wtid] = o[i];
-                if (t4 == 0) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        sm.stats[wq * 16 + g + 8 * r] = m_l2[r];
-                        sm.stats[64 + wq * 16 + g + 8 * r] = sum[r];
-                    }
-                }
+                park_softmax_state(staging, sm.stats, o, m_l2, sum, wtid, wq, g, t4);
                 named_sync(2, 256);  // bar.sync on both sides: racecheck flagged the bar.arrive hand-off
                 continue;
             }
             if (!row_split) {
                 named_sync(1, 256);
                 named_sync(2, 256);
-                float a0[2], a1[2];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float m1 = sm.stats[wq * 16 + g + 8 * r];
-                    const float l1 = sm.stats[64 + wq * 16 + g + 8 * r];
-                    const float mm = fmaxf(m_l2[r], m1);
-                    a0[r] = mm == -INFINITY ? 0.f : exp2f(m_l2[r] - mm);
-                    a1[r] = mm == -INFINITY ? 0.f : exp2f(m1 - mm);
-                    sum[r] = sum[r] * a0[r] + l1 * a1[r];
-                    m_l2[r] = mm;
-                }
-#pragma unroll
-                for (int j = 0; j < PW_HEAD_DIM / 8; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int r = e >> 1;
-                        o[4 * j + e] = o[4 * j + e] * a0[r] + staging[(4 * j + e) * 128 + wtid] * a1[r];
-                    }
-                }
+                merge_softmax_state(o, m_l2, sum, staging, sm.stats, wtid, wq, g);
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {

@@ -371,28 +371,26 @@ def _times(x: float) -> str:
 
 
 #: The capacity table, the per-head tables and the capture table (headers fit 100 columns).
-CAPACITY_COLUMNS = [
-    Column("workload", "workload", "name"),
-    Column("heads", "heads", "int"),
-    Column("layers", "layers", "int"),
+_PAIR_COLUMNS = [  # useful and physical pairs with the occupancies: shared by both tables below
     Column("useful_pairs", "useful", "pairs"),
     Column("bsa_physical", "BSA\nphysical", "pairs"),
     Column("kpage_physical", "KPage\nphysical", "pairs"),
     Column("kpage_physical_no_routing", "KPage\nno-route", "pairs"),
     Column("bsa_occupancy", "BSA\nocc.", "pct"),
     Column("kpage_occupancy", "KPage\nocc.", "pct"),
+]
+CAPACITY_COLUMNS = [
+    Column("workload", "workload", "name"),
+    Column("heads", "heads", "int"),
+    Column("layers", "layers", "int"),
+    *_PAIR_COLUMNS,
     Column("bsa_over_kpage", "BSA/\nKPage", "ratio"),
     Column("routing_gain", "route\ngain", "ratio"),
 ]
 PER_HEAD_COLUMNS = [
     Column("head", "head", "int"),
     Column("selected_pairs", "selected\npairs", "int"),
-    Column("useful_pairs", "useful", "pairs"),
-    Column("bsa_physical", "BSA\nphysical", "pairs"),
-    Column("kpage_physical", "KPage\nphysical", "pairs"),
-    Column("kpage_physical_no_routing", "KPage\nno-route", "pairs"),
-    Column("bsa_occupancy", "BSA\nocc.", "pct"),
-    Column("kpage_occupancy", "KPage\nocc.", "pct"),
+    *_PAIR_COLUMNS,
     Column("dropped_pairs", "dropped\npairs", "int"),
 ]
 CAPTURE_COLUMNS = [

@@ -95,8 +95,9 @@ class WanSelection:
 
 def token_mask(graph: SparseGraph) -> np.ndarray:
     """bool ``[heads, tokens, tokens]`` in raster token order: which (query, key) pairs the graph keeps."""
-    slots = graph.q.token_slot
-    return np.stack([graph.token_mask(h)[np.ix_(slots, slots)] for h in range(graph.heads)])
+    q_block = graph.q.token_slot // graph.q.block_size
+    k_block = graph.k.token_slot // graph.k.block_size
+    return graph.block_mask()[:, q_block][:, :, k_block]
 
 
 def apply_rotary(x, freqs_cos, freqs_sin):

@@ -48,17 +48,9 @@ NAME_EXPRESSIONS = (KERNEL, KVPAGE_KERNEL, MERGE_KERNEL)
 PER_QUERY_SOURCE = "pw_per_query_fwd.cu"
 PER_QUERY_KERNEL = "pw_per_query_fwd_kernel"
 KERNEL_SOURCES = {PER_QUERY_SOURCE: (PER_QUERY_KERNEL,)}
-#: The per-query kernel's parameters, in order (tests/test_compile.py checks them against the source).
-PER_QUERY_PARAMS = (
-    "Q",
-    "K",
-    "V",
-    "k_scale",
-    "v_scale",
-    "O",
-    "LSE",
-    "pages",
-    "positions",
+# Parameter names shared by the kernels: the tensors, then the call's shape and capture scalars.
+_TENSOR_PARAMS = ("Q", "K", "V", "k_scale", "v_scale", "O", "LSE")
+_SCALAR_PARAMS = (
     "kv_heads",
     "gqa",
     "num_queries",
@@ -69,15 +61,9 @@ PER_QUERY_PARAMS = (
     "causal",
     "scale_log2",
 )
-#: The kernel's parameters, in order (tests/test_compile.py checks them against the source).
+#: The kernels' parameters, in order (tests/test_compile.py checks them against the sources).
 KERNEL_PARAMS = (
-    "Q",
-    "K",
-    "V",
-    "k_scale",
-    "v_scale",
-    "O",
-    "LSE",
+    *_TENSOR_PARAMS,
     "ids",
     "offsets",
     "group_count",
@@ -85,17 +71,10 @@ KERNEL_PARAMS = (
     "positions",
     "item_counter",
     "num_groups",
-    "kv_heads",
-    "gqa",
-    "num_queries",
-    "selected",
-    "num_pages",
-    "log2_page",
-    "context",
-    "causal",
-    "scale_log2",
+    *_SCALAR_PARAMS,
     "num_entries",
 )
+PER_QUERY_PARAMS = (*_TENSOR_PARAMS, "pages", "positions", *_SCALAR_PARAMS)
 
 # Mirrors of the kernel's compile-time geometry (PW_* in the source).
 THREADS = 384
@@ -374,6 +353,21 @@ def _outputs(q, out, device):
     return o, lse
 
 
+def _scalar_args(hkv: int, gqa: int, nq: int, capture: Capture, scale: float) -> tuple:
+    """The kernels' trailing scalars, in the order of ``_SCALAR_PARAMS``."""
+    return (
+        np.int32(hkv),
+        np.int32(gqa),
+        np.int32(nq),
+        np.int32(capture.k),
+        np.int32(capture.num_pages),
+        np.int32(int(math.log2(capture.page_size))),
+        np.int32(capture.context),
+        np.int32(1 if capture.causal else 0),
+        np.float32(scale * math.log2(math.e)),
+    )
+
+
 def _launch(
     kernel,
     q,
@@ -421,15 +415,7 @@ def _launch(
             positions,
             counter,
             np.int32(num_groups),
-            np.int32(hkv),
-            np.int32(hq // hkv),
-            np.int32(nq),
-            np.int32(capture.k),
-            np.int32(capture.num_pages),
-            np.int32(int(math.log2(capture.page_size))),
-            np.int32(capture.context),
-            np.int32(1 if capture.causal else 0),
-            np.float32(scale * math.log2(math.e)),
+            *_scalar_args(hkv, hq // hkv, nq, capture, scale),
             np.int32(num_entries),
         )
         if items:
@@ -472,15 +458,7 @@ def per_query_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, s
             lse,
             cap["pages"],
             cap["positions"],
-            np.int32(hkv),
-            np.int32(hq // hkv),
-            np.int32(nq),
-            np.int32(capture.k),
-            np.int32(capture.num_pages),
-            np.int32(int(math.log2(capture.page_size))),
-            np.int32(capture.context),
-            np.int32(1 if capture.causal else 0),
-            np.float32(scale * math.log2(math.e)),
+            *_scalar_args(hkv, hq // hkv, nq, capture, scale),
         )
         fn(grid, (PQ_WARPS * 32,), args, shared_mem=PQ_SMEM_BYTES)
     return o, lse

@@ -191,7 +191,7 @@ def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log)
     adjacent = adjacent_groups(nq, 8)
     per_query = per_query_groups(nq)
     chunks = {"adjacent8": union_chunks(cap, adjacent), "per_query": union_chunks(cap, per_query)}
-    steps = per_query_steps(cap)
+    steps = per_query_steps(cap) if "per_query_mma" in impls else 0
     records = []
 
     def run_gqa(gqa: int) -> None:

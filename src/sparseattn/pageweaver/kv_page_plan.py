@@ -19,6 +19,7 @@ LSE per entry. A reduction then merges each query's partials by their LSE. Field
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -45,7 +46,7 @@ class KvPagePlan:
     def num_items(self) -> int:
         return int(self.item_pages.shape[0])
 
-    @property
+    @cached_property
     def entry_pages(self) -> np.ndarray:
         """int32 ``[num_entries]``: the page of each entry."""
         return np.repeat(self.item_pages, np.diff(self.offsets))
