@@ -189,11 +189,7 @@ __device__ __forceinline__ void union_attention(
         for (int i = 0; i < PW_NBUF; ++i) {
             mbar_init(sm.k_full(i), kProducerThreads);
             mbar_init(sm.v_full(i), kProducerThreads);
-#ifdef PW_ALL_LANES_RELEASE
-            mbar_init(sm.k_empty(i), 32 * kConsumerWarps);
-#else
-            mbar_init(sm.k_empty(i), kConsumerWarps);
-#endif
+            mbar_init(sm.k_empty(i), 32 * kConsumerWarps);  // every lane that read the chunk's kinfo arrives
             mbar_init(sm.v_empty(i), kConsumerWarps);
         }
         mbar_init(sm.q_full(), kProducerThreads);
@@ -527,12 +523,7 @@ __device__ __forceinline__ void union_attention(
                     wgmma_wait<0>();
                 }
                 pin_registers(s);
-#ifdef PW_ALL_LANES_RELEASE  // candidate fix of racecheck's kinfo WAR report (each reading lane arrives itself)
-                mbar_arrive(sm.k_empty(buf), release);
-#else
-                __syncwarp();  // every lane has read this chunk's kinfo before the buffer is released
-                if (lane == 0) mbar_arrive(sm.k_empty(buf), release);
-#endif
+                mbar_arrive(sm.k_empty(buf), release);  // each lane has read this chunk's kinfo itself
                 float v_ratio[kSubPages];
                 if constexpr (kF16) {
 #pragma unroll

@@ -104,7 +104,7 @@ SMEM_BYTES = (
 E4M3_DTYPE_NAMES = ("uint8", "float8_e4m3fn")
 #: Compile-time variants that :func:`set_variant` (or the environment variable ``SPARSEATTN_PW_VARIANT``,
 #: comma-separated) may switch on: ``PW_*`` for ``pw_union_fwd.cu``, ``PQ_*`` for ``pw_per_query_fwd.cu``.
-VARIANTS = ("PW_F16_OPERANDS", "PW_ALL_LANES_RELEASE", "PQ_F16_OPERANDS")
+VARIANTS = ("PW_F16_OPERANDS", "PQ_F16_OPERANDS")
 _variant: tuple[str, ...] = ()
 
 
