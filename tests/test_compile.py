@@ -207,7 +207,7 @@ def test_pageweaver_shared_memory_formulas_match_the_kernels(reports):
         assert ok, log
 
 
-@pytest.mark.parametrize("variant", ["PW_F16_OPERANDS", "PQ_F16_OPERANDS"])
+@pytest.mark.parametrize("variant", ["PW_BF16_OPERANDS", "PQ_BF16_OPERANDS"])
 def test_pageweaver_variants_compile_without_spills(variant, reports):
     """The PageWeaver kernels' compile-time variants (sparseattn.kernels.pageweaver.set_variant) build too."""
     from sparseattn.kernels import pageweaver

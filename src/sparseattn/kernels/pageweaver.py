@@ -104,16 +104,17 @@ SMEM_BYTES = (
 E4M3_DTYPE_NAMES = ("uint8", "float8_e4m3fn")
 #: Compile-time variants that :func:`set_variant` (or the environment variable ``SPARSEATTN_PW_VARIANT``,
 #: comma-separated) may switch on: ``PW_*`` for ``pw_union_fwd.cu``, ``PQ_*`` for ``pw_per_query_fwd.cu``.
-VARIANTS = ("PW_F16_OPERANDS", "PQ_F16_OPERANDS")
+VARIANTS = ("PW_BF16_OPERANDS", "PQ_BF16_OPERANDS")
 _variant: tuple[str, ...] = ()
 
 
 def set_variant(*names: str) -> tuple[str, ...]:
     """Compile the PageWeaver kernels with these :data:`VARIANTS` (none: the default builds).
 
-    ``PW_F16_OPERANDS``: the union / KV-page kernels' f16 operand path (e4m3 → f16 exactly, scales
-    applied to S and P). ``PW_ALL_LANES_RELEASE``: every consumer lane releases a K buffer itself.
-    ``PQ_F16_OPERANDS``: the per-query kernel's f16 operand path. Returns the variant in force.
+    The default builds use f16 operands (e4m3 → f16 exactly, the scales applied to S and P / O).
+    ``PW_BF16_OPERANDS``: the union / KV-page kernels dequantise K and V to bf16 with their scales (the
+    earlier path, kept for comparison). ``PQ_BF16_OPERANDS``: the same for the per-query kernel.
+    Returns the variant in force.
     """
     global _variant
     bad = [n for n in names if n not in VARIANTS]
