@@ -198,3 +198,19 @@ def test_pageweaver_speedups_keep_each_grouping(tmp_path):
     assert sorted((r["grouping"], r["speedup"]) for r in rows) == [("adjacent8", 2.0), ("affinity", 2.5)]
     text = _texts(speedplots.pageweaver_speed_figure(run))
     assert "(adjacent 8): 2.00× geomean" in text and "(affinity): 2.50× geomean" in text
+
+
+def test_pageweaver_geomean_leaves_out_gqa16(tmp_path):
+    """G = 16 bars are drawn, but the legend's geometric mean is over GQA 1/4/8 (the target's measure)."""
+    records = []
+    for gqa, ms in ((1, 0.5), (8, 0.25), (16, 1.0)):
+        for impl, t in (("flashinfer", 1.0), ("pageweaver_union", ms)):
+            rec = _rec("nsa_8k", impl, "complete_call", t, heads=8 * gqa)
+            rec.update(gqa=gqa)
+            records.append(rec)
+    _write_run(tmp_path, "pw.json", "2026-12-01T00:00:00+00:00", records)
+    run = speedplots.pick_pageweaver_run(find_runs(tmp_path))
+    assert len(speedplots.pageweaver_speedups(run)) == 3
+    text = _texts(speedplots.pageweaver_speed_figure(run))
+    assert f"{math.sqrt(8):.2f}× geomean, GQA 1/8" in text
+    assert "GQA 16 (128 heads)" in text

@@ -7,15 +7,18 @@ velocity on synthetic latents: smooth random videos (low-frequency Fourier field
 embeddings. Every backend starts from the same weights and sees the same batches. Only self-attention
 differs, through :class:`~sparseattn.diffusers_wan.WanSparseAttnProcessor`. On the GPU the default
 backends are ``kpage`` and ``masked_sdpa``; elsewhere only ``masked_sdpa`` runs. Writes
-``DIR/wan_training.json`` (losses per step and backend) and ``DIR/wan_training.png`` (the curves).
+``DIR/wan_training.json`` (losses per step and backend) and ``DIR/wan_training.png`` (the curves and
+their relative difference). ``--replot FILE.json`` redraws the figure of a recorded run, no torch needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 LATENT = (8, 16, 16)  # frames, height, width of the latent; tokens after (1, 2, 2) patching: (8, 8, 8)
@@ -87,22 +90,79 @@ def train(backend: str, selection: str, steps: int, device: str, seed: int = 0, 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 50 == 0 or step == steps - 1:
             log(f"{backend:12s} step {step:4d} loss {losses[-1]:.4f} ({time.time() - t0:.0f} s)")
     return losses
+
+
+def plot_curves(record: dict, path: Path) -> None:
+    """Loss per step of every backend (top) and each backend's relative difference to masked SDPA
+    (bottom, log scale), written to ``path``."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    curves = {b: np.asarray(v, dtype=float) for b, v in record["losses"].items()}
+    fig = Figure(figsize=(6.4, 5.0))
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    styles = {
+        "masked_sdpa": dict(ls="--", lw=1.6, color="#E69F00"),
+        "kpage": dict(ls="-", lw=0.9, color="#0072B2"),
+    }
+    for b, losses in curves.items():
+        top.plot(losses, label=b, **styles.get(b, {}))
+    top.set_ylabel("rectified-flow loss")
+    where = f" on {record['device']}" if record.get("device") else ""
+    top.set_title(f"tiny Wan, {record.get('selection', '?')} self-attention{where}")
+    top.legend()
+    ref = curves.get("masked_sdpa")
+    others = [b for b in curves if b != "masked_sdpa"]
+    if ref is not None and others:
+        for b in others:
+            rel = np.abs(curves[b] - ref) / np.abs(ref)
+            label = f"|{b} − masked_sdpa| / masked_sdpa (max {rel.max():.1e})"
+            bottom.semilogy(np.maximum(rel, 1e-9), label=label, **styles.get(b, {}))
+        bottom.legend(loc="lower left", fontsize=8)
+    else:
+        bottom.text(
+            0.5,
+            0.5,
+            "one backend only: no difference to draw",
+            ha="center",
+            va="center",
+            transform=bottom.transAxes,
+        )
+    bottom.set_ylabel("relative difference")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m sparseattn.wan_training", description=__doc__.splitlines()[0]
     )
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="folder for wan_training.json and .png (required unless --replot)")
+    ap.add_argument(
+        "--replot", metavar="JSON", help="redraw the figure of a recorded wan_training.json beside it"
+    )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--selection", choices=("sta", "vsa"), default="sta")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--backend", action="append", choices=("kpage", "masked_sdpa"), default=None)
     args = ap.parse_args(argv)
+    if args.replot:
+        src = Path(args.replot)
+        try:
+            record = json.loads(src.read_text())
+            record["losses"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            ap.error(f"--replot {src}: not a wan_training.json ({err})")
+        plot_curves(record, src.with_suffix(".png"))
+        print(f"wrote {src.with_suffix('.png')}")
+        return 0
+    if not args.out:
+        ap.error("--out is required (or --replot FILE.json)")
     try:
         import diffusers  # noqa: F401
         import torch
@@ -122,23 +182,12 @@ def main(argv=None) -> int:
         "selection": args.selection,
         "steps": args.steps,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+        "commit": os.environ.get("SPARSEATTN_COMMIT", ""),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "losses": curves,
     }
     (out / "wan_training.json").write_text(json.dumps(record, indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for b, losses in curves.items():
-        ax.plot(losses, label=b, lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("rectified-flow loss")
-    ax.set_title(f"tiny Wan, {args.selection} self-attention: KPage op vs masked SDPA")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "wan_training.png", dpi=150)
+    plot_curves(record, out / "wan_training.png")
     return 0
 
 

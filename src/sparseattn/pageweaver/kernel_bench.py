@@ -10,10 +10,10 @@ size (8 KV heads by default, head dim 128, e4m3 K/V with per-page scales, bf16 Q
 * ``kv_page_union`` — the direct KV-page union (work split by page, items of up to 8 queries that
   selected it, fp32 partials merged by LSE); ``partials_ms`` and ``merge_ms`` time its two phases
   apart (the reduction's own cost); its plan (a host sort by page) is built once and not timed;
-* ``per_query`` — every query its own group on the same kernel (each query loads its own pages;
-  rows = its G query heads, padded to the 64-row wgmma tile);
-* ``per_query_mma`` — the per-query kernel proper (``pw_per_query_fwd.cu``): one warp per (query, KV
-  head), mma.sync 16-row tiles holding the query's G heads, 16-key steps;
+* ``per_query`` — the per-query kernel (``pw_per_query_fwd.cu``): one warp per (query, KV head),
+  mma.sync 16-row tiles holding the query's G heads, 16-key steps, each query loading its own pages;
+* ``union_singleton`` (opt-in) — every query its own group on the union kernel (rows = its G query
+  heads, padded to the 64-row wgmma tile): the union kernel's machinery without the union;
 * ``flashinfer`` — FlashInfer's ``BlockSparseAttentionWrapper`` (R = 1, C = page size, backend ``fa2``,
   e4m3 K/V, bf16 Q), when the package imports; its ``plan`` (host work) is not timed. Queries are cut
   into chunks of at most 32,768 rows (the wrapper fails on 65,536 rows at GQA ≥ 4).
@@ -37,6 +37,9 @@ import numpy as np
 from .captures import BUILTIN_CAPTURES, Capture, load_capture
 from .grouping import adjacent_groups
 from .reference import key_index, paged_attention_reference
+
+#: Implementations ``--impl`` accepts.
+IMPLS = ("pageweaver_union", "kv_page_union", "per_query", "union_singleton", "flashinfer")
 
 FLUSH_BYTES = 256 << 20
 CHECK_QUERIES = 48
@@ -190,8 +193,10 @@ def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log)
     pages_dev = cp.asarray(cap.pages)
     adjacent = adjacent_groups(nq, 8)
     per_query = per_query_groups(nq)
-    chunks = {"adjacent8": union_chunks(cap, adjacent), "per_query": union_chunks(cap, per_query)}
-    steps = per_query_steps(cap) if "per_query_mma" in impls else 0
+    chunks = {"adjacent8": union_chunks(cap, adjacent)}
+    if "union_singleton" in impls:
+        chunks["per_query"] = union_chunks(cap, per_query)
+    steps = per_query_steps(cap) if "per_query" in impls else 0
     records = []
 
     def run_gqa(gqa: int) -> None:
@@ -253,14 +258,20 @@ def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log)
                 grouping_ms=gms,
                 **chk,
             )
-        if "per_query" in impls:
+        if "union_singleton" in impls:
             ms = timer(lambda: union_forward(q, k8, v8, ks, vs, cap, per_query, out=(o, lse)))
             chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
-            record("per_query", ms, tile_rows * 64 * chunks["per_query"] * kv_heads, grouping="single", **chk)
-        if "per_query_mma" in impls:
+            record(
+                "union_singleton",
+                ms,
+                tile_rows * 64 * chunks["per_query"] * kv_heads,
+                grouping="single",
+                **chk,
+            )
+        if "per_query" in impls:
             ms = timer(lambda: per_query_forward(q, k8, v8, ks, vs, cap, out=(o, lse)))
             chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
-            record("per_query_mma", ms, 16 * 16 * steps * kv_heads, grouping="single", **chk)
+            record("per_query", ms, 16 * 16 * steps * kv_heads, grouping="single", **chk)
         if "kv_page_union" in impls:
             t0 = time.perf_counter()
             plan = kv_page_plan(cap)  # host work, built once per capture (not in the timed call)
@@ -322,8 +333,9 @@ def main(argv=None, prog: str | None = None) -> int:
     ap.add_argument(
         "--impl",
         nargs="*",
-        default=["pageweaver_union", "per_query", "flashinfer"],
-        help="also: kv_page_union, per_query_mma (not in the default run until their GPU tests have passed on an H200)",
+        default=["pageweaver_union", "kv_page_union", "per_query", "flashinfer"],
+        choices=IMPLS,
+        help="implementations to run (also: union_singleton)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
