@@ -82,6 +82,21 @@ HW_WGMMA_SS(wgmma_ss_f16, 64, "f16", HW_ACC32, HW_REGS32, 32, 33, 34)
 HW_WGMMA_RS_TB(wgmma_rs_tb_f16, 128, "f16", HW_ACC64, HW_REGS64, 64, 65, 66, 67, 68, 69)
 HW_WGMMA_RS_TB(wgmma_rs_tb_f16, 64, "f16", HW_ACC32, HW_REGS32, 32, 33, 34, 35, 36, 37)
 
+// d (m64 x nN) {=, +=} A · B with both operands in shared memory MN-major (transposed): A stored as
+// 16 k-rows of 64 m-elements, B as 16 k-rows of N n-elements (the backward's dQ = dSᵀ·K).
+#define HW_WGMMA_SS_TT(NAME, N, TY, ACC, REGS, IA, IB, IP)                                                  \
+    template <>                                                                                             \
+    __device__ __forceinline__ void NAME<N>(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                       \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", %" #IA ", %" #IB \
+                     ", p, 1, 1, 1, 1;\n}\n"                                                                \
+                     : ACC                                                                                  \
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                          \
+    }
+template <int N>
+__device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
+HW_WGMMA_SS_TT(wgmma_ss_tt, 64, "bf16", HW_ACC32, HW_REGS32, 32, 33, 34)
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int PENDING>

@@ -19,7 +19,8 @@ from sparseattn.bf16 import Bf16TypeError, Bf16ValueError, bf16_bits_to_float, f
 from sparseattn.builders import BuilderError, random_graph, vsa_graph
 from sparseattn.emulator import EmulationError, emulate_forward
 from sparseattn.graph import GraphError, GraphTypeError, SparseGraph
-from sparseattn.kernels.validate import KernelTypeError, check_same_device
+from sparseattn.kernels.bsa_backward import bsa_backward
+from sparseattn.kernels.validate import KernelTypeError, KernelValueError, check_same_device
 from sparseattn.layouts import (
     LayoutError,
     LayoutTypeError,
@@ -617,6 +618,12 @@ API_CASES = [
         "q must be a cupy array",
         "same-device-numpy",
     ),
+    api_case(
+        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, impl="cutlass"),
+        KernelValueError,
+        "impl must be one of",
+        "backward-impl",
+    ),
 ]
 
 
@@ -687,3 +694,15 @@ def test_memory_error_never_escapes_the_command_line(capsys, monkeypatch):
     assert cli.main(["analyze", "--workload", "sta_wan14b_69f"]) == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith("sparseattn: error: out of memory") and "\n" not in line
+
+
+def test_backward_impl_from_the_environment(monkeypatch):
+    from sparseattn.kernels.bsa_backward import default_impl
+
+    monkeypatch.setenv("SPARSEATTN_BWD_IMPL", "wgmma")
+    assert default_impl() == "wgmma"
+    monkeypatch.delenv("SPARSEATTN_BWD_IMPL")
+    assert default_impl() == "mma"
+    monkeypatch.setenv("SPARSEATTN_BWD_IMPL", "tensor-cores")
+    with pytest.raises(KernelValueError, match="SPARSEATTN_BWD_IMPL"):
+        default_impl()

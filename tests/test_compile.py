@@ -225,3 +225,28 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
     kernels = compile_check.parse_ptxas_log(source, log, lowered)
     assert {k.kernel for k in kernels} >= set(names)
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
+
+
+def test_wgmma_backward_mirrors_match_the_kernel(reports):
+    """bsa_backward's wgmma shared-memory and thread formulas equal paged_bwd.cu's Config, and the wgmma
+    kernel takes exactly the mma.sync kernel's parameters (the wrapper passes one argument tuple)."""
+    from sparseattn.kernels import bsa_backward as bb
+
+    nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
+    options = compile_check.compile_options(compile_check.find_cuda_include())
+    checks = "".join(
+        f'static_assert(paged_bwd::Config<{d}, {m}>::kSmemBytes == {bb.wgmma_smem_bytes(d, m)}, "smem");'
+        f'static_assert(paged_bwd::Config<{d}, {m}>::kThreads == {bb.wgmma_threads_per_cta(m)}, "threads");'
+        for d in bb.HEAD_DIMS
+        for m in bb.OWNED_ROWS
+    )
+    code = runtime.preprocess(bb.WGMMA_SOURCE) + "\n" + checks + "\n"
+    ok, log, _, _ = nvrtc.compile(code, "paged_bwd_check.cu", options, ())
+    assert ok, log
+
+    def params(source, kernel):
+        text = (runtime.kernel_dir() / source).read_text()
+        sig = re.search(rf"\n{kernel}\((.*?)\)\s*\{{", text, re.DOTALL).group(1)
+        return tuple(re.findall(r"(\w+)\s*(?:,|$)", " ".join(sig.split())))
+
+    assert params(bb.WGMMA_SOURCE, "paged_bwd_kernel") == params(bb.SOURCE, "bsa_bwd_kernel")

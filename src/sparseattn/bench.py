@@ -222,10 +222,16 @@ class Case:
         )
 
 
+#: The backward kernel of each ``SPARSEATTN_BWD_IMPL`` value, as the fwdbwd records name it.
+BACKWARD_KERNELS = {"mma": "mma.sync (kernels_cu/bsa_bwd.cu)", "wgmma": "wgmma (kernels_cu/paged_bwd.cu)"}
+
+
 def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str) -> list[dict]:
     """``kpage`` or ``bsa`` (its plan) on the paged forward skeleton; ``fwdbwd`` adds the backward of
-    the same plan kind (K/V-owned, :mod:`sparseattn.kernels.backward`; the ``mma.sync`` kernel for now)."""
+    the same plan kind (K/V-owned, :mod:`sparseattn.kernels.backward`; ``SPARSEATTN_BWD_IMPL`` picks the
+    ``mma.sync`` or the wgmma kernel, and the record names it)."""
     from .kernels.backward import paged_backward
+    from .kernels.bsa_backward import default_impl
     from .kernels.forward import executed_pairs, paged_forward
 
     g = case.graph
@@ -266,7 +272,7 @@ def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str) -> lis
                     time_ms=ms,
                     physical_pairs=physical,
                     correct=None,
-                    backward="mma.sync (kernels_cu/bsa_bwd.cu)",
+                    backward=BACKWARD_KERNELS[default_impl()],
                 )
             )
         except Exception as exc:  # noqa: BLE001 - a plan the backward cannot run is recorded, not fatal

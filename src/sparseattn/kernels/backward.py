@@ -4,7 +4,8 @@
 the live 16-row pages of a K/V block, routed to a 64- or 128-row tile, and streams the live Q pages of
 every Q block that selects it, packed across blocks), :func:`paged_backward` either plan. The kernel is
 the K/V-owned backward of :mod:`.bsa_backward` (``mma.sync``; dK/dV accumulated by the owning CTA, dQ by
-fp32 atomics); a wgmma backward on the forward's skeleton is the next step.
+fp32 atomics). ``impl="wgmma"`` selects the wgmma version of that kernel (``kernels_cu/paged_bwd.cu``), not
+yet verified on an H200.
 
 Inputs are CuPy arrays or torch CUDA tensors (bf16 ``q, k, v, o, do``, float32 ``lse``; torch tensors
 come back, computed on torch's current stream without copies).
@@ -23,7 +24,7 @@ KINDS = ("kpage", "bsa")
 
 
 def paged_backward(
-    q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, *, kind: str = "kpage", route="auto"
+    q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, *, kind: str = "kpage", route="auto", impl=None
 ):
     """Gradients ``(dq, dk, dv)`` of sparse attention for the loss ``Σ do · o``.
 
@@ -32,15 +33,16 @@ def paged_backward(
         graph_or_plan: a :class:`SparseGraph` (its ``kind`` plan, owner ``"kv"``), an owner-``"kv"``
             :class:`TilePlan`, or a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
             layouts; one launch per head for now).
-        scale, out: as :func:`sparseattn.kernels.bsa_backward.bsa_backward`.
+        scale, out, impl: as :func:`sparseattn.kernels.bsa_backward.bsa_backward` (``impl``: the
+            ``"mma"`` or the not yet H200-verified ``"wgmma"`` main kernel).
     """
     if kind not in KINDS:
         raise KernelValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if isinstance(graph_or_plan, HeadStack) or (isinstance(graph_or_plan, (list, tuple)) and graph_or_plan):
         stack = HeadStack.of(graph_or_plan)
         if launch.is_torch_tensor(q):
-            return _torch_backward(q, k, v, o, lse, do, stack, scale, out, kind, route)
-        return _head_stack_backward(q, k, v, o, lse, do, stack, scale, out, kind, route)
+            return _torch_backward(q, k, v, o, lse, do, stack, scale, out, kind, route, impl)
+        return _head_stack_backward(q, k, v, o, lse, do, stack, scale, out, kind, route, impl)
     plan = graph_or_plan
     if isinstance(graph_or_plan, SparseGraph):
         qs, ks = getattr(q, "shape", ()), getattr(k, "shape", ())
@@ -52,11 +54,11 @@ def paged_backward(
             f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
         )
     if launch.is_torch_tensor(q):
-        return _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind, route)
-    return bsa_backward(q, k, v, o, lse, do, plan, scale=scale, out=out)
+        return _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind, route, impl)
+    return bsa_backward(q, k, v, o, lse, do, plan, scale=scale, out=out, impl=impl)
 
 
-def _head_stack_backward(q, k, v, o, lse, do, stack: HeadStack, scale, out, kind, route):
+def _head_stack_backward(q, k, v, o, lse, do, stack: HeadStack, scale, out, kind, route, impl=None):
     """Heads with their own layouts (SVG2): one launch per head, on head ``h``'s first slots.
 
     Each head's slices are copied to contiguous buffers (the kernel's layout), and its gradients are
@@ -96,14 +98,14 @@ def _head_stack_backward(q, k, v, o, lse, do, stack: HeadStack, scale, out, kind
             cupy.ascontiguousarray(x[:, h : h + 1, :n])
             for x, n in ((q, nq), (k, nk), (v, nk), (o, nq), (lse, nq), (do, nq))
         ]
-        grads = paged_backward(*ins, graph, scale=scale, kind=kind, route=route)
+        grads = paged_backward(*ins, graph, scale=scale, kind=kind, route=route, impl=impl)
         for buf, g, n in ((dq, grads[0], nq), (dk, grads[1], nk), (dv, grads[2], nk)):
             buf[:, h : h + 1, :n] = g
             buf[:, h : h + 1, n:] = 0
     return dq, dk, dv
 
 
-def _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind="kpage", route="auto"):
+def _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind="kpage", route="auto", impl=None):
     import torch
 
     if out is None:
@@ -113,12 +115,14 @@ def _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind="kpage", route="
     )
     with launch.torch_stream():
         if isinstance(plan, HeadStack):
-            _head_stack_backward(*inputs, plan, scale, tuple(outputs), kind, route)
+            _head_stack_backward(*inputs, plan, scale, tuple(outputs), kind, route, impl)
         else:
-            bsa_backward(*inputs, plan, scale=scale, out=tuple(outputs))
+            bsa_backward(*inputs, plan, scale=scale, out=tuple(outputs), impl=impl)
     return tuple(out)
 
 
-def kpage_backward(q, k, v, o, lse, do, graph_or_plan, route="auto", scale=None, out=None):
+def kpage_backward(q, k, v, o, lse, do, graph_or_plan, route="auto", scale=None, out=None, impl=None):
     """KPage backward (K/V-owned KPage plan); arguments and results as :func:`paged_backward`."""
-    return paged_backward(q, k, v, o, lse, do, graph_or_plan, scale, out, kind="kpage", route=route)
+    return paged_backward(
+        q, k, v, o, lse, do, graph_or_plan, scale, out, kind="kpage", route=route, impl=impl
+    )

@@ -11,11 +11,18 @@ Three launches per call (plus one main launch per route of the plan):
    batch)``; each CTA keeps the dK/dV of its owned K/V pages in registers and writes them once, and
    adds its dQ share into an fp32 buffer with vector atomics;
 3. ``bsa_bwd_postprocess``: ``dQ = bf16(scale · dq_accum)``.
+
+``impl="wgmma"`` runs step 2 on ``paged_bwd_kernel<D, BLOCK_K>`` (``kernels_cu/paged_bwd.cu``) instead:
+the same plan, arguments and results, with wgmma GEMMs (one consumer warpgroup per 64 owned rows).
+It has not run on an H200 yet, so ``"mma"`` stays the default; the environment variable
+``SPARSEATTN_BWD_IMPL`` sets the default for a process (the GPU tests use it to run every backward case
+on either kernel).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import weakref
 
 import numpy as np
@@ -35,6 +42,11 @@ from .validate import (
 )
 
 SOURCE = "bsa_bwd.cu"
+WGMMA_SOURCE = "paged_bwd.cu"
+#: Main-kernel implementations: ``mma`` (bsa_bwd.cu, mma.sync) and ``wgmma`` (paged_bwd.cu).
+IMPLS = ("mma", "wgmma")
+#: Streamed Q rows per step of the wgmma kernel (PB_Q_ROWS in paged_bwd.cu).
+WGMMA_Q_ROWS = 64
 
 # Mirrors of the kernel's compile-time configuration (kernels_cu/bsa_bwd.cu).
 HEAD_DIMS = (64, 128)
@@ -68,6 +80,34 @@ NAME_EXPRESSIONS = (
     + tuple(preprocess_name(d) for d in HEAD_DIMS)
     + (POSTPROCESS_NAME,)
 )
+
+
+def wgmma_kernel_name(head_dim: int, owned_rows: int) -> str:
+    return f"paged_bwd_kernel<{head_dim}, {owned_rows}>"
+
+
+WGMMA_NAME_EXPRESSIONS = tuple(wgmma_kernel_name(d, m) for d in HEAD_DIMS for m in OWNED_ROWS)
+#: Other sources this module launches (for the CPU compile check).
+KERNEL_SOURCES = {WGMMA_SOURCE: WGMMA_NAME_EXPRESSIONS}
+
+
+def wgmma_threads_per_cta(owned_rows: int) -> int:
+    """One consumer warpgroup per 64 owned K/V rows."""
+    return owned_rows // 64 * 128
+
+
+def wgmma_smem_bytes(head_dim: int, owned_rows: int) -> int:
+    """Alignment slack, K and V (owned), double-buffered Q and dO, dSᵀ (bf16); LSE, Δ, slot (x2)."""
+    q = WGMMA_Q_ROWS
+    return 1024 + 2 * (2 * owned_rows * head_dim + 4 * q * head_dim + owned_rows * q) + 3 * 2 * q * 4
+
+
+def default_impl() -> str:
+    """The main kernel used when ``impl`` is not given: ``SPARSEATTN_BWD_IMPL`` or ``"mma"``."""
+    impl = os.environ.get("SPARSEATTN_BWD_IMPL", "mma") or "mma"
+    if impl not in IMPLS:
+        raise KernelValueError(f"SPARSEATTN_BWD_IMPL must be one of {IMPLS}, got {impl!r}")
+    return impl
 
 
 def threads_per_cta(owned_rows: int) -> int:
@@ -151,7 +191,7 @@ def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
     return plan, scale, out, (q_pages, k_pages, device)
 
 
-def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
+def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=None):
     """Gradients of block-sparse attention on the GPU for the loss ``Σ do · o``.
 
     Args:
@@ -165,12 +205,16 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
             :class:`TilePlan` whose owned tile height is 64 or 128.
         scale: softmax scale, default ``1/sqrt(d)``.
         out: optional ``(dq, dk, dv)`` buffers to write into.
+        impl: ``"mma"`` or ``"wgmma"`` main kernel (default: :func:`default_impl`).
 
     Returns:
         ``(dq, dk, dv)`` like ``q``/``k``/``v`` (bf16). Every row of dQ is written (0 where no pair
         contributes); every row of every owned K page is written (0 for padding rows and for K blocks
         no Q block selected); rows of K blocks without any valid row are zeroed by the wrapper.
     """
+    impl = default_impl() if impl is None else impl
+    if impl not in IMPLS:
+        raise KernelValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     plan, scale, out, (q_pages, k_pages, device) = check_inputs(
         q, k, v, o, lse, do, graph_or_plan, scale, out
     )
@@ -199,13 +243,17 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
             if stop <= start:
                 continue
             owned_rows = plan.routes[route][0]
-            fn = launch.function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
-            smem = smem_bytes(d, owned_rows)
+            if impl == "wgmma":
+                fn = launch.function(WGMMA_SOURCE, wgmma_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS)
+                smem, threads = wgmma_smem_bytes(d, owned_rows), wgmma_threads_per_cta(owned_rows)
+            else:
+                fn = launch.function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
+                smem, threads = smem_bytes(d, owned_rows), threads_per_cta(owned_rows)
             if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
                 fn.max_dynamic_shared_size_bytes = smem
             fn(
                 (stop - start, b),
-                (threads_per_cta(owned_rows),),
+                (threads,),
                 (
                     q,
                     k,
