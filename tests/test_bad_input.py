@@ -699,10 +699,10 @@ def test_memory_error_never_escapes_the_command_line(capsys, monkeypatch):
 def test_backward_impl_from_the_environment(monkeypatch):
     from sparseattn.kernels.bsa_backward import default_impl
 
-    monkeypatch.setenv("SPARSEATTN_BWD_IMPL", "wgmma")
-    assert default_impl() == "wgmma"
-    monkeypatch.delenv("SPARSEATTN_BWD_IMPL")
+    monkeypatch.setenv("SPARSEATTN_BWD_IMPL", "mma")
     assert default_impl() == "mma"
+    monkeypatch.delenv("SPARSEATTN_BWD_IMPL")
+    assert default_impl() == "wgmma"
     monkeypatch.setenv("SPARSEATTN_BWD_IMPL", "tensor-cores")
     with pytest.raises(KernelValueError, match="SPARSEATTN_BWD_IMPL"):
         default_impl()

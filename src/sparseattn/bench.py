@@ -329,7 +329,7 @@ def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
 
         def fwdbwd():
             o2, l2 = bsa_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers)
-            bsa_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale)
+            bsa_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale, impl="mma")
 
         try:
             ms, _ = timer(fwdbwd)

@@ -4,8 +4,7 @@
 the live 16-row pages of a K/V block, routed to a 64- or 128-row tile, and streams the live Q pages of
 every Q block that selects it, packed across blocks), :func:`paged_backward` either plan. The kernel is
 the K/V-owned backward of :mod:`.bsa_backward` (``mma.sync``; dK/dV accumulated by the owning CTA, dQ by
-fp32 atomics). ``impl="wgmma"`` selects the wgmma version of that kernel (``kernels_cu/paged_bwd.cu``), not
-yet verified on an H200.
+fp32 atomics), on wgmma (``kernels_cu/paged_bwd.cu``) by default or on ``mma.sync`` (``impl="mma"``).
 
 Inputs are CuPy arrays or torch CUDA tensors (bf16 ``q, k, v, o, do``, float32 ``lse``; torch tensors
 come back, computed on torch's current stream without copies).
@@ -34,7 +33,7 @@ def paged_backward(
             :class:`TilePlan`, or a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
             layouts; one launch per head for now).
         scale, out, impl: as :func:`sparseattn.kernels.bsa_backward.bsa_backward` (``impl``: the
-            ``"mma"`` or the not yet H200-verified ``"wgmma"`` main kernel).
+            ``"wgmma"`` (default) or the ``"mma"`` main kernel).
     """
     if kind not in KINDS:
         raise KernelValueError(f"kind must be one of {KINDS}, got {kind!r}")

@@ -12,11 +12,11 @@ Three launches per call (plus one main launch per route of the plan):
    adds its dQ share into an fp32 buffer with vector atomics;
 3. ``bsa_bwd_postprocess``: ``dQ = bf16(scale · dq_accum)``.
 
-``impl="wgmma"`` runs step 2 on ``paged_bwd_kernel<D, BLOCK_K>`` (``kernels_cu/paged_bwd.cu``) instead:
-the same plan, arguments and results, with wgmma GEMMs (one consumer warpgroup per 64 owned rows).
-It has not run on an H200 yet, so ``"mma"`` stays the default; the environment variable
-``SPARSEATTN_BWD_IMPL`` sets the default for a process (the GPU tests use it to run every backward case
-on either kernel).
+Step 2 has two implementations with the same plan, arguments and results: ``impl="wgmma"`` (the
+default) runs ``paged_bwd_kernel<D, BLOCK_K>`` (``kernels_cu/paged_bwd.cu``: wgmma GEMMs, one consumer
+warpgroup per 64 owned rows), ``impl="mma"`` the ``mma.sync`` kernel ``bsa_bwd_kernel``. The environment
+variable ``SPARSEATTN_BWD_IMPL`` sets the default for a process (the GPU tests use it to run every
+backward case on either kernel).
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def wgmma_smem_bytes(head_dim: int, owned_rows: int) -> int:
 
 
 def default_impl() -> str:
-    """The main kernel used when ``impl`` is not given: ``SPARSEATTN_BWD_IMPL`` or ``"mma"``."""
-    impl = os.environ.get("SPARSEATTN_BWD_IMPL", "mma") or "mma"
+    """The main kernel used when ``impl`` is not given: ``SPARSEATTN_BWD_IMPL`` or ``"wgmma"``."""
+    impl = os.environ.get("SPARSEATTN_BWD_IMPL", "wgmma") or "wgmma"
     if impl not in IMPLS:
         raise KernelValueError(f"SPARSEATTN_BWD_IMPL must be one of {IMPLS}, got {impl!r}")
     return impl
