@@ -18,28 +18,36 @@
 // dK is scaled by `scale` at the end, dQ by the postprocess. Invalid rows of K, V, Q and dO are
 // zero-filled in shared memory and never read, so NaN in padding never reaches a valid output.
 //
-// Simple synchronous structure (version 1): every thread copies and computes, one __syncthreads per
-// step; the prefetch of step t + 1 overlaps the GEMMs of step t.
+// Simple synchronous structure: every thread copies and computes, one __syncthreads per step; the
+// prefetch of step t + 1 overlaps the GEMMs of step t.
+//
+// Q_SPLIT = 2 (64-row owned tiles only): two warpgroups share the 64 owned rows and split each step's
+// 128 streamed rows, 64 each; each keeps its own dK/dV partial, and warpgroup 1 hands its partial to
+// warpgroup 0 through shared memory at the end. Q_SPLIT = 1 is version 1 (H200-verified at aba13e4).
 #include "hopper_wgmma.cuh"
 
-#define PB_Q_ROWS 64  // streamed Q rows per step
+#define PB_Q_ROWS 64  // streamed Q rows per warpgroup and step
 
 namespace paged_bwd {
 
-template <int HEAD_DIM, int BLOCK_K>
+template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT = 1>
 struct Config {
-    static constexpr int kConsumerWGs = BLOCK_K / 64;
+    static constexpr int kKvWGs = BLOCK_K / 64;              // warpgroups along the owned rows
+    static constexpr int kConsumerWGs = kKvWGs * Q_SPLIT;
     static constexpr int kThreads = 128 * kConsumerWGs;
     static constexpr int kWarps = kThreads / 32;
     static constexpr int kOwnPages = BLOCK_K / PAGE_ROWS;
-    static constexpr int kStreamPages = PB_Q_ROWS / PAGE_ROWS;
+    static constexpr int kQStep = PB_Q_ROWS * Q_SPLIT;        // streamed rows per step
+    static constexpr int kStreamPages = kQStep / PAGE_ROWS;
     static constexpr int kKBytes = BLOCK_K * HEAD_DIM * 2;    // K or V (owned), canonical swizzled tile
-    static constexpr int kQBytes = PB_Q_ROWS * HEAD_DIM * 2;  // one Q or dO buffer
-    static constexpr int kSBytes = BLOCK_K * PB_Q_ROWS * 2;   // dSᵀ [BLOCK_K][64] bf16
-    static constexpr int kMetaBytes = 3 * 2 * PB_Q_ROWS * 4;  // LSE₂, Δ, slot per streamed row, x2
-    static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 4 * kQBytes + kSBytes + kMetaBytes;
+    static constexpr int kQBytes = kQStep * HEAD_DIM * 2;     // one Q or dO buffer
+    static constexpr int kSBytes = BLOCK_K * PB_Q_ROWS * 2;   // dSᵀ [BLOCK_K][64] bf16 of one Q slice
+    static constexpr int kMetaBytes = 3 * 2 * kQStep * 4;     // LSE₂, Δ, slot per streamed row, x2
+    static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 4 * kQBytes + Q_SPLIT * kSBytes + kMetaBytes;
     static_assert(BLOCK_K == 64 || BLOCK_K == 128, "owned tile of 64 or 128 rows");
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim 64 or 128");
+    static_assert(Q_SPLIT == 1 || (Q_SPLIT == 2 && BLOCK_K == 64), "the Q split is for 64-row owned tiles");
+    static_assert(Q_SPLIT == 1 || 4 * kQBytes >= 2 * 64 * HEAD_DIM * 4, "the dK/dV hand-off must fit Q and dO");
     static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory limit");
 };
 
@@ -47,12 +55,36 @@ __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
 }
 
+
+// S = A·Bᵀ for 64 rows of an A tile (A_ROWS rows: its column-block stride) against the 64 rows starting at
+// bRows of a B_ROWS-row tile (K-major operands): issue_qk for a B slice of a taller tile.
+template <int HEAD_DIM, int B_ROWS>
+__device__ __forceinline__ void issue_qk_slice(float (&s)[32], uint32_t aRows, int a_rows, uint32_t bRows) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const uint32_t col = static_cast<uint32_t>(kk & 3) * 32u;
+        const uint64_t da = hopper::smem_desc(aRows + (kk >> 2) * (a_rows * 128) + col, 16, 1024);
+        const uint64_t db = hopper::smem_desc(bRows + (kk >> 2) * (B_ROWS * 128) + col, 16, 1024);
+        hopper::wgmma_ss<64>(s, da, db, kk > 0);
+    }
+}
+
+// O += P·B over 64 k-rows starting at bRows of a B_ROWS-row tile (MN-major B), P from registers.
+template <int HEAD_DIM, int B_ROWS>
+__device__ __forceinline__ void issue_pv_slice(float (&o)[HEAD_DIM / 2], const uint32_t (&pa)[4][4], uint32_t bRows) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const uint64_t db = hopper::smem_desc(bRows + p * (PAGE_ROWS * 128), B_ROWS * 128, 1024);
+        hopper::wgmma_rs_tb<HEAD_DIM>(o, pa[p], db);
+    }
+}
+
 }  // namespace paged_bwd
 
 // Grid (work items [work_offset, work_offset + gridDim.x) of one route, batch), block Config::kThreads,
 // dynamic shared memory Config::kSmemBytes. Arguments as bsa_bwd_kernel.
-template <int HEAD_DIM, int BLOCK_K>
-__global__ void __launch_bounds__(paged_bwd::Config<HEAD_DIM, BLOCK_K>::kThreads, 1)
+template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT>
+__global__ void __launch_bounds__(paged_bwd::Config<HEAD_DIM, BLOCK_K, Q_SPLIT>::kThreads, 1)
 paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                  const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ dout,
                  const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq_accum,
@@ -62,8 +94,9 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
                  const uint16_t* __restrict__ q_page_mask, int work_offset, int heads, int q_slots, int k_slots,
                  float scale, float scale_log2) {
     using namespace hopper;
-    using Cfg = paged_bwd::Config<HEAD_DIM, BLOCK_K>;
+    using Cfg = paged_bwd::Config<HEAD_DIM, BLOCK_K, Q_SPLIT>;
     constexpr int D = HEAD_DIM;
+    constexpr int QS = Cfg::kQStep;
 
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t base = (paged::smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -72,16 +105,18 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     const uint32_t tV = tK + Cfg::kKBytes;
     const uint32_t tQ0 = tV + Cfg::kKBytes;         // [2] Q buffers
     const uint32_t tdO0 = tQ0 + 2 * Cfg::kQBytes;   // [2] dO buffers
-    const uint32_t tdS = tdO0 + 2 * Cfg::kQBytes;   // dSᵀ
-    const int meta_off = 2 * Cfg::kKBytes + 4 * Cfg::kQBytes + Cfg::kSBytes;
-    float* sLse = reinterpret_cast<float*>(smem + meta_off);  // [2][64], log2 units, +inf = no keys
-    float* sDelta = sLse + 2 * PB_Q_ROWS;                      // [2][64]
-    int* sSlot = reinterpret_cast<int*>(sDelta + 2 * PB_Q_ROWS);  // [2][64], -1 = invalid row
+    const uint32_t tdS0 = tdO0 + 2 * Cfg::kQBytes;  // [Q_SPLIT] dSᵀ tiles
+    const int meta_off = 2 * Cfg::kKBytes + 4 * Cfg::kQBytes + Q_SPLIT * Cfg::kSBytes;
+    float* sLse = reinterpret_cast<float*>(smem + meta_off);  // [2][QS], log2 units, +inf = no keys
+    float* sDelta = sLse + 2 * QS;                             // [2][QS]
+    int* sSlot = reinterpret_cast<int*>(sDelta + 2 * QS);      // [2][QS], -1 = invalid row
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
     const int lane = tid & 31;
-    const int wg = tid >> 7;         // consumer warpgroup: owned rows 64·wg ..
+    const int wg = tid >> 7;         // consumer warpgroup
+    const int kvp = Q_SPLIT == 1 ? wg : wg % Cfg::kKvWGs;  // its owned rows: 64·kvp ..
+    const int qp = Q_SPLIT == 1 ? 0 : wg / Cfg::kKvWGs;    // its streamed rows of each step: 64·qp ..
     const int wq = warp & 3;         // warp in its warpgroup: accumulator rows 16·wq + g (+8)
     const int g = lane >> 2;
     const int t4 = lane & 3;
@@ -109,7 +144,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
         warp_copy_pages<D, BLOCK_K, 1>(i < Cfg::kOwnPages ? tK : tV, p * PAGE_ROWS,
                                        (i < Cfg::kOwnPages ? k : v) + bh * k_slots * D, k_pages, page, mask);
     }
-    const uint32_t own_mask = paged::load_page_mask(k_page_mask, own[wg * 4 + wq], k_pages);
+    const uint32_t own_mask = paged::load_page_mask(k_page_mask, own[kvp * 4 + wq], k_pages);
     const bool kvalid_lo = paged::page_row_valid(own_mask, g);
     const bool kvalid_hi = paged::page_row_valid(own_mask, g + 8);
 
@@ -121,18 +156,18 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
             const int page[1] = {p < npages ? pages[p] : -1};
             const uint32_t mask[1] = {paged::load_page_mask(q_page_mask, page[0], q_pages)};
             const bool is_q = i < Cfg::kStreamPages;
-            warp_copy_pages<D, PB_Q_ROWS, 1>((is_q ? tQ0 : tdO0) + buf * Cfg::kQBytes, p * PAGE_ROWS,
-                                             is_q ? q_bh : do_bh, q_pages, page, mask);
+            warp_copy_pages<D, QS, 1>((is_q ? tQ0 : tdO0) + buf * Cfg::kQBytes, p * PAGE_ROWS,
+                                      is_q ? q_bh : do_bh, q_pages, page, mask);
         }
-        for (int row = tid; row < PB_Q_ROWS; row += Cfg::kThreads) {
+        for (int row = tid; row < QS; row += Cfg::kThreads) {
             const int p = row / PAGE_ROWS;
             const int page = p < npages ? pages[p] : -1;
             const bool valid = paged::page_row_valid(paged::load_page_mask(q_page_mask, page, q_pages), row % PAGE_ROWS);
             const int slot = page * PAGE_ROWS + row % PAGE_ROWS;
             const float l = valid ? lse_bh[slot] : -INFINITY;
-            sLse[buf * PB_Q_ROWS + row] = l > -INFINITY ? l * paged::kLog2e : INFINITY;
-            sDelta[buf * PB_Q_ROWS + row] = valid ? delta_bh[slot] : 0.f;
-            sSlot[buf * PB_Q_ROWS + row] = valid ? slot : -1;
+            sLse[buf * QS + row] = l > -INFINITY ? l * paged::kLog2e : INFINITY;
+            sDelta[buf * QS + row] = valid ? delta_bh[slot] : 0.f;
+            sSlot[buf * QS + row] = valid ? slot : -1;
         }
     };
 
@@ -143,8 +178,9 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     float acc_dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
-    const uint32_t aK = tK + wg * 64 * 128;  // this warpgroup's 64 owned rows (inside each column block)
-    const uint32_t aV = tV + wg * 64 * 128;
+    const uint32_t aK = tK + kvp * 64 * 128;  // this warpgroup's 64 owned rows (inside each column block)
+    const uint32_t aV = tV + kvp * 64 * 128;
+    const uint32_t tdS = tdS0 + qp * Cfg::kSBytes;  // the dSᵀ tile of this warpgroup's Q slice
 
 #pragma unroll 1
     for (int tile = 0; tile < num_tiles; ++tile) {
@@ -157,16 +193,23 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
         paged::cp_async_commit();
         const uint32_t tQ = tQ0 + buf * Cfg::kQBytes;
         const uint32_t tdO = tdO0 + buf * Cfg::kQBytes;
-        const float* tLse = sLse + buf * PB_Q_ROWS;
-        const float* tDelta = sDelta + buf * PB_Q_ROWS;
+        const float* tLse = sLse + buf * QS + qp * PB_Q_ROWS;
+        const float* tDelta = sDelta + buf * QS + qp * PB_Q_ROWS;
 
         float s[PB_Q_ROWS / 2];
         float dp[PB_Q_ROWS / 2];
         wgmma_fence();
-        issue_qk<D, PB_Q_ROWS, BLOCK_K>(s, aK, tQ);
-        wgmma_commit();
-        issue_qk<D, PB_Q_ROWS, BLOCK_K>(dp, aV, tdO);
-        wgmma_commit();
+        if constexpr (Q_SPLIT == 1) {
+            issue_qk<D, PB_Q_ROWS, BLOCK_K>(s, aK, tQ);
+            wgmma_commit();
+            issue_qk<D, PB_Q_ROWS, BLOCK_K>(dp, aV, tdO);
+            wgmma_commit();
+        } else {  // B = this warpgroup's 64-row slice of a QS-row tile
+            paged_bwd::issue_qk_slice<D, QS>(s, aK, BLOCK_K, tQ + qp * 64 * 128);
+            wgmma_commit();
+            paged_bwd::issue_qk_slice<D, QS>(dp, aV, BLOCK_K, tdO + qp * 64 * 128);
+            wgmma_commit();
+        }
         wgmma_wait<0>();
         pin_registers(s);
         pin_registers(dp);
@@ -191,22 +234,29 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
         for (int j = 0; j < PB_Q_ROWS / 8; ++j) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int row = wg * 64 + 16 * wq + g + 8 * half;
+                const int row = kvp * 64 + 16 * wq + g + 8 * half;
                 const uint32_t addr = tdS + tile_offset<BLOCK_K>(row, j) + 4u * t4;
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pds[j >> 1][(j & 1) * 2 + half]) : "memory");
             }
         }
         wgmma_fence();
-        issue_pv<D, PB_Q_ROWS>(acc_dv, pa, tdO);
-        wgmma_commit();
-        issue_pv<D, PB_Q_ROWS>(acc_dk, pds, tQ);
-        wgmma_commit();
+        if constexpr (Q_SPLIT == 1) {
+            issue_pv<D, PB_Q_ROWS>(acc_dv, pa, tdO);
+            wgmma_commit();
+            issue_pv<D, PB_Q_ROWS>(acc_dk, pds, tQ);
+            wgmma_commit();
+        } else {
+            paged_bwd::issue_pv_slice<D, QS>(acc_dv, pa, tdO + qp * 64 * 128);
+            wgmma_commit();
+            paged_bwd::issue_pv_slice<D, QS>(acc_dk, pds, tQ + qp * 64 * 128);
+            wgmma_commit();
+        }
         fence_async_proxy();
         __syncthreads();  // every warpgroup's dSᵀ rows are in shared memory
 
         // dQ[:, 64·h .. 64·h + 63] = dS · K[:, 64·h ..], K-dim = the BLOCK_K owned rows
 #pragma unroll 1
-        for (int h = wg; h < D / 64; h += Cfg::kConsumerWGs) {
+        for (int h = kvp; h < D / 64; h += Cfg::kKvWGs) {
             float dq[32];
             wgmma_fence();
 #pragma unroll
@@ -220,7 +270,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
             pin_registers(dq);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int slot = sSlot[buf * PB_Q_ROWS + 16 * wq + g + 8 * half];
+                const int slot = sSlot[buf * QS + qp * PB_Q_ROWS + 16 * wq + g + 8 * half];
                 if (slot >= 0) {
                     float* row_ptr = dq_bh + static_cast<size_t>(slot) * D + 64 * h + 2 * t4;
 #pragma unroll
@@ -237,16 +287,38 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     // dK (scaled) and dV: staged bf16 in the K / V tiles, then 16-byte stores of every owned row
     paged::cp_async_wait<0>();
     __syncthreads();
+    if constexpr (Q_SPLIT == 2) {  // warpgroup 1's partial joins warpgroup 0's, through the Q/dO buffers
+        float* staging = reinterpret_cast<float*>(smem + 2 * Cfg::kKBytes);  // [2][D / 2][128] fp32
+        const int wtid = tid & 127;
+        if (qp == 1) {
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
+            for (int i = 0; i < D / 2; ++i) {
+                staging[i * 128 + wtid] = acc_dk[i];
+                staging[(D / 2 + i) * 128 + wtid] = acc_dv[i];
+            }
+        }
+        __syncthreads();
+        if (qp == 0) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = wg * 64 + 16 * wq + g + 8 * half;
-            const uint32_t off = tile_offset<BLOCK_K>(row, j) + 4u * t4;
-            const uint32_t kbits = paged::pack_bf16x2(acc_dk[4 * j + 2 * half] * scale, acc_dk[4 * j + 2 * half + 1] * scale);
-            const uint32_t vbits = paged::pack_bf16x2(acc_dv[4 * j + 2 * half], acc_dv[4 * j + 2 * half + 1]);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tK + off), "r"(kbits) : "memory");
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tV + off), "r"(vbits) : "memory");
+            for (int i = 0; i < D / 2; ++i) {
+                acc_dk[i] += staging[i * 128 + wtid];
+                acc_dv[i] += staging[(D / 2 + i) * 128 + wtid];
+            }
+        }
+    }
+    if (Q_SPLIT == 1 || qp == 0) {  // the warpgroup(s) holding the whole dK / dV stage it as bf16
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = kvp * 64 + 16 * wq + g + 8 * half;
+                const uint32_t off = tile_offset<BLOCK_K>(row, j) + 4u * t4;
+                const uint32_t kbits =
+                    paged::pack_bf16x2(acc_dk[4 * j + 2 * half] * scale, acc_dk[4 * j + 2 * half + 1] * scale);
+                const uint32_t vbits = paged::pack_bf16x2(acc_dv[4 * j + 2 * half], acc_dv[4 * j + 2 * half + 1]);
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tK + off), "r"(kbits) : "memory");
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tV + off), "r"(vbits) : "memory");
+            }
         }
     }
     __syncthreads();
@@ -272,12 +344,14 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     }
 }
 
-#define PAGED_BWD_INSTANTIATE(D, BK)                                                                   \
-    template __global__ void paged_bwd_kernel<D, BK>(                                                  \
+#define PAGED_BWD_INSTANTIATE(D, BK, QSPLIT)                                                           \
+    template __global__ void paged_bwd_kernel<D, BK, QSPLIT>(                                          \
         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,        \
         const float*, const float*, float*, __nv_bfloat16*, __nv_bfloat16*, const int*, const int*, int, \
         const int*, const int*, const uint16_t*, const uint16_t*, int, int, int, int, float, float);
-PAGED_BWD_INSTANTIATE(64, 64)
-PAGED_BWD_INSTANTIATE(64, 128)
-PAGED_BWD_INSTANTIATE(128, 64)
-PAGED_BWD_INSTANTIATE(128, 128)
+PAGED_BWD_INSTANTIATE(64, 64, 1)
+PAGED_BWD_INSTANTIATE(64, 128, 1)
+PAGED_BWD_INSTANTIATE(128, 64, 1)
+PAGED_BWD_INSTANTIATE(128, 128, 1)
+PAGED_BWD_INSTANTIATE(64, 64, 2)
+PAGED_BWD_INSTANTIATE(128, 64, 2)

@@ -234,11 +234,12 @@ def test_wgmma_backward_mirrors_match_the_kernel(reports):
 
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
     options = compile_check.compile_options(compile_check.find_cuda_include())
+    shapes = [(d, m, q) for d in bb.HEAD_DIMS for m in bb.OWNED_ROWS for q in (1, 2) if q == 1 or m == 64]
+    assert {bb.wgmma_kernel_name(*x) for x in shapes} == set(bb.WGMMA_NAME_EXPRESSIONS)
     checks = "".join(
-        f'static_assert(paged_bwd::Config<{d}, {m}>::kSmemBytes == {bb.wgmma_smem_bytes(d, m)}, "smem");'
-        f'static_assert(paged_bwd::Config<{d}, {m}>::kThreads == {bb.wgmma_threads_per_cta(m)}, "threads");'
-        for d in bb.HEAD_DIMS
-        for m in bb.OWNED_ROWS
+        f'static_assert(paged_bwd::Config<{d}, {m}, {q}>::kSmemBytes == {bb.wgmma_smem_bytes(d, m, q)}, "s");'
+        f'static_assert(paged_bwd::Config<{d}, {m}, {q}>::kThreads == {bb.wgmma_threads_per_cta(m, q)}, "t");'
+        for d, m, q in shapes
     )
     code = runtime.preprocess(bb.WGMMA_SOURCE) + "\n" + checks + "\n"
     ok, log, _, _ = nvrtc.compile(code, "paged_bwd_check.cu", options, ())

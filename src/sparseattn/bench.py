@@ -223,7 +223,11 @@ class Case:
 
 
 #: The backward kernel of each ``SPARSEATTN_BWD_IMPL`` value, as the fwdbwd records name it.
-BACKWARD_KERNELS = {"mma": "mma.sync (kernels_cu/bsa_bwd.cu)", "wgmma": "wgmma (kernels_cu/paged_bwd.cu)"}
+BACKWARD_KERNELS = {
+    "mma": "mma.sync (kernels_cu/bsa_bwd.cu)",
+    "wgmma": "wgmma (kernels_cu/paged_bwd.cu)",
+    "wgmma_qsplit": "wgmma, Q split on 64-row tiles (kernels_cu/paged_bwd.cu)",
+}
 
 
 def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str) -> list[dict]:

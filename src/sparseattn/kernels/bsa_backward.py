@@ -12,9 +12,11 @@ Three launches per call (plus one main launch per route of the plan):
    adds its dQ share into an fp32 buffer with vector atomics;
 3. ``bsa_bwd_postprocess``: ``dQ = bf16(scale · dq_accum)``.
 
-Step 2 has two implementations with the same plan, arguments and results: ``impl="wgmma"`` (the
-default) runs ``paged_bwd_kernel<D, BLOCK_K>`` (``kernels_cu/paged_bwd.cu``: wgmma GEMMs, one consumer
-warpgroup per 64 owned rows), ``impl="mma"`` the ``mma.sync`` kernel ``bsa_bwd_kernel``. The environment
+Step 2 has three implementations with the same plan, arguments and results: ``impl="wgmma"`` (the
+default) runs ``paged_bwd_kernel<D, BLOCK_K, 1>`` (``kernels_cu/paged_bwd.cu``: wgmma GEMMs, one consumer
+warpgroup per 64 owned rows), ``impl="mma"`` the ``mma.sync`` kernel ``bsa_bwd_kernel``, and
+``impl="wgmma_qsplit"`` runs 64-row owned tiles on ``paged_bwd_kernel<D, 64, 2>`` (two warpgroups split
+each step's 128 streamed rows; not yet run on an H200). The environment
 variable ``SPARSEATTN_BWD_IMPL`` sets the default for a process (the GPU tests use it to run every
 backward case on either kernel).
 """
@@ -43,8 +45,8 @@ from .validate import (
 
 SOURCE = "bsa_bwd.cu"
 WGMMA_SOURCE = "paged_bwd.cu"
-#: Main-kernel implementations: ``mma`` (bsa_bwd.cu, mma.sync) and ``wgmma`` (paged_bwd.cu).
-IMPLS = ("mma", "wgmma")
+#: Main-kernel implementations: ``mma`` (bsa_bwd.cu, mma.sync), ``wgmma`` and ``wgmma_qsplit`` (paged_bwd.cu).
+IMPLS = ("mma", "wgmma", "wgmma_qsplit")
 #: Streamed Q rows per step of the wgmma kernel (PB_Q_ROWS in paged_bwd.cu).
 WGMMA_Q_ROWS = 64
 
@@ -82,24 +84,36 @@ NAME_EXPRESSIONS = (
 )
 
 
-def wgmma_kernel_name(head_dim: int, owned_rows: int) -> str:
-    return f"paged_bwd_kernel<{head_dim}, {owned_rows}>"
+def q_split(impl: str, owned_rows: int) -> int:
+    """Warpgroups sharing the owned rows of a wgmma CTA: 2 for ``wgmma_qsplit`` on 64-row tiles, else 1."""
+    return 2 if impl == "wgmma_qsplit" and owned_rows == 64 else 1
 
 
-WGMMA_NAME_EXPRESSIONS = tuple(wgmma_kernel_name(d, m) for d in HEAD_DIMS for m in OWNED_ROWS)
+def wgmma_kernel_name(head_dim: int, owned_rows: int, split: int = 1) -> str:
+    return f"paged_bwd_kernel<{head_dim}, {owned_rows}, {split}>"
+
+
+WGMMA_NAME_EXPRESSIONS = tuple(wgmma_kernel_name(d, m) for d in HEAD_DIMS for m in OWNED_ROWS) + tuple(
+    wgmma_kernel_name(d, 64, 2) for d in HEAD_DIMS
+)
 #: Other sources this module launches (for the CPU compile check).
 KERNEL_SOURCES = {WGMMA_SOURCE: WGMMA_NAME_EXPRESSIONS}
 
 
-def wgmma_threads_per_cta(owned_rows: int) -> int:
-    """One consumer warpgroup per 64 owned K/V rows."""
-    return owned_rows // 64 * 128
+def wgmma_threads_per_cta(owned_rows: int, split: int = 1) -> int:
+    """One consumer warpgroup per 64 owned K/V rows and Q slice."""
+    return owned_rows // 64 * split * 128
 
 
-def wgmma_smem_bytes(head_dim: int, owned_rows: int) -> int:
-    """Alignment slack, K and V (owned), double-buffered Q and dO, dSᵀ (bf16); LSE, Δ, slot (x2)."""
-    q = WGMMA_Q_ROWS
-    return 1024 + 2 * (2 * owned_rows * head_dim + 4 * q * head_dim + owned_rows * q) + 3 * 2 * q * 4
+def wgmma_smem_bytes(head_dim: int, owned_rows: int, split: int = 1) -> int:
+    """Alignment slack, K and V (owned), double-buffered Q and dO, one dSᵀ per Q slice (bf16); LSE, Δ,
+    slot (x2)."""
+    q = WGMMA_Q_ROWS * split
+    return (
+        1024
+        + 2 * (2 * owned_rows * head_dim + 4 * q * head_dim + split * owned_rows * WGMMA_Q_ROWS)
+        + 3 * 2 * q * 4
+    )
 
 
 def default_impl() -> str:
@@ -205,7 +219,7 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
             :class:`TilePlan` whose owned tile height is 64 or 128.
         scale: softmax scale, default ``1/sqrt(d)``.
         out: optional ``(dq, dk, dv)`` buffers to write into.
-        impl: ``"mma"`` or ``"wgmma"`` main kernel (default: :func:`default_impl`).
+        impl: ``"wgmma"``, ``"mma"`` or ``"wgmma_qsplit"`` main kernel (default: :func:`default_impl`).
 
     Returns:
         ``(dq, dk, dv)`` like ``q``/``k``/``v`` (bf16). Every row of dQ is written (0 where no pair
@@ -243,9 +257,12 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
             if stop <= start:
                 continue
             owned_rows = plan.routes[route][0]
-            if impl == "wgmma":
-                fn = launch.function(WGMMA_SOURCE, wgmma_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS)
-                smem, threads = wgmma_smem_bytes(d, owned_rows), wgmma_threads_per_cta(owned_rows)
+            if impl != "mma":
+                split = q_split(impl, owned_rows)
+                name = wgmma_kernel_name(d, owned_rows, split)
+                fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
+                smem = wgmma_smem_bytes(d, owned_rows, split)
+                threads = wgmma_threads_per_cta(owned_rows, split)
             else:
                 fn = launch.function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
                 smem, threads = smem_bytes(d, owned_rows), threads_per_cta(owned_rows)
