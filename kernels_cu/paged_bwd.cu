@@ -24,13 +24,18 @@
 // Q_SPLIT = 2 (64-row owned tiles only): two warpgroups share the 64 owned rows and split each step's
 // 128 streamed rows, 64 each; each keeps its own dK/dV partial, and warpgroup 1 hands its partial to
 // warpgroup 0 through shared memory at the end. Q_SPLIT = 1 is version 1 (H200-verified at aba13e4).
+//
+// DQ_BULK = 1: each step's dQ partial is staged in fp32 over the step's Q and dO buffers (free once every
+// GEMM of the step has finished), one 16-row page contiguous per 16·HEAD_DIM·4 bytes, and one thread adds
+// each page to dq_accum with one bulk asynchronous reduction (cp.reduce.async.bulk .add.f32) instead of
+// 16·HEAD_DIM / 2 vector atomics per page. Invalid rows of a page hold exactly 0.
 #include "hopper_wgmma.cuh"
 
 #define PB_Q_ROWS 64  // streamed Q rows per warpgroup and step
 
 namespace paged_bwd {
 
-template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT = 1>
+template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT = 1, int DQ_BULK = 0>
 struct Config {
     static constexpr int kKvWGs = BLOCK_K / 64;              // warpgroups along the owned rows
     static constexpr int kConsumerWGs = kKvWGs * Q_SPLIT;
@@ -48,8 +53,21 @@ struct Config {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim 64 or 128");
     static_assert(Q_SPLIT == 1 || (Q_SPLIT == 2 && BLOCK_K == 64), "the Q split is for 64-row owned tiles");
     static_assert(Q_SPLIT == 1 || 4 * kQBytes >= 2 * 64 * HEAD_DIM * 4, "the dK/dV hand-off must fit Q and dO");
+    static constexpr int kPageBytesF32 = PAGE_ROWS * HEAD_DIM * 4;  // one staged dQ page
+    static_assert(!DQ_BULK || 2 * kQBytes == kStreamPages * kPageBytesF32, "dQ staging fills Q and dO");
     static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory limit");
 };
+
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, uint32_t smem, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem), "r"(smem),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// The bulk operations issued so far have finished reading shared memory.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// ... and have completed.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
@@ -83,8 +101,8 @@ __device__ __forceinline__ void issue_pv_slice(float (&o)[HEAD_DIM / 2], const u
 
 // Grid (work items [work_offset, work_offset + gridDim.x) of one route, batch), block Config::kThreads,
 // dynamic shared memory Config::kSmemBytes. Arguments as bsa_bwd_kernel.
-template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT>
-__global__ void __launch_bounds__(paged_bwd::Config<HEAD_DIM, BLOCK_K, Q_SPLIT>::kThreads, 1)
+template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT, int DQ_BULK>
+__global__ void __launch_bounds__(paged_bwd::Config<HEAD_DIM, BLOCK_K, Q_SPLIT, DQ_BULK>::kThreads, 1)
 paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                  const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ dout,
                  const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq_accum,
@@ -94,7 +112,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
                  const uint16_t* __restrict__ q_page_mask, int work_offset, int heads, int q_slots, int k_slots,
                  float scale, float scale_log2) {
     using namespace hopper;
-    using Cfg = paged_bwd::Config<HEAD_DIM, BLOCK_K, Q_SPLIT>;
+    using Cfg = paged_bwd::Config<HEAD_DIM, BLOCK_K, Q_SPLIT, DQ_BULK>;
     constexpr int D = HEAD_DIM;
     constexpr int QS = Cfg::kQStep;
 
@@ -185,6 +203,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
 #pragma unroll 1
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int buf = tile & 1;
+        if (DQ_BULK && tid == 0) paged_bwd::bulk_wait_read();  // step tile - 1's dQ staging is read
         paged::cp_async_wait<0>();
         fence_async_proxy();
         __syncthreads();  // step tile - 1 is done everywhere: its buffers and dSᵀ may be overwritten
@@ -251,31 +270,76 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
             paged_bwd::issue_pv_slice<D, QS>(acc_dk, pds, tQ + qp * 64 * 128);
             wgmma_commit();
         }
+        if constexpr (DQ_BULK) wgmma_wait<0>();  // then after the barrier no GEMM reads this step's Q / dO
         fence_async_proxy();
         __syncthreads();  // every warpgroup's dSᵀ rows are in shared memory
 
         // dQ[:, 64·h .. 64·h + 63] = dS · K[:, 64·h ..], K-dim = the BLOCK_K owned rows
+        if constexpr (DQ_BULK) {
+            constexpr int kHalfPages = Cfg::kStreamPages / 2;
 #pragma unroll 1
-        for (int h = kvp; h < D / 64; h += Cfg::kKvWGs) {
-            float dq[32];
-            wgmma_fence();
+            for (int h = kvp; h < D / 64; h += Cfg::kKvWGs) {
+                float dq[32];
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-                const uint64_t da = smem_desc(tdS + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
-                const uint64_t db = smem_desc(tK + h * (BLOCK_K * 128) + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
-                wgmma_ss_tt<64>(dq, da, db, kk > 0);
+                for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+                    const uint64_t da = smem_desc(tdS + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
+                    const uint64_t db = smem_desc(tK + h * (BLOCK_K * 128) + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
+                    wgmma_ss_tt<64>(dq, da, db, kk > 0);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                pin_registers(dq);
+                const int pg = qp * 4 + wq;  // warp wq's 16 accumulator rows are page wq of its Q slice
+                const uint32_t stage = (pg < kHalfPages ? tQ : tdO) + (pg % kHalfPages) * Cfg::kPageBytesF32;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const uint32_t addr = stage + ((g + 8 * half) * D + 64 * h + 8 * j + 2 * t4) * 4u;
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * half]),
+                                     "f"(dq[4 * j + 2 * half + 1])
+                                     : "memory");
+                    }
+                }
             }
-            wgmma_commit();
-            wgmma_wait<0>();
-            pin_registers(dq);
+            fence_async_proxy();
+            __syncthreads();
+            if (tid == 0) {
+                const int* pages = stream_pages + stream_begin + tile * Cfg::kStreamPages;
+                const int npages = min(Cfg::kStreamPages, stream_len - tile * Cfg::kStreamPages);
+                for (int p = 0; p < npages; ++p) {
+                    const int page = pages[p];
+                    if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages))
+                        paged_bwd::bulk_reduce_add_f32(dq_bh + static_cast<size_t>(page) * PAGE_ROWS * D,
+                                                       (p < kHalfPages ? tQ : tdO) + (p % kHalfPages) * Cfg::kPageBytesF32,
+                                                       Cfg::kPageBytesF32);
+                }
+                paged_bwd::bulk_commit();
+            }
+        } else {
+#pragma unroll 1
+            for (int h = kvp; h < D / 64; h += Cfg::kKvWGs) {
+                float dq[32];
+                wgmma_fence();
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int slot = sSlot[buf * QS + qp * PB_Q_ROWS + 16 * wq + g + 8 * half];
-                if (slot >= 0) {
-                    float* row_ptr = dq_bh + static_cast<size_t>(slot) * D + 64 * h + 2 * t4;
+                for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+                    const uint64_t da = smem_desc(tdS + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
+                    const uint64_t db = smem_desc(tK + h * (BLOCK_K * 128) + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
+                    wgmma_ss_tt<64>(dq, da, db, kk > 0);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                pin_registers(dq);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
-                        paged_bwd::red_add_v2(row_ptr + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+                for (int half = 0; half < 2; ++half) {
+                    const int slot = sSlot[buf * QS + qp * PB_Q_ROWS + 16 * wq + g + 8 * half];
+                    if (slot >= 0) {
+                        float* row_ptr = dq_bh + static_cast<size_t>(slot) * D + 64 * h + 2 * t4;
+#pragma unroll
+                        for (int j = 0; j < 8; ++j)
+                            paged_bwd::red_add_v2(row_ptr + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+                    }
                 }
             }
         }
@@ -285,6 +349,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     }
 
     // dK (scaled) and dV: staged bf16 in the K / V tiles, then 16-byte stores of every owned row
+    if (DQ_BULK && tid == 0) paged_bwd::bulk_wait();  // before the Q/dO buffers are reused and the CTA exits
     paged::cp_async_wait<0>();
     __syncthreads();
     if constexpr (Q_SPLIT == 2) {  // warpgroup 1's partial joins warpgroup 0's, through the Q/dO buffers
@@ -322,14 +387,19 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
         }
     }
     __syncthreads();
-    __nv_bfloat16* dk_bh = dk + bh * k_slots * D;
-    __nv_bfloat16* dv_bh = dv + bh * k_slots * D;
+    // (the bulk variants re-derive the owned-page list and the (batch, head) offset: keeping them across
+    // the loop spills them)
+    const int* own_out = DQ_BULK ? own_pages + static_cast<size_t>(blockIdx.x + work_offset) * max_own : own;
+    const size_t bh_out =
+        DQ_BULK ? static_cast<size_t>(blockIdx.y) * heads + work_head[blockIdx.x + work_offset] : bh;
+    __nv_bfloat16* dk_bh = dk + bh_out * k_slots * D;
+    __nv_bfloat16* dv_bh = dv + bh_out * k_slots * D;
     constexpr int kChunksPerRow = D / 8;
 #pragma unroll 4
     for (int c = tid; c < BLOCK_K * kChunksPerRow; c += Cfg::kThreads) {
         const int row = c / kChunksPerRow;
         const int chunk = c % kChunksPerRow;
-        const int page = own[row / PAGE_ROWS];
+        const int page = own_out[row / PAGE_ROWS];
         if (static_cast<unsigned>(page) < static_cast<unsigned>(k_pages)) {
             const size_t dst = (static_cast<size_t>(page) * PAGE_ROWS + row % PAGE_ROWS) * D + chunk * 8;
             const uint32_t off = tile_offset<BLOCK_K>(row, chunk);
@@ -344,14 +414,20 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     }
 }
 
-#define PAGED_BWD_INSTANTIATE(D, BK, QSPLIT)                                                           \
-    template __global__ void paged_bwd_kernel<D, BK, QSPLIT>(                                          \
+#define PAGED_BWD_INSTANTIATE(D, BK, QSPLIT, BULK)                                                     \
+    template __global__ void paged_bwd_kernel<D, BK, QSPLIT, BULK>(                                    \
         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,        \
         const float*, const float*, float*, __nv_bfloat16*, __nv_bfloat16*, const int*, const int*, int, \
         const int*, const int*, const uint16_t*, const uint16_t*, int, int, int, int, float, float);
-PAGED_BWD_INSTANTIATE(64, 64, 1)
-PAGED_BWD_INSTANTIATE(64, 128, 1)
-PAGED_BWD_INSTANTIATE(128, 64, 1)
-PAGED_BWD_INSTANTIATE(128, 128, 1)
-PAGED_BWD_INSTANTIATE(64, 64, 2)
-PAGED_BWD_INSTANTIATE(128, 64, 2)
+PAGED_BWD_INSTANTIATE(64, 64, 1, 0)
+PAGED_BWD_INSTANTIATE(64, 128, 1, 0)
+PAGED_BWD_INSTANTIATE(128, 64, 1, 0)
+PAGED_BWD_INSTANTIATE(128, 128, 1, 0)
+PAGED_BWD_INSTANTIATE(64, 64, 2, 0)
+PAGED_BWD_INSTANTIATE(128, 64, 2, 0)
+PAGED_BWD_INSTANTIATE(64, 64, 1, 1)
+PAGED_BWD_INSTANTIATE(64, 128, 1, 1)
+PAGED_BWD_INSTANTIATE(128, 64, 1, 1)
+PAGED_BWD_INSTANTIATE(128, 128, 1, 1)
+PAGED_BWD_INSTANTIATE(64, 64, 2, 1)
+PAGED_BWD_INSTANTIATE(128, 64, 2, 1)

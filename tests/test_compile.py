@@ -234,12 +234,14 @@ def test_wgmma_backward_mirrors_match_the_kernel(reports):
 
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
     options = compile_check.compile_options(compile_check.find_cuda_include())
-    shapes = [(d, m, q) for d in bb.HEAD_DIMS for m in bb.OWNED_ROWS for q in (1, 2) if q == 1 or m == 64]
-    assert {bb.wgmma_kernel_name(*x) for x in shapes} == set(bb.WGMMA_NAME_EXPRESSIONS)
+    assert {bb.wgmma_kernel_name(*x) for x in bb.WGMMA_SHAPES} == set(bb.WGMMA_NAME_EXPRESSIONS)
+    assert {(bb.q_split(i, m), bb.dq_bulk(i)) for i in bb.IMPLS[1:] for m in bb.OWNED_ROWS} == {
+        (q, b) for _, m, q, b in bb.WGMMA_SHAPES
+    }
     checks = "".join(
-        f'static_assert(paged_bwd::Config<{d}, {m}, {q}>::kSmemBytes == {bb.wgmma_smem_bytes(d, m, q)}, "s");'
-        f'static_assert(paged_bwd::Config<{d}, {m}, {q}>::kThreads == {bb.wgmma_threads_per_cta(m, q)}, "t");'
-        for d, m, q in shapes
+        f'static_assert(paged_bwd::Config<{d}, {m}, {q}, {b}>::kSmemBytes == {bb.wgmma_smem_bytes(d, m, q)}, "s");'
+        f'static_assert(paged_bwd::Config<{d}, {m}, {q}, {b}>::kThreads == {bb.wgmma_threads_per_cta(m, q)}, "t");'
+        for d, m, q, b in bb.WGMMA_SHAPES
     )
     code = runtime.preprocess(bb.WGMMA_SOURCE) + "\n" + checks + "\n"
     ok, log, _, _ = nvrtc.compile(code, "paged_bwd_check.cu", options, ())

@@ -227,6 +227,8 @@ BACKWARD_KERNELS = {
     "mma": "mma.sync (kernels_cu/bsa_bwd.cu)",
     "wgmma": "wgmma (kernels_cu/paged_bwd.cu)",
     "wgmma_qsplit": "wgmma, Q split on 64-row tiles (kernels_cu/paged_bwd.cu)",
+    "wgmma_bulk": "wgmma, dQ by bulk page reductions (kernels_cu/paged_bwd.cu)",
+    "wgmma_qsplit_bulk": "wgmma, Q split, dQ by bulk page reductions (kernels_cu/paged_bwd.cu)",
 }
 
 

@@ -12,11 +12,14 @@ Three launches per call (plus one main launch per route of the plan):
    adds its dQ share into an fp32 buffer with vector atomics;
 3. ``bsa_bwd_postprocess``: ``dQ = bf16(scale · dq_accum)``.
 
-Step 2 has three implementations with the same plan, arguments and results: ``impl="wgmma"`` (the
-default) runs ``paged_bwd_kernel<D, BLOCK_K, 1>`` (``kernels_cu/paged_bwd.cu``: wgmma GEMMs, one consumer
-warpgroup per 64 owned rows), ``impl="mma"`` the ``mma.sync`` kernel ``bsa_bwd_kernel``, and
-``impl="wgmma_qsplit"`` runs 64-row owned tiles on ``paged_bwd_kernel<D, 64, 2>`` (two warpgroups split
-each step's 128 streamed rows; not yet run on an H200). The environment
+Step 2 has several implementations with the same plan, arguments and results:
+
+* ``impl="wgmma"`` (the default): ``paged_bwd_kernel<D, BLOCK_K, 1, 0>`` (``kernels_cu/paged_bwd.cu``:
+  wgmma GEMMs, one consumer warpgroup per 64 owned rows, dQ by vector atomics);
+* ``impl="mma"``: the ``mma.sync`` kernel ``bsa_bwd_kernel``;
+* not yet run on an H200: ``"wgmma_qsplit"`` (64-row owned tiles on two warpgroups that split each
+  step's 128 streamed rows), ``"wgmma_bulk"`` (each step's dQ partial staged in shared memory and added
+  to ``dq_accum`` one page at a time by bulk asynchronous reductions) and ``"wgmma_qsplit_bulk"``. The environment
 variable ``SPARSEATTN_BWD_IMPL`` sets the default for a process (the GPU tests use it to run every
 backward case on either kernel).
 """
@@ -45,8 +48,8 @@ from .validate import (
 
 SOURCE = "bsa_bwd.cu"
 WGMMA_SOURCE = "paged_bwd.cu"
-#: Main-kernel implementations: ``mma`` (bsa_bwd.cu, mma.sync), ``wgmma`` and ``wgmma_qsplit`` (paged_bwd.cu).
-IMPLS = ("mma", "wgmma", "wgmma_qsplit")
+#: Main-kernel implementations: ``mma`` (bsa_bwd.cu, mma.sync) and the ``wgmma*`` variants (paged_bwd.cu).
+IMPLS = ("mma", "wgmma", "wgmma_qsplit", "wgmma_bulk", "wgmma_qsplit_bulk")
 #: Streamed Q rows per step of the wgmma kernel (PB_Q_ROWS in paged_bwd.cu).
 WGMMA_Q_ROWS = 64
 
@@ -85,17 +88,24 @@ NAME_EXPRESSIONS = (
 
 
 def q_split(impl: str, owned_rows: int) -> int:
-    """Warpgroups sharing the owned rows of a wgmma CTA: 2 for ``wgmma_qsplit`` on 64-row tiles, else 1."""
-    return 2 if impl == "wgmma_qsplit" and owned_rows == 64 else 1
+    """Warpgroups sharing the owned rows of a wgmma CTA: 2 for ``wgmma_qsplit*`` on 64-row tiles, else 1."""
+    return 2 if impl.startswith("wgmma_qsplit") and owned_rows == 64 else 1
 
 
-def wgmma_kernel_name(head_dim: int, owned_rows: int, split: int = 1) -> str:
-    return f"paged_bwd_kernel<{head_dim}, {owned_rows}, {split}>"
+def dq_bulk(impl: str) -> int:
+    """1 when the implementation adds dQ by bulk reductions of staged pages, else 0."""
+    return int(impl.endswith("_bulk"))
 
 
-WGMMA_NAME_EXPRESSIONS = tuple(wgmma_kernel_name(d, m) for d in HEAD_DIMS for m in OWNED_ROWS) + tuple(
-    wgmma_kernel_name(d, 64, 2) for d in HEAD_DIMS
+def wgmma_kernel_name(head_dim: int, owned_rows: int, split: int = 1, bulk: int = 0) -> str:
+    return f"paged_bwd_kernel<{head_dim}, {owned_rows}, {split}, {bulk}>"
+
+
+#: Every instantiation of paged_bwd.cu: (head dim, owned rows, Q split, bulk dQ).
+WGMMA_SHAPES = tuple(
+    (d, m, q, b) for b in (0, 1) for d in HEAD_DIMS for m in OWNED_ROWS for q in (1, 2) if q == 1 or m == 64
 )
+WGMMA_NAME_EXPRESSIONS = tuple(wgmma_kernel_name(*shape) for shape in WGMMA_SHAPES)
 #: Other sources this module launches (for the CPU compile check).
 KERNEL_SOURCES = {WGMMA_SOURCE: WGMMA_NAME_EXPRESSIONS}
 
@@ -259,7 +269,7 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
             owned_rows = plan.routes[route][0]
             if impl != "mma":
                 split = q_split(impl, owned_rows)
-                name = wgmma_kernel_name(d, owned_rows, split)
+                name = wgmma_kernel_name(d, owned_rows, split, dq_bulk(impl))
                 fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
                 smem = wgmma_smem_bytes(d, owned_rows, split)
                 threads = wgmma_threads_per_cta(owned_rows, split)
