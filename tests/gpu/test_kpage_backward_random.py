@@ -6,7 +6,8 @@ outputs (every valid element must be written, padding rows must be zero).
 200 cases: 5 layout families (video tiles with prefix and in-place padding, independent Q/K partitions,
 single-page and empty blocks, mixed block sizes) × head dim 64 / 128 × 20 seeds. Each case draws its
 block size, route (auto, 64×256, 128×128), heads (1–3), batch (1–2) and density; per head a Q block
-selects nothing and a K block is never selected."""
+selects nothing and a K block is never selected. Every main-kernel implementation (``impl``: the
+``mma.sync`` kernel and the wgmma variants) also runs 12 cases of two families."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import test_bsa_backward as bwd_tests  # sibling module: layouts, graphs and inputs of the backward tests
 
+from sparseattn.kernels.bsa_backward import IMPLS
 from sparseattn.kernels.validate import bf16_bits_to_float
 from sparseattn.reference import attention_backward
 
@@ -51,6 +53,20 @@ def check_gradient(name, bits, exact, emul, valid):
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("layout", LAYOUT_KINDS)
 def test_kpage_backward_random(layout, head_dim, seed, rng, poisoned):
+    run_random_case(layout, head_dim, rng, poisoned, impl=None)
+
+
+# Every main-kernel implementation (the default one runs the 200 cases above): 2 layout families x
+# both head dims x 3 seeds each, same rule.
+@pytest.mark.parametrize("seed", range(3), ids=lambda s: f"case{s}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("layout", ["video_prefix", "mixed_block_sizes"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kpage_backward_implementations(impl, layout, head_dim, seed, rng, poisoned):
+    run_random_case(layout, head_dim, rng, poisoned, impl=impl)
+
+
+def run_random_case(layout, head_dim, rng, poisoned, impl):
     cupy = pytest.importorskip("cupy")
     from sparseattn.kernels.backward import kpage_backward
 
@@ -65,7 +81,7 @@ def test_kpage_backward_random(layout, head_dim, seed, rng, poisoned):
     emul = attention_backward(qf, kf, vf, o, lse, dof, graph, emulate_bf16=True)
     q, k, v, o_d, lse_d, do = (cupy.asarray(x) for x in host)
     out = (poisoned(q.shape, "bf16"), poisoned(k.shape, "bf16"), poisoned(k.shape, "bf16"))
-    dq, dk, dv = kpage_backward(q, k, v, o_d, lse_d, do, graph, route=route, out=out)
+    dq, dk, dv = kpage_backward(q, k, v, o_d, lse_d, do, graph, route=route, out=out, impl=impl)
     cupy.cuda.runtime.deviceSynchronize()
     for name, got, ex, em, valid in (
         ("dq", dq, exact[0], emul[0], graph.q.valid),
