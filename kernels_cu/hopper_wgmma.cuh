@@ -44,12 +44,13 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes
 // The wgmma shapes the kernels use, for operand type TY (bf16 or f16), as explicit specializations:
 // NAME<N>(d, desc_a, desc_b, accumulate): d (m64 x nN) {=, +=} A (64 x 16, shared, K-major) · B (nN x 16,
 // shared, K-major)ᵀ; NAME<N>(d, a, desc_b): d += A (64 x 16, registers) · B (16 x nN, shared, MN-major).
-#define HW_WGMMA_SS(NAME, N, TY, ACC, REGS, IA, IB, IP)                                                     \
+// TRANS: "imm-trans-a, imm-trans-b" ("0, 0": both operands K-major; "1, 1": both MN-major)
+#define HW_WGMMA_SS(NAME, N, TY, ACC, REGS, IA, IB, IP, TRANS)                                            \
     template <>                                                                                             \
     __device__ __forceinline__ void NAME<N>(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) { \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                       \
                      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", %" #IA ", %" #IB \
-                     ", p, 1, 1, 0, 0;\n}\n"                                                                \
+                     ", p, 1, 1, " TRANS ";\n}\n"                                                            \
                      : ACC                                                                                  \
                      : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                          \
     }
@@ -72,30 +73,21 @@ __device__ __forceinline__ void wgmma_ss_f16(float (&d)[N / 2], uint64_t desc_a,
 template <int N>
 __device__ __forceinline__ void wgmma_rs_tb_f16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b);
 
-HW_WGMMA_SS(wgmma_ss, 128, "bf16", HW_ACC64, HW_REGS64, 64, 65, 66)
-HW_WGMMA_SS(wgmma_ss, 64, "bf16", HW_ACC32, HW_REGS32, 32, 33, 34)
+HW_WGMMA_SS(wgmma_ss, 128, "bf16", HW_ACC64, HW_REGS64, 64, 65, 66, "0, 0")
+HW_WGMMA_SS(wgmma_ss, 64, "bf16", HW_ACC32, HW_REGS32, 32, 33, 34, "0, 0")
 HW_WGMMA_RS_TB(wgmma_rs_tb, 128, "bf16", HW_ACC64, HW_REGS64, 64, 65, 66, 67, 68, 69)
 HW_WGMMA_RS_TB(wgmma_rs_tb, 64, "bf16", HW_ACC32, HW_REGS32, 32, 33, 34, 35, 36, 37)
 // f16 operands (PageWeaver's f16 path: e4m3 converts to f16 exactly)
-HW_WGMMA_SS(wgmma_ss_f16, 128, "f16", HW_ACC64, HW_REGS64, 64, 65, 66)
-HW_WGMMA_SS(wgmma_ss_f16, 64, "f16", HW_ACC32, HW_REGS32, 32, 33, 34)
+HW_WGMMA_SS(wgmma_ss_f16, 128, "f16", HW_ACC64, HW_REGS64, 64, 65, 66, "0, 0")
+HW_WGMMA_SS(wgmma_ss_f16, 64, "f16", HW_ACC32, HW_REGS32, 32, 33, 34, "0, 0")
 HW_WGMMA_RS_TB(wgmma_rs_tb_f16, 128, "f16", HW_ACC64, HW_REGS64, 64, 65, 66, 67, 68, 69)
 HW_WGMMA_RS_TB(wgmma_rs_tb_f16, 64, "f16", HW_ACC32, HW_REGS32, 32, 33, 34, 35, 36, 37)
 
 // d (m64 x nN) {=, +=} A · B with both operands in shared memory MN-major (transposed): A stored as
 // 16 k-rows of 64 m-elements, B as 16 k-rows of N n-elements (the backward's dQ = dSᵀ·K).
-#define HW_WGMMA_SS_TT(NAME, N, TY, ACC, REGS, IA, IB, IP)                                                  \
-    template <>                                                                                             \
-    __device__ __forceinline__ void NAME<N>(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) { \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #IP ", 0;\n"                                       \
-                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", %" #IA ", %" #IB \
-                     ", p, 1, 1, 1, 1;\n}\n"                                                                \
-                     : ACC                                                                                  \
-                     : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                          \
-    }
 template <int N>
 __device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
-HW_WGMMA_SS_TT(wgmma_ss_tt, 64, "bf16", HW_ACC32, HW_REGS32, 32, 33, 34)
+HW_WGMMA_SS(wgmma_ss_tt, 64, "bf16", HW_ACC32, HW_REGS32, 32, 33, 34, "1, 1")
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

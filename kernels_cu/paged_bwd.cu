@@ -97,6 +97,19 @@ __device__ __forceinline__ void issue_pv_slice(float (&o)[HEAD_DIM / 2], const u
     }
 }
 
+
+// dQ[:, 64 columns] = dS · K[:, 64 columns] for 64 streamed rows: A = the [BLOCK_K][64] dSᵀ tile, B = one
+// 64-column block of the BLOCK_K-row K tile (both MN-major), K-dim = the BLOCK_K owned rows.
+template <int BLOCK_K>
+__device__ __forceinline__ void issue_dq(float (&dq)[32], uint32_t tdS, uint32_t tKcols) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+        const uint64_t da = hopper::smem_desc(tdS + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
+        const uint64_t db = hopper::smem_desc(tKcols + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
+        hopper::wgmma_ss_tt<64>(dq, da, db, kk > 0);
+    }
+}
+
 }  // namespace paged_bwd
 
 // Grid (work items [work_offset, work_offset + gridDim.x) of one route, batch), block Config::kThreads,
@@ -275,21 +288,16 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
         __syncthreads();  // every warpgroup's dSᵀ rows are in shared memory
 
         // dQ[:, 64·h .. 64·h + 63] = dS · K[:, 64·h ..], K-dim = the BLOCK_K owned rows
-        if constexpr (DQ_BULK) {
-            constexpr int kHalfPages = Cfg::kStreamPages / 2;
+        constexpr int kHalfPages = Cfg::kStreamPages / 2;  // staged dQ pages over the Q (then dO) buffer
 #pragma unroll 1
-            for (int h = kvp; h < D / 64; h += Cfg::kKvWGs) {
-                float dq[32];
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-                    const uint64_t da = smem_desc(tdS + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
-                    const uint64_t db = smem_desc(tK + h * (BLOCK_K * 128) + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
-                    wgmma_ss_tt<64>(dq, da, db, kk > 0);
-                }
-                wgmma_commit();
-                wgmma_wait<0>();
-                pin_registers(dq);
+        for (int h = kvp; h < D / 64; h += Cfg::kKvWGs) {
+            float dq[32];
+            wgmma_fence();
+            paged_bwd::issue_dq<BLOCK_K>(dq, tdS, tK + h * (BLOCK_K * 128));
+            wgmma_commit();
+            wgmma_wait<0>();
+            pin_registers(dq);
+            if constexpr (DQ_BULK) {
                 const int pg = qp * 4 + wq;  // warp wq's 16 accumulator rows are page wq of its Q slice
                 const uint32_t stage = (pg < kHalfPages ? tQ : tdO) + (pg % kHalfPages) * Cfg::kPageBytesF32;
 #pragma unroll
@@ -302,7 +310,20 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
                                      : "memory");
                     }
                 }
+            } else {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int slot = sSlot[buf * QS + qp * PB_Q_ROWS + 16 * wq + g + 8 * half];
+                    if (slot >= 0) {
+                        float* row_ptr = dq_bh + static_cast<size_t>(slot) * D + 64 * h + 2 * t4;
+#pragma unroll
+                        for (int j = 0; j < 8; ++j)
+                            paged_bwd::red_add_v2(row_ptr + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+                    }
+                }
             }
+        }
+        if constexpr (DQ_BULK) {  // one bulk reduction per staged page
             fence_async_proxy();
             __syncthreads();
             if (tid == 0) {
@@ -316,31 +337,6 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
                                                        Cfg::kPageBytesF32);
                 }
                 paged_bwd::bulk_commit();
-            }
-        } else {
-#pragma unroll 1
-            for (int h = kvp; h < D / 64; h += Cfg::kKvWGs) {
-                float dq[32];
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-                    const uint64_t da = smem_desc(tdS + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
-                    const uint64_t db = smem_desc(tK + h * (BLOCK_K * 128) + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
-                    wgmma_ss_tt<64>(dq, da, db, kk > 0);
-                }
-                wgmma_commit();
-                wgmma_wait<0>();
-                pin_registers(dq);
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int slot = sSlot[buf * QS + qp * PB_Q_ROWS + 16 * wq + g + 8 * half];
-                    if (slot >= 0) {
-                        float* row_ptr = dq_bh + static_cast<size_t>(slot) * D + 64 * h + 2 * t4;
-#pragma unroll
-                        for (int j = 0; j < 8; ++j)
-                            paged_bwd::red_add_v2(row_ptr + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
-                    }
-                }
             }
         }
         wgmma_wait<0>();
