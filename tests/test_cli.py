@@ -339,6 +339,22 @@ def test_missing_bench_is_a_one_line_error(capsys, monkeypatch):
     assert_one_line_error(code, err, 1, "sparseattn.bench")
 
 
+def test_bench_backward_kernel_is_checked(capsys):
+    with pytest.raises(SystemExit) as exc:  # argparse: usage line, then one error line, exit 2
+        cli.main(["bench", "--bwd-impl", "cutlass"])
+    assert exc.value.code == 2
+    assert "argument --bwd-impl: invalid choice: 'cutlass'" in capsys.readouterr().err
+
+
+def test_gpucheck_backward_kernel_is_checked(capsys, tmp_path):
+    from sparseattn.gpucheck import main as gpucheck_main
+
+    with pytest.raises(SystemExit) as exc:
+        gpucheck_main(["--out", str(tmp_path), "--bwd-impl", "cutlass"])
+    assert exc.value.code == 2
+    assert "--bwd-impl" in capsys.readouterr().err
+
+
 # --- real modules --------------------------------------------------------------------------------------
 def test_python_dash_m_entry_point():
     proc = subprocess.run(

@@ -546,6 +546,12 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--pass", dest="passes", action="append", choices=PASSES, help="passes (default: fwd)"
     )
+    parser.add_argument(
+        "--bwd-impl",
+        choices=tuple(BACKWARD_KERNELS),
+        default=None,
+        help="backward kernel of the kpage/bsa fwdbwd records (sets SPARSEATTN_BWD_IMPL; default wgmma)",
+    )
     parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -685,6 +691,8 @@ def run(args) -> int:
         raise ImportError("sparseattn bench needs cupy and a CUDA GPU: pip install -e '.[gpu]'")
     workloads = args.workload or list(DEFAULT_WORKLOADS)
     passes = tuple(args.passes or ("fwd",))
+    if args.bwd_impl:
+        os.environ["SPARSEATTN_BWD_IMPL"] = args.bwd_impl
     torch = _torch()
     impls = list(args.impl or [i for i in IMPLS if i not in TORCH_IMPLS or torch is not None])
     timer = Timer(args.warmup, args.reps)

@@ -27,7 +27,10 @@ import sys
 import time
 from pathlib import Path
 
+from .kernels.bsa_backward import IMPLS as BWD_IMPLS
+
 REPO = Path(__file__).resolve().parents[2]
+
 
 # Step time limits (seconds); together under 8 minutes.
 PYTEST_LIMIT_S = 330
@@ -92,10 +95,10 @@ def pageweaver_sanitize_case() -> int:
     return 0
 
 
-def sanitize_case(paged_only: bool = False) -> int:
+def sanitize_case(paged_only: bool = False, backward_only: bool = False) -> int:
     """A small ragged case for compute-sanitizer: the paged forward (every route), the mma.sync BSA
-    forward and the backward, synchronized; ``paged_only`` runs the paged forward alone
-    (for racecheck, which is slow)."""
+    forward and the backward, synchronized; ``paged_only`` runs the paged forward alone and
+    ``backward_only`` the backward (after one forward for its inputs): racecheck is slow."""
     import cupy
     import numpy as np
 
@@ -120,7 +123,9 @@ def sanitize_case(paged_only: bool = False) -> int:
         for d in (64, 128):
             shape = (1, 2, layout.num_slots, d)
             q, k, v, do = (cupy.asarray(float_to_bf16_bits(rng.standard_normal(shape))) for _ in range(4))
-            for kind, route in (("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("bsa", "auto")):
+            for kind, route in (
+                () if backward_only else (("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("bsa", "auto"))
+            ):
                 paged_forward(q, k, v, graph, kind=kind, route=route)
             if paged_only:
                 continue
@@ -153,6 +158,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--paged-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--backward-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--bwd-impl",
+        choices=BWD_IMPLS,
+        default=None,
+        help="backward kernel for every step (sets SPARSEATTN_BWD_IMPL; default: the package's default)",
+    )
     parser.add_argument("--racecheck", action="store_true", help="also run compute-sanitizer racecheck")
     parser.add_argument(
         "--bench-workload",
@@ -172,7 +184,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     pageweaver = args.suite == "pageweaver"
     if args.sanitize_case:
-        return pageweaver_sanitize_case() if pageweaver else sanitize_case(args.paged_only)
+        return (
+            pageweaver_sanitize_case() if pageweaver else sanitize_case(args.paged_only, args.backward_only)
+        )
     if pageweaver and args.tests == ["tests/"]:
         args.tests = list(PAGEWEAVER_TESTS)
 
@@ -183,6 +197,8 @@ def main(argv=None) -> int:
         PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
         PYTHONUNBUFFERED="1",
     )
+    if args.bwd_impl:
+        env["SPARSEATTN_BWD_IMPL"] = args.bwd_impl
     py = sys.executable
     steps = []
 
@@ -230,12 +246,22 @@ def main(argv=None) -> int:
                 code, sec, note = 127, 0.0, "compute-sanitizer not found"
                 (out / log).write_text(note + "\n")
             steps.append(
-                dict(step=f"compute-sanitizer {which}", code=code, seconds=round(sec, 1), note=note.strip())
+                dict(
+                    step=f"compute-sanitizer {which}"
+                    + (" (backward)" if "--backward-only" in case_args else ""),
+                    code=code,
+                    seconds=round(sec, 1),
+                    note=note.strip(),
+                )
             )
 
         sanitize("memcheck", "sanitizer.log", SANITIZER_LIMIT_S)
         if args.racecheck and Path(tool).exists():
-            sanitize("racecheck", "racecheck.log", SANITIZER_LIMIT_S * 2, "--paged-only")
+            if pageweaver:
+                sanitize("racecheck", "racecheck.log", SANITIZER_LIMIT_S * 2)
+            else:  # the forward and the backward apart: either alone fills racecheck's time limit
+                sanitize("racecheck", "racecheck.log", SANITIZER_LIMIT_S * 2, "--paged-only")
+                sanitize("racecheck", "racecheck_backward.log", SANITIZER_LIMIT_S * 2, "--backward-only")
 
     if "bench" not in args.skip and pageweaver:
         cmd = [py, "-m", "sparseattn.pageweaver.kernel_bench", "--out", str(out)]
