@@ -429,3 +429,68 @@ def emulate_work_list(work, q, k, v, scale=None):
         o[:, head, slots] = o_tile[:, q_ok]
         lse[:, head, slots] = lse_tile[:, q_ok]
     return o, lse
+
+
+def emulate_backward_work_list(work, q, k, v, o, lse, do, scale=None):
+    """Run a K/V-owned backward :class:`~sparseattn.kernels.work_list.WorkList`
+    (:func:`~sparseattn.kernels.work_list.backward_work_list`) as a kernel reading only its arrays would,
+    in float64: each item owns the (page, row mask) entries of its K/V pages and streams the (page, row
+    mask) entries of its Q pages ``work.chunk`` rows at a time.
+
+    Args:
+        work: the WorkList; q, o, do ``[batch, heads, sq, d]``; k, v ``[batch, heads, sk, d]``;
+            lse ``[batch, heads, sq]`` (natural log).
+
+    Returns:
+        ``(dq, dk, dv)`` float64. dQ is summed over items (0 where nothing contributes); dK/dV rows no
+        item owns stay NaN, so tests see what a kernel would not write.
+
+    Raises:
+        EmulationError: a K/V row written twice.
+    """
+    q, k, v, o, do = (_as_float_array(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)))
+    lse = _as_float_array("lse", lse)
+    scale = _check_scale(scale, q.shape[-1])
+    b, heads, sq, d = q.shape
+    dq = np.zeros((b, heads, sq, d))
+    dk = np.full((b, heads, k.shape[2], d), np.nan)
+    dv = np.full((b, heads, k.shape[2], v.shape[-1]), np.nan)
+    written = np.zeros((heads, k.shape[2]), dtype=np.int64)
+    bits = _BITS.astype(np.uint32)
+    per_step = work.chunk // PAGE_ROWS
+
+    def rows_ok(pages, masks):  # row validity of (page, row mask) entries; -1 pages are empty
+        return (((masks.astype(np.uint32)[:, None] & bits) != 0) & (pages >= 0)[:, None]).ravel()
+
+    for w in work.work_order:
+        head, begin, length, m = (int(x) for x in work.work_info[w])
+        own = work.own_pages[w, : m // PAGE_ROWS].astype(np.int64)
+        col_ok = rows_ok(own, work.own_mask[w, : m // PAGE_ROWS])
+        k_tile, v_tile = _gather(k[:, head], own, col_ok), _gather(v[:, head], own, col_ok)
+        dk_acc = np.zeros((b, m, d))
+        dv_acc = np.zeros((b, m, v.shape[-1]))
+        for start in range(begin, begin + length, per_step):
+            pages = work.stream_pages[start : min(start + per_step, begin + length)].astype(np.int64)
+            row_ok = rows_ok(pages, work.stream_mask[start : start + pages.size])
+            slots = _page_slots(pages)
+            q_tile = _gather(q[:, head], pages, row_ok)
+            do_tile = np.where(row_ok[None, :, None], do[:, head, slots], 0.0)
+            o_tile = np.where(row_ok[None, :, None], o[:, head, slots], 0.0)
+            delta = (o_tile * do_tile).sum(axis=-1)
+            lse_tile = np.where(row_ok[None, :], lse[:, head, slots], -np.inf)
+            live = np.isfinite(lse_tile)
+            s = scale * np.matmul(q_tile, k_tile.transpose(0, 2, 1))
+            p = np.exp(s - np.where(live, lse_tile, 0.0)[..., None])
+            p = np.where(live[..., None] & col_ok[None, None, :], p, 0.0)
+            dv_acc += np.matmul(p.transpose(0, 2, 1), do_tile)
+            ds = p * (np.matmul(do_tile, v_tile.transpose(0, 2, 1)) - delta[..., None])
+            dk_acc += scale * np.matmul(ds.transpose(0, 2, 1), q_tile)
+            np.add.at(dq, (slice(None), head, slots[row_ok]), scale * np.matmul(ds, k_tile)[:, row_ok])
+        own_slots = _page_slots(own)[col_ok]
+        if np.any(written[head, own_slots]):
+            bad = own_slots[written[head, own_slots] > 0][0]
+            raise EmulationError(f"work list writes K/V row (head {head}, slot {bad}) twice")
+        written[head, own_slots] += 1
+        dk[:, head, own_slots] = dk_acc[:, col_ok]
+        dv[:, head, own_slots] = dv_acc[:, col_ok]
+    return dq, dk, dv

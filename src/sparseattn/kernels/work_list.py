@@ -118,18 +118,47 @@ def work_list(plans, heads_of=None, order: str | None = None) -> WorkList:
     order = default_order() if order is None else order
     if order not in ORDERS:
         raise KernelValueError(f"order must be one of {ORDERS}, got {order!r}")
+    plans = _checked_plans(plans, "q", "the forward kernel")
+    return _flatten(plans, heads_of, chunk_for(plans), order)
+
+
+#: Streamed Q rows per step of the backward kernels (a backward work list's ``chunk``).
+BACKWARD_STEP_ROWS = 64
+
+
+def backward_work_list(plans, heads_of=None) -> WorkList:
+    """One work list from owner-``"kv"`` plans, for a K/V-owned backward: items own K/V pages (``M``
+    = 64 or 128 rows) and stream the Q pages that select them, ``chunk`` = the streamed rows per step.
+    With several single-head plans (a HeadStack), every head keeps its own layouts through the entries'
+    row masks. Arguments as :func:`work_list`; items are ordered largest first."""
+    plans = _checked_plans(plans, "kv", "the backward kernel")
+    for i, plan in enumerate(plans):
+        if plan.num_work:
+            rows = {int(plan.routes[int(r)][0]) for r in np.unique(plan.work_route)}
+            if not rows <= set(ROUTE_ROWS):
+                raise KernelValueError(
+                    f"plans[{i}] owns tiles of {sorted(rows)} rows; the backward kernel owns {ROUTE_ROWS}"
+                )
+    return _flatten(plans, heads_of, BACKWARD_STEP_ROWS, "cost")
+
+
+def _checked_plans(plans, owner: str, what: str) -> list[TilePlan]:
     plans = [plans] if isinstance(plans, TilePlan) else list(plans)
     if not plans:
-        raise KernelValueError("work_list needs at least one plan")
+        raise KernelValueError("a work list needs at least one plan")
     for i, plan in enumerate(plans):
         if not isinstance(plan, TilePlan):
             raise KernelValueError(f"plans[{i}] must be a TilePlan, got {type(plan).__name__}")
-        if plan.owner != "q":
-            raise KernelValueError(f"plans[{i}].owner is {plan.owner!r}; the forward kernel needs owner='q'")
+        if plan.owner != owner:
+            raise KernelValueError(f"plans[{i}].owner is {plan.owner!r}; {what} needs owner={owner!r}")
     if len(plans) > 1 and any(p.heads != 1 for p in plans):
         raise KernelValueError("several plans must each hold one head (a HeadStack)")
+    return plans
+
+
+def _flatten(plans: list[TilePlan], heads_of, chunk: int, order: str) -> WorkList:
+    """The plans' items, entries and row masks as one list; ``order`` as :func:`work_list`."""
     head_base = np.arange(len(plans)) if heads_of is None else np.asarray(heads_of, dtype=np.int64)
-    chunk = chunk_for(plans)
     parts = {name: [] for name in ("info", "own", "own_mask", "stream", "stream_mask")}
     offset = 0
     for plan, h0 in zip(plans, head_base):
