@@ -241,3 +241,142 @@ def test_owner_and_shape_mismatches_are_named():
         emulate_forward(kpage_plan(graph), q[:, :, :-16], k, v)
     with pytest.raises(EmulationError, match="stream_page_mask has"):
         emulate_forward(kpage_plan(graph), q, k[:, :, :-16], v[:, :, :-16])
+
+
+# --- heads with their own layouts as one stacked single-head plan ---------------------------------
+
+
+@pytest.mark.parametrize("kind, route", [("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("bsa", "auto")])
+@pytest.mark.parametrize("block", [64, 128])
+def test_stacked_head_plans_give_every_heads_gradients(kind, route, block):
+    """stack_head_plans: per-head K/V-owned plans laid end to end over the heads' slot spaces, run on the
+    tensors viewed as one head, give each head's exact gradients; rows past a head's layout stay 0."""
+    from small_cases import make_graph
+
+    from sparseattn.layouts import partition_layout
+    from sparseattn.plans import bsa_plan, kpage_plan, stack_head_plans
+    from sparseattn.reference import attention_backward, attention_forward
+
+    rng = np.random.default_rng(7 + block)
+    graphs = []
+    for _ in range(3):
+        q_lay = partition_layout(
+            rng.integers(0, int(rng.integers(3, 8)), size=int(rng.integers(150, 400))), block
+        )
+        k_lay = partition_layout(
+            rng.integers(0, int(rng.integers(3, 10)), size=int(rng.integers(150, 400))), block
+        )
+        graphs.append(make_graph(q_lay, k_lay, heads=1, density=0.5, seed=int(rng.integers(1000))))
+    sq = max(g.q.num_slots for g in graphs) + 32  # extra padding past every layout
+    sk = max(g.k.num_slots for g in graphs) + 16
+    plans = [
+        bsa_plan(g, owner="kv") if kind == "bsa" else kpage_plan(g, route=route, owner="kv") for g in graphs
+    ]
+    stacked = stack_head_plans(plans, sk // 16, sq // 16)
+    assert stacked.heads == 1 and np.all(np.diff(stacked.work_route) >= 0)
+    b, h, d = 2, len(graphs), 16
+    q, do, o = (rng.standard_normal((b, h, sq, d)) for _ in range(3))
+    k, v = (rng.standard_normal((b, h, sk, d)) for _ in range(2))
+    lse = np.full((b, h, sq), -np.inf)
+    refs = []
+    for i, g in enumerate(graphs):
+        nq, nk = g.q.num_slots, g.k.num_slots
+        oh, lh = attention_forward(q[:, i : i + 1, :nq], k[:, i : i + 1, :nk], v[:, i : i + 1, :nk], g)
+        o[:, i, :nq], lse[:, i, :nq] = oh[:, 0], lh[:, 0]
+        refs.append(
+            attention_backward(
+                q[:, i : i + 1, :nq],
+                k[:, i : i + 1, :nk],
+                v[:, i : i + 1, :nk],
+                oh,
+                lh,
+                do[:, i : i + 1, :nq],
+                g,
+            )
+        )
+    one = lambda x: x.reshape(b, 1, -1, *x.shape[3:])
+    dq, dk, dv = (
+        x.reshape(b, h, -1, d)
+        for x in emulate_backward(stacked, one(q), one(k), one(v), one(o), lse.reshape(b, 1, -1), one(do))
+    )
+    for i, (g, (rq, rk, rv)) in enumerate(zip(graphs, refs)):
+        nq, nk = g.q.num_slots, g.k.num_slots
+        np.testing.assert_allclose(dq[:, i, :nq][:, g.q.valid], rq[:, 0][:, g.q.valid], atol=1e-10)
+        np.testing.assert_allclose(dk[:, i, :nk][:, g.k.valid], rk[:, 0][:, g.k.valid], atol=1e-10)
+        np.testing.assert_allclose(dv[:, i, :nk][:, g.k.valid], rv[:, 0][:, g.k.valid], atol=1e-10)
+        assert not dq[:, i, nq:].any() and not dk[:, i, nk:].any() and not dv[:, i, nk:].any()
+
+
+def test_stack_head_plans_refuses_mixed_plans():
+    from small_cases import make_graph
+
+    from sparseattn.layouts import contiguous_layout
+    from sparseattn.plans import PlanError, bsa_plan, kpage_plan, stack_head_plans
+
+    lay = contiguous_layout(256, 64)
+    g = make_graph(lay, lay, heads=1, density=0.5, seed=0)
+    with pytest.raises(PlanError, match="differs"):
+        stack_head_plans([kpage_plan(g, owner="kv"), bsa_plan(g, owner="kv")], 16, 16)
+    with pytest.raises(PlanError, match="more than"):
+        stack_head_plans([kpage_plan(g, owner="kv")], 8, 16)
+    two = make_graph(lay, lay, heads=2, density=0.5, seed=0)
+    with pytest.raises(PlanError, match="single-head"):
+        stack_head_plans([kpage_plan(two, owner="kv")], 16, 16)
+
+
+def test_head_stack_backward_runs_the_stacked_plan_on_views(monkeypatch):
+    """The HeadStack backward's host path: one call on the tensors viewed as one head, whose outputs
+    land in the caller's buffers (the kernel call replaced by the float64 emulator)."""
+    from small_cases import make_graph
+
+    from sparseattn.graph import HeadStack
+    from sparseattn.kernels import backward as bw
+    from sparseattn.layouts import partition_layout
+    from sparseattn.reference import attention_backward, attention_forward
+
+    calls = []
+
+    def fake_kernel(q, k, v, o, lse, do, plan, scale=None, out=None, impl=None):
+        calls.append(q.shape)
+        for buf, grad in zip(out, emulate_backward(plan, q, k, v, o, lse, do, scale)):
+            buf[...] = grad
+        return out
+
+    monkeypatch.setattr(bw, "bsa_backward", fake_kernel)
+    rng = np.random.default_rng(3)
+    graphs = [
+        make_graph(
+            partition_layout(rng.integers(0, 4, size=int(rng.integers(100, 200))), 64),
+            partition_layout(rng.integers(0, 5, size=int(rng.integers(100, 200))), 64),
+            heads=1,
+            density=0.6,
+            seed=i,
+        )
+        for i in range(3)
+    ]
+    stack = HeadStack.of(graphs)
+    sq, sk, d = stack.q_slots, stack.k_slots, 8
+    q, do, o = (rng.standard_normal((1, 3, sq, d)) for _ in range(3))
+    k, v = (rng.standard_normal((1, 3, sk, d)) for _ in range(2))
+    lse = np.full((1, 3, sq), -np.inf)
+    for i, g in enumerate(graphs):
+        nq, nk = g.q.num_slots, g.k.num_slots
+        oh, lh = attention_forward(q[:, i : i + 1, :nq], k[:, i : i + 1, :nk], v[:, i : i + 1, :nk], g)
+        o[:, i, :nq], lse[:, i, :nq] = oh[:, 0], lh[:, 0]
+    out = tuple(np.full_like(x, np.nan) for x in (q, k, v))
+    dq, dk, dv = bw.paged_backward(q, k, v, o, lse, do, stack, out=out)
+    assert calls == [(1, 1, 3 * sq, d)] and dq is out[0]
+    for i, g in enumerate(graphs):
+        nq, nk = g.q.num_slots, g.k.num_slots
+        rq, rk, rv = attention_backward(
+            q[:, i : i + 1, :nq],
+            k[:, i : i + 1, :nk],
+            v[:, i : i + 1, :nk],
+            o[:, i : i + 1, :nq],
+            lse[:, i : i + 1, :nq],
+            do[:, i : i + 1, :nq],
+            g,
+        )
+        np.testing.assert_allclose(dq[:, i, :nq][:, g.q.valid], rq[:, 0][:, g.q.valid], atol=1e-10)
+        np.testing.assert_allclose(dk[:, i, :nk][:, g.k.valid], rk[:, 0][:, g.k.valid], atol=1e-10)
+        np.testing.assert_allclose(dv[:, i, :nk][:, g.k.valid], rv[:, 0][:, g.k.valid], atol=1e-10)

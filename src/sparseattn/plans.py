@@ -247,3 +247,86 @@ def kpage_plan(graph: SparseGraph, route="auto", owner: str = "q") -> TilePlan:
     return _build(
         "kpage", owner, g, _live_page_csr(g.q), _live_page_csr(g.k), KPAGE_ROUTES, route_of_row, g.q, g.k
     )
+
+
+def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
+    """Single-head plans of heads with their own layouts (a HeadStack) as ONE single-head plan over
+    their slot spaces laid end to end: head ``h``'s owned pages become ``h · own_pages + p`` and its
+    streamed pages ``h · stream_pages + p``, and the page masks are concatenated (pages past a head's
+    layout have mask 0). A kernel runs it on the heads' tensors viewed as one head,
+    ``[batch, 1, heads · slots, d]``.
+
+    Args:
+        plans: one single-head :class:`TilePlan` per head, all of one kind, owner and route set.
+        own_pages, stream_pages: pages per head of the owner side and of the streamed side (the
+            tensors' slots / 16; at least each head's layout).
+
+    Returns:
+        a :class:`TilePlan` with ``heads == 1``, its work items sorted by route.
+    """
+    plans = list(plans)
+    if not plans:
+        raise PlanError("stack_head_plans needs at least one plan")
+    first = plans[0]
+    for i, p in enumerate(plans):
+        if not isinstance(p, TilePlan):
+            raise PlanTypeError(f"plans[{i}] must be a TilePlan, got {type(p).__name__}")
+        if p.heads != 1:
+            raise PlanError(f"plans[{i}] holds {p.heads} heads; stack_head_plans takes single-head plans")
+        if (p.kind, p.owner, tuple(p.routes)) != (first.kind, first.owner, tuple(first.routes)):
+            raise PlanError(f"plans[{i}] differs from plans[0] in kind, owner or routes")
+        if p.own_page_mask.size > own_pages or p.stream_page_mask.size > stream_pages:
+            raise PlanError(
+                f"plans[{i}] has {p.own_page_mask.size} / {p.stream_page_mask.size} pages, more than "
+                f"own_pages={own_pages} / stream_pages={stream_pages}"
+            )
+    width = max(p.own_pages.shape[1] for p in plans)
+    own = []
+    for h, p in enumerate(plans):
+        o = np.full((p.num_work, width), -1, dtype=np.int64)
+        o[:, : p.own_pages.shape[1]] = np.where(
+            p.own_pages >= 0, p.own_pages.astype(np.int64) + h * own_pages, -1
+        )
+        own.append(o)
+    own = np.concatenate(own)
+    route = np.concatenate([p.work_route for p in plans])
+    block = np.concatenate([p.work_block for p in plans])
+    lengths = np.concatenate([p.stream_lengths() for p in plans])
+    streams = [p.stream_pages.astype(np.int64) + h * stream_pages for h, p in enumerate(plans)]
+    starts = np.concatenate(
+        [
+            p.stream_indptr[:-1].astype(np.int64) + sum(x.size for x in streams[:h])
+            for h, p in enumerate(plans)
+        ]
+    )
+    flat = np.concatenate(streams)
+    order = np.argsort(route, kind="stable")  # kernels launch route by route
+    lengths = lengths[order]
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    gather = (
+        np.concatenate([np.arange(starts[i], starts[i] + lengths[j]) for j, i in enumerate(order)])
+        if order.size
+        else np.zeros(0, np.int64)
+    )
+
+    def masks(attr, pages):
+        out = np.zeros(len(plans) * pages, dtype=np.uint16)
+        for h, p in enumerate(plans):
+            m = getattr(p, attr)
+            out[h * pages : h * pages + m.size] = m
+        return out
+
+    return TilePlan(
+        kind=first.kind,
+        owner=first.owner,
+        routes=tuple(first.routes),
+        work_route=route[order].astype(first.work_route.dtype),
+        work_head=np.zeros(order.size, dtype=np.int32),
+        work_block=block[order].astype(np.int32),
+        own_pages=own[order].astype(np.int32),
+        stream_indptr=indptr.astype(np.int32),
+        stream_pages=flat[gather].astype(np.int32) if gather.size else np.zeros(0, np.int32),
+        own_page_mask=masks("own_page_mask", own_pages),
+        stream_page_mask=masks("stream_page_mask", stream_pages),
+        heads=1,
+    )

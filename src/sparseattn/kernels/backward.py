@@ -12,11 +12,14 @@ come back, computed on torch's current stream without copies).
 
 from __future__ import annotations
 
+import os
+
+from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
-from ..plans import TilePlan
+from ..plans import TilePlan, stack_head_plans
 from . import launch
 from .bsa_backward import bsa_backward
-from .plan_cache import check_graph_matches, plan_of
+from .plan_cache import cached, check_graph_matches, plan_of
 from .validate import KernelTypeError, KernelValueError
 
 KINDS = ("kpage", "bsa")
@@ -58,13 +61,12 @@ def paged_backward(
 
 
 def _head_stack_backward(q, k, v, o, lse, do, stack: HeadStack, scale, out, kind, route, impl=None):
-    """Heads with their own layouts (SVG2): one launch per head, on head ``h``'s first slots.
+    """Heads with their own layouts (SVG2). Slots past a head's layout get zero gradients.
 
-    Each head's slices are copied to contiguous buffers (the kernel's layout), and its gradients are
-    copied back. Slots past a head's layout get zero gradients.
+    Contiguous tensors run in one launch per route: the heads' per-head plans laid end to end
+    (:func:`~sparseattn.plans.stack_head_plans`) on the tensors viewed as one head. Otherwise (or
+    past the kernels' 32-bit page offsets) one launch per head, on contiguous copies of its slots.
     """
-    import cupy
-
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
         if getattr(x, "ndim", 0) != 4:
             raise KernelValueError(
@@ -84,6 +86,8 @@ def _head_stack_backward(q, k, v, o, lse, do, stack: HeadStack, scale, out, kind
             f"q has {sq} and k {sk}"
         )
     if out is None:
+        import cupy
+
         out = (cupy.zeros_like(q), cupy.zeros_like(k), cupy.zeros_like(v))
     elif not isinstance(out, (tuple, list)) or len(out) != 3:
         raise KernelTypeError("out must be a tuple (dq, dk, dv) of preallocated arrays")
@@ -91,6 +95,36 @@ def _head_stack_backward(q, k, v, o, lse, do, stack: HeadStack, scale, out, kind
     for name, buf, like in (("out[0] (dq)", dq, q), ("out[1] (dk)", dk, k), ("out[2] (dv)", dv, v)):
         if getattr(buf, "shape", None) != like.shape or getattr(buf, "dtype", None) != like.dtype:
             raise KernelValueError(f"{name} must be shaped and typed like its input {tuple(like.shape)}")
+    b, d = q.shape[0], q.shape[3]
+    tensors = (q, k, v, o, lse, do, dq, dk, dv)
+    if (
+        os.environ.get("SPARSEATTN_BWD_HEADSTACK", "stacked") != "per_head"  # A/B knob for the old path
+        and sq % PAGE_ROWS == 0
+        and sk % PAGE_ROWS == 0
+        and heads * max(sq, sk) * d < 2**31
+        and all(getattr(getattr(x, "flags", None), "c_contiguous", False) for x in tensors)
+    ):
+        plan = cached(
+            stack,
+            ("backward plan", kind, route, sq, sk),
+            lambda: stack_head_plans(
+                [plan_of(g, kind, route, owner="kv") for g in stack.graphs], sk // PAGE_ROWS, sq // PAGE_ROWS
+            ),
+        )
+
+        def one(x):  # [batch, heads, slots, ...] viewed as one head (no copy)
+            return x.reshape(b, 1, heads * x.shape[2], *x.shape[3:])
+
+        bsa_backward(
+            *(one(x) for x in (q, k, v, o, lse, do)),
+            plan,
+            scale=scale,
+            out=(one(dq), one(dk), one(dv)),
+            impl=impl,
+        )
+        return dq, dk, dv
+    import cupy
+
     for h, graph in enumerate(stack.graphs):
         nq, nk = graph.q.num_slots, graph.k.num_slots
         ins = [

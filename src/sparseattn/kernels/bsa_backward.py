@@ -242,6 +242,11 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
     plan, scale, out, (q_pages, k_pages, device) = check_inputs(
         q, k, v, o, lse, do, graph_or_plan, scale, out
     )
+    if impl != "mma" and max(int(q.shape[2]), int(k.shape[2])) * int(q.shape[3]) >= 2**31:
+        raise KernelValueError(
+            f"q/k have {max(int(q.shape[2]), int(k.shape[2]))} slots of head_dim {int(q.shape[3])}: past the "
+            "wgmma kernel's 32-bit page offsets (slots · d < 2^31); use impl='mma'"
+        )
     import cupy
 
     b, h, sq, d = (int(x) for x in q.shape)
