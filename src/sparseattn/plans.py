@@ -293,21 +293,14 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
     block = np.concatenate([p.work_block for p in plans])
     lengths = np.concatenate([p.stream_lengths() for p in plans])
     streams = [p.stream_pages.astype(np.int64) + h * stream_pages for h, p in enumerate(plans)]
-    starts = np.concatenate(
-        [
-            p.stream_indptr[:-1].astype(np.int64) + sum(x.size for x in streams[:h])
-            for h, p in enumerate(plans)
-        ]
-    )
+    bases = np.concatenate([[0], np.cumsum([x.size for x in streams])])
+    starts = np.concatenate([p.stream_indptr[:-1].astype(np.int64) + bases[h] for h, p in enumerate(plans)])
     flat = np.concatenate(streams)
     order = np.argsort(route, kind="stable")  # kernels launch route by route
     lengths = lengths[order]
     indptr = np.concatenate([[0], np.cumsum(lengths)])
-    gather = (
-        np.concatenate([np.arange(starts[i], starts[i] + lengths[j]) for j, i in enumerate(order)])
-        if order.size
-        else np.zeros(0, np.int64)
-    )
+    # entry e of sorted item j comes from flat[starts[order[j]] + (e - indptr[j])]
+    gather = np.repeat(starts[order] - indptr[:-1], lengths) + np.arange(int(indptr[-1]))
 
     def masks(attr, pages):
         out = np.zeros(len(plans) * pages, dtype=np.uint16)
@@ -325,7 +318,7 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
         work_block=block[order].astype(np.int32),
         own_pages=own[order].astype(np.int32),
         stream_indptr=indptr.astype(np.int32),
-        stream_pages=flat[gather].astype(np.int32) if gather.size else np.zeros(0, np.int32),
+        stream_pages=flat[gather].astype(np.int32),
         own_page_mask=masks("own_page_mask", own_pages),
         stream_page_mask=masks("stream_page_mask", stream_pages),
         heads=1,
