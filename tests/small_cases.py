@@ -57,3 +57,56 @@ def rel_err(a, b):
     """‖a − b‖ / ‖b‖ over the finite entries of b (inf patterns are compared separately)."""
     fin = np.isfinite(b)
     return np.linalg.norm(a[fin] - b[fin]) / max(np.linalg.norm(b[fin]), 1e-300)
+
+
+def head_stack_graphs(rng, heads, block, sizes=(150, 400)):
+    """Single-head graphs with their own random partitions (SVG2-like per-head layouts)."""
+    graphs = []
+    for _ in range(heads):
+        q_lay = partition_layout(
+            rng.integers(0, int(rng.integers(3, 8)), size=int(rng.integers(*sizes))), block
+        )
+        k_lay = partition_layout(
+            rng.integers(0, int(rng.integers(3, 10)), size=int(rng.integers(*sizes))), block
+        )
+        graphs.append(
+            make_graph(
+                q_lay, k_lay, heads=1, density=float(rng.uniform(0.3, 0.8)), seed=int(rng.integers(1000))
+            )
+        )
+    return graphs
+
+
+def head_stack_backward_problem(rng, graphs, batch, d, q_slots, k_slots):
+    """float64 inputs ``(q, k, v, o, lse, do)`` over padded ``[batch, heads, slots, d]`` tensors (o, lse
+    from each head's exact forward) and each head's exact ``(dq, dk, dv)``."""
+    from sparseattn.reference import attention_backward, attention_forward
+
+    h = len(graphs)
+    q, do, o = (rng.standard_normal((batch, h, q_slots, d)) for _ in range(3))
+    k, v = (rng.standard_normal((batch, h, k_slots, d)) for _ in range(2))
+    lse = np.full((batch, h, q_slots), -np.inf)
+    refs = []
+    for i, g in enumerate(graphs):
+        nq, nk = g.q.num_slots, g.k.num_slots
+        qi, ki, vi, doi = (
+            q[:, i : i + 1, :nq],
+            k[:, i : i + 1, :nk],
+            v[:, i : i + 1, :nk],
+            do[:, i : i + 1, :nq],
+        )
+        oh, lh = attention_forward(qi, ki, vi, g)
+        o[:, i, :nq], lse[:, i, :nq] = oh[:, 0], lh[:, 0]
+        refs.append(attention_backward(qi, ki, vi, oh, lh, doi, g))
+    return (q, k, v, o, lse, do), refs
+
+
+def assert_head_stack_gradients(grads, graphs, refs, atol=1e-10):
+    """Every head's valid rows equal its exact gradients; dQ is 0 on its invalid and padding rows."""
+    dq, dk, dv = grads
+    for i, (g, (rq, rk, rv)) in enumerate(zip(graphs, refs)):
+        nq, nk = g.q.num_slots, g.k.num_slots
+        np.testing.assert_allclose(dq[:, i, :nq][:, g.q.valid], rq[:, 0][:, g.q.valid], atol=atol)
+        np.testing.assert_allclose(dk[:, i, :nk][:, g.k.valid], rk[:, 0][:, g.k.valid], atol=atol)
+        np.testing.assert_allclose(dv[:, i, :nk][:, g.k.valid], rv[:, 0][:, g.k.valid], atol=atol)
+        assert not dq[:, i, nq:].any() and not dq[:, i, :nq][:, ~g.q.valid].any()

@@ -251,22 +251,12 @@ def test_owner_and_shape_mismatches_are_named():
 def test_stacked_head_plans_give_every_heads_gradients(kind, route, block):
     """stack_head_plans: per-head K/V-owned plans laid end to end over the heads' slot spaces, run on the
     tensors viewed as one head, give each head's exact gradients; rows past a head's layout stay 0."""
-    from small_cases import make_graph
+    from small_cases import assert_head_stack_gradients, head_stack_backward_problem, head_stack_graphs
 
-    from sparseattn.layouts import partition_layout
     from sparseattn.plans import bsa_plan, kpage_plan, stack_head_plans
-    from sparseattn.reference import attention_backward, attention_forward
 
     rng = np.random.default_rng(7 + block)
-    graphs = []
-    for _ in range(3):
-        q_lay = partition_layout(
-            rng.integers(0, int(rng.integers(3, 8)), size=int(rng.integers(150, 400))), block
-        )
-        k_lay = partition_layout(
-            rng.integers(0, int(rng.integers(3, 10)), size=int(rng.integers(150, 400))), block
-        )
-        graphs.append(make_graph(q_lay, k_lay, heads=1, density=0.5, seed=int(rng.integers(1000))))
+    graphs = head_stack_graphs(rng, 3, block)
     sq = max(g.q.num_slots for g in graphs) + 32  # extra padding past every layout
     sk = max(g.k.num_slots for g in graphs) + 16
     plans = [
@@ -274,37 +264,17 @@ def test_stacked_head_plans_give_every_heads_gradients(kind, route, block):
     ]
     stacked = stack_head_plans(plans, sk // 16, sq // 16)
     assert stacked.heads == 1 and np.all(np.diff(stacked.work_route) >= 0)
-    b, h, d = 2, len(graphs), 16
-    q, do, o = (rng.standard_normal((b, h, sq, d)) for _ in range(3))
-    k, v = (rng.standard_normal((b, h, sk, d)) for _ in range(2))
-    lse = np.full((b, h, sq), -np.inf)
-    refs = []
+    (q, k, v, o, lse, do), refs = head_stack_backward_problem(rng, graphs, 2, 16, sq, sk)
+    b, h = q.shape[:2]
+
+    def one(x):  # [b, h, s, ...] viewed as one head
+        return x.reshape(b, 1, -1, *x.shape[3:])
+
+    grads = emulate_backward(stacked, one(q), one(k), one(v), one(o), lse.reshape(b, 1, -1), one(do))
+    grads = tuple(x.reshape(b, h, -1, 16) for x in grads)
+    assert_head_stack_gradients(grads, graphs, refs)
     for i, g in enumerate(graphs):
-        nq, nk = g.q.num_slots, g.k.num_slots
-        oh, lh = attention_forward(q[:, i : i + 1, :nq], k[:, i : i + 1, :nk], v[:, i : i + 1, :nk], g)
-        o[:, i, :nq], lse[:, i, :nq] = oh[:, 0], lh[:, 0]
-        refs.append(
-            attention_backward(
-                q[:, i : i + 1, :nq],
-                k[:, i : i + 1, :nk],
-                v[:, i : i + 1, :nk],
-                oh,
-                lh,
-                do[:, i : i + 1, :nq],
-                g,
-            )
-        )
-    one = lambda x: x.reshape(b, 1, -1, *x.shape[3:])
-    dq, dk, dv = (
-        x.reshape(b, h, -1, d)
-        for x in emulate_backward(stacked, one(q), one(k), one(v), one(o), lse.reshape(b, 1, -1), one(do))
-    )
-    for i, (g, (rq, rk, rv)) in enumerate(zip(graphs, refs)):
-        nq, nk = g.q.num_slots, g.k.num_slots
-        np.testing.assert_allclose(dq[:, i, :nq][:, g.q.valid], rq[:, 0][:, g.q.valid], atol=1e-10)
-        np.testing.assert_allclose(dk[:, i, :nk][:, g.k.valid], rk[:, 0][:, g.k.valid], atol=1e-10)
-        np.testing.assert_allclose(dv[:, i, :nk][:, g.k.valid], rv[:, 0][:, g.k.valid], atol=1e-10)
-        assert not dq[:, i, nq:].any() and not dk[:, i, nk:].any() and not dv[:, i, nk:].any()
+        assert not grads[1][:, i, g.k.num_slots :].any() and not grads[2][:, i, g.k.num_slots :].any()
 
 
 def test_stack_head_plans_refuses_mixed_plans():
@@ -327,12 +297,10 @@ def test_stack_head_plans_refuses_mixed_plans():
 def test_head_stack_backward_runs_the_stacked_plan_on_views(monkeypatch):
     """The HeadStack backward's host path: one call on the tensors viewed as one head, whose outputs
     land in the caller's buffers (the kernel call replaced by the float64 emulator)."""
-    from small_cases import make_graph
+    from small_cases import assert_head_stack_gradients, head_stack_backward_problem, head_stack_graphs
 
     from sparseattn.graph import HeadStack
     from sparseattn.kernels import backward as bw
-    from sparseattn.layouts import partition_layout
-    from sparseattn.reference import attention_backward, attention_forward
 
     calls = []
 
@@ -344,39 +312,10 @@ def test_head_stack_backward_runs_the_stacked_plan_on_views(monkeypatch):
 
     monkeypatch.setattr(bw, "bsa_backward", fake_kernel)
     rng = np.random.default_rng(3)
-    graphs = [
-        make_graph(
-            partition_layout(rng.integers(0, 4, size=int(rng.integers(100, 200))), 64),
-            partition_layout(rng.integers(0, 5, size=int(rng.integers(100, 200))), 64),
-            heads=1,
-            density=0.6,
-            seed=i,
-        )
-        for i in range(3)
-    ]
+    graphs = head_stack_graphs(rng, 3, 64, sizes=(100, 200))
     stack = HeadStack.of(graphs)
-    sq, sk, d = stack.q_slots, stack.k_slots, 8
-    q, do, o = (rng.standard_normal((1, 3, sq, d)) for _ in range(3))
-    k, v = (rng.standard_normal((1, 3, sk, d)) for _ in range(2))
-    lse = np.full((1, 3, sq), -np.inf)
-    for i, g in enumerate(graphs):
-        nq, nk = g.q.num_slots, g.k.num_slots
-        oh, lh = attention_forward(q[:, i : i + 1, :nq], k[:, i : i + 1, :nk], v[:, i : i + 1, :nk], g)
-        o[:, i, :nq], lse[:, i, :nq] = oh[:, 0], lh[:, 0]
-    out = tuple(np.full_like(x, np.nan) for x in (q, k, v))
-    dq, dk, dv = bw.paged_backward(q, k, v, o, lse, do, stack, out=out)
-    assert calls == [(1, 1, 3 * sq, d)] and dq is out[0]
-    for i, g in enumerate(graphs):
-        nq, nk = g.q.num_slots, g.k.num_slots
-        rq, rk, rv = attention_backward(
-            q[:, i : i + 1, :nq],
-            k[:, i : i + 1, :nk],
-            v[:, i : i + 1, :nk],
-            o[:, i : i + 1, :nq],
-            lse[:, i : i + 1, :nq],
-            do[:, i : i + 1, :nq],
-            g,
-        )
-        np.testing.assert_allclose(dq[:, i, :nq][:, g.q.valid], rq[:, 0][:, g.q.valid], atol=1e-10)
-        np.testing.assert_allclose(dk[:, i, :nk][:, g.k.valid], rk[:, 0][:, g.k.valid], atol=1e-10)
-        np.testing.assert_allclose(dv[:, i, :nk][:, g.k.valid], rv[:, 0][:, g.k.valid], atol=1e-10)
+    inputs, refs = head_stack_backward_problem(rng, graphs, 1, 8, stack.q_slots, stack.k_slots)
+    out = tuple(np.full_like(x, np.nan) for x in inputs[:3])
+    grads = bw.paged_backward(*inputs, stack, out=out)
+    assert calls == [(1, 1, 3 * stack.q_slots, 8)] and grads[0] is out[0]
+    assert_head_stack_gradients(grads, graphs, refs)

@@ -128,64 +128,22 @@ def test_resolve_work_names_the_mismatch():
 # --- the K/V-owned backward's work list ----------------------------------------------------------
 
 
-def _head_stack(rng, heads, block):
-    graphs = []
-    for _ in range(heads):
-        q_lay = partition_layout(
-            rng.integers(0, int(rng.integers(3, 8)), size=int(rng.integers(150, 400))), block
-        )
-        k_lay = partition_layout(
-            rng.integers(0, int(rng.integers(3, 10)), size=int(rng.integers(150, 400))), block
-        )
-        graphs.append(
-            make_graph(
-                q_lay, k_lay, heads=1, density=float(rng.uniform(0.3, 0.8)), seed=int(rng.integers(1000))
-            )
-        )
-    return graphs
-
-
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("route", ["auto", 0, 1], ids=["auto", "64x256", "128x128"])
 def test_backward_work_list_runs_every_head_with_its_own_layouts(block, route, rng):
     """Per-head K/V-owned KPage plans as one backward work list: the float64 execution of its entries
     equals the exact gradients of every head, padding slots untouched."""
+    from small_cases import assert_head_stack_gradients, head_stack_backward_problem, head_stack_graphs
+
     from sparseattn.emulator import emulate_backward_work_list
     from sparseattn.kernels.work_list import BACKWARD_STEP_ROWS, backward_work_list
-    from sparseattn.reference import attention_backward
 
-    graphs = _head_stack(rng, 3, block)
+    graphs = head_stack_graphs(rng, 3, block)
     stack = HeadStack.of(graphs)
     work = backward_work_list([kpage_plan(g, route=route, owner="kv") for g in graphs])
     assert work.chunk == BACKWARD_STEP_ROWS and work.heads == 3
-    sq, sk, d = stack.q_slots, stack.k_slots, 16
-    q, do = (rng.standard_normal((2, 3, sq, d)) for _ in range(2))
-    k, v = (rng.standard_normal((2, 3, sk, d)) for _ in range(2))
-    o = rng.standard_normal((2, 3, sq, d))
-    lse = np.full((2, 3, sq), np.nan)
-    refs = []
-    for h, g in enumerate(graphs):
-        nq, nk = g.q.num_slots, g.k.num_slots
-        oh, lh = attention_forward(q[:, h : h + 1, :nq], k[:, h : h + 1, :nk], v[:, h : h + 1, :nk], g)
-        o[:, h, :nq], lse[:, h, :nq] = oh[:, 0], lh[:, 0]
-        refs.append(
-            attention_backward(
-                q[:, h : h + 1, :nq],
-                k[:, h : h + 1, :nk],
-                v[:, h : h + 1, :nk],
-                oh,
-                lh,
-                do[:, h : h + 1, :nq],
-                g,
-            )
-        )
-    dq, dk, dv = emulate_backward_work_list(work, q, k, v, o, lse, do)
-    for h, (g, (rq, rk, rv)) in enumerate(zip(graphs, refs)):
-        nq, nk = g.q.num_slots, g.k.num_slots
-        np.testing.assert_allclose(dq[:, h, :nq][:, g.q.valid], rq[:, 0][:, g.q.valid], atol=1e-10)
-        assert not dq[:, h, nq:].any() and not dq[:, h, :nq][:, ~g.q.valid].any()
-        for got, ref in ((dk, rk), (dv, rv)):
-            np.testing.assert_allclose(got[:, h, :nk][:, g.k.valid], ref[:, 0][:, g.k.valid], atol=1e-10)
+    inputs, refs = head_stack_backward_problem(rng, graphs, 2, 16, stack.q_slots, stack.k_slots)
+    assert_head_stack_gradients(emulate_backward_work_list(work, *inputs), graphs, refs)
 
 
 def test_backward_work_list_refuses_forward_plans():

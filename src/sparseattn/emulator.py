@@ -212,6 +212,21 @@ def emulate_forward(plan: TilePlan, q, k, v, scale=None):
     return o, lse
 
 
+def _backward_step(q_tile, do_tile, lse_tile, delta_tile, k_tile, v_tile, col_ok, scale):
+    """One streamed Q tile against an owned K/V tile: ``(dV, dK, dQ)`` contributions, float64.
+    Invalid Q rows come with LSE = -inf (they contribute nothing), invalid K rows with ``col_ok`` false."""
+    live = np.isfinite(lse_tile)
+    s = scale * np.matmul(q_tile, k_tile.transpose(0, 2, 1))
+    p = np.exp(s - np.where(live, lse_tile, 0.0)[..., None])
+    p = np.where(live[..., None] & col_ok[None, None, :], p, 0.0)
+    ds = p * (np.matmul(do_tile, v_tile.transpose(0, 2, 1)) - delta_tile[..., None])
+    return (
+        np.matmul(p.transpose(0, 2, 1), do_tile),
+        scale * np.matmul(ds.transpose(0, 2, 1), q_tile),
+        scale * np.matmul(ds, k_tile),
+    )
+
+
 def emulate_backward(plan_kv: TilePlan, q, k, v, o, lse, do, scale=None):
     """Run an owner ``"kv"`` plan like the K/V-owned backward kernel, in float64.
 
@@ -256,17 +271,13 @@ def emulate_backward(plan_kv: TilePlan, q, k, v, o, lse, do, scale=None):
             q_tile = _gather(q[:, h], pages, row_ok)
             do_tile = np.where(row_ok[None, :, None], do64[:, h, slots], 0.0)
             lse_tile = np.where(row_ok[None, :], lse64[:, h, slots], -np.inf)
-            live = np.isfinite(lse_tile)
-            s = scale * np.matmul(q_tile, k_tile.transpose(0, 2, 1))
-            p = np.exp(s - np.where(live, lse_tile, 0.0)[..., None])
-            p = np.where(live[..., None] & col_ok[None, None, :], p, 0.0)
-            dv_acc += np.matmul(p.transpose(0, 2, 1), do_tile)
-            ds = p * (
-                np.matmul(do_tile, v_tile.transpose(0, 2, 1))
-                - np.where(row_ok, delta[:, h, slots], 0.0)[..., None]
+            delta_tile = np.where(row_ok, delta[:, h, slots], 0.0)
+            dv_add, dk_add, dq_tile = _backward_step(
+                q_tile, do_tile, lse_tile, delta_tile, k_tile, v_tile, col_ok, scale
             )
-            dk_acc += scale * np.matmul(ds.transpose(0, 2, 1), q_tile)
-            np.add.at(dq, (slice(None), h, slots[row_ok]), scale * np.matmul(ds, k_tile)[:, row_ok])
+            dv_acc += dv_add
+            dk_acc += dk_add
+            np.add.at(dq, (slice(None), h, slots[row_ok]), dq_tile[:, row_ok])
         own_slots = _page_slots(own)[col_ok]
         if np.any(written[h, own_slots]):
             bad = own_slots[written[h, own_slots] > 0][0]
@@ -476,16 +487,14 @@ def emulate_backward_work_list(work, q, k, v, o, lse, do, scale=None):
             q_tile = _gather(q[:, head], pages, row_ok)
             do_tile = np.where(row_ok[None, :, None], do[:, head, slots], 0.0)
             o_tile = np.where(row_ok[None, :, None], o[:, head, slots], 0.0)
-            delta = (o_tile * do_tile).sum(axis=-1)
             lse_tile = np.where(row_ok[None, :], lse[:, head, slots], -np.inf)
-            live = np.isfinite(lse_tile)
-            s = scale * np.matmul(q_tile, k_tile.transpose(0, 2, 1))
-            p = np.exp(s - np.where(live, lse_tile, 0.0)[..., None])
-            p = np.where(live[..., None] & col_ok[None, None, :], p, 0.0)
-            dv_acc += np.matmul(p.transpose(0, 2, 1), do_tile)
-            ds = p * (np.matmul(do_tile, v_tile.transpose(0, 2, 1)) - delta[..., None])
-            dk_acc += scale * np.matmul(ds.transpose(0, 2, 1), q_tile)
-            np.add.at(dq, (slice(None), head, slots[row_ok]), scale * np.matmul(ds, k_tile)[:, row_ok])
+            delta_tile = (o_tile * do_tile).sum(axis=-1)
+            dv_add, dk_add, dq_tile = _backward_step(
+                q_tile, do_tile, lse_tile, delta_tile, k_tile, v_tile, col_ok, scale
+            )
+            dv_acc += dv_add
+            dk_acc += dk_add
+            np.add.at(dq, (slice(None), head, slots[row_ok]), dq_tile[:, row_ok])
         own_slots = _page_slots(own)[col_ok]
         if np.any(written[head, own_slots]):
             bad = own_slots[written[head, own_slots] > 0][0]
