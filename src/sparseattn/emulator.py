@@ -212,19 +212,41 @@ def emulate_forward(plan: TilePlan, q, k, v, scale=None):
     return o, lse
 
 
-def _backward_step(q_tile, do_tile, lse_tile, delta_tile, k_tile, v_tile, col_ok, scale):
-    """One streamed Q tile against an owned K/V tile: ``(dV, dK, dQ)`` contributions, float64.
-    Invalid Q rows come with LSE = -inf (they contribute nothing), invalid K rows with ``col_ok`` false."""
-    live = np.isfinite(lse_tile)
-    s = scale * np.matmul(q_tile, k_tile.transpose(0, 2, 1))
-    p = np.exp(s - np.where(live, lse_tile, 0.0)[..., None])
-    p = np.where(live[..., None] & col_ok[None, None, :], p, 0.0)
-    ds = p * (np.matmul(do_tile, v_tile.transpose(0, 2, 1)) - delta_tile[..., None])
-    return (
-        np.matmul(p.transpose(0, 2, 1), do_tile),
-        scale * np.matmul(ds.transpose(0, 2, 1), q_tile),
-        scale * np.matmul(ds, k_tile),
-    )
+def _backward_item(tensors, h, own, col_ok, steps, dq, scale):
+    """One K/V-owned work item of head ``h``: its owned K/V rows (``own`` pages, ``col_ok`` valid) against
+    each streamed Q step ``(pages, row_ok)``; dQ is added into ``dq``, ``(dK, dV)`` of the owned rows
+    returned. ``tensors``: float64 ``(q, k, v, do, lse, delta)`` of all heads."""
+    q, k, v, do, lse, delta = tensors
+    k_tile, v_tile = _gather(k[:, h], own, col_ok), _gather(v[:, h], own, col_ok)
+    dk_acc = np.zeros((q.shape[0], col_ok.size, q.shape[-1]))
+    dv_acc = np.zeros((q.shape[0], col_ok.size, v.shape[-1]))
+    for pages, row_ok in steps:
+        slots = _page_slots(pages)
+        q_tile = _gather(q[:, h], pages, row_ok)
+        do_tile = np.where(row_ok[None, :, None], do[:, h, slots], 0.0)
+        lse_tile = np.where(row_ok[None, :], lse[:, h, slots], -np.inf)  # invalid rows contribute nothing
+        live = np.isfinite(lse_tile)
+        p = np.exp(
+            scale * np.matmul(q_tile, k_tile.transpose(0, 2, 1)) - np.where(live, lse_tile, 0.0)[..., None]
+        )
+        p = np.where(live[..., None] & col_ok[None, None, :], p, 0.0)
+        delta_tile = np.where(row_ok, delta[:, h, slots], 0.0)
+        ds = p * (np.matmul(do_tile, v_tile.transpose(0, 2, 1)) - delta_tile[..., None])
+        dv_acc += np.matmul(p.transpose(0, 2, 1), do_tile)
+        dk_acc += scale * np.matmul(ds.transpose(0, 2, 1), q_tile)
+        np.add.at(dq, (slice(None), h, slots[row_ok]), scale * np.matmul(ds, k_tile)[:, row_ok])
+    return dk_acc, dv_acc
+
+
+def _store_owned(outs, accs, written, h, own, col_ok, what):
+    """Store an item's dK/dV on its valid owned rows, once each."""
+    own_slots = _page_slots(own)[col_ok]
+    if np.any(written[h, own_slots]):
+        bad = own_slots[written[h, own_slots] > 0][0]
+        raise EmulationError(f"{what} writes K/V row (head {h}, slot {bad}) twice")
+    written[h, own_slots] += 1
+    for out, acc in zip(outs, accs):
+        out[:, h, own_slots] = acc[:, col_ok]
 
 
 def emulate_backward(plan_kv: TilePlan, q, k, v, o, lse, do, scale=None):
@@ -259,32 +281,12 @@ def emulate_backward(plan_kv: TilePlan, q, k, v, o, lse, do, scale=None):
     dk = np.zeros((b, heads, k.shape[2], d))
     dv = np.zeros((b, heads, k.shape[2], v.shape[-1]))
     written = np.zeros((heads, k.shape[2]), dtype=np.int64)
-    for h, m, _n, own, tiles in _work_items(plan_kv):
+    tensors = (q, k, v, do64, lse64, delta)
+    for h, _m, _n, own, tiles in _work_items(plan_kv):
         col_ok = _page_rows_valid(plan_kv.own_page_mask, own)
-        k_tile = _gather(k[:, h], own, col_ok)
-        v_tile = _gather(v[:, h], own, col_ok)
-        dk_acc = np.zeros((b, m, d))
-        dv_acc = np.zeros((b, m, v.shape[-1]))
-        for pages in tiles:
-            row_ok = _page_rows_valid(plan_kv.stream_page_mask, pages)
-            slots = _page_slots(pages)
-            q_tile = _gather(q[:, h], pages, row_ok)
-            do_tile = np.where(row_ok[None, :, None], do64[:, h, slots], 0.0)
-            lse_tile = np.where(row_ok[None, :], lse64[:, h, slots], -np.inf)
-            delta_tile = np.where(row_ok, delta[:, h, slots], 0.0)
-            dv_add, dk_add, dq_tile = _backward_step(
-                q_tile, do_tile, lse_tile, delta_tile, k_tile, v_tile, col_ok, scale
-            )
-            dv_acc += dv_add
-            dk_acc += dk_add
-            np.add.at(dq, (slice(None), h, slots[row_ok]), dq_tile[:, row_ok])
-        own_slots = _page_slots(own)[col_ok]
-        if np.any(written[h, own_slots]):
-            bad = own_slots[written[h, own_slots] > 0][0]
-            raise EmulationError(f"plan writes K/V row (head {h}, slot {bad}) twice")
-        written[h, own_slots] += 1
-        dk[:, h, own_slots] = dk_acc[:, col_ok]
-        dv[:, h, own_slots] = dv_acc[:, col_ok]
+        steps = ((pages, _page_rows_valid(plan_kv.stream_page_mask, pages)) for pages in tiles)
+        dk_acc, dv_acc = _backward_item(tensors, h, own, col_ok, steps, dq, scale)
+        _store_owned((dk, dv), (dk_acc, dv_acc), written, h, own, col_ok, "plan")
     _unwritten_error("dK/dV", written, k_valid)
     return dq, dk, dv
 
@@ -473,33 +475,17 @@ def emulate_backward_work_list(work, q, k, v, o, lse, do, scale=None):
     def rows_ok(pages, masks):  # row validity of (page, row mask) entries; -1 pages are empty
         return (((masks.astype(np.uint32)[:, None] & bits) != 0) & (pages >= 0)[:, None]).ravel()
 
+    delta = (o * do).sum(axis=-1)  # per row; a step uses it only on valid rows
+    tensors = (q, k, v, do, lse, delta)
     for w in work.work_order:
         head, begin, length, m = (int(x) for x in work.work_info[w])
         own = work.own_pages[w, : m // PAGE_ROWS].astype(np.int64)
         col_ok = rows_ok(own, work.own_mask[w, : m // PAGE_ROWS])
-        k_tile, v_tile = _gather(k[:, head], own, col_ok), _gather(v[:, head], own, col_ok)
-        dk_acc = np.zeros((b, m, d))
-        dv_acc = np.zeros((b, m, v.shape[-1]))
-        for start in range(begin, begin + length, per_step):
-            pages = work.stream_pages[start : min(start + per_step, begin + length)].astype(np.int64)
-            row_ok = rows_ok(pages, work.stream_mask[start : start + pages.size])
-            slots = _page_slots(pages)
-            q_tile = _gather(q[:, head], pages, row_ok)
-            do_tile = np.where(row_ok[None, :, None], do[:, head, slots], 0.0)
-            o_tile = np.where(row_ok[None, :, None], o[:, head, slots], 0.0)
-            lse_tile = np.where(row_ok[None, :], lse[:, head, slots], -np.inf)
-            delta_tile = (o_tile * do_tile).sum(axis=-1)
-            dv_add, dk_add, dq_tile = _backward_step(
-                q_tile, do_tile, lse_tile, delta_tile, k_tile, v_tile, col_ok, scale
-            )
-            dv_acc += dv_add
-            dk_acc += dk_add
-            np.add.at(dq, (slice(None), head, slots[row_ok]), dq_tile[:, row_ok])
-        own_slots = _page_slots(own)[col_ok]
-        if np.any(written[head, own_slots]):
-            bad = own_slots[written[head, own_slots] > 0][0]
-            raise EmulationError(f"work list writes K/V row (head {head}, slot {bad}) twice")
-        written[head, own_slots] += 1
-        dk[:, head, own_slots] = dk_acc[:, col_ok]
-        dv[:, head, own_slots] = dv_acc[:, col_ok]
+        steps = (
+            (pages, rows_ok(pages, work.stream_mask[start : start + pages.size]))
+            for start in range(begin, begin + length, per_step)
+            for pages in [work.stream_pages[start : min(start + per_step, begin + length)].astype(np.int64)]
+        )
+        dk_acc, dv_acc = _backward_item(tensors, head, own, col_ok, steps, dq, scale)
+        _store_owned((dk, dv), (dk_acc, dv_acc), written, head, own, col_ok, "work list")
     return dq, dk, dv
