@@ -110,3 +110,12 @@ def assert_head_stack_gradients(grads, graphs, refs, atol=1e-10):
         np.testing.assert_allclose(dk[:, i, :nk][:, g.k.valid], rk[:, 0][:, g.k.valid], atol=atol)
         np.testing.assert_allclose(dv[:, i, :nk][:, g.k.valid], rv[:, 0][:, g.k.valid], atol=atol)
         assert not dq[:, i, nq:].any() and not dq[:, i, :nq][:, ~g.q.valid].any()
+
+
+def page_table(rows) -> np.ndarray:
+    """int32 ``[len(rows), max(1, longest row)]``: python lists of page ids, rows padded with -1
+    (a PageWeaver capture's page table)."""
+    pages = np.full((len(rows), max(1, max(len(r) for r in rows))), -1, np.int32)
+    for i, r in enumerate(rows):
+        pages[i, : len(r)] = r
+    return pages

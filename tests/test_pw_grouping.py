@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from small_cases import page_table
 
 from sparseattn.pageweaver.captures import Capture
 from sparseattn.pageweaver.grouping import (
@@ -21,10 +22,7 @@ from sparseattn.pageweaver.grouping import (
 
 def _capture(rows, num_pages=None, causal=False, page_size=16):
     """Capture from python lists of page ids (rows padded with -1)."""
-    k = max(1, max(len(r) for r in rows))
-    pages = np.full((len(rows), k), -1, np.int32)
-    for i, r in enumerate(rows):
-        pages[i, : len(r)] = r
+    pages = page_table(rows)
     n = num_pages or int(pages.max()) + 1
     context = n * page_size
     positions = np.full(len(rows), context - 1) if not causal else np.arange(len(rows))

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from small_cases import page_table
 
 from sparseattn.pageweaver.captures import Capture, GeneratorConfig, generate_capture
 from sparseattn.pageweaver.reference import key_index, paged_attention_reference
 
 
 def _capture(rows, positions, context, page_size=16, causal=True):
-    k = max(1, max(len(r) for r in rows))
-    pages = np.full((len(rows), k), -1, np.int32)
-    for i, r in enumerate(rows):
-        pages[i, : len(r)] = r
+    pages = page_table(rows)
     return Capture(pages, np.asarray(positions), context, page_size, causal=causal)
 
 

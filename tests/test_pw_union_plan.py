@@ -8,6 +8,7 @@ import functools
 
 import numpy as np
 import pytest
+from small_cases import page_table
 
 from sparseattn.pageweaver.captures import Capture, GeneratorConfig, generate_capture
 from sparseattn.pageweaver.grouping import Grouping, adjacent_groups, affinity_groups, union_sizes
@@ -32,10 +33,7 @@ KV_HEADS, HEAD_DIM = 2, 32
 
 def _capture(rows, positions, context, page_size=16, causal=True):
     """Capture from python lists of page ids (rows padded with -1)."""
-    k = max(1, max(len(r) for r in rows))
-    pages = np.full((len(rows), k), -1, np.int32)
-    for i, r in enumerate(rows):
-        pages[i, : len(r)] = r
+    pages = page_table(rows)
     return Capture(pages, np.asarray(positions), context, page_size, causal=causal)
 
 

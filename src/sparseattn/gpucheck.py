@@ -134,9 +134,8 @@ def sanitize_case(paged_only: bool = False, backward_only: bool = False) -> int:
         for d in (64, 128):
             shape = (1, 2, layout.num_slots, d)
             q, k, v, do = (cupy.asarray(float_to_bf16_bits(rng.standard_normal(shape))) for _ in range(4))
-            for kind, route in (
-                () if backward_only else (("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("bsa", "auto"))
-            ):
+            forwards = (("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("bsa", "auto"))
+            for kind, route in () if backward_only else forwards:
                 paged_forward(q, k, v, graph, kind=kind, route=route)
             if paged_only:
                 continue

@@ -49,7 +49,9 @@ from .validate import (
 SOURCE = "bsa_bwd.cu"
 WGMMA_SOURCE = "paged_bwd.cu"
 #: Main-kernel implementations: ``mma`` (bsa_bwd.cu, mma.sync) and the ``wgmma*`` variants (paged_bwd.cu).
-IMPLS = ("mma", "wgmma", "wgmma_qsplit", "wgmma_bulk", "wgmma_qsplit_bulk")
+#: The wgmma variants: (Q split on 64-row owned tiles, bulk dQ) — paged_bwd_kernel's last two parameters.
+WGMMA_VARIANTS = {"wgmma": (1, 0), "wgmma_qsplit": (2, 0), "wgmma_bulk": (1, 1), "wgmma_qsplit_bulk": (2, 1)}
+IMPLS = ("mma", *WGMMA_VARIANTS)
 #: Streamed Q rows per step of the wgmma kernel (PB_Q_ROWS in paged_bwd.cu).
 WGMMA_Q_ROWS = 64
 
@@ -89,12 +91,12 @@ NAME_EXPRESSIONS = (
 
 def q_split(impl: str, owned_rows: int) -> int:
     """Warpgroups sharing the owned rows of a wgmma CTA: 2 for ``wgmma_qsplit*`` on 64-row tiles, else 1."""
-    return 2 if impl.startswith("wgmma_qsplit") and owned_rows == 64 else 1
+    return WGMMA_VARIANTS[impl][0] if owned_rows == 64 else 1
 
 
 def dq_bulk(impl: str) -> int:
     """1 when the implementation adds dQ by bulk reductions of staged pages, else 0."""
-    return int(impl.endswith("_bulk"))
+    return WGMMA_VARIANTS[impl][1]
 
 
 def wgmma_kernel_name(head_dim: int, owned_rows: int, split: int = 1, bulk: int = 0) -> str:

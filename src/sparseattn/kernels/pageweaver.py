@@ -305,26 +305,20 @@ def union_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, group
             union_forward, q, k_cache, v_cache, k_scale, v_scale, out, capture, grouping, scale
         )
     capture = check_capture(capture)
-    _, _, hkv, device, scale = _check_inputs(q, k_cache, v_cache, k_scale, v_scale, capture, scale)
+    device, scale = _check_inputs(q, k_cache, v_cache, k_scale, v_scale, capture, scale)[3:]
     ids, offsets, num_groups, group_count = _device_grouping(grouping, capture, device)
     o, lse = _outputs(q, out, device)
     cap = _device_capture(capture, device)
+    cache = (k_cache, v_cache, k_scale, v_scale)
     _launch(
         KERNEL,
         q,
-        k_cache,
-        v_cache,
-        k_scale,
-        v_scale,
-        o,
-        lse,
-        ids,
-        offsets,
-        group_count,
+        cache,
+        (o, lse),
+        (ids, offsets, group_count),
         cap["pages"],
         cap["positions"],
         num_groups,
-        hkv,
         capture,
         scale,
         0,
@@ -370,28 +364,15 @@ def _scalar_args(hkv: int, gqa: int, nq: int, capture: Capture, scale: float) ->
 
 
 def _launch(
-    kernel,
-    q,
-    k_cache,
-    v_cache,
-    k_scale,
-    v_scale,
-    o,
-    lse,
-    ids,
-    offsets,
-    group_count,
-    pages,
-    positions,
-    num_groups,
-    hkv,
-    capture,
-    scale,
-    num_entries,
+    kernel, q, cache, outputs, groups, pages, positions, num_groups, capture, scale, num_entries
 ) -> None:
-    """One persistent launch of ``kernel`` (the union or the KV-page kernel) over ``num_groups · hkv`` items."""
+    """One persistent launch of ``kernel`` (the union or the KV-page kernel) over ``num_groups · kv_heads``
+    items. ``cache``: (k_cache, v_cache, k_scale, v_scale); ``outputs``: (o, lse) or the partials;
+    ``groups``: (ids, offsets, group_count or None)."""
     import cupy
 
+    ids, offsets, group_count = groups
+    hkv = cache[0].shape[0]
     hq, nq = q.shape[:2]
     device = device_of(q)
     with cupy.cuda.Device(device):
@@ -403,12 +384,8 @@ def _launch(
         grid = (max(1, min(launch.sm_count(device), items)),)
         args = (
             q,
-            k_cache,
-            v_cache,
-            k_scale,
-            v_scale,
-            o,
-            lse,
+            *cache,
+            *outputs,
             ids,
             offsets,
             np.uint64(0) if group_count is None else group_count,
@@ -555,19 +532,12 @@ def kv_page_forward(
             _launch(
                 KVPAGE_KERNEL,
                 qs,
-                k_cache[h0:h1],
-                v_cache[h0:h1],
-                k_scale[h0:h1],
-                v_scale[h0:h1],
-                o_part,
-                lse_part,
-                arrays["ids"],
-                arrays["offsets"],
-                None,
+                tuple(x[h0:h1] for x in (k_cache, v_cache, k_scale, v_scale)),
+                (o_part, lse_part),
+                (arrays["ids"], arrays["offsets"], None),
                 arrays["item_pages"],
                 cap["positions"],
                 plan.num_items,
-                h1 - h0,
                 capture,
                 scale,
                 E,

@@ -231,15 +231,17 @@ def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log)
                 f"useful {rec['useful_tflops']:6.1f} TFLOP/s  correct={rec.get('correct')}"
             )
 
+        def measure(impl, call, physical, **extra):
+            """Time ``call`` (it writes o / lse), check its output on sampled queries, record it."""
+            ms = timer(call)
+            record(impl, ms, physical, **extra, **check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng))
+
         if "pageweaver_union" in impls:
-            ms = timer(lambda: union_forward(q, k8, v8, ks, vs, cap, adjacent, out=(o, lse)))
-            chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
-            record(
+            measure(
                 "pageweaver_union",
-                ms,
+                lambda: union_forward(q, k8, v8, ks, vs, cap, adjacent, out=(o, lse)),
                 tile_rows * 64 * chunks["adjacent8"] * kv_heads,
                 grouping="adjacent8",
-                **chk,
             )
 
             def affinity_call():
@@ -247,31 +249,28 @@ def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log)
                 union_forward(q, k8, v8, ks, vs, cap, g, out=(o, lse))
 
             gms = timer(lambda: affinity_groups_device(pages_dev, cap.num_pages, 8, 64))
-            ms = timer(affinity_call)
-            chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
             host_groups = affinity_groups_device(pages_dev, cap.num_pages, 8, 64).to_host()
-            record(
+            measure(
                 "pageweaver_union",
-                ms,
+                affinity_call,
                 tile_rows * 64 * union_chunks(cap, host_groups) * kv_heads,
                 grouping="affinity",
                 grouping_ms=gms,
-                **chk,
             )
         if "union_singleton" in impls:
-            ms = timer(lambda: union_forward(q, k8, v8, ks, vs, cap, per_query, out=(o, lse)))
-            chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
-            record(
+            measure(
                 "union_singleton",
-                ms,
+                lambda: union_forward(q, k8, v8, ks, vs, cap, per_query, out=(o, lse)),
                 tile_rows * 64 * chunks["per_query"] * kv_heads,
                 grouping="single",
-                **chk,
             )
         if "per_query" in impls:
-            ms = timer(lambda: per_query_forward(q, k8, v8, ks, vs, cap, out=(o, lse)))
-            chk = check_sample(cap, q, k8, v8, ks, vs, o, gqa, rng)
-            record("per_query", ms, 16 * 16 * steps * kv_heads, grouping="single", **chk)
+            measure(
+                "per_query",
+                lambda: per_query_forward(q, k8, v8, ks, vs, cap, out=(o, lse)),
+                16 * 16 * steps * kv_heads,
+                grouping="single",
+            )
         if "kv_page_union" in impls:
             t0 = time.perf_counter()
             plan = kv_page_plan(cap)  # host work, built once per capture (not in the timed call)
