@@ -45,15 +45,16 @@ try:  # the GPU side is optional: `sparseattn bench --help` works without it
 except ImportError:  # pragma: no cover - depends on the machine
     cupy = None
 
+from .benchdata import FLOPS_PER_PAIR
 from .flex import to_flex_block_mask
 from .graph import HeadStack, SparseGraph
 from .kernels.validate import bf16_bits_to_float
 
 DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "svg2_wan14b_720p", "sta_hunyuan_117f")
 IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "vsa_kernel")
-PASSES = ("fwd", "fwdbwd")
+PASSES = ("fwd", "bwd", "fwdbwd")
 TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel")
-BWD_FLOP_FACTOR = 3.5  # forward + backward = 1 + 2.5 forwards
+PAGED_IMPLS = ("kpage", "bsa")  # the skeleton's plans: their backward records come per --bwd-impl
 O_REL_TOL = 1e-2
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -168,6 +169,27 @@ def _as_cupy_bf16(t):
     return cupy.from_dlpack(t.contiguous().view(torch.int16)).view(cupy.uint16)
 
 
+def torch_grad_records(timer: Timer, passes, impl: str, forward, inputs, do, physical: int, reps=None):
+    """``bwd`` (autograd through one retained forward graph) and ``fwdbwd`` records of a torch peer;
+    ``forward(*inputs)`` returns the attention output, ``inputs`` require grad."""
+    torch = _torch()
+    out = []
+    for pass_ in ("bwd", "fwdbwd"):
+        if pass_ not in passes:
+            continue
+        try:
+            if pass_ == "bwd":
+                o = forward(*inputs)
+                ms, _ = timer(lambda o=o: torch.autograd.grad(o, inputs, do, retain_graph=True), reps=reps)
+                del o
+            else:
+                ms, _ = timer(lambda: torch.autograd.grad(forward(*inputs), inputs, do), reps=reps)
+            out.append(dict(impl=impl, **{"pass": pass_}, time_ms=ms, physical_pairs=physical, correct=None))
+        except Exception as exc:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
+            out.append(dict(impl=impl, **{"pass": pass_}, error=f"{type(exc).__name__}: {exc}"[:300]))
+    return out
+
+
 class Case:
     """Inputs of one workload on the GPU (torch tensors when torch is there, cupy views of them)."""
 
@@ -232,10 +254,10 @@ BACKWARD_KERNELS = {
 }
 
 
-def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str) -> list[dict]:
-    """``kpage`` or ``bsa`` (its plan) on the paged forward skeleton; ``fwdbwd`` adds the backward of
-    the same plan kind (K/V-owned, :mod:`sparseattn.kernels.backward`; ``SPARSEATTN_BWD_IMPL`` picks the
-    ``mma.sync`` or the wgmma kernel, and the record names it)."""
+def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str, bwd_impls=(None,)) -> list[dict]:
+    """``kpage`` or ``bsa`` (its plan) on the paged forward skeleton; ``bwd`` / ``fwdbwd`` add the backward
+    of the same plan kind (K/V-owned, :mod:`sparseattn.kernels.backward`), once per kernel of
+    ``bwd_impls`` (``None``: ``SPARSEATTN_BWD_IMPL`` or the default); each record names its kernel."""
     from .kernels.backward import paged_backward
     from .kernels.bsa_backward import default_impl
     from .kernels.forward import executed_pairs, paged_forward
@@ -263,35 +285,43 @@ def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str) -> lis
                 correct=None if rel is None else bool(rel < O_REL_TOL),
             )
         )
-    if "fwdbwd" in passes:
+    for impl in bwd_impls:
+        name = impl or default_impl()
 
-        def fwdbwd():
-            o2, l2 = paged_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind)
-            paged_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale, kind=kind)
+        def backward(o2=o, l2=lse, impl=impl):
+            paged_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale, kind=kind, impl=impl)
 
-        try:
-            ms, _ = timer(fwdbwd)
-            out.append(
-                dict(
-                    impl=kind,
-                    **{"pass": "fwdbwd"},
-                    time_ms=ms,
-                    physical_pairs=physical,
-                    correct=None,
-                    backward=BACKWARD_KERNELS[default_impl()],
+        def fwdbwd(backward=backward):
+            backward(*paged_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind))
+
+        for pass_, fn in (("bwd", backward), ("fwdbwd", fwdbwd)):
+            if pass_ not in passes:
+                continue
+            try:
+                ms, _ = timer(fn)
+                out.append(
+                    dict(
+                        impl=kind,
+                        **{"pass": pass_},
+                        time_ms=ms,
+                        physical_pairs=physical,
+                        correct=None,
+                        backward=BACKWARD_KERNELS[name],
+                        bwd_impl=name,
+                    )
                 )
-            )
-        except Exception as exc:  # noqa: BLE001 - a plan the backward cannot run is recorded, not fatal
-            out.append(dict(impl=kind, **{"pass": "fwdbwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
+            except Exception as exc:  # noqa: BLE001 - a plan the backward cannot run is recorded, not fatal
+                err = f"{type(exc).__name__}: {exc}"[:300]
+                out.append(dict(impl=kind, **{"pass": pass_}, bwd_impl=name, error=err))
     return out
 
 
-def bench_kpage(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
-    return bench_paged(case, timer, passes, check, "kpage")
+def bench_kpage(case: Case, timer: Timer, passes, check: bool, bwd_impls=(None,)) -> list[dict]:
+    return bench_paged(case, timer, passes, check, "kpage", bwd_impls)
 
 
-def bench_bsa(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
-    return bench_paged(case, timer, passes, check, "bsa")
+def bench_bsa(case: Case, timer: Timer, passes, check: bool, bwd_impls=(None,)) -> list[dict]:
+    return bench_paged(case, timer, passes, check, "bsa", bwd_impls)
 
 
 def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
@@ -324,32 +354,23 @@ def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
                 correct=None if rel is None else bool(rel < O_REL_TOL),
             )
         )
-    if "fwdbwd" in passes:
-        try:
-            from .kernels.bsa_backward import bsa_backward
-        except ImportError as exc:
-            out.append(
-                dict(impl="bsa_mma", **{"pass": "fwdbwd"}, error=f"bsa_backward not importable: {exc}")
-            )
-            return out
+    from .kernels.bsa_backward import bsa_backward
 
-        def fwdbwd():
-            o2, l2 = bsa_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers)
-            bsa_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale, impl="mma")
+    def backward(o2=o, l2=lse):
+        bsa_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale, impl="mma")
 
+    def fwdbwd():
+        backward(*bsa_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers))
+
+    for pass_, fn in (("bwd", backward), ("fwdbwd", fwdbwd)):
+        if pass_ not in passes:
+            continue
         try:
-            ms, _ = timer(fwdbwd)
-            out.append(
-                dict(
-                    impl="bsa_mma",
-                    **{"pass": "fwdbwd"},
-                    time_ms=ms,
-                    physical_pairs=plan.physical_pairs() * case.b,
-                    correct=None,
-                )
-            )
+            ms, _ = timer(fn)
+            phys = plan.physical_pairs() * case.b
+            out.append(dict(impl="bsa_mma", **{"pass": pass_}, time_ms=ms, physical_pairs=phys, correct=None))
         except Exception as exc:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
-            out.append(dict(impl="bsa_mma", **{"pass": "fwdbwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
+            out.append(dict(impl="bsa_mma", **{"pass": pass_}, error=f"{type(exc).__name__}: {exc}"[:300]))
     return out
 
 
@@ -396,19 +417,16 @@ def bench_flex(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
                 compile_s=round(compile_s, 1),
             )
         )
-    if "fwdbwd" in passes:
-        try:
-            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-
-            def fwdbwd():
-                flex(qg, kg, vg, block_mask=block_mask, kernel_options=opts).backward(do)
-
-            ms, _ = timer(fwdbwd)
-            out.append(
-                dict(impl="flex", **{"pass": "fwdbwd"}, time_ms=ms, physical_pairs=physical, correct=None)
-            )
-        except Exception as exc:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
-            out.append(dict(impl="flex", **{"pass": "fwdbwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
+    grads_in = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+    out += torch_grad_records(
+        timer,
+        passes,
+        "flex",
+        lambda q, k, v: flex(q, k, v, block_mask=block_mask, kernel_options=opts),
+        grads_in,
+        do,
+        physical,
+    )
     return out
 
 
@@ -430,18 +448,10 @@ def bench_cudnn_dense(case: Case, timer: Timer, passes, check: bool) -> list[dic
             out.append(
                 dict(impl="cudnn_dense", **{"pass": "fwd"}, time_ms=ms, physical_pairs=physical, correct=None)
             )
-        if "fwdbwd" in passes:
-            qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-            ms, _ = timer(lambda: sdpa(qg, kg, vg).backward(do), reps=max(3, timer.reps // 4))
-            out.append(
-                dict(
-                    impl="cudnn_dense",
-                    **{"pass": "fwdbwd"},
-                    time_ms=ms,
-                    physical_pairs=physical,
-                    correct=None,
-                )
-            )
+        grads_in = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+        out += torch_grad_records(
+            timer, passes, "cudnn_dense", sdpa, grads_in, do, physical, reps=max(3, timer.reps // 4)
+        )
     return out
 
 
@@ -489,16 +499,16 @@ def bench_vsa_kernel(case: Case, timer: Timer, passes, check: bool) -> list[dict
                 correct=None if rel is None else bool(rel < O_REL_TOL),
             )
         )
-    if "fwdbwd" in passes:
-        qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-
-        def fwdbwd():
-            block_sparse_attn_from_indices(qg, kg, vg, q2k_idx, q2k_num, vbs)[0].backward(do)
-
-        ms, _ = timer(fwdbwd)
-        out.append(
-            dict(impl="vsa_kernel", **{"pass": "fwdbwd"}, time_ms=ms, physical_pairs=physical, correct=None)
-        )
+    grads_in = tuple(x.detach().clone().requires_grad_() for x in (q, k, v))
+    out += torch_grad_records(
+        timer,
+        passes,
+        "vsa_kernel",
+        lambda q, k, v: block_sparse_attn_from_indices(q, k, v, q2k_idx, q2k_num, vbs)[0],
+        grads_in,
+        do,
+        physical,
+    )
     return out
 
 
@@ -548,9 +558,11 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--bwd-impl",
+        action="append",
         choices=tuple(BACKWARD_KERNELS),
         default=None,
-        help="backward kernel of the kpage/bsa fwdbwd records (sets SPARSEATTN_BWD_IMPL; default wgmma)",
+        help="backward kernel of the kpage/bsa bwd and fwdbwd records (repeatable: one record per kernel; "
+        "default: SPARSEATTN_BWD_IMPL or wgmma)",
     )
     parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -594,7 +606,7 @@ def _gpu_name() -> str:
 def _rates(rec: dict, useful: int, head_dim: int) -> dict:
     if "time_ms" not in rec:
         return rec
-    factor = 4.0 * head_dim * (BWD_FLOP_FACTOR if rec["pass"] == "fwdbwd" else 1.0)
+    factor = FLOPS_PER_PAIR[rec["pass"]] * head_dim
     sec = rec["time_ms"] * 1e-3
     rec["useful_tflops"] = round(factor * useful / sec / 1e12, 1)
     rec["physical_tflops"] = round(factor * rec["physical_pairs"] / sec / 1e12, 1)
@@ -648,7 +660,7 @@ def print_table(records: list[dict], file=None) -> None:
         rel = r.get("rel_err_o")
         table.add_row(
             r["workload"],
-            r["impl"],
+            r["impl"] + (f" [{r['bwd_impl']}]" if r.get("bwd_impl") else ""),
             r["pass"],
             str(r["heads"]),
             f"{r['time_ms']:.3f}",
@@ -691,8 +703,7 @@ def run(args) -> int:
         raise ImportError("sparseattn bench needs cupy and a CUDA GPU: pip install -e '.[gpu]'")
     workloads = args.workload or list(DEFAULT_WORKLOADS)
     passes = tuple(args.passes or ("fwd",))
-    if args.bwd_impl:
-        os.environ["SPARSEATTN_BWD_IMPL"] = args.bwd_impl
+    bwd_impls = tuple(args.bwd_impl or (None,))
     torch = _torch()
     impls = list(args.impl or [i for i in IMPLS if i not in TORCH_IMPLS or torch is not None])
     timer = Timer(args.warmup, args.reps)
@@ -716,7 +727,8 @@ def run(args) -> int:
                 continue
             t1 = time.time()
             try:
-                recs = BENCHES[impl](case, timer, passes, check=not args.no_check)
+                extra = {"bwd_impls": bwd_impls} if impl in PAGED_IMPLS else {}
+                recs = BENCHES[impl](case, timer, passes, check=not args.no_check, **extra)
             except Exception as exc:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
                 traceback.print_exc()
                 recs = [

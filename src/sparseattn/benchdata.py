@@ -22,9 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_BENCH_DIR = REPO / "data" / "bench"
 RUN_FIELDS = ("gpu", "commit", "date", "command", "records")
 RECORD_FIELDS = ("workload", "impl", "pass")
-#: Useful FLOPs per useful QK pair and head-dim element: 4 (Q·Kᵀ and P·V) forward; backward costs
-#: 2.5× the forward, so forward + backward is 3.5× the forward.
-FLOPS_PER_PAIR = {"fwd": 4.0, "fwdbwd": 14.0}
+#: Useful FLOPs per useful QK pair and head-dim element: 4 (Q·Kᵀ and P·V) forward; the backward's five
+#: GEMMs cost 2.5× the forward, so forward + backward is 3.5× the forward.
+FLOPS_PER_PAIR = {"fwd": 4.0, "bwd": 10.0, "fwdbwd": 14.0}
 
 
 class BenchFileError(ValueError):
@@ -43,12 +43,13 @@ class BenchRun:
     records: tuple
 
     def usable(self, impl: str, pass_: str) -> dict[str, dict]:
-        """Records of ``impl``/``pass_`` with a time and no failure, by workload."""
-        return {
-            r["workload"]: r
-            for r in self.records
-            if r["impl"] == impl and r["pass"] == pass_ and is_usable(r)
-        }
+        """Records of ``impl``/``pass_`` with a time and no failure, by workload (where a run timed several
+        backward kernels, ``sparseattn bench --bwd-impl A --bwd-impl B``, the first one's)."""
+        found: dict[str, dict] = {}
+        for r in self.records:
+            if r["impl"] == impl and r["pass"] == pass_ and is_usable(r):
+                found.setdefault(r["workload"], r)
+        return found
 
     def failed(self, impl: str, pass_: str) -> dict[str, dict]:
         """Records of ``impl``/``pass_`` that carry an ``error`` or a wrong result, by workload."""

@@ -95,7 +95,12 @@ IMPL_LABELS = {
 }
 
 #: Benchmark passes -> axis/panel names.
-PASS_LABELS = {"fwd": "forward", "fwdbwd": "forward + backward", "complete_call": "complete call"}
+PASS_LABELS = {
+    "fwd": "forward",
+    "bwd": "backward",
+    "fwdbwd": "forward + backward",
+    "complete_call": "complete call",
+}
 
 #: Capture styles of :mod:`sparseattn.pageweaver.captures` -> names.
 CAPTURE_STYLE_LABELS = {"nsa": "NSA-like", "dsa": "DSA-like"}

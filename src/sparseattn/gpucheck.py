@@ -299,7 +299,7 @@ def main(argv=None) -> int:
             "--launch-overhead",
         ]
         if not args.fwd_only:
-            cmd += ["--pass", "fwdbwd"]
+            cmd += ["--pass", "bwd", "--pass", "fwdbwd"]
         if args.quick:
             cmd += [
                 "--workload",
