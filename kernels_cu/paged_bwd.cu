@@ -25,17 +25,26 @@
 // 128 streamed rows, 64 each; each keeps its own dK/dV partial, and warpgroup 1 hands its partial to
 // warpgroup 0 through shared memory at the end. Q_SPLIT = 1 is version 1 (H200-verified at aba13e4).
 //
-// DQ_BULK = 1: each step's dQ partial is staged in fp32 over the step's Q and dO buffers (free once every
-// GEMM of the step has finished), one 16-row page contiguous per 16·HEAD_DIM·4 bytes, and one thread adds
-// each page to dq_accum with one bulk asynchronous reduction (cp.reduce.async.bulk .add.f32) instead of
-// 16·HEAD_DIM / 2 vector atomics per page. Invalid rows of a page hold exactly 0.
+// DQ_MODE selects how dQ partials reach the accumulator:
+//   0 (DQ_ATOMIC): fp32 vector atomics (red.global.add.v2.f32) per row;
+//   1 (DQ_BULK): each step's dQ partial is staged in fp32 over the step's Q and dO buffers (free once every
+//     GEMM of the step has finished), one 16-row page contiguous per 16·HEAD_DIM·4 bytes, and one thread
+//     adds each page to dq_accum with one bulk asynchronous reduction (cp.reduce.async.bulk .add.f32)
+//     instead of 16·HEAD_DIM / 2 vector atomics per page. Invalid rows of a page hold exactly 0;
+//   2 (DQ_FIXED, deterministic): every partial is rounded once to a 64-bit fixed-point integer and added
+//     with integer atomics (red.global.add.u64). Integer addition is associative, so dQ is bit-identical
+//     whatever order the CTAs and steps add in. The fixed-point unit 2^-F comes from a bound on |dQ|
+//     (paged_bwd::fixed_point_scale): |Σ_j dS_ij K_jc| ≤ Σ_j P_ij (|dP_ij| + |Δ_i|) |K_jc| ≤ 2·d·|dO|·|V|·|K|
+//     (maxima over valid rows, Σ_j P_ij = 1), scaled to stay under 2^60.
 #include "hopper_wgmma.cuh"
 
 #define PB_Q_ROWS 64  // streamed Q rows per warpgroup and step
 
 namespace paged_bwd {
 
-template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT = 1, int DQ_BULK = 0>
+enum DqMode { DQ_ATOMIC = 0, DQ_BULK = 1, DQ_FIXED = 2 };
+
+template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT = 1, int DQ_MODE = DQ_ATOMIC>
 struct Config {
     static constexpr int kKvWGs = BLOCK_K / 64;              // warpgroups along the owned rows
     static constexpr int kConsumerWGs = kKvWGs * Q_SPLIT;
@@ -54,7 +63,8 @@ struct Config {
     static_assert(Q_SPLIT == 1 || (Q_SPLIT == 2 && BLOCK_K == 64), "the Q split is for 64-row owned tiles");
     static_assert(Q_SPLIT == 1 || 4 * kQBytes >= 2 * 64 * HEAD_DIM * 4, "the dK/dV hand-off must fit Q and dO");
     static constexpr int kPageBytesF32 = PAGE_ROWS * HEAD_DIM * 4;  // one staged dQ page
-    static_assert(!DQ_BULK || 2 * kQBytes == kStreamPages * kPageBytesF32, "dQ staging fills Q and dO");
+    static_assert(DQ_MODE != DQ_BULK || 2 * kQBytes == kStreamPages * kPageBytesF32, "dQ staging fills Q and dO");
+    static_assert(DQ_MODE >= DQ_ATOMIC && DQ_MODE <= DQ_FIXED, "dQ mode 0, 1 or 2");
     static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory limit");
 };
 
@@ -71,6 +81,27 @@ __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_g
 
 __device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+}
+
+// Fixed-point accumulation (DQ_FIXED): x is rounded once to an integer multiple of 1 / unit.
+__device__ __forceinline__ void red_add_fixed(unsigned long long* addr, float x, float unit) {
+    const long long i = __float2ll_rn(x * unit);
+    asm volatile("red.global.add.u64 [%0], %1;\n" ::"l"(addr), "l"(static_cast<unsigned long long>(i)) : "memory");
+}
+
+// Exponent e with |x| < 2^e for a bf16 magnitude (bits without sign; 0 -> -200).
+__device__ __forceinline__ int bf16_exponent_bound(unsigned int bits) {
+    const int field = static_cast<int>(bits >> 7) & 0xff;
+    return bits == 0u ? -200 : (field == 0 ? -125 : field - 126);
+}
+
+// The fixed-point unit 2^(60 - e) for the bound 2·d·|dO|·|V|·|K| < 2^e; absmax: bf16 magnitude bits of
+// the valid rows' maxima of dO, V and K (bwd_absmax_bf16). The unit stays a normal float.
+__device__ __forceinline__ float fixed_point_scale(const unsigned int* __restrict__ absmax, int head_dim) {
+    const int log2_2d = head_dim == 64 ? 7 : 8;
+    int e = bf16_exponent_bound(absmax[0]) + bf16_exponent_bound(absmax[1]) + bf16_exponent_bound(absmax[2]) + log2_2d;
+    e = max(-66, min(e, 186));
+    return ldexpf(1.f, 60 - e);
 }
 
 
@@ -113,9 +144,10 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], uint32_t tdS, uint32_t
 }  // namespace paged_bwd
 
 // Grid (work items [work_offset, work_offset + gridDim.x) of one route, batch), block Config::kThreads,
-// dynamic shared memory Config::kSmemBytes. Arguments as bsa_bwd_kernel.
-template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT, int DQ_BULK>
-__global__ void __launch_bounds__(paged_bwd::Config<HEAD_DIM, BLOCK_K, Q_SPLIT, DQ_BULK>::kThreads, 1)
+// dynamic shared memory Config::kSmemBytes. Arguments as bsa_bwd_kernel, plus dq_absmax (DQ_FIXED only:
+// three bf16 magnitudes from bwd_absmax_bf16; dq_accum then holds int64 fixed-point values).
+template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT, int DQ_MODE>
+__global__ void __launch_bounds__(paged_bwd::Config<HEAD_DIM, BLOCK_K, Q_SPLIT, DQ_MODE>::kThreads, 1)
 paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                  const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ dout,
                  const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq_accum,
@@ -123,9 +155,10 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
                  const int* __restrict__ own_pages, int max_own, const int* __restrict__ stream_indptr,
                  const int* __restrict__ stream_pages, const uint16_t* __restrict__ k_page_mask,
                  const uint16_t* __restrict__ q_page_mask, int work_offset, int heads, int q_slots, int k_slots,
-                 float scale, float scale_log2) {
+                 float scale, float scale_log2, const unsigned int* __restrict__ dq_absmax) {
     using namespace hopper;
-    using Cfg = paged_bwd::Config<HEAD_DIM, BLOCK_K, Q_SPLIT, DQ_BULK>;
+    using namespace paged_bwd;
+    using Cfg = Config<HEAD_DIM, BLOCK_K, Q_SPLIT, DQ_MODE>;
     constexpr int D = HEAD_DIM;
     constexpr int QS = Cfg::kQStep;
 
@@ -159,7 +192,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     const __nv_bfloat16* do_bh = dout + bh * q_slots * D;
     const float* lse_bh = lse + bh * q_slots;
     const float* delta_bh = delta + bh * q_slots;
-    float* dq_bh = dq_accum + bh * q_slots * D;
+    float* dq_bh = dq_accum + bh * q_slots * D * (DQ_MODE == DQ_FIXED ? 2 : 1);  // int64 elements in DQ_FIXED
     const int q_pages = q_slots / PAGE_ROWS;
     const int k_pages = k_slots / PAGE_ROWS;
     const int* own = own_pages + static_cast<size_t>(work) * max_own;
@@ -216,7 +249,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
 #pragma unroll 1
     for (int tile = 0; tile < num_tiles; ++tile) {
         const int buf = tile & 1;
-        if (DQ_BULK && tid == 0) paged_bwd::bulk_wait_read();  // step tile - 1's dQ staging is read
+        if (DQ_MODE == DQ_BULK && tid == 0) paged_bwd::bulk_wait_read();  // step tile - 1's dQ staging is read
         paged::cp_async_wait<0>();
         fence_async_proxy();
         __syncthreads();  // step tile - 1 is done everywhere: its buffers and dSᵀ may be overwritten
@@ -283,7 +316,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
             paged_bwd::issue_pv_slice<D, QS>(acc_dk, pds, tQ + qp * 64 * 128);
             wgmma_commit();
         }
-        if constexpr (DQ_BULK) wgmma_wait<0>();  // then after the barrier no GEMM reads this step's Q / dO
+        if constexpr (DQ_MODE == DQ_BULK) wgmma_wait<0>();  // then after the barrier no GEMM reads this step's Q / dO
         fence_async_proxy();
         __syncthreads();  // every warpgroup's dSᵀ rows are in shared memory
 
@@ -297,7 +330,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
             wgmma_commit();
             wgmma_wait<0>();
             pin_registers(dq);
-            if constexpr (DQ_BULK) {
+            if constexpr (DQ_MODE == DQ_BULK) {
                 const int pg = qp * 4 + wq;  // warp wq's 16 accumulator rows are page wq of its Q slice
                 const uint32_t stage = (pg < kHalfPages ? tQ : tdO) + (pg % kHalfPages) * Cfg::kPageBytesF32;
 #pragma unroll
@@ -315,15 +348,26 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
                 for (int half = 0; half < 2; ++half) {
                     const int slot = sSlot[buf * QS + qp * PB_Q_ROWS + 16 * wq + g + 8 * half];
                     if (slot >= 0) {
-                        float* row_ptr = dq_bh + static_cast<size_t>(slot) * D + 64 * h + 2 * t4;
+                        const size_t at = static_cast<size_t>(slot) * D + 64 * h + 2 * t4;
+                        if constexpr (DQ_MODE == DQ_FIXED) {
+                            unsigned long long* row_ptr = reinterpret_cast<unsigned long long*>(dq_bh) + at;
+                            const float unit = fixed_point_scale(dq_absmax, D);
 #pragma unroll
-                        for (int j = 0; j < 8; ++j)
-                            paged_bwd::red_add_v2(row_ptr + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+                            for (int j = 0; j < 8; ++j) {
+                                red_add_fixed(row_ptr + 8 * j, dq[4 * j + 2 * half], unit);
+                                red_add_fixed(row_ptr + 8 * j + 1, dq[4 * j + 2 * half + 1], unit);
+                            }
+                        } else {
+                            float* row_ptr = dq_bh + at;
+#pragma unroll
+                            for (int j = 0; j < 8; ++j)
+                                red_add_v2(row_ptr + 8 * j, dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]);
+                        }
                     }
                 }
             }
         }
-        if constexpr (DQ_BULK) {  // one bulk reduction per staged page
+        if constexpr (DQ_MODE == DQ_BULK) {  // one bulk reduction per staged page
             fence_async_proxy();
             __syncthreads();
             if (tid == 0) {
@@ -345,7 +389,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     }
 
     // dK (scaled) and dV: staged bf16 in the K / V tiles, then 16-byte stores of every owned row
-    if (DQ_BULK && tid == 0) paged_bwd::bulk_wait();  // before the Q/dO buffers are reused and the CTA exits
+    if (DQ_MODE == DQ_BULK && tid == 0) paged_bwd::bulk_wait();  // before the Q/dO buffers are reused and the CTA exits
     paged::cp_async_wait<0>();
     __syncthreads();
     if constexpr (Q_SPLIT == 2) {  // warpgroup 1's partial joins warpgroup 0's, through the Q/dO buffers
@@ -385,9 +429,9 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     __syncthreads();
     // (the bulk variants re-derive the owned-page list and the (batch, head) offset: keeping them across
     // the loop spills them)
-    const int* own_out = DQ_BULK ? own_pages + static_cast<size_t>(blockIdx.x + work_offset) * max_own : own;
+    const int* own_out = DQ_MODE == DQ_BULK ? own_pages + static_cast<size_t>(blockIdx.x + work_offset) * max_own : own;
     const size_t bh_out =
-        DQ_BULK ? static_cast<size_t>(blockIdx.y) * heads + work_head[blockIdx.x + work_offset] : bh;
+        DQ_MODE == DQ_BULK ? static_cast<size_t>(blockIdx.y) * heads + work_head[blockIdx.x + work_offset] : bh;
     __nv_bfloat16* dk_bh = dk + bh_out * k_slots * D;
     __nv_bfloat16* dv_bh = dv + bh_out * k_slots * D;
     constexpr int kChunksPerRow = D / 8;
@@ -410,11 +454,52 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     }
 }
 
-#define PAGED_BWD_INSTANTIATE(D, BK, QSPLIT, BULK)                                                     \
-    template __global__ void paged_bwd_kernel<D, BK, QSPLIT, BULK>(                                    \
+// Magnitude bits (bf16, sign cleared) of the largest finite element over the valid rows of x
+// [outer, slots, head_dim] (page_mask over the slots), atomically max-ed into *out. Grid-stride, 8 elements
+// (16 bytes) per thread and step.
+__global__ void __launch_bounds__(256) bwd_absmax_bf16(const uint4* __restrict__ x, long long n8, int head_dim,
+                                                       int slots, const uint16_t* __restrict__ page_mask,
+                                                       unsigned int* __restrict__ out) {
+    unsigned int m = 0u;
+    const int chunks = head_dim / 8;
+    for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n8;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const int slot = static_cast<int>((i / chunks) % slots);
+        if (!((page_mask[slot / PAGE_ROWS] >> (slot % PAGE_ROWS)) & 1u)) continue;
+        const uint4 v = x[i];
+        const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned int lo = w[k] & 0x7fffu, hi = (w[k] >> 16) & 0x7fffu;
+            if (lo < 0x7f80u) m = max(m, lo);  // finite only
+            if (hi < 0x7f80u) m = max(m, hi);
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if ((threadIdx.x & 31) == 0 && m) atomicMax(out, m);
+}
+
+// dQ = bf16(scale · accum / unit) from the DQ_FIXED int64 accumulator (n2 pairs of elements).
+__global__ void __launch_bounds__(256) bwd_fixed_postprocess(const long long* __restrict__ dq_accum,
+                                                             __nv_bfloat16* __restrict__ dq, float scale,
+                                                             const unsigned int* __restrict__ dq_absmax,
+                                                             int head_dim, long long n2) {
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n2) return;
+    const double f = static_cast<double>(scale) / static_cast<double>(paged_bwd::fixed_point_scale(dq_absmax, head_dim));
+    const longlong2 a = reinterpret_cast<const longlong2*>(dq_accum)[i];
+    const float x = static_cast<float>(static_cast<double>(a.x) * f);
+    const float y = static_cast<float>(static_cast<double>(a.y) * f);
+    reinterpret_cast<uint32_t*>(dq)[i] = paged::pack_bf16x2(x, y);
+}
+
+#define PAGED_BWD_INSTANTIATE(D, BK, QSPLIT, MODE)                                                     \
+    template __global__ void paged_bwd_kernel<D, BK, QSPLIT, MODE>(                                    \
         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,        \
         const float*, const float*, float*, __nv_bfloat16*, __nv_bfloat16*, const int*, const int*, int, \
-        const int*, const int*, const uint16_t*, const uint16_t*, int, int, int, int, float, float);
+        const int*, const int*, const uint16_t*, const uint16_t*, int, int, int, int, float, float,     \
+        const unsigned int*);
 PAGED_BWD_INSTANTIATE(64, 64, 1, 0)
 PAGED_BWD_INSTANTIATE(64, 128, 1, 0)
 PAGED_BWD_INSTANTIATE(128, 64, 1, 0)
@@ -427,3 +512,9 @@ PAGED_BWD_INSTANTIATE(128, 64, 1, 1)
 PAGED_BWD_INSTANTIATE(128, 128, 1, 1)
 PAGED_BWD_INSTANTIATE(64, 64, 2, 1)
 PAGED_BWD_INSTANTIATE(128, 64, 2, 1)
+PAGED_BWD_INSTANTIATE(64, 64, 1, 2)
+PAGED_BWD_INSTANTIATE(64, 128, 1, 2)
+PAGED_BWD_INSTANTIATE(128, 64, 1, 2)
+PAGED_BWD_INSTANTIATE(128, 128, 1, 2)
+PAGED_BWD_INSTANTIATE(64, 64, 2, 2)
+PAGED_BWD_INSTANTIATE(128, 64, 2, 2)

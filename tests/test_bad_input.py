@@ -624,6 +624,18 @@ API_CASES = [
         "impl must be one of",
         "backward-impl",
     ),
+    api_case(
+        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, impl="mma", deterministic=True),
+        KernelValueError,
+        "deterministic=True needs a wgmma implementation",
+        "backward-deterministic-mma",
+    ),
+    api_case(
+        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, deterministic="yes"),
+        KernelTypeError,
+        "deterministic must be True or False",
+        "backward-deterministic-type",
+    ),
 ]
 
 

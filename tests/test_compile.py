@@ -229,15 +229,21 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
 
 def test_wgmma_backward_mirrors_match_the_kernel(reports):
     """bsa_backward's wgmma shared-memory and thread formulas equal paged_bwd.cu's Config, and the wgmma
-    kernel takes exactly the mma.sync kernel's parameters (the wrapper passes one argument tuple)."""
+    kernel takes the mma.sync kernel's parameters plus the fixed-point bound (the wrapper passes one
+    argument tuple and appends that one)."""
     from sparseattn.kernels import bsa_backward as bb
 
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
     options = compile_check.compile_options(compile_check.find_cuda_include())
-    assert {bb.wgmma_kernel_name(*x) for x in bb.WGMMA_SHAPES} == set(bb.WGMMA_NAME_EXPRESSIONS)
-    assert {(bb.q_split(i, m), bb.dq_bulk(i)) for i in bb.IMPLS[1:] for m in bb.OWNED_ROWS} == {
-        (q, b) for _, m, q, b in bb.WGMMA_SHAPES
+    helpers = {bb.ABSMAX_NAME, bb.FIXED_POSTPROCESS_NAME}
+    assert {bb.wgmma_kernel_name(*x) for x in bb.WGMMA_SHAPES} | helpers == set(bb.WGMMA_NAME_EXPRESSIONS)
+    launched = {
+        (m, *bb.wgmma_variant(i, m, det))
+        for i in bb.IMPLS[1:]
+        for m in bb.OWNED_ROWS
+        for det in (False, True)
     }
+    assert launched == {(m, q, mode) for _, m, q, mode in bb.WGMMA_SHAPES}
     checks = "".join(
         f'static_assert(paged_bwd::Config<{d}, {m}, {q}, {b}>::kSmemBytes == {bb.wgmma_smem_bytes(d, m, q)}, "s");'
         f'static_assert(paged_bwd::Config<{d}, {m}, {q}, {b}>::kThreads == {bb.wgmma_threads_per_cta(m, q)}, "t");'
@@ -252,4 +258,4 @@ def test_wgmma_backward_mirrors_match_the_kernel(reports):
         sig = re.search(rf"\n{kernel}\((.*?)\)\s*\{{", text, re.DOTALL).group(1)
         return tuple(re.findall(r"(\w+)\s*(?:,|$)", " ".join(sig.split())))
 
-    assert params(bb.WGMMA_SOURCE, "paged_bwd_kernel") == params(bb.SOURCE, "bsa_bwd_kernel")
+    assert params(bb.WGMMA_SOURCE, "paged_bwd_kernel") == (*params(bb.SOURCE, "bsa_bwd_kernel"), "dq_absmax")

@@ -155,3 +155,24 @@ def test_backward_work_list_refuses_forward_plans():
         backward_work_list(kpage_plan(graph))
     with pytest.raises(KernelValueError, match="owner='q'"):
         work_list(kpage_plan(graph, owner="kv"))
+
+
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_qsplit", "mma"])
+def test_backward_executed_pairs_count_the_kernel_steps(impl):
+    """The backward's executed pairs: owned rows × streamed rows rounded up to the kernel's step, between
+    the useful pairs and the plan's tile count; a HeadStack counts every head."""
+    from sparseattn.kernels.backward import backward_executed_pairs
+
+    layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.3, seed=3)
+    plan = kpage_plan(graph, owner="kv")
+    got = backward_executed_pairs(graph, 128, "kpage", impl)
+    _, i, j = graph.pairs
+    assert int((layout.valid_rows[i] * layout.valid_rows[j]).sum()) <= got <= plan.physical_pairs()
+    # streamed rows per step at d = 128, by owned tile height (paged_bwd.cu / bsa_bwd.cu)
+    steps = {"wgmma": {64: 64, 128: 64}, "wgmma_qsplit": {64: 128, 128: 64}, "mma": {64: 32, 128: 64}}[impl]
+    rows = plan.tile_shapes()[:, 0]
+    step = np.array([steps[int(m)] for m in rows])
+    assert got == int((rows * (-(-(plan.stream_lengths() * 16) // step)) * step).sum())
+    stack = HeadStack.of([graph.select_heads([0]), graph.select_heads([1])])
+    assert backward_executed_pairs(stack, 128, "kpage", impl) == got

@@ -170,23 +170,35 @@ def _as_cupy_bf16(t):
 
 
 def torch_grad_records(timer: Timer, passes, impl: str, forward, inputs, do, physical: int, reps=None):
-    """``bwd`` (autograd through one retained forward graph) and ``fwdbwd`` records of a torch peer;
-    ``forward(*inputs)`` returns the attention output, ``inputs`` require grad."""
+    """``fwdbwd`` and ``bwd`` records of a torch peer; ``forward(*inputs)`` returns the attention output,
+    ``inputs`` require grad. Forward+backward is one ``torch.autograd.grad`` through a fresh forward;
+    the backward alone is that minus the same forward under autograd (compiled FlexAttention donates
+    its saved buffers, so its backward cannot be replayed on a retained graph); ``timed_as`` says so."""
     torch = _torch()
+    if "bwd" not in passes and "fwdbwd" not in passes:
+        return []
+    try:
+        fwdbwd_ms, _ = timer(lambda: torch.autograd.grad(forward(*inputs), inputs, do), reps=reps)
+        fwd_ms = timer(lambda: forward(*inputs), reps=reps)[0] if "bwd" in passes else None
+    except Exception as exc:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
+        err = f"{type(exc).__name__}: {exc}"[:300]
+        return [dict(impl=impl, **{"pass": p}, error=err) for p in ("bwd", "fwdbwd") if p in passes]
     out = []
-    for pass_ in ("bwd", "fwdbwd"):
-        if pass_ not in passes:
-            continue
-        try:
-            if pass_ == "bwd":
-                o = forward(*inputs)
-                ms, _ = timer(lambda o=o: torch.autograd.grad(o, inputs, do, retain_graph=True), reps=reps)
-                del o
-            else:
-                ms, _ = timer(lambda: torch.autograd.grad(forward(*inputs), inputs, do), reps=reps)
-            out.append(dict(impl=impl, **{"pass": pass_}, time_ms=ms, physical_pairs=physical, correct=None))
-        except Exception as exc:  # noqa: BLE001 (a failing peer or step is recorded, not fatal)
-            out.append(dict(impl=impl, **{"pass": pass_}, error=f"{type(exc).__name__}: {exc}"[:300]))
+    if "bwd" in passes:
+        out.append(
+            dict(
+                impl=impl,
+                **{"pass": "bwd"},
+                time_ms=fwdbwd_ms - fwd_ms,
+                physical_pairs=physical,
+                correct=None,
+                timed_as="fwdbwd - fwd (the forward under autograd)",
+            )
+        )
+    if "fwdbwd" in passes:
+        out.append(
+            dict(impl=impl, **{"pass": "fwdbwd"}, time_ms=fwdbwd_ms, physical_pairs=physical, correct=None)
+        )
     return out
 
 
@@ -247,18 +259,22 @@ class Case:
 #: The backward kernel of each ``SPARSEATTN_BWD_IMPL`` value, as the fwdbwd records name it.
 BACKWARD_KERNELS = {
     "mma": "mma.sync (kernels_cu/bsa_bwd.cu)",
-    "wgmma": "wgmma (kernels_cu/paged_bwd.cu)",
+    "wgmma": "wgmma, dQ by bulk page reductions on 64-row tiles, by atomics on 128-row tiles (kernels_cu/paged_bwd.cu)",
+    "wgmma_atomic": "wgmma, dQ by fp32 atomics (kernels_cu/paged_bwd.cu)",
     "wgmma_qsplit": "wgmma, Q split on 64-row tiles (kernels_cu/paged_bwd.cu)",
     "wgmma_bulk": "wgmma, dQ by bulk page reductions (kernels_cu/paged_bwd.cu)",
     "wgmma_qsplit_bulk": "wgmma, Q split, dQ by bulk page reductions (kernels_cu/paged_bwd.cu)",
 }
 
 
-def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str, bwd_impls=(None,)) -> list[dict]:
+def bench_paged(
+    case: Case, timer: Timer, passes, check: bool, kind: str, bwd_impls=((None, False),)
+) -> list[dict]:
     """``kpage`` or ``bsa`` (its plan) on the paged forward skeleton; ``bwd`` / ``fwdbwd`` add the backward
-    of the same plan kind (K/V-owned, :mod:`sparseattn.kernels.backward`), once per kernel of
-    ``bwd_impls`` (``None``: ``SPARSEATTN_BWD_IMPL`` or the default); each record names its kernel."""
-    from .kernels.backward import paged_backward
+    of the same plan kind (K/V-owned, :mod:`sparseattn.kernels.backward`), once per ``(impl,
+    deterministic)`` of ``bwd_impls`` (impl ``None``: ``SPARSEATTN_BWD_IMPL`` or the default); each record
+    names its kernel. A ``bwd`` record's ``physical_pairs`` are the backward plan's (its kernel's step)."""
+    from .kernels.backward import backward_executed_pairs, paged_backward
     from .kernels.bsa_backward import default_impl
     from .kernels.forward import executed_pairs, paged_forward
 
@@ -285,11 +301,24 @@ def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str, bwd_im
                 correct=None if rel is None else bool(rel < O_REL_TOL),
             )
         )
-    for impl in bwd_impls:
+    for impl, deterministic in bwd_impls:
         name = impl or default_impl()
+        bwd_physical = backward_executed_pairs(g, case.d, kind, name) * case.b
 
-        def backward(o2=o, l2=lse, impl=impl):
-            paged_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale, kind=kind, impl=impl)
+        def backward(o2=o, l2=lse, impl=impl, deterministic=deterministic):
+            paged_backward(
+                case.q,
+                case.k,
+                case.v,
+                o2,
+                l2,
+                case.do,
+                g,
+                scale=case.scale,
+                kind=kind,
+                impl=impl,
+                deterministic=deterministic,
+            )
 
         def fwdbwd(backward=backward):
             backward(*paged_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind))
@@ -297,6 +326,9 @@ def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str, bwd_im
         for pass_, fn in (("bwd", backward), ("fwdbwd", fwdbwd)):
             if pass_ not in passes:
                 continue
+            label = dict(
+                bwd_impl=name + ("+deterministic" if deterministic else ""), deterministic=deterministic
+            )
             try:
                 ms, _ = timer(fn)
                 out.append(
@@ -304,23 +336,25 @@ def bench_paged(case: Case, timer: Timer, passes, check: bool, kind: str, bwd_im
                         impl=kind,
                         **{"pass": pass_},
                         time_ms=ms,
-                        physical_pairs=physical,
+                        # forward + backward: the forward's pairs again (the rates are per useful pair)
+                        physical_pairs=bwd_physical if pass_ == "bwd" else physical,
                         correct=None,
                         backward=BACKWARD_KERNELS[name],
-                        bwd_impl=name,
+                        **label,
                     )
                 )
             except Exception as exc:  # noqa: BLE001 - a plan the backward cannot run is recorded, not fatal
-                err = f"{type(exc).__name__}: {exc}"[:300]
-                out.append(dict(impl=kind, **{"pass": pass_}, bwd_impl=name, error=err))
+                out.append(
+                    dict(impl=kind, **{"pass": pass_}, **label, error=f"{type(exc).__name__}: {exc}"[:300])
+                )
     return out
 
 
-def bench_kpage(case: Case, timer: Timer, passes, check: bool, bwd_impls=(None,)) -> list[dict]:
+def bench_kpage(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, False),)) -> list[dict]:
     return bench_paged(case, timer, passes, check, "kpage", bwd_impls)
 
 
-def bench_bsa(case: Case, timer: Timer, passes, check: bool, bwd_impls=(None,)) -> list[dict]:
+def bench_bsa(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, False),)) -> list[dict]:
     return bench_paged(case, timer, passes, check, "bsa", bwd_impls)
 
 
@@ -386,7 +420,10 @@ def bench_flex(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     opts = None
     if g0.q.block_size < 128 or g0.k.block_size < 128:
         opts = {"BLOCK_M": g0.q.block_size, "BLOCK_N": g0.k.block_size}
-    flex = torch.compile(flex_attention)
+    # static shapes: a process that compiles FlexAttention for a second workload would otherwise switch to
+    # a dynamic-shape kernel (measured 10-60% slower on the H200) for every later one
+    torch._dynamo.reset()
+    flex = torch.compile(flex_attention, dynamic=False)
     assert abs(case.scale - 1.0 / np.sqrt(case.d)) < 1e-12  # FlexAttention's default scale
     physical = g.nnz * g0.q.block_size * g0.k.block_size * case.b
     out = []
@@ -396,7 +433,7 @@ def bench_flex(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     except Exception:  # noqa: BLE001 - one retry from a clean dynamo state (the first compile in a process can trip)
         traceback.print_exc()
         torch._dynamo.reset()
-        flex = torch.compile(flex_attention)
+        flex = torch.compile(flex_attention, dynamic=False)
         o = flex(q, k, v, block_mask=block_mask, kernel_options=opts)
     torch.cuda.synchronize()
     compile_s = time.time() - t0
@@ -564,6 +601,11 @@ def add_arguments(parser) -> None:
         help="backward kernel of the kpage/bsa bwd and fwdbwd records (repeatable: one record per kernel; "
         "default: SPARSEATTN_BWD_IMPL or wgmma)",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also time the kpage/bsa backward in its deterministic mode (fixed-point dQ; the first --bwd-impl)",
+    )
     parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -703,7 +745,9 @@ def run(args) -> int:
         raise ImportError("sparseattn bench needs cupy and a CUDA GPU: pip install -e '.[gpu]'")
     workloads = args.workload or list(DEFAULT_WORKLOADS)
     passes = tuple(args.passes or ("fwd",))
-    bwd_impls = tuple(args.bwd_impl or (None,))
+    bwd_impls = tuple((impl, False) for impl in args.bwd_impl or (None,))
+    if args.deterministic:
+        bwd_impls += ((bwd_impls[0][0], True),)
     torch = _torch()
     impls = list(args.impl or [i for i in IMPLS if i not in TORCH_IMPLS or torch is not None])
     timer = Timer(args.warmup, args.reps)

@@ -139,13 +139,12 @@ def sanitize_case(paged_only: bool = False, backward_only: bool = False) -> int:
                 paged_forward(q, k, v, graph, kind=kind, route=route)
             if paged_only:
                 continue
+            from .kernels.bsa_backward import bsa_backward, default_impl
+
             o, lse = bsa_forward(q, k, v, graph)
-            try:
-                from .kernels.bsa_backward import bsa_backward
-            except ImportError:
-                bsa_backward = None
-            if bsa_backward is not None:
-                bsa_backward(q, k, v, o, lse, do, graph)
+            bsa_backward(q, k, v, o, lse, do, graph)
+            if default_impl() != "mma":  # and the deterministic (fixed-point dQ) kernels
+                bsa_backward(q, k, v, o, lse, do, graph, deterministic=True)
             cupy.cuda.Device().synchronize()
     print("sanitize case done")
     return 0

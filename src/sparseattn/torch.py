@@ -19,28 +19,38 @@ class KPageAttention(torch.autograd.Function):
     """Exact sparse attention of ``graph`` with the KPage plans (forward: Q-owned, backward: K/V-owned)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, graph, route, scale):
+    def forward(ctx, q, k, v, graph, route, scale, deterministic):
         q, k, v = (x.contiguous() for x in (q, k, v))
         o, lse = kpage_forward(q, k, v, graph, route=route, scale=scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.graph, ctx.route, ctx.scale = graph, route, scale
+        ctx.graph, ctx.route, ctx.scale, ctx.deterministic = graph, route, scale, deterministic
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = kpage_backward(
-            q, k, v, o, lse, do.contiguous(), ctx.graph, route=ctx.route, scale=ctx.scale
+            q,
+            k,
+            v,
+            o,
+            lse,
+            do.contiguous(),
+            ctx.graph,
+            route=ctx.route,
+            scale=ctx.scale,
+            deterministic=ctx.deterministic,
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def kpage_attention(q, k, v, graph, route="auto", scale=None):
+def kpage_attention(q, k, v, graph, route="auto", scale=None, deterministic=False):
     """Sparse attention output ``o`` (bf16 ``[batch, heads, q_slots, d]``) with autograd.
 
     Args:
         q, k, v: torch bf16 CUDA tensors ``[batch, heads, slots, d]`` in ``graph``'s slot layouts.
         graph: a :class:`~sparseattn.graph.SparseGraph` (its plans are built once and cached).
         route: KPage route (``"auto"``, 0 = 64×256, 1 = 128×128); scale: default ``1/sqrt(d)``.
+        deterministic: gradients bit-identical from run to run (dQ added in 64-bit fixed point).
     """
-    return KPageAttention.apply(q, k, v, graph, route, scale)
+    return KPageAttention.apply(q, k, v, graph, route, scale, deterministic)

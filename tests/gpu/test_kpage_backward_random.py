@@ -7,9 +7,12 @@ outputs (every valid element must be written, padding rows must be zero).
 single-page and empty blocks, mixed block sizes) × head dim 64 / 128 × 20 seeds. Each case draws its
 block size, route (auto, 64×256, 128×128), heads (1–3), batch (1–2) and density; per head a Q block
 selects nothing and a K block is never selected. Every main-kernel implementation (``impl``: the
-``mma.sync`` kernel and the wgmma variants) also runs 12 cases of two families."""
+``mma.sync`` kernel and the wgmma variants) also runs 12 cases of two families, and the deterministic
+mode 12 cases whose dQ must come out bit-identical from a plan with its work items and streams reversed."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -66,7 +69,33 @@ def test_kpage_backward_implementations(impl, layout, head_dim, seed, rng, poiso
     run_random_case(layout, head_dim, rng, poisoned, impl=impl)
 
 
-def run_random_case(layout, head_dim, rng, poisoned, impl):
+def reversed_plan(plan):
+    """The same work in the opposite order: work items reversed within each route, every item's streamed
+    pages reversed (every dQ partial sum is added in another order)."""
+    order = np.concatenate([np.arange(start, stop)[::-1] for start, stop in plan.route_ranges()])
+    segments = [plan.stream_pages[plan.stream_indptr[w] : plan.stream_indptr[w + 1]][::-1] for w in order]
+    lengths = np.array([len(x) for x in segments], dtype=np.int64)
+    return dataclasses.replace(
+        plan,
+        work_route=plan.work_route[order],
+        work_head=plan.work_head[order],
+        work_block=plan.work_block[order],
+        own_pages=plan.own_pages[order],
+        stream_indptr=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        stream_pages=np.concatenate([*segments, np.zeros(0, np.int32)]).astype(np.int32),
+    )
+
+
+@pytest.mark.parametrize("seed", range(2), ids=lambda s: f"case{s}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("layout", ["video_prefix", "independent_partitions", "mixed_block_sizes"])
+def test_kpage_backward_deterministic(layout, head_dim, seed, rng, poisoned):
+    """deterministic=True: within the error rule, and dQ bit-identical when the same plan runs with its
+    work items and streamed pages in reverse order (fp32 atomics would round differently)."""
+    run_random_case(layout, head_dim, rng, poisoned, impl=None, deterministic=True)
+
+
+def run_random_case(layout, head_dim, rng, poisoned, impl, deterministic=False):
     cupy = pytest.importorskip("cupy")
     from sparseattn.kernels.backward import kpage_backward
 
@@ -81,8 +110,17 @@ def run_random_case(layout, head_dim, rng, poisoned, impl):
     emul = attention_backward(qf, kf, vf, o, lse, dof, graph, emulate_bf16=True)
     q, k, v, o_d, lse_d, do = (cupy.asarray(x) for x in host)
     out = (poisoned(q.shape, "bf16"), poisoned(k.shape, "bf16"), poisoned(k.shape, "bf16"))
-    dq, dk, dv = kpage_backward(q, k, v, o_d, lse_d, do, graph, route=route, out=out, impl=impl)
+    dq, dk, dv = kpage_backward(
+        q, k, v, o_d, lse_d, do, graph, route=route, out=out, impl=impl, deterministic=deterministic
+    )
     cupy.cuda.runtime.deviceSynchronize()
+    if deterministic:
+        from sparseattn.kernels.plan_cache import plan_of
+
+        plan = reversed_plan(plan_of(graph, "kpage", route, owner="kv"))
+        dq2 = kpage_backward(q, k, v, o_d, lse_d, do, plan, impl=impl, deterministic=True)[0]
+        assert plan.num_work > 1
+        assert (dq2.view(cupy.uint16) == dq.view(cupy.uint16)).all().item(), "dQ depends on the work order"
     for name, got, ex, em, valid in (
         ("dq", dq, exact[0], emul[0], graph.q.valid),
         ("dk", dk, exact[1], emul[1], graph.k.valid),
@@ -94,7 +132,8 @@ def run_random_case(layout, head_dim, rng, poisoned, impl):
 @pytest.mark.parametrize("seed", range(8), ids=lambda s: f"case{s}")
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 def test_kpage_backward_head_stack(head_dim, seed, rng, poisoned):
-    """SVG2's per-head layouts (a HeadStack: every head its own Q and K partition and slot count)."""
+    """SVG2's per-head layouts (a HeadStack: every head its own Q and K partition and slot count); odd
+    seeds run the deterministic mode."""
     cupy = pytest.importorskip("cupy")
     from sparseattn.graph import HeadStack
     from sparseattn.kernels.backward import kpage_backward
@@ -144,7 +183,8 @@ def test_kpage_backward_head_stack(head_dim, seed, rng, poisoned):
     q, k, v, do = (cupy.asarray(float_to_bf16_bits(data[n])) for n in ("q", "k", "v", "do"))
     o_d, lse_d = cupy.asarray(float_to_bf16_bits(o)), cupy.asarray(lse)
     out = (poisoned(q.shape, "bf16"), poisoned(k.shape, "bf16"), poisoned(k.shape, "bf16"))
-    dq, dk, dv = kpage_backward(q, k, v, o_d, lse_d, do, stack, out=out)
+    # odd seeds in the deterministic mode (its bound over the stacked heads' valid rows)
+    dq, dk, dv = kpage_backward(q, k, v, o_d, lse_d, do, stack, out=out, deterministic=seed % 2 == 1)
     cupy.cuda.runtime.deviceSynchronize()
     grads = [x.get() for x in (dq, dk, dv)]
     for h, g in enumerate(graphs):

@@ -3,8 +3,9 @@
 :func:`kpage_backward` runs the K/V-owned KPage plan (``kpage_plan(graph, owner="kv")``: each CTA owns
 the live 16-row pages of a K/V block, routed to a 64- or 128-row tile, and streams the live Q pages of
 every Q block that selects it, packed across blocks), :func:`paged_backward` either plan. The kernel is
-the K/V-owned backward of :mod:`.bsa_backward` (``mma.sync``; dK/dV accumulated by the owning CTA, dQ by
-fp32 atomics), on wgmma (``kernels_cu/paged_bwd.cu``) by default or on ``mma.sync`` (``impl="mma"``).
+the K/V-owned backward of :mod:`.bsa_backward` (dK/dV accumulated by the owning CTA, dQ by fp32 atomics
+or bulk reductions, or by 64-bit fixed-point integer atomics with ``deterministic=True``), on wgmma
+(``kernels_cu/paged_bwd.cu``) by default or on ``mma.sync`` (``impl="mma"``).
 
 Inputs are CuPy arrays or torch CUDA tensors (bf16 ``q, k, v, o, do``, float32 ``lse``; torch tensors
 come back, computed on torch's current stream without copies).
@@ -26,7 +27,20 @@ KINDS = ("kpage", "bsa")
 
 
 def paged_backward(
-    q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, *, kind: str = "kpage", route="auto", impl=None
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    graph_or_plan,
+    scale=None,
+    out=None,
+    *,
+    kind: str = "kpage",
+    route="auto",
+    impl=None,
+    deterministic=False,
 ):
     """Gradients ``(dq, dk, dv)`` of sparse attention for the loss ``Σ do · o``.
 
@@ -35,16 +49,17 @@ def paged_backward(
         graph_or_plan: a :class:`SparseGraph` (its ``kind`` plan, owner ``"kv"``), an owner-``"kv"``
             :class:`TilePlan`, or a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
             layouts; one launch per head for now).
-        scale, out, impl: as :func:`sparseattn.kernels.bsa_backward.bsa_backward` (``impl``: the
-            ``"wgmma"`` (default) or the ``"mma"`` main kernel).
+        scale, out, impl, deterministic: as :func:`sparseattn.kernels.bsa_backward.bsa_backward`
+            (``impl``: ``"wgmma"`` (default), another wgmma variant or the ``"mma"`` main kernel;
+            ``deterministic``: dQ bit-identical from run to run, by fixed-point integer atomics).
     """
     if kind not in KINDS:
         raise KernelValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if isinstance(graph_or_plan, HeadStack) or (isinstance(graph_or_plan, (list, tuple)) and graph_or_plan):
         stack = HeadStack.of(graph_or_plan)
         if launch.is_torch_tensor(q):
-            return _torch_backward(q, k, v, o, lse, do, stack, scale, out, kind, route, impl)
-        return _head_stack_backward(q, k, v, o, lse, do, stack, scale, out, kind, route, impl)
+            return _torch_backward(q, k, v, o, lse, do, stack, scale, out, kind, route, impl, deterministic)
+        return _head_stack_backward(q, k, v, o, lse, do, stack, scale, out, kind, route, impl, deterministic)
     plan = graph_or_plan
     if isinstance(graph_or_plan, SparseGraph):
         qs, ks = getattr(q, "shape", ()), getattr(k, "shape", ())
@@ -56,11 +71,15 @@ def paged_backward(
             f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
         )
     if launch.is_torch_tensor(q):
-        return _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind, route, impl)
-    return bsa_backward(q, k, v, o, lse, do, plan, scale=scale, out=out, impl=impl)
+        return _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind, route, impl, deterministic)
+    return bsa_backward(
+        q, k, v, o, lse, do, plan, scale=scale, out=out, impl=impl, deterministic=deterministic
+    )
 
 
-def _head_stack_backward(q, k, v, o, lse, do, stack: HeadStack, scale, out, kind, route, impl=None):
+def _head_stack_backward(
+    q, k, v, o, lse, do, stack: HeadStack, scale, out, kind, route, impl=None, deterministic=False
+):
     """Heads with their own layouts (SVG2). Slots past a head's layout get zero gradients.
 
     Contiguous tensors run in one launch per route: the heads' per-head plans laid end to end
@@ -121,6 +140,7 @@ def _head_stack_backward(q, k, v, o, lse, do, stack: HeadStack, scale, out, kind
             scale=scale,
             out=(one(dq), one(dk), one(dv)),
             impl=impl,
+            deterministic=deterministic,
         )
         return dq, dk, dv
     import cupy
@@ -131,14 +151,18 @@ def _head_stack_backward(q, k, v, o, lse, do, stack: HeadStack, scale, out, kind
             cupy.ascontiguousarray(x[:, h : h + 1, :n])
             for x, n in ((q, nq), (k, nk), (v, nk), (o, nq), (lse, nq), (do, nq))
         ]
-        grads = paged_backward(*ins, graph, scale=scale, kind=kind, route=route, impl=impl)
+        grads = paged_backward(
+            *ins, graph, scale=scale, kind=kind, route=route, impl=impl, deterministic=deterministic
+        )
         for buf, g, n in ((dq, grads[0], nq), (dk, grads[1], nk), (dv, grads[2], nk)):
             buf[:, h : h + 1, :n] = g
             buf[:, h : h + 1, n:] = 0
     return dq, dk, dv
 
 
-def _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind="kpage", route="auto", impl=None):
+def _torch_backward(
+    q, k, v, o, lse, do, plan, scale, out, kind="kpage", route="auto", impl=None, deterministic=False
+):
     import torch
 
     if out is None:
@@ -148,14 +172,55 @@ def _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind="kpage", route="
     )
     with launch.torch_stream():
         if isinstance(plan, HeadStack):
-            _head_stack_backward(*inputs, plan, scale, tuple(outputs), kind, route, impl)
+            _head_stack_backward(*inputs, plan, scale, tuple(outputs), kind, route, impl, deterministic)
         else:
-            bsa_backward(*inputs, plan, scale=scale, out=tuple(outputs), impl=impl)
+            bsa_backward(
+                *inputs, plan, scale=scale, out=tuple(outputs), impl=impl, deterministic=deterministic
+            )
     return tuple(out)
 
 
-def kpage_backward(q, k, v, o, lse, do, graph_or_plan, route="auto", scale=None, out=None, impl=None):
+def kpage_backward(
+    q, k, v, o, lse, do, graph_or_plan, route="auto", scale=None, out=None, impl=None, deterministic=False
+):
     """KPage backward (K/V-owned KPage plan); arguments and results as :func:`paged_backward`."""
     return paged_backward(
-        q, k, v, o, lse, do, graph_or_plan, scale, out, kind="kpage", route=route, impl=impl
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        graph_or_plan,
+        scale,
+        out,
+        kind="kpage",
+        route=route,
+        impl=impl,
+        deterministic=deterministic,
     )
+
+
+def backward_executed_pairs(graph, head_dim: int, kind: str = "kpage", impl=None, route="auto") -> int:
+    """Query–key pairs the backward kernel computes for one batch entry: per work item of the K/V-owned
+    plan, its owned rows × its streamed rows rounded up to the kernel's step (a :class:`HeadStack`: the
+    sum over its heads)."""
+    import numpy as np
+
+    from .bsa_backward import TILES, WGMMA_Q_ROWS, default_impl, wgmma_variant
+
+    impl = default_impl() if impl is None else impl
+    graphs = graph.graphs if isinstance(graph, HeadStack) else (graph,)
+    total = 0
+    for g in graphs:
+        plan = plan_of(g, kind, route, owner="kv")
+        rows = plan.tile_shapes()[:, 0]
+        step = np.array(
+            [
+                TILES[head_dim, int(m)][0] if impl == "mma" else WGMMA_Q_ROWS * wgmma_variant(impl, int(m))[0]
+                for m in rows
+            ]
+        )
+        streamed = plan.stream_lengths() * PAGE_ROWS
+        total += int((rows * (-(-streamed // step) * step)).sum())
+    return total

@@ -14,13 +14,17 @@ Three launches per call (plus one main launch per route of the plan):
 
 Step 2 has several implementations with the same plan, arguments and results:
 
-* ``impl="wgmma"`` (the default): ``paged_bwd_kernel<D, BLOCK_K, 1, 0>`` (``kernels_cu/paged_bwd.cu``:
-  wgmma GEMMs, one consumer warpgroup per 64 owned rows, dQ by vector atomics);
-* ``impl="mma"``: the ``mma.sync`` kernel ``bsa_bwd_kernel``;
-* not yet run on an H200: ``"wgmma_qsplit"`` (64-row owned tiles on two warpgroups that split each
-  step's 128 streamed rows), ``"wgmma_bulk"`` (each step's dQ partial staged in shared memory and added
-  to ``dq_accum`` one page at a time by bulk asynchronous reductions) and ``"wgmma_qsplit_bulk"``. The environment
-variable ``SPARSEATTN_BWD_IMPL`` sets the default for a process (the GPU tests use it to run every
+* ``impl="wgmma"`` (the default): ``paged_bwd_kernel<D, BLOCK_K, 1, DQ_MODE>`` (``kernels_cu/paged_bwd.cu``:
+  wgmma GEMMs, one consumer warpgroup per 64 owned rows), adding dQ by bulk asynchronous reductions of
+  staged pages on 64-row tiles and by fp32 vector atomics on 128-row tiles;
+* ``"wgmma_atomic"`` (atomics on every route: version 1), ``"wgmma_bulk"`` (bulk reductions on every
+  route), ``"wgmma_qsplit"`` and ``"wgmma_qsplit_bulk"`` (64-row owned tiles on two warpgroups that
+  split each step's 128 streamed rows);
+* ``impl="mma"``: the ``mma.sync`` kernel ``bsa_bwd_kernel``.
+
+``deterministic=True`` (wgmma implementations) adds dQ in 64-bit fixed point with integer atomics, then
+``bwd_fixed_postprocess`` converts it: dQ is bit-identical from run to run. The environment variable
+``SPARSEATTN_BWD_IMPL`` sets the default implementation for a process (the GPU tests use it to run every
 backward case on either kernel).
 """
 
@@ -48,9 +52,20 @@ from .validate import (
 
 SOURCE = "bsa_bwd.cu"
 WGMMA_SOURCE = "paged_bwd.cu"
-#: Main-kernel implementations: ``mma`` (bsa_bwd.cu, mma.sync) and the ``wgmma*`` variants (paged_bwd.cu).
-#: The wgmma variants: (Q split on 64-row owned tiles, bulk dQ) — paged_bwd_kernel's last two parameters.
-WGMMA_VARIANTS = {"wgmma": (1, 0), "wgmma_qsplit": (2, 0), "wgmma_bulk": (1, 1), "wgmma_qsplit_bulk": (2, 1)}
+#: How a wgmma CTA adds its dQ partials (paged_bwd.cu's DQ_MODE): fp32 vector atomics, bulk
+#: asynchronous reductions of staged pages, or 64-bit fixed-point integer atomics (deterministic).
+DQ_ATOMIC, DQ_BULK, DQ_FIXED = 0, 1, 2
+#: The wgmma variants: owned tile height (64 or 128 rows) -> (Q split, dQ mode), paged_bwd_kernel's last
+#: two template parameters. ``wgmma`` (the default) picks per route what measured fastest on the H200:
+#: bulk reductions on 64-row tiles (twice the dQ traffic per FLOP of 128-row tiles), atomics on 128-row
+#: tiles. ``wgmma_atomic`` is version 1 (atomics on every route).
+WGMMA_VARIANTS = {
+    "wgmma": {64: (1, DQ_BULK), 128: (1, DQ_ATOMIC)},
+    "wgmma_atomic": {64: (1, DQ_ATOMIC), 128: (1, DQ_ATOMIC)},
+    "wgmma_bulk": {64: (1, DQ_BULK), 128: (1, DQ_BULK)},
+    "wgmma_qsplit": {64: (2, DQ_ATOMIC), 128: (1, DQ_ATOMIC)},
+    "wgmma_qsplit_bulk": {64: (2, DQ_BULK), 128: (1, DQ_BULK)},
+}
 IMPLS = ("mma", *WGMMA_VARIANTS)
 #: Streamed Q rows per step of the wgmma kernel (PB_Q_ROWS in paged_bwd.cu).
 WGMMA_Q_ROWS = 64
@@ -89,25 +104,32 @@ NAME_EXPRESSIONS = (
 )
 
 
-def q_split(impl: str, owned_rows: int) -> int:
-    """Warpgroups sharing the owned rows of a wgmma CTA: 2 for ``wgmma_qsplit*`` on 64-row tiles, else 1."""
-    return WGMMA_VARIANTS[impl][0] if owned_rows == 64 else 1
+def wgmma_variant(impl: str, owned_rows: int, deterministic: bool = False) -> tuple[int, int]:
+    """(Q split, dQ mode) of implementation ``impl`` on ``owned_rows``-row tiles; ``deterministic``
+    replaces the dQ mode by the fixed-point one."""
+    split, mode = WGMMA_VARIANTS[impl][owned_rows]
+    return split, DQ_FIXED if deterministic else mode
 
 
-def dq_bulk(impl: str) -> int:
-    """1 when the implementation adds dQ by bulk reductions of staged pages, else 0."""
-    return WGMMA_VARIANTS[impl][1]
+def wgmma_kernel_name(head_dim: int, owned_rows: int, split: int = 1, dq_mode: int = DQ_ATOMIC) -> str:
+    return f"paged_bwd_kernel<{head_dim}, {owned_rows}, {split}, {dq_mode}>"
 
 
-def wgmma_kernel_name(head_dim: int, owned_rows: int, split: int = 1, bulk: int = 0) -> str:
-    return f"paged_bwd_kernel<{head_dim}, {owned_rows}, {split}, {bulk}>"
-
-
-#: Every instantiation of paged_bwd.cu: (head dim, owned rows, Q split, bulk dQ).
+ABSMAX_NAME = "bwd_absmax_bf16"
+FIXED_POSTPROCESS_NAME = "bwd_fixed_postprocess"
+#: Every instantiation of paged_bwd.cu: (head dim, owned rows, Q split, dQ mode), and its helpers.
 WGMMA_SHAPES = tuple(
-    (d, m, q, b) for b in (0, 1) for d in HEAD_DIMS for m in OWNED_ROWS for q in (1, 2) if q == 1 or m == 64
+    (d, m, q, mode)
+    for mode in (DQ_ATOMIC, DQ_BULK, DQ_FIXED)
+    for d in HEAD_DIMS
+    for m in OWNED_ROWS
+    for q in (1, 2)
+    if q == 1 or m == 64
 )
-WGMMA_NAME_EXPRESSIONS = tuple(wgmma_kernel_name(*shape) for shape in WGMMA_SHAPES)
+WGMMA_NAME_EXPRESSIONS = tuple(wgmma_kernel_name(*shape) for shape in WGMMA_SHAPES) + (
+    ABSMAX_NAME,
+    FIXED_POSTPROCESS_NAME,
+)
 #: Other sources this module launches (for the CPU compile check).
 KERNEL_SOURCES = {WGMMA_SOURCE: WGMMA_NAME_EXPRESSIONS}
 
@@ -184,6 +206,26 @@ def _device_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int, device:
     return per_plan[key]
 
 
+def _fixed_point_bound(do, v, k, arrays: dict, head_dim: int):
+    """uint32 ``[3]`` on the device: bf16 magnitude bits of the largest finite valid element of dO, V and
+    K (``bwd_absmax_bf16``), from which the kernels derive the deterministic mode's fixed-point unit."""
+    import cupy
+
+    absmax = cupy.zeros(3, dtype=cupy.uint32)
+    fn = launch.function(WGMMA_SOURCE, ABSMAX_NAME, WGMMA_NAME_EXPRESSIONS)
+    blocks = 4 * cupy.cuda.Device().attributes["MultiProcessorCount"]
+    for i, (x, mask) in enumerate(
+        ((do, arrays["stream_page_mask"]), (v, arrays["own_page_mask"]), (k, arrays["own_page_mask"]))
+    ):
+        n8 = x.size // 8
+        fn(
+            (max(1, min(blocks, -(-n8 // ELEMENTWISE_THREADS))),),
+            (ELEMENTWISE_THREADS,),
+            (x, np.int64(n8), np.int32(head_dim), np.int32(x.shape[2]), mask, absmax[i:]),
+        )
+    return absmax
+
+
 def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
     """Validate every argument of :func:`bsa_backward` (no launch).
 
@@ -217,7 +259,7 @@ def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
     return plan, scale, out, (q_pages, k_pages, device)
 
 
-def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=None):
+def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=None, deterministic=False):
     """Gradients of block-sparse attention on the GPU for the loss ``Σ do · o``.
 
     Args:
@@ -231,7 +273,10 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
             :class:`TilePlan` whose owned tile height is 64 or 128.
         scale: softmax scale, default ``1/sqrt(d)``.
         out: optional ``(dq, dk, dv)`` buffers to write into.
-        impl: ``"wgmma"``, ``"mma"`` or ``"wgmma_qsplit"`` main kernel (default: :func:`default_impl`).
+        impl: main kernel, one of :data:`IMPLS` (default: :func:`default_impl`).
+        deterministic: add dQ in 64-bit fixed point (integer atomics) so that dQ is bit-identical from
+            run to run whatever order the CTAs run in; wgmma implementations only. The fixed-point unit
+            comes from the largest valid elements of dO, V and K, so ``lse`` must be the forward's.
 
     Returns:
         ``(dq, dk, dv)`` like ``q``/``k``/``v`` (bf16). Every row of dQ is written (0 where no pair
@@ -241,6 +286,10 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
     impl = default_impl() if impl is None else impl
     if impl not in IMPLS:
         raise KernelValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise KernelTypeError(f"deterministic must be True or False, got {deterministic!r}")
+    if deterministic and impl == "mma":
+        raise KernelValueError("deterministic=True needs a wgmma implementation (impl='mma' adds dQ in fp32)")
     plan, scale, out, (q_pages, k_pages, device) = check_inputs(
         q, k, v, o, lse, do, graph_or_plan, scale, out
     )
@@ -261,7 +310,8 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
         else:
             dq, dk, dv = out
         delta = cupy.empty((b, h, sq), dtype=cupy.float32)
-        dq_accum = cupy.zeros((b, h, sq, d), dtype=cupy.float32)
+        dq_accum = cupy.zeros((b, h, sq, d), dtype=cupy.int64 if deterministic else cupy.float32)
+        absmax = _fixed_point_bound(do, v, k, arrays, d) if deterministic else None
 
         rows = b * h * sq
         pre = launch.function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
@@ -274,10 +324,12 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
             if stop <= start:
                 continue
             owned_rows = plan.routes[route][0]
+            extra = ()
             if impl != "mma":
-                split = q_split(impl, owned_rows)
-                name = wgmma_kernel_name(d, owned_rows, split, dq_bulk(impl))
+                split, dq_mode = wgmma_variant(impl, owned_rows, deterministic)
+                name = wgmma_kernel_name(d, owned_rows, split, dq_mode)
                 fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
+                extra = (absmax if deterministic else np.uint64(0),)
                 smem = wgmma_smem_bytes(d, owned_rows, split)
                 threads = wgmma_threads_per_cta(owned_rows, split)
             else:
@@ -311,17 +363,27 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
                     np.int32(sk),
                     np.float32(scale),
                     scale_log2,
+                    *extra,
                 ),
                 shared_mem=smem,
             )
 
-        post = launch.function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
-        n4 = b * h * sq * d // 4
-        post(
-            (-(-n4 // ELEMENTWISE_THREADS),),
-            (ELEMENTWISE_THREADS,),
-            (dq_accum, dq, np.float32(scale), np.int64(n4)),
-        )
+        if deterministic:
+            post = launch.function(WGMMA_SOURCE, FIXED_POSTPROCESS_NAME, WGMMA_NAME_EXPRESSIONS)
+            n2 = b * h * sq * d // 2
+            post(
+                (-(-n2 // ELEMENTWISE_THREADS),),
+                (ELEMENTWISE_THREADS,),
+                (dq_accum, dq, np.float32(scale), absmax, np.int32(d), np.int64(n2)),
+            )
+        else:
+            post = launch.function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
+            n4 = b * h * sq * d // 4
+            post(
+                (-(-n4 // ELEMENTWISE_THREADS),),
+                (ELEMENTWISE_THREADS,),
+                (dq_accum, dq, np.float32(scale), np.int64(n4)),
+            )
 
         if arrays["uncovered"] is not None:
             heads_idx, pages_idx = arrays["uncovered"]
