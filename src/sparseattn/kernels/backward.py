@@ -48,7 +48,7 @@ def paged_backward(
         q, k, v: the forward's inputs; o, lse: its outputs; do: the gradient of ``o`` (bf16 like ``o``).
         graph_or_plan: a :class:`SparseGraph` (its ``kind`` plan, owner ``"kv"``), an owner-``"kv"``
             :class:`TilePlan`, or a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
-            layouts; one launch per head for now).
+            layouts; one launch per route on the stacked per-head plans).
         scale, out, impl, deterministic: as :func:`sparseattn.kernels.bsa_backward.bsa_backward`
             (``impl``: ``"wgmma"`` (default), another wgmma variant or the ``"mma"`` main kernel;
             ``deterministic``: dQ bit-identical from run to run, by fixed-point integer atomics).

@@ -98,4 +98,8 @@ def torch_stream():
     import cupy
     import torch
 
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    stream = torch.cuda.current_stream()
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14 (ExternalStream deprecated)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream)
