@@ -35,14 +35,16 @@
 //     with integer atomics (red.global.add.u64). Integer addition is associative, so dQ is bit-identical
 //     whatever order the CTAs and steps add in. The fixed-point unit 2^-F comes from a bound on |dQ|
 //     (paged_bwd::fixed_point_scale): |Σ_j dS_ij K_jc| ≤ Σ_j P_ij (|dP_ij| + |Δ_i|) |K_jc| ≤ 2·d·|dO|·|V|·|K|
-//     (maxima over valid rows, Σ_j P_ij = 1), scaled to stay under 2^60.
+//     (maxima over valid rows, Σ_j P_ij = 1), scaled to stay under 2^60;
+//   3 (DQ_NONE): no dQ at all (no dSᵀ store, no dQ GEMM): paged_bwd_dq_kernel computes dQ in a Q-owned
+//     pass of its own, with no atomics.
 #include "hopper_wgmma.cuh"
 
 #define PB_Q_ROWS 64  // streamed Q rows per warpgroup and step
 
 namespace paged_bwd {
 
-enum DqMode { DQ_ATOMIC = 0, DQ_BULK = 1, DQ_FIXED = 2 };
+enum DqMode { DQ_ATOMIC = 0, DQ_BULK = 1, DQ_FIXED = 2, DQ_NONE = 3 };
 
 template <int HEAD_DIM, int BLOCK_K, int Q_SPLIT = 1, int DQ_MODE = DQ_ATOMIC>
 struct Config {
@@ -64,7 +66,7 @@ struct Config {
     static_assert(Q_SPLIT == 1 || 4 * kQBytes >= 2 * 64 * HEAD_DIM * 4, "the dK/dV hand-off must fit Q and dO");
     static constexpr int kPageBytesF32 = PAGE_ROWS * HEAD_DIM * 4;  // one staged dQ page
     static_assert(DQ_MODE != DQ_BULK || 2 * kQBytes == kStreamPages * kPageBytesF32, "dQ staging fills Q and dO");
-    static_assert(DQ_MODE >= DQ_ATOMIC && DQ_MODE <= DQ_FIXED, "dQ mode 0, 1 or 2");
+    static_assert(DQ_MODE >= DQ_ATOMIC && DQ_MODE <= DQ_NONE, "dQ mode 0, 1, 2 or 3");
     static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory limit");
 };
 
@@ -296,7 +298,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
         pack_p<PB_Q_ROWS>(pds, dp);
         // dSᵀ -> shared: owned row r, streamed column c at (r, chunk c / 8) of the [BLOCK_K][64] tile
 #pragma unroll
-        for (int j = 0; j < PB_Q_ROWS / 8; ++j) {
+        for (int j = 0; j < (DQ_MODE == DQ_NONE ? 0 : PB_Q_ROWS / 8); ++j) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = kvp * 64 + 16 * wq + g + 8 * half;
@@ -317,13 +319,15 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
             wgmma_commit();
         }
         if constexpr (DQ_MODE == DQ_BULK) wgmma_wait<0>();  // then after the barrier no GEMM reads this step's Q / dO
-        fence_async_proxy();
-        __syncthreads();  // every warpgroup's dSᵀ rows are in shared memory
+        if constexpr (DQ_MODE != DQ_NONE) {
+            fence_async_proxy();
+            __syncthreads();  // every warpgroup's dSᵀ rows are in shared memory
+        }
 
         // dQ[:, 64·h .. 64·h + 63] = dS · K[:, 64·h ..], K-dim = the BLOCK_K owned rows
         constexpr int kHalfPages = Cfg::kStreamPages / 2;  // staged dQ pages over the Q (then dO) buffer
 #pragma unroll 1
-        for (int h = kvp; h < D / 64; h += Cfg::kKvWGs) {
+        for (int h = kvp; h < (DQ_MODE == DQ_NONE ? 0 : D / 64); h += Cfg::kKvWGs) {
             float dq[32];
             wgmma_fence();
             paged_bwd::issue_dq<BLOCK_K>(dq, tdS, tK + h * (BLOCK_K * 128));
@@ -454,6 +458,197 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     }
 }
 
+// ---- dQ in a Q-owned pass (DQ_NONE's partner): no atomics, deterministic ------------------------------
+
+namespace paged_bwd_dq {
+
+template <int HEAD_DIM, int BLOCK_Q>
+struct Config {
+    static constexpr int kWGs = BLOCK_Q / 64;  // one consumer warpgroup per 64 owned Q rows
+    static constexpr int kThreads = 128 * kWGs;
+    static constexpr int kWarps = kThreads / 32;
+    static constexpr int kOwnPages = BLOCK_Q / PAGE_ROWS;
+    static constexpr int kKeys = 64;                              // streamed K/V rows per step
+    static constexpr int kStreamPages = kKeys / PAGE_ROWS;
+    static constexpr int kQBytes = BLOCK_Q * HEAD_DIM * 2;         // Q or dO (owned)
+    static constexpr int kKBytes = kKeys * HEAD_DIM * 2;           // one K or V buffer
+    static constexpr int kMetaBytes = 2 * kStreamPages * 4;        // K page masks, x2
+    static constexpr int kSmemBytes = 1024 + 2 * kQBytes + 4 * kKBytes + kMetaBytes;
+    static_assert(BLOCK_Q == 64 || BLOCK_Q == 128, "owned tile of 64 or 128 rows");
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim 64 or 128");
+    static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory limit");
+};
+
+}  // namespace paged_bwd_dq
+
+// dQ of the Q rows a work item of an owner-"q" plan owns (the forward's plan layout: own_pages = Q pages,
+// stream_pages = K/V pages of every selected K block), with Δ from bsa_bwd_preprocess. Per step of 64
+// streamed keys, per warpgroup (64 owned rows):
+//   S  = Q·Kᵀ, dP = dO·Vᵀ          wgmma SS, 64 x 64
+//   P  = exp2(S·scale·log2e − LSE₂) 0 for invalid keys; invalid rows have LSE₂ = +inf
+//   dS = P ∘ (dP − Δ)
+//   dQ += dS·K                      wgmma RS (dS from registers), 64 x HEAD_DIM, fp32 in registers
+// then dQ = bf16(scale · dQ) for every row of the owned pages (0 for padding rows). Grid (work items
+// [work_offset, work_offset + gridDim.x) of one route, batch), block Config::kThreads, dynamic shared
+// memory Config::kSmemBytes. Synchronous like paged_bwd_kernel: one __syncthreads per step, the next
+// step's K/V prefetched with cp.async during this step's GEMMs.
+template <int HEAD_DIM, int BLOCK_Q>
+__global__ void __launch_bounds__(paged_bwd_dq::Config<HEAD_DIM, BLOCK_Q>::kThreads, 1)
+paged_bwd_dq_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                    const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ dout,
+                    const float* __restrict__ lse, const float* __restrict__ delta, __nv_bfloat16* __restrict__ dq,
+                    const int* __restrict__ work_head, const int* __restrict__ own_pages, int max_own,
+                    const int* __restrict__ stream_indptr, const int* __restrict__ stream_pages,
+                    const uint16_t* __restrict__ q_page_mask, const uint16_t* __restrict__ k_page_mask,
+                    int work_offset, int heads, int q_slots, int k_slots, float scale, float scale_log2) {
+    using namespace hopper;
+    using Cfg = paged_bwd_dq::Config<HEAD_DIM, BLOCK_Q>;
+    constexpr int D = HEAD_DIM;
+    constexpr int KEYS = Cfg::kKeys;
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t base = (paged::smem_u32(smem_raw) + 1023u) & ~1023u;
+    unsigned char* const smem = smem_raw + (base - paged::smem_u32(smem_raw));
+    const uint32_t tQ = base;
+    const uint32_t tdO = tQ + Cfg::kQBytes;
+    const uint32_t tK0 = tdO + Cfg::kQBytes;          // [2] K buffers
+    const uint32_t tV0 = tK0 + 2 * Cfg::kKBytes;      // [2] V buffers
+    uint32_t* sKmask = reinterpret_cast<uint32_t*>(smem + 2 * Cfg::kQBytes + 4 * Cfg::kKBytes);  // [2][pages]
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int wg = tid >> 7;
+    const int wq = warp & 3;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+
+    const int work = blockIdx.x + work_offset;
+    const int head = work_head[work];
+    const size_t bh = static_cast<size_t>(blockIdx.y) * heads + head;
+    const __nv_bfloat16* k_bh = k + bh * k_slots * D;
+    const __nv_bfloat16* v_bh = v + bh * k_slots * D;
+    const int q_pages = q_slots / PAGE_ROWS;
+    const int k_pages = k_slots / PAGE_ROWS;
+    const int* own = own_pages + static_cast<size_t>(work) * max_own;
+    const int stream_begin = stream_indptr[work];
+    const int stream_len = stream_indptr[work + 1] - stream_begin;
+    const int num_tiles = (stream_len + Cfg::kStreamPages - 1) / Cfg::kStreamPages;
+
+    // owned Q and dO pages: warp w copies pages w, w + kWarps, ... of the 2·kOwnPages
+    for (int i = warp; i < 2 * Cfg::kOwnPages; i += Cfg::kWarps) {
+        const int p = i % Cfg::kOwnPages;
+        const int page[1] = {own[p]};
+        const uint32_t mask[1] = {paged::load_page_mask(q_page_mask, page[0], q_pages)};
+        warp_copy_pages<D, BLOCK_Q, 1>(i < Cfg::kOwnPages ? tQ : tdO, p * PAGE_ROWS,
+                                       (i < Cfg::kOwnPages ? q : dout) + bh * q_slots * D, q_pages, page, mask);
+    }
+    // this thread's two rows (g, g + 8 of its warp's page): LSE₂ (+inf when invalid or without keys) and Δ
+    const int my_page = own[wg * 4 + wq];
+    const uint32_t my_mask = paged::load_page_mask(q_page_mask, my_page, q_pages);
+    float row_lse[2], row_delta[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = g + 8 * half;
+        const bool valid = paged::page_row_valid(my_mask, r);
+        const size_t slot = static_cast<size_t>(valid ? my_page : 0) * PAGE_ROWS + r;
+        const float l = valid ? lse[bh * q_slots + slot] : -INFINITY;
+        row_lse[half] = l > -INFINITY ? l * paged::kLog2e : INFINITY;
+        row_delta[half] = valid ? delta[bh * q_slots + slot] : 0.f;
+    }
+
+    auto load_stream_tile = [&](int tile, int buf) {
+        const int* pages = stream_pages + stream_begin + tile * Cfg::kStreamPages;
+        const int npages = min(Cfg::kStreamPages, stream_len - tile * Cfg::kStreamPages);
+        for (int i = warp; i < 2 * Cfg::kStreamPages; i += Cfg::kWarps) {
+            const int p = i % Cfg::kStreamPages;
+            const int page[1] = {p < npages ? pages[p] : -1};
+            const uint32_t mask[1] = {paged::load_page_mask(k_page_mask, page[0], k_pages)};
+            const bool is_k = i < Cfg::kStreamPages;
+            warp_copy_pages<D, KEYS, 1>((is_k ? tK0 : tV0) + buf * Cfg::kKBytes, p * PAGE_ROWS, is_k ? k_bh : v_bh,
+                                        k_pages, page, mask);
+        }
+        if (tid < Cfg::kStreamPages) {
+            const int page = tid < npages ? pages[tid] : -1;
+            sKmask[buf * Cfg::kStreamPages + tid] = paged::load_page_mask(k_page_mask, page, k_pages);
+        }
+    };
+
+    if (num_tiles > 0) load_stream_tile(0, 0);
+    paged::cp_async_commit();
+
+    float acc_dq[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc_dq[i] = 0.f;
+    const uint32_t aQ = tQ + wg * 64 * 128;  // this warpgroup's 64 owned rows (inside each column block)
+    const uint32_t adO = tdO + wg * 64 * 128;
+
+#pragma unroll 1
+    for (int tile = 0; tile < num_tiles; ++tile) {
+        const int buf = tile & 1;
+        paged::cp_async_wait<0>();
+        fence_async_proxy();
+        __syncthreads();  // step tile - 1 is done everywhere: its buffers may be overwritten
+        if (tile + 1 < num_tiles) load_stream_tile(tile + 1, buf ^ 1);
+        paged::cp_async_commit();
+        const uint32_t tK = tK0 + buf * Cfg::kKBytes;
+        const uint32_t tV = tV0 + buf * Cfg::kKBytes;
+
+        float s[KEYS / 2];
+        float dp[KEYS / 2];
+        wgmma_fence();
+        issue_qk<D, KEYS, BLOCK_Q>(s, aQ, tK);
+        wgmma_commit();
+        issue_qk<D, KEYS, BLOCK_Q>(dp, adO, tV);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(s);
+        pin_registers(dp);
+
+        const uint32_t col_bits = column_bits<KEYS>(sKmask + buf * Cfg::kStreamPages, t4);
+#pragma unroll
+        for (int j = 0; j < KEYS / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int half = e >> 1;
+                const bool kvalid = (col_bits >> (2 * j + (e & 1))) & 1u;
+                const float p = kvalid ? exp2f(fmaf(s[4 * j + e], scale_log2, -row_lse[half])) : 0.f;
+                dp[4 * j + e] = p * (dp[4 * j + e] - row_delta[half]);
+            }
+        }
+        uint32_t pds[KEYS / PAGE_ROWS][4];
+        pack_p<KEYS>(pds, dp);
+        wgmma_fence();
+        issue_pv<D, KEYS>(acc_dq, pds, tK);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc_dq);
+    }
+
+    // dQ = bf16(scale · acc) for both rows of every owned page (0 for padding rows)
+    if (static_cast<unsigned>(my_page) < static_cast<unsigned>(q_pages)) {
+        __nv_bfloat16* dq_page = dq + (bh * q_pages + my_page) * PAGE_ROWS * D;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = g + 8 * half;
+            const float f = paged::page_row_valid(my_mask, r) ? scale : 0.f;
+            uint32_t* row = reinterpret_cast<uint32_t*>(dq_page + r * D);
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+                row[(8 * j + 2 * t4) / 2] = paged::pack_bf16x2(acc_dq[4 * j + 2 * half] * f, acc_dq[4 * j + 2 * half + 1] * f);
+        }
+    }
+}
+
+#define PAGED_BWD_DQ_INSTANTIATE(D, BQ)                                                                       \
+    template __global__ void paged_bwd_dq_kernel<D, BQ>(                                                      \
+        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const float*, \
+        const float*, __nv_bfloat16*, const int*, const int*, int, const int*, const int*, const uint16_t*,    \
+        const uint16_t*, int, int, int, int, float, float);
+PAGED_BWD_DQ_INSTANTIATE(64, 64)
+PAGED_BWD_DQ_INSTANTIATE(64, 128)
+PAGED_BWD_DQ_INSTANTIATE(128, 64)
+PAGED_BWD_DQ_INSTANTIATE(128, 128)
 // Magnitude bits (bf16, sign cleared) of the largest finite element over the valid rows of x
 // [outer, slots, head_dim] (page_mask over the slots), atomically max-ed into *out. Grid-stride, 8 elements
 // (16 bytes) per thread and step.
@@ -518,3 +713,7 @@ PAGED_BWD_INSTANTIATE(128, 64, 1, 2)
 PAGED_BWD_INSTANTIATE(128, 128, 1, 2)
 PAGED_BWD_INSTANTIATE(64, 64, 2, 2)
 PAGED_BWD_INSTANTIATE(128, 64, 2, 2)
+PAGED_BWD_INSTANTIATE(64, 64, 1, 3)
+PAGED_BWD_INSTANTIATE(64, 128, 1, 3)
+PAGED_BWD_INSTANTIATE(128, 64, 1, 3)
+PAGED_BWD_INSTANTIATE(128, 128, 1, 3)

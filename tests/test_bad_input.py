@@ -31,7 +31,7 @@ from sparseattn.layouts import (
 )
 from sparseattn.pageweaver.analysis import analyze_captures
 from sparseattn.pageweaver.captures import Capture, CaptureError, CaptureTypeError
-from sparseattn.plans import PlanTypeError, bsa_plan
+from sparseattn.plans import PlanTypeError, bsa_plan, kpage_plan
 from sparseattn.reference import ReferenceError, ReferenceTypeError, attention_forward
 from sparseattn.workloads import Selection, Workload, WorkloadError
 
@@ -629,6 +629,26 @@ API_CASES = [
         KernelValueError,
         "deterministic=True needs a wgmma implementation",
         "backward-deterministic-mma",
+    ),
+    api_case(
+        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, impl="wgmma", dq_plan=object()),
+        KernelValueError,
+        "dq_plan is only used by the Q-owned dQ pass",
+        "backward-dq-plan-unused",
+    ),
+    api_case(
+        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, impl="wgmma_dq_pass", dq_plan="plan"),
+        KernelTypeError,
+        "dq_plan must be a TilePlan",
+        "backward-dq-plan-type",
+    ),
+    api_case(
+        lambda: bsa_backward(
+            None, None, None, None, None, None, kpage_plan(GRAPH, owner="kv"), impl="wgmma_dq_pass"
+        ),
+        KernelValueError,
+        "pass the graph, or dq_plan",
+        "backward-dq-pass-needs-graph",
     ),
     api_case(
         lambda: bsa_backward(None, None, None, None, None, None, GRAPH, deterministic="yes"),

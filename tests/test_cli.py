@@ -346,6 +346,14 @@ def test_bench_backward_kernel_is_checked(capsys):
     assert "argument --bwd-impl: invalid choice: 'cutlass'" in capsys.readouterr().err
 
 
+def test_bench_names_every_backward_kernel():
+    """Every backward implementation has the name its bench records carry (and so a --bwd-impl choice)."""
+    from sparseattn.bench import BACKWARD_KERNELS
+    from sparseattn.kernels.bsa_backward import IMPLS
+
+    assert set(BACKWARD_KERNELS) == set(IMPLS)
+
+
 def test_gpucheck_backward_kernel_is_checked(capsys, tmp_path):
     from sparseattn.gpucheck import main as gpucheck_main
 

@@ -235,7 +235,7 @@ def test_wgmma_backward_mirrors_match_the_kernel(reports):
 
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
     options = compile_check.compile_options(compile_check.find_cuda_include())
-    helpers = {bb.ABSMAX_NAME, bb.FIXED_POSTPROCESS_NAME}
+    helpers = {bb.ABSMAX_NAME, bb.FIXED_POSTPROCESS_NAME} | {bb.dq_kernel_name(*x) for x in bb.DQ_SHAPES}
     assert {bb.wgmma_kernel_name(*x) for x in bb.WGMMA_SHAPES} | helpers == set(bb.WGMMA_NAME_EXPRESSIONS)
     launched = {
         (m, *bb.wgmma_variant(i, m, det))
@@ -248,6 +248,10 @@ def test_wgmma_backward_mirrors_match_the_kernel(reports):
         f'static_assert(paged_bwd::Config<{d}, {m}, {q}, {b}>::kSmemBytes == {bb.wgmma_smem_bytes(d, m, q)}, "s");'
         f'static_assert(paged_bwd::Config<{d}, {m}, {q}, {b}>::kThreads == {bb.wgmma_threads_per_cta(m, q)}, "t");'
         for d, m, q, b in bb.WGMMA_SHAPES
+    ) + "".join(
+        f'static_assert(paged_bwd_dq::Config<{d}, {m}>::kSmemBytes == {bb.dq_smem_bytes(d, m)}, "dq s");'
+        f'static_assert(paged_bwd_dq::Config<{d}, {m}>::kThreads == {bb.dq_threads_per_cta(m)}, "dq t");'
+        for d, m in bb.DQ_SHAPES
     )
     code = runtime.preprocess(bb.WGMMA_SOURCE) + "\n" + checks + "\n"
     ok, log, _, _ = nvrtc.compile(code, "paged_bwd_check.cu", options, ())

@@ -304,7 +304,9 @@ def test_head_stack_backward_runs_the_stacked_plan_on_views(monkeypatch):
 
     calls = []
 
-    def fake_kernel(q, k, v, o, lse, do, plan, scale=None, out=None, impl=None, deterministic=False):
+    def fake_kernel(
+        q, k, v, o, lse, do, plan, scale=None, out=None, impl=None, deterministic=False, dq_plan=None
+    ):
         calls.append(q.shape)
         for buf, grad in zip(out, emulate_backward(plan, q, k, v, o, lse, do, scale)):
             buf[...] = grad

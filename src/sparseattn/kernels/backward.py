@@ -19,7 +19,7 @@ from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
 from ..plans import TilePlan, stack_head_plans
 from . import launch
-from .bsa_backward import bsa_backward
+from .bsa_backward import bsa_backward, default_impl, uses_dq_pass
 from .plan_cache import cached, check_graph_matches, plan_of
 from .validate import KernelTypeError, KernelValueError
 
@@ -60,20 +60,35 @@ def paged_backward(
         if launch.is_torch_tensor(q):
             return _torch_backward(q, k, v, o, lse, do, stack, scale, out, kind, route, impl, deterministic)
         return _head_stack_backward(q, k, v, o, lse, do, stack, scale, out, kind, route, impl, deterministic)
-    plan = graph_or_plan
+    plan, dq_plan = graph_or_plan, None
     if isinstance(graph_or_plan, SparseGraph):
         qs, ks = getattr(q, "shape", ()), getattr(k, "shape", ())
         if len(qs) == 4 and len(ks) == 4:  # other shapes: the kernel wrapper names the argument
             check_graph_matches(graph_or_plan, int(qs[1]), int(qs[2]), int(ks[2]))
         plan = plan_of(graph_or_plan, kind, route, owner="kv")
+        if uses_dq_pass(default_impl() if impl is None else impl):  # its Q-owned plan: the forward's
+            dq_plan = plan_of(graph_or_plan, kind, route, owner="q")
     elif not isinstance(graph_or_plan, TilePlan):
         raise KernelTypeError(
             f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
         )
     if launch.is_torch_tensor(q):
-        return _torch_backward(q, k, v, o, lse, do, plan, scale, out, kind, route, impl, deterministic)
+        return _torch_backward(
+            q, k, v, o, lse, do, plan, scale, out, kind, route, impl, deterministic, dq_plan
+        )
     return bsa_backward(
-        q, k, v, o, lse, do, plan, scale=scale, out=out, impl=impl, deterministic=deterministic
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        plan,
+        scale=scale,
+        out=out,
+        impl=impl,
+        deterministic=deterministic,
+        dq_plan=dq_plan,
     )
 
 
@@ -130,6 +145,17 @@ def _head_stack_backward(
                 [plan_of(g, kind, route, owner="kv") for g in stack.graphs], sk // PAGE_ROWS, sq // PAGE_ROWS
             ),
         )
+        dq_plan = None
+        if uses_dq_pass(default_impl() if impl is None else impl):
+            dq_plan = cached(
+                stack,
+                ("dq plan", kind, route, sq, sk),
+                lambda: stack_head_plans(
+                    [plan_of(g, kind, route, owner="q") for g in stack.graphs],
+                    sq // PAGE_ROWS,
+                    sk // PAGE_ROWS,
+                ),
+            )
 
         def one(x):  # [batch, heads, slots, ...] viewed as one head (no copy)
             return x.reshape(b, 1, heads * x.shape[2], *x.shape[3:])
@@ -141,6 +167,7 @@ def _head_stack_backward(
             out=(one(dq), one(dk), one(dv)),
             impl=impl,
             deterministic=deterministic,
+            dq_plan=dq_plan,
         )
         return dq, dk, dv
     import cupy
@@ -161,7 +188,20 @@ def _head_stack_backward(
 
 
 def _torch_backward(
-    q, k, v, o, lse, do, plan, scale, out, kind="kpage", route="auto", impl=None, deterministic=False
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    plan,
+    scale,
+    out,
+    kind="kpage",
+    route="auto",
+    impl=None,
+    deterministic=False,
+    dq_plan=None,
 ):
     import torch
 
@@ -175,7 +215,13 @@ def _torch_backward(
             _head_stack_backward(*inputs, plan, scale, tuple(outputs), kind, route, impl, deterministic)
         else:
             bsa_backward(
-                *inputs, plan, scale=scale, out=tuple(outputs), impl=impl, deterministic=deterministic
+                *inputs,
+                plan,
+                scale=scale,
+                out=tuple(outputs),
+                impl=impl,
+                deterministic=deterministic,
+                dq_plan=dq_plan,
             )
     return tuple(out)
 

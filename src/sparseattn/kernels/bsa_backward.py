@@ -54,7 +54,7 @@ SOURCE = "bsa_bwd.cu"
 WGMMA_SOURCE = "paged_bwd.cu"
 #: How a wgmma CTA adds its dQ partials (paged_bwd.cu's DQ_MODE): fp32 vector atomics, bulk
 #: asynchronous reductions of staged pages, or 64-bit fixed-point integer atomics (deterministic).
-DQ_ATOMIC, DQ_BULK, DQ_FIXED = 0, 1, 2
+DQ_ATOMIC, DQ_BULK, DQ_FIXED, DQ_NONE = 0, 1, 2, 3
 #: The wgmma variants: owned tile height (64 or 128 rows) -> (Q split, dQ mode), paged_bwd_kernel's last
 #: two template parameters. ``wgmma`` (the default) picks per route what measured fastest on the H200:
 #: bulk reductions on 64-row tiles (twice the dQ traffic per FLOP of 128-row tiles), atomics on 128-row
@@ -65,6 +65,9 @@ WGMMA_VARIANTS = {
     "wgmma_bulk": {64: (1, DQ_BULK), 128: (1, DQ_BULK)},
     "wgmma_qsplit": {64: (2, DQ_ATOMIC), 128: (1, DQ_ATOMIC)},
     "wgmma_qsplit_bulk": {64: (2, DQ_BULK), 128: (1, DQ_BULK)},
+    # dK/dV without dQ, then dQ in a Q-owned pass (paged_bwd_dq_kernel) that recomputes S and dP: no
+    # atomics (deterministic by construction), for DRAM-bound 64-row tiles
+    "wgmma_dq_pass": {64: (1, DQ_NONE), 128: (1, DQ_NONE)},
 }
 IMPLS = ("mma", *WGMMA_VARIANTS)
 #: Streamed Q rows per step of the wgmma kernel (PB_Q_ROWS in paged_bwd.cu).
@@ -108,7 +111,26 @@ def wgmma_variant(impl: str, owned_rows: int, deterministic: bool = False) -> tu
     """(Q split, dQ mode) of implementation ``impl`` on ``owned_rows``-row tiles; ``deterministic``
     replaces the dQ mode by the fixed-point one."""
     split, mode = WGMMA_VARIANTS[impl][owned_rows]
-    return split, DQ_FIXED if deterministic else mode
+    return split, DQ_FIXED if deterministic and mode != DQ_NONE else mode
+
+
+def uses_dq_pass(impl: str) -> bool:
+    """True when ``impl`` computes dQ in the separate Q-owned pass (it then needs the owner-"q" plan)."""
+    return impl in WGMMA_VARIANTS and all(mode == DQ_NONE for _, mode in WGMMA_VARIANTS[impl].values())
+
+
+def dq_kernel_name(head_dim: int, owned_rows: int) -> str:
+    return f"paged_bwd_dq_kernel<{head_dim}, {owned_rows}>"
+
+
+def dq_threads_per_cta(owned_rows: int) -> int:
+    """One consumer warpgroup per 64 owned Q rows."""
+    return owned_rows // 64 * 128
+
+
+def dq_smem_bytes(head_dim: int, owned_rows: int) -> int:
+    """Alignment slack, Q and dO (owned), double-buffered 64-row K and V (bf16), K page masks (x2)."""
+    return 1024 + 2 * (2 * owned_rows * head_dim + 4 * 64 * head_dim) + 2 * 4 * 4
 
 
 def wgmma_kernel_name(head_dim: int, owned_rows: int, split: int = 1, dq_mode: int = DQ_ATOMIC) -> str:
@@ -120,15 +142,17 @@ FIXED_POSTPROCESS_NAME = "bwd_fixed_postprocess"
 #: Every instantiation of paged_bwd.cu: (head dim, owned rows, Q split, dQ mode), and its helpers.
 WGMMA_SHAPES = tuple(
     (d, m, q, mode)
-    for mode in (DQ_ATOMIC, DQ_BULK, DQ_FIXED)
+    for mode in (DQ_ATOMIC, DQ_BULK, DQ_FIXED, DQ_NONE)
     for d in HEAD_DIMS
     for m in OWNED_ROWS
     for q in (1, 2)
-    if q == 1 or m == 64
+    if q == 1 or (m == 64 and mode != DQ_NONE)
 )
-WGMMA_NAME_EXPRESSIONS = tuple(wgmma_kernel_name(*shape) for shape in WGMMA_SHAPES) + (
-    ABSMAX_NAME,
-    FIXED_POSTPROCESS_NAME,
+DQ_SHAPES = tuple((d, m) for d in HEAD_DIMS for m in OWNED_ROWS)
+WGMMA_NAME_EXPRESSIONS = (
+    tuple(wgmma_kernel_name(*shape) for shape in WGMMA_SHAPES)
+    + tuple(dq_kernel_name(*shape) for shape in DQ_SHAPES)
+    + (ABSMAX_NAME, FIXED_POSTPROCESS_NAME)
 )
 #: Other sources this module launches (for the CPU compile check).
 KERNEL_SOURCES = {WGMMA_SOURCE: WGMMA_NAME_EXPRESSIONS}
@@ -176,11 +200,14 @@ _PLANS = PlanCache(owner="kv", tile_shapes=TILE_SHAPES)
 _DEVICE_PLANS: weakref.WeakKeyDictionary[TilePlan, dict] = weakref.WeakKeyDictionary()
 plan_for = _PLANS.plan_for
 check_backward_plan = _PLANS.checked
+#: Owner-"q" plans of the Q-owned dQ pass (``impl="wgmma_dq_pass"``).
+_DQ_PLANS = PlanCache(owner="q", tile_shapes=TILE_SHAPES)
 
 
 def uncovered_k_pages(plan: TilePlan, k_pages: int) -> tuple[np.ndarray, np.ndarray]:
-    """(head, page) int64 arrays of the K pages no work item owns (blocks without valid rows):
-    the kernel never writes them, so the wrapper zeroes their dK/dV rows."""
+    """(head, page) int64 arrays of the owner-side pages no work item owns (blocks without valid rows;
+    K pages of a K/V-owned plan, Q pages of a Q-owned one): the kernel never writes them, so the wrapper
+    zeroes their gradient rows."""
     own = plan.own_pages.astype(np.int64)
     heads = np.repeat(plan.work_head.astype(np.int64), own.shape[1])
     pages = own.ravel()
@@ -191,16 +218,17 @@ def uncovered_k_pages(plan: TilePlan, k_pages: int) -> tuple[np.ndarray, np.ndar
 
 
 def _device_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int, device: int) -> dict:
-    """Validated plan arrays on the device (validation and upload happen once per plan and sizes)."""
+    """Validated plan arrays on the device (validation and upload happen once per plan and sizes); the
+    plan is K/V-owned (the main kernels) or Q-owned (the dQ pass)."""
     import cupy
 
     per_plan = _DEVICE_PLANS.setdefault(plan, {})
     key = (q_pages, k_pages, heads, device)
     if key not in per_plan:
-        check_backward_plan(plan, q_pages, k_pages, heads)
+        (_DQ_PLANS if plan.owner == "q" else _PLANS).checked(plan, q_pages, k_pages, heads)
         with cupy.cuda.Device(device):
             arrays = {name: cupy.asarray(arr) for name, arr in plan.device_arrays().items()}
-            uh, up = uncovered_k_pages(plan, k_pages)
+            uh, up = uncovered_k_pages(plan, q_pages if plan.owner == "q" else k_pages)
             arrays["uncovered"] = (cupy.asarray(uh), cupy.asarray(up)) if uh.size else None
         per_plan[key] = arrays
     return per_plan[key]
@@ -224,6 +252,54 @@ def _fixed_point_bound(do, v, k, arrays: dict, head_dim: int):
             (x, np.int64(n8), np.int32(head_dim), np.int32(x.shape[2]), mask, absmax[i:]),
         )
     return absmax
+
+
+def _dq_pass(q, k, v, do, lse, delta, dq, dq_plan: TilePlan, sizes, scale, scale_log2) -> None:
+    """dQ of every owned Q page in one launch per route of the Q-owned plan (``paged_bwd_dq_kernel``);
+    Q pages no work item owns are zeroed."""
+    q_pages, k_pages, h, device = sizes
+    b, _, sq, d = (int(x) for x in q.shape)
+    sk = int(k.shape[2])
+    arrays = _device_plan(dq_plan, q_pages, k_pages, h, device)
+    own_stride = np.int32(dq_plan.own_pages.shape[1])
+    for route, (start, stop) in enumerate(dq_plan.route_ranges()):
+        if stop <= start:
+            continue
+        owned_rows = dq_plan.routes[route][0]
+        fn = launch.function(WGMMA_SOURCE, dq_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS)
+        smem = dq_smem_bytes(d, owned_rows)
+        if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+        fn(
+            (stop - start, b),
+            (dq_threads_per_cta(owned_rows),),
+            (
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dq,
+                arrays["work_head"],
+                arrays["own_pages"],
+                own_stride,
+                arrays["stream_indptr"],
+                arrays["stream_pages"],
+                arrays["own_page_mask"],
+                arrays["stream_page_mask"],
+                np.int32(start),
+                np.int32(h),
+                np.int32(sq),
+                np.int32(sk),
+                np.float32(scale),
+                scale_log2,
+            ),
+            shared_mem=smem,
+        )
+    if arrays["uncovered"] is not None:
+        heads_idx, pages_idx = arrays["uncovered"]
+        dq.reshape(b, h, q_pages, PAGE_ROWS, d)[:, heads_idx, pages_idx] = 0
 
 
 def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
@@ -259,7 +335,9 @@ def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
     return plan, scale, out, (q_pages, k_pages, device)
 
 
-def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=None, deterministic=False):
+def bsa_backward(
+    q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=None, deterministic=False, dq_plan=None
+):
     """Gradients of block-sparse attention on the GPU for the loss ``Σ do · o``.
 
     Args:
@@ -277,6 +355,8 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
         deterministic: add dQ in 64-bit fixed point (integer atomics) so that dQ is bit-identical from
             run to run whatever order the CTAs run in; wgmma implementations only. The fixed-point unit
             comes from the largest valid elements of dO, V and K, so ``lse`` must be the forward's.
+        dq_plan: the owner-``"q"`` :class:`TilePlan` of the same graph for ``impl="wgmma_dq_pass"``
+            (dQ in a Q-owned pass); built from ``graph_or_plan`` when that is a graph.
 
     Returns:
         ``(dq, dk, dv)`` like ``q``/``k``/``v`` (bf16). Every row of dQ is written (0 where no pair
@@ -290,9 +370,23 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
         raise KernelTypeError(f"deterministic must be True or False, got {deterministic!r}")
     if deterministic and impl == "mma":
         raise KernelValueError("deterministic=True needs a wgmma implementation (impl='mma' adds dQ in fp32)")
+    dq_pass = uses_dq_pass(impl)
+    if not dq_pass and dq_plan is not None:
+        raise KernelValueError(
+            f"dq_plan is only used by the Q-owned dQ pass (impl='wgmma_dq_pass'), not {impl!r}"
+        )
+    if dq_pass and dq_plan is None and isinstance(graph_or_plan, TilePlan):
+        raise KernelValueError(
+            f"impl={impl!r} computes dQ over the graph's Q-owned plan: pass the graph, or dq_plan"
+        )
+    if dq_plan is not None and not isinstance(dq_plan, TilePlan):
+        raise KernelTypeError(f"dq_plan must be a TilePlan, got {type(dq_plan).__name__}")
     plan, scale, out, (q_pages, k_pages, device) = check_inputs(
         q, k, v, o, lse, do, graph_or_plan, scale, out
     )
+    if dq_pass:
+        dq_plan = _DQ_PLANS.plan_for(graph_or_plan) if dq_plan is None else dq_plan
+        _DQ_PLANS.checked(dq_plan, q_pages, k_pages, int(q.shape[1]))
     if impl != "mma" and max(int(q.shape[2]), int(k.shape[2])) * int(q.shape[3]) >= 2**31:
         raise KernelValueError(
             f"q/k have {max(int(q.shape[2]), int(k.shape[2]))} slots of head_dim {int(q.shape[3])}: past the "
@@ -310,8 +404,12 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
         else:
             dq, dk, dv = out
         delta = cupy.empty((b, h, sq), dtype=cupy.float32)
-        dq_accum = cupy.zeros((b, h, sq, d), dtype=cupy.int64 if deterministic else cupy.float32)
-        absmax = _fixed_point_bound(do, v, k, arrays, d) if deterministic else None
+        fixed = deterministic and not dq_pass
+        if dq_pass:
+            dq_accum = np.uint64(0)  # the main kernel never touches it
+        else:
+            dq_accum = cupy.zeros((b, h, sq, d), dtype=cupy.int64 if fixed else cupy.float32)
+        absmax = _fixed_point_bound(do, v, k, arrays, d) if fixed else None
 
         rows = b * h * sq
         pre = launch.function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
@@ -329,7 +427,7 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
                 split, dq_mode = wgmma_variant(impl, owned_rows, deterministic)
                 name = wgmma_kernel_name(d, owned_rows, split, dq_mode)
                 fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
-                extra = (absmax if deterministic else np.uint64(0),)
+                extra = (absmax if fixed else np.uint64(0),)
                 smem = wgmma_smem_bytes(d, owned_rows, split)
                 threads = wgmma_threads_per_cta(owned_rows, split)
             else:
@@ -368,7 +466,9 @@ def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=
                 shared_mem=smem,
             )
 
-        if deterministic:
+        if dq_pass:
+            _dq_pass(q, k, v, do, lse, delta, dq, dq_plan, (q_pages, k_pages, h, device), scale, scale_log2)
+        elif fixed:
             post = launch.function(WGMMA_SOURCE, FIXED_POSTPROCESS_NAME, WGMMA_NAME_EXPRESSIONS)
             n2 = b * h * sq * d // 2
             post(
