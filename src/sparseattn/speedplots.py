@@ -19,7 +19,7 @@ from .benchdata import BenchRun, is_usable, pick_run, useful_tflops
 KPAGE_BASELINES = ("bsa", "flex", "vsa_kernel")
 #: Implementations drawn as useful TFLOP/s while a run has no KPage records.
 RATE_IMPLS = ("bsa", "bsa_mma", "bsa_wgmma", "flex", "vsa_kernel")
-KPAGE_PASSES = ("fwd", "fwdbwd")
+KPAGE_PASSES = ("fwd", "bwd", "fwdbwd")
 #: PageWeaver complete-call speedups: the union kernels over the per-query paths.
 PW_UNIONS = ("pageweaver_union", "kv_page_union")
 PW_BASELINES = ("flashinfer", "per_query")
@@ -33,9 +33,13 @@ PAPER_PW_SPEEDUP = 1.70
 
 
 def pick_kpage_run(runs) -> BenchRun | None:
-    """The newest run with KPage and a baseline; else the newest run with any baseline (no KPage yet)."""
-    return pick_run(runs, all_of=("kpage",), any_of=KPAGE_BASELINES, passes=KPAGE_PASSES) or pick_run(
-        runs, any_of=RATE_IMPLS, passes=KPAGE_PASSES
+    """The newest run with KPage forward and forward+backward records and a baseline; else the newest run
+    with KPage and a baseline; else the newest run with any baseline (no KPage yet)."""
+    both = [r for r in runs if all(r.has("kpage", (p,)) for p in ("fwd", "fwdbwd"))]
+    return (
+        pick_run(both, all_of=("kpage",), any_of=KPAGE_BASELINES, passes=KPAGE_PASSES)
+        or pick_run(runs, all_of=("kpage",), any_of=KPAGE_BASELINES, passes=KPAGE_PASSES)
+        or pick_run(runs, any_of=RATE_IMPLS, passes=KPAGE_PASSES)
     )
 
 
@@ -89,8 +93,8 @@ def _panel_values(run: BenchRun, workloads, impl: str, pass_: str, value):
 
 
 def kpage_speed_figure(run: BenchRun | None, path=None) -> Figure:
-    """KPage forward (a) and forward+backward (b) speedups over BSA, FlexAttention and the VSA kernel per
-    workload, from one run; a run without KPage records shows the baselines' useful TFLOP/s instead and
+    """KPage forward, backward and forward+backward speedups (one panel per pass the run has) over BSA,
+    FlexAttention and the VSA kernel per workload, from one run; a run without KPage records shows the baselines' useful TFLOP/s instead and
     says that KPage is missing."""
     if run is None:
         return _empty_figure("KPage speed", "No recorded benchmark run in data/bench.", path)
