@@ -143,6 +143,100 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], uint32_t tdS, uint32_t
     }
 }
 
+// Pᵀ and dSᵀ in place of Sᵀ and dPᵀ (accumulator layout: owned rows g / g + 8 of the warp, streamed
+// columns 8j + 2·t4 (+1)): P = exp2(S·scale_log2 − LSE₂[col]), 0 for invalid owned rows; dS = P ∘ (dP − Δ[col]).
+__device__ __forceinline__ void p_and_ds(float (&s)[PB_Q_ROWS / 2], float (&dp)[PB_Q_ROWS / 2], bool kvalid_lo,
+                                         bool kvalid_hi, const float* t_lse, const float* t_delta, float scale_log2,
+                                         int t4) {
+#pragma unroll
+    for (int j = 0; j < PB_Q_ROWS / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = 8 * j + 2 * t4 + (e & 1);
+            const bool kvalid = e < 2 ? kvalid_lo : kvalid_hi;
+            const float p = kvalid ? exp2f(fmaf(s[4 * j + e], scale_log2, -t_lse[col])) : 0.f;
+            s[4 * j + e] = p;
+            dp[4 * j + e] = p * (dp[4 * j + e] - t_delta[col]);
+        }
+    }
+}
+
+// dSᵀ (bf16 A fragments) -> shared: owned row r, streamed column c at (r, chunk c / 8) of the
+// [BLOCK_K][64] tile; the rows of warp wq of the warpgroup owning rows 64·kvp ...
+template <int BLOCK_K>
+__device__ __forceinline__ void store_ds(uint32_t tdS, const uint32_t (&pds)[PB_Q_ROWS / PAGE_ROWS][4], int kvp,
+                                         int wq, int g, int t4) {
+#pragma unroll
+    for (int j = 0; j < PB_Q_ROWS / 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = kvp * 64 + 16 * wq + g + 8 * half;
+            const uint32_t addr = tdS + hopper::tile_offset<BLOCK_K>(row, j) + 4u * t4;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pds[j >> 1][(j & 1) * 2 + half]) : "memory");
+        }
+    }
+}
+
+// This warp's dQ rows (16 streamed rows, 64 head-dim columns from col0) into a staged fp32 page.
+template <int HEAD_DIM>
+__device__ __forceinline__ void stage_dq_page(uint32_t page, const float (&dq)[32], int col0, int g, int t4) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const uint32_t addr = page + ((g + 8 * half) * HEAD_DIM + col0 + 8 * j + 2 * t4) * 4u;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * half]),
+                         "f"(dq[4 * j + 2 * half + 1])
+                         : "memory");
+        }
+    }
+}
+
+// dK (times scale) and dV of this warp's rows (warp wq of the warpgroup owning rows 64·kvp ..) as bf16
+// into the K / V tiles.
+template <int HEAD_DIM, int BLOCK_K>
+__device__ __forceinline__ void stage_dk_dv(uint32_t tK, uint32_t tV, const float (&acc_dk)[HEAD_DIM / 2],
+                                            const float (&acc_dv)[HEAD_DIM / 2], float scale, int kvp, int wq, int g,
+                                            int t4) {
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = kvp * 64 + 16 * wq + g + 8 * half;
+            const uint32_t off = hopper::tile_offset<BLOCK_K>(row, j) + 4u * t4;
+            const uint32_t kbits =
+                paged::pack_bf16x2(acc_dk[4 * j + 2 * half] * scale, acc_dk[4 * j + 2 * half + 1] * scale);
+            const uint32_t vbits = paged::pack_bf16x2(acc_dv[4 * j + 2 * half], acc_dv[4 * j + 2 * half + 1]);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tK + off), "r"(kbits) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tV + off), "r"(vbits) : "memory");
+        }
+    }
+}
+
+// The staged dK / dV tiles to the owned pages (valid page ids only), 16 bytes per thread and step.
+template <int HEAD_DIM, int BLOCK_K, int THREADS>
+__device__ __forceinline__ void store_dk_dv(uint32_t tK, uint32_t tV, const int* own, int k_pages,
+                                            __nv_bfloat16* dk_bh, __nv_bfloat16* dv_bh, int ctid) {
+    constexpr int kChunksPerRow = HEAD_DIM / 8;
+#pragma unroll 4
+    for (int c = ctid; c < BLOCK_K * kChunksPerRow; c += THREADS) {
+        const int row = c / kChunksPerRow;
+        const int chunk = c % kChunksPerRow;
+        const int page = own[row / PAGE_ROWS];
+        if (static_cast<unsigned>(page) < static_cast<unsigned>(k_pages)) {
+            const size_t dst = (static_cast<size_t>(page) * PAGE_ROWS + row % PAGE_ROWS) * HEAD_DIM + chunk * 8;
+            const uint32_t off = hopper::tile_offset<BLOCK_K>(row, chunk);
+            uint4 kk, vv;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(kk.x), "=r"(kk.y), "=r"(kk.z), "=r"(kk.w) : "r"(tK + off));
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(vv.x), "=r"(vv.y), "=r"(vv.z), "=r"(vv.w) : "r"(tV + off));
+            *reinterpret_cast<uint4*>(dk_bh + dst) = kk;
+            *reinterpret_cast<uint4*>(dv_bh + dst) = vv;
+        }
+    }
+}
+
 }  // namespace paged_bwd
 
 // Grid (work items [work_offset, work_offset + gridDim.x) of one route, batch), block Config::kThreads,
@@ -281,31 +375,12 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
         pin_registers(s);
         pin_registers(dp);
 
-#pragma unroll
-        for (int j = 0; j < PB_Q_ROWS / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = 8 * j + 2 * t4 + (e & 1);
-                const bool kvalid = e < 2 ? kvalid_lo : kvalid_hi;
-                const float p = kvalid ? exp2f(fmaf(s[4 * j + e], scale_log2, -tLse[col])) : 0.f;
-                s[4 * j + e] = p;
-                dp[4 * j + e] = p * (dp[4 * j + e] - tDelta[col]);
-            }
-        }
+        p_and_ds(s, dp, kvalid_lo, kvalid_hi, tLse, tDelta, scale_log2, t4);
         uint32_t pa[PB_Q_ROWS / PAGE_ROWS][4];
         uint32_t pds[PB_Q_ROWS / PAGE_ROWS][4];
         pack_p<PB_Q_ROWS>(pa, s);
         pack_p<PB_Q_ROWS>(pds, dp);
-        // dSᵀ -> shared: owned row r, streamed column c at (r, chunk c / 8) of the [BLOCK_K][64] tile
-#pragma unroll
-        for (int j = 0; j < (DQ_MODE == DQ_NONE ? 0 : PB_Q_ROWS / 8); ++j) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = kvp * 64 + 16 * wq + g + 8 * half;
-                const uint32_t addr = tdS + tile_offset<BLOCK_K>(row, j) + 4u * t4;
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pds[j >> 1][(j & 1) * 2 + half]) : "memory");
-            }
-        }
+        if constexpr (DQ_MODE != DQ_NONE) store_ds<BLOCK_K>(tdS, pds, kvp, wq, g, t4);
         wgmma_fence();
         if constexpr (Q_SPLIT == 1) {
             issue_pv<D, PB_Q_ROWS>(acc_dv, pa, tdO);
@@ -337,16 +412,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
             if constexpr (DQ_MODE == DQ_BULK) {
                 const int pg = qp * 4 + wq;  // warp wq's 16 accumulator rows are page wq of its Q slice
                 const uint32_t stage = (pg < kHalfPages ? tQ : tdO) + (pg % kHalfPages) * Cfg::kPageBytesF32;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const uint32_t addr = stage + ((g + 8 * half) * D + 64 * h + 8 * j + 2 * t4) * 4u;
-                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * half]),
-                                     "f"(dq[4 * j + 2 * half + 1])
-                                     : "memory");
-                    }
-                }
+                stage_dq_page<D>(stage, dq, 64 * h, g, t4);
             } else {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
@@ -415,48 +481,283 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
             }
         }
     }
-    if (Q_SPLIT == 1 || qp == 0) {  // the warpgroup(s) holding the whole dK / dV stage it as bf16
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = kvp * 64 + 16 * wq + g + 8 * half;
-                const uint32_t off = tile_offset<BLOCK_K>(row, j) + 4u * t4;
-                const uint32_t kbits =
-                    paged::pack_bf16x2(acc_dk[4 * j + 2 * half] * scale, acc_dk[4 * j + 2 * half + 1] * scale);
-                const uint32_t vbits = paged::pack_bf16x2(acc_dv[4 * j + 2 * half], acc_dv[4 * j + 2 * half + 1]);
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tK + off), "r"(kbits) : "memory");
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tV + off), "r"(vbits) : "memory");
-            }
-        }
-    }
+    if (Q_SPLIT == 1 || qp == 0)  // the warpgroup(s) holding the whole dK / dV stage it as bf16
+        stage_dk_dv<D, BLOCK_K>(tK, tV, acc_dk, acc_dv, scale, kvp, wq, g, t4);
     __syncthreads();
     // (the bulk variants re-derive the owned-page list and the (batch, head) offset: keeping them across
     // the loop spills them)
     const int* own_out = DQ_MODE == DQ_BULK ? own_pages + static_cast<size_t>(blockIdx.x + work_offset) * max_own : own;
     const size_t bh_out =
         DQ_MODE == DQ_BULK ? static_cast<size_t>(blockIdx.y) * heads + work_head[blockIdx.x + work_offset] : bh;
-    __nv_bfloat16* dk_bh = dk + bh_out * k_slots * D;
-    __nv_bfloat16* dv_bh = dv + bh_out * k_slots * D;
-    constexpr int kChunksPerRow = D / 8;
-#pragma unroll 4
-    for (int c = tid; c < BLOCK_K * kChunksPerRow; c += Cfg::kThreads) {
-        const int row = c / kChunksPerRow;
-        const int chunk = c % kChunksPerRow;
-        const int page = own_out[row / PAGE_ROWS];
-        if (static_cast<unsigned>(page) < static_cast<unsigned>(k_pages)) {
-            const size_t dst = (static_cast<size_t>(page) * PAGE_ROWS + row % PAGE_ROWS) * D + chunk * 8;
-            const uint32_t off = tile_offset<BLOCK_K>(row, chunk);
-            uint4 kk, vv;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(kk.x), "=r"(kk.y), "=r"(kk.z), "=r"(kk.w) : "r"(tK + off));
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(vv.x), "=r"(vv.y), "=r"(vv.z), "=r"(vv.w) : "r"(tV + off));
-            *reinterpret_cast<uint4*>(dk_bh + dst) = kk;
-            *reinterpret_cast<uint4*>(dv_bh + dst) = vv;
-        }
-    }
+    store_dk_dv<D, BLOCK_K, Cfg::kThreads>(tK, tV, own_out, k_pages, dk + bh_out * k_slots * D,
+                                           dv + bh_out * k_slots * D, tid);
 }
+
+// ---- warp-specialized variant for 128-row owned tiles (v4 candidate) -------------------------------------
+
+// paged_bwd_ws_kernel: the computation of paged_bwd_kernel<D, 128, 1, DQ_BULK> with FlashAttention-3's
+// division of labour instead of block-wide barriers. 384 threads:
+// * producer warpgroup (registers lowered): warp 0 gathers each step's 4 Q pages, warp 1 its 4 dO pages
+//   (cp.async into a 2-stage ring, completion tracked on the stage's full mbarrier), warp 2 its LSE₂ and Δ;
+//   warp 3 adds each step's staged fp32 dQ pages to dq_accum with one cp.reduce.async.bulk per page, then
+//   frees the staging buffer;
+// * two consumer warpgroups (registers raised), one per 64 owned K/V rows: S, dP (wgmma SS), P and dS in
+//   registers, dSᵀ to its half of a double-buffered shared tile, dV += P·dO and dK += dS·Q (wgmma RS),
+//   one named barrier between the two consumer warpgroups (both dSᵀ halves written), then the dQ GEMM of
+//   its 64 head-dim columns, released Q/dO stage, dQ staged for warp 3.
+// No __syncthreads inside the loop: a consumer warpgroup waits only for its data, the other consumer's
+// dSᵀ half and the previous step's dQ staging to be read.
+namespace paged_bwd_ws {
+
+constexpr int kBlockK = 128;
+constexpr int kThreads = 384;
+constexpr int kProducerRegs = 56;   // at 40 the producer's page gathers spill (NVRTC 13.0), as the forward's
+constexpr int kConsumerRegs = 224;  // 56 · 128 + 224 · 256 <= 65536
+constexpr int kConsumerWarps = 8;
+constexpr int kLoadThreads = 96;  // producer warps 0-2 arrive on a stage's full barrier
+
+template <int HEAD_DIM>
+struct Config {
+    static constexpr int kKBytes = kBlockK * HEAD_DIM * 2;         // K or V (owned)
+    static constexpr int kQBytes = PB_Q_ROWS * HEAD_DIM * 2;       // one Q or dO stage
+    static constexpr int kSBytes = kBlockK * PB_Q_ROWS * 2;        // one dSᵀ buffer
+    static constexpr int kDqBytes = PB_Q_ROWS * HEAD_DIM * 4;      // dQ staging (4 contiguous fp32 pages)
+    static constexpr int kPageBytesF32 = PAGE_ROWS * HEAD_DIM * 4;
+    static constexpr int kMetaBytes = 2 * 2 * PB_Q_ROWS * 4;       // LSE₂ and Δ per stage
+    static constexpr int kBarBytes = 8 * 8;                        // q_full[2], q_empty[2], dq_full, dq_empty
+    static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 4 * kQBytes + 2 * kSBytes + kDqBytes + kMetaBytes + kBarBytes;
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim 64 or 128");
+    static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory limit");
+};
+
+}  // namespace paged_bwd_ws
+
+// Grid (work items [work_offset, work_offset + gridDim.x) of a 128-row route, batch), block 384 threads,
+// dynamic shared memory Config::kSmemBytes. Arguments as paged_bwd_kernel (dq_accum fp32; dq_absmax
+// unused).
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(paged_bwd_ws::kThreads, 1)
+paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                    const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ dout,
+                    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq_accum,
+                    __nv_bfloat16* __restrict__ dk, __nv_bfloat16* __restrict__ dv, const int* __restrict__ work_head,
+                    const int* __restrict__ own_pages, int max_own, const int* __restrict__ stream_indptr,
+                    const int* __restrict__ stream_pages, const uint16_t* __restrict__ k_page_mask,
+                    const uint16_t* __restrict__ q_page_mask, int work_offset, int heads, int q_slots, int k_slots,
+                    float scale, float scale_log2, const unsigned int* __restrict__ dq_absmax) {
+    using namespace hopper;
+    using namespace paged_bwd_ws;
+    using Cfg = Config<HEAD_DIM>;
+    constexpr int D = HEAD_DIM;
+    constexpr int BK = kBlockK;
+    constexpr int QS = PB_Q_ROWS;
+    constexpr int SP = QS / PAGE_ROWS;  // streamed pages per step
+
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t base = (paged::smem_u32(smem_raw) + 1023u) & ~1023u;
+    unsigned char* const smem = smem_raw + (base - paged::smem_u32(smem_raw));
+    const uint32_t tK = base;
+    const uint32_t tV = tK + Cfg::kKBytes;
+    const uint32_t tQ0 = tV + Cfg::kKBytes;        // [2] Q stages
+    const uint32_t tdO0 = tQ0 + 2 * Cfg::kQBytes;  // [2] dO stages
+    const uint32_t tdS0 = tdO0 + 2 * Cfg::kQBytes; // [2] dSᵀ buffers
+    const uint32_t tDq = tdS0 + 2 * Cfg::kSBytes;  // dQ staging
+    const int meta_off = static_cast<int>(tDq - base) + Cfg::kDqBytes;
+    float* sLse = reinterpret_cast<float*>(smem + meta_off);  // [2][QS], log2 units, +inf = no keys
+    float* sDelta = sLse + 2 * QS;                             // [2][QS]
+    const uint32_t bars = base + meta_off + Cfg::kMetaBytes;
+    auto q_full = [&](int s) { return bars + 8 * s; };
+    auto q_empty = [&](int s) { return bars + 8 * (2 + s); };
+    const uint32_t dq_full = bars + 8 * 4;
+    const uint32_t dq_empty = bars + 8 * 5;
+
+    const int tid = threadIdx.x;
+    const int warp = tid >> 5;
+    const int lane = tid & 31;
+    const int work = blockIdx.x + work_offset;
+    const int head = work_head[work];
+    const size_t bh = static_cast<size_t>(blockIdx.y) * heads + head;
+    const int q_pages = q_slots / PAGE_ROWS;
+    const int k_pages = k_slots / PAGE_ROWS;
+    const int* own = own_pages + static_cast<size_t>(work) * max_own;
+    const int stream_begin = stream_indptr[work];
+    const int stream_len = stream_indptr[work + 1] - stream_begin;
+    const int num_tiles = (stream_len + SP - 1) / SP;
+
+    if (tid == 0) {
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(q_full(s), kLoadThreads);
+            mbar_init(q_empty(s), kConsumerWarps);
+        }
+        mbar_init(dq_full, kConsumerWarps);
+        mbar_init(dq_empty, 1);
+    }
+    // owned K and V pages: warp w copies pages w, w + 12, ... of the 2 · 8
+    for (int i = warp; i < 2 * (BK / PAGE_ROWS); i += kThreads / 32) {
+        const int p = i % (BK / PAGE_ROWS);
+        const int page[1] = {own[p]};
+        const uint32_t mask[1] = {paged::load_page_mask(k_page_mask, page[0], k_pages)};
+        warp_copy_pages<D, BK, 1>(i < BK / PAGE_ROWS ? tK : tV, p * PAGE_ROWS,
+                                  (i < BK / PAGE_ROWS ? k : v) + bh * k_slots * D, k_pages, page, mask);
+    }
+    paged::cp_async_commit();
+    paged::cp_async_wait<0>();
+    fence_async_proxy();
+    __syncthreads();  // owned tiles and barriers ready
+
+    const int role = __shfl_sync(0xffffffffu, tid / 128, 0);
+    if (role == 0) {
+        // ================================ producer ================================
+        regs_release<kProducerRegs>();
+        const int* pages_all = stream_pages + stream_begin;
+        if (warp < 3) {
+#pragma unroll 1
+            for (int t = 0; t < num_tiles; ++t) {
+                const int st = t & 1;
+                const uint32_t par = (t >> 1) & 1;
+                mbar_wait(q_empty(st), par ^ 1u);
+                const int npages = min(SP, stream_len - t * SP);
+                if (warp < 2) {  // Q (warp 0) or dO (warp 1): the step's 4 pages
+                    int page[SP];
+                    uint32_t mask[SP];
+#pragma unroll
+                    for (int p = 0; p < SP; ++p) {
+                        page[p] = p < npages ? pages_all[t * SP + p] : -1;
+                        mask[p] = paged::load_page_mask(q_page_mask, page[p], q_pages);
+                    }
+                    warp_copy_pages<D, QS, SP>((warp == 0 ? tQ0 : tdO0) + st * Cfg::kQBytes, 0,
+                                               (warp == 0 ? q : dout) + bh * q_slots * D, q_pages, page, mask);
+                } else {  // LSE₂ and Δ of the step's 64 rows
+#pragma unroll
+                    for (int r = lane; r < QS; r += 32) {
+                        const int p = r / PAGE_ROWS;
+                        const int page = p < npages ? pages_all[t * SP + p] : -1;
+                        const bool valid =
+                            paged::page_row_valid(paged::load_page_mask(q_page_mask, page, q_pages), r % PAGE_ROWS);
+                        const size_t slot = static_cast<size_t>(valid ? page : 0) * PAGE_ROWS + r % PAGE_ROWS;
+                        const float l = valid ? lse[bh * q_slots + slot] : -INFINITY;
+                        sLse[st * QS + r] = l > -INFINITY ? l * paged::kLog2e : INFINITY;
+                        sDelta[st * QS + r] = valid ? delta[bh * q_slots + slot] : 0.f;
+                    }
+                }
+                mbar_track_cp_async(q_full(st));
+                mbar_arrive(q_full(st));
+            }
+            paged::cp_async_wait<0>();
+        } else {  // warp 3: dQ pages of each step, one bulk reduction each
+            float* dq_bh = dq_accum + bh * q_slots * D;
+#pragma unroll 1
+            for (int t = 0; t < num_tiles; ++t) {
+                mbar_wait(dq_full, t & 1);
+                if (lane == 0) {
+                    const int npages = min(SP, stream_len - t * SP);
+                    for (int p = 0; p < npages; ++p) {
+                        const int page = pages_all[t * SP + p];
+                        if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages))
+                            paged_bwd::bulk_reduce_add_f32(dq_bh + static_cast<size_t>(page) * PAGE_ROWS * D,
+                                                           tDq + p * Cfg::kPageBytesF32, Cfg::kPageBytesF32);
+                    }
+                    paged_bwd::bulk_commit();
+                    paged_bwd::bulk_wait_read();
+                    mbar_arrive(dq_empty);
+                }
+                __syncwarp();
+            }
+            if (lane == 0) paged_bwd::bulk_wait();
+        }
+        return;
+    }
+
+    // ================================ consumers ================================
+    regs_claim<kConsumerRegs>();
+    const int kvp = role - 1;        // owned rows 64·kvp ..
+    const int ctid = tid - 128;      // 0 .. 255
+    const int wq = warp & 3;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const uint32_t own_mask = paged::load_page_mask(k_page_mask, own[kvp * 4 + wq], k_pages);
+    const bool kvalid_lo = paged::page_row_valid(own_mask, g);
+    const bool kvalid_hi = paged::page_row_valid(own_mask, g + 8);
+    const uint32_t aK = tK + kvp * 64 * 128;
+    const uint32_t aV = tV + kvp * 64 * 128;
+
+    float acc_dk[D / 2];
+    float acc_dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+#pragma unroll 1
+    for (int t = 0; t < num_tiles; ++t) {
+        const int st = t & 1;
+        const uint32_t tQ = tQ0 + st * Cfg::kQBytes;
+        const uint32_t tdO = tdO0 + st * Cfg::kQBytes;
+        const uint32_t tdS = tdS0 + st * Cfg::kSBytes;
+        const float* tLse = sLse + st * QS;
+        const float* tDelta = sDelta + st * QS;
+        mbar_wait(q_full(st), (t >> 1) & 1);
+        fence_async_proxy();
+
+        float s[QS / 2];
+        float dp[QS / 2];
+        wgmma_fence();
+        issue_qk<D, QS, BK>(s, aK, tQ);
+        wgmma_commit();
+        issue_qk<D, QS, BK>(dp, aV, tdO);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(s);
+        pin_registers(dp);
+        paged_bwd::p_and_ds(s, dp, kvalid_lo, kvalid_hi, tLse, tDelta, scale_log2, t4);
+        uint32_t pa[QS / PAGE_ROWS][4];
+        uint32_t pds[QS / PAGE_ROWS][4];
+        pack_p<QS>(pa, s);
+        pack_p<QS>(pds, dp);
+        paged_bwd::store_ds<BK>(tdS, pds, kvp, wq, g, t4);
+        wgmma_fence();
+        issue_pv<D, QS>(acc_dv, pa, tdO);
+        wgmma_commit();
+        issue_pv<D, QS>(acc_dk, pds, tQ);
+        wgmma_commit();
+        fence_async_proxy();
+        named_sync(1, 256);  // both dSᵀ halves of this step are in shared memory
+
+        // dQ[:, 64·kvp ..] = dS · K[:, 64·kvp ..] (at d = 64 warpgroup 0 alone)
+        const bool has_dq = D == 128 || kvp == 0;
+        float dq[32];
+        wgmma_fence();
+        if (has_dq) {
+            paged_bwd::issue_dq<BK>(dq, tdS, tK + kvp * (BK * 128));
+            wgmma_commit();
+        }
+        wgmma_wait<0>();  // dV, dK and dQ of this step: Q, dO and dSᵀ are read
+        pin_registers(dq);
+        pin_registers(acc_dk);
+        pin_registers(acc_dv);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(q_empty(st));
+
+        // dQ partial -> staging (page wq of the step: rows 16·wq .., contiguous fp32 page), for warp 3
+        mbar_wait(dq_empty, (t & 1) ^ 1u);
+        if (has_dq) paged_bwd::stage_dq_page<D>(tDq + wq * Cfg::kPageBytesF32, dq, 64 * kvp, g, t4);
+        fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
+        __syncwarp();
+        if (lane == 0) mbar_arrive(dq_full);
+    }
+
+    // dK (scaled) and dV: staged bf16 in the K / V tiles once neither consumer reads them, then 16-byte stores
+    named_sync(1, 256);
+    paged_bwd::stage_dk_dv<D, BK>(tK, tV, acc_dk, acc_dv, scale, kvp, wq, g, t4);
+    named_sync(1, 256);
+    paged_bwd::store_dk_dv<D, BK, 256>(tK, tV, own, k_pages, dk + bh * k_slots * D, dv + bh * k_slots * D, ctid);
+}
+
+#define PAGED_BWD_WS_INSTANTIATE(D)                                                                         \
+    template __global__ void paged_bwd_ws_kernel<D>(                                                        \
+        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const float*, \
+        const float*, float*, __nv_bfloat16*, __nv_bfloat16*, const int*, const int*, int, const int*,        \
+        const int*, const uint16_t*, const uint16_t*, int, int, int, int, float, float, const unsigned int*);
+PAGED_BWD_WS_INSTANTIATE(64)
+PAGED_BWD_WS_INSTANTIATE(128)
 
 // ---- dQ in a Q-owned pass (DQ_NONE's partner): no atomics, deterministic ------------------------------
 

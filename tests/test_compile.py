@@ -236,6 +236,7 @@ def test_wgmma_backward_mirrors_match_the_kernel(reports):
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
     options = compile_check.compile_options(compile_check.find_cuda_include())
     helpers = {bb.ABSMAX_NAME, bb.FIXED_POSTPROCESS_NAME} | {bb.dq_kernel_name(*x) for x in bb.DQ_SHAPES}
+    helpers |= {bb.ws_kernel_name(d) for d in bb.HEAD_DIMS}
     assert {bb.wgmma_kernel_name(*x) for x in bb.WGMMA_SHAPES} | helpers == set(bb.WGMMA_NAME_EXPRESSIONS)
     launched = {
         (m, *bb.wgmma_variant(i, m, det))
@@ -243,15 +244,24 @@ def test_wgmma_backward_mirrors_match_the_kernel(reports):
         for m in bb.OWNED_ROWS
         for det in (False, True)
     }
-    assert launched == {(m, q, mode) for _, m, q, mode in bb.WGMMA_SHAPES}
-    checks = "".join(
-        f'static_assert(paged_bwd::Config<{d}, {m}, {q}, {b}>::kSmemBytes == {bb.wgmma_smem_bytes(d, m, q)}, "s");'
-        f'static_assert(paged_bwd::Config<{d}, {m}, {q}, {b}>::kThreads == {bb.wgmma_threads_per_cta(m, q)}, "t");'
-        for d, m, q, b in bb.WGMMA_SHAPES
-    ) + "".join(
-        f'static_assert(paged_bwd_dq::Config<{d}, {m}>::kSmemBytes == {bb.dq_smem_bytes(d, m)}, "dq s");'
-        f'static_assert(paged_bwd_dq::Config<{d}, {m}>::kThreads == {bb.dq_threads_per_cta(m)}, "dq t");'
-        for d, m in bb.DQ_SHAPES
+    ws = {(128, bb.WS_SPLIT, bb.DQ_BULK)}  # paged_bwd_ws_kernel, named apart
+    assert launched - ws == {(m, q, mode) for _, m, q, mode in bb.WGMMA_SHAPES} and ws <= launched
+    checks = (
+        "".join(
+            f'static_assert(paged_bwd::Config<{d}, {m}, {q}, {b}>::kSmemBytes == {bb.wgmma_smem_bytes(d, m, q)}, "s");'
+            f'static_assert(paged_bwd::Config<{d}, {m}, {q}, {b}>::kThreads == {bb.wgmma_threads_per_cta(m, q)}, "t");'
+            for d, m, q, b in bb.WGMMA_SHAPES
+        )
+        + "".join(
+            f'static_assert(paged_bwd_dq::Config<{d}, {m}>::kSmemBytes == {bb.dq_smem_bytes(d, m)}, "dq s");'
+            f'static_assert(paged_bwd_dq::Config<{d}, {m}>::kThreads == {bb.dq_threads_per_cta(m)}, "dq t");'
+            for d, m in bb.DQ_SHAPES
+        )
+        + "".join(
+            f'static_assert(paged_bwd_ws::Config<{d}>::kSmemBytes == {bb.ws_smem_bytes(d)}, "ws s");'
+            f'static_assert(paged_bwd_ws::kThreads == {bb.WS_THREADS}, "ws t");'
+            for d in bb.HEAD_DIMS
+        )
     )
     code = runtime.preprocess(bb.WGMMA_SOURCE) + "\n" + checks + "\n"
     ok, log, _, _ = nvrtc.compile(code, "paged_bwd_check.cu", options, ())

@@ -157,7 +157,7 @@ def test_backward_work_list_refuses_forward_plans():
         work_list(kpage_plan(graph, owner="kv"))
 
 
-@pytest.mark.parametrize("impl", ["wgmma", "wgmma_qsplit", "mma"])
+@pytest.mark.parametrize("impl", ["wgmma", "wgmma_qsplit", "wgmma_ws", "mma"])
 def test_backward_executed_pairs_count_the_kernel_steps(impl):
     """The backward's executed pairs: owned rows × streamed rows rounded up to the kernel's step, between
     the useful pairs and the plan's tile count; a HeadStack counts every head."""
@@ -170,7 +170,12 @@ def test_backward_executed_pairs_count_the_kernel_steps(impl):
     _, i, j = graph.pairs
     assert int((layout.valid_rows[i] * layout.valid_rows[j]).sum()) <= got <= plan.physical_pairs()
     # streamed rows per step at d = 128, by owned tile height (paged_bwd.cu / bsa_bwd.cu)
-    steps = {"wgmma": {64: 64, 128: 64}, "wgmma_qsplit": {64: 128, 128: 64}, "mma": {64: 32, 128: 64}}[impl]
+    steps = {
+        "wgmma": {64: 64, 128: 64},
+        "wgmma_qsplit": {64: 128, 128: 64},
+        "wgmma_ws": {64: 64, 128: 64},
+        "mma": {64: 32, 128: 64},
+    }[impl]
     rows = plan.tile_shapes()[:, 0]
     step = np.array([steps[int(m)] for m in rows])
     assert got == int((rows * (-(-(plan.stream_lengths() * 16) // step)) * step).sum())

@@ -265,6 +265,7 @@ BACKWARD_KERNELS = {
     "wgmma_bulk": "wgmma, dQ by bulk page reductions (kernels_cu/paged_bwd.cu)",
     "wgmma_qsplit_bulk": "wgmma, Q split, dQ by bulk page reductions (kernels_cu/paged_bwd.cu)",
     "wgmma_dq_pass": "wgmma, dK/dV without dQ, then dQ in a Q-owned pass (kernels_cu/paged_bwd.cu)",
+    "wgmma_ws": "wgmma, warp-specialized on 128-row tiles, as wgmma on 64-row tiles (kernels_cu/paged_bwd.cu)",
 }
 
 

@@ -263,7 +263,9 @@ def backward_executed_pairs(graph, head_dim: int, kind: str = "kpage", impl=None
         rows = plan.tile_shapes()[:, 0]
         step = np.array(
             [
-                TILES[head_dim, int(m)][0] if impl == "mma" else WGMMA_Q_ROWS * wgmma_variant(impl, int(m))[0]
+                TILES[head_dim, int(m)][0]
+                if impl == "mma"
+                else WGMMA_Q_ROWS * max(1, wgmma_variant(impl, int(m))[0])
                 for m in rows
             ]
         )

@@ -55,6 +55,8 @@ WGMMA_SOURCE = "paged_bwd.cu"
 #: How a wgmma CTA adds its dQ partials (paged_bwd.cu's DQ_MODE): fp32 vector atomics, bulk
 #: asynchronous reductions of staged pages, or 64-bit fixed-point integer atomics (deterministic).
 DQ_ATOMIC, DQ_BULK, DQ_FIXED, DQ_NONE = 0, 1, 2, 3
+#: The "Q split" that selects paged_bwd_ws_kernel (128-row tiles only).
+WS_SPLIT = 0
 #: The wgmma variants: owned tile height (64 or 128 rows) -> (Q split, dQ mode), paged_bwd_kernel's last
 #: two template parameters. ``wgmma`` (the default) picks per route what measured fastest on the H200:
 #: bulk reductions on 64-row tiles (twice the dQ traffic per FLOP of 128-row tiles), atomics on 128-row
@@ -68,6 +70,9 @@ WGMMA_VARIANTS = {
     # dK/dV without dQ, then dQ in a Q-owned pass (paged_bwd_dq_kernel) that recomputes S and dP: no
     # atomics (deterministic by construction), for DRAM-bound 64-row tiles
     "wgmma_dq_pass": {64: (1, DQ_NONE), 128: (1, DQ_NONE)},
+    # 128-row tiles on the warp-specialized paged_bwd_ws_kernel (Q split 0 stands for it: a producer
+    # warpgroup, two consumer warpgroups, bulk dQ), 64-row tiles as the default
+    "wgmma_ws": {64: (1, DQ_BULK), 128: (WS_SPLIT, DQ_BULK)},
 }
 IMPLS = ("mma", *WGMMA_VARIANTS)
 #: Streamed Q rows per step of the wgmma kernel (PB_Q_ROWS in paged_bwd.cu).
@@ -111,12 +116,33 @@ def wgmma_variant(impl: str, owned_rows: int, deterministic: bool = False) -> tu
     """(Q split, dQ mode) of implementation ``impl`` on ``owned_rows``-row tiles; ``deterministic``
     replaces the dQ mode by the fixed-point one."""
     split, mode = WGMMA_VARIANTS[impl][owned_rows]
+    if deterministic and split == WS_SPLIT:  # the fixed-point dQ runs on the synchronous kernel
+        return 1, DQ_FIXED
     return split, DQ_FIXED if deterministic and mode != DQ_NONE else mode
 
 
 def uses_dq_pass(impl: str) -> bool:
     """True when ``impl`` computes dQ in the separate Q-owned pass (it then needs the owner-"q" plan)."""
     return impl in WGMMA_VARIANTS and all(mode == DQ_NONE for _, mode in WGMMA_VARIANTS[impl].values())
+
+
+WS_THREADS = 384
+
+
+def ws_kernel_name(head_dim: int) -> str:
+    return f"paged_bwd_ws_kernel<{head_dim}>"
+
+
+def ws_smem_bytes(head_dim: int) -> int:
+    """paged_bwd_ws_kernel: alignment slack, K and V (128 owned rows), 2-stage Q and dO (64 rows), two dSᵀ
+    buffers (bf16), the fp32 dQ staging of one step, LSE₂ and Δ per stage, six mbarriers (+2 spare)."""
+    return (
+        1024
+        + 2 * (2 * 128 * head_dim + 4 * 64 * head_dim + 2 * 128 * 64)
+        + 64 * head_dim * 4
+        + 2 * 2 * 64 * 4
+        + 64
+    )
 
 
 def dq_kernel_name(head_dim: int, owned_rows: int) -> str:
@@ -152,6 +178,7 @@ DQ_SHAPES = tuple((d, m) for d in HEAD_DIMS for m in OWNED_ROWS)
 WGMMA_NAME_EXPRESSIONS = (
     tuple(wgmma_kernel_name(*shape) for shape in WGMMA_SHAPES)
     + tuple(dq_kernel_name(*shape) for shape in DQ_SHAPES)
+    + tuple(ws_kernel_name(d) for d in HEAD_DIMS)
     + (ABSMAX_NAME, FIXED_POSTPROCESS_NAME)
 )
 #: Other sources this module launches (for the CPU compile check).
@@ -425,11 +452,15 @@ def bsa_backward(
             extra = ()
             if impl != "mma":
                 split, dq_mode = wgmma_variant(impl, owned_rows, deterministic)
-                name = wgmma_kernel_name(d, owned_rows, split, dq_mode)
-                fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
                 extra = (absmax if fixed else np.uint64(0),)
-                smem = wgmma_smem_bytes(d, owned_rows, split)
-                threads = wgmma_threads_per_cta(owned_rows, split)
+                if split == WS_SPLIT:
+                    fn = launch.function(WGMMA_SOURCE, ws_kernel_name(d), WGMMA_NAME_EXPRESSIONS)
+                    smem, threads = ws_smem_bytes(d), WS_THREADS
+                else:
+                    name = wgmma_kernel_name(d, owned_rows, split, dq_mode)
+                    fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
+                    smem = wgmma_smem_bytes(d, owned_rows, split)
+                    threads = wgmma_threads_per_cta(owned_rows, split)
             else:
                 fn = launch.function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
                 smem, threads = smem_bytes(d, owned_rows), threads_per_cta(owned_rows)
