@@ -339,8 +339,9 @@ def grouped_barh(ax, groups: list[str], series: list[tuple[str, str, list]], not
     its bars, so long names need no room beside the axis.
 
     ``series``: ``(legend label, colour, values)`` with one value per group (NaN = no bar).
-    ``notes``: optional ``{(group index, series index): text}`` written where a bar is missing
-    (e.g. "failed"). Returns the bar centres, float ``[groups, series]``.
+    ``notes``: optional ``{(group index, series index): text}`` for a missing bar (e.g. "failed"),
+    written after its group's name (a bar's slot is shorter than a line of text). Returns the bar
+    centres, float ``[groups, series]``.
     """
     n, m = len(groups), max(len(series), 1)
     name_room = GROUP_NAME_INCH / (m * BAR_INCH + GROUP_NAME_INCH)
@@ -353,26 +354,15 @@ def grouped_barh(ax, groups: list[str], series: list[tuple[str, str, list]], not
         ax.barh(centres[shown, s], values[shown], bar_h * 0.9, label=label, color=colour, edgecolor="none")
     names = ax.get_yaxis_transform()  # x in axes fraction, y in data
     for g, name in enumerate(groups):
+        missing = [text for (gg, _), text in sorted((notes or {}).items()) if gg == g]
         ax.text(
             0.0,
             g - 0.5 + name_room / 2 + 0.02,
-            name,
+            name + (f" ({'; '.join(missing)})" if missing else ""),
             transform=names,
             ha="left",
             va="center",
             bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5},
-        )
-    for (g, s), text in (notes or {}).items():
-        ax.annotate(
-            text,
-            (0.0, centres[g, s]),
-            xycoords=names,
-            xytext=(2, 0),
-            textcoords="offset points",
-            ha="left",
-            va="center",
-            color="#444444",
-            fontsize=MIN_FONT_PT,
         )
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_yticks([])

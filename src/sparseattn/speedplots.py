@@ -88,7 +88,7 @@ def _panel_values(run: BenchRun, workloads, impl: str, pass_: str, value):
     for g, w in enumerate(workloads):
         values.append(value(ok[w]) if w in ok else float("nan"))
         if w in bad:
-            notes[g] = "failed (error recorded)" if bad[w].get("error") else "wrong result"
+            notes[g] = "failed" if bad[w].get("error") else "wrong result"
     return values, notes
 
 
