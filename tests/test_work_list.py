@@ -181,3 +181,47 @@ def test_backward_executed_pairs_count_the_kernel_steps(impl):
     assert got == int((rows * (-(-(plan.stream_lengths() * 16) // step)) * step).sum())
     stack = HeadStack.of([graph.select_heads([0]), graph.select_heads([1])])
     assert backward_executed_pairs(stack, 128, "kpage", impl) == got
+
+
+# --- pair items: two 64-row Q blocks over the ordered union of their K pages ----------------------------
+@pytest.mark.parametrize("case", [c for c in SMALL_CASES if "B32" not in c and "B16" not in c])
+def test_pair_work_list_equals_reference(case, seed):
+    """Every pair item's halves see exactly their own block's K pages: the float64 emulation of the
+    pair list equals the reference, padding rows stay unwritten."""
+    from sparseattn.kernels.pair_work_list import pair_work_list
+
+    q_lay, k_lay = small_layouts(case)
+    graph = make_graph(q_lay, k_lay, heads=3, density=0.4, seed=seed)
+    work = pair_work_list(graph)
+    _check_against_reference(work, graph, np.random.default_rng(seed), (3, q_lay.num_slots, k_lay.num_slots))
+
+
+def test_pair_work_list_shares_pages_and_keeps_the_tensor_work():
+    """Neighbouring cubes select overlapping K blocks: pair items load each shared page once and, with
+    the stream ordered [A only | shared | B only], compute no more than the two 64-row items plus the
+    boundary chunks."""
+    from sparseattn.kernels.pair_work_list import pair_blocks, pair_work_list
+
+    layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
+    mask = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
+    for i in range(layout.num_blocks):  # each cube selects a window of neighbours in block order
+        mask[:, i, max(0, i - 6) : i + 7] = True
+    graph = SparseGraph.from_block_mask(layout, layout, mask)
+    base, pairs = work_list(kpage_plan(graph)), pair_work_list(graph)
+    n_pairs = graph.heads * pair_blocks(graph).size
+    assert n_pairs > 0 and (pairs.work_info[:, 3] == 128).sum() >= n_pairs
+    assert pairs.stream_pages.size < 0.75 * base.stream_pages.size
+    boundary = n_pairs * 2 * 64 * pairs.chunk
+    assert pairs.executed_pairs() <= base.executed_pairs() + boundary
+    _check_against_reference(pairs, graph, np.random.default_rng(0), (2, layout.num_slots, layout.num_slots))
+
+
+def test_the_forward_kernel_refuses_pair_lists():
+    """The kernel ignores visibility bits, so its launch path must not take a pair list."""
+    from sparseattn.kernels.forward import check_work_list
+    from sparseattn.kernels.pair_work_list import pair_work_list
+
+    layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=1, density=0.3, seed=1)
+    with pytest.raises(KernelValueError, match="pair work list"):
+        check_work_list(pair_work_list(graph), layout.num_pages, layout.num_pages, 1)

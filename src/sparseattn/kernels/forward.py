@@ -208,6 +208,11 @@ def check_work_list(wl: WorkList, q_pages: int, k_pages: int, heads: int) -> Wor
         raise KernelValueError("work_list streams run outside stream_pages")
     if w and not np.isin(info[:, 3], (64, 128)).all():
         raise KernelValueError("work_list rows (M) must be 64 or 128")
+    if wl.has_visibility():
+        raise KernelValueError(
+            "work_list.stream_mask carries row-half visibility bits (a pair work list): the forward kernel "
+            "does not run pair items yet (sparseattn.emulator.emulate_work_list does)"
+        )
     if k_pages * 16 * 128 >= 2**31 or q_pages * 16 * 128 >= 2**31:
         raise KernelValueError("a head's slot count is too large for 32-bit element offsets")
     done.add((q_pages, k_pages, heads))

@@ -23,6 +23,9 @@ OWN_PAGES = 8
 CHUNKS = (64, 128)
 #: Query rows (M) of the routes the kernel runs: 64 (two warpgroups split the keys) or 128 (the rows).
 ROUTE_ROWS = (64, 128)
+#: Row-half visibility bits of a stream entry's mask word (pair items, :mod:`.pair_work_list`): bit 16 =
+#: rows 0-63 see the page, bit 17 = rows 64-127. An entry with neither bit is seen by every row.
+VIS_HALF0, VIS_HALF1 = 1 << 16, 1 << 17
 #: Orders in which the persistent CTAs take items: "head" = head by head, largest first within a
 #: head (concurrent CTAs share one head's K/V in L2); "cost" = largest first over all heads.
 ORDERS = ("head", "cost")
@@ -69,8 +72,35 @@ class WorkList:
         return -(-self.work_info[:, 2].astype(np.int64) // pages)
 
     def executed_pairs(self) -> int:
-        """Σ over items of M · chunk · (chunks streamed): the query–key pairs the tensor cores compute."""
-        return int((self.work_info[:, 3].astype(np.int64) * self.chunk * self.chunks_per_item()).sum())
+        """Σ over items of M · chunk · (chunks streamed): the query–key pairs the tensor cores compute. With
+        row-half visibility bits (pair items) each 64-row half of a 128-row item counts only the chunks
+        holding a page it sees."""
+        plain = int((self.work_info[:, 3].astype(np.int64) * self.chunk * self.chunks_per_item()).sum())
+        if not self.has_visibility():
+            return plain
+        info = self.work_info.astype(np.int64)
+        per_chunk = self.chunk // PAGE_ROWS
+        total = 0
+        for begin, length, m in info[:, 1:]:
+            vis = self.stream_visibility(begin, length)
+            chunks = -(-length // per_chunk)
+            if m <= 64 or not length:
+                total += m * self.chunk * chunks
+                continue
+            ids = np.arange(length) // per_chunk
+            for half in (0, 1):
+                total += 64 * self.chunk * np.unique(ids[vis[half]]).size
+        return int(total)
+
+    def has_visibility(self) -> bool:
+        """True when some stream entry carries row-half visibility bits (a pair work list)."""
+        return bool((self.stream_mask.astype(np.uint32) >> 16).any())
+
+    def stream_visibility(self, begin: int, length: int) -> np.ndarray:
+        """bool ``[2, length]``: which row half (0: rows 0-63, 1: rows 64-127) sees each entry of a stream."""
+        m = self.stream_mask[begin : begin + length].astype(np.uint32)
+        none = (m & (VIS_HALF0 | VIS_HALF1)) == 0
+        return np.stack([none | ((m & VIS_HALF0) != 0), none | ((m & VIS_HALF1) != 0)])
 
     def device_arrays(self) -> dict[str, np.ndarray]:
         """What the kernel reads: work_info int4 [W], work_order [W], own entries int2 [W, 8] and
