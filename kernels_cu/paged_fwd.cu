@@ -22,6 +22,10 @@
 //   - M = 64 ("key split"): both warpgroups own the same 64 rows and take alternate chunks (w, w + 2,
 //     ...); at the end warpgroup 1 hands its (O, max, sum) to warpgroup 0 through the Q buffer, which
 //     merges the two softmax states and stores the rows.
+// PAIR = true (pair work lists, sparseattn.kernels.pair_work_list; not yet run on a GPU): bits 16 / 17 of a
+// stream entry's mask say which row half (warpgroup 0: rows 0-63, 1: rows 64-127) sees the page (neither
+// bit: both). A row-split warpgroup masks the pages it does not see and skips chunks holding none, after
+// finishing its pending P·V and releasing the chunk's buffers in ring order.
 // Outputs: O bf16 [batch, heads, q_slots, HEAD_DIM] and LSE fp32 [batch, heads, q_slots] (natural log)
 // for the valid rows of each owned page; a valid row without any valid key gets O = 0, LSE = -inf.
 // Invalid query rows are never stored. Every page id is range-checked before use.
@@ -124,7 +128,7 @@ __device__ __forceinline__ WorkItem decode_item(int item, int num_work, const in
 
 }  // namespace
 
-template <int HEAD_DIM, int CHUNK>
+template <int HEAD_DIM, int CHUNK, bool PAIR = false>
 __global__ void __launch_bounds__(PAGED_FWD_THREADS, 1)
 paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __restrict__ K,
                  const __nv_bfloat16* __restrict__ V, __nv_bfloat16* __restrict__ O, float* __restrict__ LSE,
@@ -280,8 +284,41 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 const int buf = pos % NBUF;
                 const uint32_t par = (pos / NBUF) & 1;
                 hopper::mbar_wait(sm.k_full(buf), par);
+                uint32_t seen_cols = 0xffffffffu;  // PAIR: the column bits of the pages this row half sees
+                if constexpr (PAIR) {
+                    uint32_t seen = 0;
+#pragma unroll
+                    for (int p = 0; p < PAGES; ++p) {
+                        const uint32_t m = sm.kmask[buf * PAGES + p];
+                        const uint32_t halves = (m >> 16) & 3u;
+                        if ((m & 0xffffu) && (halves == 0u || ((halves >> cw) & 1u))) seen |= 1u << p;
+                    }
+                    if (seen == 0u) {  // nothing for these rows: finish the pending P·V, release in order
+                        if (prev >= 0) {
+                            hopper::mbar_wait(sm.v_full(prev), prev_par);
+                            hopper::fence_async_proxy();
+                            hopper::wgmma_fence();
+                            hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
+                            hopper::wgmma_commit();
+                            hopper::wgmma_wait<0>();
+                            hopper::pin_registers(o);
+                            if (lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
+                            prev = -1;
+                        }
+                        hopper::mbar_wait(sm.v_full(buf), par);
+                        __syncwarp();
+                        if (lane == 0) {
+                            hopper::mbar_arrive(sm.k_empty(buf), release);
+                            hopper::mbar_arrive(sm.v_empty(buf), release);
+                        }
+                        continue;
+                    }
+                    seen_cols = 0u;
+#pragma unroll
+                    for (int p = 0; p < PAGES; ++p) seen_cols |= ((seen >> p) & 1u) ? (0xfu << (4 * p)) : 0u;
+                }
                 if (prev >= 0) hopper::mbar_wait(sm.v_full(prev), prev_par);  // (nearly always landed long ago)
-                const uint32_t col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4);
+                const uint32_t col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4) & seen_cols;
                 hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
                 // S = Q·Kᵀ of this chunk, then O += P·V of the previous one right behind it: no control
                 // flow between the two issues, so the tensor cores run them back to back

@@ -216,12 +216,23 @@ def test_pair_work_list_shares_pages_and_keeps_the_tensor_work():
     _check_against_reference(pairs, graph, np.random.default_rng(0), (2, layout.num_slots, layout.num_slots))
 
 
-def test_the_forward_kernel_refuses_pair_lists():
-    """The kernel ignores visibility bits, so its launch path must not take a pair list."""
-    from sparseattn.kernels.forward import check_work_list
+def test_pair_lists_need_128_key_chunks():
+    """Only the 128-key-chunk kernel has a pair instantiation: a pair list with 64-key chunks is refused,
+    and route='pair' builds (and caches) the graph's pair list."""
+    import dataclasses
+
+    from sparseattn.kernels.forward import check_work_list, kernel_name, work_of
     from sparseattn.kernels.pair_work_list import pair_work_list
 
     layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
     graph = builders.random_graph(layout, layout, heads=1, density=0.3, seed=1)
+    pairs = pair_work_list(graph)
+    assert pairs.has_visibility() and pairs.chunk == 128
+    assert check_work_list(pairs, layout.num_pages, layout.num_pages, 1) is pairs
     with pytest.raises(KernelValueError, match="pair work list"):
-        check_work_list(pair_work_list(graph), layout.num_pages, layout.num_pages, 1)
+        check_work_list(dataclasses.replace(pairs, chunk=64), layout.num_pages, layout.num_pages, 1)
+    assert work_of(graph, "kpage", "pair") is work_of(graph, "kpage", "pair")
+    assert work_of(graph, "kpage", "pair").has_visibility()
+    assert kernel_name(128, 128, pair=True) == "paged_fwd_kernel<128, 128, true>"
+    with pytest.raises(KernelValueError, match="route='pair'"):
+        work_of(graph, "bsa", "pair")

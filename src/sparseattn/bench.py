@@ -51,7 +51,9 @@ from .graph import HeadStack, SparseGraph
 from .kernels.validate import bf16_bits_to_float
 
 DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "svg2_wan14b_720p", "sta_hunyuan_117f")
-IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "vsa_kernel")
+IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "vsa_kernel", "kpage_pair")
+#: Opt-in implementations (run only when named with --impl): kpage_pair is KPage's experimental pair route.
+OPT_IN_IMPLS = ("kpage_pair",)
 PASSES = ("fwd", "bwd", "fwdbwd")
 TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel")
 PAGED_IMPLS = ("kpage", "bsa")  # the skeleton's plans: their backward records come per --bwd-impl
@@ -270,7 +272,14 @@ BACKWARD_KERNELS = {
 
 
 def bench_paged(
-    case: Case, timer: Timer, passes, check: bool, kind: str, bwd_impls=((None, False),)
+    case: Case,
+    timer: Timer,
+    passes,
+    check: bool,
+    kind: str,
+    bwd_impls=((None, False),),
+    route="auto",
+    record_impl: str | None = None,
 ) -> list[dict]:
     """``kpage`` or ``bsa`` (its plan) on the paged forward skeleton; ``bwd`` / ``fwdbwd`` add the backward
     of the same plan kind (K/V-owned, :mod:`sparseattn.kernels.backward`), once per ``(impl,
@@ -281,21 +290,23 @@ def bench_paged(
     from .kernels.forward import executed_pairs, paged_forward
 
     g = case.graph
-    o, lse = paged_forward(case.q, case.k, case.v, g, scale=case.scale, kind=kind)
+    o, lse = paged_forward(case.q, case.k, case.v, g, scale=case.scale, kind=kind, route=route)
     cupy.cuda.Device().synchronize()
     rel = None
     if check:
         rel = case.rel_err_head0(bf16_bits_to_float(cupy.asnumpy(o[:, 0])).astype(np.float64))
     buffers = (o, lse)
-    physical = executed_pairs(g, kind) * case.b
+    physical = executed_pairs(g, kind, route) * case.b
     out = []
     if "fwd" in passes:
         ms, _ = timer(
-            lambda: paged_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind)
+            lambda: paged_forward(
+                case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind, route=route
+            )
         )
         out.append(
             dict(
-                impl=kind,
+                impl=record_impl or kind,
                 **{"pass": "fwd"},
                 time_ms=ms,
                 physical_pairs=physical,
@@ -358,6 +369,17 @@ def bench_kpage(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None,
 
 def bench_bsa(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, False),)) -> list[dict]:
     return bench_paged(case, timer, passes, check, "bsa", bwd_impls)
+
+
+def bench_kpage_pair(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
+    """KPage's experimental pair route (forward only; SparseGraphs only)."""
+    if isinstance(case.graph, HeadStack):
+        return [
+            dict(impl="kpage_pair", **{"pass": "fwd"}, error="the pair route needs one layout for all heads")
+        ]
+    return bench_paged(
+        case, timer, ("fwd",) if "fwd" in passes else (), check, "kpage", (), "pair", "kpage_pair"
+    )
 
 
 def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
@@ -574,6 +596,7 @@ BENCHES = {
     "flex": bench_flex,
     "cudnn_dense": bench_cudnn_dense,
     "vsa_kernel": bench_vsa_kernel,
+    "kpage_pair": bench_kpage_pair,
 }
 
 
@@ -590,7 +613,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--heads", type=int, default=None, help="heads to run (default: all of the workload)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument(
-        "--impl", action="append", choices=IMPLS, help="implementations (default: all available)"
+        "--impl",
+        action="append",
+        choices=IMPLS,
+        help="implementations (default: all available but the opt-in kpage_pair, KPage's experimental pair route)",
     )
     parser.add_argument(
         "--pass", dest="passes", action="append", choices=PASSES, help="passes (default: fwd)"
@@ -751,7 +777,10 @@ def run(args) -> int:
     if args.deterministic:
         bwd_impls += ((bwd_impls[0][0], True),)
     torch = _torch()
-    impls = list(args.impl or [i for i in IMPLS if i not in TORCH_IMPLS or torch is not None])
+    impls = list(
+        args.impl
+        or [i for i in IMPLS if (i not in TORCH_IMPLS or torch is not None) and i not in OPT_IN_IMPLS]
+    )
     timer = Timer(args.warmup, args.reps)
     records = []
     now = datetime.datetime.now(datetime.timezone.utc)

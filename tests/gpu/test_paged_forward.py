@@ -188,3 +188,23 @@ def test_builtin_workload_full_size_sampled(rng, name):
     rel = float(np.sqrt(sum(errs) / sum(errs_ref)))
     print(f"{name}: rel err {rel:.2e}, worst row error {rows_err:.2e}")
     assert rel < 1e-2 and rows_err < 2e-2
+
+
+@head_dims
+@pytest.mark.parametrize("seed", range(10), ids=lambda s: f"case{s}")
+def test_pair_route(rng, poisoned, head_dim, seed):
+    """route='pair' (experimental): neighbouring 64-row Q blocks as 128-row items over the ordered union
+    of their K pages, each row half seeing only its own block's pages. Ragged random graphs (64-slot
+    blocks, so the 64-row route and pairs occur) and a neighbour-window graph whose pairs share most
+    pages."""
+    graph = random_case(rng)
+    if graph.q.block_size != 64:
+        q = slot_layout(ragged_valid(rng, int(rng.integers(6, 12)), 64), 64)
+        mask = rng.random((2, q.num_blocks, graph.k.num_blocks)) < rng.uniform(0.2, 0.8)
+        graph = SparseGraph.from_block_mask(q, graph.k, mask)
+    run_case(rng, poisoned, graph, "kpage", "pair", batch=int(rng.integers(1, 3)), head_dim=head_dim)
+    layout = video_layout((5, 7, 9), (4, 4, 4), block_size=64)
+    window = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
+    for i in range(layout.num_blocks):
+        window[:, i, max(0, i - int(rng.integers(2, 8))) : i + int(rng.integers(2, 8))] = True
+    run_case(rng, poisoned, SparseGraph.from_block_mask(layout, layout, window), "kpage", "pair", 2, head_dim)

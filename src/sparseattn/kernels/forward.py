@@ -29,6 +29,7 @@ import numpy as np
 from ..graph import HeadStack, SparseGraph
 from ..plans import TilePlan
 from . import launch
+from .pair_work_list import pair_work_list
 from .plan_cache import cached, check_graph_matches, plan_of
 from .validate import (
     BF16_DTYPE_NAMES,
@@ -58,11 +59,17 @@ MAX_NBUF = 8
 MAX_BATCH = 1 << 15
 
 
-def kernel_name(head_dim: int, chunk: int) -> str:
-    return f"paged_fwd_kernel<{head_dim}, {chunk}>"
+def kernel_name(head_dim: int, chunk: int, pair: bool = False) -> str:
+    """The instantiation for a work list; ``pair``: one with row-half visibility bits (pair items)."""
+    return (
+        f"paged_fwd_kernel<{head_dim}, {chunk}, true>" if pair else f"paged_fwd_kernel<{head_dim}, {chunk}>"
+    )
 
 
-NAME_EXPRESSIONS = tuple(kernel_name(d, c) for d in HEAD_DIMS for c in CHUNKS)
+#: Pair work lists stream 128-key chunks (KPage's plans), so only those get a pair instantiation.
+NAME_EXPRESSIONS = tuple(kernel_name(d, c) for d in HEAD_DIMS for c in CHUNKS) + tuple(
+    kernel_name(d, 128, pair=True) for d in HEAD_DIMS
+)
 #: The kernel's parameters, in order (tests/test_compile.py checks them against the source).
 KERNEL_PARAMS = (
     "Q",
@@ -114,6 +121,10 @@ def work_of(graph_or_plan, kind: str = "kpage", route="auto") -> WorkList:
     obj = graph_or_plan
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
         obj = HeadStack.of(obj)
+    if route == "pair":  # neighbouring 64-row Q blocks joined into 128-row items (experimental)
+        if kind != "kpage" or not isinstance(obj, SparseGraph):
+            raise KernelValueError("route='pair' runs KPage on a SparseGraph (one layout for every head)")
+        return cached(obj, ("work", "pair"), lambda: pair_work_list(obj))
     if isinstance(obj, SparseGraph):
         plan = plan_of(obj, kind, route)
         return cached(
@@ -208,11 +219,8 @@ def check_work_list(wl: WorkList, q_pages: int, k_pages: int, heads: int) -> Wor
         raise KernelValueError("work_list streams run outside stream_pages")
     if w and not np.isin(info[:, 3], (64, 128)).all():
         raise KernelValueError("work_list rows (M) must be 64 or 128")
-    if wl.has_visibility():
-        raise KernelValueError(
-            "work_list.stream_mask carries row-half visibility bits (a pair work list): the forward kernel "
-            "does not run pair items yet (sparseattn.emulator.emulate_work_list does)"
-        )
+    if wl.has_visibility() and wl.chunk != 128:
+        raise KernelValueError("a pair work list (row-half visibility bits) must stream 128-key chunks")
     if k_pages * 16 * 128 >= 2**31 or q_pages * 16 * 128 >= 2**31:
         raise KernelValueError("a head's slot count is too large for 32-bit element offsets")
     done.add((q_pages, k_pages, heads))
@@ -293,7 +301,8 @@ def _launch(q, k, v, wl: WorkList, scale: float, o, lse, device: int):
         if wl.num_work * b == 0:
             return
         smem = smem_bytes(d, wl.chunk)
-        fn = launch.prepare(launch.function(SOURCE, kernel_name(d, wl.chunk), NAME_EXPRESSIONS), smem)
+        name = kernel_name(d, wl.chunk, pair=wl.has_visibility())
+        fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS), smem)
         with cupy.cuda.Device(device):
             counter = cupy.zeros(1, dtype=cupy.int32)
         values = dict(
@@ -331,7 +340,9 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
             or a :class:`WorkList`.
         scale: softmax scale (default ``1/sqrt(d)``).
         out: optional ``(o, lse)`` to write into.
-        kind, route: which plan a graph runs (``route``: ``"auto"``, 0 = 64×256, 1 = 128×128).
+        kind, route: which plan a graph runs (``route``: ``"auto"``, 0 = 64×256, 1 = 128×128; or
+            ``"pair"``, experimental and not yet verified on a GPU: KPage with neighbouring 64-row Q blocks
+            joined into 128-row items, :mod:`sparseattn.kernels.pair_work_list`).
 
     Returns:
         ``(o, lse)``: ``o`` like ``q``, ``lse`` float32 ``[batch, heads, q_slots]`` (natural log). Valid
