@@ -24,7 +24,7 @@ import numpy as np
 
 from ..constants import PAGE_ROWS
 from ..graph import SparseGraph
-from ..plans import kpage_plan, kpage_route_of_block
+from ..plans import gather_segments, kpage_plan, kpage_route_of_block
 from .validate import KernelTypeError
 from .work_list import OWN_PAGES, VIS_HALF0, VIS_HALF1, WorkList, chunk_for, work_list
 
@@ -57,61 +57,75 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     paired[:, firsts + 1] = True
     keep = ~paired[plan.work_head.astype(np.int64), plan.work_block.astype(np.int64)]
 
-    q_ppb, k_ppb = graph.q.pages_per_block, graph.k.pages_per_block
-    q_live = graph.q.page_live.reshape(nb, q_ppb)
-    k_live = graph.k.page_live.reshape(-1, k_ppb)
-    q_mask, k_mask = graph.q.page_mask.astype(np.uint32), graph.k.page_mask.astype(np.uint32)
+    info, own, own_mask, stream, stream_mask = _pair_items(graph, firsts)
 
-    info, own, own_mask, stream, stream_mask = [], [], [], [], []
-    offset = 0
-    for h in range(graph.heads):
-        for b in firsts:
-            rows = (h * nb + b, h * nb + b + 1)
-            sel = [graph.indices[graph.indptr[r] : graph.indptr[r + 1]].astype(np.int64) for r in rows]
-            a_only = np.setdiff1d(sel[0], sel[1])
-            shared = np.intersect1d(sel[0], sel[1])
-            b_only = np.setdiff1d(sel[1], sel[0])
-            pages, vis = [], []
-            for blocks, bits in ((a_only, VIS_HALF0), (shared, VIS_HALF0 | VIS_HALF1), (b_only, VIS_HALF1)):
-                for kb in blocks:
-                    p = np.flatnonzero(k_live[kb]) + kb * k_ppb
-                    pages.append(p)
-                    vis.append(np.full(p.size, bits, dtype=np.uint32))
-            pages = np.concatenate([*pages, np.zeros(0, np.int64)])
-            vis = np.concatenate([*vis, np.zeros(0, np.uint32)])
-            o = np.full(OWN_PAGES, -1, dtype=np.int64)
-            for half, qb in enumerate((b, b + 1)):  # A's live pages own rows 0-63, B's rows 64-127
-                live = np.flatnonzero(q_live[qb]) + qb * q_ppb
-                o[half * OWN_PAGES // 2 : half * OWN_PAGES // 2 + live.size] = live
-            info.append((h, offset, pages.size, 128))
-            own.append(o)
-            own_mask.append(np.where(o >= 0, q_mask[np.maximum(o, 0)], 0))
-            stream.append(pages)
-            stream_mask.append(k_mask[pages] | vis)
-            offset += pages.size
-
-    # the plan's other items, their streams re-based after the pairs'
-    kept = np.flatnonzero(keep)  # the base list's items are the plan's, in the plan's order
-    b_info = base.work_info[kept].astype(np.int64)
-    segs = [base.stream_pages[s : s + n] for s, n in zip(b_info[:, 1], b_info[:, 2])]
-    seg_masks = [base.stream_mask[s : s + n] for s, n in zip(b_info[:, 1], b_info[:, 2])]
-    starts = offset + np.concatenate([[0], np.cumsum(b_info[:, 2])[:-1]]).astype(np.int64)
-    b_info[:, 1] = starts
-    all_info = np.concatenate([np.asarray(info, dtype=np.int64).reshape(-1, 4), b_info])
+    # the plan's other items (the base list's items are the plan's, in the plan's order, streams back to
+    # back), their streams re-based after the pairs'
+    kept = np.flatnonzero(keep)
+    base_info = base.work_info.astype(np.int64)
+    base_indptr = np.concatenate([base_info[:, 1], [base.stream_pages.size]])
+    kept_pages, kept_len = gather_segments(base_indptr, base.stream_pages.astype(np.int64), kept)
+    kept_masks, _ = gather_segments(base_indptr, base.stream_mask.astype(np.uint32), kept)
+    b_info = base_info[kept]
+    b_info[:, 1] = stream.size + np.concatenate([[0], np.cumsum(kept_len)[:-1]]).astype(np.int64)
+    all_info = np.concatenate([info, b_info])
     chunk = chunk_for([plan])
     cost = all_info[:, 3] * -(-all_info[:, 2] // (chunk // PAGE_ROWS))
     index = np.arange(all_info.shape[0])
     return WorkList(
         work_info=all_info.astype(np.int32),
         work_order=np.lexsort((index, -cost, all_info[:, 0])).astype(np.int32),
-        own_pages=np.concatenate(
-            [np.asarray(own, np.int64).reshape(-1, OWN_PAGES), base.own_pages[kept]]
-        ).astype(np.int32),
-        own_mask=np.concatenate(
-            [np.asarray(own_mask, np.uint32).reshape(-1, OWN_PAGES), base.own_mask[kept]]
-        ).astype(np.uint32),
-        stream_pages=np.concatenate([*stream, *segs, np.zeros(0, np.int64)]).astype(np.int32),
-        stream_mask=np.concatenate([*stream_mask, *seg_masks, np.zeros(0, np.uint32)]).astype(np.uint32),
+        own_pages=np.concatenate([own, base.own_pages[kept]]).astype(np.int32),
+        own_mask=np.concatenate([own_mask, base.own_mask[kept]]).astype(np.uint32),
+        stream_pages=np.concatenate([stream, kept_pages]).astype(np.int32),
+        stream_mask=np.concatenate([stream_mask, kept_masks]).astype(np.uint32),
         heads=graph.heads,
         chunk=chunk,
     )
+
+
+def _pair_items(graph: SparseGraph, firsts: np.ndarray):
+    """Pair items of every head (vectorized): ``(info [P, 4], own [P, 8], own_mask [P, 8], stream [S],
+    stream_mask [S])``, pairs head-major, streams back to back from entry 0."""
+    heads, nb = graph.heads, graph.q.num_blocks
+    pair_row = (np.arange(heads)[:, None] * nb + firsts[None, :]).ravel()  # block A's CSR row per pair
+    n_pairs = pair_row.size
+    # every (pair, selected K block) with a tag: 1 = A selects it, 2 = B does, 3 = both
+    sel = []
+    for tag, rows in ((1, pair_row), (2, pair_row + 1)):
+        kb, counts = gather_segments(graph.indptr.astype(np.int64), graph.indices.astype(np.int64), rows)
+        sel.append((np.repeat(np.arange(n_pairs), counts), kb, np.full(kb.size, tag)))
+    pair_id, kblock, tag = (np.concatenate(x) for x in zip(*sel))
+    key = pair_id * graph.k.num_blocks + kblock
+    uniq, inverse = np.unique(key, return_inverse=True)
+    tags = np.zeros(uniq.size, dtype=np.int64)
+    np.add.at(tags, inverse, tag)
+    u_pair, u_block = uniq // graph.k.num_blocks, uniq % graph.k.num_blocks
+    segment = np.choose(tags - 1, [0, 2, 1])  # A only, B only, shared -> stream part 0, 2, 1
+    order = np.lexsort((u_block, segment, u_pair))
+    u_pair, u_block, tags = u_pair[order], u_block[order], tags[order]
+    # K blocks -> their live pages, in order
+    k_live = graph.k.page_live
+    k_pages = np.flatnonzero(k_live).astype(np.int64)
+    k_indptr = np.concatenate([[0], np.cumsum(graph.k.live_pages)]).astype(np.int64)
+    stream, lengths = gather_segments(k_indptr, k_pages, u_block)
+    vis = np.repeat(np.where(tags & 1, VIS_HALF0, 0) | np.where(tags & 2, VIS_HALF1, 0), lengths)
+    stream_mask = graph.k.page_mask.astype(np.uint32)[stream] | vis.astype(np.uint32)
+    per_pair = np.bincount(u_pair, weights=lengths, minlength=n_pairs).astype(np.int64)
+    begin = np.concatenate([[0], np.cumsum(per_pair)[:-1]]).astype(np.int64)
+    info = np.stack([pair_row // nb, begin, per_pair, np.full(n_pairs, 128)], axis=1).astype(np.int64)
+    # owned Q pages: A's live pages in slots 0-3, B's in 4-7
+    q_ppb = graph.q.pages_per_block
+    q_live = graph.q.page_live.reshape(nb, q_ppb)
+    own = np.full((n_pairs, OWN_PAGES), -1, dtype=np.int64)
+    blocks = np.tile(firsts, heads)
+    for half in (0, 1):
+        qb = blocks + half
+        live = q_live[qb]  # [P, ppb]
+        rank = np.cumsum(live, axis=1) - 1
+        pid, col = np.nonzero(live)
+        own[pid, half * OWN_PAGES // 2 + rank[pid, col]] = qb[pid] * q_ppb + col
+    own_mask = np.where(own >= 0, graph.q.page_mask.astype(np.uint32)[np.maximum(own, 0)], 0).astype(
+        np.uint32
+    )
+    return info, own, own_mask, stream, stream_mask
