@@ -20,6 +20,9 @@ Step 2 has several implementations with the same plan, arguments and results:
 * ``"wgmma_atomic"`` (atomics on every route: version 1), ``"wgmma_bulk"`` (bulk reductions on every
   route), ``"wgmma_qsplit"`` and ``"wgmma_qsplit_bulk"`` (64-row owned tiles on two warpgroups that
   split each step's 128 streamed rows);
+* written and compiled, not yet run on an H200: ``"wgmma_dq_pass"`` (dK/dV without dQ, then dQ in a
+  Q-owned pass, ``paged_bwd_dq_kernel``, no atomics) and ``"wgmma_ws"`` (128-row tiles on the
+  warp-specialized ``paged_bwd_ws_kernel``);
 * ``impl="mma"``: the ``mma.sync`` kernel ``bsa_bwd_kernel``.
 
 ``deterministic=True`` (wgmma implementations) adds dQ in 64-bit fixed point with integer atomics, then
