@@ -197,7 +197,8 @@ class WanSparseAttnProcessor:
 
         slots = self._slots.get(q.device)
         if slots is None:
-            slots = self._slots[q.device] = torch.from_numpy(graph.q.token_slot).to(q.device)
+            # a copy: the layout's cached arrays are read-only, which torch.from_numpy warns about
+            slots = self._slots[q.device] = torch.tensor(graph.q.token_slot, device=q.device)
         n_slots = graph.q.num_slots
 
         def to_slots(x):
