@@ -143,6 +143,23 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], uint32_t tdS, uint32_t
     }
 }
 
+// The owned pages of one work item, both matrices (K and V, or Q and dO; element offset bh_offset of the
+// (batch, head)): warp w of WARPS copies pages w, w + WARPS, ... of the 2 · ROWS / 16 into tiles tA and tB
+// (ROWS-row swizzled).
+template <int HEAD_DIM, int ROWS, int WARPS>
+__device__ __forceinline__ void load_owned_pages(uint32_t tA, uint32_t tB, const __nv_bfloat16* a,
+                                                 const __nv_bfloat16* b, size_t bh_offset, const int* own,
+                                                 const uint16_t* __restrict__ page_mask, int num_pages, int warp) {
+    constexpr int kOwnPages = ROWS / PAGE_ROWS;
+    for (int i = warp; i < 2 * kOwnPages; i += WARPS) {
+        const int p = i % kOwnPages;
+        const int page[1] = {own[p]};
+        const uint32_t mask[1] = {paged::load_page_mask(page_mask, page[0], num_pages)};
+        hopper::warp_copy_pages<HEAD_DIM, ROWS, 1>(i < kOwnPages ? tA : tB, p * PAGE_ROWS,
+                                                   (i < kOwnPages ? a : b) + bh_offset, num_pages, page, mask);
+    }
+}
+
 // Pᵀ and dSᵀ in place of Sᵀ and dPᵀ (accumulator layout: owned rows g / g + 8 of the warp, streamed
 // columns 8j + 2·t4 (+1)): P = exp2(S·scale_log2 − LSE₂[col]), 0 for invalid owned rows; dS = P ∘ (dP − Δ[col]).
 __device__ __forceinline__ void p_and_ds(float (&s)[PB_Q_ROWS / 2], float (&dp)[PB_Q_ROWS / 2], bool kvalid_lo,
@@ -296,7 +313,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     const int stream_len = stream_indptr[work + 1] - stream_begin;
     const int num_tiles = (stream_len + Cfg::kStreamPages - 1) / Cfg::kStreamPages;
 
-    // owned K and V pages: warp w copies pages w, w + kWarps, ... of the 2·kOwnPages
+    // owned K and V pages (load_owned_pages, written out: this kernel's code is the H200-verified one)
     for (int i = warp; i < 2 * Cfg::kOwnPages; i += Cfg::kWarps) {
         const int p = i % Cfg::kOwnPages;
         const int page[1] = {own[p]};
@@ -592,14 +609,8 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         mbar_init(dq_full, kConsumerWarps);
         mbar_init(dq_empty, 1);
     }
-    // owned K and V pages: warp w copies pages w, w + 12, ... of the 2 · 8
-    for (int i = warp; i < 2 * (BK / PAGE_ROWS); i += kThreads / 32) {
-        const int p = i % (BK / PAGE_ROWS);
-        const int page[1] = {own[p]};
-        const uint32_t mask[1] = {paged::load_page_mask(k_page_mask, page[0], k_pages)};
-        warp_copy_pages<D, BK, 1>(i < BK / PAGE_ROWS ? tK : tV, p * PAGE_ROWS,
-                                  (i < BK / PAGE_ROWS ? k : v) + bh * k_slots * D, k_pages, page, mask);
-    }
+    paged_bwd::load_owned_pages<D, BK, kThreads / 32>(tK, tV, k, v, bh * k_slots * D, own, k_page_mask, k_pages,
+                                                      warp);
     paged::cp_async_commit();
     paged::cp_async_wait<0>();
     fence_async_proxy();
@@ -836,14 +847,8 @@ paged_bwd_dq_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     const int stream_len = stream_indptr[work + 1] - stream_begin;
     const int num_tiles = (stream_len + Cfg::kStreamPages - 1) / Cfg::kStreamPages;
 
-    // owned Q and dO pages: warp w copies pages w, w + kWarps, ... of the 2·kOwnPages
-    for (int i = warp; i < 2 * Cfg::kOwnPages; i += Cfg::kWarps) {
-        const int p = i % Cfg::kOwnPages;
-        const int page[1] = {own[p]};
-        const uint32_t mask[1] = {paged::load_page_mask(q_page_mask, page[0], q_pages)};
-        warp_copy_pages<D, BLOCK_Q, 1>(i < Cfg::kOwnPages ? tQ : tdO, p * PAGE_ROWS,
-                                       (i < Cfg::kOwnPages ? q : dout) + bh * q_slots * D, q_pages, page, mask);
-    }
+    paged_bwd::load_owned_pages<D, BLOCK_Q, Cfg::kWarps>(tQ, tdO, q, dout, bh * q_slots * D, own, q_page_mask,
+                                                         q_pages, warp);
     // this thread's two rows (g, g + 8 of its warp's page): LSE₂ (+inf when invalid or without keys) and Δ
     const int my_page = own[wg * 4 + wq];
     const uint32_t my_mask = paged::load_page_mask(q_page_mask, my_page, q_pages);

@@ -19,7 +19,7 @@ from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
 from ..plans import TilePlan, stack_head_plans
 from . import launch
-from .bsa_backward import bsa_backward, default_impl, uses_dq_pass
+from .bsa_backward import bsa_backward, uses_dq_pass
 from .plan_cache import cached, check_graph_matches, plan_of
 from .validate import KernelTypeError, KernelValueError
 
@@ -66,7 +66,7 @@ def paged_backward(
         if len(qs) == 4 and len(ks) == 4:  # other shapes: the kernel wrapper names the argument
             check_graph_matches(graph_or_plan, int(qs[1]), int(qs[2]), int(ks[2]))
         plan = plan_of(graph_or_plan, kind, route, owner="kv")
-        if uses_dq_pass(default_impl() if impl is None else impl):  # its Q-owned plan: the forward's
+        if uses_dq_pass(impl):  # its Q-owned plan: the forward's
             dq_plan = plan_of(graph_or_plan, kind, route, owner="q")
     elif not isinstance(graph_or_plan, TilePlan):
         raise KernelTypeError(
@@ -138,24 +138,18 @@ def _head_stack_backward(
         and heads * max(sq, sk) * d < 2**31
         and all(getattr(getattr(x, "flags", None), "c_contiguous", False) for x in tensors)
     ):
-        plan = cached(
-            stack,
-            ("backward plan", kind, route, sq, sk),
-            lambda: stack_head_plans(
-                [plan_of(g, kind, route, owner="kv") for g in stack.graphs], sk // PAGE_ROWS, sq // PAGE_ROWS
-            ),
-        )
-        dq_plan = None
-        if uses_dq_pass(default_impl() if impl is None else impl):
-            dq_plan = cached(
+
+        def stacked(owner, own_pages, stream_pages):  # the heads' plans end to end, built once per stack
+            return cached(
                 stack,
-                ("dq plan", kind, route, sq, sk),
+                (f"stacked plan {owner}", kind, route, sq, sk),
                 lambda: stack_head_plans(
-                    [plan_of(g, kind, route, owner="q") for g in stack.graphs],
-                    sq // PAGE_ROWS,
-                    sk // PAGE_ROWS,
+                    [plan_of(g, kind, route, owner=owner) for g in stack.graphs], own_pages, stream_pages
                 ),
             )
+
+        plan = stacked("kv", sk // PAGE_ROWS, sq // PAGE_ROWS)
+        dq_plan = stacked("q", sq // PAGE_ROWS, sk // PAGE_ROWS) if uses_dq_pass(impl) else None
 
         def one(x):  # [batch, heads, slots, ...] viewed as one head (no copy)
             return x.reshape(b, 1, heads * x.shape[2], *x.shape[3:])

@@ -124,8 +124,10 @@ def wgmma_variant(impl: str, owned_rows: int, deterministic: bool = False) -> tu
     return split, DQ_FIXED if deterministic and mode != DQ_NONE else mode
 
 
-def uses_dq_pass(impl: str) -> bool:
-    """True when ``impl`` computes dQ in the separate Q-owned pass (it then needs the owner-"q" plan)."""
+def uses_dq_pass(impl: str | None) -> bool:
+    """True when ``impl`` (``None``: :func:`default_impl`) computes dQ in the separate Q-owned pass (it
+    then needs the owner-"q" plan)."""
+    impl = default_impl() if impl is None else impl
     return impl in WGMMA_VARIANTS and all(mode == DQ_NONE for _, mode in WGMMA_VARIANTS[impl].values())
 
 
@@ -284,33 +286,24 @@ def _fixed_point_bound(do, v, k, arrays: dict, head_dim: int):
     return absmax
 
 
-def _dq_pass(q, k, v, do, lse, delta, dq, dq_plan: TilePlan, sizes, scale, scale_log2) -> None:
-    """dQ of every owned Q page in one launch per route of the Q-owned plan (``paged_bwd_dq_kernel``);
-    Q pages no work item owns are zeroed."""
-    q_pages, k_pages, h, device = sizes
-    b, _, sq, d = (int(x) for x in q.shape)
-    sk = int(k.shape[2])
-    arrays = _device_plan(dq_plan, q_pages, k_pages, h, device)
-    own_stride = np.int32(dq_plan.own_pages.shape[1])
-    for route, (start, stop) in enumerate(dq_plan.route_ranges()):
+def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scale, extra=()) -> None:
+    """One launch per non-empty route of ``plan``: ``kernel_of(owned_rows)`` gives ``(fn, smem, threads)``;
+    arguments: ``tensors``, the plan's device arrays, the route's first item, heads, slots, scales,
+    ``extra``. ``sizes``: (batch, heads, q_slots, k_slots)."""
+    b, h, sq, sk = sizes
+    own_stride = np.int32(plan.own_pages.shape[1])
+    scale_log2 = np.float32(scale * math.log2(math.e))
+    for route, (start, stop) in enumerate(plan.route_ranges()):
         if stop <= start:
             continue
-        owned_rows = dq_plan.routes[route][0]
-        fn = launch.function(WGMMA_SOURCE, dq_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS)
-        smem = dq_smem_bytes(d, owned_rows)
+        fn, smem, threads = kernel_of(plan.routes[route][0])
         if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
         fn(
             (stop - start, b),
-            (dq_threads_per_cta(owned_rows),),
+            (threads,),
             (
-                q,
-                k,
-                v,
-                do,
-                lse,
-                delta,
-                dq,
+                *tensors,
                 arrays["work_head"],
                 arrays["own_pages"],
                 own_stride,
@@ -324,9 +317,26 @@ def _dq_pass(q, k, v, do, lse, delta, dq, dq_plan: TilePlan, sizes, scale, scale
                 np.int32(sk),
                 np.float32(scale),
                 scale_log2,
+                *extra,
             ),
             shared_mem=smem,
         )
+
+
+def _dq_pass(q, k, v, do, lse, delta, dq, dq_plan: TilePlan, sizes, scale) -> None:
+    """dQ of every owned Q page in one launch per route of the Q-owned plan (``paged_bwd_dq_kernel``);
+    Q pages no work item owns are zeroed."""
+    q_pages, k_pages, h, device = sizes
+    b, _, sq, d = (int(x) for x in q.shape)
+    arrays = _device_plan(dq_plan, q_pages, k_pages, h, device)
+
+    def dq_kernel(owned_rows):
+        fn = launch.function(WGMMA_SOURCE, dq_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS)
+        return fn, dq_smem_bytes(d, owned_rows), dq_threads_per_cta(owned_rows)
+
+    _launch_routes(
+        dq_plan, arrays, dq_kernel, (q, k, v, do, lse, delta, dq), (b, h, sq, int(k.shape[2])), scale
+    )
     if arrays["uncovered"] is not None:
         heads_idx, pages_idx = arrays["uncovered"]
         dq.reshape(b, h, q_pages, PAGE_ROWS, d)[:, heads_idx, pages_idx] = 0
@@ -446,62 +456,34 @@ def bsa_backward(
         lanes = rows * (d // 8)
         pre((-(-lanes // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), (o, do, delta, np.int64(rows)))
 
-        scale_log2 = np.float32(scale * math.log2(math.e))
-        own_stride = np.int32(plan.own_pages.shape[1])
-        for route, (start, stop) in enumerate(plan.route_ranges()):
-            if stop <= start:
-                continue
-            owned_rows = plan.routes[route][0]
-            extra = ()
-            if impl != "mma":
-                split, dq_mode = wgmma_variant(impl, owned_rows, deterministic)
-                extra = (absmax if fixed else np.uint64(0),)
-                if split == WS_SPLIT:
-                    fn = launch.function(WGMMA_SOURCE, ws_kernel_name(d), WGMMA_NAME_EXPRESSIONS)
-                    smem, threads = ws_smem_bytes(d), WS_THREADS
-                else:
-                    name = wgmma_kernel_name(d, owned_rows, split, dq_mode)
-                    fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
-                    smem = wgmma_smem_bytes(d, owned_rows, split)
-                    threads = wgmma_threads_per_cta(owned_rows, split)
-            else:
+        def main_kernel(owned_rows):
+            if impl == "mma":
                 fn = launch.function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
-                smem, threads = smem_bytes(d, owned_rows), threads_per_cta(owned_rows)
-            if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
-                fn.max_dynamic_shared_size_bytes = smem
-            fn(
-                (stop - start, b),
-                (threads,),
-                (
-                    q,
-                    k,
-                    v,
-                    do,
-                    lse,
-                    delta,
-                    dq_accum,
-                    dk,
-                    dv,
-                    arrays["work_head"],
-                    arrays["own_pages"],
-                    own_stride,
-                    arrays["stream_indptr"],
-                    arrays["stream_pages"],
-                    arrays["own_page_mask"],
-                    arrays["stream_page_mask"],
-                    np.int32(start),
-                    np.int32(h),
-                    np.int32(sq),
-                    np.int32(sk),
-                    np.float32(scale),
-                    scale_log2,
-                    *extra,
-                ),
-                shared_mem=smem,
-            )
+                return fn, smem_bytes(d, owned_rows), threads_per_cta(owned_rows)
+            split, dq_mode = wgmma_variant(impl, owned_rows, deterministic)
+            if split == WS_SPLIT:
+                return (
+                    launch.function(WGMMA_SOURCE, ws_kernel_name(d), WGMMA_NAME_EXPRESSIONS),
+                    ws_smem_bytes(d),
+                    WS_THREADS,
+                )
+            name = wgmma_kernel_name(d, owned_rows, split, dq_mode)
+            fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
+            return fn, wgmma_smem_bytes(d, owned_rows, split), wgmma_threads_per_cta(owned_rows, split)
+
+        extra = () if impl == "mma" else (absmax if fixed else np.uint64(0),)
+        _launch_routes(
+            plan,
+            arrays,
+            main_kernel,
+            (q, k, v, do, lse, delta, dq_accum, dk, dv),
+            (b, h, sq, sk),
+            scale,
+            extra,
+        )
 
         if dq_pass:
-            _dq_pass(q, k, v, do, lse, delta, dq, dq_plan, (q_pages, k_pages, h, device), scale, scale_log2)
+            _dq_pass(q, k, v, do, lse, delta, dq, dq_plan, (q_pages, k_pages, h, device), scale)
         elif fixed:
             post = launch.function(WGMMA_SOURCE, FIXED_POSTPROCESS_NAME, WGMMA_NAME_EXPRESSIONS)
             n2 = b * h * sq * d // 2

@@ -24,7 +24,8 @@ import numpy as np
 
 from ..constants import PAGE_ROWS
 from ..graph import SparseGraph
-from ..plans import gather_segments, kpage_plan, kpage_route_of_block
+from ..plans import gather_segments, kpage_route_of_block
+from .plan_cache import plan_of
 from .validate import KernelTypeError
 from .work_list import OWN_PAGES, VIS_HALF0, VIS_HALF1, WorkList, chunk_for, work_list
 
@@ -48,7 +49,7 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     """
     if not isinstance(graph, SparseGraph):
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
-    plan = kpage_plan(graph, owner="q")
+    plan = plan_of(graph, "kpage", "auto", owner="q")  # the forward's cached KPage plan
     base = work_list(plan, order=order)
     firsts = pair_blocks(graph)
     nb = graph.q.num_blocks

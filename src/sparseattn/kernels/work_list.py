@@ -75,22 +75,22 @@ class WorkList:
         """Σ over items of M · chunk · (chunks streamed): the query–key pairs the tensor cores compute. With
         row-half visibility bits (pair items) each 64-row half of a 128-row item counts only the chunks
         holding a page it sees."""
-        plain = int((self.work_info[:, 3].astype(np.int64) * self.chunk * self.chunks_per_item()).sum())
-        if not self.has_visibility():
-            return plain
         info = self.work_info.astype(np.int64)
-        per_chunk = self.chunk // PAGE_ROWS
-        total = 0
-        for begin, length, m in info[:, 1:]:
-            vis = self.stream_visibility(begin, length)
-            chunks = -(-length // per_chunk)
-            if m <= 64 or not length:
-                total += m * self.chunk * chunks
-                continue
-            ids = np.arange(length) // per_chunk
-            for half in (0, 1):
-                total += 64 * self.chunk * np.unique(ids[vis[half]]).size
-        return int(total)
+        chunks = self.chunks_per_item()
+        if not self.has_visibility():
+            return int((info[:, 3] * self.chunk * chunks).sum())
+        halves = info[:, 3] > 64
+        total = int((info[~halves, 3] * self.chunk * chunks[~halves]).sum())
+        # entries of the 128-row items: (item, chunk) keys, kept where a half sees the entry
+        items = np.flatnonzero(halves)
+        lengths = info[items, 2]
+        offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        entries = np.repeat(info[items, 1], lengths) + offsets
+        keys = np.repeat(np.arange(items.size), lengths) * (int(chunks.max()) + 1) + offsets // (
+            self.chunk // PAGE_ROWS
+        )
+        seen = _visibility(self.stream_mask[entries])
+        return total + sum(64 * self.chunk * np.unique(keys[seen[h]]).size for h in (0, 1))
 
     def has_visibility(self) -> bool:
         """True when some stream entry carries row-half visibility bits (a pair work list)."""
@@ -98,9 +98,7 @@ class WorkList:
 
     def stream_visibility(self, begin: int, length: int) -> np.ndarray:
         """bool ``[2, length]``: which row half (0: rows 0-63, 1: rows 64-127) sees each entry of a stream."""
-        m = self.stream_mask[begin : begin + length].astype(np.uint32)
-        none = (m & (VIS_HALF0 | VIS_HALF1)) == 0
-        return np.stack([none | ((m & VIS_HALF0) != 0), none | ((m & VIS_HALF1) != 0)])
+        return _visibility(self.stream_mask[begin : begin + length])
 
     def device_arrays(self) -> dict[str, np.ndarray]:
         """What the kernel reads: work_info int4 [W], work_order [W], own entries int2 [W, 8] and
@@ -115,6 +113,13 @@ class WorkList:
                 np.stack([self.stream_pages, self.stream_mask.astype(np.int32)], axis=-1), dtype=np.int32
             ),
         }
+
+
+def _visibility(masks: np.ndarray) -> np.ndarray:
+    """bool ``[2, n]``: which row half sees each entry (an entry without visibility bits: both)."""
+    m = masks.astype(np.uint32)
+    none = (m & (VIS_HALF0 | VIS_HALF1)) == 0
+    return np.stack([none | ((m & VIS_HALF0) != 0), none | ((m & VIS_HALF1) != 0)])
 
 
 def chunk_for(plans) -> int:
