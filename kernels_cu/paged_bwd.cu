@@ -515,9 +515,12 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
 // paged_bwd_ws_kernel: the computation of paged_bwd_kernel<D, 128, 1, DQ_BULK> with FlashAttention-3's
 // division of labour instead of block-wide barriers. 384 threads:
 // * producer warpgroup (registers lowered): warp 0 gathers each step's 4 Q pages, warp 1 its 4 dO pages
-//   (cp.async into a 2-stage ring, completion tracked on the stage's full mbarrier), warp 2 its LSE₂ and Δ;
-//   warp 3 adds each step's staged fp32 dQ pages to dq_accum with one cp.reduce.async.bulk per page, then
-//   frees the staging buffer;
+//   (cp.async into a 2-stage ring, completion tracked on the stage's full mbarrier); warp 3 adds each
+//   step's staged fp32 dQ pages to dq_accum with one cp.reduce.async.bulk per page, then frees the staging
+//   buffer; warp 2 idles;
+// * the consumers stage the next step's LSE₂ (warpgroup 0) and Δ (warpgroup 1) themselves, 64 threads
+//   each, ordered by the per-step named barrier: racecheck does not see the mbarrier hand-off of plain
+//   shared-memory stores (it reported the producer-written version of these rows as 1536-hazard races);
 // * two consumer warpgroups (registers raised), one per 64 owned K/V rows: S, dP (wgmma SS), P and dS in
 //   registers, dSᵀ to its half of a double-buffered shared tile, dV += P·dO and dK += dS·Q (wgmma RS),
 //   one named barrier between the two consumer warpgroups (both dSᵀ halves written), then the dQ GEMM of
@@ -531,7 +534,7 @@ constexpr int kThreads = 384;
 constexpr int kProducerRegs = 56;   // at 40 the producer's page gathers spill (NVRTC 13.0), as the forward's
 constexpr int kConsumerRegs = 224;  // 56 · 128 + 224 · 256 <= 65536
 constexpr int kConsumerWarps = 8;
-constexpr int kLoadThreads = 96;  // producer warps 0-2 arrive on a stage's full barrier
+constexpr int kLoadThreads = 64;  // producer warps 0-1 arrive on a stage's full barrier
 
 template <int HEAD_DIM>
 struct Config {
@@ -616,46 +619,32 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     fence_async_proxy();
     __syncthreads();  // owned tiles and barriers ready
 
+    const int* pages_all = stream_pages + stream_begin;
     const int role = __shfl_sync(0xffffffffu, tid / 128, 0);
     if (role == 0) {
         // ================================ producer ================================
         regs_release<kProducerRegs>();
-        const int* pages_all = stream_pages + stream_begin;
-        if (warp < 3) {
+        if (warp < 2) {  // Q (warp 0) or dO (warp 1): each step's 4 pages
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
                 const int st = t & 1;
                 const uint32_t par = (t >> 1) & 1;
                 mbar_wait(q_empty(st), par ^ 1u);
                 const int npages = min(SP, stream_len - t * SP);
-                if (warp < 2) {  // Q (warp 0) or dO (warp 1): the step's 4 pages
-                    int page[SP];
-                    uint32_t mask[SP];
+                int page[SP];
+                uint32_t mask[SP];
 #pragma unroll
-                    for (int p = 0; p < SP; ++p) {
-                        page[p] = p < npages ? pages_all[t * SP + p] : -1;
-                        mask[p] = paged::load_page_mask(q_page_mask, page[p], q_pages);
-                    }
-                    warp_copy_pages<D, QS, SP>((warp == 0 ? tQ0 : tdO0) + st * Cfg::kQBytes, 0,
-                                               (warp == 0 ? q : dout) + bh * q_slots * D, q_pages, page, mask);
-                } else {  // LSE₂ and Δ of the step's 64 rows
-#pragma unroll
-                    for (int r = lane; r < QS; r += 32) {
-                        const int p = r / PAGE_ROWS;
-                        const int page = p < npages ? pages_all[t * SP + p] : -1;
-                        const bool valid =
-                            paged::page_row_valid(paged::load_page_mask(q_page_mask, page, q_pages), r % PAGE_ROWS);
-                        const size_t slot = static_cast<size_t>(valid ? page : 0) * PAGE_ROWS + r % PAGE_ROWS;
-                        const float l = valid ? lse[bh * q_slots + slot] : -INFINITY;
-                        sLse[st * QS + r] = l > -INFINITY ? l * paged::kLog2e : INFINITY;
-                        sDelta[st * QS + r] = valid ? delta[bh * q_slots + slot] : 0.f;
-                    }
+                for (int p = 0; p < SP; ++p) {
+                    page[p] = p < npages ? pages_all[t * SP + p] : -1;
+                    mask[p] = paged::load_page_mask(q_page_mask, page[p], q_pages);
                 }
+                warp_copy_pages<D, QS, SP>((warp == 0 ? tQ0 : tdO0) + st * Cfg::kQBytes, 0,
+                                           (warp == 0 ? q : dout) + bh * q_slots * D, q_pages, page, mask);
                 mbar_track_cp_async(q_full(st));
                 mbar_arrive(q_full(st));
             }
             paged::cp_async_wait<0>();
-        } else {  // warp 3: dQ pages of each step, one bulk reduction each
+        } else if (warp == 3) {  // warp 3: dQ pages of each step, one bulk reduction each
             float* dq_bh = dq_accum + bh * q_slots * D;
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
@@ -692,6 +681,25 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     const uint32_t aK = tK + kvp * 64 * 128;
     const uint32_t aV = tV + kvp * 64 * 128;
 
+    // LSE₂ (warpgroup 0) or Δ (warpgroup 1) of streamed row meta_row of step t, staged by threads 0-63 of
+    // each consumer warpgroup
+    const int meta_row = ctid & 127;
+    float* const sMeta = kvp == 0 ? sLse : sDelta;
+    auto meta_value = [&](int t) -> float {
+        const int p = meta_row / PAGE_ROWS;
+        const int page = p < min(SP, stream_len - t * SP) ? pages_all[t * SP + p] : -1;
+        const bool valid =
+            paged::page_row_valid(paged::load_page_mask(q_page_mask, page, q_pages), meta_row % PAGE_ROWS);
+        const size_t slot = bh * q_slots + static_cast<size_t>(valid ? page : 0) * PAGE_ROWS + meta_row % PAGE_ROWS;
+        if (kvp == 0) {
+            const float l = valid ? lse[slot] : -INFINITY;
+            return l > -INFINITY ? l * paged::kLog2e : INFINITY;
+        }
+        return valid ? delta[slot] : 0.f;
+    };
+    if (meta_row < QS && num_tiles > 0) sMeta[meta_row] = meta_value(0);
+    named_sync(1, 256);
+
     float acc_dk[D / 2];
     float acc_dv[D / 2];
 #pragma unroll
@@ -700,6 +708,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
 #pragma unroll 1
     for (int t = 0; t < num_tiles; ++t) {
         const int st = t & 1;
+        const bool stage_next = meta_row < QS && t + 1 < num_tiles;
         const uint32_t tQ = tQ0 + st * Cfg::kQBytes;
         const uint32_t tdO = tdO0 + st * Cfg::kQBytes;
         const uint32_t tdS = tdS0 + st * Cfg::kSBytes;
@@ -715,6 +724,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         wgmma_commit();
         issue_qk<D, QS, BK>(dp, aV, tdO);
         wgmma_commit();
+        const float next_meta = stage_next ? meta_value(t + 1) : 0.f;  // its loads overlap the GEMMs
         wgmma_wait<0>();
         pin_registers(s);
         pin_registers(dp);
@@ -729,8 +739,10 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         wgmma_commit();
         issue_pv<D, QS>(acc_dk, pds, tQ);
         wgmma_commit();
+        // stage t + 1's buffer was last read by step t - 1's p_and_ds, before the previous named barrier
+        if (stage_next) sMeta[(st ^ 1) * QS + meta_row] = next_meta;
         fence_async_proxy();
-        named_sync(1, 256);  // both dSᵀ halves of this step are in shared memory
+        named_sync(1, 256);  // both dSᵀ halves of this step and step t + 1's LSE₂ and Δ are in shared memory
 
         // dQ[:, 64·kvp ..] = dS · K[:, 64·kvp ..] (at d = 64 warpgroup 0 alone)
         const bool has_dq = D == 128 || kvp == 0;

@@ -631,7 +631,7 @@ API_CASES = [
         "backward-deterministic-mma",
     ),
     api_case(
-        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, impl="wgmma", dq_plan=object()),
+        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, impl="wgmma_sync", dq_plan=object()),
         KernelValueError,
         "dq_plan is only used by the Q-owned dQ pass",
         "backward-dq-plan-unused",

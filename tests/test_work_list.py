@@ -183,6 +183,26 @@ def test_backward_executed_pairs_count_the_kernel_steps(impl):
     assert backward_executed_pairs(stack, 128, "kpage", impl) == got
 
 
+@pytest.mark.parametrize(
+    "block_size, dq_plan_available, expected",
+    [(64, True, "wgmma_dq_pass"), (64, False, "wgmma"), (128, True, "wgmma")],
+    ids=["64-rows-graph", "64-rows-plan-only", "128-rows"],
+)
+def test_default_backward_resolves_per_plan(block_size, dq_plan_available, expected):
+    """``"wgmma"`` runs the Q-owned dQ pass only on plans whose routes are all 64-row tiles, and only
+    when the Q-owned plan can be had; explicit implementations are kept."""
+    from sparseattn.kernels.bsa_backward import resolve_impl, uses_dq_pass
+
+    layout = video_layout((6, 8, 8), (4, 4, 4) if block_size == 64 else (4, 4, 8), block_size=block_size)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=1)
+    plan = bsa_plan(graph, owner="kv")
+    assert {int(m) for m in plan.tile_shapes()[:, 0]} == {block_size}
+    assert resolve_impl("wgmma", plan, dq_plan_available) == expected
+    assert uses_dq_pass("wgmma", plan, dq_plan_available) == (expected == "wgmma_dq_pass")
+    assert resolve_impl("wgmma_sync", plan) == "wgmma_sync"
+    assert not uses_dq_pass("wgmma", None)
+
+
 # --- pair items: two 64-row Q blocks over the ordered union of their K pages ----------------------------
 @pytest.mark.parametrize("case", [c for c in SMALL_CASES if "B32" not in c and "B16" not in c])
 def test_pair_work_list_equals_reference(case, seed):
@@ -214,6 +234,20 @@ def test_pair_work_list_shares_pages_and_keeps_the_tensor_work():
     boundary = n_pairs * 2 * 64 * pairs.chunk
     assert pairs.executed_pairs() <= base.executed_pairs() + boundary
     _check_against_reference(pairs, graph, np.random.default_rng(0), (2, layout.num_slots, layout.num_slots))
+
+
+def test_pair_work_list_without_pairs_is_the_kpage_list():
+    """A layout with no two neighbouring 64-row Q blocks (all 128-row blocks) gives the KPage plan's items
+    unchanged (the 720p STA/SSTA workloads)."""
+    from sparseattn.kernels.pair_work_list import pair_blocks, pair_work_list
+
+    layout = video_layout((8, 8, 8), (4, 4, 8), block_size=128)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=2)
+    assert pair_blocks(graph).size == 0
+    pairs, base = pair_work_list(graph), work_list(kpage_plan(graph))
+    assert not pairs.has_visibility()
+    assert pairs.executed_pairs() == base.executed_pairs()
+    np.testing.assert_array_equal(np.sort(pairs.stream_pages), np.sort(base.stream_pages))
 
 
 def test_pair_lists_need_128_key_chunks():

@@ -261,7 +261,9 @@ class Case:
 #: The backward kernel of each ``SPARSEATTN_BWD_IMPL`` value, as the fwdbwd records name it.
 BACKWARD_KERNELS = {
     "mma": "mma.sync (kernels_cu/bsa_bwd.cu)",
-    "wgmma": "wgmma, dQ by bulk page reductions on 64-row tiles, by atomics on 128-row tiles (kernels_cu/paged_bwd.cu)",
+    "wgmma": "wgmma: warp-specialized on 128-row tiles; on plans of 64-row tiles only, dK/dV then a Q-owned dQ "
+    "pass, else bulk dQ reductions on them (kernels_cu/paged_bwd.cu)",
+    "wgmma_sync": "wgmma, dQ by bulk page reductions on 64-row tiles, by atomics on 128-row tiles (kernels_cu/paged_bwd.cu)",
     "wgmma_atomic": "wgmma, dQ by fp32 atomics (kernels_cu/paged_bwd.cu)",
     "wgmma_qsplit": "wgmma, Q split on 64-row tiles (kernels_cu/paged_bwd.cu)",
     "wgmma_bulk": "wgmma, dQ by bulk page reductions (kernels_cu/paged_bwd.cu)",

@@ -66,7 +66,7 @@ def paged_backward(
         if len(qs) == 4 and len(ks) == 4:  # other shapes: the kernel wrapper names the argument
             check_graph_matches(graph_or_plan, int(qs[1]), int(qs[2]), int(ks[2]))
         plan = plan_of(graph_or_plan, kind, route, owner="kv")
-        if uses_dq_pass(impl):  # its Q-owned plan: the forward's
+        if uses_dq_pass(impl, plan):  # its Q-owned plan: the forward's
             dq_plan = plan_of(graph_or_plan, kind, route, owner="q")
     elif not isinstance(graph_or_plan, TilePlan):
         raise KernelTypeError(
@@ -149,7 +149,7 @@ def _head_stack_backward(
             )
 
         plan = stacked("kv", sk // PAGE_ROWS, sq // PAGE_ROWS)
-        dq_plan = stacked("q", sq // PAGE_ROWS, sk // PAGE_ROWS) if uses_dq_pass(impl) else None
+        dq_plan = stacked("q", sq // PAGE_ROWS, sk // PAGE_ROWS) if uses_dq_pass(impl, plan) else None
 
         def one(x):  # [batch, heads, slots, ...] viewed as one head (no copy)
             return x.reshape(b, 1, heads * x.shape[2], *x.shape[3:])

@@ -13,9 +13,9 @@ A row half computes only the key chunks that hold pages it sees, and masks the o
 boundary chunk. So the tensor work stays near the two 64-row items' (waste only in boundary chunks),
 while the shared pages are loaded once for 128 rows.
 
-The float64 emulator (:func:`sparseattn.emulator.emulate_work_list`) and
-:meth:`WorkList.executed_pairs` follow the visibility bits. The forward kernel does not yet, and its
-launch path refuses such lists (``check_work_list``).
+The float64 emulator (:func:`sparseattn.emulator.emulate_work_list`), :meth:`WorkList.executed_pairs`
+and the forward kernel's pair instantiation (``paged_fwd_kernel<D, 128, true>``, ``route="pair"``)
+follow the visibility bits.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _pair_items(graph: SparseGraph, firsts: np.ndarray):
     vis = np.repeat(np.where(tags & 1, VIS_HALF0, 0) | np.where(tags & 2, VIS_HALF1, 0), lengths)
     stream_mask = graph.k.page_mask.astype(np.uint32)[stream] | vis.astype(np.uint32)
     per_pair = np.bincount(u_pair, weights=lengths, minlength=n_pairs).astype(np.int64)
-    begin = np.concatenate([[0], np.cumsum(per_pair)[:-1]]).astype(np.int64)
+    begin = np.cumsum(per_pair) - per_pair  # (no pairs: empty, as every other array)
     info = np.stack([pair_row // nb, begin, per_pair, np.full(n_pairs, 128)], axis=1).astype(np.int64)
     # owned Q pages: A's live pages in slots 0-3, B's in 4-7
     q_ppb = graph.q.pages_per_block
