@@ -531,8 +531,8 @@ namespace paged_bwd_ws {
 
 constexpr int kBlockK = 128;
 constexpr int kThreads = 384;
-constexpr int kProducerRegs = 56;   // at 40 the producer's page gathers spill (NVRTC 13.0), as the forward's
-constexpr int kConsumerRegs = 224;  // 56 · 128 + 224 · 256 <= 65536
+constexpr int kProducerRegs = 48;   // at 40 the producer's page gathers spill (NVRTC 13.0), as the forward's
+constexpr int kConsumerRegs = 232;  // 48 · 128 + 232 · 256 = 65536
 constexpr int kConsumerWarps = 8;
 constexpr int kLoadThreads = 64;  // producer warps 0-1 arrive on a stage's full barrier
 
@@ -681,23 +681,34 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     const uint32_t aK = tK + kvp * 64 * 128;
     const uint32_t aV = tV + kvp * 64 * 128;
 
-    // LSE₂ (warpgroup 0) or Δ (warpgroup 1) of streamed row meta_row of step t, staged by threads 0-63 of
-    // each consumer warpgroup
+    // LSE₂ (warpgroup 0) or Δ (warpgroup 1) of streamed row meta_row, staged by threads 0-63 of each
+    // consumer warpgroup one step ahead. Its three dependent loads are spread over three steps, so none
+    // stalls a step: in step t the value of step t + 1 (slot known), the page mask of step t + 2 (page
+    // known), the page id of step t + 3.
     const int meta_row = ctid & 127;
+    const bool meta_thread = meta_row < QS;  // warp-uniform: warps 0-1 of each consumer warpgroup
     float* const sMeta = kvp == 0 ? sLse : sDelta;
-    auto meta_value = [&](int t) -> float {
+    const float* const meta_src = (kvp == 0 ? lse : delta) + bh * q_slots;
+    auto meta_page = [&](int u) -> int {
         const int p = meta_row / PAGE_ROWS;
-        const int page = p < min(SP, stream_len - t * SP) ? pages_all[t * SP + p] : -1;
-        const bool valid =
-            paged::page_row_valid(paged::load_page_mask(q_page_mask, page, q_pages), meta_row % PAGE_ROWS);
-        const size_t slot = bh * q_slots + static_cast<size_t>(valid ? page : 0) * PAGE_ROWS + meta_row % PAGE_ROWS;
-        if (kvp == 0) {
-            const float l = valid ? lse[slot] : -INFINITY;
-            return l > -INFINITY ? l * paged::kLog2e : INFINITY;
-        }
-        return valid ? delta[slot] : 0.f;
+        return u < num_tiles && p < min(SP, stream_len - u * SP) ? pages_all[u * SP + p] : -1;
     };
-    if (meta_row < QS && num_tiles > 0) sMeta[meta_row] = meta_value(0);
+    auto meta_slot = [&](uint32_t mask, int page) -> int {  // -1: padding or no page
+        return paged::page_row_valid(mask, meta_row % PAGE_ROWS) ? page * PAGE_ROWS + meta_row % PAGE_ROWS : -1;
+    };
+    auto meta_value = [&](float raw, int slot) -> float {
+        if (kvp == 0) return slot >= 0 && raw > -INFINITY ? raw * paged::kLog2e : INFINITY;
+        return slot >= 0 ? raw : 0.f;
+    };
+    int slot1 = -1, page2 = -1;  // step t + 1's slot, step t + 2's page
+    if (meta_thread) {
+        const int page0 = meta_page(0);
+        const int slot0 = meta_slot(paged::load_page_mask(q_page_mask, page0, q_pages), page0);
+        if (num_tiles > 0) sMeta[meta_row] = meta_value(meta_src[max(slot0, 0)], slot0);
+        const int page1 = meta_page(1);
+        slot1 = meta_slot(paged::load_page_mask(q_page_mask, page1, q_pages), page1);
+        page2 = meta_page(2);
+    }
     named_sync(1, 256);
 
     float acc_dk[D / 2];
@@ -708,7 +719,6 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
 #pragma unroll 1
     for (int t = 0; t < num_tiles; ++t) {
         const int st = t & 1;
-        const bool stage_next = meta_row < QS && t + 1 < num_tiles;
         const uint32_t tQ = tQ0 + st * Cfg::kQBytes;
         const uint32_t tdO = tdO0 + st * Cfg::kQBytes;
         const uint32_t tdS = tdS0 + st * Cfg::kSBytes;
@@ -724,7 +734,14 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         wgmma_commit();
         issue_qk<D, QS, BK>(dp, aV, tdO);
         wgmma_commit();
-        const float next_meta = stage_next ? meta_value(t + 1) : 0.f;  // its loads overlap the GEMMs
+        float raw1 = 0.f;
+        uint32_t mask2 = 0;
+        int page3 = -1;
+        if (meta_thread) {  // loads only: their results are first used at the end of the step
+            raw1 = meta_src[max(slot1, 0)];
+            mask2 = paged::load_page_mask(q_page_mask, page2, q_pages);
+            page3 = meta_page(t + 3);
+        }
         wgmma_wait<0>();
         pin_registers(s);
         pin_registers(dp);
@@ -740,7 +757,11 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         issue_pv<D, QS>(acc_dk, pds, tQ);
         wgmma_commit();
         // stage t + 1's buffer was last read by step t - 1's p_and_ds, before the previous named barrier
-        if (stage_next) sMeta[(st ^ 1) * QS + meta_row] = next_meta;
+        if (meta_thread) {
+            if (t + 1 < num_tiles) sMeta[(st ^ 1) * QS + meta_row] = meta_value(raw1, slot1);
+            slot1 = meta_slot(mask2, page2);
+            page2 = page3;
+        }
         fence_async_proxy();
         named_sync(1, 256);  // both dSᵀ halves of this step and step t + 1's LSE₂ and Δ are in shared memory
 

@@ -14,19 +14,23 @@ Three launches per call (plus one main launch per route of the plan):
 
 Step 2 has several implementations with the same plan, arguments and results:
 
-* ``impl="wgmma"`` (the default): ``paged_bwd_kernel<D, BLOCK_K, 1, DQ_MODE>`` (``kernels_cu/paged_bwd.cu``:
-  wgmma GEMMs, one consumer warpgroup per 64 owned rows), adding dQ by bulk asynchronous reductions of
-  staged pages on 64-row tiles and by fp32 vector atomics on 128-row tiles;
-* ``"wgmma_atomic"`` (atomics on every route: version 1), ``"wgmma_bulk"`` (bulk reductions on every
-  route), ``"wgmma_qsplit"`` and ``"wgmma_qsplit_bulk"`` (64-row owned tiles on two warpgroups that
-  split each step's 128 streamed rows);
-* written and compiled, not yet run on an H200: ``"wgmma_dq_pass"`` (dK/dV without dQ, then dQ in a
-  Q-owned pass, ``paged_bwd_dq_kernel``, no atomics) and ``"wgmma_ws"`` (128-row tiles on the
-  warp-specialized ``paged_bwd_ws_kernel``);
+* ``impl="wgmma"`` (the default), what measured fastest on the H200: 128-row tiles on the warp-specialized
+  ``paged_bwd_ws_kernel<D>`` (a producer warpgroup gathering Q and dO pages into an mbarrier ring, a warp
+  adding staged dQ pages by bulk reductions, two consumer warpgroups); on plans whose routes are all
+  64-row tiles, dK/dV without dQ and then dQ in a Q-owned pass (``paged_bwd_dq_kernel``, no atomics) when
+  the Q-owned plan can be had (a graph, or ``dq_plan``), else ``paged_bwd_kernel<D, 64, 1, DQ_BULK>``;
+* ``"wgmma_sync"`` (version 2's default: ``paged_bwd_kernel<D, BLOCK_K, 1, DQ_MODE>``, one consumer
+  warpgroup per 64 owned rows, bulk dQ reductions on 64-row tiles, fp32 vector atomics on 128-row tiles),
+  ``"wgmma_atomic"`` (atomics on every route: version 1), ``"wgmma_bulk"`` (bulk reductions on every
+  route), ``"wgmma_qsplit"`` and ``"wgmma_qsplit_bulk"`` (64-row owned tiles on two warpgroups that split
+  each step's 128 streamed rows), ``"wgmma_dq_pass"`` (the dQ pass on every plan) and ``"wgmma_ws"`` (the
+  warp-specialized kernel on 128-row tiles, bulk reductions on 64-row tiles);
 * ``impl="mma"``: the ``mma.sync`` kernel ``bsa_bwd_kernel``.
 
-``deterministic=True`` (wgmma implementations) adds dQ in 64-bit fixed point with integer atomics, then
-``bwd_fixed_postprocess`` converts it: dQ is bit-identical from run to run. The environment variable
+``deterministic=True`` (wgmma implementations) makes dQ bit-identical from run to run: the Q-owned dQ
+pass already is (a fixed summation order); otherwise dQ is added in 64-bit fixed point with integer
+atomics, then ``bwd_fixed_postprocess`` converts it, and the result does not depend on the order of the
+work items either. The environment variable
 ``SPARSEATTN_BWD_IMPL`` sets the default implementation for a process (the GPU tests use it to run every
 backward case on either kernel).
 """
@@ -406,10 +410,12 @@ def bsa_backward(
         scale: softmax scale, default ``1/sqrt(d)``.
         out: optional ``(dq, dk, dv)`` buffers to write into.
         impl: main kernel, one of :data:`IMPLS` (default: :func:`default_impl`).
-        deterministic: add dQ in 64-bit fixed point (integer atomics) so that dQ is bit-identical from
-            run to run whatever order the CTAs run in; wgmma implementations only. The fixed-point unit
-            comes from the largest valid elements of dO, V and K, so ``lse`` must be the forward's.
-        dq_plan: the owner-``"q"`` :class:`TilePlan` of the same graph for ``impl="wgmma_dq_pass"``
+        deterministic: dQ bit-identical from run to run whatever order the CTAs run in; wgmma
+            implementations only. The Q-owned dQ pass is by construction; the other implementations then
+            add dQ in 64-bit fixed point (integer atomics), whose unit comes from the largest valid
+            elements of dO, V and K, so ``lse`` must be the forward's.
+        dq_plan: the owner-``"q"`` :class:`TilePlan` of the same graph for the dQ pass (``impl="wgmma"``
+            or ``"wgmma_dq_pass"``)
             (dQ in a Q-owned pass); built from ``graph_or_plan`` when that is a graph.
 
     Returns:
