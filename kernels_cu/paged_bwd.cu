@@ -531,10 +531,15 @@ namespace paged_bwd_ws {
 
 constexpr int kBlockK = 128;
 constexpr int kThreads = 384;
-constexpr int kProducerRegs = 48;   // at 40 the producer's page gathers spill (NVRTC 13.0), as the forward's
-constexpr int kConsumerRegs = 232;  // 48 · 128 + 232 · 256 = 65536
+// setmaxnreg moves registers within the CTA's launch allocation (168 per thread at 384 threads): the
+// consumers' increase waits for the producer's release, so a split past it deadlocks. At 224 consumer
+// registers ptxas serialized every wgmma of the d = 128 consumer (C7512).
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
 constexpr int kConsumerWarps = 8;
 constexpr int kLoadThreads = 64;  // producer warps 0-1 arrive on a stage's full barrier
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads,
+              "register split past the launch allocation: setmaxnreg.inc would wait forever");
 
 template <int HEAD_DIM>
 struct Config {
