@@ -536,19 +536,24 @@ constexpr int kThreads = 384;
 // registers ptxas serialized every wgmma of the d = 128 consumer (C7512).
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
+// pair items (PAIR): the consumers' page-visibility bookkeeping spills at 232 (NVRTC 13.0)
+constexpr int kPairProducerRegs = 24;
+constexpr int kPairConsumerRegs = 240;
 constexpr int kConsumerWarps = 8;
 constexpr int kLoadThreads = 64;  // producer warps 0-1 arrive on a stage's full barrier
-static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads,
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads &&
+                  kPairProducerRegs * 128 + kPairConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads,
               "register split past the launch allocation: setmaxnreg.inc would wait forever");
 
-template <int HEAD_DIM>
+template <int HEAD_DIM, bool PAIR = false>
 struct Config {
+    static constexpr int kMetaCopies = PAIR ? 2 : 1;  // pair items: LSE₂ per consumer warpgroup
     static constexpr int kKBytes = kBlockK * HEAD_DIM * 2;         // K or V (owned)
     static constexpr int kQBytes = PB_Q_ROWS * HEAD_DIM * 2;       // one Q or dO stage
     static constexpr int kSBytes = kBlockK * PB_Q_ROWS * 2;        // one dSᵀ buffer
     static constexpr int kDqBytes = PB_Q_ROWS * HEAD_DIM * 4;      // dQ staging (4 contiguous fp32 pages)
     static constexpr int kPageBytesF32 = PAGE_ROWS * HEAD_DIM * 4;
-    static constexpr int kMetaBytes = 2 * 2 * PB_Q_ROWS * 4;       // LSE₂ and Δ per stage
+    static constexpr int kMetaBytes = 2 * 2 * kMetaCopies * PB_Q_ROWS * 4;  // LSE₂ copies and Δ per stage
     static constexpr int kBarBytes = 8 * 8;                        // q_full[2], q_empty[2], dq_full, dq_empty
     static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 4 * kQBytes + 2 * kSBytes + kDqBytes + kMetaBytes + kBarBytes;
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim 64 or 128");
@@ -558,9 +563,11 @@ struct Config {
 }  // namespace paged_bwd_ws
 
 // Grid (work items [work_offset, work_offset + gridDim.x) of a 128-row route, batch), block 384 threads,
-// dynamic shared memory Config::kSmemBytes. Arguments as paged_bwd_kernel (dq_accum fp32; dq_absmax
-// unused).
-template <int HEAD_DIM>
+// dynamic shared memory Config::kSmemBytes. Arguments as paged_bwd_kernel (dq_accum fp32), except the
+// last: PAIR (pair items, kernels/pair_backward_plan.py): pair_pages, int32 [stream entries][3], entry
+// e's page id, then its page id where owned rows 0-63 see it and where rows 64-127 do, else -1 (a half's
+// unseen rows get LSE₂ = +inf, so P = dS = 0). Without PAIR it is unused.
+template <int HEAD_DIM, bool PAIR>
 __global__ void __launch_bounds__(paged_bwd_ws::kThreads, 1)
 paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                     const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ dout,
@@ -569,10 +576,10 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                     const int* __restrict__ own_pages, int max_own, const int* __restrict__ stream_indptr,
                     const int* __restrict__ stream_pages, const uint16_t* __restrict__ k_page_mask,
                     const uint16_t* __restrict__ q_page_mask, int work_offset, int heads, int q_slots, int k_slots,
-                    float scale, float scale_log2, const unsigned int* __restrict__ dq_absmax) {
+                    float scale, float scale_log2, const unsigned int* __restrict__ pair_pages) {
     using namespace hopper;
     using namespace paged_bwd_ws;
-    using Cfg = Config<HEAD_DIM>;
+    using Cfg = Config<HEAD_DIM, PAIR>;
     constexpr int D = HEAD_DIM;
     constexpr int BK = kBlockK;
     constexpr int QS = PB_Q_ROWS;
@@ -588,8 +595,9 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     const uint32_t tdS0 = tdO0 + 2 * Cfg::kQBytes; // [2] dSᵀ buffers
     const uint32_t tDq = tdS0 + 2 * Cfg::kSBytes;  // dQ staging
     const int meta_off = static_cast<int>(tDq - base) + Cfg::kDqBytes;
-    float* sLse = reinterpret_cast<float*>(smem + meta_off);  // [2][QS], log2 units, +inf = no keys
-    float* sDelta = sLse + 2 * QS;                             // [2][QS]
+    constexpr int MS = Cfg::kMetaCopies * QS;                  // one stage of LSE₂ (or Δ)
+    float* sLse = reinterpret_cast<float*>(smem + meta_off);  // [2][copies][QS], log2 units, +inf = no keys
+    float* sDelta = sLse + 2 * MS;                             // [2][copies][QS], copy 0 used
     const uint32_t bars = base + meta_off + Cfg::kMetaBytes;
     auto q_full = [&](int s) { return bars + 8 * s; };
     auto q_empty = [&](int s) { return bars + 8 * (2 + s); };
@@ -628,7 +636,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     const int role = __shfl_sync(0xffffffffu, tid / 128, 0);
     if (role == 0) {
         // ================================ producer ================================
-        regs_release<kProducerRegs>();
+        regs_release<PAIR ? kPairProducerRegs : kProducerRegs>();
         if (warp < 2) {  // Q (warp 0) or dO (warp 1): each step's 4 pages
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
@@ -674,7 +682,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     }
 
     // ================================ consumers ================================
-    regs_claim<kConsumerRegs>();
+    regs_claim<PAIR ? kPairConsumerRegs : kConsumerRegs>();
     const int kvp = role - 1;        // owned rows 64·kvp ..
     const int ctid = tid - 128;      // 0 .. 255
     const int wq = warp & 3;
@@ -689,20 +697,30 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     // LSE₂ (warpgroup 0) or Δ (warpgroup 1) of streamed row meta_row, staged by threads 0-63 of each
     // consumer warpgroup one step ahead. Its three dependent loads are spread over three steps, so none
     // stalls a step: in step t the value of step t + 1 (slot known), the page mask of step t + 2 (page
-    // known), the page id of step t + 3.
-    const int meta_row = ctid & 127;
-    const bool meta_thread = meta_row < QS;  // warp-uniform: warps 0-1 of each consumer warpgroup
-    float* const sMeta = kvp == 0 ? sLse : sDelta;
-    const float* const meta_src = (kvp == 0 ? lse : delta) + bh * q_slots;
+    // known), the page id of step t + 3. PAIR: warpgroup 0's threads 64-127 stage a second LSE₂ copy;
+    // copy b holds the rows half b sees, the others as absent pages (LSE₂ = +inf). Δ needs no copy:
+    // where P is 0, so is dS.
+    const int meta_row = PAIR ? (ctid & 63) : (ctid & 127);
+    const bool meta_thread = PAIR ? kvp == 1 || (ctid & 127) < 64 : meta_row < QS;  // warp-uniform
+    const bool meta_is_lse = PAIR ? (ctid & 127) < 64 : kvp == 0;
+    float* const lse_copy = sLse + (PAIR ? kvp * QS : 0);  // the LSE₂ this warpgroup reads (and stages)
+    float* const sMeta = meta_is_lse ? lse_copy : sDelta;
+    const float* const meta_src = (meta_is_lse ? lse : delta) + bh * q_slots;
+    // PAIR: pair_pages columns (union, seen by half 0, seen by half 1): Δ takes the union
+    constexpr int kMetaStep = PAIR ? 3 : 1;
+    const int* const meta_pages =
+        PAIR ? reinterpret_cast<const int*>(pair_pages) + 3 * static_cast<size_t>(stream_begin) +
+                   (meta_is_lse ? 1 + kvp : 0)
+             : pages_all;
     auto meta_page = [&](int u) -> int {
         const int p = meta_row / PAGE_ROWS;
-        return u < num_tiles && p < min(SP, stream_len - u * SP) ? pages_all[u * SP + p] : -1;
+        return u < num_tiles && p < min(SP, stream_len - u * SP) ? meta_pages[(u * SP + p) * kMetaStep] : -1;
     };
     auto meta_slot = [&](uint32_t mask, int page) -> int {  // -1: padding or no page
         return paged::page_row_valid(mask, meta_row % PAGE_ROWS) ? page * PAGE_ROWS + meta_row % PAGE_ROWS : -1;
     };
     auto meta_value = [&](float raw, int slot) -> float {
-        if (kvp == 0) return slot >= 0 && raw > -INFINITY ? raw * paged::kLog2e : INFINITY;
+        if (meta_is_lse) return slot >= 0 && raw > -INFINITY ? raw * paged::kLog2e : INFINITY;
         return slot >= 0 ? raw : 0.f;
     };
     int slot1 = -1, page2 = -1;  // step t + 1's slot, step t + 2's page
@@ -727,8 +745,8 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         const uint32_t tQ = tQ0 + st * Cfg::kQBytes;
         const uint32_t tdO = tdO0 + st * Cfg::kQBytes;
         const uint32_t tdS = tdS0 + st * Cfg::kSBytes;
-        const float* tLse = sLse + st * QS;
-        const float* tDelta = sDelta + st * QS;
+        const float* tLse = lse_copy + st * MS;
+        const float* tDelta = sDelta + st * MS;
         mbar_wait(q_full(st), (t >> 1) & 1);
         fence_async_proxy();
 
@@ -763,7 +781,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         wgmma_commit();
         // stage t + 1's buffer was last read by step t - 1's p_and_ds, before the previous named barrier
         if (meta_thread) {
-            if (t + 1 < num_tiles) sMeta[(st ^ 1) * QS + meta_row] = meta_value(raw1, slot1);
+            if (t + 1 < num_tiles) sMeta[(st ^ 1) * MS + meta_row] = meta_value(raw1, slot1);
             slot1 = meta_slot(mask2, page2);
             page2 = page3;
         }
@@ -800,13 +818,15 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     paged_bwd::store_dk_dv<D, BK, 256>(tK, tV, own, k_pages, dk + bh * k_slots * D, dv + bh * k_slots * D, ctid);
 }
 
-#define PAGED_BWD_WS_INSTANTIATE(D)                                                                         \
-    template __global__ void paged_bwd_ws_kernel<D>(                                                        \
+#define PAGED_BWD_WS_INSTANTIATE(D, PAIR)                                                                   \
+    template __global__ void paged_bwd_ws_kernel<D, PAIR>(                                                  \
         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const float*, \
         const float*, float*, __nv_bfloat16*, __nv_bfloat16*, const int*, const int*, int, const int*,        \
         const int*, const uint16_t*, const uint16_t*, int, int, int, int, float, float, const unsigned int*);
-PAGED_BWD_WS_INSTANTIATE(64)
-PAGED_BWD_WS_INSTANTIATE(128)
+PAGED_BWD_WS_INSTANTIATE(64, false)
+PAGED_BWD_WS_INSTANTIATE(128, false)
+PAGED_BWD_WS_INSTANTIATE(64, true)
+PAGED_BWD_WS_INSTANTIATE(128, true)
 
 // ---- dQ in a Q-owned pass (DQ_NONE's partner): no atomics, deterministic ------------------------------
 

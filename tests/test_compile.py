@@ -236,7 +236,7 @@ def test_wgmma_backward_mirrors_match_the_kernel(reports):
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
     options = compile_check.compile_options(compile_check.find_cuda_include())
     helpers = {bb.ABSMAX_NAME, bb.FIXED_POSTPROCESS_NAME} | {bb.dq_kernel_name(*x) for x in bb.DQ_SHAPES}
-    helpers |= {bb.ws_kernel_name(d) for d in bb.HEAD_DIMS}
+    helpers |= {bb.ws_kernel_name(d, pair) for d in bb.HEAD_DIMS for pair in (False, True)}
     assert {bb.wgmma_kernel_name(*x) for x in bb.WGMMA_SHAPES} | helpers == set(bb.WGMMA_NAME_EXPRESSIONS)
     launched = {
         (m, *bb.wgmma_variant(i, m, det))
@@ -258,9 +258,11 @@ def test_wgmma_backward_mirrors_match_the_kernel(reports):
             for d, m in bb.DQ_SHAPES
         )
         + "".join(
-            f'static_assert(paged_bwd_ws::Config<{d}>::kSmemBytes == {bb.ws_smem_bytes(d)}, "ws s");'
+            f"static_assert(paged_bwd_ws::Config<{d}, {str(pair).lower()}>::kSmemBytes == "
+            f'{bb.ws_smem_bytes(d, pair)}, "ws s");'
             f'static_assert(paged_bwd_ws::kThreads == {bb.WS_THREADS}, "ws t");'
             for d in bb.HEAD_DIMS
+            for pair in (False, True)
         )
     )
     code = runtime.preprocess(bb.WGMMA_SOURCE) + "\n" + checks + "\n"

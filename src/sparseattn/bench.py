@@ -56,7 +56,7 @@ IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "vsa_kernel", "kpage_
 OPT_IN_IMPLS = ("kpage_pair",)
 PASSES = ("fwd", "bwd", "fwdbwd")
 TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel")
-PAGED_IMPLS = ("kpage", "bsa")  # the skeleton's plans: their backward records come per --bwd-impl
+PAGED_IMPLS = ("kpage", "bsa", "kpage_pair")  # the skeleton's plans: backward records per --bwd-impl
 O_REL_TOL = 1e-2
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -318,7 +318,7 @@ def bench_paged(
         )
     for impl, deterministic in bwd_impls:
         name = impl or default_impl()
-        bwd_physical = backward_executed_pairs(g, case.d, kind, name) * case.b
+        bwd_physical = backward_executed_pairs(g, case.d, kind, name, route=route) * case.b
 
         def backward(o2=o, l2=lse, impl=impl, deterministic=deterministic):
             paged_backward(
@@ -331,12 +331,17 @@ def bench_paged(
                 g,
                 scale=case.scale,
                 kind=kind,
+                route=route,
                 impl=impl,
                 deterministic=deterministic,
             )
 
         def fwdbwd(backward=backward):
-            backward(*paged_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind))
+            backward(
+                *paged_forward(
+                    case.q, case.k, case.v, g, scale=case.scale, out=buffers, kind=kind, route=route
+                )
+            )
 
         for pass_, fn in (("bwd", backward), ("fwdbwd", fwdbwd)):
             if pass_ not in passes:
@@ -348,7 +353,7 @@ def bench_paged(
                 ms, _ = timer(fn)
                 out.append(
                     dict(
-                        impl=kind,
+                        impl=record_impl or kind,
                         **{"pass": pass_},
                         time_ms=ms,
                         # forward + backward: the forward's pairs again (the rates are per useful pair)
@@ -360,7 +365,12 @@ def bench_paged(
                 )
             except Exception as exc:  # noqa: BLE001 - a plan the backward cannot run is recorded, not fatal
                 out.append(
-                    dict(impl=kind, **{"pass": pass_}, **label, error=f"{type(exc).__name__}: {exc}"[:300])
+                    dict(
+                        impl=record_impl or kind,
+                        **{"pass": pass_},
+                        **label,
+                        error=f"{type(exc).__name__}: {exc}"[:300],
+                    )
                 )
     return out
 
@@ -373,15 +383,17 @@ def bench_bsa(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, F
     return bench_paged(case, timer, passes, check, "bsa", bwd_impls)
 
 
-def bench_kpage_pair(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
-    """KPage's experimental pair route (forward only; SparseGraphs only)."""
+def bench_kpage_pair(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, False),)) -> list[dict]:
+    """KPage's pair route (SparseGraphs only): neighbouring 64-row Q blocks paired in the forward
+    (:mod:`.kernels.pair_work_list`), neighbouring 64-row K/V blocks in the backward
+    (:mod:`.kernels.pair_backward_plan`; the default backward kernel, not deterministic)."""
     if isinstance(case.graph, HeadStack):
         return [
-            dict(impl="kpage_pair", **{"pass": "fwd"}, error="the pair route needs one layout for all heads")
+            dict(impl="kpage_pair", **{"pass": p}, error="the pair route needs one layout for all heads")
+            for p in passes
         ]
-    return bench_paged(
-        case, timer, ("fwd",) if "fwd" in passes else (), check, "kpage", (), "pair", "kpage_pair"
-    )
+    impls = tuple((impl, False) for impl, deterministic in bwd_impls if not deterministic)
+    return bench_paged(case, timer, passes, check, "kpage", impls, "pair", "kpage_pair")
 
 
 def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:

@@ -113,6 +113,14 @@ def validate_plan(plan: TilePlan, num_own_pages: int | None = None, num_stream_p
         )
     if pages.size and (pages.min() < 0 or pages.max() >= n_stream):
         raise EmulationError(f"plan.stream_pages must be page ids in [0, {n_stream})")
+    if "stream_vis" in arrays:
+        vis = arrays["stream_vis"]
+        if vis.shape != pages.shape or (vis.size and (vis.min() < 1 or vis.max() > 3)):
+            raise EmulationError("plan.stream_vis must hold 1, 2 or 3 for every entry of plan.stream_pages")
+        if w:
+            rows = np.repeat(routes[arrays["work_route"], 0], np.diff(ptr))
+            if np.any((rows != 128) & (vis != 3)):
+                raise EmulationError("plan.stream_vis may restrict entries of 128-row work items only")
 
 
 def _work_items(plan: TilePlan):
@@ -214,13 +222,14 @@ def emulate_forward(plan: TilePlan, q, k, v, scale=None):
 
 def _backward_item(tensors, h, own, col_ok, steps, dq, scale):
     """One K/V-owned work item of head ``h``: its owned K/V rows (``own`` pages, ``col_ok`` valid) against
-    each streamed Q step ``(pages, row_ok)``; dQ is added into ``dq``, ``(dK, dV)`` of the owned rows
-    returned. ``tensors``: float64 ``(q, k, v, do, lse, delta)`` of all heads."""
+    each streamed Q step ``(pages, row_ok, seen)``; ``seen`` is None or bool ``[streamed rows, owned
+    rows]`` (pair items: which owned half sees each streamed row). dQ is added into ``dq``, ``(dK, dV)``
+    of the owned rows returned. ``tensors``: float64 ``(q, k, v, do, lse, delta)`` of all heads."""
     q, k, v, do, lse, delta = tensors
     k_tile, v_tile = _gather(k[:, h], own, col_ok), _gather(v[:, h], own, col_ok)
     dk_acc = np.zeros((q.shape[0], col_ok.size, q.shape[-1]))
     dv_acc = np.zeros((q.shape[0], col_ok.size, v.shape[-1]))
-    for pages, row_ok in steps:
+    for pages, row_ok, seen in steps:
         slots = _page_slots(pages)
         q_tile = _gather(q[:, h], pages, row_ok)
         do_tile = np.where(row_ok[None, :, None], do[:, h, slots], 0.0)
@@ -230,6 +239,8 @@ def _backward_item(tensors, h, own, col_ok, steps, dq, scale):
             scale * np.matmul(q_tile, k_tile.transpose(0, 2, 1)) - np.where(live, lse_tile, 0.0)[..., None]
         )
         p = np.where(live[..., None] & col_ok[None, None, :], p, 0.0)
+        if seen is not None:
+            p = np.where(seen[None], p, 0.0)
         delta_tile = np.where(row_ok, delta[:, h, slots], 0.0)
         ds = p * (np.matmul(do_tile, v_tile.transpose(0, 2, 1)) - delta_tile[..., None])
         dv_acc += np.matmul(p.transpose(0, 2, 1), do_tile)
@@ -282,9 +293,20 @@ def emulate_backward(plan_kv: TilePlan, q, k, v, o, lse, do, scale=None):
     dv = np.zeros((b, heads, k.shape[2], v.shape[-1]))
     written = np.zeros((heads, k.shape[2]), dtype=np.int64)
     tensors = (q, k, v, do64, lse64, delta)
-    for h, _m, _n, own, tiles in _work_items(plan_kv):
+    vis = plan_kv.device_arrays().get("stream_vis")
+    ptr = plan_kv.stream_indptr.astype(np.int64)
+    for w, (h, m, n, own, tiles) in enumerate(_work_items(plan_kv)):
         col_ok = _page_rows_valid(plan_kv.own_page_mask, own)
-        steps = ((pages, _page_rows_valid(plan_kv.stream_page_mask, pages)) for pages in tiles)
+        seen = (None,) * len(tiles)
+        if vis is not None:  # entry bit b: seen by owned rows 64·b .. 64·b + 63 (pair items)
+            item_vis = np.zeros(tiles.size, dtype=np.int64)
+            item_vis[: ptr[w + 1] - ptr[w]] = vis[ptr[w] : ptr[w + 1]]
+            half = np.arange(m) // 64
+            rows_vis = np.repeat(item_vis, PAGE_ROWS).reshape(len(tiles), n)
+            seen = [((tile_vis[:, None] >> half[None, :]) & 1).astype(bool) for tile_vis in rows_vis]
+        steps = (
+            (pages, _page_rows_valid(plan_kv.stream_page_mask, pages), s) for pages, s in zip(tiles, seen)
+        )
         dk_acc, dv_acc = _backward_item(tensors, h, own, col_ok, steps, dq, scale)
         _store_owned((dk, dv), (dk_acc, dv_acc), written, h, own, col_ok, "plan")
     _unwritten_error("dK/dV", written, k_valid)
@@ -489,7 +511,7 @@ def emulate_backward_work_list(work, q, k, v, o, lse, do, scale=None):
         own = work.own_pages[w, : m // PAGE_ROWS].astype(np.int64)
         col_ok = rows_ok(own, work.own_mask[w, : m // PAGE_ROWS])
         steps = (
-            (pages, rows_ok(pages, work.stream_mask[start : start + pages.size]))
+            (pages, rows_ok(pages, work.stream_mask[start : start + pages.size]), None)
             for start in range(begin, begin + length, per_step)
             for pages in [work.stream_pages[start : min(start + per_step, begin + length)].astype(np.int64)]
         )

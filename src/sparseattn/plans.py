@@ -82,6 +82,8 @@ class TilePlan:
         stream_pages: int32 ``[S]``, streamed page ids of the other side.
         own_page_mask, stream_page_mask: uint16 ``[num_pages]`` of each side.
         heads: heads of the graph.
+        stream_vis: ``None``, or uint32 ``[S]`` for pair items (two 64-row owner blocks in one 128-row
+            item): bit 0 set where the entry is seen by owned rows 0–63, bit 1 by rows 64–127.
     """
 
     kind: str
@@ -96,6 +98,7 @@ class TilePlan:
     own_page_mask: np.ndarray
     stream_page_mask: np.ndarray
     heads: int
+    stream_vis: np.ndarray | None = None
 
     @property
     def num_work(self) -> int:
@@ -141,6 +144,11 @@ class TilePlan:
             "stream_pages": np.ascontiguousarray(self.stream_pages, dtype=np.int32),
             "own_page_mask": np.ascontiguousarray(self.own_page_mask, dtype=np.uint16),
             "stream_page_mask": np.ascontiguousarray(self.stream_page_mask, dtype=np.uint16),
+            **(
+                {}
+                if self.stream_vis is None
+                else {"stream_vis": np.ascontiguousarray(self.stream_vis, dtype=np.uint32)}
+            ),
         }
 
 
@@ -273,6 +281,8 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
             raise PlanTypeError(f"plans[{i}] must be a TilePlan, got {type(p).__name__}")
         if p.heads != 1:
             raise PlanError(f"plans[{i}] holds {p.heads} heads; stack_head_plans takes single-head plans")
+        if p.stream_vis is not None:
+            raise PlanError(f"plans[{i}] has pair items (stream_vis); stack_head_plans does not carry them")
         if (p.kind, p.owner, tuple(p.routes)) != (first.kind, first.owner, tuple(first.routes)):
             raise PlanError(f"plans[{i}] differs from plans[0] in kind, owner or routes")
         if p.own_page_mask.size > own_pages or p.stream_page_mask.size > stream_pages:

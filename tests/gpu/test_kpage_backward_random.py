@@ -69,6 +69,68 @@ def test_kpage_backward_implementations(impl, layout, head_dim, seed, rng, poiso
     run_random_case(layout, head_dim, rng, poisoned, impl=impl)
 
 
+# route="pair" (opt-in): neighbouring 64-row K/V blocks as 128-row items over the ordered union of their Q
+# pages, each owned half seeing only its own block's Q pages (paged_bwd_ws_kernel<D, true>): 64-slot
+# blocks, 2 layout families x both head dims x 4 seeds, same rule.
+@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"case{s}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("layout", ["video_prefix", "independent_partitions"])
+def test_kpage_backward_pair_route(layout, head_dim, seed, rng, poisoned):
+    run_random_case(layout, head_dim, rng, poisoned, impl=None, block=64, route="pair")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_kpage_backward_pair_route_shared_pages(head_dim, rng, poisoned):
+    """A neighbour-window graph: the pairs share most of their Q pages, so most entries are seen by both
+    halves and the [A only | shared | B only] boundaries fall inside steps."""
+    cupy = pytest.importorskip("cupy")
+    from sparseattn.graph import SparseGraph
+    from sparseattn.kernels.backward import kpage_backward
+    from sparseattn.kernels.plan_cache import plan_of
+    from sparseattn.layouts import video_layout
+
+    layout = video_layout((5, 7, 9), (4, 4, 4), block_size=64)
+    window = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
+    for i in range(layout.num_blocks):
+        window[:, i, max(0, i - int(rng.integers(2, 8))) : i + int(rng.integers(2, 8))] = True
+    graph = SparseGraph.from_block_mask(layout, layout, window)
+    plan = plan_of(graph, "kpage", "pair", owner="kv")
+    assert np.any(plan.stream_vis == 3) and np.any(plan.stream_vis != 3)
+    host, exact = bwd_tests._problem(rng, graph, batch=2, head_dim=head_dim)
+    qf, kf, vf, dof = (bf16_bits_to_float(x) for x in (host[0], host[1], host[2], host[5]))
+    o, lse = bf16_bits_to_float(host[3]), host[4].astype(np.float64)
+    emul = attention_backward(qf, kf, vf, o, lse, dof, graph, emulate_bf16=True)
+    q, k, v, o_d, lse_d, do = (cupy.asarray(x) for x in host)
+    out = (poisoned(q.shape, "bf16"), poisoned(k.shape, "bf16"), poisoned(k.shape, "bf16"))
+    dq, dk, dv = kpage_backward(q, k, v, o_d, lse_d, do, graph, route="pair", out=out)
+    cupy.cuda.runtime.deviceSynchronize()
+    for name, got, ex, em, valid in (
+        ("dq", dq, exact[0], emul[0], graph.q.valid),
+        ("dk", dk, exact[1], emul[1], graph.k.valid),
+        ("dv", dv, exact[2], emul[2], graph.k.valid),
+    ):
+        check_gradient(name, got.get(), ex, em, valid)
+
+
+def test_pair_plans_refuse_other_kernels(rng):
+    """A plan with pair items runs only on the warp-specialized kernel: other implementations and the
+    deterministic mode are refused before any launch."""
+    cupy = pytest.importorskip("cupy")
+    from sparseattn.kernels.bsa_backward import bsa_backward
+    from sparseattn.kernels.plan_cache import plan_of
+    from sparseattn.kernels.validate import KernelValueError
+
+    q_lay, k_lay = bwd_tests.LAYOUTS["video_prefix"](rng, 64)
+    graph = bwd_tests._graph(rng, q_lay, k_lay, 2, density=0.5)
+    plan = plan_of(graph, "kpage", "pair", owner="kv")
+    assert np.any(plan.stream_vis != 3)
+    host, _ = bwd_tests._problem(rng, graph, batch=1, head_dim=64)
+    args = [cupy.asarray(x) for x in host]
+    for kwargs in ({"impl": "wgmma_sync"}, {"impl": "mma"}, {"deterministic": True}):
+        with pytest.raises(KernelValueError, match="pair items"):
+            bsa_backward(*args, plan, **kwargs)
+
+
 def reversed_plan(plan):
     """The same work in the opposite order: work items reversed within each route, every item's streamed
     pages reversed (every dQ partial sum is added in another order)."""
@@ -96,12 +158,12 @@ def test_kpage_backward_deterministic(layout, head_dim, seed, rng, poisoned):
     run_random_case(layout, head_dim, rng, poisoned, impl=None, deterministic=True)
 
 
-def run_random_case(layout, head_dim, rng, poisoned, impl, deterministic=False):
+def run_random_case(layout, head_dim, rng, poisoned, impl, deterministic=False, block=None, route=None):
     cupy = pytest.importorskip("cupy")
     from sparseattn.kernels.backward import kpage_backward
 
-    block = int(rng.choice([64, 128]))
-    route = ["auto", 0, 1][int(rng.integers(3))]
+    block = int(rng.choice([64, 128])) if block is None else block
+    route = ["auto", 0, 1][int(rng.integers(3))] if route is None else route
     heads, batch = int(rng.integers(1, 4)), int(rng.integers(1, 3))
     q_lay, k_lay = bwd_tests.LAYOUTS[layout](rng, block)
     graph = bwd_tests._graph(rng, q_lay, k_lay, heads, density=float(rng.uniform(0.15, 0.7)))

@@ -49,6 +49,9 @@ def paged_backward(
         graph_or_plan: a :class:`SparseGraph` (its ``kind`` plan, owner ``"kv"``), an owner-``"kv"``
             :class:`TilePlan`, or a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
             layouts; one launch per route on the stacked per-head plans).
+        route: KPage's routes (``"auto"``, 0, 1), or ``"pair"``: neighbouring 64-row K/V blocks joined into
+            128-row pair items (:mod:`sparseattn.kernels.pair_backward_plan`; opt-in, SparseGraphs only,
+            the default ``impl`` without ``deterministic``).
         scale, out, impl, deterministic: as :func:`sparseattn.kernels.bsa_backward.bsa_backward`
             (``impl``: ``"wgmma"`` (default), another wgmma variant or the ``"mma"`` main kernel;
             ``deterministic``: dQ bit-identical from run to run, by fixed-point integer atomics).
@@ -56,6 +59,8 @@ def paged_backward(
     if kind not in KINDS:
         raise KernelValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if isinstance(graph_or_plan, HeadStack) or (isinstance(graph_or_plan, (list, tuple)) and graph_or_plan):
+        if route == "pair":
+            raise KernelValueError("route='pair' runs on a SparseGraph (one layout for every head)")
         stack = HeadStack.of(graph_or_plan)
         if launch.is_torch_tensor(q):
             return _torch_backward(q, k, v, o, lse, do, stack, scale, out, kind, route, impl, deterministic)

@@ -27,6 +27,11 @@ Step 2 has several implementations with the same plan, arguments and results:
   warp-specialized kernel on 128-row tiles, bulk reductions on 64-row tiles);
 * ``impl="mma"``: the ``mma.sync`` kernel ``bsa_bwd_kernel``.
 
+A plan with pair items (``TilePlan.stream_vis``, :mod:`.pair_backward_plan`: two 64-row K/V blocks in a
+128-row item, each half seeing its own block's Q pages) runs its 128-row items on
+``paged_bwd_ws_kernel<D, true>`` (written and compiled, not yet run on a GPU); it needs ``impl="wgmma"``
+or ``"wgmma_ws"`` without ``deterministic``.
+
 ``deterministic=True`` (wgmma implementations) makes dQ bit-identical from run to run: the Q-owned dQ
 pass already is (a fixed summation order); otherwise dQ is added in 64-bit fixed point with integer
 atomics, then ``bwd_fixed_postprocess`` converts it, and the result does not depend on the order of the
@@ -152,18 +157,20 @@ def uses_dq_pass(impl: str | None, plan: TilePlan | None = None, dq_plan_availab
 WS_THREADS = 384
 
 
-def ws_kernel_name(head_dim: int) -> str:
-    return f"paged_bwd_ws_kernel<{head_dim}>"
+def ws_kernel_name(head_dim: int, pair: bool = False) -> str:
+    """paged_bwd_ws_kernel's instantiation; ``pair``: the one that reads the plan's ``stream_vis``."""
+    return f"paged_bwd_ws_kernel<{head_dim}, {'true' if pair else 'false'}>"
 
 
-def ws_smem_bytes(head_dim: int) -> int:
+def ws_smem_bytes(head_dim: int, pair: bool = False) -> int:
     """paged_bwd_ws_kernel: alignment slack, K and V (128 owned rows), 2-stage Q and dO (64 rows), two dSᵀ
-    buffers (bf16), the fp32 dQ staging of one step, LSE₂ and Δ per stage, six mbarriers (+2 spare)."""
+    buffers (bf16), the fp32 dQ staging of one step, LSE₂ and Δ per stage (per consumer warpgroup with
+    ``pair``), six mbarriers (+2 spare)."""
     return (
         1024
         + 2 * (2 * 128 * head_dim + 4 * 64 * head_dim + 2 * 128 * 64)
         + 64 * head_dim * 4
-        + 2 * 2 * 64 * 4
+        + 2 * 2 * (2 if pair else 1) * 64 * 4
         + 64
     )
 
@@ -201,7 +208,7 @@ DQ_SHAPES = tuple((d, m) for d in HEAD_DIMS for m in OWNED_ROWS)
 WGMMA_NAME_EXPRESSIONS = (
     tuple(wgmma_kernel_name(*shape) for shape in WGMMA_SHAPES)
     + tuple(dq_kernel_name(*shape) for shape in DQ_SHAPES)
-    + tuple(ws_kernel_name(d) for d in HEAD_DIMS)
+    + tuple(ws_kernel_name(d, pair) for pair in (False, True) for d in HEAD_DIMS)
     + (ABSMAX_NAME, FIXED_POSTPROCESS_NAME)
 )
 #: Other sources this module launches (for the CPU compile check).
@@ -280,6 +287,13 @@ def _device_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int, device:
             arrays = {name: cupy.asarray(arr) for name, arr in plan.device_arrays().items()}
             uh, up = uncovered_k_pages(plan, q_pages if plan.owner == "q" else k_pages)
             arrays["uncovered"] = (cupy.asarray(uh), cupy.asarray(up)) if uh.size else None
+            # pair items: some entries hidden from one half (only the pair kernel may run them); the kernel
+            # reads int32 [entries][3]: the page, then the page or -1 as each owned half sees it
+            arrays["pair"] = plan.stream_vis is not None and bool(np.any(plan.stream_vis != 3))
+            if arrays["pair"]:
+                pages, vis = plan.stream_pages.astype(np.int32), plan.stream_vis.astype(np.int64)
+                halves = [np.where(vis & bit, pages, -1) for bit in (1, 2)]
+                arrays["pair_pages"] = cupy.asarray(np.stack([pages, *halves], axis=1).astype(np.int32))
         per_plan[key] = arrays
     return per_plan[key]
 
@@ -314,7 +328,7 @@ def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scal
     for route, (start, stop) in enumerate(plan.route_ranges()):
         if stop <= start:
             continue
-        fn, smem, threads = kernel_of(plan.routes[route][0])
+        fn, smem, threads, *own_extra = kernel_of(plan.routes[route][0])  # (..., extra) overrides extra
         if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
             fn.max_dynamic_shared_size_bytes = smem
         fn(
@@ -335,7 +349,7 @@ def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scal
                 np.int32(sk),
                 np.float32(scale),
                 scale_log2,
-                *extra,
+                *(own_extra[0] if own_extra else extra),
             ),
             shared_mem=smem,
         )
@@ -460,6 +474,13 @@ def bsa_backward(
     b, h, sq, d = (int(x) for x in q.shape)
     sk = int(k.shape[2])
     arrays = _device_plan(plan, q_pages, k_pages, h, device)
+    pair = arrays["pair"]
+    if pair and (impl not in ("wgmma", "wgmma_ws") or deterministic or dq_pass):
+        raise KernelValueError(
+            "graph_or_plan has pair items (stream_vis): they run on the warp-specialized kernel only, "
+            f"impl='wgmma' or 'wgmma_ws' with deterministic=False (got impl={impl!r}, "
+            f"deterministic={deterministic})"
+        )
     with cupy.cuda.Device(device):
         if out is None:
             dq = cupy.empty(q.shape, q.dtype)
@@ -486,9 +507,10 @@ def bsa_backward(
             split, dq_mode = wgmma_variant(impl, owned_rows, deterministic)
             if split == WS_SPLIT:
                 return (
-                    launch.function(WGMMA_SOURCE, ws_kernel_name(d), WGMMA_NAME_EXPRESSIONS),
-                    ws_smem_bytes(d),
+                    launch.function(WGMMA_SOURCE, ws_kernel_name(d, pair), WGMMA_NAME_EXPRESSIONS),
+                    ws_smem_bytes(d, pair),
                     WS_THREADS,
+                    (arrays["pair_pages"],) if pair else extra,
                 )
             name = wgmma_kernel_name(d, owned_rows, split, dq_mode)
             fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)

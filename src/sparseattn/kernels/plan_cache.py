@@ -27,6 +27,12 @@ def plan_of(graph: SparseGraph, kind: str = "kpage", route="auto", owner: str = 
     """The graph's ``"bsa"`` or ``"kpage"`` plan of one orientation, built once per graph."""
     if kind == "bsa":
         return cached(graph, ("plan", "bsa", owner), lambda: bsa_plan(graph, owner=owner))
+    if route == "pair":  # the backward's pair items (pair_backward_plan); the forward's are a WorkList
+        if owner != "kv":
+            raise KernelValueError("route='pair' has a TilePlan for the backward (owner='kv') only")
+        from .pair_backward_plan import pair_backward_plan
+
+        return cached(graph, ("plan", kind, route, owner), lambda: pair_backward_plan(graph))
     return cached(graph, ("plan", kind, route, owner), lambda: kpage_plan(graph, route=route, owner=owner))
 
 

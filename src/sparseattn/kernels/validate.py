@@ -246,6 +246,14 @@ def check_plan(
             "plan.stream_indptr must start at 0, be non-decreasing and end at len(stream_pages)"
         )
     _check_range("stream_pages", stream, 0, stream_side)
+    if "stream_vis" in arrays:  # pair items: only 128-row items may hide entries from one half
+        vis = arrays["stream_vis"]
+        if vis.shape != stream.shape:
+            raise KernelValueError(f"plan.stream_vis must have {stream.size} entries, got shape {vis.shape}")
+        _check_range("stream_vis", vis, 1, 4)
+        rows = np.repeat(np.asarray(plan.routes, dtype=np.int64)[arrays["work_route"], 0], np.diff(indptr))
+        if np.any((rows != 128) & (vis != 3)):
+            raise KernelValueError("plan.stream_vis may restrict entries of 128-row work items only")
     if arrays["own_page_mask"].shape != (own_side,):
         raise KernelValueError(
             f"plan.own_page_mask has {arrays['own_page_mask'].size} pages, the owner side has {own_side}"

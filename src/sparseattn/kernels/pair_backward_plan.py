@@ -1,0 +1,96 @@
+"""Pair backward plans: two 64-row K/V blocks in one 128-row K/V-owned item over the union of their Q pages.
+
+The backward's mirror of :mod:`.pair_work_list`. KPage's K/V-owned plan runs a K/V block with at most
+four live pages as a 64-row item that streams every Q page selecting it, so each Q and dO byte it loads
+serves 64 owned rows, and on VSA's 64-row plans the backward is bound by that traffic. A pair item joins
+two such K/V blocks of one head, A and B (blocks 2i and 2i + 1):
+- A's pages own rows 0–63 and B's rows 64–127 (one consumer warpgroup each in
+  ``paged_bwd_ws_kernel<D, true>``);
+- the stream is the union of the Q pages of the Q blocks selecting A or B, ordered
+  [A only | shared | B only], each part in Q block order;
+- ``TilePlan.stream_vis`` says which half sees each entry (bit 0: rows 0–63, bit 1: rows 64–127); the
+  kernel gives a half's unseen rows LSE = +inf, so their P and dS are 0.
+
+The shared Q pages are then loaded once for 128 owned rows. The tensor work follows the union (a half
+computes its unseen entries as zeros), so it grows by the union's excess over the two selections.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..graph import SparseGraph
+from ..plans import TilePlan, gather_segments
+from .pair_work_list import _pair_items, pair_blocks
+from .plan_cache import plan_of
+from .validate import KernelTypeError
+from .work_list import OWN_PAGES, VIS_HALF0
+
+#: Route of the pair items in the KPage plan's routes: (128 owned rows, 128 streamed).
+PAIR_ROUTE = 1
+
+
+def pair_backward_plan(graph: SparseGraph) -> TilePlan:
+    """The K/V-owned KPage plan of ``graph`` with every pair of neighbouring 64-row K/V blocks joined into
+    one 128-row pair item (see the module docstring); the other items are the plan's.
+
+    Returns:
+        a :class:`TilePlan` (owner ``"kv"``, KPage routes) whose ``stream_vis`` is set; work items sorted
+        by route, pair items after the plan's 128-row items.
+    """
+    if not isinstance(graph, SparseGraph):
+        raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
+    base = plan_of(graph, "kpage", "auto", owner="kv")  # the backward's cached KPage plan
+    if tuple(base.routes[PAIR_ROUTE]) != (128, 128):
+        raise AssertionError(f"KPage route {PAIR_ROUTE} is {base.routes[PAIR_ROUTE]}, expected (128, 128)")
+    kv_rows = graph.transpose()  # rows are K/V blocks, columns the Q blocks selecting them
+    firsts = pair_blocks(kv_rows)
+    nb = kv_rows.q.num_blocks
+    info, own, _, stream, stream_mask = _pair_items(kv_rows, firsts)
+    vis = ((stream_mask // VIS_HALF0) & 3).astype(np.uint32)
+
+    paired = np.zeros((graph.heads, nb), dtype=bool)
+    paired[:, firsts] = True
+    paired[:, firsts + 1] = True
+    kept = np.flatnonzero(~paired[base.work_head.astype(np.int64), base.work_block.astype(np.int64)])
+    kept_pages, kept_len = gather_segments(
+        base.stream_indptr.astype(np.int64), base.stream_pages.astype(np.int64), kept
+    )
+    width = max(OWN_PAGES, base.own_pages.shape[1])
+    own_all = np.full((kept.size + own.shape[0], width), -1, dtype=np.int64)
+    own_all[: kept.size, : base.own_pages.shape[1]] = base.own_pages[kept]
+    own_all[kept.size :, : own.shape[1]] = own
+
+    route = np.concatenate([base.work_route[kept].astype(np.int64), np.full(info.shape[0], PAIR_ROUTE)])
+    lengths = np.concatenate([kept_len, info[:, 2]]).astype(np.int64)
+    starts = np.concatenate([np.cumsum(kept_len) - kept_len, kept_len.sum() + info[:, 1]]).astype(np.int64)
+    pages_all = np.concatenate([kept_pages, stream])
+    vis_all = np.concatenate([np.full(kept_pages.size, 3, dtype=np.uint32), vis])
+
+    order = np.argsort(route, kind="stable")  # launches take work items route by route
+    seg_pages, seg_len = _segments(starts, lengths, pages_all, order)
+    seg_vis, _ = _segments(starts, lengths, vis_all, order)
+    return TilePlan(
+        kind="kpage",
+        owner="kv",
+        routes=base.routes,
+        work_route=route[order].astype(np.int8),
+        work_head=np.concatenate([base.work_head[kept], info[:, 0]])[order].astype(np.int32),
+        work_block=np.concatenate([base.work_block[kept], np.tile(firsts, graph.heads)])[order].astype(
+            np.int32
+        ),
+        own_pages=own_all[order].astype(np.int32),
+        stream_indptr=np.concatenate([[0], np.cumsum(seg_len)]).astype(np.int32),
+        stream_pages=seg_pages.astype(np.int32),
+        own_page_mask=base.own_page_mask,
+        stream_page_mask=base.stream_page_mask,
+        heads=graph.heads,
+        stream_vis=seg_vis.astype(np.uint32),
+    )
+
+
+def _segments(starts: np.ndarray, lengths: np.ndarray, values: np.ndarray, order: np.ndarray):
+    """``values[starts[i] : starts[i] + lengths[i]]`` for i in ``order``, back to back, and their lengths."""
+    lens = lengths[order]
+    idx = np.repeat(starts[order] - (np.cumsum(lens) - lens), lens) + np.arange(lens.sum())
+    return values[idx], lens

@@ -1,0 +1,122 @@
+"""Pair backward plans (CPU): two 64-row K/V blocks per 128-row item over the ordered union of their Q
+pages, each owned half seeing only its own block's pages; executed by the float64 plan emulator exactly
+as the kernel reads them, and equal to the float64 reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from small_cases import SMALL_CASES, make_graph, small_layouts
+
+from sparseattn import builders
+from sparseattn.emulator import EmulationError, emulate_backward, validate_plan
+from sparseattn.graph import HeadStack, SparseGraph
+from sparseattn.kernels.pair_backward_plan import PAIR_ROUTE, pair_backward_plan
+from sparseattn.kernels.plan_cache import plan_of
+from sparseattn.kernels.validate import KernelValueError, check_plan
+from sparseattn.layouts import video_layout
+from sparseattn.plans import PlanError, stack_head_plans
+from sparseattn.reference import attention_backward, attention_forward
+
+
+def _gradients(plan, graph, rng, batch=2, d=16):
+    nq, nk = graph.q.num_slots, graph.k.num_slots
+    q, do = (rng.standard_normal((batch, graph.heads, nq, d)) for _ in range(2))
+    k, v = (rng.standard_normal((batch, graph.heads, nk, d)) for _ in range(2))
+    o, lse = attention_forward(q, k, v, graph)
+    ref = attention_backward(q, k, v, o, lse, do, graph)
+    return emulate_backward(plan, q, k, v, o, lse, do), ref
+
+
+def _assert_close(got, ref, graph):
+    for name, a, b, valid in zip("qkv", got, ref, (graph.q.valid, graph.k.valid, graph.k.valid)):
+        err = np.abs(a[:, :, valid] - b[:, :, valid]).max()
+        assert err < 1e-10, f"d{name}: {err}"
+
+
+@pytest.mark.parametrize("case", [c for c in SMALL_CASES if "B32" not in c and "B16" not in c])
+def test_pair_backward_plan_equals_reference(case, seed):
+    """Every pair item's halves see exactly their own block's Q pages: the float64 emulation of the pair
+    plan equals the reference."""
+    q_lay, k_lay = small_layouts(case)
+    graph = make_graph(q_lay, k_lay, heads=3, density=0.4, seed=seed)
+    plan = pair_backward_plan(graph)
+    validate_plan(plan)
+    check_plan(plan, q_lay.num_pages, k_lay.num_pages, 3, owner="kv")
+    _assert_close(*_gradients(plan, graph, np.random.default_rng(seed)), graph)
+
+
+def test_pair_backward_plan_shares_q_pages():
+    """Neighbouring cubes are selected by overlapping Q blocks: pair items stream each shared Q page once
+    for 128 owned rows, and ignoring the halves' visibility breaks the gradients."""
+    layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
+    mask = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
+    for i in range(layout.num_blocks):
+        mask[:, max(0, i - 6) : i + 7, i] = True  # K block i is selected by a window of Q blocks
+    graph = SparseGraph.from_block_mask(layout, layout, mask)
+    base, pairs = plan_of(graph, "kpage", "auto", owner="kv"), pair_backward_plan(graph)
+    assert (pairs.work_route == PAIR_ROUTE).sum() > 0
+    assert pairs.stream_pages.size < 0.75 * base.stream_pages.size
+    assert np.any(pairs.stream_vis == 3) and np.any(pairs.stream_vis != 3)
+    rng = np.random.default_rng(0)
+    _assert_close(*_gradients(pairs, graph, rng), graph)
+    blind = dataclasses.replace(pairs, stream_vis=np.full_like(pairs.stream_vis, 3))
+    got, ref = _gradients(blind, graph, np.random.default_rng(0))
+    assert np.abs(got[1] - ref[1])[:, :, layout.valid].max() > 1e-3
+
+
+def test_pair_backward_plan_items_and_routes():
+    """Pair items own A's live pages in slots 0-3 and B's in 4-7 on the 128-row route, work items stay
+    sorted by route, and the plan is cached per graph under route='pair'."""
+    layout = video_layout((6, 8, 8), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.3, seed=5)
+    plan = plan_of(graph, "kpage", "pair", owner="kv")
+    assert plan is plan_of(graph, "kpage", "pair", owner="kv")
+    assert np.all(np.diff(plan.work_route.astype(int)) >= 0)
+    pair = plan.work_route == PAIR_ROUTE
+    own = plan.own_pages[pair]
+    ppb = layout.pages_per_block
+    block = plan.work_block[pair, None]
+    assert pair.any() and np.all(own[:, 0] >= 0)
+    assert np.all((own[:, :4] // ppb == block) | (own[:, :4] < 0))
+    assert np.all((own[:, 4:] // ppb == block + 1) | (own[:, 4:] < 0))
+    with pytest.raises(KernelValueError, match="owner='kv'"):
+        plan_of(graph, "kpage", "pair", owner="q")
+
+
+def test_pair_visibility_is_checked():
+    """stream_vis must cover stream_pages with 1-3, and only 128-row items may hide entries."""
+    layout = video_layout((6, 8, 8), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=1, density=0.3, seed=2)
+    plan = pair_backward_plan(graph)
+    pages = layout.num_pages
+    short = dataclasses.replace(plan, stream_vis=plan.stream_vis[:-1])
+    with pytest.raises(KernelValueError, match="stream_vis must have"):
+        check_plan(short, pages, pages, 1, owner="kv")
+    vis = plan.stream_vis.copy()
+    vis[0] = 0
+    zero = dataclasses.replace(plan, stream_vis=vis)
+    with pytest.raises(KernelValueError, match="stream_vis holds 0"):
+        check_plan(zero, pages, pages, 1, owner="kv")
+    base = plan_of(graph, "kpage", "auto", owner="kv")
+    hidden = dataclasses.replace(base, stream_vis=np.full(base.stream_pages.size, 1, dtype=np.uint32))
+    with pytest.raises(KernelValueError, match="128-row work items only"):
+        check_plan(hidden, pages, pages, 1, owner="kv")
+    with pytest.raises(EmulationError, match="128-row work items only"):
+        validate_plan(hidden)
+
+
+def test_pair_plans_do_not_stack():
+    """HeadStacks (per-head layouts) have no pair route: stacking pair plans is refused, and so is
+    route='pair' on a HeadStack."""
+    from sparseattn.kernels.backward import paged_backward
+
+    layout = video_layout((6, 8, 8), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=1, density=0.3, seed=4)
+    with pytest.raises(PlanError, match="pair items"):
+        stack_head_plans([pair_backward_plan(graph)], layout.num_pages, layout.num_pages)
+    stack = HeadStack.of([graph, graph])
+    with pytest.raises(KernelValueError, match="route='pair'"):
+        paged_backward(None, None, None, None, None, None, stack, route="pair")
