@@ -553,7 +553,8 @@ struct Config {
     static constexpr int kSBytes = kBlockK * PB_Q_ROWS * 2;        // one dSᵀ buffer
     static constexpr int kDqBytes = PB_Q_ROWS * HEAD_DIM * 4;      // dQ staging (4 contiguous fp32 pages)
     static constexpr int kPageBytesF32 = PAGE_ROWS * HEAD_DIM * 4;
-    static constexpr int kMetaBytes = 2 * 2 * kMetaCopies * PB_Q_ROWS * 4;  // LSE₂ copies and Δ per stage
+    // LSE₂ copies and Δ per stage; PAIR: + the seen-row ballot words [2 stages][4 warps]
+    static constexpr int kMetaBytes = 2 * 2 * kMetaCopies * PB_Q_ROWS * 4 + (PAIR ? 2 * 4 * 4 : 0);
     static constexpr int kBarBytes = 8 * 8;                        // q_full[2], q_empty[2], dq_full, dq_empty
     static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 4 * kQBytes + 2 * kSBytes + kDqBytes + kMetaBytes + kBarBytes;
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim 64 or 128");
@@ -724,10 +725,22 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         return slot >= 0 ? raw : 0.f;
     };
     int slot1 = -1, page2 = -1;  // step t + 1's slot, step t + 2's page
+    // PAIR: per stage, the rows of each copy a warp of warpgroup 0 staged with a finite LSE₂ (ballot
+    // words [stage][warp]); a half whose two words are 0 sees nothing in the step
+    uint32_t* const sSeen = reinterpret_cast<uint32_t*>(sDelta + 2 * MS);
+    auto stage_meta = [&](int stage, float value) {
+        sMeta[stage * MS + meta_row] = value;
+        if constexpr (PAIR) {
+            if (kvp == 0) {
+                const uint32_t seen = __ballot_sync(0xffffffffu, value != INFINITY);
+                if (lane == 0) sSeen[stage * 4 + wq] = seen;
+            }
+        }
+    };
     if (meta_thread) {
         const int page0 = meta_page(0);
         const int slot0 = meta_slot(paged::load_page_mask(q_page_mask, page0, q_pages), page0);
-        if (num_tiles > 0) sMeta[meta_row] = meta_value(meta_src[max(slot0, 0)], slot0);
+        if (num_tiles > 0) stage_meta(0, meta_value(meta_src[max(slot0, 0)], slot0));
         const int page1 = meta_page(1);
         slot1 = meta_slot(paged::load_page_mask(q_page_mask, page1, q_pages), page1);
         page2 = meta_page(2);
@@ -750,38 +763,49 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         mbar_wait(q_full(st), (t >> 1) & 1);
         fence_async_proxy();
 
-        float s[QS / 2];
-        float dp[QS / 2];
-        wgmma_fence();
-        issue_qk<D, QS, BK>(s, aK, tQ);
-        wgmma_commit();
-        issue_qk<D, QS, BK>(dp, aV, tdO);
-        wgmma_commit();
         float raw1 = 0.f;
         uint32_t mask2 = 0;
         int page3 = -1;
-        if (meta_thread) {  // loads only: their results are first used at the end of the step
-            raw1 = meta_src[max(slot1, 0)];
-            mask2 = paged::load_page_mask(q_page_mask, page2, q_pages);
-            page3 = meta_page(t + 3);
+        // PAIR: a half that sees none of the step's rows skips its four GEMMs and leaves zeros as its dSᵀ
+        if (PAIR && (sSeen[st * 4 + 2 * kvp] | sSeen[st * 4 + 2 * kvp + 1]) == 0u) {
+            if (meta_thread) {
+                raw1 = meta_src[max(slot1, 0)];
+                mask2 = paged::load_page_mask(q_page_mask, page2, q_pages);
+                page3 = meta_page(t + 3);
+            }
+            const uint32_t zero_ds[QS / PAGE_ROWS][4] = {};
+            paged_bwd::store_ds<BK>(tdS, zero_ds, kvp, wq, g, t4);
+        } else {
+            float s[QS / 2];
+            float dp[QS / 2];
+            wgmma_fence();
+            issue_qk<D, QS, BK>(s, aK, tQ);
+            wgmma_commit();
+            issue_qk<D, QS, BK>(dp, aV, tdO);
+            wgmma_commit();
+            if (meta_thread) {  // loads only: their results are first used at the end of the step
+                raw1 = meta_src[max(slot1, 0)];
+                mask2 = paged::load_page_mask(q_page_mask, page2, q_pages);
+                page3 = meta_page(t + 3);
+            }
+            wgmma_wait<0>();
+            pin_registers(s);
+            pin_registers(dp);
+            paged_bwd::p_and_ds(s, dp, kvalid_lo, kvalid_hi, tLse, tDelta, scale_log2, t4);
+            uint32_t pa[QS / PAGE_ROWS][4];
+            uint32_t pds[QS / PAGE_ROWS][4];
+            pack_p<QS>(pa, s);
+            pack_p<QS>(pds, dp);
+            paged_bwd::store_ds<BK>(tdS, pds, kvp, wq, g, t4);
+            wgmma_fence();
+            issue_pv<D, QS>(acc_dv, pa, tdO);
+            wgmma_commit();
+            issue_pv<D, QS>(acc_dk, pds, tQ);
+            wgmma_commit();
         }
-        wgmma_wait<0>();
-        pin_registers(s);
-        pin_registers(dp);
-        paged_bwd::p_and_ds(s, dp, kvalid_lo, kvalid_hi, tLse, tDelta, scale_log2, t4);
-        uint32_t pa[QS / PAGE_ROWS][4];
-        uint32_t pds[QS / PAGE_ROWS][4];
-        pack_p<QS>(pa, s);
-        pack_p<QS>(pds, dp);
-        paged_bwd::store_ds<BK>(tdS, pds, kvp, wq, g, t4);
-        wgmma_fence();
-        issue_pv<D, QS>(acc_dv, pa, tdO);
-        wgmma_commit();
-        issue_pv<D, QS>(acc_dk, pds, tQ);
-        wgmma_commit();
         // stage t + 1's buffer was last read by step t - 1's p_and_ds, before the previous named barrier
         if (meta_thread) {
-            if (t + 1 < num_tiles) sMeta[(st ^ 1) * MS + meta_row] = meta_value(raw1, slot1);
+            if (t + 1 < num_tiles) stage_meta(st ^ 1, meta_value(raw1, slot1));
             slot1 = meta_slot(mask2, page2);
             page2 = page3;
         }

@@ -120,3 +120,22 @@ def test_pair_plans_do_not_stack():
     stack = HeadStack.of([graph, graph])
     with pytest.raises(KernelValueError, match="route='pair'"):
         paged_backward(None, None, None, None, None, None, stack, route="pair")
+
+
+def test_pair_executed_pairs_count_the_halves_that_run():
+    """The pair backward's executed pairs count 64 × 64 per step and half that sees one of the step's
+    entries: at least the useful pairs, at most both halves on every step; with every entry seen by both
+    halves, the plain 128-row count."""
+    from sparseattn.kernels.backward import _pair_executed_pairs, backward_executed_pairs
+
+    layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.3, seed=3)
+    _, i, j = graph.pairs
+    useful = int((layout.valid_rows[i] * layout.valid_rows[j]).sum())
+    plan = pair_backward_plan(graph)
+    got = backward_executed_pairs(graph, 128, "kpage", "wgmma", route="pair")
+    steps = -(-plan.stream_lengths() // 4)
+    both = int((plan.tile_shapes()[:, 0] * steps * 64).sum())
+    assert useful <= got < both
+    all_seen = dataclasses.replace(plan, stream_vis=np.full_like(plan.stream_vis, 3))
+    assert _pair_executed_pairs(all_seen, 64) == both

@@ -249,7 +249,8 @@ def kpage_backward(
 def backward_executed_pairs(graph, head_dim: int, kind: str = "kpage", impl=None, route="auto") -> int:
     """Query–key pairs the backward kernel computes for one batch entry: per work item of the K/V-owned
     plan, its owned rows × its streamed rows rounded up to the kernel's step (a :class:`HeadStack`: the
-    sum over its heads)."""
+    sum over its heads). Pair items (``route="pair"``) count 64 owned rows per half and step that the
+    half computes: the kernel skips a half's steps without a page it sees."""
     import numpy as np
 
     from .bsa_backward import TILES, WGMMA_Q_ROWS, default_impl, wgmma_variant
@@ -269,5 +270,27 @@ def backward_executed_pairs(graph, head_dim: int, kind: str = "kpage", impl=None
             ]
         )
         streamed = plan.stream_lengths() * PAGE_ROWS
+        if plan.stream_vis is not None:  # pair items: 64 × 64 per (step, half that sees a page of it)
+            total += _pair_executed_pairs(plan, WGMMA_Q_ROWS)
+            continue
         total += int((rows * (-(-streamed // step) * step)).sum())
     return total
+
+
+def _pair_executed_pairs(plan, step_rows: int) -> int:
+    """Σ over the steps of every work item (``step_rows`` streamed rows each) of 64 owned rows × the step
+    for each 64-row half that sees one of the step's entries (all halves of items without pair
+    visibility)."""
+    import numpy as np
+
+    lengths = plan.stream_lengths()
+    item = np.repeat(np.arange(plan.num_work), lengths)
+    position = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    step = position // (step_rows // PAGE_ROWS)
+    halves = plan.tile_shapes()[:, 0] // 64
+    vis = plan.stream_vis.astype(np.int64) & np.where(halves[item] > 1, 3, 1)
+    steps_per_item = -(-lengths // (step_rows // PAGE_ROWS))
+    key = (np.cumsum(steps_per_item) - steps_per_item)[item] + step
+    seen = np.zeros(int(steps_per_item.sum()), dtype=np.int64)
+    np.bitwise_or.at(seen, key, vis)
+    return int(((seen & 1) + (seen >> 1 & 1)).sum()) * 64 * step_rows
