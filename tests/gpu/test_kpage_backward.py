@@ -40,11 +40,14 @@ def test_kpage_backward_matches_reference(layout, head_dim, route, rng, poisoned
         assert err < bwd_tests.REL_TOL, f"{name}: relative error {err:.3e}"
 
 
-def test_torch_op_forward_and_gradients(rng):
+@pytest.mark.parametrize("route", ["auto", "pair"])
+def test_torch_op_forward_and_gradients(route, rng):
+    """The autograd op on 128-slot blocks (route 'auto') and on 64-slot blocks with the pair route in
+    both passes."""
     torch = pytest.importorskip("torch")
     import sparseattn.torch as st
 
-    q_lay, k_lay = bwd_tests.LAYOUTS["video_prefix"](rng, 128)
+    q_lay, k_lay = bwd_tests.LAYOUTS["video_prefix"](rng, 128 if route == "auto" else 64)
     graph = bwd_tests._graph(rng, q_lay, k_lay, heads=2)
     shape_q, shape_k = (1, 2, graph.q.num_slots, 128), (1, 2, graph.k.num_slots, 128)
     bits = [
@@ -53,7 +56,7 @@ def test_torch_op_forward_and_gradients(rng):
     do_bits = float_to_bf16_bits(rng.standard_normal(shape_q).astype(np.float32))
     q, k, v = (torch.from_numpy(b.view(np.int16)).cuda().view(torch.bfloat16).requires_grad_() for b in bits)
     do = torch.from_numpy(do_bits.view(np.int16)).cuda().view(torch.bfloat16)
-    o = st.kpage_attention(q, k, v, graph)
+    o = st.kpage_attention(q, k, v, graph, route=route)
     o.backward(do)
     qf, kf, vf, dof = (bf16_bits_to_float(b).astype(np.float64) for b in (*bits, do_bits))
     o_ref, lse_ref = attention_forward(qf, kf, vf, graph)
