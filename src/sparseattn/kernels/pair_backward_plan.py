@@ -21,7 +21,7 @@ import numpy as np
 
 from ..graph import SparseGraph
 from ..plans import TilePlan, gather_segments
-from .pair_work_list import _pair_items, pair_blocks
+from .pair_work_list import pair_blocks, pair_items
 from .plan_cache import plan_of
 from .validate import KernelTypeError
 from .work_list import OWN_PAGES, VIS_HALF0
@@ -36,7 +36,8 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
 
     Returns:
         a :class:`TilePlan` (owner ``"kv"``, KPage routes) whose ``stream_vis`` is set; work items sorted
-        by route, pair items after the plan's 128-row items.
+        by route, the plan's own 128-row items first, then the pair items head by head in block order
+        (neighbouring items share most of their Q pages, so they meet in L2).
     """
     if not isinstance(graph, SparseGraph):
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
@@ -46,7 +47,7 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
     kv_rows = graph.transpose()  # rows are K/V blocks, columns the Q blocks selecting them
     firsts = pair_blocks(kv_rows)
     nb = kv_rows.q.num_blocks
-    info, own, _, stream, stream_mask = _pair_items(kv_rows, firsts)
+    info, own, _, stream, stream_mask = pair_items(kv_rows, firsts)
     vis = ((stream_mask // VIS_HALF0) & 3).astype(np.uint32)
 
     paired = np.zeros((graph.heads, nb), dtype=bool)

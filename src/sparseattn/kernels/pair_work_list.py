@@ -58,7 +58,7 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     paired[:, firsts + 1] = True
     keep = ~paired[plan.work_head.astype(np.int64), plan.work_block.astype(np.int64)]
 
-    info, own, own_mask, stream, stream_mask = _pair_items(graph, firsts)
+    info, own, own_mask, stream, stream_mask = pair_items(graph, firsts)
 
     # the plan's other items (the base list's items are the plan's, in the plan's order, streams back to
     # back), their streams re-based after the pairs'
@@ -85,7 +85,7 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     )
 
 
-def _pair_items(graph: SparseGraph, firsts: np.ndarray):
+def pair_items(graph: SparseGraph, firsts: np.ndarray):
     """Pair items of every head (vectorized): ``(info [P, 4], own [P, 8], own_mask [P, 8], stream [S],
     stream_mask [S])``, pairs head-major, streams back to back from entry 0."""
     heads, nb = graph.heads, graph.q.num_blocks
