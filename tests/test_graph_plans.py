@@ -135,3 +135,19 @@ def test_partition_layout_graph_plan():
     # KPage can exceed BSA here (64x64 blocks vs 256-wide packed tiles); both cover the useful pairs
     assert useful <= kpage_plan(g).physical_pairs()
     assert useful <= bsa_plan(g).physical_pairs() == g.nnz * 64 * 64
+
+
+def test_from_pairs_ignores_order_and_duplicates():
+    """Shuffled, duplicated pairs give the graph of the block mask they select, dropped pairs counted
+    once each, and the transpose holds the same pairs."""
+    rng = np.random.default_rng(7)
+    lay = video_layout((5, 6, 7), (4, 4, 4), block_size=64)
+    mask = rng.random((3, lay.num_blocks, lay.num_blocks)) < 0.3
+    h, i, j = np.nonzero(mask)
+    take = rng.permutation(np.concatenate([np.arange(h.size), rng.integers(0, h.size, h.size // 2)]))
+    got = SparseGraph.from_pairs(lay, lay, 3, h[take], i[take], j[take])
+    want = SparseGraph.from_block_mask(lay, lay, mask)
+    np.testing.assert_array_equal(got.indptr, want.indptr)
+    np.testing.assert_array_equal(got.indices, want.indices)
+    np.testing.assert_array_equal(got.dropped_pairs, want.dropped_pairs)
+    np.testing.assert_array_equal(got.transpose().block_mask(), got.block_mask().transpose(0, 2, 1))
