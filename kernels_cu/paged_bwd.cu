@@ -698,9 +698,9 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     // LSE₂ (warpgroup 0) or Δ (warpgroup 1) of streamed row meta_row, staged by threads 0-63 of each
     // consumer warpgroup one step ahead. Its three dependent loads are spread over three steps, so none
     // stalls a step: in step t the value of step t + 1 (slot known), the page mask of step t + 2 (page
-    // known), the page id of step t + 3. PAIR: warpgroup 0's threads 64-127 stage a second LSE₂ copy;
-    // copy b holds the rows half b sees, the others as absent pages (LSE₂ = +inf). Δ needs no copy:
-    // where P is 0, so is dS.
+    // known), the page id of step t + 3. PAIR: each warpgroup b stages its own LSE₂ copy (threads 0-63),
+    // holding the rows half b sees and the others as absent pages (LSE₂ = +inf); warpgroup 1's threads
+    // 64-127 stage Δ, one copy over the union (where P is 0, so is dS).
     const int meta_row = PAIR ? (ctid & 63) : (ctid & 127);
     const bool meta_thread = PAIR ? kvp == 1 || (ctid & 127) < 64 : meta_row < QS;  // warp-uniform
     const bool meta_is_lse = PAIR ? (ctid & 127) < 64 : kvp == 0;
@@ -725,15 +725,15 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         return slot >= 0 ? raw : 0.f;
     };
     int slot1 = -1, page2 = -1;  // step t + 1's slot, step t + 2's page
-    // PAIR: per stage, the rows of each copy a warp of warpgroup 0 staged with a finite LSE₂ (ballot
-    // words [stage][warp]); a half whose two words are 0 sees nothing in the step
+    // PAIR: per stage, which of its 32 rows each LSE₂-staging warp gave a finite LSE₂ (ballot words
+    // [stage][half][warp 0-1 of the half's warpgroup]); a half whose two words are 0 sees nothing in the step
     uint32_t* const sSeen = reinterpret_cast<uint32_t*>(sDelta + 2 * MS);
     auto stage_meta = [&](int stage, float value) {
         sMeta[stage * MS + meta_row] = value;
         if constexpr (PAIR) {
-            if (kvp == 0) {
+            if (meta_is_lse) {  // warps 0-1 of warpgroup kvp
                 const uint32_t seen = __ballot_sync(0xffffffffu, value != INFINITY);
-                if (lane == 0) sSeen[stage * 4 + wq] = seen;
+                if (lane == 0) sSeen[stage * 4 + 2 * kvp + wq] = seen;
             }
         }
     };
