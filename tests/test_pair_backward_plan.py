@@ -84,6 +84,8 @@ def test_pair_backward_plan_items_and_routes():
     assert np.all((own[:, 4:] // ppb == block + 1) | (own[:, 4:] < 0))
     with pytest.raises(KernelValueError, match="owner='kv'"):
         plan_of(graph, "kpage", "pair", owner="q")
+    with pytest.raises(KernelValueError, match="kind='kpage'"):
+        plan_of(graph, "bsa", "pair", owner="kv")
 
 
 def test_pair_visibility_is_checked():

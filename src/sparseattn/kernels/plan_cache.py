@@ -26,6 +26,8 @@ def cached(owner, key, build):
 def plan_of(graph: SparseGraph, kind: str = "kpage", route="auto", owner: str = "q") -> TilePlan:
     """The graph's ``"bsa"`` or ``"kpage"`` plan of one orientation, built once per graph."""
     if kind == "bsa":
+        if route == "pair":
+            raise KernelValueError("route='pair' pairs KPage's 64-row blocks (kind='kpage'), not BSA tiles")
         return cached(graph, ("plan", "bsa", owner), lambda: bsa_plan(graph, owner=owner))
     if route == "pair":  # the backward's pair items (pair_backward_plan); the forward's are a WorkList
         if owner != "kv":
