@@ -104,6 +104,23 @@ struct WorkItem {
     bool ok;  // head in range: anything else is never loaded or stored
 };
 
+// O += P·V of the chunk in V buffer `buf` (its load completes phase `par` of v_full), then this warp's
+// release of the buffer (`release` arrivals; lane 0).
+template <int HEAD_DIM, int CHUNK>
+__device__ __forceinline__ void finish_pv(const FwdSmem<HEAD_DIM, CHUNK>& sm, float (&o)[HEAD_DIM / 2],
+                                          const uint32_t (&pa)[CHUNK / PAGE_ROWS][4], int buf, uint32_t par,
+                                          uint32_t release, int lane) {
+    using C = FwdConfig<HEAD_DIM, CHUNK>;
+    hopper::mbar_wait(sm.v_full(buf), par);
+    hopper::fence_async_proxy();
+    hopper::wgmma_fence();
+    hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + buf * C::KV_BYTES);
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::pin_registers(o);
+    if (lane == 0) hopper::mbar_arrive(sm.v_empty(buf), release);
+}
+
 template <int PAGES>
 __device__ __forceinline__ WorkItem decode_item(int item, int num_work, const int4* __restrict__ work_info,
                                                 const int* __restrict__ work_order, int heads, int stream_total) {
@@ -295,14 +312,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     }
                     if (seen == 0u) {  // nothing for these rows: finish the pending P·V, release in order
                         if (prev >= 0) {
-                            hopper::mbar_wait(sm.v_full(prev), prev_par);
-                            hopper::fence_async_proxy();
-                            hopper::wgmma_fence();
-                            hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
-                            hopper::wgmma_commit();
-                            hopper::wgmma_wait<0>();
-                            hopper::pin_registers(o);
-                            if (lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
+                            finish_pv(sm, o, pa, prev, prev_par, release, lane);
                             prev = -1;
                         }
                         hopper::mbar_wait(sm.v_full(buf), par);
@@ -348,16 +358,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 __syncwarp();
                 if (lane == 0) hopper::mbar_arrive(sm.q_empty(), 1u);
             }
-            if (prev >= 0) {  // O += P·V of the last chunk
-                hopper::mbar_wait(sm.v_full(prev), prev_par);
-                hopper::fence_async_proxy();
-                hopper::wgmma_fence();
-                hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
-                hopper::wgmma_commit();
-                hopper::wgmma_wait<0>();
-                hopper::pin_registers(o);
-                if (lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
-            }
+            if (prev >= 0) finish_pv(sm, o, pa, prev, prev_par, release, lane);  // the last chunk's P·V
             chunk_base += it.chunks;
 
             // ---- epilogue

@@ -54,7 +54,8 @@ def paged_backward(
             the default ``impl`` without ``deterministic``).
         scale, out, impl, deterministic: as :func:`sparseattn.kernels.bsa_backward.bsa_backward`
             (``impl``: ``"wgmma"`` (default), another wgmma variant or the ``"mma"`` main kernel;
-            ``deterministic``: dQ bit-identical from run to run, by fixed-point integer atomics).
+            ``deterministic``: dQ bit-identical from run to run, by the Q-owned dQ pass or fixed-point
+            integer atomics).
     """
     if kind not in KINDS:
         raise KernelValueError(f"kind must be one of {KINDS}, got {kind!r}")

@@ -103,7 +103,6 @@ STREAM_TILE_N = (64, 128, 256)
 TILE_SHAPES = tuple((m, n) for m in OWNED_ROWS for n in STREAM_TILE_N)
 WARP_ROWS = 16
 MAX_GRID_Y = 65535
-DEFAULT_SMEM_LIMIT = 48 * 1024
 ELEMENTWISE_THREADS = 256
 
 
@@ -306,7 +305,7 @@ def _fixed_point_bound(do, v, k, arrays: dict, head_dim: int):
 
     absmax = cupy.zeros(3, dtype=cupy.uint32)
     fn = launch.function(WGMMA_SOURCE, ABSMAX_NAME, WGMMA_NAME_EXPRESSIONS)
-    blocks = 4 * cupy.cuda.Device().attributes["MultiProcessorCount"]
+    blocks = 4 * launch.sm_count(int(do.device.id))
     for i, (x, mask) in enumerate(
         ((do, arrays["stream_page_mask"]), (v, arrays["own_page_mask"]), (k, arrays["own_page_mask"]))
     ):
@@ -330,8 +329,7 @@ def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scal
         if stop <= start:
             continue
         fn, smem, threads, *own_extra = kernel_of(plan.routes[route][0])  # (..., extra) overrides extra
-        if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
-            fn.max_dynamic_shared_size_bytes = smem
+        launch.prepare(fn, smem)
         fn(
             (stop - start, b),
             (threads,),
@@ -429,9 +427,8 @@ def bsa_backward(
             implementations only. The Q-owned dQ pass is by construction; the other implementations then
             add dQ in 64-bit fixed point (integer atomics), whose unit comes from the largest valid
             elements of dO, V and K, so ``lse`` must be the forward's.
-        dq_plan: the owner-``"q"`` :class:`TilePlan` of the same graph for the dQ pass (``impl="wgmma"``
-            or ``"wgmma_dq_pass"``)
-            (dQ in a Q-owned pass); built from ``graph_or_plan`` when that is a graph.
+        dq_plan: the owner-``"q"`` :class:`TilePlan` of the same graph for the Q-owned dQ pass
+            (``impl="wgmma"`` or ``"wgmma_dq_pass"``); built from ``graph_or_plan`` when that is a graph.
 
     Returns:
         ``(dq, dk, dv)`` like ``q``/``k``/``v`` (bf16). Every row of dQ is written (0 where no pair
@@ -476,7 +473,7 @@ def bsa_backward(
     sk = int(k.shape[2])
     arrays = _device_plan(plan, q_pages, k_pages, h, device)
     pair = arrays["pair"]
-    if pair and (impl not in ("wgmma", "wgmma_ws") or deterministic or dq_pass):
+    if pair and (impl not in ("wgmma", "wgmma_ws") or deterministic):
         raise KernelValueError(
             "graph_or_plan has pair items (stream_vis): they run on the warp-specialized kernel only, "
             f"impl='wgmma' or 'wgmma_ws' with deterministic=False (got impl={impl!r}, "

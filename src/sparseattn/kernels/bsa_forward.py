@@ -39,7 +39,6 @@ STAGE_KEYS = 64
 WARP_M_LARGE = 32
 WARP_ROWS = 16
 MAX_GRID_Y = 65535
-DEFAULT_SMEM_LIMIT = 48 * 1024
 
 
 def kernel_name(head_dim: int, tile_m: int, tile_n: int) -> str:
@@ -171,8 +170,7 @@ def run_forward(q, k, v, graph_or_plan, scale, out, target):
                 continue
             tile_m, tile_n = plan.routes[route]
             fn, threads, smem = target(d, tile_m, tile_n)
-            if smem > DEFAULT_SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < smem:
-                fn.max_dynamic_shared_size_bytes = smem
+            launch.prepare(fn, smem)
             fn(
                 (stop - start, b),
                 (threads,),

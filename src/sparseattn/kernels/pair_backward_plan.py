@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..constants import KPAGE_ROUTES
 from ..graph import SparseGraph
 from ..plans import TilePlan, gather_segments
 from .pair_work_list import pair_blocks, pair_items
@@ -27,7 +28,7 @@ from .validate import KernelTypeError
 from .work_list import OWN_PAGES, VIS_HALF0
 
 #: Route of the pair items in the KPage plan's routes: (128 owned rows, 128 streamed).
-PAIR_ROUTE = 1
+PAIR_ROUTE = KPAGE_ROUTES.index((128, 128))
 
 
 def pair_backward_plan(graph: SparseGraph) -> TilePlan:
@@ -42,8 +43,6 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
     if not isinstance(graph, SparseGraph):
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
     base = plan_of(graph, "kpage", "auto", owner="kv")  # the backward's cached KPage plan
-    if tuple(base.routes[PAIR_ROUTE]) != (128, 128):
-        raise AssertionError(f"KPage route {PAIR_ROUTE} is {base.routes[PAIR_ROUTE]}, expected (128, 128)")
     kv_rows = graph.transpose()  # rows are K/V blocks, columns the Q blocks selecting them
     firsts = pair_blocks(kv_rows)
     nb = kv_rows.q.num_blocks
