@@ -141,3 +141,17 @@ def test_pair_executed_pairs_count_the_halves_that_run():
     assert useful <= got < both
     all_seen = dataclasses.replace(plan, stream_vis=np.full_like(plan.stream_vis, 3))
     assert _pair_executed_pairs(all_seen, 64) == both
+
+
+def test_pair_route_without_pairs_takes_the_forward_plan_for_dq():
+    """A graph with no two neighbouring 64-row K/V blocks: the pair plan is the plain KPage plan, whose
+    64-row tiles run the Q-owned dQ pass over the forward's plan (route 'pair' has no Q-owned plan);
+    the call gets as far as checking the tensors."""
+    from sparseattn.kernels.backward import paged_backward
+    from sparseattn.kernels.validate import KernelTypeError
+
+    layout = video_layout((4, 4, 4), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=1, density=1.0, seed=0)
+    assert (pair_backward_plan(graph).work_route == PAIR_ROUTE).sum() == 0
+    with pytest.raises((KernelTypeError, KernelValueError), match="^q "):
+        paged_backward(None, None, None, None, None, None, graph, route="pair")

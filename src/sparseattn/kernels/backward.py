@@ -72,8 +72,8 @@ def paged_backward(
         if len(qs) == 4 and len(ks) == 4:  # other shapes: the kernel wrapper names the argument
             check_graph_matches(graph_or_plan, int(qs[1]), int(qs[2]), int(ks[2]))
         plan = plan_of(graph_or_plan, kind, route, owner="kv")
-        if uses_dq_pass(impl, plan):  # its Q-owned plan: the forward's
-            dq_plan = plan_of(graph_or_plan, kind, route, owner="q")
+        if uses_dq_pass(impl, plan):  # its Q-owned plan: the forward's (pair items are K/V-owned only)
+            dq_plan = plan_of(graph_or_plan, kind, "auto" if route == "pair" else route, owner="q")
     elif not isinstance(graph_or_plan, TilePlan):
         raise KernelTypeError(
             f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
