@@ -372,11 +372,11 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             if (!row_split && cw == 1) {
                 hopper::named_sync(1, 256);  // warpgroup 0 no longer reads Q
                 hopper::park_softmax_state(staging, sm.stats, o, m_l2, sum, wtid, wq, g, t4);
-                hopper::named_arrive(2, 256);
+                hopper::named_sync(2, 256);  // bar.sync on both sides: racecheck flags a bar.arrive hand-off
                 continue;
             }
             if (!row_split) {  // warpgroup 0 merges warpgroup 1's softmax state into its own
-                hopper::named_arrive(1, 256);
+                hopper::named_sync(1, 256);
                 hopper::named_sync(2, 256);
                 hopper::merge_softmax_state(o, m_l2, sum, staging, sm.stats, wtid, wq, g);
             }
