@@ -12,12 +12,12 @@ from small_cases import SMALL_CASES, make_graph, small_layouts
 
 from sparseattn import builders
 from sparseattn.emulator import EmulationError, emulate_backward, validate_plan
-from sparseattn.graph import HeadStack, SparseGraph
+from sparseattn.graph import SparseGraph
 from sparseattn.kernels.pair_backward_plan import PAIR_ROUTE, pair_backward_plan
 from sparseattn.kernels.plan_cache import plan_of
 from sparseattn.kernels.validate import KernelValueError, check_plan
 from sparseattn.layouts import video_layout
-from sparseattn.plans import PlanError, stack_head_plans
+from sparseattn.plans import stack_head_plans
 from sparseattn.reference import attention_backward, attention_forward
 
 
@@ -79,9 +79,11 @@ def test_pair_backward_plan_items_and_routes():
     own = plan.own_pages[pair]
     ppb = layout.pages_per_block
     block = plan.work_block[pair, None]
-    assert pair.any() and np.all(own[:, 0] >= 0)
+    assert pair.any() and np.all(own[:, 0] >= 0) and np.all(own[:, 4] >= 0)
     assert np.all((own[:, :4] // ppb == block) | (own[:, :4] < 0))
-    assert np.all((own[:, 4:] // ppb == block + 1) | (own[:, 4:] < 0))
+    second = own[:, 4:5] // ppb  # B: one other block (neighbours here: every block is a 64-row block)
+    assert np.all((own[:, 4:] // ppb == second) | (own[:, 4:] < 0))
+    assert np.all(second[:, 0] == block[:, 0] + 1)
     with pytest.raises(KernelValueError, match="owner='kv'"):
         plan_of(graph, "kpage", "pair", owner="q")
     with pytest.raises(KernelValueError, match="kind='kpage'"):
@@ -110,18 +112,81 @@ def test_pair_visibility_is_checked():
         validate_plan(hidden)
 
 
-def test_pair_plans_do_not_stack():
-    """HeadStacks (per-head layouts) have no pair route: stacking pair plans is refused, and so is
-    route='pair' on a HeadStack."""
-    from sparseattn.kernels.backward import paged_backward
+def test_pair_partners_join_scattered_64_row_blocks():
+    """128-slot blocks: the 64-row K/V blocks are the partial ones (at most four live pages), rarely
+    neighbours. Neighbour pairs come first, the others pair two by two in block order; every 64-row block
+    is in at most one pair, and the plan still equals the reference."""
+    from sparseattn.kernels.pair_backward_plan import pair_partners
+    from sparseattn.plans import kpage_route_of_block
 
-    layout = video_layout((6, 8, 8), (4, 4, 4), block_size=64)
-    graph = builders.random_graph(layout, layout, heads=1, density=0.3, seed=4)
-    with pytest.raises(PlanError, match="pair items"):
-        stack_head_plans([pair_backward_plan(graph)], layout.num_pages, layout.num_pages)
-    stack = HeadStack.of([graph, graph])
-    with pytest.raises(KernelValueError, match="route='pair'"):
-        paged_backward(None, None, None, None, None, None, stack, route="pair")
+    layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=6)
+    firsts, seconds = pair_partners(graph.transpose())
+    live = layout.live_pages.astype(np.int64)
+    small = np.flatnonzero((kpage_route_of_block(live) == 0) & (live > 0))
+    joined = np.concatenate([firsts, seconds])
+    assert firsts.size == small.size // 2 and np.unique(joined).size == joined.size
+    assert np.isin(joined, small).all()
+    assert np.any(seconds != firsts + 1)  # some pairs are not neighbours
+    plan = pair_backward_plan(graph)
+    assert (plan.work_route == PAIR_ROUTE).sum() >= graph.heads * firsts.size
+    check_plan(plan, layout.num_pages, layout.num_pages, 2, owner="kv")
+    _assert_close(*_gradients(plan, graph, np.random.default_rng(1)), graph)
+
+
+def test_pair_plans_stack_per_head():
+    """Per-head layouts (a HeadStack): each head's pair plan laid end to end keeps its visibility (a plain
+    plan's entries count as seen by both halves), and the stacked plan, run by the emulator on the heads'
+    tensors viewed as one head, equals each head's reference."""
+    rng = np.random.default_rng(2)
+    layouts = [
+        video_layout((6, 8, 8), (4, 4, 4), block_size=64),
+        video_layout((7, 9, 11), (4, 4, 8), block_size=128),
+    ]
+    graphs = [
+        builders.random_graph(lay, lay, heads=1, density=0.35, seed=3 + i) for i, lay in enumerate(layouts)
+    ]
+    pages = max(lay.num_pages for lay in layouts)
+    slots = pages * 16
+    plans = [
+        pair_backward_plan(graphs[0]),
+        pair_backward_plan(graphs[1]),
+        plan_of(graphs[0], "kpage", "auto", owner="kv"),
+    ]
+    stacked = stack_head_plans(plans, pages, pages)
+    assert stacked.stream_vis is not None and np.any(stacked.stream_vis != 3)
+    n_plain = plans[2].stream_pages.size
+    assert (stacked.stream_vis == 3).sum() >= n_plain
+    heads = graphs + [graphs[0]]
+    batch, d = 2, 16
+    x = {n: np.zeros((batch, len(heads), slots, d)) for n in ("q", "k", "v", "o", "do")}
+    lse = np.full((batch, len(heads), slots), np.inf)
+    refs = []
+    for h, g in enumerate(heads):
+        n = g.q.num_slots
+        for name in ("q", "k", "v", "do"):
+            x[name][:, h, :n] = rng.standard_normal((batch, n, d))
+        o, l = attention_forward(
+            x["q"][:, h : h + 1, :n], x["k"][:, h : h + 1, :n], x["v"][:, h : h + 1, :n], g
+        )
+        x["o"][:, h : h + 1, :n], lse[:, h : h + 1, :n] = o, l
+        refs.append(
+            attention_backward(
+                *(x[m][:, h : h + 1, :n] for m in ("q", "k", "v", "o")),
+                lse[:, h : h + 1, :n],
+                x["do"][:, h : h + 1, :n],
+                g,
+            )
+        )
+    one = {m: a.reshape(batch, 1, len(heads) * slots, d) for m, a in x.items()}
+    got = emulate_backward(
+        stacked, one["q"], one["k"], one["v"], one["o"], lse.reshape(batch, 1, -1), one["do"]
+    )
+    for h, g in enumerate(heads):
+        n = g.q.num_slots
+        for i, valid in enumerate((g.q.valid, g.k.valid, g.k.valid)):
+            part = got[i].reshape(batch, len(heads), slots, d)[:, h : h + 1, :n]
+            assert np.abs(part[:, :, valid] - refs[h][i][:, :, valid]).max() < 1e-10
 
 
 def test_pair_executed_pairs_count_the_halves_that_run():

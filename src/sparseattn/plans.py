@@ -270,7 +270,8 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
             tensors' slots / 16; at least each head's layout).
 
     Returns:
-        a :class:`TilePlan` with ``heads == 1``, its work items sorted by route.
+        a :class:`TilePlan` with ``heads == 1``, its work items sorted by route; ``stream_vis`` set when
+        any plan has pair items (entries of the others: seen by both halves).
     """
     plans = list(plans)
     if not plans:
@@ -281,8 +282,6 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
             raise PlanTypeError(f"plans[{i}] must be a TilePlan, got {type(p).__name__}")
         if p.heads != 1:
             raise PlanError(f"plans[{i}] holds {p.heads} heads; stack_head_plans takes single-head plans")
-        if p.stream_vis is not None:
-            raise PlanError(f"plans[{i}] has pair items (stream_vis); stack_head_plans does not carry them")
         if (p.kind, p.owner, tuple(p.routes)) != (first.kind, first.owner, tuple(first.routes)):
             raise PlanError(f"plans[{i}] differs from plans[0] in kind, owner or routes")
         if p.own_page_mask.size > own_pages or p.stream_page_mask.size > stream_pages:
@@ -306,6 +305,14 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
     bases = np.concatenate([[0], np.cumsum([x.size for x in streams])])
     starts = np.concatenate([p.stream_indptr[:-1].astype(np.int64) + bases[h] for h, p in enumerate(plans)])
     flat = np.concatenate(streams)
+    paired = any(p.stream_vis is not None for p in plans)  # pair items: every entry's visibility, 3 = both
+    vis = (
+        np.concatenate(
+            [np.full(p.stream_pages.size, 3) if p.stream_vis is None else p.stream_vis for p in plans]
+        )
+        if paired
+        else None
+    )
     order = np.argsort(route, kind="stable")  # kernels launch route by route
     lengths = lengths[order]
     indptr = np.concatenate([[0], np.cumsum(lengths)])
@@ -332,4 +339,5 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
         own_page_mask=masks("own_page_mask", own_pages),
         stream_page_mask=masks("stream_page_mask", stream_pages),
         heads=1,
+        stream_vis=None if vis is None else vis[gather].astype(np.uint32),
     )

@@ -69,14 +69,16 @@ def test_kpage_backward_implementations(impl, layout, head_dim, seed, rng, poiso
     run_random_case(layout, head_dim, rng, poisoned, impl=impl)
 
 
-# route="pair" (opt-in): neighbouring 64-row K/V blocks as 128-row items over the ordered union of their Q
-# pages, each owned half seeing only its own block's Q pages (paged_bwd_ws_kernel<D, true>): 64-slot
-# blocks, 2 layout families x both head dims x 4 seeds, same rule.
+# route="pair" (opt-in): 64-row K/V blocks two by two as 128-row items over the ordered union of their Q
+# pages, each owned half seeing only its own block's Q pages (paged_bwd_ws_kernel<D, true>). 64-slot
+# blocks pair with their neighbours; 128-slot blocks have 64-row blocks only where they are partial, which
+# pair with each other wherever they are. 2 block sizes x 2 layout families x both head dims x 4 seeds.
 @pytest.mark.parametrize("seed", range(4), ids=lambda s: f"case{s}")
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("layout", ["video_prefix", "independent_partitions"])
-def test_kpage_backward_pair_route(layout, head_dim, seed, rng, poisoned):
-    run_random_case(layout, head_dim, rng, poisoned, impl=None, block=64, route="pair")
+@pytest.mark.parametrize("block", [64, 128], ids=lambda b: f"B{b}")
+def test_kpage_backward_pair_route(block, layout, head_dim, seed, rng, poisoned):
+    run_random_case(layout, head_dim, rng, poisoned, impl=None, block=block, route="pair")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
@@ -208,6 +210,18 @@ def run_random_case(layout, head_dim, rng, poisoned, impl, deterministic=False, 
 def test_kpage_backward_head_stack(head_dim, seed, rng, poisoned):
     """SVG2's per-head layouts (a HeadStack: every head its own Q and K partition and slot count); odd
     seeds run the deterministic mode."""
+    run_head_stack_case(head_dim, rng, poisoned, deterministic=seed % 2 == 1)
+
+
+@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"case{s}")
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+def test_kpage_backward_head_stack_pair_route(head_dim, seed, rng, poisoned):
+    """route='pair' on per-head layouts: each head's partial (64-row) K/V blocks paired within the head,
+    the heads' pair plans stacked with their visibility."""
+    run_head_stack_case(head_dim, rng, poisoned, route="pair")
+
+
+def run_head_stack_case(head_dim, rng, poisoned, deterministic=False, route="auto"):
     cupy = pytest.importorskip("cupy")
     from sparseattn.graph import HeadStack
     from sparseattn.kernels.backward import kpage_backward
@@ -226,6 +240,10 @@ def test_kpage_backward_head_stack(head_dim, seed, rng, poisoned):
         )
         graphs.append(bwd_tests._graph(rng, q_lay, k_lay, 1, density=float(rng.uniform(0.2, 0.7))))
     stack = HeadStack.of(graphs)
+    if route == "pair":  # some head has 64-row K/V blocks to pair
+        from sparseattn.kernels.pair_backward_plan import pair_partners
+
+        assert any(pair_partners(g.transpose())[0].size for g in graphs)
     sq, sk = stack.q_slots, stack.k_slots
     shapes = {
         "q": (batch, heads, sq),
@@ -257,8 +275,9 @@ def test_kpage_backward_head_stack(head_dim, seed, rng, poisoned):
     q, k, v, do = (cupy.asarray(float_to_bf16_bits(data[n])) for n in ("q", "k", "v", "do"))
     o_d, lse_d = cupy.asarray(float_to_bf16_bits(o)), cupy.asarray(lse)
     out = (poisoned(q.shape, "bf16"), poisoned(k.shape, "bf16"), poisoned(k.shape, "bf16"))
-    # odd seeds in the deterministic mode (its bound over the stacked heads' valid rows)
-    dq, dk, dv = kpage_backward(q, k, v, o_d, lse_d, do, stack, out=out, deterministic=seed % 2 == 1)
+    dq, dk, dv = kpage_backward(
+        q, k, v, o_d, lse_d, do, stack, route=route, out=out, deterministic=deterministic
+    )
     cupy.cuda.runtime.deviceSynchronize()
     grads = [x.get() for x in (dq, dk, dv)]
     for h, g in enumerate(graphs):

@@ -49,9 +49,9 @@ def paged_backward(
         graph_or_plan: a :class:`SparseGraph` (its ``kind`` plan, owner ``"kv"``), an owner-``"kv"``
             :class:`TilePlan`, or a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
             layouts; one launch per route on the stacked per-head plans).
-        route: KPage's routes (``"auto"``, 0, 1), or ``"pair"``: neighbouring 64-row K/V blocks joined into
-            128-row pair items (:mod:`sparseattn.kernels.pair_backward_plan`; opt-in, SparseGraphs only,
-            the default ``impl`` without ``deterministic``).
+        route: KPage's routes (``"auto"``, 0, 1), or ``"pair"``: 64-row K/V blocks joined two by two into
+            128-row pair items (:mod:`sparseattn.kernels.pair_backward_plan`; opt-in, per head on a
+            HeadStack, the default ``impl`` without ``deterministic``).
         scale, out, impl, deterministic: as :func:`sparseattn.kernels.bsa_backward.bsa_backward`
             (``impl``: ``"wgmma"`` (default), another wgmma variant or the ``"mma"`` main kernel;
             ``deterministic``: dQ bit-identical from run to run, by the Q-owned dQ pass or fixed-point
@@ -60,8 +60,6 @@ def paged_backward(
     if kind not in KINDS:
         raise KernelValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if isinstance(graph_or_plan, HeadStack) or (isinstance(graph_or_plan, (list, tuple)) and graph_or_plan):
-        if route == "pair":
-            raise KernelValueError("route='pair' runs on a SparseGraph (one layout for every head)")
         stack = HeadStack.of(graph_or_plan)
         if launch.is_torch_tensor(q):
             return _torch_backward(q, k, v, o, lse, do, stack, scale, out, kind, route, impl, deterministic)
@@ -146,11 +144,12 @@ def _head_stack_backward(
     ):
 
         def stacked(owner, own_pages, stream_pages):  # the heads' plans end to end, built once per stack
+            r = "auto" if route == "pair" and owner == "q" else route  # pair items are K/V-owned only
             return cached(
                 stack,
-                (f"stacked plan {owner}", kind, route, sq, sk),
+                (f"stacked plan {owner}", kind, r, sq, sk),
                 lambda: stack_head_plans(
-                    [plan_of(g, kind, route, owner=owner) for g in stack.graphs], own_pages, stream_pages
+                    [plan_of(g, kind, r, owner=owner) for g in stack.graphs], own_pages, stream_pages
                 ),
             )
 

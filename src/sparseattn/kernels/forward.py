@@ -121,9 +121,11 @@ def work_of(graph_or_plan, kind: str = "kpage", route="auto") -> WorkList:
     obj = graph_or_plan
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
         obj = HeadStack.of(obj)
+    if route == "pair" and kind == "kpage" and isinstance(obj, HeadStack):
+        route = "auto"  # the forward's pair items need one layout for every head (the backward's do not)
     if route == "pair":  # neighbouring 64-row Q blocks joined into 128-row items (experimental)
         if kind != "kpage" or not isinstance(obj, SparseGraph):
-            raise KernelValueError("route='pair' runs KPage on a SparseGraph (one layout for every head)")
+            raise KernelValueError("route='pair' runs KPage on a SparseGraph or a HeadStack")
         return cached(obj, ("work", "pair"), lambda: pair_work_list(obj))
     if isinstance(obj, SparseGraph):
         plan = plan_of(obj, kind, route)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..constants import KPAGE_ROUTES
 from ..graph import SparseGraph
-from ..plans import TilePlan, gather_segments
+from ..plans import TilePlan, gather_segments, kpage_route_of_block
 from .pair_work_list import pair_blocks, pair_items
 from .plan_cache import plan_of
 from .validate import KernelTypeError
@@ -44,14 +44,14 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
     base = plan_of(graph, "kpage", "auto", owner="kv")  # the backward's cached KPage plan
     kv_rows = graph.transpose()  # rows are K/V blocks, columns the Q blocks selecting them
-    firsts = pair_blocks(kv_rows)
+    firsts, seconds = pair_partners(kv_rows)
     nb = kv_rows.q.num_blocks
-    info, own, _, stream, stream_mask = pair_items(kv_rows, firsts)
+    info, own, _, stream, stream_mask = pair_items(kv_rows, firsts, seconds)
     vis = ((stream_mask // VIS_HALF0) & 3).astype(np.uint32)
 
     paired = np.zeros((graph.heads, nb), dtype=bool)
     paired[:, firsts] = True
-    paired[:, firsts + 1] = True
+    paired[:, seconds] = True
     kept = np.flatnonzero(~paired[base.work_head.astype(np.int64), base.work_block.astype(np.int64)])
     kept_pages, kept_len = gather_segments(
         base.stream_indptr.astype(np.int64), base.stream_pages.astype(np.int64), kept
@@ -87,6 +87,22 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
         heads=graph.heads,
         stream_vis=seg_vis.astype(np.uint32),
     )
+
+
+def pair_partners(kv_rows: SparseGraph) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``(firsts [P], seconds [P])``: the K/V blocks each pair item joins (``kv_rows``: the graph's
+    transpose). Neighbours (2i, 2i + 1) both on the 64-row route first (:func:`pair_blocks`); then the
+    other 64-row blocks with live pages, two by two in block order (on layouts whose 64-row blocks are
+    scattered, e.g. the partial blocks at a video's edges, these are blocks next to each other along
+    the edge). Every 64-row block is in at most one pair; one may be left over."""
+    firsts = pair_blocks(kv_rows)
+    live = kv_rows.q.live_pages.astype(np.int64)
+    small = (kpage_route_of_block(live) == 0) & (live > 0)
+    small[firsts] = False
+    small[firsts + 1] = False
+    rest = np.flatnonzero(small)
+    rest = rest[: rest.size - rest.size % 2]
+    return np.concatenate([firsts, rest[0::2]]), np.concatenate([firsts + 1, rest[1::2]])
 
 
 def _segments(starts: np.ndarray, lengths: np.ndarray, values: np.ndarray, order: np.ndarray):

@@ -85,15 +85,18 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     )
 
 
-def pair_items(graph: SparseGraph, firsts: np.ndarray):
+def pair_items(graph: SparseGraph, firsts: np.ndarray, seconds: np.ndarray | None = None):
     """Pair items of every head (vectorized): ``(info [P, 4], own [P, 8], own_mask [P, 8], stream [S],
-    stream_mask [S])``, pairs head-major, streams back to back from entry 0."""
+    stream_mask [S])``, pairs head-major, streams back to back from entry 0. Pair i joins blocks
+    ``firsts[i]`` (A) and ``seconds[i]`` (B; default ``firsts + 1``) of every head."""
     heads, nb = graph.heads, graph.q.num_blocks
+    seconds = firsts + 1 if seconds is None else seconds
     pair_row = (np.arange(heads)[:, None] * nb + firsts[None, :]).ravel()  # block A's CSR row per pair
+    second_row = (np.arange(heads)[:, None] * nb + seconds[None, :]).ravel()
     n_pairs = pair_row.size
     # every (pair, selected K block) with a tag: 1 = A selects it, 2 = B does, 3 = both
     sel = []
-    for tag, rows in ((1, pair_row), (2, pair_row + 1)):
+    for tag, rows in ((1, pair_row), (2, second_row)):
         kb, counts = gather_segments(graph.indptr.astype(np.int64), graph.indices.astype(np.int64), rows)
         sel.append((np.repeat(np.arange(n_pairs), counts), kb, np.full(kb.size, tag)))
     pair_id, kblock, tag = (np.concatenate(x) for x in zip(*sel))
@@ -119,9 +122,8 @@ def pair_items(graph: SparseGraph, firsts: np.ndarray):
     q_ppb = graph.q.pages_per_block
     q_live = graph.q.page_live.reshape(nb, q_ppb)
     own = np.full((n_pairs, OWN_PAGES), -1, dtype=np.int64)
-    blocks = np.tile(firsts, heads)
-    for half in (0, 1):
-        qb = blocks + half
+    for half, blocks in enumerate((firsts, seconds)):
+        qb = np.tile(blocks, heads)
         live = q_live[qb]  # [P, ppb]
         rank = np.cumsum(live, axis=1) - 1
         pid, col = np.nonzero(live)
