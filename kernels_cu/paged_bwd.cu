@@ -194,14 +194,15 @@ __device__ __forceinline__ void store_ds(uint32_t tdS, const uint32_t (&pds)[PB_
     }
 }
 
-// This warp's dQ rows (16 streamed rows, 64 head-dim columns from col0) into a staged fp32 page.
-template <int HEAD_DIM>
+// This warp's dQ rows (16 streamed rows, 64 head-dim columns from col0) into a staged fp32 page whose
+// rows are ROW_FLOATS apart.
+template <int HEAD_DIM, int ROW_FLOATS = HEAD_DIM>
 __device__ __forceinline__ void stage_dq_page(uint32_t page, const float (&dq)[32], int col0, int g, int t4) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const uint32_t addr = page + ((g + 8 * half) * HEAD_DIM + col0 + 8 * j + 2 * t4) * 4u;
+            const uint32_t addr = page + ((g + 8 * half) * ROW_FLOATS + col0 + 8 * j + 2 * t4) * 4u;
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * half]),
                          "f"(dq[4 * j + 2 * half + 1])
                          : "memory");
@@ -516,8 +517,8 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
 // division of labour instead of block-wide barriers. 384 threads:
 // * producer warpgroup (registers lowered): warp 0 gathers each step's 4 Q pages, warp 1 its 4 dO pages
 //   (cp.async into a 2-stage ring, completion tracked on the stage's full mbarrier); warp 3 adds each
-//   step's staged fp32 dQ pages to dq_accum with one cp.reduce.async.bulk per page, then frees the staging
-//   buffer; warp 2 idles;
+//   step's staged fp32 dQ rows to dq_accum with one cp.reduce.async.bulk per row (the staging rows are
+//   padded against bank conflicts), then frees the staging buffer; warp 2 idles;
 // * the consumers stage the next step's LSE₂ (warpgroup 0) and Δ (warpgroup 1) themselves, 64 threads
 //   each, ordered by the per-step named barrier: racecheck does not see the mbarrier hand-off of plain
 //   shared-memory stores (it reported the producer-written version of these rows as 1536-hazard races);
@@ -551,8 +552,11 @@ struct Config {
     static constexpr int kKBytes = kBlockK * HEAD_DIM * 2;         // K or V (owned)
     static constexpr int kQBytes = PB_Q_ROWS * HEAD_DIM * 2;       // one Q or dO stage
     static constexpr int kSBytes = kBlockK * PB_Q_ROWS * 2;        // one dSᵀ buffer
-    static constexpr int kDqBytes = PB_Q_ROWS * HEAD_DIM * 4;      // dQ staging (4 contiguous fp32 pages)
-    static constexpr int kPageBytesF32 = PAGE_ROWS * HEAD_DIM * 4;
+    // dQ staging: 64 fp32 rows, each padded by 32 bytes so that the 16 lanes of a half-warp's st.shared.v2
+    // (rows g = 0-3) hit 32 distinct banks (unpadded, every row starts on bank 0: 4-way conflicts)
+    static constexpr int kDqRowFloats = HEAD_DIM + 8;
+    static constexpr int kDqRowBytes = kDqRowFloats * 4;
+    static constexpr int kDqBytes = PB_Q_ROWS * kDqRowBytes;
     // LSE₂ copies and Δ per stage; PAIR: + the seen-row ballot words [2 stages][4 warps]
     static constexpr int kMetaBytes = 2 * 2 * kMetaCopies * PB_Q_ROWS * 4 + (PAIR ? 2 * 4 * 4 : 0);
     static constexpr int kBarBytes = 8 * 8;                        // q_full[2], q_empty[2], dq_full, dq_empty
@@ -658,26 +662,28 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 mbar_arrive(q_full(st));
             }
             paged::cp_async_wait<0>();
-        } else if (warp == 3) {  // warp 3: dQ pages of each step, one bulk reduction each
+        } else if (warp == 3) {  // warp 3: each step's dQ rows, one bulk reduction per row (lane: rows lane, lane + 32)
             float* dq_bh = dq_accum + bh * q_slots * D;
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
                 mbar_wait(dq_full, t & 1);
-                if (lane == 0) {
-                    const int npages = min(SP, stream_len - t * SP);
-                    for (int p = 0; p < npages; ++p) {
-                        const int page = pages_all[t * SP + p];
-                        if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages))
-                            paged_bwd::bulk_reduce_add_f32(dq_bh + static_cast<size_t>(page) * PAGE_ROWS * D,
-                                                           tDq + p * Cfg::kPageBytesF32, Cfg::kPageBytesF32);
-                    }
-                    paged_bwd::bulk_commit();
-                    paged_bwd::bulk_wait_read();
-                    mbar_arrive(dq_empty);
+                const int npages = min(SP, stream_len - t * SP);
+#pragma unroll
+                for (int i = 0; i < QS / 32; ++i) {
+                    const int row = lane + 32 * i;
+                    const int p = row / PAGE_ROWS;
+                    const int page = p < npages ? pages_all[t * SP + p] : -1;
+                    if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages))
+                        paged_bwd::bulk_reduce_add_f32(
+                            dq_bh + (static_cast<size_t>(page) * PAGE_ROWS + row % PAGE_ROWS) * D,
+                            tDq + row * Cfg::kDqRowBytes, D * 4);
                 }
+                paged_bwd::bulk_commit();
+                paged_bwd::bulk_wait_read();
                 __syncwarp();
+                if (lane == 0) mbar_arrive(dq_empty);
             }
-            if (lane == 0) paged_bwd::bulk_wait();
+            paged_bwd::bulk_wait();
         }
         return;
     }
@@ -829,7 +835,8 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
 
         // dQ partial -> staging (page wq of the step: rows 16·wq .., contiguous fp32 page), for warp 3
         mbar_wait(dq_empty, (t & 1) ^ 1u);
-        if (has_dq) paged_bwd::stage_dq_page<D>(tDq + wq * Cfg::kPageBytesF32, dq, 64 * kvp, g, t4);
+        if (has_dq)
+            paged_bwd::stage_dq_page<D, Cfg::kDqRowFloats>(tDq + wq * PAGE_ROWS * Cfg::kDqRowBytes, dq, 64 * kvp, g, t4);
         fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
         __syncwarp();
         if (lane == 0) mbar_arrive(dq_full);
