@@ -151,6 +151,20 @@ def test_kpage_speed_figure_with_kpage_records(bench_dir):
     assert "No KPage records" not in text
 
 
+def test_kpage_speed_figure_hatches_the_pair_route_where_it_ran(tmp_path):
+    """kpage_pair records add hatched "pair route vs ..." bars whose lengths are the baseline's time over
+    the pair route's; a pass without pair records gets none."""
+    pair = [_rec("vsa_wan14b_720p", "kpage_pair", "fwd", 30.0)]
+    _write_run(tmp_path, "with_pair.json", "2026-11-29T18:00:00+00:00", BASELINES + KPAGE + pair)
+    run = speedplots.pick_kpage_run(find_runs(tmp_path))
+    fig = speedplots.kpage_speed_figure(run)
+    assert "pair route vs BSA" in _texts(fig)
+    fwd, fwdbwd = fig.axes[0], fig.axes[1]
+    hatched = [b for b in fwd.patches if b.get_hatch()]
+    assert sorted(round(b.get_width(), 6) for b in hatched) == [2.0, round(80.0 / 30.0, 6)]
+    assert not [b for b in fwdbwd.patches if b.get_hatch()]
+
+
 def test_kpage_speed_figure_without_kpage_says_so(tmp_path):
     _write_run(tmp_path, "only_baselines.json", "2026-11-29T18:00:00+00:00", BASELINES)
     run = speedplots.pick_kpage_run(find_runs(tmp_path))

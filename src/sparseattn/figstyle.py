@@ -338,7 +338,8 @@ def grouped_barh(ax, groups: list[str], series: list[tuple[str, str, list]], not
     """Horizontal bars, one group per entry of ``groups`` (top to bottom) with its name written above
     its bars, so long names need no room beside the axis.
 
-    ``series``: ``(legend label, colour, values)`` with one value per group (NaN = no bar).
+    ``series``: ``(legend label, colour, values)`` with one value per group (NaN = no bar), optionally
+    followed by a hatch pattern (e.g. ``"///"``) for a variant of a series' colour.
     ``notes``: optional ``{(group index, series index): text}`` for a missing bar (e.g. "failed"),
     written after its group's name (a bar's slot is shorter than a line of text). Returns the bar
     centres, float ``[groups, series]``.
@@ -348,10 +349,19 @@ def grouped_barh(ax, groups: list[str], series: list[tuple[str, str, list]], not
     bar_h = (1.0 - name_room - 0.04) / m
     top = -0.5 + name_room
     centres = np.arange(n, dtype=float)[:, None] + top + bar_h * (np.arange(m)[None, :] + 0.5)
-    for s, (label, colour, values) in enumerate(series):
+    for s, (label, colour, values, *hatch) in enumerate(series):
         values = np.asarray(values, dtype=float)
         shown = np.isfinite(values)
-        ax.barh(centres[shown, s], values[shown], bar_h * 0.9, label=label, color=colour, edgecolor="none")
+        ax.barh(
+            centres[shown, s],
+            values[shown],
+            bar_h * 0.9,
+            label=label,
+            color=colour,
+            hatch=hatch[0] if hatch else None,
+            edgecolor="white" if hatch else "none",
+            linewidth=0,
+        )
     names = ax.get_yaxis_transform()  # x in axes fraction, y in data
     for g, name in enumerate(groups):
         missing = [text for (gg, _), text in sorted((notes or {}).items()) if gg == g]

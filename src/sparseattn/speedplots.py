@@ -20,6 +20,8 @@ KPAGE_BASELINES = ("bsa", "flex", "vsa_kernel")
 #: Implementations drawn as useful TFLOP/s while a run has no KPage records.
 RATE_IMPLS = ("bsa", "bsa_mma", "bsa_wgmma", "flex", "vsa_kernel")
 KPAGE_PASSES = ("fwd", "bwd", "fwdbwd")
+#: KPage's bars: its default routes, then (hatched, where the run has them) its opt-in pair route.
+PAIR_SERIES = ("kpage", "kpage_pair")
 #: PageWeaver complete-call speedups: the union kernels over the per-query paths.
 PW_UNIONS = ("pageweaver_union", "kv_page_union")
 PW_BASELINES = ("flashinfer", "per_query")
@@ -94,7 +96,8 @@ def _panel_values(run: BenchRun, workloads, impl: str, pass_: str, value):
 
 def kpage_speed_figure(run: BenchRun | None, path=None) -> Figure:
     """KPage forward, backward and forward+backward speedups (one panel per pass the run has) over BSA,
-    FlexAttention and the VSA kernel per workload, from one run; a run without KPage records shows the baselines' useful TFLOP/s instead and
+    FlexAttention and the VSA kernel per workload, from one run, with KPage's opt-in pair route hatched
+    where the run has it; a run without KPage records shows the baselines' useful TFLOP/s instead and
     says that KPage is missing."""
     if run is None:
         return _empty_figure("KPage speed", "No recorded benchmark run in data/bench.", path)
@@ -117,46 +120,24 @@ def kpage_speed_figure(run: BenchRun | None, path=None) -> Figure:
         missing = _missing_note(run, ("kpage", "flex", "vsa_kernel"))
     workloads = figstyle.canonical_order(workloads)
     panels = [(p, _impls_in(run, impls, p)) for p in KPAGE_PASSES]
-    panels = [(p, series) for p, series in panels if series]
+    panels = [(p, *_kpage_panel_series(run, workloads, p, found, has_kpage)) for p, found in panels if found]
     source = " ".join(s for s in (run.source(), missing) if s)
     with figstyle.style():
         head_lines = figstyle.wrap_source(headline)
-        heights = [figstyle.grouped_barh_height(len(workloads), len(s)) + 0.5 for _, s in panels]
-        legend_rows = -(-len({i for _, s in panels for i in s}) // 2)
+        heights = [figstyle.grouped_barh_height(len(workloads), len(s)) + 0.5 for _, s, _ in panels]
+        legend_rows = -(-len({x[0] for _, s, _ in panels for x in s}) // 2)
         fig = figstyle.sourced_figure(
             source, height=sum(heights) + 0.15 * (len(head_lines) + legend_rows) + 0.1
         )
         axes = fig.subplots(len(panels), 1, height_ratios=heights, squeeze=False)[:, 0]
         labels = [figstyle.workload_label(w) for w in workloads]
         legend = {}
-        for letter, ax, (pass_, series_impls) in zip("abcd", axes, panels):
-            series, notes = [], {}
-            for s, impl in enumerate(series_impls):
-                if has_kpage:
-                    kp = run.usable("kpage", pass_)
-
-                    def speedup(r, kp=kp):
-                        k = kp.get(r["workload"])
-                        return r["time_ms"] / k["time_ms"] if k else float("nan")
-
-                    values, impl_notes = _panel_values(run, workloads, impl, pass_, speedup)
-                else:
-                    values, impl_notes = _panel_values(run, workloads, impl, pass_, useful_tflops)
-                series.append(
-                    (
-                        f"vs {figstyle.impl_label(impl)}" if has_kpage else figstyle.impl_label(impl),
-                        figstyle.COLORS.get(impl, figstyle.OKABE_ITO["grey"]),
-                        values,
-                    )
-                )
-                notes.update(
-                    {(g, s): f"{figstyle.impl_label(impl)}: {text}" for g, text in impl_notes.items()}
-                )
+        for letter, ax, (pass_, series, notes) in zip("abcd", axes, panels):
             figstyle.grouped_barh(ax, labels, series, notes)
             if has_kpage:
                 ax.axvline(1.0, color="black", lw=0.8, ls="--")
                 ax.set_xlabel("speedup of KPage (×); 1 = baseline speed")
-                finite = [v for _, _, vals in series for v in vals if math.isfinite(v)]
+                finite = [v for x in series for v in x[2] if math.isfinite(v)]
                 ax.set_xlim(0, max([1.2, *finite]) * 1.15)
             else:
                 ax.set_xlabel("useful TFLOP/s")
@@ -173,6 +154,40 @@ def kpage_speed_figure(run: BenchRun | None, path=None) -> Figure:
             alignment="left",
         )
     return _write(fig, path)
+
+
+def _kpage_panel_series(run: BenchRun, workloads, pass_: str, impls, has_kpage: bool):
+    """(series, notes) of one pass's panel for :func:`figstyle.grouped_barh`: KPage's speedup over each
+    baseline in ``impls`` (its pair route hatched, where the run has it), or the baselines' useful
+    TFLOP/s when the run has no KPage."""
+    series, notes = [], {}
+    for kpage_impl in PAIR_SERIES if has_kpage else ("kpage",):
+        kp = run.usable(kpage_impl, pass_)
+        if kpage_impl != "kpage" and not kp:
+            continue
+
+        def speedup(r, kp=kp):
+            k = kp.get(r["workload"])
+            return r["time_ms"] / k["time_ms"] if k else float("nan")
+
+        for impl in impls:
+            values, impl_notes = _panel_values(
+                run, workloads, impl, pass_, speedup if has_kpage else useful_tflops
+            )
+            label = f"vs {figstyle.impl_label(impl)}" if has_kpage else figstyle.impl_label(impl)
+            colour = figstyle.COLORS.get(impl, figstyle.OKABE_ITO["grey"])
+            if kpage_impl != "kpage":  # the opt-in pair route: hatched, where it ran
+                if any(math.isfinite(v) for v in values):
+                    series.append((f"pair route {label}", colour, values, "///"))
+                continue
+            series.append((label, colour, values))
+            notes.update(
+                {
+                    (g, len(series) - 1): f"{figstyle.impl_label(impl)}: {text}"
+                    for g, text in impl_notes.items()
+                }
+            )
+    return series, notes
 
 
 def _geomean(values) -> float:
