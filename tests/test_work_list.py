@@ -270,3 +270,25 @@ def test_pair_lists_need_128_key_chunks():
     assert kernel_name(128, 128, pair=True) == "paged_fwd_kernel<128, 128, true>"
     with pytest.raises(KernelValueError, match="route='pair'"):
         work_of(graph, "bsa", "pair")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pair_union_order_and_tags(seed):
+    """A pair item's stream: the union of A's and B's selected K blocks, pair by pair as [A only |
+    shared | B only] in block order, tagged 1 / 3 / 2 — against a plain Python construction."""
+    from sparseattn.kernels.pair_work_list import _ordered_union
+
+    rng = np.random.default_rng(seed)
+    n_pairs, nkb = 7, 23
+    sides = [
+        [np.flatnonzero(rng.random(nkb) < rng.uniform(0, 0.6)) for _ in range(n_pairs)] for _ in range(2)
+    ]
+    key_a, key_b = (np.concatenate([p * nkb + blocks for p, blocks in enumerate(side)]) for side in sides)
+    union, tags = _ordered_union(key_a, key_b, n_pairs, nkb)
+    want, want_tags = [], []
+    for p in range(n_pairs):
+        a, b = set(sides[0][p].tolist()), set(sides[1][p].tolist())
+        for part, tag in ((a - b, 1), (a & b, 3), (b - a, 2)):
+            want += [p * nkb + blk for blk in sorted(part)]
+            want_tags += [tag] * len(part)
+    assert union.tolist() == want and tags.tolist() == want_tags

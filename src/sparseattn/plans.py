@@ -49,8 +49,7 @@ def gather_segments(indptr: np.ndarray, values: np.ndarray, segments: np.ndarray
     if total == 0:
         return values[:0].copy(), lengths
     seg_first = np.cumsum(lengths) - lengths
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(seg_first, lengths)
-    return values[np.repeat(starts, lengths) + offsets], lengths
+    return values[np.repeat(starts - seg_first, lengths) + np.arange(total, dtype=np.int64)], lengths
 
 
 def _live_page_csr(layout: BlockLayout):
