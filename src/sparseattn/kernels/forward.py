@@ -343,8 +343,9 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
         scale: softmax scale (default ``1/sqrt(d)``).
         out: optional ``(o, lse)`` to write into.
         kind, route: which plan a graph runs (``route``: ``"auto"``, 0 = 64×256, 1 = 128×128; or
-            ``"pair"``, opt-in (passes the GPU tests; 5.6% faster on VSA 720p): KPage with neighbouring 64-row Q blocks
-            joined into 128-row items, :mod:`sparseattn.kernels.pair_work_list`).
+            ``"pair"``, opt-in (5.6% faster on VSA 720p): KPage with neighbouring 64-row Q blocks
+            joined into 128-row items, :mod:`sparseattn.kernels.pair_work_list`; a HeadStack runs the
+            auto routes).
 
     Returns:
         ``(o, lse)``: ``o`` like ``q``, ``lse`` float32 ``[batch, heads, q_slots]`` (natural log). Valid

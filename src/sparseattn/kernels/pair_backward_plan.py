@@ -3,7 +3,8 @@
 The backward's mirror of :mod:`.pair_work_list`. KPage's K/V-owned plan runs a K/V block with at most
 four live pages as a 64-row item that streams every Q page selecting it, so each Q and dO byte it loads
 serves 64 owned rows, and on VSA's 64-row plans the backward is bound by that traffic. A pair item joins
-two such K/V blocks of one head, A and B (blocks 2i and 2i + 1):
+two such K/V blocks of one head, A and B (neighbours 2i and 2i + 1, else two 64-row blocks taken in
+block order: :func:`pair_partners`):
 - A's pages own rows 0–63 and B's rows 64–127 (one consumer warpgroup each in
   ``paged_bwd_ws_kernel<D, true>``);
 - the stream is the union of the Q pages of the Q blocks selecting A or B, ordered
@@ -32,8 +33,8 @@ PAIR_ROUTE = KPAGE_ROUTES.index((128, 128))
 
 
 def pair_backward_plan(graph: SparseGraph) -> TilePlan:
-    """The K/V-owned KPage plan of ``graph`` with every pair of neighbouring 64-row K/V blocks joined into
-    one 128-row pair item (see the module docstring); the other items are the plan's.
+    """The K/V-owned KPage plan of ``graph`` with its 64-row K/V blocks joined two by two into 128-row
+    pair items (:func:`pair_partners`; see the module docstring); the other items are the plan's.
 
     Returns:
         a :class:`TilePlan` (owner ``"kv"``, KPage routes) whose ``stream_vis`` is set; work items sorted
