@@ -250,6 +250,21 @@ def test_pair_work_list_without_pairs_is_the_kpage_list():
     np.testing.assert_array_equal(np.sort(pairs.stream_pages), np.sort(base.stream_pages))
 
 
+def test_pair_route_on_a_head_stack_runs_the_auto_routes():
+    """The forward's pair items need one layout for every head: on a HeadStack route='pair' gives the
+    auto routes' work list (the backward pairs per head instead)."""
+    from sparseattn.kernels.forward import work_of
+
+    layout = video_layout((6, 8, 8), (4, 4, 4), block_size=64)
+    stack = HeadStack.of(
+        [builders.random_graph(layout, layout, heads=1, density=0.3, seed=s) for s in (1, 2)]
+    )
+    pair, auto = work_of(stack, "kpage", "pair"), work_of(stack, "kpage", "auto")
+    assert not pair.has_visibility()
+    for name in ("work_info", "own_pages", "stream_pages", "stream_mask"):
+        np.testing.assert_array_equal(getattr(pair, name), getattr(auto, name))
+
+
 def test_pair_lists_need_128_key_chunks():
     """Only the 128-key-chunk kernel has a pair instantiation: a pair list with 64-key chunks is refused,
     and route='pair' builds (and caches) the graph's pair list."""
