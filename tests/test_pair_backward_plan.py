@@ -220,3 +220,20 @@ def test_pair_route_without_pairs_takes_the_forward_plan_for_dq():
     assert (pair_backward_plan(graph).work_route == PAIR_ROUTE).sum() == 0
     with pytest.raises((KernelTypeError, KernelValueError), match="^q "):
         paged_backward(None, None, None, None, None, None, graph, route="pair")
+
+
+def test_sharing_pairs_join_blocks_selected_by_the_same_q_blocks():
+    """The greedy matching pairs the K/V blocks that share the most Q pages (summed over heads), each block
+    once; blocks sharing nothing with a free block are left for the block-order pairing."""
+    from sparseattn.kernels.pair_backward_plan import _sharing_pairs
+
+    layout = video_layout((8, 4, 8), (1, 4, 8), block_size=64)  # 8 full 64-row blocks
+    selected_by = {0: [0, 1], 1: [5, 6], 2: [0, 1, 2], 3: [5, 6, 7], 4: [3], 5: [4]}  # K block: Q blocks
+    mask = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
+    for kb, qbs in selected_by.items():
+        mask[:, qbs, kb] = True
+    graph = SparseGraph.from_block_mask(layout, layout, mask)
+    blocks = np.array(sorted(selected_by))
+    a, b, left = _sharing_pairs(graph.transpose(), blocks)
+    assert list(zip(a.tolist(), b.tolist())) == [(0, 2), (1, 3)]
+    assert left.tolist() == [4, 5]
