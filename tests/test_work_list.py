@@ -250,19 +250,38 @@ def test_pair_work_list_without_pairs_is_the_kpage_list():
     np.testing.assert_array_equal(np.sort(pairs.stream_pages), np.sort(base.stream_pages))
 
 
-def test_pair_route_on_a_head_stack_runs_the_auto_routes():
-    """The forward's pair items need one layout for every head: on a HeadStack route='pair' gives the
-    auto routes' work list (the backward pairs per head instead)."""
+def test_pair_route_on_a_head_stack_pairs_per_head():
+    """Per-head layouts (a HeadStack): each head's 64-row Q blocks are paired within the head, the lists
+    stacked with their heads and visibility bits, and the emulation equals each head's reference."""
     from sparseattn.kernels.forward import work_of
 
-    layout = video_layout((6, 8, 8), (4, 4, 4), block_size=64)
-    stack = HeadStack.of(
-        [builders.random_graph(layout, layout, heads=1, density=0.3, seed=s) for s in (1, 2)]
-    )
-    pair, auto = work_of(stack, "kpage", "pair"), work_of(stack, "kpage", "auto")
-    assert not pair.has_visibility()
-    for name in ("work_info", "own_pages", "stream_pages", "stream_mask"):
-        np.testing.assert_array_equal(getattr(pair, name), getattr(auto, name))
+    layouts = [
+        video_layout((6, 8, 8), (4, 4, 4), block_size=64),
+        video_layout((7, 9, 11), (4, 4, 8), block_size=128),
+    ]
+    graphs = [
+        builders.random_graph(lay, lay, heads=1, density=0.35, seed=3 + i) for i, lay in enumerate(layouts)
+    ]
+    stack = HeadStack.of(graphs)
+    pair = work_of(stack, "kpage", "pair")
+    assert pair.has_visibility() and set(np.unique(pair.work_info[:, 0])) == {0, 1}
+    assert pair.stream_pages.size < work_of(stack, "kpage", "auto").stream_pages.size
+    rng = np.random.default_rng(0)
+    _check_against_reference(pair, graphs, rng, (2, stack.q_slots, stack.k_slots))
+
+
+def test_pair_work_list_pairs_scattered_64_row_blocks():
+    """128-slot blocks: the partial Q blocks (64-row route) pair with each other wherever they are, and
+    the pair list still equals the reference."""
+    from sparseattn.kernels.pair_work_list import pair_blocks, pair_partners, pair_work_list
+
+    layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=6)
+    firsts, seconds = pair_partners(graph)
+    assert pair_blocks(graph).size < firsts.size and np.any(seconds != firsts + 1)
+    pairs = pair_work_list(graph)
+    assert pairs.has_visibility()
+    _check_against_reference(pairs, graph, np.random.default_rng(1), (2, layout.num_slots, layout.num_slots))
 
 
 def test_pair_lists_need_128_key_chunks():

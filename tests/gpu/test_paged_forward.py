@@ -208,3 +208,20 @@ def test_pair_route(rng, poisoned, head_dim, seed):
     for i in range(layout.num_blocks):
         window[:, i, max(0, i - int(rng.integers(2, 8))) : i + int(rng.integers(2, 8))] = True
     run_case(rng, poisoned, SparseGraph.from_block_mask(layout, layout, window), "kpage", "pair", 2, head_dim)
+
+
+@head_dims
+@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"case{s}")
+def test_pair_route_scattered_and_per_head(rng, poisoned, head_dim, seed):
+    """route='pair' beyond neighbours: 128-slot video blocks, whose partial (64-row) Q blocks pair with
+    each other wherever they are, and a HeadStack of SVG2-like cluster layouts paired head by head."""
+    layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=int(rng.integers(1 << 30)))
+    run_case(rng, poisoned, graph, "kpage", "pair", batch=int(rng.integers(1, 3)), head_dim=head_dim)
+    graphs = []
+    for _ in range(3):
+        n = int(rng.integers(600, 1100))
+        q = partition_layout(rng.integers(0, int(rng.integers(3, 9)), n), 128)
+        k = partition_layout(rng.integers(0, int(rng.integers(4, 12)), n), 128)
+        graphs.append(SparseGraph.from_block_mask(q, k, rng.random((1, q.num_blocks, k.num_blocks)) < 0.5))
+    run_case(rng, poisoned, HeadStack.of(graphs), "kpage", "pair", batch=2, head_dim=head_dim)

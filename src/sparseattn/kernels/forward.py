@@ -29,7 +29,7 @@ import numpy as np
 from ..graph import HeadStack, SparseGraph
 from ..plans import TilePlan
 from . import launch
-from .pair_work_list import pair_work_list
+from .pair_work_list import pair_work_list, stacked_pair_work_list
 from .plan_cache import cached, check_graph_matches, plan_of
 from .validate import (
     BF16_DTYPE_NAMES,
@@ -121,12 +121,11 @@ def work_of(graph_or_plan, kind: str = "kpage", route="auto") -> WorkList:
     obj = graph_or_plan
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
         obj = HeadStack.of(obj)
-    if route == "pair" and kind == "kpage" and isinstance(obj, HeadStack):
-        route = "auto"  # the forward's pair items need one layout for every head (the backward's do not)
-    if route == "pair":  # neighbouring 64-row Q blocks joined into 128-row items (experimental)
-        if kind != "kpage" or not isinstance(obj, SparseGraph):
+    if route == "pair":  # 64-row Q blocks joined two by two into 128-row items (opt-in)
+        if kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
             raise KernelValueError("route='pair' runs KPage on a SparseGraph or a HeadStack")
-        return cached(obj, ("work", "pair"), lambda: pair_work_list(obj))
+        build = pair_work_list if isinstance(obj, SparseGraph) else stacked_pair_work_list
+        return cached(obj, ("work", "pair"), lambda: build(obj))
     if isinstance(obj, SparseGraph):
         plan = plan_of(obj, kind, route)
         return cached(
@@ -343,9 +342,8 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
         scale: softmax scale (default ``1/sqrt(d)``).
         out: optional ``(o, lse)`` to write into.
         kind, route: which plan a graph runs (``route``: ``"auto"``, 0 = 64×256, 1 = 128×128; or
-            ``"pair"``, opt-in (5.6% faster on VSA 720p): KPage with neighbouring 64-row Q blocks
-            joined into 128-row items, :mod:`sparseattn.kernels.pair_work_list`; a HeadStack runs the
-            auto routes).
+            ``"pair"``, opt-in (5.6% faster on VSA 720p): KPage with 64-row Q blocks joined two by
+            two into 128-row items, per head on a HeadStack, :mod:`sparseattn.kernels.pair_work_list`).
 
     Returns:
         ``(o, lse)``: ``o`` like ``q``, ``lse`` float32 ``[batch, heads, q_slots]`` (natural log). Valid

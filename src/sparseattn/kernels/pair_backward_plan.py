@@ -22,8 +22,8 @@ import numpy as np
 
 from ..constants import KPAGE_ROUTES
 from ..graph import SparseGraph
-from ..plans import TilePlan, gather_segments, kpage_route_of_block
-from .pair_work_list import pair_blocks, pair_items
+from ..plans import TilePlan, gather_segments
+from .pair_work_list import _sharing_pairs, pair_items, pair_partners  # noqa: F401 (re-exported)
 from .plan_cache import plan_of
 from .validate import KernelTypeError
 from .work_list import OWN_PAGES, VIS_HALF0
@@ -88,71 +88,6 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
         heads=graph.heads,
         stream_vis=seg_vis.astype(np.uint32),
     )
-
-
-def pair_partners(kv_rows: SparseGraph) -> tuple[np.ndarray, np.ndarray]:
-    """int64 ``(firsts [P], seconds [P])``: the K/V blocks each pair item joins (``kv_rows``: the graph's
-    transpose). Neighbours (2i, 2i + 1) both on the 64-row route first (:func:`pair_blocks`); then the
-    other 64-row blocks with live pages by the Q pages they share (:func:`_sharing_pairs`: SVG2's
-    cluster remainders, the partial blocks at a video's edges); the rest two by two in block order.
-    Every 64-row block is in at most one pair; one may be left over."""
-    firsts = pair_blocks(kv_rows)
-    live = kv_rows.q.live_pages.astype(np.int64)
-    small = (kpage_route_of_block(live) == 0) & (live > 0)
-    small[firsts] = False
-    small[firsts + 1] = False
-    shared_a, shared_b, rest = _sharing_pairs(kv_rows, np.flatnonzero(small))
-    rest = rest[: rest.size - rest.size % 2]
-    return (
-        np.concatenate([firsts, shared_a, rest[0::2]]),
-        np.concatenate([firsts + 1, shared_b, rest[1::2]]),
-    )
-
-
-#: Candidate pairs the greedy matching considers at most (those sharing the most Q pages).
-MAX_PAIR_CANDIDATES = 200_000
-
-
-def _sharing_pairs(kv_rows: SparseGraph, blocks: np.ndarray):
-    """Greedy matching of ``blocks`` (sorted K/V block ids) by the Q pages two blocks are both selected by,
-    summed over heads: the pair sharing most first, each block in one pair at most. Returns ``(a, b,
-    left)``: the pairs (a < b, in order of a) and the blocks that share no page with another free block.
-
-    A shared Q page is loaded once for both halves and its steps keep both consumer warpgroups busy; on
-    SVG2's cluster remainders this streams 0.60–0.64× the pages of the unpaired blocks, where pairing in
-    block order streams 0.90–0.96× (heads 0–2 of svg2_wan14b_720p)."""
-    import scipy.sparse as sp
-
-    n = blocks.size
-    if n < 2:
-        return blocks[:0], blocks[:0], blocks
-    heads, nb, nq = kv_rows.heads, kv_rows.q.num_blocks, kv_rows.k.num_blocks
-    q_pages = kv_rows.k.live_pages.astype(np.float64)
-    indptr, indices = kv_rows.indptr.astype(np.int64), kv_rows.indices.astype(np.int64)
-    rows, cols = [], []
-    for h in range(heads):  # columns: (head, Q block), so heads add up
-        sel, counts = gather_segments(indptr, indices, h * nb + blocks)
-        rows.append(np.repeat(np.arange(n), counts))
-        cols.append(h * nq + sel)
-    rows, cols = np.concatenate(rows), np.concatenate(cols)
-    selects = sp.csr_matrix((np.ones(rows.size), (rows, cols)), shape=(n, heads * nq))
-    weighted = sp.csr_matrix((q_pages[cols % nq], (rows, cols)), shape=(n, heads * nq))
-    shared = sp.triu(weighted @ selects.T, k=1).tocoo()
-    r, c, v = shared.row, shared.col, shared.data
-    if v.size > MAX_PAIR_CANDIDATES:
-        top = np.argpartition(-v, MAX_PAIR_CANDIDATES)[:MAX_PAIR_CANDIDATES]
-        r, c, v = r[top], c[top], v[top]
-    used = np.zeros(n, dtype=bool)
-    a, b = [], []
-    for i in np.lexsort((c, r, -v)):  # most shared first, ties in block order
-        x, y = r[i], c[i]
-        if not (used[x] or used[y]):
-            used[x] = used[y] = True
-            a.append(x)
-            b.append(y)
-    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
-    order = np.argsort(a, kind="stable")
-    return blocks[a[order]], blocks[b[order]], blocks[~used]
 
 
 def _segments(starts: np.ndarray, lengths: np.ndarray, values: np.ndarray, order: np.ndarray):
