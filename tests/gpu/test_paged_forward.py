@@ -97,15 +97,19 @@ def test_video_layout_partial_tiles(rng, poisoned, kind, route, head_dim):
 @head_dims
 def test_per_head_layouts_in_one_launch(rng, poisoned, kind, route, head_dim):
     """A HeadStack: every head has its own Q and K partitions (SVG2-like clusters) and slot count."""
+    run_case(rng, poisoned, cluster_stack(rng), kind, route, batch=2, head_dim=head_dim)
+
+
+def cluster_stack(rng, heads: int = 3) -> HeadStack:
+    """SVG2-like per-head layouts: random Q and K cluster partitions of 600-1100 tokens in 128-slot blocks
+    (cluster remainders are partial blocks), half of the block pairs selected."""
     graphs = []
-    for _ in range(3):
+    for _ in range(heads):
         n = int(rng.integers(600, 1100))
-        q_lab = rng.integers(0, int(rng.integers(3, 9)), n)
-        k_lab = rng.integers(0, int(rng.integers(4, 12)), n)
-        q, k = partition_layout(q_lab, 128), partition_layout(k_lab, 128)
-        mask = rng.random((1, q.num_blocks, k.num_blocks)) < 0.5
-        graphs.append(SparseGraph.from_block_mask(q, k, mask))
-    run_case(rng, poisoned, HeadStack.of(graphs), kind, route, batch=2, head_dim=head_dim)
+        q = partition_layout(rng.integers(0, int(rng.integers(3, 9)), n), 128)
+        k = partition_layout(rng.integers(0, int(rng.integers(4, 12)), n), 128)
+        graphs.append(SparseGraph.from_block_mask(q, k, rng.random((1, q.num_blocks, k.num_blocks)) < 0.5))
+    return HeadStack.of(graphs)
 
 
 @routes
@@ -218,10 +222,4 @@ def test_pair_route_scattered_and_per_head(rng, poisoned, head_dim, seed):
     layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)
     graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=int(rng.integers(1 << 30)))
     run_case(rng, poisoned, graph, "kpage", "pair", batch=int(rng.integers(1, 3)), head_dim=head_dim)
-    graphs = []
-    for _ in range(3):
-        n = int(rng.integers(600, 1100))
-        q = partition_layout(rng.integers(0, int(rng.integers(3, 9)), n), 128)
-        k = partition_layout(rng.integers(0, int(rng.integers(4, 12)), n), 128)
-        graphs.append(SparseGraph.from_block_mask(q, k, rng.random((1, q.num_blocks, k.num_blocks)) < 0.5))
-    run_case(rng, poisoned, HeadStack.of(graphs), "kpage", "pair", batch=2, head_dim=head_dim)
+    run_case(rng, poisoned, cluster_stack(rng), "kpage", "pair", batch=2, head_dim=head_dim)
