@@ -70,8 +70,8 @@ def paged_backward(
         if len(qs) == 4 and len(ks) == 4:  # other shapes: the kernel wrapper names the argument
             check_graph_matches(graph_or_plan, int(qs[1]), int(qs[2]), int(ks[2]))
         plan = plan_of(graph_or_plan, kind, route, owner="kv")
-        if uses_dq_pass(impl, plan):  # its Q-owned plan: the forward's (pair items are K/V-owned only)
-            dq_plan = plan_of(graph_or_plan, kind, "auto" if route == "pair" else route, owner="q")
+        if uses_dq_pass(impl, plan):
+            dq_plan = plan_of(graph_or_plan, kind, _q_owned_route(route), owner="q")
     elif not isinstance(graph_or_plan, TilePlan):
         raise KernelTypeError(
             f"graph_or_plan must be a SparseGraph or a TilePlan, got {type(graph_or_plan).__name__}"
@@ -94,6 +94,12 @@ def paged_backward(
         deterministic=deterministic,
         dq_plan=dq_plan,
     )
+
+
+def _q_owned_route(route):
+    """The route of the Q-owned plan the dQ pass runs beside a K/V-owned plan of ``route``: the same, but
+    the forward's ``"auto"`` for pair items (they are K/V-owned only)."""
+    return "auto" if route == "pair" else route
 
 
 def _head_stack_backward(
@@ -144,7 +150,7 @@ def _head_stack_backward(
     ):
 
         def stacked(owner, own_pages, stream_pages):  # the heads' plans end to end, built once per stack
-            r = "auto" if route == "pair" and owner == "q" else route  # pair items are K/V-owned only
+            r = _q_owned_route(route) if owner == "q" else route
             return cached(
                 stack,
                 (f"stacked plan {owner}", kind, r, sq, sk),

@@ -63,14 +63,14 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
     own_all[kept.size :, : own.shape[1]] = own
 
     route = np.concatenate([base.work_route[kept].astype(np.int64), np.full(info.shape[0], PAIR_ROUTE)])
-    lengths = np.concatenate([kept_len, info[:, 2]]).astype(np.int64)
-    starts = np.concatenate([np.cumsum(kept_len) - kept_len, kept_len.sum() + info[:, 1]]).astype(np.int64)
+    # the kept streams, then the pair streams, back to back: one CSR over both
+    indptr = np.concatenate([[0], np.cumsum(np.concatenate([kept_len, info[:, 2]]))]).astype(np.int64)
     pages_all = np.concatenate([kept_pages, stream])
     vis_all = np.concatenate([np.full(kept_pages.size, 3, dtype=np.uint32), vis])
 
     order = np.argsort(route, kind="stable")  # launches take work items route by route
-    seg_pages, seg_len = _segments(starts, lengths, pages_all, order)
-    seg_vis, _ = _segments(starts, lengths, vis_all, order)
+    entries, seg_len = gather_segments(indptr, np.arange(pages_all.size), order)
+    seg_pages, seg_vis = pages_all[entries], vis_all[entries]
     return TilePlan(
         kind="kpage",
         owner="kv",
@@ -88,10 +88,3 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
         heads=graph.heads,
         stream_vis=seg_vis.astype(np.uint32),
     )
-
-
-def _segments(starts: np.ndarray, lengths: np.ndarray, values: np.ndarray, order: np.ndarray):
-    """``values[starts[i] : starts[i] + lengths[i]]`` for i in ``order``, back to back, and their lengths."""
-    lens = lengths[order]
-    idx = np.repeat(starts[order] - (np.cumsum(lens) - lens), lens) + np.arange(lens.sum())
-    return values[idx], lens

@@ -22,19 +22,32 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
 from ..plans import gather_segments, kpage_route_of_block
 from .plan_cache import plan_of
 from .validate import KernelTypeError
-from .work_list import OWN_PAGES, VIS_HALF0, VIS_HALF1, WorkList, chunk_for, default_order, work_list
+from .work_list import (
+    OWN_PAGES,
+    VIS_HALF0,
+    VIS_HALF1,
+    WorkList,
+    chunk_for,
+    default_order,
+    work_list,
+    work_order,
+)
+
+
+def _small_blocks(rows: SparseGraph) -> np.ndarray:
+    """bool ``[row blocks]``: the blocks on KPage's 64-row route (1–4 live pages)."""
+    live = rows.q.live_pages.astype(np.int64)
+    return (kpage_route_of_block(live) == 0) & (live > 0)
 
 
 def pair_blocks(graph: SparseGraph) -> np.ndarray:
     """int64 ``[P]``: first Q block b of each pair (b, b + 1). Both blocks must be on the 64-row route
     (1–4 live pages); b is even."""
-    live = graph.q.live_pages.astype(np.int64)
-    small = (kpage_route_of_block(live) == 0) & (live > 0)
+    small = _small_blocks(graph)
     first = np.arange(0, graph.q.num_blocks - 1, 2)
     return first[small[first] & small[first + 1]]
 
@@ -47,8 +60,7 @@ def pair_partners(rows: SparseGraph) -> tuple[np.ndarray, np.ndarray]:
     (:func:`_sharing_pairs`: SVG2's cluster remainders, the partial blocks at a video's edges); the rest
     two by two in block order. Every 64-row block is in at most one pair; one may be left over."""
     firsts = pair_blocks(rows)
-    live = rows.q.live_pages.astype(np.int64)
-    small = (kpage_route_of_block(live) == 0) & (live > 0)
+    small = _small_blocks(rows)
     small[firsts] = False
     small[firsts + 1] = False
     shared_a, shared_b, rest = _sharing_pairs(rows, np.flatnonzero(small))
@@ -134,21 +146,18 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     kept = np.flatnonzero(keep)
     base_info = base.work_info.astype(np.int64)
     base_indptr = np.concatenate([base_info[:, 1], [base.stream_pages.size]])
-    kept_pages, kept_len = gather_segments(base_indptr, base.stream_pages.astype(np.int64), kept)
-    kept_masks, _ = gather_segments(base_indptr, base.stream_mask.astype(np.uint32), kept)
+    entries, kept_len = gather_segments(base_indptr, np.arange(base.stream_pages.size), kept)
     b_info = base_info[kept]
     b_info[:, 1] = stream.size + np.concatenate([[0], np.cumsum(kept_len)[:-1]]).astype(np.int64)
     all_info = np.concatenate([info, b_info])
     chunk = chunk_for([plan])
-    cost = all_info[:, 3] * -(-all_info[:, 2] // (chunk // PAGE_ROWS))
-    index = np.arange(all_info.shape[0])
     return WorkList(
         work_info=all_info.astype(np.int32),
-        work_order=np.lexsort((index, -cost, all_info[:, 0])).astype(np.int32),
+        work_order=work_order(all_info, chunk, "head"),
         own_pages=np.concatenate([own, base.own_pages[kept]]).astype(np.int32),
         own_mask=np.concatenate([own_mask, base.own_mask[kept]]).astype(np.uint32),
-        stream_pages=np.concatenate([stream, kept_pages]).astype(np.int32),
-        stream_mask=np.concatenate([stream_mask, kept_masks]).astype(np.uint32),
+        stream_pages=np.concatenate([stream, base.stream_pages[entries]]).astype(np.int32),
+        stream_mask=np.concatenate([stream_mask, base.stream_mask[entries]]).astype(np.uint32),
         heads=graph.heads,
         chunk=chunk,
     )
@@ -171,14 +180,9 @@ def stacked_pair_work_list(stack: HeadStack, order: str | None = None) -> WorkLi
         infos.append(info)
     info = np.concatenate(infos)
     chunk = lists[0].chunk
-    cost = info[:, 3] * -(-info[:, 2] // (chunk // PAGE_ROWS))
-    index = np.arange(info.shape[0])
-    by_head = (default_order() if order is None else order) == "head"
     return WorkList(
         work_info=info.astype(np.int32),
-        work_order=np.lexsort((index, -cost, info[:, 0] if by_head else np.zeros_like(index))).astype(
-            np.int32
-        ),
+        work_order=work_order(info, chunk, default_order() if order is None else order),
         own_pages=np.concatenate([wl.own_pages for wl in lists]).astype(np.int32),
         own_mask=np.concatenate([wl.own_mask for wl in lists]).astype(np.uint32),
         stream_pages=np.concatenate([wl.stream_pages for wl in lists]).astype(np.int32),

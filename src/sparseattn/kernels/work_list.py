@@ -191,6 +191,17 @@ def _checked_plans(plans, owner: str, what: str) -> list[TilePlan]:
     return plans
 
 
+def work_order(info: np.ndarray, chunk: int, order: str) -> np.ndarray:
+    """int32 ``[W]``: the order the persistent CTAs take the items of ``info`` (``work_info``, ``[W, 4]``):
+    largest first (M × chunks), head by head (``"head"``) or over all heads (``"cost"``), ties in item
+    order."""
+    info = info.astype(np.int64)
+    cost = info[:, 3] * -(-info[:, 2] // (chunk // PAGE_ROWS))
+    index = np.arange(info.shape[0])
+    keys = (index, -cost, info[:, 0]) if order == "head" else (index, info[:, 0], -cost)
+    return np.lexsort(keys).astype(np.int32)
+
+
 def _flatten(plans: list[TilePlan], heads_of, chunk: int, order: str) -> WorkList:
     """The plans' items, entries and row masks as one list; ``order`` as :func:`work_list`."""
     head_base = np.arange(len(plans)) if heads_of is None else np.asarray(heads_of, dtype=np.int64)
@@ -229,12 +240,9 @@ def _flatten(plans: list[TilePlan], heads_of, chunk: int, order: str) -> WorkLis
     info = np.concatenate(parts["info"]).astype(np.int64)
     if offset > np.iinfo(np.int32).max:
         raise KernelValueError(f"the plans stream {offset} pages, more than int32 indexing allows")
-    cost = info[:, 3] * -(-info[:, 2] // (chunk // PAGE_ROWS))
-    index = np.arange(info.shape[0])
-    keys = (index, -cost, info[:, 0]) if order == "head" else (index, info[:, 0], -cost)
     return WorkList(
         work_info=info.astype(np.int32),
-        work_order=np.lexsort(keys).astype(np.int32),
+        work_order=work_order(info, chunk, order),
         own_pages=np.concatenate(parts["own"]).astype(np.int32),
         own_mask=np.concatenate(parts["own_mask"]),
         stream_pages=np.concatenate(parts["stream"]).astype(np.int32),
