@@ -237,3 +237,51 @@ def test_sharing_pairs_join_blocks_selected_by_the_same_q_blocks():
     a, b, left = _sharing_pairs(graph.transpose(), blocks)
     assert list(zip(a.tolist(), b.tolist())) == [(0, 2), (1, 3)]
     assert left.tolist() == [4, 5]
+
+
+def test_pair_plans_launch_plain_items_on_the_plain_kernel():
+    """A pair plan's 128-row route is launched in two parts: the plan's own 128-row items (every entry
+    seen by both halves) on the plain warp-specialized kernel, from the first item hiding an entry on,
+    the pair kernel; a route without pair items is one launch."""
+    from sparseattn.kernels.bsa_backward import _launch_ranges, first_pair_items
+
+    layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=6)
+    plan = pair_backward_plan(graph)
+    base = plan_of(graph, "kpage", "auto", owner="kv")
+    firsts = first_pair_items(plan)
+    (s0, e0), (s1, e1) = plan.route_ranges()
+    kept_128 = int((base.work_route == PAIR_ROUTE).sum())
+    assert firsts[0] == e0 and s1 <= firsts[1] <= s1 + kept_128 < e1
+    hidden = [
+        np.any(plan.stream_vis[plan.stream_indptr[w] : plan.stream_indptr[w + 1]] != 3) for w in range(e1)
+    ]
+    assert not any(hidden[s1 : firsts[1]]) and hidden[firsts[1]]
+    ranges = list(_launch_ranges(plan, {"first_pair_item": firsts}))
+    assert (
+        ranges
+        == [(0, s0, e0, False), (1, s1, int(firsts[1]), False), (1, int(firsts[1]), e1, True)][
+            0 if e0 > s0 else 1 :
+        ]
+    )
+    assert list(_launch_ranges(base, {"first_pair_item": None})) == [
+        (r, a, b, False) for r, (a, b) in enumerate(base.route_ranges()) if b > a
+    ]
+
+
+def test_stacked_pair_plans_put_plain_items_first():
+    """Stacked per-head pair plans order each route's plain items before its pair items, so one launch of
+    the plain kernel takes every head's plain items."""
+    from sparseattn.kernels.bsa_backward import first_pair_items
+
+    layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)
+    graphs = [builders.random_graph(layout, layout, heads=1, density=0.4, seed=s) for s in (6, 7)]
+    stacked = stack_head_plans([pair_backward_plan(g) for g in graphs], layout.num_pages, layout.num_pages)
+    firsts = first_pair_items(stacked)
+    start, stop = stacked.route_ranges()[PAIR_ROUTE]
+    hidden = [
+        np.any(stacked.stream_vis[stacked.stream_indptr[w] : stacked.stream_indptr[w + 1]] != 3)
+        for w in range(start, stop)
+    ]
+    cut = int(firsts[PAIR_ROUTE]) - start
+    assert 0 < cut < len(hidden) and not any(hidden[:cut]) and all(hidden[cut:])

@@ -312,7 +312,13 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
         if paired
         else None
     )
-    order = np.argsort(route, kind="stable")  # kernels launch route by route
+    # kernels launch route by route; with pair items, a route's plain items first (they may run on a plain
+    # kernel), then its pair items (entries hidden from one half)
+    key = route.astype(np.int64)
+    if vis is not None:
+        hidden = np.concatenate([[0], np.cumsum(vis != 3)])
+        key = 2 * key + (hidden[starts + lengths] > hidden[starts])
+    order = np.argsort(key, kind="stable")
     lengths = lengths[order]
     indptr = np.concatenate([[0], np.cumsum(lengths)])
     # entry e of sorted item j comes from flat[starts[order[j]] + (e - indptr[j])]

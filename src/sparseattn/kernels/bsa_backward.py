@@ -275,6 +275,19 @@ def uncovered_k_pages(plan: TilePlan, k_pages: int) -> tuple[np.ndarray, np.ndar
     return np.nonzero(~covered)
 
 
+def first_pair_items(plan: TilePlan) -> np.ndarray:
+    """int64 ``[routes]``: per route, the first work item with an entry hidden from one half (a pair
+    item; the route's end if none). Items before it run on the plain kernel."""
+    hidden = np.concatenate([[0], np.cumsum(plan.stream_vis != 3)])
+    indptr = plan.stream_indptr.astype(np.int64)
+    has_hidden = hidden[indptr[1:]] > hidden[indptr[:-1]]
+    firsts = []
+    for start, stop in plan.route_ranges():
+        idx = np.flatnonzero(has_hidden[start:stop])
+        firsts.append(start + int(idx[0]) if idx.size else stop)
+    return np.asarray(firsts, dtype=np.int64)
+
+
 def _device_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int, device: int) -> dict:
     """Validated plan arrays on the device (validation and upload happen once per plan and sizes); the
     plan is K/V-owned (the main kernels) or Q-owned (the dQ pass)."""
@@ -291,10 +304,12 @@ def _device_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int, device:
             # pair items: some entries hidden from one half (only the pair kernel may run them); the kernel
             # reads int32 [entries][3]: the page, then the page or -1 as each owned half sees it
             arrays["pair"] = plan.stream_vis is not None and bool(np.any(plan.stream_vis != 3))
+            arrays["first_pair_item"] = None
             if arrays["pair"]:
                 pages, vis = plan.stream_pages.astype(np.int32), plan.stream_vis.astype(np.int64)
                 halves = [np.where(vis & bit, pages, -1) for bit in (1, 2)]
                 arrays["pair_pages"] = cupy.asarray(np.stack([pages, *halves], axis=1).astype(np.int32))
+                arrays["first_pair_item"] = first_pair_items(plan)
         per_plan[key] = arrays
     return per_plan[key]
 
@@ -319,17 +334,31 @@ def _fixed_point_bound(do, v, k, arrays: dict, head_dim: int):
     return absmax
 
 
-def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scale, extra=()) -> None:
-    """One launch per non-empty route of ``plan``: ``kernel_of(owned_rows)`` gives ``(fn, smem, threads)``;
-    arguments: ``tensors``, the plan's device arrays, the route's first item, heads, slots, scales,
-    ``extra``. ``sizes``: (batch, heads, q_slots, k_slots)."""
-    b, h, sq, sk = sizes
-    own_stride = np.int32(plan.own_pages.shape[1])
-    scale_log2 = np.float32(scale * math.log2(math.e))
+def _launch_ranges(plan: TilePlan, arrays: dict):
+    """(route, start, stop, pair) per launch: one per non-empty route; a route whose items include pair
+    items (entries hidden from one half) is split where the first such item starts, so that the items
+    before it run on the plain kernel and only the rest on the pair kernel."""
+    first_pair = arrays.get("first_pair_item")
     for route, (start, stop) in enumerate(plan.route_ranges()):
         if stop <= start:
             continue
-        fn, smem, threads, *own_extra = kernel_of(plan.routes[route][0])  # (..., extra) overrides extra
+        cut = stop if first_pair is None else min(max(int(first_pair[route]), start), stop)
+        if cut > start:
+            yield route, start, cut, False
+        if cut < stop:
+            yield route, cut, stop, True
+
+
+def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scale, extra=()) -> None:
+    """One launch per non-empty route of ``plan`` (two where pair items start inside a route):
+    ``kernel_of(owned_rows, pair)`` gives ``(fn, smem, threads)``; arguments: ``tensors``, the plan's
+    device arrays, the launch's first item, heads, slots, scales, ``extra``. ``sizes``: (batch, heads,
+    q_slots, k_slots)."""
+    b, h, sq, sk = sizes
+    own_stride = np.int32(plan.own_pages.shape[1])
+    scale_log2 = np.float32(scale * math.log2(math.e))
+    for route, start, stop, pair in _launch_ranges(plan, arrays):
+        fn, smem, threads, *own_extra = kernel_of(plan.routes[route][0], pair)  # (..., extra) overrides extra
         launch.prepare(fn, smem)
         fn(
             (stop - start, b),
@@ -362,7 +391,7 @@ def _dq_pass(q, k, v, do, lse, delta, dq, dq_plan: TilePlan, sizes, scale) -> No
     b, _, sq, d = (int(x) for x in q.shape)
     arrays = _device_plan(dq_plan, q_pages, k_pages, h, device)
 
-    def dq_kernel(owned_rows):
+    def dq_kernel(owned_rows, pair=False):
         fn = launch.function(WGMMA_SOURCE, dq_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS)
         return fn, dq_smem_bytes(d, owned_rows), dq_threads_per_cta(owned_rows)
 
@@ -499,7 +528,7 @@ def bsa_backward(
         lanes = rows * (d // 8)
         pre((-(-lanes // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), (o, do, delta, np.int64(rows)))
 
-        def main_kernel(owned_rows):
+        def main_kernel(owned_rows, pair=False):
             if impl == "mma":
                 fn = launch.function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
                 return fn, smem_bytes(d, owned_rows), threads_per_cta(owned_rows)
