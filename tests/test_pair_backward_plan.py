@@ -285,3 +285,69 @@ def test_stacked_pair_plans_put_plain_items_first():
     ]
     cut = int(firsts[PAIR_ROUTE]) - start
     assert 0 < cut < len(hidden) and not any(hidden[:cut]) and all(hidden[cut:])
+
+
+def test_launch_order_groups_launches_and_runs_each_tail_longest_first():
+    """Items sorted by launch key (stable: head by head, block order), then each launch's last ``tail``
+    items longest first, so no long item starts among the last of a launch."""
+    from sparseattn.plans import launch_order
+
+    key = np.array([1, 0, 1, 0, 0, 1, 0, 1])
+    lengths = np.array([5, 1, 9, 7, 3, 2, 8, 4])
+    order = launch_order(key, lengths, tail=2)
+    # key 0: items 1, 3, 4, 6 -> head 1, 3, then the tail (4, 6) longest first: 6, 4
+    # key 1: items 0, 2, 5, 7 -> 0, 2, then (5, 7) longest first: 7, 5
+    np.testing.assert_array_equal(order, [1, 3, 6, 4, 0, 2, 7, 5])
+    whole = launch_order(key, lengths, tail=10)
+    np.testing.assert_array_equal(whole, [6, 3, 4, 1, 2, 0, 7, 5])
+    np.testing.assert_array_equal(launch_order(key, lengths, tail=0), np.argsort(key, kind="stable"))
+
+
+def test_pair_plans_run_each_launch_tail_longest_first():
+    """The pair plan and stacked pair plans keep their launches (route, then plain before pair items) and
+    order each launch's last items longest first; the emulation still equals the reference."""
+    from sparseattn.kernels.bsa_backward import _launch_ranges, first_pair_items
+
+    layout = video_layout((7, 9, 11), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=8)
+    plan = pair_backward_plan(graph)
+    lengths = plan.stream_lengths()
+    from sparseattn.plans import TAIL_ITEMS
+
+    for _, start, stop, _ in _launch_ranges(plan, {"first_pair_item": first_pair_items(plan)}):
+        tail = lengths[max(start, stop - TAIL_ITEMS) : stop]
+        assert np.all(np.diff(tail) <= 0)
+    got, ref = _gradients(plan, graph, np.random.default_rng(8))
+    _assert_close(got, ref, graph)
+
+
+@pytest.mark.parametrize(
+    "block_size, impl, deterministic, expected",
+    [
+        (64, None, False, "pair"),
+        (64, "wgmma_ws", False, "pair"),
+        (64, None, True, "auto"),
+        (64, "mma", False, "auto"),
+        (128, None, False, "auto"),
+    ],
+    ids=["64-rows", "64-rows-ws", "64-rows-deterministic", "64-rows-mma", "128-rows"],
+)
+def test_backward_auto_route_pairs_64_row_blocks(block_size, impl, deterministic, expected):
+    """KPage's backward ``route="auto"`` runs pair items where the K/V layout has 64-row blocks and the
+    default kernel runs; ``executed pairs`` follow the resolved route; BSA and explicit routes are kept."""
+    from sparseattn.graph import HeadStack
+    from sparseattn.kernels.backward import backward_executed_pairs, backward_route
+
+    layout = video_layout((8, 8, 8), (4, 4, 4) if block_size == 64 else (4, 4, 8), block_size=block_size)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=1)
+    assert backward_route(graph, "kpage", "auto", impl, deterministic) == expected
+    assert backward_route(graph, "kpage", 1, impl, deterministic) == 1
+    assert backward_route(graph, "bsa", "auto", impl, deterministic) == "auto"
+    if not deterministic:
+        assert backward_executed_pairs(graph, 128, "kpage", impl) == backward_executed_pairs(
+            graph, 128, "kpage", impl, route=expected
+        )
+    big_layout = video_layout((8, 8, 8), (4, 4, 8), block_size=128)  # full 128-row blocks only
+    big = builders.random_graph(big_layout, big_layout, heads=1, density=0.4, seed=2)
+    stack = HeadStack.of([graph.select_heads([0]), big])
+    assert backward_route(stack, "kpage", "auto", impl, deterministic) == expected

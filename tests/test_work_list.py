@@ -160,18 +160,24 @@ def test_backward_work_list_refuses_forward_plans():
 @pytest.mark.parametrize("impl", ["wgmma", "wgmma_qsplit", "wgmma_ws", "mma"])
 def test_backward_executed_pairs_count_the_kernel_steps(impl):
     """The backward's executed pairs: owned rows × streamed rows rounded up to the kernel's step, between
-    the useful pairs and the plan's tile count; a HeadStack counts every head."""
-    from sparseattn.kernels.backward import backward_executed_pairs
+    the useful pairs and the plan's tile count; a HeadStack counts every head. (The warp-specialized
+    kernels' ``route="auto"`` runs these 64-row blocks as pair items: counted as that route.)"""
+    from sparseattn.kernels.backward import backward_executed_pairs, backward_route
 
     layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
     graph = builders.random_graph(layout, layout, heads=2, density=0.3, seed=3)
     plan = kpage_plan(graph, owner="kv")
+    if backward_route(graph, "kpage", "auto", impl) == "pair":
+        assert impl in ("wgmma", "wgmma_ws")
+        paired = backward_executed_pairs(graph, 128, "kpage", impl)
+        assert paired == backward_executed_pairs(graph, 128, "kpage", impl, route="pair")
+        impl = "wgmma_sync"  # the per-block plan on the wgmma kernel's steps
     got = backward_executed_pairs(graph, 128, "kpage", impl)
     _, i, j = graph.pairs
     assert int((layout.valid_rows[i] * layout.valid_rows[j]).sum()) <= got <= plan.physical_pairs()
     # streamed rows per step at d = 128, by owned tile height (paged_bwd.cu / bsa_bwd.cu)
     steps = {
-        "wgmma": {64: 64, 128: 64},
+        "wgmma_sync": {64: 64, 128: 64},
         "wgmma_qsplit": {64: 128, 128: 64},
         "wgmma_ws": {64: 64, 128: 64},
         "mma": {64: 32, 128: 64},
@@ -326,3 +332,28 @@ def test_pair_union_order_and_tags(seed):
             want += [p * nkb + blk for blk in sorted(part)]
             want_tags += [tag] * len(part)
     assert union.tolist() == want and tags.tolist() == want_tags
+
+
+def test_forward_auto_route_pairs_where_pages_shrink_enough():
+    """KPage's forward ``route="auto"`` takes the pair list where it streams at most
+    ``PAIR_FORWARD_MAX_PAGES`` of the per-block routes' pages (neighbouring cubes selecting nearly the
+    same windows), and keeps the per-block routes on random selections (a pair shares few pages) and on
+    128-row blocks; ``executed_pairs`` follow the resolved route."""
+    from sparseattn.kernels.forward import PAIR_FORWARD_MAX_PAGES, _work_of, forward_route, work_of
+
+    layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
+    mask = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
+    for i in range(layout.num_blocks):
+        mask[:, i, max(0, i - 6) : i + 7] = True
+    window = SparseGraph.from_block_mask(layout, layout, mask)
+    scattered = builders.random_graph(layout, layout, heads=2, density=0.3, seed=4)
+    big_layout = video_layout((8, 8, 8), (4, 4, 8), block_size=128)
+    big = builders.random_graph(big_layout, big_layout, heads=2, density=0.4, seed=2)
+    for graph, expected in ((window, "pair"), (scattered, "auto"), (big, "auto")):
+        assert forward_route(graph) == expected
+        ratio = _work_of(graph, "kpage", "pair").stream_pages.size / _work_of(graph, "kpage", "auto").stream_pages.size
+        assert (ratio <= PAIR_FORWARD_MAX_PAGES) == (expected == "pair")
+        assert work_of(graph) is _work_of(graph, "kpage", expected)
+        assert executed_pairs(graph) == executed_pairs(graph, "kpage", expected)
+        assert forward_route(graph, "kpage", 1) == 1 and forward_route(graph, "bsa") == "auto"
+    assert forward_route(HeadStack.of([window.select_heads([0]), window.select_heads([1])])) == "pair"

@@ -287,9 +287,9 @@ def bench_paged(
     of the same plan kind (K/V-owned, :mod:`sparseattn.kernels.backward`), once per ``(impl,
     deterministic)`` of ``bwd_impls`` (impl ``None``: ``SPARSEATTN_BWD_IMPL`` or the default); each record
     names its kernel. A ``bwd`` record's ``physical_pairs`` are the backward plan's (its kernel's step)."""
-    from .kernels.backward import backward_executed_pairs, paged_backward
+    from .kernels.backward import backward_executed_pairs, backward_route, paged_backward
     from .kernels.bsa_backward import default_impl
-    from .kernels.forward import executed_pairs, paged_forward
+    from .kernels.forward import executed_pairs, forward_route, paged_forward
 
     g = case.graph
     o, lse = paged_forward(case.q, case.k, case.v, g, scale=case.scale, kind=kind, route=route)
@@ -314,11 +314,12 @@ def bench_paged(
                 physical_pairs=physical,
                 rel_err_o=rel,
                 correct=None if rel is None else bool(rel < O_REL_TOL),
+                route=str(forward_route(g, kind, route)),
             )
         )
     for impl, deterministic in bwd_impls:
         name = impl or default_impl()
-        bwd_physical = backward_executed_pairs(g, case.d, kind, name, route=route) * case.b
+        bwd_physical = backward_executed_pairs(g, case.d, kind, name, route, deterministic) * case.b
 
         def backward(o2=o, l2=lse, impl=impl, deterministic=deterministic):
             paged_backward(
@@ -347,7 +348,10 @@ def bench_paged(
             if pass_ not in passes:
                 continue
             label = dict(
-                bwd_impl=name + ("+deterministic" if deterministic else ""), deterministic=deterministic
+                bwd_impl=name + ("+deterministic" if deterministic else ""),
+                deterministic=deterministic,
+                route=str(forward_route(g, kind, route)),
+                bwd_route=str(backward_route(g, kind, route, name, deterministic)),
             )
             try:
                 ms, _ = timer(fn)

@@ -52,6 +52,24 @@ def gather_segments(indptr: np.ndarray, values: np.ndarray, segments: np.ndarray
     return values[np.repeat(starts - seg_first, lengths) + np.arange(total, dtype=np.int64)], lengths
 
 
+#: Work items at the end of each launch that run longest first: CTAs start in item order, so a long item
+#: among the last would run alone while the other SMs idle (about eight waves of a 132-SM GPU).
+TAIL_ITEMS = 1024
+
+
+def launch_order(key: np.ndarray, lengths: np.ndarray, tail: int = TAIL_ITEMS) -> np.ndarray:
+    """int64 permutation of work items: sorted by ``key`` (one launch per key value; stable, so items keep
+    their order, head by head), then each launch's last ``tail`` items sorted by stream length, longest
+    first. ``key``, ``lengths``: ``[W]``."""
+    order = np.argsort(np.asarray(key), kind="stable")
+    k, lengths = np.asarray(key)[order], np.asarray(lengths)[order]
+    ends = np.flatnonzero(np.diff(k, append=np.inf)) + 1  # one past each launch's last item
+    for end in ends:
+        start = end - min(tail, end - (np.searchsorted(k, k[end - 1], side="left")))
+        order[start:end] = order[start:end][np.argsort(-lengths[start:end], kind="stable")]
+    return order
+
+
 def _live_page_csr(layout: BlockLayout):
     """CSR over blocks of the live page ids of each block."""
     live = layout.page_live
@@ -269,8 +287,9 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
             tensors' slots / 16; at least each head's layout).
 
     Returns:
-        a :class:`TilePlan` with ``heads == 1``, its work items sorted by route; ``stream_vis`` set when
-        any plan has pair items (entries of the others: seen by both halves).
+        a :class:`TilePlan` with ``heads == 1``, its work items in :func:`launch_order` by route (with
+        pair items: a route's plain items, then its pair items); ``stream_vis`` set when any plan has
+        pair items (entries of the others: seen by both halves).
     """
     plans = list(plans)
     if not plans:
@@ -313,12 +332,12 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
         else None
     )
     # kernels launch route by route; with pair items, a route's plain items first (they may run on a plain
-    # kernel), then its pair items (entries hidden from one half)
+    # kernel), then its pair items (entries hidden from one half); each launch's tail longest first
     key = route.astype(np.int64)
     if vis is not None:
         hidden = np.concatenate([[0], np.cumsum(vis != 3)])
         key = 2 * key + (hidden[starts + lengths] > hidden[starts])
-    order = np.argsort(key, kind="stable")
+    order = launch_order(key, lengths)
     lengths = lengths[order]
     indptr = np.concatenate([[0], np.cumsum(lengths)])
     # entry e of sorted item j comes from flat[starts[order[j]] + (e - indptr[j])]

@@ -350,14 +350,16 @@ def _launch_ranges(plan: TilePlan, arrays: dict):
 
 
 def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scale, extra=()) -> None:
-    """One launch per non-empty route of ``plan`` (two where pair items start inside a route):
+    """One launch per non-empty route of ``plan`` (two where pair items start inside a route), side by
+    side (:func:`~.launch.side_by_side`), the one streaming the most pages last:
     ``kernel_of(owned_rows, pair)`` gives ``(fn, smem, threads)``; arguments: ``tensors``, the plan's
     device arrays, the launch's first item, heads, slots, scales, ``extra``. ``sizes``: (batch, heads,
     q_slots, k_slots)."""
     b, h, sq, sk = sizes
     own_stride = np.int32(plan.own_pages.shape[1])
     scale_log2 = np.float32(scale * math.log2(math.e))
-    for route, start, stop, pair in _launch_ranges(plan, arrays):
+
+    def one(route, start, stop, pair):
         fn, smem, threads, *own_extra = kernel_of(plan.routes[route][0], pair)  # (..., extra) overrides extra
         launch.prepare(fn, smem)
         fn(
@@ -382,6 +384,11 @@ def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scal
             ),
             shared_mem=smem,
         )
+
+    ranges = sorted(
+        _launch_ranges(plan, arrays), key=lambda r: int(plan.stream_indptr[r[2]]) - int(plan.stream_indptr[r[1]])
+    )
+    launch.side_by_side([lambda r=r: one(*r) for r in ranges])
 
 
 def _dq_pass(q, k, v, do, lse, delta, dq, dq_plan: TilePlan, sizes, scale) -> None:

@@ -115,13 +115,52 @@ _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _RESOLVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def work_of(graph_or_plan, kind: str = "kpage", route="auto") -> WorkList:
-    """The work list of a graph, HeadStack (or list of per-head graphs), plan, list of single-head
-    plans or work list; built once per graph / plan. Index ranges against tensors: :func:`resolve_work`."""
+#: KPage's ``route="auto"`` runs the pair route (64-row Q blocks joined two by two) where its work list
+#: streams at most this fraction of the K/V pages of the per-block routes. Measured at ad52a35 (H200,
+#: forward): VSA 480p streams 0.63x the pages paired and ran 5.64 against 6.11 ms; SVG2 (0.92x) ran
+#: 78.6 against 75.7 ms and ssta (0.98x) 31.5 against 29.8 ms: a paired step computes both halves, so a
+#: small page saving does not pay for it.
+PAIR_FORWARD_MAX_PAGES = 0.75
+
+
+def forward_route(graph_or_plan, kind: str = "kpage", route="auto"):
+    """The route a forward of ``graph_or_plan`` runs: ``route``, except that KPage's ``"auto"`` on a
+    graph or HeadStack becomes ``"pair"`` where the pair work list streams at most
+    :data:`PAIR_FORWARD_MAX_PAGES` of the pages of the per-block routes (both lists are built once and
+    cached)."""
     obj = graph_or_plan
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
         obj = HeadStack.of(obj)
-    if route == "pair":  # 64-row Q blocks joined two by two into 128-row items (opt-in)
+    if route != "auto" or kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
+        return route
+    return cached(obj, ("forward route", kind), lambda: _pair_if_fewer_pages(obj, kind))
+
+
+def _pair_if_fewer_pages(obj, kind: str):
+    per_block = _work_of(obj, kind, "auto")
+    pages = per_block.work_info[:, 2].astype(np.int64)
+    total = int(pages.sum())
+    small = int(pages[per_block.work_info[:, 3] == 64].sum())
+    # a pair streams the union of its two blocks' pages: at least half their sum, so pairing can at best
+    # halve the 64-row items' pages; skip building the pair list where even that is not enough
+    if total == 0 or total - small / 2 > PAIR_FORWARD_MAX_PAGES * total:
+        return "auto"
+    paired = int(_work_of(obj, kind, "pair").work_info[:, 2].astype(np.int64).sum())
+    return "pair" if paired <= PAIR_FORWARD_MAX_PAGES * total else "auto"
+
+
+def work_of(graph_or_plan, kind: str = "kpage", route="auto") -> WorkList:
+    """The work list of a graph, HeadStack (or list of per-head graphs), plan, list of single-head
+    plans or work list; built once per graph / plan. ``route="auto"`` resolves by
+    :func:`forward_route`. Index ranges against tensors: :func:`resolve_work`."""
+    return _work_of(graph_or_plan, kind, forward_route(graph_or_plan, kind, route))
+
+
+def _work_of(graph_or_plan, kind: str, route) -> WorkList:
+    obj = graph_or_plan
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
+        obj = HeadStack.of(obj)
+    if route == "pair":  # 64-row Q blocks joined two by two into 128-row items
         if kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
             raise KernelValueError("route='pair' runs KPage on a SparseGraph or a HeadStack")
         build = pair_work_list if isinstance(obj, SparseGraph) else stacked_pair_work_list

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..constants import KPAGE_ROUTES
 from ..graph import SparseGraph
-from ..plans import TilePlan, gather_segments
+from ..plans import TilePlan, gather_segments, launch_order
 from .pair_work_list import _sharing_pairs, pair_items, pair_partners  # noqa: F401 (re-exported)
 from .plan_cache import plan_of
 from .validate import KernelTypeError
@@ -37,9 +37,10 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
     pair items (:func:`pair_partners`; see the module docstring); the other items are the plan's.
 
     Returns:
-        a :class:`TilePlan` (owner ``"kv"``, KPage routes) whose ``stream_vis`` is set; work items sorted
-        by route, the plan's own 128-row items first, then the pair items head by head in block order
-        (neighbouring items share most of their Q pages, so they meet in L2).
+        a :class:`TilePlan` (owner ``"kv"``, KPage routes) whose ``stream_vis`` is set; work items in
+        :func:`~sparseattn.plans.launch_order` by route, the plan's own 128-row items first, then the pair
+        items head by head in block order (neighbouring items share most of their Q pages, so they meet in
+        L2), each launch's last items longest first.
     """
     if not isinstance(graph, SparseGraph):
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
@@ -68,7 +69,10 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
     pages_all = np.concatenate([kept_pages, stream])
     vis_all = np.concatenate([np.full(kept_pages.size, 3, dtype=np.uint32), vis])
 
-    order = np.argsort(route, kind="stable")  # launches take work items route by route
+    # one launch per route, and a route's plain items (no entry hidden from a half) on the plain kernel
+    hidden = np.concatenate([[0], np.cumsum(vis_all != 3)])
+    key = 2 * route + (hidden[indptr[1:]] > hidden[indptr[:-1]])
+    order = launch_order(key, np.diff(indptr))
     entries, seg_len = gather_segments(indptr, np.arange(pages_all.size), order)
     seg_pages, seg_vis = pages_all[entries], vis_all[entries]
     return TilePlan(

@@ -38,16 +38,17 @@ from .work_list import (
 )
 
 
-def _small_blocks(rows: SparseGraph) -> np.ndarray:
-    """bool ``[row blocks]``: the blocks on KPage's 64-row route (1–4 live pages)."""
-    live = rows.q.live_pages.astype(np.int64)
+def small_blocks(layout) -> np.ndarray:
+    """bool ``[blocks]``: the blocks of a :class:`~sparseattn.layouts.BlockLayout` on KPage's 64-row
+    route (1–4 live pages): the blocks pair items join."""
+    live = layout.live_pages.astype(np.int64)
     return (kpage_route_of_block(live) == 0) & (live > 0)
 
 
 def pair_blocks(graph: SparseGraph) -> np.ndarray:
     """int64 ``[P]``: first Q block b of each pair (b, b + 1). Both blocks must be on the 64-row route
     (1–4 live pages); b is even."""
-    small = _small_blocks(graph)
+    small = small_blocks(graph.q)
     first = np.arange(0, graph.q.num_blocks - 1, 2)
     return first[small[first] & small[first + 1]]
 
@@ -60,7 +61,7 @@ def pair_partners(rows: SparseGraph) -> tuple[np.ndarray, np.ndarray]:
     (:func:`_sharing_pairs`: SVG2's cluster remainders, the partial blocks at a video's edges); the rest
     two by two in block order. Every 64-row block is in at most one pair; one may be left over."""
     firsts = pair_blocks(rows)
-    small = _small_blocks(rows)
+    small = small_blocks(rows.q)
     small[firsts] = False
     small[firsts + 1] = False
     shared_a, shared_b, rest = _sharing_pairs(rows, np.flatnonzero(small))
