@@ -351,7 +351,10 @@ def test_forward_auto_route_pairs_where_pages_shrink_enough():
     big = builders.random_graph(big_layout, big_layout, heads=2, density=0.4, seed=2)
     for graph, expected in ((window, "pair"), (scattered, "auto"), (big, "auto")):
         assert forward_route(graph) == expected
-        ratio = _work_of(graph, "kpage", "pair").stream_pages.size / _work_of(graph, "kpage", "auto").stream_pages.size
+        ratio = (
+            _work_of(graph, "kpage", "pair").stream_pages.size
+            / _work_of(graph, "kpage", "auto").stream_pages.size
+        )
         assert (ratio <= PAIR_FORWARD_MAX_PAGES) == (expected == "pair")
         assert work_of(graph) is _work_of(graph, "kpage", expected)
         assert executed_pairs(graph) == executed_pairs(graph, "kpage", expected)

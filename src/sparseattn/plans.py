@@ -70,6 +70,20 @@ def launch_order(key: np.ndarray, lengths: np.ndarray, tail: int = TAIL_ITEMS) -
     return order
 
 
+def first_pair_items(plan: "TilePlan") -> np.ndarray:
+    """int64 ``[routes]``: per route, the first work item with an entry hidden from one half (a pair
+    item; the route's end if none). Items before it run on the plain kernel, the rest on the pair
+    kernel (plans with ``stream_vis``)."""
+    hidden = np.concatenate([[0], np.cumsum(plan.stream_vis != 3)])
+    indptr = plan.stream_indptr.astype(np.int64)
+    has_hidden = hidden[indptr[1:]] > hidden[indptr[:-1]]
+    firsts = []
+    for start, stop in plan.route_ranges():
+        idx = np.flatnonzero(has_hidden[start:stop])
+        firsts.append(start + int(idx[0]) if idx.size else stop)
+    return np.asarray(firsts, dtype=np.int64)
+
+
 def _live_page_csr(layout: BlockLayout):
     """CSR over blocks of the live page ids of each block."""
     live = layout.page_live
@@ -332,11 +346,18 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
         else None
     )
     # kernels launch route by route; with pair items, a route's plain items first (they may run on a plain
-    # kernel), then its pair items (entries hidden from one half); each launch's tail longest first
+    # kernel), then its pair items: each head's items keep the launch its own plan gives them
+    # (first_pair_items); each launch's tail longest first
     key = route.astype(np.int64)
     if vis is not None:
-        hidden = np.concatenate([[0], np.cumsum(vis != 3)])
-        key = 2 * key + (hidden[starts + lengths] > hidden[starts])
+        in_pair_launch = []
+        for p in plans:
+            item = np.arange(p.num_work)
+            if p.stream_vis is None:
+                in_pair_launch.append(np.zeros(p.num_work, dtype=bool))
+            else:
+                in_pair_launch.append(item >= first_pair_items(p)[p.work_route.astype(np.int64)])
+        key = 2 * key + np.concatenate(in_pair_launch)
     order = launch_order(key, lengths)
     lengths = lengths[order]
     indptr = np.concatenate([[0], np.cumsum(lengths)])

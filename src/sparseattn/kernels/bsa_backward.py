@@ -49,7 +49,7 @@ import weakref
 import numpy as np
 
 from ..constants import PAGE_ROWS
-from ..plans import TilePlan
+from ..plans import TilePlan, first_pair_items
 from . import launch
 from .plan_cache import PlanCache
 from .validate import (
@@ -275,19 +275,6 @@ def uncovered_k_pages(plan: TilePlan, k_pages: int) -> tuple[np.ndarray, np.ndar
     return np.nonzero(~covered)
 
 
-def first_pair_items(plan: TilePlan) -> np.ndarray:
-    """int64 ``[routes]``: per route, the first work item with an entry hidden from one half (a pair
-    item; the route's end if none). Items before it run on the plain kernel."""
-    hidden = np.concatenate([[0], np.cumsum(plan.stream_vis != 3)])
-    indptr = plan.stream_indptr.astype(np.int64)
-    has_hidden = hidden[indptr[1:]] > hidden[indptr[:-1]]
-    firsts = []
-    for start, stop in plan.route_ranges():
-        idx = np.flatnonzero(has_hidden[start:stop])
-        firsts.append(start + int(idx[0]) if idx.size else stop)
-    return np.asarray(firsts, dtype=np.int64)
-
-
 def _device_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int, device: int) -> dict:
     """Validated plan arrays on the device (validation and upload happen once per plan and sizes); the
     plan is K/V-owned (the main kernels) or Q-owned (the dQ pass)."""
@@ -386,7 +373,8 @@ def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scal
         )
 
     ranges = sorted(
-        _launch_ranges(plan, arrays), key=lambda r: int(plan.stream_indptr[r[2]]) - int(plan.stream_indptr[r[1]])
+        _launch_ranges(plan, arrays),
+        key=lambda r: int(plan.stream_indptr[r[2]]) - int(plan.stream_indptr[r[1]]),
     )
     launch.side_by_side([lambda r=r: one(*r) for r in ranges])
 

@@ -134,4 +134,3 @@ def side_by_side(launches) -> None:
             go()
     launches[-1]()
     current.wait_event(side.record())
-
