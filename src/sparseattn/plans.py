@@ -70,7 +70,7 @@ def launch_order(key: np.ndarray, lengths: np.ndarray, tail: int = TAIL_ITEMS) -
     return order
 
 
-def first_pair_items(plan: "TilePlan") -> np.ndarray:
+def first_pair_items(plan: TilePlan) -> np.ndarray:
     """int64 ``[routes]``: per route, the first work item with an entry hidden from one half (a pair
     item; the route's end if none). Items before it run on the plain kernel, the rest on the pair
     kernel (plans with ``stream_vis``)."""
