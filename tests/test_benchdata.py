@@ -165,6 +165,18 @@ def test_kpage_speed_figure_hatches_the_pair_route_where_it_ran(tmp_path):
     assert not [b for b in fwdbwd.patches if b.get_hatch()]
 
 
+def test_kpage_run_is_the_newest_commits_most_complete(tmp_path):
+    """A later, shorter repeat (same commit, fewer workloads) does not replace the commit's full run; a
+    newer commit's run does."""
+    full = BASELINES + KPAGE
+    short = [r for r in full if r["workload"] == "vsa_wan14b_720p"]
+    _write_run(tmp_path, "full.json", "2026-11-29T18:00:00+00:00", full)
+    _write_run(tmp_path, "repeat.json", "2026-11-29T19:00:00+00:00", short)
+    assert speedplots.pick_kpage_run(find_runs(tmp_path)).path.name == "full.json"
+    _write_run(tmp_path, "newer.json", "2026-11-29T20:00:00+00:00", short, commit="c" * 40)
+    assert speedplots.pick_kpage_run(find_runs(tmp_path)).path.name == "newer.json"
+
+
 def test_kpage_speed_figure_without_kpage_says_so(tmp_path):
     _write_run(tmp_path, "only_baselines.json", "2026-11-29T18:00:00+00:00", BASELINES)
     run = speedplots.pick_kpage_run(find_runs(tmp_path))

@@ -36,13 +36,28 @@ PAPER_PW_SPEEDUP = 1.70
 
 def pick_kpage_run(runs) -> BenchRun | None:
     """The newest run with KPage forward and forward+backward records and a baseline; else the newest run
-    with KPage and a baseline; else the newest run with any baseline (no KPage yet)."""
+    with KPage and a baseline; else the newest run with any baseline (no KPage yet). Among runs of the
+    chosen run's commit that qualify alike, the one with KPage records on the most workloads (a shorter
+    repeat of a few workloads does not replace the full run)."""
     both = [r for r in runs if all(r.has("kpage", (p,)) for p in ("fwd", "fwdbwd"))]
-    return (
-        pick_run(both, all_of=("kpage",), any_of=KPAGE_BASELINES, passes=KPAGE_PASSES)
-        or pick_run(runs, all_of=("kpage",), any_of=KPAGE_BASELINES, passes=KPAGE_PASSES)
-        or pick_run(runs, any_of=RATE_IMPLS, passes=KPAGE_PASSES)
-    )
+    for pool, kwargs in (
+        (both, dict(all_of=("kpage",), any_of=KPAGE_BASELINES)),
+        (runs, dict(all_of=("kpage",), any_of=KPAGE_BASELINES)),
+        (runs, dict(any_of=RATE_IMPLS)),
+    ):
+        run = pick_run(pool, passes=KPAGE_PASSES, **kwargs)
+        if run is not None:
+            alike = [
+                r for r in pool if r.commit == run.commit and pick_run([r], passes=KPAGE_PASSES, **kwargs)
+            ]
+            return max(alike, key=lambda r: (len(_kpage_workloads(r)), r is run))
+    return None
+
+
+def _kpage_workloads(run: BenchRun) -> set[str]:
+    """Workloads with a usable record of KPage (or, without KPage, of any rate baseline) in any pass."""
+    impls = ("kpage",) if run.has("kpage") else RATE_IMPLS
+    return {w for i in impls for p in KPAGE_PASSES for w in run.usable(i, p)}
 
 
 def pick_pageweaver_run(runs) -> BenchRun | None:
