@@ -52,7 +52,8 @@ from .kernels.validate import bf16_bits_to_float
 
 DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "svg2_wan14b_720p", "sta_hunyuan_117f")
 IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "vsa_kernel", "kpage_pair")
-#: Opt-in implementations (run only when named with --impl): kpage_pair is KPage's experimental pair route.
+#: Opt-in implementations (run only when named with --impl): kpage_pair forces KPage's pair route in both
+#: passes (``kpage`` takes it where ``route="auto"`` does).
 OPT_IN_IMPLS = ("kpage_pair",)
 PASSES = ("fwd", "bwd", "fwdbwd")
 TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel")
@@ -629,7 +630,7 @@ def add_arguments(parser) -> None:
         "--impl",
         action="append",
         choices=IMPLS,
-        help="implementations (default: all available but the opt-in kpage_pair, KPage's experimental pair route)",
+        help="implementations (default: all available but the opt-in kpage_pair, KPage's forced pair route)",
     )
     parser.add_argument(
         "--pass", dest="passes", action="append", choices=PASSES, help="passes (default: fwd)"

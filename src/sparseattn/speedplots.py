@@ -20,7 +20,7 @@ KPAGE_BASELINES = ("bsa", "flex", "vsa_kernel")
 #: Implementations drawn as useful TFLOP/s while a run has no KPage records.
 RATE_IMPLS = ("bsa", "bsa_mma", "bsa_wgmma", "flex", "vsa_kernel")
 KPAGE_PASSES = ("fwd", "bwd", "fwdbwd")
-#: KPage's bars: its default routes, then (hatched, where the run has them) its opt-in pair route.
+#: KPage's bars: its default routes, then (hatched, where the run has them) its forced pair route.
 PAIR_SERIES = ("kpage", "kpage_pair")
 #: PageWeaver complete-call speedups: the union kernels over the per-query paths.
 PW_UNIONS = ("pageweaver_union", "kv_page_union")
@@ -111,7 +111,7 @@ def _panel_values(run: BenchRun, workloads, impl: str, pass_: str, value):
 
 def kpage_speed_figure(run: BenchRun | None, path=None) -> Figure:
     """KPage forward, backward and forward+backward speedups (one panel per pass the run has) over BSA,
-    FlexAttention and the VSA kernel per workload, from one run, with KPage's opt-in pair route hatched
+    FlexAttention and the VSA kernel per workload, from one run, with KPage's forced pair route hatched
     where the run has it; a run without KPage records shows the baselines' useful TFLOP/s instead and
     says that KPage is missing."""
     if run is None:
@@ -191,7 +191,7 @@ def _kpage_panel_series(run: BenchRun, workloads, pass_: str, impls, has_kpage: 
             )
             label = f"vs {figstyle.impl_label(impl)}" if has_kpage else figstyle.impl_label(impl)
             colour = figstyle.COLORS.get(impl, figstyle.OKABE_ITO["grey"])
-            if kpage_impl != "kpage":  # the opt-in pair route: hatched, where it ran
+            if kpage_impl != "kpage":  # the forced pair route: hatched, where it ran
                 if any(math.isfinite(v) for v in values):
                     series.append((f"pair route {label}", colour, values, "///"))
                 continue

@@ -51,8 +51,9 @@ def kpage_attention(q, k, v, graph, route="auto", scale=None, deterministic=Fals
         q, k, v: torch bf16 CUDA tensors ``[batch, heads, slots, d]`` in ``graph``'s slot layouts.
         graph: a :class:`~sparseattn.graph.SparseGraph` (its plans are built once and cached).
         route: KPage route (``"auto"``, 0 = 64×256, 1 = 128×128, or ``"pair"``: 64-row blocks joined
-            two by two in both passes, opt-in, not with ``deterministic``; the fast route for VSA's
-            64-blocks); scale: default ``1/sqrt(d)``.
+            two by two in both passes, not with ``deterministic``; ``"auto"`` takes them where they pay:
+            the backward on 64-row K/V blocks, the forward on VSA-like selections); scale: default
+            ``1/sqrt(d)``.
         deterministic: gradients bit-identical from run to run (the Q-owned dQ pass, or dQ added in
             64-bit fixed point).
     """

@@ -53,8 +53,9 @@ def paged_backward(
             :class:`TilePlan`, or a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
             layouts; one launch per route on the stacked per-head plans).
         route: KPage's routes (``"auto"``, 0, 1), or ``"pair"``: 64-row K/V blocks joined two by two into
-            128-row pair items (:mod:`sparseattn.kernels.pair_backward_plan`; opt-in, per head on a
-            HeadStack, the default ``impl`` without ``deterministic``).
+            128-row pair items (:mod:`sparseattn.kernels.pair_backward_plan`; per head on a HeadStack,
+            the default ``impl`` without ``deterministic``). ``"auto"`` takes pair items where
+            :func:`backward_route` says so (64-row K/V blocks, the default kernel).
         scale, out, impl, deterministic: as :func:`sparseattn.kernels.bsa_backward.bsa_backward`
             (``impl``: ``"wgmma"`` (default), another wgmma variant or the ``"mma"`` main kernel;
             ``deterministic``: dQ bit-identical from run to run, by the Q-owned dQ pass or fixed-point

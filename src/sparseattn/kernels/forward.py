@@ -381,8 +381,9 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
         scale: softmax scale (default ``1/sqrt(d)``).
         out: optional ``(o, lse)`` to write into.
         kind, route: which plan a graph runs (``route``: ``"auto"``, 0 = 64×256, 1 = 128×128; or
-            ``"pair"``, opt-in (5.6% faster on VSA 720p): KPage with 64-row Q blocks joined two by
-            two into 128-row items, per head on a HeadStack, :mod:`sparseattn.kernels.pair_work_list`).
+            ``"pair"``: KPage with 64-row Q blocks joined two by two into 128-row items, per head on a
+            HeadStack, :mod:`sparseattn.kernels.pair_work_list`; ``"auto"`` takes it where
+            :func:`forward_route` says so).
 
     Returns:
         ``(o, lse)``: ``o`` like ``q``, ``lse`` float32 ``[batch, heads, q_slots]`` (natural log). Valid
