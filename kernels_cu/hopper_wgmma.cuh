@@ -284,14 +284,19 @@ __device__ __forceinline__ uint32_t column_bits(const uint32_t* page_masks, int 
 
 // This thread's part of the online softmax over one key tile (KEYS columns, rows g and g + 8 of its
 // warp's 16): invalid key columns -> -inf; running max (quad-reduced) and this lane's partial sums
-// updated; S replaced by exp2(S·scale_log2 − max·scale_log2); alpha[r] rescales O.
+// updated; S replaced by exp2(S·scale_log2 − max·scale_log2); alpha[r] rescales O. A tile whose columns
+// are all valid for this thread (full pages) skips the masking selects (about a quarter of the
+// softmax's instructions).
 template <int KEYS>
 __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], uint32_t col_bits, float scale_log2,
                                                float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2]) {
+    constexpr uint32_t kAllColumns = KEYS / 4 >= 32 ? 0xffffffffu : (1u << (KEYS / 4)) - 1u;
+    if (col_bits != kAllColumns) {
 #pragma unroll
-    for (int j = 0; j < KEYS / 8; ++j) {
-        if (!((col_bits >> (2 * j)) & 1u)) { s[4 * j] = -INFINITY; s[4 * j + 2] = -INFINITY; }
-        if (!((col_bits >> (2 * j + 1)) & 1u)) { s[4 * j + 1] = -INFINITY; s[4 * j + 3] = -INFINITY; }
+        for (int j = 0; j < KEYS / 8; ++j) {
+            if (!((col_bits >> (2 * j)) & 1u)) { s[4 * j] = -INFINITY; s[4 * j + 2] = -INFINITY; }
+            if (!((col_bits >> (2 * j + 1)) & 1u)) { s[4 * j + 1] = -INFINITY; s[4 * j + 3] = -INFINITY; }
+        }
     }
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
