@@ -48,8 +48,8 @@ ACCEPTED_SPILLS = {
         "d=128 / 128-block backward at 255 registers; every spill-free tiling measured on the H200 "
         "ran about 14% slower (data/bench/NOTES_bsa_bwd.md)",
     ),
-    # the opt-in pair backward (route="pair"): its consumers need 240 registers (at 232 they spill or
-    # ptxas serializes their wgmmas), which leaves the producer 24
+    # the pair backward (what route="auto" runs on 64-row K/V blocks): its consumers need 240 registers
+    # (at 232 they spill or ptxas serializes their wgmmas), which leaves the producer 24
     "paged_bwd_ws_kernel<128, true>": AcceptedSpill(
         20,
         20,
