@@ -351,3 +351,31 @@ def test_backward_auto_route_pairs_64_row_blocks(block_size, impl, deterministic
     big = builders.random_graph(big_layout, big_layout, heads=1, density=0.4, seed=2)
     stack = HeadStack.of([graph.select_heads([0]), big])
     assert backward_route(stack, "kpage", "auto", impl, deterministic) == expected
+
+
+def test_pair_launch_starts_with_an_item_hiding_an_entry():
+    """The pair kernel's launch starts at the first item hiding an entry (``first_pair_items``); the plan
+    puts such an item first, so pair items whose entries both halves see stay in the pair launch instead
+    of running at the end of the plain one."""
+    from sparseattn.kernels.pair_work_list import pair_partners, small_blocks
+    from sparseattn.plans import first_pair_items, hidden_item_first
+
+    key = np.array([2, 3, 3, 3, 3, 3])
+    hidden = np.array([False, False, False, True, False, True])
+    np.testing.assert_array_equal(hidden_item_first(np.arange(6), key, hidden), [0, 3, 1, 2, 4, 5])
+    np.testing.assert_array_equal(hidden_item_first(np.arange(6), key, ~hidden & (key == 2)), np.arange(6))
+
+    # two partial (64-row) K/V blocks every Q block selects: their pair item hides nothing and streams the
+    # most pages, so it sorts first among the pair items
+    layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)
+    mask = np.random.default_rng(0).random((2, layout.num_blocks, layout.num_blocks)) < 0.3
+    mask[:, :, np.flatnonzero(small_blocks(layout))[:2]] = True
+    graph = SparseGraph.from_block_mask(layout, layout, mask)
+    plan = pair_backward_plan(graph)
+    firsts, _ = pair_partners(graph.transpose())
+    is_pair = np.isin(plan.work_block, firsts) & (plan.work_route == PAIR_ROUTE)
+    start, stop = plan.route_ranges()[PAIR_ROUTE]
+    cut = int(first_pair_items(plan)[PAIR_ROUTE])
+    assert not is_pair[start:cut].any() and is_pair[cut:stop].all()
+    got, ref = _gradients(plan, graph, np.random.default_rng(1))
+    _assert_close(got, ref, graph)

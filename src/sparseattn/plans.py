@@ -70,6 +70,25 @@ def launch_order(key: np.ndarray, lengths: np.ndarray, tail: int = TAIL_ITEMS) -
     return order
 
 
+def hidden_item_first(order: np.ndarray, key: np.ndarray, has_hidden: np.ndarray) -> np.ndarray:
+    """``order`` (a :func:`launch_order`) with, in each launch of odd ``key`` (a route's pair items), the
+    first item that hides an entry from one half moved to the launch's front. :func:`first_pair_items`
+    starts the pair kernel's launch at that item, so any item before it would run at the end of the
+    plain launch: in ssta's plan the longest pair item (6980 Q pages) did, and its launch then ran
+    that one item alone at the end. ``key``, ``has_hidden``: ``[W]``, by item."""
+    order = np.array(order)
+    k = np.asarray(key)[order]
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    for start, stop in zip(starts, np.r_[starts[1:], k.size]):
+        if k[start] % 2 == 0:
+            continue
+        hits = np.flatnonzero(np.asarray(has_hidden)[order[start:stop]])
+        if hits.size and hits[0] > 0:
+            j = start + int(hits[0])
+            order[start : j + 1] = np.r_[order[j], order[start:j]]
+    return order
+
+
 def first_pair_items(plan: TilePlan) -> np.ndarray:
     """int64 ``[routes]``: per route, the first work item with an entry hidden from one half (a pair
     item; the route's end if none). Items before it run on the plain kernel, the rest on the pair
@@ -359,6 +378,9 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
                 in_pair_launch.append(item >= first_pair_items(p)[p.work_route.astype(np.int64)])
         key = 2 * key + np.concatenate(in_pair_launch)
     order = launch_order(key, lengths)
+    if vis is not None:
+        hidden = np.concatenate([[0], np.cumsum(vis != 3)])
+        order = hidden_item_first(order, key, hidden[starts + lengths] > hidden[starts])
     lengths = lengths[order]
     indptr = np.concatenate([[0], np.cumsum(lengths)])
     # entry e of sorted item j comes from flat[starts[order[j]] + (e - indptr[j])]
