@@ -360,3 +360,17 @@ def test_forward_auto_route_pairs_where_pages_shrink_enough():
         assert executed_pairs(graph) == executed_pairs(graph, "kpage", expected)
         assert forward_route(graph, "kpage", 1) == 1 and forward_route(graph, "bsa") == "auto"
     assert forward_route(HeadStack.of([window.select_heads([0]), window.select_heads([1])])) == "pair"
+
+
+@pytest.mark.parametrize("case", [c for c in SMALL_CASES if "B32" not in c and "B16" not in c])
+def test_per_block_stream_pages_count_the_auto_list(case, seed):
+    """``per_block_stream_pages`` (counted from the graph, for the forward's route choice) equals the
+    per-block work list's streamed pages, all and on 64-row items, for a graph and a HeadStack."""
+    from sparseattn.kernels.forward import _work_of, per_block_stream_pages
+
+    q_lay, k_lay = small_layouts(case)
+    graph = make_graph(q_lay, k_lay, heads=3, density=0.4, seed=seed)
+    for obj in (graph, HeadStack.of([graph.select_heads([0]), graph.select_heads([2])])):
+        work = _work_of(obj, "kpage", "auto")
+        pages = work.work_info[:, 2].astype(np.int64)
+        assert per_block_stream_pages(obj) == (int(pages.sum()), int(pages[work.work_info[:, 3] == 64].sum()))

@@ -26,8 +26,9 @@ import weakref
 
 import numpy as np
 
+from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
-from ..plans import TilePlan
+from ..plans import TilePlan, kpage_route_of_block
 from . import launch
 from .pair_work_list import pair_work_list, stacked_pair_work_list
 from .plan_cache import cached, check_graph_matches, plan_of
@@ -136,11 +137,28 @@ def forward_route(graph_or_plan, kind: str = "kpage", route="auto"):
     return cached(obj, ("forward route", kind), lambda: _pair_if_fewer_pages(obj, kind))
 
 
+def per_block_stream_pages(graph_or_stack) -> tuple[int, int]:
+    """``(all, 64-row)``: K/V pages the per-block KPage routes stream (``route="auto"``'s work list:
+    every owned tile of a Q block streams the live pages of the blocks it selects), over all items and
+    over the 64-row items; counted from the graph without building the list."""
+    graphs = graph_or_stack.graphs if isinstance(graph_or_stack, HeadStack) else (graph_or_stack,)
+    total = small = 0
+    for g in graphs:
+        live_q = g.q.live_pages.astype(np.int64)
+        on_64 = kpage_route_of_block(live_q) == 0
+        rows = np.where(on_64, 64, 128)
+        tiles = np.where(g.q.valid_rows > 0, -(-live_q * PAGE_ROWS // rows), 0)
+        streamed = np.bincount(
+            g.row_of_nnz, weights=g.k.live_pages[g.indices].astype(np.float64), minlength=g.num_rows
+        ).astype(np.int64)
+        per_row = np.tile(tiles, g.heads) * streamed
+        total += int(per_row.sum())
+        small += int(per_row[np.tile(on_64, g.heads)].sum())
+    return total, small
+
+
 def _pair_if_fewer_pages(obj, kind: str):
-    per_block = _work_of(obj, kind, "auto")
-    pages = per_block.work_info[:, 2].astype(np.int64)
-    total = int(pages.sum())
-    small = int(pages[per_block.work_info[:, 3] == 64].sum())
+    total, small = per_block_stream_pages(obj)
     # a pair streams the union of its two blocks' pages: at least half their sum, so pairing can at best
     # halve the 64-row items' pages; skip building the pair list where even that is not enough
     if total == 0 or total - small / 2 > PAIR_FORWARD_MAX_PAGES * total:
