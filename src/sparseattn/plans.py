@@ -89,13 +89,19 @@ def hidden_item_first(order: np.ndarray, key: np.ndarray, has_hidden: np.ndarray
     return order
 
 
+def items_hiding_an_entry(stream_vis: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """bool ``[W]``: whether item w's stream entries ``starts[w] .. stops[w]`` include one hidden from a
+    row half (``stream_vis`` ≠ 3: a pair item's)."""
+    hidden = np.concatenate([[0], np.cumsum(np.asarray(stream_vis) != 3)])
+    return hidden[stops] > hidden[starts]
+
+
 def first_pair_items(plan: TilePlan) -> np.ndarray:
     """int64 ``[routes]``: per route, the first work item with an entry hidden from one half (a pair
     item; the route's end if none). Items before it run on the plain kernel, the rest on the pair
     kernel (plans with ``stream_vis``)."""
-    hidden = np.concatenate([[0], np.cumsum(plan.stream_vis != 3)])
     indptr = plan.stream_indptr.astype(np.int64)
-    has_hidden = hidden[indptr[1:]] > hidden[indptr[:-1]]
+    has_hidden = items_hiding_an_entry(plan.stream_vis, indptr[:-1], indptr[1:])
     firsts = []
     for start, stop in plan.route_ranges():
         idx = np.flatnonzero(has_hidden[start:stop])
@@ -202,6 +208,19 @@ class TilePlan:
         }
 
 
+def row_work(graph: SparseGraph, own_layout: BlockLayout, own_count, stream_count, tile_rows):
+    """Per CSR row of ``graph`` (rows are owner blocks, head-major): ``(owned pages, owner tiles,
+    streamed pages)``, int64 ``[rows]`` each. ``own_count`` / ``stream_count``: pages each owner / streamed
+    block contributes (``[blocks]``); ``tile_rows``: owned rows per tile of each row (``[rows]``). A row
+    without valid rows has no tiles; every tile streams the pages of all the blocks its row selects."""
+    own_block = np.arange(graph.num_rows, dtype=np.int64) % own_layout.num_blocks
+    owned = np.asarray(own_count, dtype=np.int64)[own_block]
+    tiles = np.where(own_layout.valid_rows[own_block] > 0, -(-owned * PAGE_ROWS // tile_rows), 0)
+    weights = np.asarray(stream_count, dtype=np.float64)[graph.indices]
+    streamed = np.bincount(graph.row_of_nnz, weights=weights, minlength=graph.num_rows).astype(np.int64)
+    return owned, tiles, streamed
+
+
 def _build(
     kind: str,
     owner: str,
@@ -217,17 +236,13 @@ def _build(
     nb_own = own_layout.num_blocks
     rows = np.arange(graph.num_rows, dtype=np.int64)
     own_block = rows % nb_own
-    own_count = own_csr[0][own_block + 1] - own_csr[0][own_block]
-    has_rows = own_layout.valid_rows[own_block] > 0
     routes_arr = np.asarray(routes, dtype=np.int64)
-    m = routes_arr[route_of_row, 0]
-    tiles_per_row = np.where(has_rows, -(-own_count * PAGE_ROWS // m), 0)
+    own_count, tiles_per_row, row_stream_len = row_work(
+        graph, own_layout, np.diff(own_csr[0]), np.diff(stream_csr[0]), routes_arr[route_of_row, 0]
+    )
 
     # stream pages of every row: concatenation of the streamed pages of each selected block
-    stream_of_nnz, len_of_nnz = gather_segments(stream_csr[0], stream_csr[1], graph.indices.astype(np.int64))
-    row_stream_len = np.bincount(graph.row_of_nnz, weights=len_of_nnz, minlength=graph.num_rows).astype(
-        np.int64
-    )
+    stream_of_nnz, _ = gather_segments(stream_csr[0], stream_csr[1], graph.indices.astype(np.int64))
     row_stream_indptr = np.concatenate([[0], np.cumsum(row_stream_len)])
 
     # one work item per (row, owner tile)
@@ -379,8 +394,7 @@ def stack_head_plans(plans, own_pages: int, stream_pages: int) -> TilePlan:
         key = 2 * key + np.concatenate(in_pair_launch)
     order = launch_order(key, lengths)
     if vis is not None:
-        hidden = np.concatenate([[0], np.cumsum(vis != 3)])
-        order = hidden_item_first(order, key, hidden[starts + lengths] > hidden[starts])
+        order = hidden_item_first(order, key, items_hiding_an_entry(vis, starts, starts + lengths))
     lengths = lengths[order]
     indptr = np.concatenate([[0], np.cumsum(lengths)])
     # entry e of sorted item j comes from flat[starts[order[j]] + (e - indptr[j])]

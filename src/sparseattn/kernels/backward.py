@@ -115,11 +115,15 @@ def backward_route(graph_or_stack, kind: str = "kpage", route="auto", impl=None,
         return route
     if (default_impl() if impl is None else impl) not in ("wgmma", "wgmma_ws"):
         return route
-    graphs = graph_or_stack.graphs if isinstance(graph_or_stack, HeadStack) else (graph_or_stack,)
-    pairable = any(
-        isinstance(g, SparseGraph) and int(np.count_nonzero(small_blocks(g.k))) >= 2 for g in graphs
+    return (
+        "pair" if cached(graph_or_stack, "pairable K/V blocks", lambda: _pairable(graph_or_stack)) else route
     )
-    return "pair" if pairable else route
+
+
+def _pairable(graph_or_stack) -> bool:
+    """Whether some K/V layout of a graph or HeadStack has two or more 64-row blocks."""
+    graphs = graph_or_stack.graphs if isinstance(graph_or_stack, HeadStack) else (graph_or_stack,)
+    return any(isinstance(g, SparseGraph) and int(np.count_nonzero(small_blocks(g.k))) >= 2 for g in graphs)
 
 
 def _q_owned_route(route):

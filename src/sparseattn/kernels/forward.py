@@ -26,9 +26,9 @@ import weakref
 
 import numpy as np
 
-from ..constants import PAGE_ROWS
+from ..constants import KPAGE_ROUTES
 from ..graph import HeadStack, SparseGraph
-from ..plans import TilePlan, kpage_route_of_block
+from ..plans import TilePlan, kpage_route_of_block, row_work
 from . import launch
 from .pair_work_list import pair_work_list, stacked_pair_work_list
 from .plan_cache import cached, check_graph_matches, plan_of
@@ -124,14 +124,19 @@ _RESOLVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 PAIR_FORWARD_MAX_PAGES = 0.75
 
 
+def _as_stack(obj):
+    """A list or tuple of per-head graphs as a :class:`HeadStack`; anything else as it is."""
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
+        return HeadStack.of(obj)
+    return obj
+
+
 def forward_route(graph_or_plan, kind: str = "kpage", route="auto"):
     """The route a forward of ``graph_or_plan`` runs: ``route``, except that KPage's ``"auto"`` on a
     graph or HeadStack becomes ``"pair"`` where the pair work list streams at most
     :data:`PAIR_FORWARD_MAX_PAGES` of the pages of the per-block routes (both lists are built once and
     cached)."""
-    obj = graph_or_plan
-    if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
-        obj = HeadStack.of(obj)
+    obj = _as_stack(graph_or_plan)
     if route != "auto" or kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
         return route
     return cached(obj, ("forward route", kind), lambda: _pair_if_fewer_pages(obj, kind))
@@ -144,16 +149,13 @@ def per_block_stream_pages(graph_or_stack) -> tuple[int, int]:
     graphs = graph_or_stack.graphs if isinstance(graph_or_stack, HeadStack) else (graph_or_stack,)
     total = small = 0
     for g in graphs:
-        live_q = g.q.live_pages.astype(np.int64)
-        on_64 = kpage_route_of_block(live_q) == 0
-        rows = np.where(on_64, 64, 128)
-        tiles = np.where(g.q.valid_rows > 0, -(-live_q * PAGE_ROWS // rows), 0)
-        streamed = np.bincount(
-            g.row_of_nnz, weights=g.k.live_pages[g.indices].astype(np.float64), minlength=g.num_rows
-        ).astype(np.int64)
-        per_row = np.tile(tiles, g.heads) * streamed
+        route = np.tile(kpage_route_of_block(g.q.live_pages), g.heads)
+        _, tiles, streamed = row_work(
+            g, g.q, g.q.live_pages, g.k.live_pages, np.asarray(KPAGE_ROUTES)[route, 0]
+        )
+        per_row = tiles * streamed
         total += int(per_row.sum())
-        small += int(per_row[np.tile(on_64, g.heads)].sum())
+        small += int(per_row[route == 0].sum())
     return total, small
 
 
@@ -175,9 +177,7 @@ def work_of(graph_or_plan, kind: str = "kpage", route="auto") -> WorkList:
 
 
 def _work_of(graph_or_plan, kind: str, route) -> WorkList:
-    obj = graph_or_plan
-    if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
-        obj = HeadStack.of(obj)
+    obj = _as_stack(graph_or_plan)
     if route == "pair":  # 64-row Q blocks joined two by two into 128-row items
         if kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
             raise KernelValueError("route='pair' runs KPage on a SparseGraph or a HeadStack")
@@ -232,9 +232,7 @@ def resolve_work(graph_or_plan, kind: str, route, heads: int, q_slots: int, k_sl
 
 def _resolve_work(graph_or_plan, kind: str, route, heads: int, q_slots: int, k_slots: int) -> WorkList:
     q_pages, k_pages = pages_of("q", q_slots), pages_of("k", k_slots)
-    obj = graph_or_plan
-    if isinstance(obj, (list, tuple)) and obj and all(isinstance(g, SparseGraph) for g in obj):
-        obj = HeadStack.of(obj)
+    obj = _as_stack(graph_or_plan)
     if isinstance(obj, SparseGraph):
         check_graph_matches(obj, heads, q_slots, k_slots)
     elif isinstance(obj, HeadStack):

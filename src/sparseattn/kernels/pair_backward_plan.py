@@ -22,7 +22,7 @@ import numpy as np
 
 from ..constants import KPAGE_ROUTES
 from ..graph import SparseGraph
-from ..plans import TilePlan, gather_segments, hidden_item_first, launch_order
+from ..plans import TilePlan, gather_segments, hidden_item_first, items_hiding_an_entry, launch_order
 from .pair_work_list import _sharing_pairs, pair_items, pair_partners  # noqa: F401 (re-exported)
 from .plan_cache import plan_of
 from .validate import KernelTypeError
@@ -73,10 +73,9 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
     # then every pair item, also those whose entries both halves see (measured at d02a471: moving those
     # to the plain kernel made VSA 480p's backward 21.3 instead of 20.3 ms)
     is_pair = np.concatenate([np.zeros(kept.size, dtype=np.int64), np.ones(info.shape[0], dtype=np.int64)])
-    hidden = np.concatenate([[0], np.cumsum(vis_all != 3)])
     key = 2 * route + is_pair
     order = hidden_item_first(
-        launch_order(key, np.diff(indptr)), key, hidden[indptr[1:]] > hidden[indptr[:-1]]
+        launch_order(key, np.diff(indptr)), key, items_hiding_an_entry(vis_all, indptr[:-1], indptr[1:])
     )
     entries, seg_len = gather_segments(indptr, np.arange(pages_all.size), order)
     seg_pages, seg_vis = pages_all[entries], vis_all[entries]
