@@ -195,16 +195,42 @@ __device__ __forceinline__ void store_ds(uint32_t tdS, const uint32_t (&pds)[PB_
 }
 
 // This warp's dQ rows (16 streamed rows, 64 head-dim columns from col0) into a staged fp32 page whose
-// rows are ROW_FLOATS apart.
+// rows are ROW_FLOATS apart. Unpadded rows (ROW_FLOATS = HEAD_DIM, a multiple of 32 floats) all start on
+// bank 0, and a half-warp's st.shared.v2 covers rows g = 0-3 (or 4-7): storing the same 32-byte column
+// block j in all four would hit the same 8 banks. So in store j a thread writes column block j ^ (g & 3)
+// instead: four blocks, 32 distinct banks. Its fragments are first permuted to match by two conditional
+// swaps of register blocks (bits 0 and 1 of g); the page's contents are the same.
 template <int HEAD_DIM, int ROW_FLOATS = HEAD_DIM>
 __device__ __forceinline__ void stage_dq_page(uint32_t page, const float (&dq)[32], int col0, int g, int t4) {
+    constexpr bool kXor = ROW_FLOATS % 32 == 0;
+    float v[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = dq[i];
+    if constexpr (kXor) {
+#pragma unroll
+        for (int bit = 1; bit <= 2; bit <<= 1) {
+            const bool swap = (g & bit) != 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j & bit) continue;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float a = v[4 * j + e], b = v[4 * (j ^ bit) + e];
+                    v[4 * j + e] = swap ? b : a;
+                    v[4 * (j ^ bit) + e] = swap ? a : b;
+                }
+            }
+        }
+    }
+    const uint32_t xg = kXor ? static_cast<uint32_t>(g & 3) : 0u;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
+        const uint32_t block = static_cast<uint32_t>(j) ^ xg;  // v[4j ..] holds column block j ^ (g & 3)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const uint32_t addr = page + ((g + 8 * half) * ROW_FLOATS + col0 + 8 * j + 2 * t4) * 4u;
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + 2 * half]),
-                         "f"(dq[4 * j + 2 * half + 1])
+            const uint32_t addr = page + ((g + 8 * half) * ROW_FLOATS + col0 + 8 * block + 2 * t4) * 4u;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[4 * j + 2 * half]),
+                         "f"(v[4 * j + 2 * half + 1])
                          : "memory");
         }
     }
@@ -517,8 +543,9 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
 // division of labour instead of block-wide barriers. 384 threads:
 // * producer warpgroup (registers lowered): warp 0 gathers each step's 4 Q pages, warp 1 its 4 dO pages
 //   (cp.async into a 2-stage ring, completion tracked on the stage's full mbarrier); warp 3 adds each
-//   step's staged fp32 dQ rows to dq_accum with one cp.reduce.async.bulk per row (the staging rows are
-//   padded against bank conflicts; PAIR: per contiguous page), then frees the staging buffer; warp 2 idles;
+//   step's staged fp32 dQ pages to dq_accum with one cp.reduce.async.bulk per contiguous page (the
+//   consumers' stores are ordered against bank conflicts, stage_dq_page), then frees the staging buffer;
+//   warp 2 idles;
 // * the consumers stage the next step's LSE₂ (warpgroup 0) and Δ (warpgroup 1) themselves, 64 threads
 //   each, ordered by the per-step named barrier: racecheck does not see the mbarrier hand-off of plain
 //   shared-memory stores (it reported the producer-written version of these rows as 1536-hazard races);
@@ -552,11 +579,11 @@ struct Config {
     static constexpr int kKBytes = kBlockK * HEAD_DIM * 2;         // K or V (owned)
     static constexpr int kQBytes = PB_Q_ROWS * HEAD_DIM * 2;       // one Q or dO stage
     static constexpr int kSBytes = kBlockK * PB_Q_ROWS * 2;        // one dSᵀ buffer
-    // dQ staging: 64 fp32 rows. Without PAIR each row is padded by 32 bytes, so that the 16 lanes of a
-    // half-warp's st.shared.v2 (rows g = 0-3) hit 32 distinct banks (unpadded, every row starts on bank 0:
-    // 4-way conflicts), and warp 3 reduces row by row: ssta's and sta's backward 6-7% faster. PAIR keeps
-    // contiguous pages and one reduction per page: its DRAM-bound VSA items ran 2% slower per row.
-    static constexpr bool kDqRowStaging = !PAIR;
+    // dQ staging: 64 fp32 rows in contiguous pages, one bulk reduction per page; stage_dq_page orders its
+    // stores so that a half-warp's four rows hit 32 distinct banks. kDqRowStaging (v7, 482476a): rows
+    // padded by 32 bytes instead, reduced row by row (64 bulk operations per step instead of 4); kept
+    // for the A/B against the ordered stores.
+    static constexpr bool kDqRowStaging = false;
     static constexpr int kDqRowFloats = kDqRowStaging ? HEAD_DIM + 8 : HEAD_DIM;
     static constexpr int kDqRowBytes = kDqRowFloats * 4;
     static constexpr int kDqBytes = PB_Q_ROWS * kDqRowBytes;
