@@ -249,8 +249,15 @@ def _build(
     work_row = np.repeat(rows, tiles_per_row)
     work_tile = np.arange(work_row.size) - np.repeat(np.cumsum(tiles_per_row) - tiles_per_row, tiles_per_row)
     work_route = route_of_row[work_row]
-    # sort: by route, then longest stream first (largest work first balances the grid)
-    order = np.lexsort((work_tile, work_row, -row_stream_len[work_row], work_route))
+    if owner == "kv":
+        # the backward's grid takes items in plan order: by route, head by head (the CTAs running at once
+        # share one head's Q and dO in L2), longest stream first within a head, and each route's last
+        # items longest first (launch_order)
+        order = np.lexsort((work_tile, work_row, -row_stream_len[work_row], work_row // nb_own, work_route))
+        order = order[launch_order(work_route[order], row_stream_len[work_row[order]])]
+    else:
+        # by route, then longest stream first (largest work first balances the grid)
+        order = np.lexsort((work_tile, work_row, -row_stream_len[work_row], work_route))
     work_row, work_tile, work_route = work_row[order], work_tile[order], work_route[order]
 
     max_own = int(routes_arr[:, 0].max()) // PAGE_ROWS
