@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -5,7 +7,7 @@ from hypothesis import strategies as st
 
 from sparseattn.graph import GraphError, SparseGraph
 from sparseattn.layouts import partition_layout, slot_layout, video_layout
-from sparseattn.plans import PlanError, bsa_plan, gather_segments, kpage_plan
+from sparseattn.plans import PlanError, bsa_plan, full_pages_first, gather_segments, kpage_plan
 
 
 def _layout(valid_rows_per_block, block_size):
@@ -124,6 +126,30 @@ def test_plans_stream_exactly_the_live_pages(rows_q, rows_k, seed, route):
     # streamed page count per work item = live pages of the selected blocks of its Q block
     expect = np.array([k.live_pages[g.row(h, b)].sum() for h, b in zip(p.work_head, p.work_block)])
     np.testing.assert_array_equal(p.stream_lengths(), expect)
+    # each item streams its blocks' live pages in block order, full pages before partial ones
+    live = np.flatnonzero(k.page_live)
+    for i, (h, b) in enumerate(zip(p.work_head, p.work_block)):
+        pages = live[np.isin(live // (k.block_size // 16), g.row(h, b))]
+        full = k.page_mask[pages] == 0xFFFF
+        stream = p.stream_pages[p.stream_indptr[i] : p.stream_indptr[i + 1]]
+        np.testing.assert_array_equal(stream, np.concatenate([pages[full], pages[~full]]))
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    lengths=st.lists(st.integers(0, 20), max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_full_pages_first_is_a_stable_partition_per_item(lengths, seed):
+    rng = np.random.default_rng(seed)
+    mask = np.where(rng.random(30) < 0.3, rng.integers(0, 0xFFFF, 30), 0xFFFF).astype(np.uint16)
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    pages = rng.integers(0, 30, int(indptr[-1]))
+    out = full_pages_first(pages, indptr, mask)
+    for a, b in itertools.pairwise(indptr):
+        seg = pages[a:b]
+        full = mask[seg] == 0xFFFF
+        np.testing.assert_array_equal(out[a:b], np.concatenate([seg[full], seg[~full]]))
 
 
 def test_partition_layout_graph_plan():

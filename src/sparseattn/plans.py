@@ -27,6 +27,8 @@ from .layouts import BlockLayout
 
 OWNERS = ("q", "kv")
 INT32_MAX = np.iinfo(np.int32).max
+#: Row mask of a page whose 16 rows are all valid.
+FULL_PAGE_MASK = (1 << PAGE_ROWS) - 1
 
 
 class PlanError(ValueError):
@@ -208,6 +210,29 @@ class TilePlan:
         }
 
 
+def full_pages_first(
+    stream_pages: np.ndarray, stream_indptr: np.ndarray, page_mask: np.ndarray
+) -> np.ndarray:
+    """``stream_pages`` with every item's full pages first and its partial pages last, each group in
+    stream order. A key chunk of full pages needs no column masking in the forward kernels' softmax;
+    grouping the partial pages (one per cluster or block end) masks a few chunks per item instead of
+    nearly all. ``stream_indptr``: ``[items + 1]`` offsets; ``page_mask``: uint16 ``[pages]``."""
+    partial = np.asarray(page_mask)[stream_pages] != FULL_PAGE_MASK
+    if not partial.any():
+        return stream_pages
+    lengths = np.diff(stream_indptr)
+    starts = np.repeat(stream_indptr[:-1], lengths)
+    full = ~partial
+    full_upto = np.concatenate([[0], np.cumsum(full)])  # full entries before each stream position
+    full_rank = full_upto[:-1] - np.repeat(full_upto[stream_indptr[:-1]], lengths)
+    item_full = np.repeat(full_upto[stream_indptr[1:]] - full_upto[stream_indptr[:-1]], lengths)
+    entry = np.arange(stream_pages.size) - starts
+    position = starts + np.where(full, full_rank, item_full + entry - full_rank)
+    out = np.empty_like(stream_pages)
+    out[position] = stream_pages
+    return out
+
+
 def row_work(graph: SparseGraph, own_layout: BlockLayout, own_count, stream_count, tile_rows):
     """Per CSR row of ``graph`` (rows are owner blocks, head-major): ``(owned pages, owner tiles,
     streamed pages)``, int64 ``[rows]`` each. ``own_count`` / ``stream_count``: pages each owner / streamed
@@ -271,6 +296,8 @@ def _build(
 
     stream_pages, stream_len = gather_segments(row_stream_indptr, stream_of_nnz, work_row)
     stream_indptr = np.concatenate([[0], np.cumsum(stream_len)])
+    if kind == "kpage" and owner == "q":
+        stream_pages = full_pages_first(stream_pages, stream_indptr, stream_layout.page_mask)
     if stream_indptr[-1] > INT32_MAX:
         raise PlanError(
             f"plan streams {int(stream_indptr[-1])} pages, more than int32 indexing allows; "
