@@ -1,0 +1,143 @@
+"""CPU counts behind the session-20 notes (NOTES_kpage_fwd.md v9 and VSA; NOTES_kpage_bwd.md svg2).
+
+    PYTHONPATH=src python data/bench/counts_s20_occupancy.py masked svg2_wan14b_720p 4
+    PYTHONPATH=src python data/bench/counts_s20_occupancy.py forward vsa_wan14b_480p 8
+    PYTHONPATH=src python data/bench/counts_s20_occupancy.py backward svg2_wan14b_720p 4
+
+* ``masked``: the share of the forward work list's 128-key chunks holding a partial page (the chunks
+  the softmax masks), as built and with every item's full pages first.
+* ``forward``: useful / executed pairs of the forward work list, owned-row and streamed-key occupancy.
+* ``backward``: executed / useful pairs of the K/V-owned backward, the owned tiles' occupancy, and a
+  greedy count of K/V-owned tiles packed at page granularity across blocks (not built).
+"""
+
+import sys
+
+import numpy as np
+
+from sparseattn.graph import HeadStack
+from sparseattn.kernels.backward import backward_executed_pairs, backward_route
+from sparseattn.kernels.forward import work_of
+from sparseattn.kernels.plan_cache import plan_of
+from sparseattn.workloads import get_workload
+
+POPCOUNT = np.unpackbits(np.arange(1 << 16, dtype=">u2").view(np.uint8)).reshape(-1, 16).sum(1)
+
+
+def graphs_of(name: str, heads: int) -> list:
+    built = get_workload(name).build(heads=heads)
+    return built if isinstance(built, list) else [built.select_heads([h]) for h in range(built.heads)]
+
+
+def useful_pairs(g) -> int:
+    return int((g.q.valid_rows[g.row_of_nnz % g.q.num_blocks] * g.k.valid_rows[g.indices]).sum())
+
+
+def entries(wl):
+    """(item of each entry, stream index of each entry, position within the item)."""
+    info = wl.work_info.astype(np.int64)
+    lengths = info[:, 2]
+    item = np.repeat(np.arange(len(info)), lengths)
+    offsets = np.cumsum(lengths) - lengths
+    position = np.arange(lengths.sum()) - offsets[item]
+    return item, info[item, 1] + position, position
+
+
+def masked(gs: list) -> None:
+    wl = work_of(HeadStack.of(gs) if len(gs) > 1 else gs[0], "kpage", "auto")
+    per_chunk = wl.chunk // 16
+    info = wl.work_info.astype(np.int64)
+    chunks = -(-info[:, 2] // per_chunk)
+    item, index, position = entries(wl)
+    partial = (wl.stream_mask[index] & 0xFFFF) != 0xFFFF
+    chunk = (np.cumsum(chunks) - chunks)[item] + position // per_chunk
+    held = np.bincount(chunk, minlength=chunks.sum()) < per_chunk
+
+    def share(partial_in_order):
+        hit = np.bincount(chunk, weights=partial_in_order, minlength=chunks.sum()) > 0
+        return (hit | held).mean()
+
+    # block order: live page ids grow with the block, so an item's pages sorted by id (the order before
+    # plans.full_pages_first)
+    block_order = np.lexsort((wl.stream_pages[index], item))
+    print(
+        f"chunks {chunks.sum()} holding a partial page: in block order {share(partial[block_order]):.3f}, "
+        f"as built {share(partial):.3f}"
+    )
+
+
+def forward(gs: list) -> None:
+    wl = work_of(HeadStack.of(gs) if len(gs) > 1 else gs[0], "kpage", "auto")
+    info = wl.work_info.astype(np.int64)
+    chunks = -(-info[:, 2] // (wl.chunk // 16))
+    valid_q = POPCOUNT[wl.own_mask & 0xFFFF].sum(1)
+    item, index, _ = entries(wl)
+    keys = np.bincount(item, weights=POPCOUNT[wl.stream_mask[index] & 0xFFFF], minlength=len(info))
+    useful = sum(useful_pairs(g) for g in gs)
+    print(f"useful / executed {useful / wl.executed_pairs():.3f}")
+    print(
+        f"owned rows valid (weighted by chunks) {(valid_q * chunks).sum() / (info[:, 3] * chunks).sum():.3f}"
+    )
+    print(f"streamed keys valid {keys.sum() / (chunks * wl.chunk).sum():.3f}")
+    rows, counts = np.unique(gs[0].q.valid_rows, return_counts=True)
+    print("Q blocks by valid rows (head 0):", dict(zip(rows.tolist(), counts.tolist())))
+
+
+def backward(gs: list) -> None:
+    useful = executed = packed = 0
+    own_rows = own_capacity = 0
+    for g in gs:
+        useful += useful_pairs(g)
+        executed += backward_executed_pairs(g, 128)
+        plan = plan_of(g, "kpage", backward_route(g), owner="kv")
+        pages = plan.own_pages
+        live = np.where(pages >= 0, POPCOUNT[plan.own_page_mask[np.maximum(pages, 0)]], 0).sum(1)
+        own_rows += int((live * plan.stream_lengths()).sum())
+        own_capacity += int((plan.tile_shapes()[:, 0] * plan.stream_lengths()).sum())
+        packed += greedy_packing(g)
+    print(
+        f"backward executed / useful {executed / useful:.3f}; owned tiles {own_rows / own_capacity:.3f} full"
+    )
+    print(
+        f"K/V tiles packed across blocks (greedy): {packed / useful:.3f} x useful ({packed / executed:.3f})"
+    )
+    print(
+        "K blocks of head 0 by live pages (1..8):", np.bincount(gs[0].k.live_pages, minlength=9)[1:].tolist()
+    )
+
+
+def greedy_packing(g) -> int:
+    """Executed pairs if K/V-owned tiles took 8 live pages from several blocks (128 rows on every step
+    of the union of their Q streams): largest blocks first, each filled with the unpacked blocks adding
+    the fewest new Q pages, none adding more than its own stream."""
+    t = g.transpose()
+    blocks, pages = g.k.num_blocks, g.k.live_pages
+    q_pages = g.q.live_pages.astype(np.int64)
+    selects = np.zeros((blocks, g.q.num_blocks), bool)
+    selects[t.row_of_nnz % blocks, t.indices] = True
+    packed = np.zeros(blocks, bool)
+    total = 0
+    for b in np.argsort(-pages, kind="stable"):
+        if packed[b] or pages[b] == 0:
+            continue
+        packed[b] = True
+        room, union = 8 - pages[b], selects[b].copy()
+        while room > 0:
+            cand = np.flatnonzero(~packed & (pages > 0) & (pages <= room))
+            if cand.size == 0:
+                break
+            add = ((selects[cand] & ~union) * q_pages).sum(1)
+            own = (selects[cand] * q_pages).sum(1)
+            j = int(np.argmin(add - 0.5 * own))
+            if add[j] > own[j]:
+                break
+            packed[cand[j]] = True
+            room -= pages[cand[j]]
+            union |= selects[cand[j]]
+        total += 128 * 64 * -(-int(q_pages[union].sum()) // 4)
+    return total
+
+
+if __name__ == "__main__":
+    what, name, heads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    {"masked": masked, "forward": forward, "backward": backward}[what](graphs_of(name, heads))
