@@ -242,6 +242,35 @@ def test_pair_work_list_shares_pages_and_keeps_the_tensor_work():
     _check_against_reference(pairs, graph, np.random.default_rng(0), (2, layout.num_slots, layout.num_slots))
 
 
+@pytest.mark.parametrize("pages", [4, 8])
+def test_interleave_exclusive_chunks_alternates_whole_chunks(pages):
+    """Pair streams [A only | shared | B only] become [a0, b0, a1, b1, ..., A rest | shared | B rest]: whole
+    chunks of each half's own entries alternate, every part keeps its order, nothing is lost."""
+    from sparseattn.kernels.pair_work_list import interleave_exclusive_chunks
+    from sparseattn.kernels.work_list import VIS_HALF0, VIS_HALF1
+
+    rng = np.random.default_rng(pages)
+    parts = rng.integers(0, 3 * pages, size=(12, 3))  # A only, shared, B only per item
+    parts[0] = 0  # an empty item
+    length = parts.sum(1)
+    begin = np.cumsum(length) - length
+    mask = np.concatenate(
+        [np.repeat([VIS_HALF0, VIS_HALF0 | VIS_HALF1, VIS_HALF1], p) for p in parts]
+    ).astype(np.uint32)
+    order = interleave_exclusive_chunks(mask, begin, length, pages)
+    np.testing.assert_array_equal(np.sort(order), np.arange(mask.size))
+    for (n_a, n_s, n_b), b in zip(parts, begin):
+        a, s, bb = np.split(np.arange(b, b + n_a + n_s + n_b), [n_a, n_a + n_s])
+        runs = min(n_a, n_b) // pages
+        alternated = [
+            x
+            for r in range(runs)
+            for x in (*a[r * pages : (r + 1) * pages], *bb[r * pages : (r + 1) * pages])
+        ]
+        expect = np.array([*alternated, *a[runs * pages :], *s, *bb[runs * pages :]], dtype=np.int64)
+        np.testing.assert_array_equal(order[b : b + expect.size], expect)
+
+
 def test_pair_work_list_without_pairs_is_the_kpage_list():
     """A layout with no two neighbouring 64-row Q blocks (all 128-row blocks) gives the KPage plan's items
     unchanged (the 720p STA/SSTA workloads)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
 from ..plans import gather_segments, kpage_route_of_block
 from .plan_cache import plan_of
@@ -141,6 +142,9 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     keep = ~paired[plan.work_head.astype(np.int64), plan.work_block.astype(np.int64)]
 
     info, own, own_mask, stream, stream_mask = pair_items(graph, firsts, seconds)
+    chunk = chunk_for([plan])
+    order = interleave_exclusive_chunks(stream_mask, info[:, 1], info[:, 2], chunk // PAGE_ROWS)
+    stream, stream_mask = stream[order], stream_mask[order]
 
     # the plan's other items (the base list's items are the plan's, in the plan's order, streams back to
     # back), their streams re-based after the pairs'
@@ -151,7 +155,6 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     b_info = base_info[kept]
     b_info[:, 1] = stream.size + np.concatenate([[0], np.cumsum(kept_len)[:-1]]).astype(np.int64)
     all_info = np.concatenate([info, b_info])
-    chunk = chunk_for([plan])
     return WorkList(
         work_info=all_info.astype(np.int32),
         work_order=work_order(all_info, chunk, "head"),
@@ -191,6 +194,39 @@ def stacked_pair_work_list(stack: HeadStack, order: str | None = None) -> WorkLi
         heads=stack.heads,
         chunk=chunk,
     )
+
+
+def interleave_exclusive_chunks(stream_mask: np.ndarray, begin: np.ndarray, length: np.ndarray, pages: int):
+    """int64 ``[S]``: a permutation of the entries of pair items streamed [A only | shared | B only] that
+    alternates whole ``pages``-entry chunks of A-only and B-only entries ahead of the rest:
+    ``[a₀, b₀, a₁, b₁, …, A rest | shared | B rest]``, each part in its old order.
+
+    A row half skips the chunks it does not see, so in an A-only run the B half waits for the ring and
+    one consumer warpgroup computes alone; alternating the halves' own chunks lets the two warpgroups
+    compute them side by side. Items are ``begin`` / ``length`` (entries, back to back from 0); an entry's
+    half bits are bits 16-17 of ``stream_mask``."""
+    total = int(stream_mask.size)
+    item = np.repeat(np.arange(length.size), length)
+    offset = np.arange(total) - np.repeat(begin, length)  # position within the item
+    halves = (stream_mask.astype(np.int64) >> 16) & 3
+    a_only, b_only = halves == 1, halves == 2
+    n_a = np.bincount(item, weights=a_only, minlength=length.size).astype(np.int64)
+    n_b = np.bincount(item, weights=b_only, minlength=length.size).astype(np.int64)
+    runs = np.minimum(n_a, n_b) // pages  # chunk pairs to alternate per item
+    first_b = length - n_b  # B-only entries close the item
+    rank_a, rank_b = offset, offset - first_b[item]
+    moved_a = a_only & (rank_a < runs[item] * pages)
+    moved_b = b_only & (rank_b < runs[item] * pages)
+    new = np.where(moved_a, 2 * pages * (rank_a // pages) + rank_a % pages, 0)
+    new = np.where(moved_b, 2 * pages * (rank_b // pages) + pages + rank_b % pages, new)
+    # the rest keeps its order after the alternated chunks: drop the moved entries and close the gaps
+    rest = ~(moved_a | moved_b)
+    start_rest = np.concatenate([[0], np.cumsum(rest)])[begin]
+    rest_rank = np.cumsum(rest) - rest - np.repeat(start_rest, length)
+    new = np.where(rest, 2 * pages * runs[item] + rest_rank, new)
+    order = np.empty(total, dtype=np.int64)
+    order[np.repeat(begin, length) + new] = np.arange(total)
+    return order
 
 
 def pair_items(graph: SparseGraph, firsts: np.ndarray, seconds: np.ndarray | None = None):
