@@ -6,7 +6,8 @@ bound by K/V traffic. A *pair item* joins two such Q blocks of one head, A and B
 (:func:`pair_partners`: neighbours 2i and 2i + 1 first, then blocks that select the same K pages):
 - A's pages own rows 0–63 and B's rows 64–127;
 - the stream is the union of the K pages the two select, ordered [A only | shared | B only], each part in
-  K block order;
+  K block order; the forward list then alternates whole chunks of A-only and B-only pages ahead of the
+  rest (:func:`interleave_exclusive_chunks`), so the two row halves compute their own chunks side by side;
 - bits 16 and 17 of an entry's row mask say which half sees it (bit 16: rows 0–63, bit 17: rows 64–127).
 
 A row half computes only the key chunks that hold pages it sees, and masks the other pages inside its
