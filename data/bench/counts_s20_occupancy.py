@@ -3,12 +3,14 @@
     PYTHONPATH=src python data/bench/counts_s20_occupancy.py masked svg2_wan14b_720p 4
     PYTHONPATH=src python data/bench/counts_s20_occupancy.py forward vsa_wan14b_480p 8
     PYTHONPATH=src python data/bench/counts_s20_occupancy.py backward svg2_wan14b_720p 4
+    PYTHONPATH=src python data/bench/counts_s20_occupancy.py backward-split svg2_wan14b_720p 2
 
 * ``masked``: the share of the forward work list's 128-key chunks holding a partial page (the chunks
   the softmax masks), as built and with every item's full pages first.
 * ``forward``: useful / executed pairs of the forward work list, owned-row and streamed-key occupancy.
 * ``backward``: executed / useful pairs of the K/V-owned backward, the owned tiles' occupancy, and a
   greedy count of K/V-owned tiles packed at page granularity across blocks (not built).
+* ``backward-split``: every K/V block as 64-row halves, the remainders packed (not built).
 """
 
 import sys
@@ -138,6 +140,55 @@ def greedy_packing(g) -> int:
     return total
 
 
+def _steps(q_pages: np.ndarray, q_blocks: np.ndarray) -> int:
+    """64-row steps of a stream of the live pages of ``q_blocks``."""
+    return -(-int(q_pages[q_blocks].sum()) // 4)
+
+
+def backward_split(gs: list, window: int = 32) -> None:
+    """Executed pairs if every K/V block ran as 64-row halves (its full 4-page halves alone, its remainder
+    of 1-3 pages packed with other blocks' remainders, greedily in block order within ``window``, while
+    a remainder adds no more Q pages than it shares): Σ over halves of 64 × the 64-row steps of the union
+    of their blocks' Q streams. Needs per-slot visibility in the backward's pair kernel (not built)."""
+    useful = executed = split = 0
+    for g in gs:
+        useful += useful_pairs(g)
+        executed += backward_executed_pairs(g, 128)
+        t = g.transpose()  # rows: K/V blocks
+        blocks, q_pages, k_pages = t.q.num_blocks, t.k.live_pages.astype(np.int64), t.q.live_pages
+        for h in range(t.heads):
+            selects = [
+                t.indices[t.indptr[h * blocks + b] : t.indptr[h * blocks + b + 1]] for b in range(blocks)
+            ]
+            rest = [(b, int(k_pages[b]) % 4) for b in range(blocks) if k_pages[b] % 4]
+            split += sum(
+                64 * 64 * (int(k_pages[b]) // 4) * _steps(q_pages, selects[b]) for b in range(blocks)
+            )
+            free = [True] * len(rest)
+            for i, (b, pages) in enumerate(rest):
+                if not free[i]:
+                    continue
+                free[i], room, union = False, 4 - pages, set(selects[b].tolist())
+                while room > 0:
+                    best, score = None, None
+                    for j in range(i + 1, min(len(rest), i + 1 + window)):
+                        if not free[j] or rest[j][1] > room:
+                            continue
+                        other = set(selects[rest[j][0]].tolist())
+                        shared, added = q_pages[list(other & union)].sum(), q_pages[list(other - union)].sum()
+                        if added <= shared and (score is None or shared - added > score):
+                            best, score = j, shared - added
+                    if best is None:
+                        break
+                    free[best], room = False, room - rest[best][1]
+                    union |= set(selects[rest[best][0]].tolist())
+                split += 64 * 64 * _steps(q_pages, np.array(sorted(union), dtype=np.int64))
+    print(
+        f"backward executed / useful {executed / useful:.3f}; 64-row halves, remainders packed {split / useful:.3f}"
+    )
+
+
 if __name__ == "__main__":
     what, name, heads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"masked": masked, "forward": forward, "backward": backward}[what](graphs_of(name, heads))
+    run = {"masked": masked, "forward": forward, "backward": backward, "backward-split": backward_split}[what]
+    run(graphs_of(name, heads))
