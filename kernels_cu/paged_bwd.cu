@@ -194,41 +194,39 @@ __device__ __forceinline__ void store_ds(uint32_t tdS, const uint32_t (&pds)[PB_
     }
 }
 
-// This warp's dQ rows (16 streamed rows, 64 head-dim columns from col0) into a staged fp32 page whose
-// rows are ROW_FLOATS apart. Unpadded rows (ROW_FLOATS = HEAD_DIM, a multiple of 32 floats) all start on
-// bank 0, and a half-warp's st.shared.v2 covers rows g = 0-3 (or 4-7): storing the same 32-byte column
-// block j in all four would hit the same 8 banks. So in store j a thread writes column block j ^ (g & 3)
-// instead: four blocks, 32 distinct banks. Its fragments are first permuted to match by two conditional
-// swaps of register blocks (bits 0 and 1 of g); the page's contents are the same.
-template <int HEAD_DIM, int ROW_FLOATS = HEAD_DIM>
+// This warp's dQ rows (16 streamed rows, 64 head-dim columns from col0) into a staged fp32 page
+// (HEAD_DIM floats per row). The unpadded rows all start on bank 0, and a half-warp's st.shared.v2 covers
+// rows g = 0-3 (or 4-7): storing the same 32-byte column block j in all four would hit the same 8 banks.
+// So in store j a thread writes column block j ^ (g & 3) instead: four blocks, 32 distinct banks. Its
+// fragments are first permuted to match by two conditional swaps of register blocks (bits 0 and 1 of g);
+// the page's contents are the same.
+template <int HEAD_DIM>
 __device__ __forceinline__ void stage_dq_page(uint32_t page, const float (&dq)[32], int col0, int g, int t4) {
-    constexpr bool kXor = ROW_FLOATS % 32 == 0;
+    static_assert(HEAD_DIM % 32 == 0, "a row of 32-float multiples starts on bank 0");
     float v[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) v[i] = dq[i];
-    if constexpr (kXor) {
 #pragma unroll
-        for (int bit = 1; bit <= 2; bit <<= 1) {
-            const bool swap = (g & bit) != 0;
+    for (int bit = 1; bit <= 2; bit <<= 1) {
+        const bool swap = (g & bit) != 0;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (j & bit) continue;
+        for (int j = 0; j < 8; ++j) {
+            if (j & bit) continue;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float a = v[4 * j + e], b = v[4 * (j ^ bit) + e];
-                    v[4 * j + e] = swap ? b : a;
-                    v[4 * (j ^ bit) + e] = swap ? a : b;
-                }
+            for (int e = 0; e < 4; ++e) {
+                const float a = v[4 * j + e], b = v[4 * (j ^ bit) + e];
+                v[4 * j + e] = swap ? b : a;
+                v[4 * (j ^ bit) + e] = swap ? a : b;
             }
         }
     }
-    const uint32_t xg = kXor ? static_cast<uint32_t>(g & 3) : 0u;
+    const uint32_t xg = static_cast<uint32_t>(g & 3);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const uint32_t block = static_cast<uint32_t>(j) ^ xg;  // v[4j ..] holds column block j ^ (g & 3)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const uint32_t addr = page + ((g + 8 * half) * ROW_FLOATS + col0 + 8 * block + 2 * t4) * 4u;
+            const uint32_t addr = page + ((g + 8 * half) * HEAD_DIM + col0 + 8 * block + 2 * t4) * 4u;
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[4 * j + 2 * half]),
                          "f"(v[4 * j + 2 * half + 1])
                          : "memory");
@@ -580,13 +578,9 @@ struct Config {
     static constexpr int kQBytes = PB_Q_ROWS * HEAD_DIM * 2;       // one Q or dO stage
     static constexpr int kSBytes = kBlockK * PB_Q_ROWS * 2;        // one dSᵀ buffer
     // dQ staging: 64 fp32 rows in contiguous pages, one bulk reduction per page; stage_dq_page orders its
-    // stores so that a half-warp's four rows hit 32 distinct banks. kDqRowStaging (v7, 482476a): rows
-    // padded by 32 bytes instead, reduced row by row (64 bulk operations per step instead of 4); kept
-    // for the A/B against the ordered stores.
-    static constexpr bool kDqRowStaging = false;
-    static constexpr int kDqRowFloats = kDqRowStaging ? HEAD_DIM + 8 : HEAD_DIM;
-    static constexpr int kDqRowBytes = kDqRowFloats * 4;
-    static constexpr int kDqBytes = PB_Q_ROWS * kDqRowBytes;
+    // stores so that a half-warp's four rows hit 32 distinct banks
+    static constexpr int kPageBytesF32 = PAGE_ROWS * HEAD_DIM * 4;
+    static constexpr int kDqBytes = PB_Q_ROWS * HEAD_DIM * 4;
     // LSE₂ copies and Δ per stage; PAIR: + the seen-row ballot words [2 stages][4 warps]
     static constexpr int kMetaBytes = 2 * 2 * kMetaCopies * PB_Q_ROWS * 4 + (PAIR ? 2 * 4 * 4 : 0);
     static constexpr int kBarBytes = 8 * 8;                        // q_full[2], q_empty[2], dq_full, dq_empty
@@ -692,44 +686,26 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 mbar_arrive(q_full(st));
             }
             paged::cp_async_wait<0>();
-        } else if (warp == 3) {  // warp 3: each step's dQ rows, one bulk reduction per row (lane: rows lane, lane + 32)
+        } else if (warp == 3) {  // warp 3: each step's dQ pages, one bulk reduction each (lane 0)
             float* dq_bh = dq_accum + bh * q_slots * D;
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
                 mbar_wait(dq_full, t & 1);
-                const int npages = min(SP, stream_len - t * SP);
-                if constexpr (!Cfg::kDqRowStaging) {  // contiguous pages: one reduction each (lane 0)
-                    if (lane == 0) {
-                        for (int p = 0; p < npages; ++p) {
-                            const int page = pages_all[t * SP + p];
-                            if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages))
-                                paged_bwd::bulk_reduce_add_f32(dq_bh + static_cast<size_t>(page) * PAGE_ROWS * D,
-                                                               tDq + p * PAGE_ROWS * Cfg::kDqRowBytes,
-                                                               PAGE_ROWS * Cfg::kDqRowBytes);
-                        }
-                        paged_bwd::bulk_commit();
-                        paged_bwd::bulk_wait_read();
-                        mbar_arrive(dq_empty);
+                if (lane == 0) {
+                    const int npages = min(SP, stream_len - t * SP);
+                    for (int p = 0; p < npages; ++p) {
+                        const int page = pages_all[t * SP + p];
+                        if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages))
+                            paged_bwd::bulk_reduce_add_f32(dq_bh + static_cast<size_t>(page) * PAGE_ROWS * D,
+                                                           tDq + p * Cfg::kPageBytesF32, Cfg::kPageBytesF32);
                     }
-                    __syncwarp();
-                    continue;
+                    paged_bwd::bulk_commit();
+                    paged_bwd::bulk_wait_read();
+                    mbar_arrive(dq_empty);
                 }
-#pragma unroll
-                for (int i = 0; i < QS / 32; ++i) {
-                    const int row = lane + 32 * i;
-                    const int p = row / PAGE_ROWS;
-                    const int page = p < npages ? pages_all[t * SP + p] : -1;
-                    if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages))
-                        paged_bwd::bulk_reduce_add_f32(
-                            dq_bh + (static_cast<size_t>(page) * PAGE_ROWS + row % PAGE_ROWS) * D,
-                            tDq + row * Cfg::kDqRowBytes, D * 4);
-                }
-                paged_bwd::bulk_commit();
-                paged_bwd::bulk_wait_read();
                 __syncwarp();
-                if (lane == 0) mbar_arrive(dq_empty);
             }
-            if (Cfg::kDqRowStaging || lane == 0) paged_bwd::bulk_wait();
+            if (lane == 0) paged_bwd::bulk_wait();
         }
         return;
     }
@@ -882,7 +858,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         // dQ partial -> staging (page wq of the step: rows 16·wq .., contiguous fp32 page), for warp 3
         mbar_wait(dq_empty, (t & 1) ^ 1u);
         if (has_dq)
-            paged_bwd::stage_dq_page<D, Cfg::kDqRowFloats>(tDq + wq * PAGE_ROWS * Cfg::kDqRowBytes, dq, 64 * kvp, g, t4);
+            paged_bwd::stage_dq_page<D>(tDq + wq * Cfg::kPageBytesF32, dq, 64 * kvp, g, t4);
         fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
         __syncwarp();
         if (lane == 0) mbar_arrive(dq_full);

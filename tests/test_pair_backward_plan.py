@@ -116,7 +116,7 @@ def test_pair_partners_join_scattered_64_row_blocks():
     """128-slot blocks: the 64-row K/V blocks are the partial ones (at most four live pages), rarely
     neighbours. Neighbour pairs come first, the others pair two by two in block order; every 64-row block
     is in at most one pair, and the plan still equals the reference."""
-    from sparseattn.kernels.pair_backward_plan import pair_partners
+    from sparseattn.kernels.pair_work_list import pair_partners
     from sparseattn.plans import kpage_route_of_block
 
     layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)
@@ -225,7 +225,7 @@ def test_pair_route_without_pairs_takes_the_forward_plan_for_dq():
 def test_sharing_pairs_join_blocks_selected_by_the_same_q_blocks():
     """The greedy matching pairs the K/V blocks that share the most Q pages (summed over heads), each block
     once; blocks sharing nothing with a free block are left for the block-order pairing."""
-    from sparseattn.kernels.pair_backward_plan import _sharing_pairs
+    from sparseattn.kernels.pair_work_list import _sharing_pairs
 
     layout = video_layout((8, 4, 8), (1, 4, 8), block_size=64)  # 8 full 64-row blocks
     selected_by = {0: [0, 1], 1: [5, 6], 2: [0, 1, 2], 3: [5, 6, 7], 4: [3], 5: [4]}  # K block: Q blocks

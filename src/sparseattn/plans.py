@@ -210,6 +210,21 @@ class TilePlan:
         }
 
 
+def stable_partition(first: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    """int64 ``[S]``: each entry's position once every item's entries with ``first`` set are moved ahead of
+    its other entries, both groups keeping their order. ``first``: bool ``[S]``; ``indptr``: ``[items + 1]``
+    offsets of the items' entries, back to back from 0."""
+    first = np.asarray(first, dtype=bool)
+    indptr = np.asarray(indptr, dtype=np.int64)
+    lengths = np.diff(indptr)
+    starts = np.repeat(indptr[:-1], lengths)
+    upto = np.concatenate([[0], np.cumsum(first)])  # flagged entries before each position
+    rank = upto[:-1] - np.repeat(upto[indptr[:-1]], lengths)  # ... before it in its item
+    flagged = np.repeat(upto[indptr[1:]] - upto[indptr[:-1]], lengths)  # ... in its item
+    entry = np.arange(first.size) - starts
+    return starts + np.where(first, rank, flagged + entry - rank)
+
+
 def full_pages_first(
     stream_pages: np.ndarray, stream_indptr: np.ndarray, page_mask: np.ndarray
 ) -> np.ndarray:
@@ -217,19 +232,11 @@ def full_pages_first(
     stream order. A key chunk of full pages needs no column masking in the forward kernels' softmax;
     grouping the partial pages (one per cluster or block end) masks a few chunks per item instead of
     nearly all. ``stream_indptr``: ``[items + 1]`` offsets; ``page_mask``: uint16 ``[pages]``."""
-    partial = np.asarray(page_mask)[stream_pages] != FULL_PAGE_MASK
-    if not partial.any():
+    full = np.asarray(page_mask)[stream_pages] == FULL_PAGE_MASK
+    if full.all():
         return stream_pages
-    lengths = np.diff(stream_indptr)
-    starts = np.repeat(stream_indptr[:-1], lengths)
-    full = ~partial
-    full_upto = np.concatenate([[0], np.cumsum(full)])  # full entries before each stream position
-    full_rank = full_upto[:-1] - np.repeat(full_upto[stream_indptr[:-1]], lengths)
-    item_full = np.repeat(full_upto[stream_indptr[1:]] - full_upto[stream_indptr[:-1]], lengths)
-    entry = np.arange(stream_pages.size) - starts
-    position = starts + np.where(full, full_rank, item_full + entry - full_rank)
     out = np.empty_like(stream_pages)
-    out[position] = stream_pages
+    out[stable_partition(full, stream_indptr)] = stream_pages
     return out
 
 

@@ -241,7 +241,7 @@ def run_head_stack_case(head_dim, rng, poisoned, deterministic=False, route="aut
         graphs.append(bwd_tests._graph(rng, q_lay, k_lay, 1, density=float(rng.uniform(0.2, 0.7))))
     stack = HeadStack.of(graphs)
     if route == "pair":  # some head has 64-row K/V blocks to pair
-        from sparseattn.kernels.pair_backward_plan import pair_partners
+        from sparseattn.kernels.pair_work_list import pair_partners
 
         assert any(pair_partners(g.transpose())[0].size for g in graphs)
     sq, sk = stack.q_slots, stack.k_slots

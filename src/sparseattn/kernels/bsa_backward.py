@@ -163,9 +163,8 @@ def ws_kernel_name(head_dim: int, pair: bool = False) -> str:
 
 def ws_smem_bytes(head_dim: int, pair: bool = False) -> int:
     """paged_bwd_ws_kernel: alignment slack, K and V (128 owned rows), 2-stage Q and dO (64 rows), two dSᵀ
-    buffers (bf16), the fp32 dQ staging of one step (contiguous pages), LSE₂ and Δ
-    per stage (``pair``: two copies each, and the seen-row ballot words [2 stages][4 warps]), six
-    mbarriers (+2 spare)."""
+    buffers (bf16), the fp32 dQ staging of one step (contiguous pages), LSE₂ and Δ per stage (``pair``: two
+    copies each, and the seen-row ballot words [2 stages][4 warps]), six mbarriers (+2 spare)."""
     return (
         1024
         + 2 * (2 * 128 * head_dim + 4 * 64 * head_dim + 2 * 128 * 64)

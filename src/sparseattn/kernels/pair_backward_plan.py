@@ -23,7 +23,7 @@ import numpy as np
 from ..constants import KPAGE_ROUTES
 from ..graph import SparseGraph
 from ..plans import TilePlan, gather_segments, hidden_item_first, items_hiding_an_entry, launch_order
-from .pair_work_list import _sharing_pairs, pair_items, pair_partners  # noqa: F401 (re-exported)
+from .pair_work_list import pair_items, pair_partners
 from .plan_cache import plan_of
 from .validate import KernelTypeError
 from .work_list import OWN_PAGES, VIS_HALF0

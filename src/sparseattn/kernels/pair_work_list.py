@@ -25,7 +25,7 @@ import numpy as np
 
 from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
-from ..plans import gather_segments, kpage_route_of_block
+from ..plans import gather_segments, kpage_route_of_block, stable_partition
 from .plan_cache import plan_of
 from .validate import KernelTypeError
 from .work_list import (
@@ -207,26 +207,23 @@ def interleave_exclusive_chunks(stream_mask: np.ndarray, begin: np.ndarray, leng
     compute them side by side. Items are ``begin`` / ``length`` (entries, back to back from 0); an entry's
     half bits are bits 16-17 of ``stream_mask``."""
     total = int(stream_mask.size)
+    begin = np.asarray(begin, dtype=np.int64)
+    indptr = np.concatenate([begin, [total]])
     item = np.repeat(np.arange(length.size), length)
-    offset = np.arange(total) - np.repeat(begin, length)  # position within the item
+    offset = np.arange(total) - begin[item]  # position within the item
     halves = (stream_mask.astype(np.int64) >> 16) & 3
     a_only, b_only = halves == 1, halves == 2
     n_a = np.bincount(item, weights=a_only, minlength=length.size).astype(np.int64)
     n_b = np.bincount(item, weights=b_only, minlength=length.size).astype(np.int64)
     runs = np.minimum(n_a, n_b) // pages  # chunk pairs to alternate per item
-    first_b = length - n_b  # B-only entries close the item
-    rank_a, rank_b = offset, offset - first_b[item]
-    moved_a = a_only & (rank_a < runs[item] * pages)
-    moved_b = b_only & (rank_b < runs[item] * pages)
-    new = np.where(moved_a, 2 * pages * (rank_a // pages) + rank_a % pages, 0)
-    new = np.where(moved_b, 2 * pages * (rank_b // pages) + pages + rank_b % pages, new)
-    # the rest keeps its order after the alternated chunks: drop the moved entries and close the gaps
-    rest = ~(moved_a | moved_b)
-    start_rest = np.concatenate([[0], np.cumsum(rest)])[begin]
-    rest_rank = np.cumsum(rest) - rest - np.repeat(start_rest, length)
-    new = np.where(rest, 2 * pages * runs[item] + rest_rank, new)
+    # rank among the half's own entries: A-only entries open the item, B-only ones close it
+    rank = np.where(a_only, offset, offset - (length - n_b)[item])
+    moved = (a_only | b_only) & (rank < runs[item] * pages)
+    # the rest keeps its order after the alternated chunks; those go chunk by chunk, A's then B's
+    alternated = begin[item] + 2 * pages * (rank // pages) + np.where(b_only, pages, 0) + rank % pages
+    position = np.where(moved, alternated, stable_partition(moved, indptr))
     order = np.empty(total, dtype=np.int64)
-    order[np.repeat(begin, length) + new] = np.arange(total)
+    order[position] = np.arange(total)
     return order
 
 
