@@ -22,9 +22,9 @@
 //   - M = 64 ("key split"): both warpgroups own the same 64 rows and take alternate chunks (w, w + 2,
 //     ...); at the end warpgroup 1 hands its (O, max, sum) to warpgroup 0 through the Q buffer, which
 //     merges the two softmax states and stores the rows.
-// PAIR = true (pair work lists, sparseattn.kernels.pair_work_list; not yet run on a GPU): bits 16 / 17 of a
-// stream entry's mask say which row half (warpgroup 0: rows 0-63, 1: rows 64-127) sees the page (neither
-// bit: both). A row-split warpgroup masks the pages it does not see and skips chunks holding none, after
+// PAIR = true (pair work lists, sparseattn.kernels.pair_work_list): bit 16 + s of a stream entry's mask
+// says the rows of owned page slot s (rows 16s .. 16s + 15, one warp's) see the page (no bit: every row).
+// Each warp masks the pages its slot does not see; a warpgroup skips chunks none of its slots sees, after
 // finishing its pending P·V and releasing the chunk's buffers in ring order.
 // Outputs: O bf16 [batch, heads, q_slots, HEAD_DIM] and LSE fp32 [batch, heads, q_slots] (natural log)
 // for the valid rows of each owned page; a valid row without any valid key gets O = 0, LSE = -inf.
@@ -301,14 +301,19 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 const int buf = pos % NBUF;
                 const uint32_t par = (pos / NBUF) & 1;
                 hopper::mbar_wait(sm.k_full(buf), par);
-                uint32_t seen_cols = 0xffffffffu;  // PAIR: the column bits of the pages this row half sees
+                uint32_t seen_cols = 0xffffffffu;  // PAIR: the column bits of the pages this warp's rows see
                 if constexpr (PAIR) {
-                    uint32_t seen = 0;
+                    // bit 16 + s of a page's mask: owned page slot s sees it (none set: every slot does);
+                    // this warpgroup's slots are 4·cw .. 4·cw + 3 (0..3 on a key split), this warp's is one
+                    const int slot0 = row_split ? 4 * cw : 0;
+                    uint32_t seen = 0, warp_seen = 0;
 #pragma unroll
                     for (int p = 0; p < PAGES; ++p) {
                         const uint32_t m = sm.kmask[buf * PAGES + p];
-                        const uint32_t halves = (m >> 16) & 3u;
-                        if ((m & 0xffffu) && (halves == 0u || ((halves >> cw) & 1u))) seen |= 1u << p;
+                        const uint32_t vis = (m >> 16) & 0xffu;
+                        if (!(m & 0xffffu)) continue;
+                        if (vis == 0u || ((vis >> slot0) & 0xfu)) seen |= 1u << p;
+                        if (vis == 0u || ((vis >> (slot0 + wq)) & 1u)) warp_seen |= 1u << p;
                     }
                     if (seen == 0u) {  // nothing for these rows: finish the pending P·V, release in order
                         if (prev >= 0) {
@@ -325,7 +330,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     }
                     seen_cols = 0u;
 #pragma unroll
-                    for (int p = 0; p < PAGES; ++p) seen_cols |= ((seen >> p) & 1u) ? (0xfu << (4 * p)) : 0u;
+                    for (int p = 0; p < PAGES; ++p) seen_cols |= ((warp_seen >> p) & 1u) ? (0xfu << (4 * p)) : 0u;
                 }
                 if (prev >= 0) hopper::mbar_wait(sm.v_full(prev), prev_par);  // (nearly always landed long ago)
                 const uint32_t col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4) & seen_cols;

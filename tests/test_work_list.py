@@ -83,7 +83,7 @@ def test_chunk_and_executed_pairs_follow_the_routes():
     assert kpage.executed_pairs() <= kpage_plan(graph).physical_pairs()
     _, i, j = graph.pairs
     assert kpage.executed_pairs() >= int((layout.valid_rows[i] * layout.valid_rows[j]).sum())
-    assert executed_pairs(graph, "kpage") == kpage.executed_pairs()
+    assert executed_pairs(kpage_plan(graph), "kpage") == kpage.executed_pairs()
 
 
 def test_work_order_is_largest_first_permutation():
@@ -234,10 +234,10 @@ def test_pair_work_list_shares_pages_and_keeps_the_tensor_work():
         mask[:, i, max(0, i - 6) : i + 7] = True
     graph = SparseGraph.from_block_mask(layout, layout, mask)
     base, pairs = work_list(kpage_plan(graph)), pair_work_list(graph)
-    n_pairs = graph.heads * pair_blocks(graph).size
-    assert n_pairs > 0 and (pairs.work_info[:, 3] == 128).sum() >= n_pairs
+    n_items = int((pairs.work_info[:, 3] == 128).sum())
+    assert n_items >= graph.heads * pair_blocks(graph).size // 2 > 0
     assert pairs.stream_pages.size < 0.75 * base.stream_pages.size
-    boundary = n_pairs * 2 * 64 * pairs.chunk
+    boundary = n_items * 2 * 64 * pairs.chunk
     assert pairs.executed_pairs() <= base.executed_pairs() + boundary
     _check_against_reference(pairs, graph, np.random.default_rng(0), (2, layout.num_slots, layout.num_slots))
 
@@ -269,6 +269,39 @@ def test_interleave_exclusive_chunks_alternates_whole_chunks(pages):
         ]
         expect = np.array([*alternated, *a[runs * pages :], *s, *bb[runs * pages :]], dtype=np.int64)
         np.testing.assert_array_equal(order[b : b + expect.size], expect)
+
+
+def test_pair_work_list_packs_partial_blocks_into_halves():
+    """A video's partial border cubes (1-3 live pages) are packed into 64-row halves of at most four pages
+    each, every partial block in exactly one group; each owned page slot sees exactly its own block's K
+    pages (the emulation equals the reference), and the list computes fewer pairs than the per-block one."""
+    from sparseattn.kernels.pair_work_list import packed_groups, pair_work_list, small_blocks
+    from sparseattn.kernels.work_list import VIS_SLOTS
+
+    layout = video_layout((9, 10, 14), (4, 4, 4), block_size=64)  # partial cubes on three faces
+    mask = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
+    for i in range(layout.num_blocks):
+        mask[:, i, max(0, i - 5) : i + 6] = True
+    graph = SparseGraph.from_block_mask(layout, layout, mask)
+    partial = np.flatnonzero(small_blocks(layout) & (layout.live_pages < 4))
+    groups = packed_groups(graph, partial)
+    members = np.concatenate(groups)
+    assert partial.size > 8 and np.array_equal(np.sort(members), partial)
+    assert all(layout.live_pages[g].sum() <= 4 for g in groups) and max(len(g) for g in groups) > 1
+    work = pair_work_list(graph)
+    # a slot sees an entry iff its block selects the entry's K block
+    k_block = work.stream_pages // (layout.block_size // 16)
+    for w in np.flatnonzero(work.work_info[:, 3] == 128):
+        head, begin, length, _ = work.work_info[w]
+        for slot, page in enumerate(work.own_pages[w]):
+            if page < 0:
+                continue
+            vis = work.stream_mask[begin : begin + length] & VIS_SLOTS
+            seen = (vis == 0) | ((vis >> (16 + slot)) & 1).astype(bool)
+            selects = mask[head, page // (layout.block_size // 16)][k_block[begin : begin + length]]
+            np.testing.assert_array_equal(seen, selects)
+    assert work.executed_pairs() < work_list(kpage_plan(graph)).executed_pairs()
+    _check_against_reference(work, graph, np.random.default_rng(1), (2, layout.num_slots, layout.num_slots))
 
 
 def test_pair_work_list_without_pairs_is_the_kpage_list():
@@ -375,7 +408,8 @@ def test_forward_auto_route_pairs_where_pages_shrink_enough():
     for i in range(layout.num_blocks):
         mask[:, i, max(0, i - 6) : i + 7] = True
     window = SparseGraph.from_block_mask(layout, layout, mask)
-    scattered = builders.random_graph(layout, layout, heads=2, density=0.3, seed=4)
+    full_cubes = video_layout((8, 8, 8), (4, 4, 4), block_size=64)  # no partial blocks to pack
+    scattered = builders.random_graph(full_cubes, full_cubes, heads=2, density=0.3, seed=4)
     big_layout = video_layout((8, 8, 8), (4, 4, 8), block_size=128)
     big = builders.random_graph(big_layout, big_layout, heads=2, density=0.4, seed=2)
     for graph, expected in ((window, "pair"), (scattered, "auto"), (big, "auto")):

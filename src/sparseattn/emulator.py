@@ -403,8 +403,8 @@ def emulate_work_list(work, q, k, v, scale=None):
     Reads only the work list's arrays: (page, row mask) of each owned Q page and of each streamed K/V
     page, items in ``work_order``, keys in chunks of ``work.chunk``. A 128-row item processes every
     chunk with both row halves; a 64-row item splits the chunks between two running softmax states
-    (even / odd chunks) and merges them, as the kernel's two warpgroups do. Row-half visibility bits
-    (pair items, :mod:`sparseattn.kernels.pair_work_list`) hide an entry's keys from the other half.
+    (even / odd chunks) and merges them, as the kernel's two warpgroups do. Visibility bits (pair items,
+    :mod:`sparseattn.kernels.pair_work_list`) hide an entry's keys from the owned page slots without its bit.
 
     Args:
         work: the WorkList; q ``[batch, heads, sq, d]``; k, v ``[batch, heads, sk, d]``.
@@ -436,7 +436,7 @@ def emulate_work_list(work, q, k, v, scale=None):
         masks = work.stream_mask[begin : begin + length]
         n_chunks = -(-length // per_chunk)
         qt = _gather(q[:, head], own, q_ok)
-        # row-half visibility (pair items): per entry, whether rows 0-63 / 64-127 see it
+        # visibility (pair items): per owned page slot and streamed key row, whether the slot's rows see it
         seen = np.repeat(work.stream_visibility(begin, length), PAGE_ROWS, axis=1)
         states = []
         for part in (range(n_chunks),) if m > 64 else (range(0, n_chunks, 2), range(1, n_chunks, 2)):
@@ -446,10 +446,9 @@ def emulate_work_list(work, q, k, v, scale=None):
                 k_ok = rows_ok(pages[chunk], masks[chunk])
                 s = scale * np.matmul(qt, _gather(k[:, head], pages[chunk], k_ok).transpose(0, 2, 1))
                 s[:, :, ~k_ok] = -np.inf
-                if m > 64:
-                    rows_seen = seen[:, c * per_chunk * PAGE_ROWS : (c + 1) * per_chunk * PAGE_ROWS]
-                    s[:, :64, ~rows_seen[0]] = -np.inf
-                    s[:, 64:, ~rows_seen[1]] = -np.inf
+                keys_seen = seen[:, c * per_chunk * PAGE_ROWS : (c + 1) * per_chunk * PAGE_ROWS]
+                for slot in range(m // PAGE_ROWS):
+                    s[:, slot * PAGE_ROWS : (slot + 1) * PAGE_ROWS, ~keys_seen[slot]] = -np.inf
                 state = _softmax_step(state, s, _gather(v[:, head], pages[chunk], k_ok))
             states.append(state)
         run_max = np.maximum.reduce([st[0] for st in states])

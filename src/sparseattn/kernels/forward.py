@@ -161,9 +161,10 @@ def per_block_stream_pages(graph_or_stack) -> tuple[int, int]:
 
 def _pair_if_fewer_pages(obj, kind: str):
     total, small = per_block_stream_pages(obj)
-    # a pair streams the union of its two blocks' pages: at least half their sum, so pairing can at best
-    # halve the 64-row items' pages; skip building the pair list where even that is not enough
-    if total == 0 or total - small / 2 > PAIR_FORWARD_MAX_PAGES * total:
+    # a pair item streams the union of the pages its blocks select: two full blocks at least half their
+    # sum, two halves packed from up to four partial blocks each at least an eighth; skip building the pair
+    # list where even that is not enough
+    if total == 0 or total - small * 7 / 8 > PAIR_FORWARD_MAX_PAGES * total:
         return "auto"
     paired = int(_work_of(obj, kind, "pair").work_info[:, 2].astype(np.int64).sum())
     return "pair" if paired <= PAIR_FORWARD_MAX_PAGES * total else "auto"

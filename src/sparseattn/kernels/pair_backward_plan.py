@@ -26,7 +26,7 @@ from ..plans import TilePlan, gather_segments, hidden_item_first, items_hiding_a
 from .pair_work_list import pair_items, pair_partners
 from .plan_cache import plan_of
 from .validate import KernelTypeError
-from .work_list import OWN_PAGES, VIS_HALF0
+from .work_list import OWN_PAGES, VIS_HALF0, VIS_HALF1
 
 #: Route of the pair items in the KPage plan's routes: (128 owned rows, 128 streamed).
 PAIR_ROUTE = KPAGE_ROUTES.index((128, 128))
@@ -49,7 +49,7 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
     firsts, seconds = pair_partners(kv_rows)
     nb = kv_rows.q.num_blocks
     info, own, _, stream, stream_mask = pair_items(kv_rows, firsts, seconds)
-    vis = ((stream_mask // VIS_HALF0) & 3).astype(np.uint32)
+    vis = (((stream_mask & VIS_HALF0) != 0) | (((stream_mask & VIS_HALF1) != 0) << 1)).astype(np.uint32)
 
     paired = np.zeros((graph.heads, nb), dtype=bool)
     paired[:, firsts] = True

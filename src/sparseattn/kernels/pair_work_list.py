@@ -8,7 +8,13 @@ bound by K/V traffic. A *pair item* joins two such Q blocks of one head, A and B
 - the stream is the union of the K pages the two select, ordered [A only | shared | B only], each part in
   K block order; the forward list then alternates whole chunks of A-only and B-only pages ahead of the
   rest (:func:`interleave_exclusive_chunks`), so the two row halves compute their own chunks side by side;
-- bits 16 and 17 of an entry's row mask say which half sees it (bit 16: rows 0–63, bit 17: rows 64–127).
+- bits 16–23 of an entry's row mask say which owned page slots see it (``VIS_HALF0``: rows 0–63,
+  ``VIS_HALF1``: rows 64–127).
+
+Partial Q blocks (1–3 live pages: a video's border cubes) are packed first (:func:`packed_groups`): up
+to four live pages of blocks that select alike fill one 64-row half, each owned page slot with its own
+visibility bit, and two such halves make an item (:func:`group_items`). wgmma's M is 64 per warpgroup,
+so an unpacked one-page block costs a 64-row half for 16 rows.
 
 A row half computes only the key chunks that hold pages it sees, and masks the other pages inside its
 boundary chunk. So the tensor work stays near the two 64-row items' (waste only in boundary chunks),
@@ -55,15 +61,17 @@ def pair_blocks(graph: SparseGraph) -> np.ndarray:
     return first[small[first] & small[first + 1]]
 
 
-def pair_partners(rows: SparseGraph) -> tuple[np.ndarray, np.ndarray]:
+def pair_partners(rows: SparseGraph, eligible: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """int64 ``(firsts [P], seconds [P])``: the row blocks each pair item joins (``rows``: a graph whose
     rows are the blocks to pair: the graph itself for the forward's Q blocks, its transpose for the
     backward's K/V blocks). Neighbours (2i, 2i + 1) both on the 64-row route first (:func:`pair_blocks`);
     then the other 64-row blocks with live pages, matched by the streamed pages they share
     (:func:`_sharing_pairs`: SVG2's cluster remainders, the partial blocks at a video's edges); the rest
-    two by two in block order. Every 64-row block is in at most one pair; one may be left over."""
-    firsts = pair_blocks(rows)
-    small = small_blocks(rows.q)
+    two by two in block order. Every 64-row block is in at most one pair; one may be left over.
+    ``eligible`` (bool ``[blocks]``): pair only these blocks."""
+    small = small_blocks(rows.q) if eligible is None else small_blocks(rows.q) & eligible
+    first = np.arange(0, rows.q.num_blocks - 1, 2)
+    firsts = first[small[first] & small[first + 1]]
     small[firsts] = False
     small[firsts + 1] = False
     shared_a, shared_b, rest = _sharing_pairs(rows, np.flatnonzero(small))
@@ -135,14 +143,23 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
     plan = plan_of(graph, "kpage", "auto", owner="q")  # the forward's cached KPage plan
     base = work_list(plan, order=order)
-    firsts, seconds = pair_partners(graph)
     nb = graph.q.num_blocks
+    live = graph.q.live_pages.astype(np.int64)
+    partial = small_blocks(graph.q) & (live < OWN_PAGES // 2)
+    groups = packed_groups(graph, np.flatnonzero(partial))
+    firsts, seconds = pair_partners(graph, eligible=~partial)
     paired = np.zeros((graph.heads, nb), dtype=bool)
     paired[:, firsts] = True
     paired[:, seconds] = True
+    for group in groups:
+        paired[:, group] = True
     keep = ~paired[plan.work_head.astype(np.int64), plan.work_block.astype(np.int64)]
 
-    info, own, own_mask, stream, stream_mask = pair_items(graph, firsts, seconds)
+    pairs = pair_items(graph, firsts, seconds)
+    packed = group_items(graph, groups[0::2], groups[1::2] + [np.zeros(0, np.int64)] * (len(groups) % 2))
+    info = np.concatenate([pairs[0], packed[0]])
+    info[pairs[0].shape[0] :, 1] += pairs[3].size
+    own, own_mask, stream, stream_mask = (np.concatenate([a, b]) for a, b in zip(pairs[1:], packed[1:]))
     chunk = chunk_for([plan])
     order = interleave_exclusive_chunks(stream_mask, info[:, 1], info[:, 2], chunk // PAGE_ROWS)
     stream, stream_mask = stream[order], stream_mask[order]
@@ -205,14 +222,15 @@ def interleave_exclusive_chunks(stream_mask: np.ndarray, begin: np.ndarray, leng
     A row half skips the chunks it does not see, so in an A-only run the B half waits for the ring and
     one consumer warpgroup computes alone; alternating the halves' own chunks lets the two warpgroups
     compute them side by side. Items are ``begin`` / ``length`` (entries, back to back from 0); an entry's
-    half bits are bits 16-17 of ``stream_mask``."""
+    visibility bits are those of ``stream_mask`` (``VIS_HALF0`` / ``VIS_HALF1``)."""
     total = int(stream_mask.size)
     begin = np.asarray(begin, dtype=np.int64)
     indptr = np.concatenate([begin, [total]])
     item = np.repeat(np.arange(length.size), length)
     offset = np.arange(total) - begin[item]  # position within the item
-    halves = (stream_mask.astype(np.int64) >> 16) & 3
-    a_only, b_only = halves == 1, halves == 2
+    mask = stream_mask.astype(np.uint32)
+    sees_a, sees_b = (mask & VIS_HALF0) != 0, (mask & VIS_HALF1) != 0
+    a_only, b_only = sees_a & ~sees_b, sees_b & ~sees_a
     n_a = np.bincount(item, weights=a_only, minlength=length.size).astype(np.int64)
     n_b = np.bincount(item, weights=b_only, minlength=length.size).astype(np.int64)
     runs = np.minimum(n_a, n_b) // pages  # chunk pairs to alternate per item
@@ -225,6 +243,122 @@ def interleave_exclusive_chunks(stream_mask: np.ndarray, begin: np.ndarray, leng
     order = np.empty(total, dtype=np.int64)
     order[position] = np.arange(total)
     return order
+
+
+#: Partial blocks a packed half considers joining, after it in block order.
+PACK_WINDOW = 32
+
+
+def packed_groups(graph: SparseGraph, blocks: np.ndarray) -> list[np.ndarray]:
+    """Partial 64-row Q blocks (``blocks``: sorted ids with 1–3 live pages) packed into groups of at most
+    four live pages, one 64-row half of a pair item each. A group starts at its first free block and
+    takes, among the next :data:`PACK_WINDOW` free blocks that fit, the one whose selected K pages
+    (summed over heads) overlap the group's the most net of the pages it adds, while it adds no more than
+    it shares: the group streams the union of its blocks' pages, so the blocks should select alike (a
+    video's border cubes next to each other do). Groups in order of their first block."""
+    import scipy.sparse as sp
+
+    if blocks.size == 0:
+        return []
+    heads, nb, nkb = graph.heads, graph.q.num_blocks, graph.k.num_blocks
+    pages = graph.k.live_pages.astype(np.float64)
+    rows, cols = [], []
+    for h in range(heads):  # columns: (head, K block)
+        sel, counts = gather_segments(
+            graph.indptr.astype(np.int64), graph.indices.astype(np.int64), h * nb + blocks
+        )
+        rows.append(np.repeat(np.arange(blocks.size), counts))
+        cols.append(h * nkb + sel)
+    rows, cols = np.concatenate(rows), np.concatenate(cols)
+    selects = sp.csr_matrix((pages[cols % nkb], (rows, cols)), shape=(blocks.size, heads * nkb))
+    live = graph.q.live_pages.astype(np.int64)[blocks]
+    free = np.ones(blocks.size, dtype=bool)
+    groups = []
+    for i in range(blocks.size):
+        if not free[i]:
+            continue
+        free[i] = False
+        members, room = [i], OWN_PAGES // 2 - live[i]
+        union = selects[i].toarray().ravel() > 0
+        while room > 0:
+            cand = np.flatnonzero(
+                free[i + 1 : i + 1 + PACK_WINDOW] & (live[i + 1 : i + 1 + PACK_WINDOW] <= room)
+            )
+            if cand.size == 0:
+                break
+            cand += i + 1
+            weights = selects[cand]
+            shared = weights @ union
+            added = np.asarray(weights.sum(axis=1)).ravel() - shared
+            best = int(np.argmax(shared - added))
+            if added[best] > shared[best]:
+                break
+            j = int(cand[best])
+            free[j] = False
+            members.append(j)
+            room -= live[j]
+            union |= selects[j].toarray().ravel() > 0
+        groups.append(blocks[np.asarray(members, dtype=np.int64)])
+    return groups
+
+
+def group_items(graph: SparseGraph, halves_a: list, halves_b: list):
+    """Pair items whose halves are groups of Q blocks (:func:`packed_groups`), for every head, in the
+    format of :func:`pair_items`. Half A's blocks own slots 0–3 in group order, half B's slots 4–7 (an
+    empty group leaves its slots empty); the item streams the union of the K pages any slot's block
+    selects, ordered [A only | shared | B only] in K block order, each entry's visibility bit 16 + s set
+    for every slot s whose block selects it."""
+    heads, nb, nkb = graph.heads, graph.q.num_blocks, graph.k.num_blocks
+    indptr, indices = graph.indptr.astype(np.int64), graph.indices.astype(np.int64)
+    k_pages = np.flatnonzero(graph.k.page_live).astype(np.int64)
+    k_indptr = np.concatenate([[0], np.cumsum(graph.k.live_pages)]).astype(np.int64)
+    q_ppb = graph.q.pages_per_block
+    q_live = graph.q.page_live.reshape(nb, q_ppb)
+    slots = []  # per item: (owned page ids [8], block of each slot [8])
+    for group_a, group_b in zip(halves_a, halves_b):
+        own = np.full(OWN_PAGES, -1, dtype=np.int64)
+        block = np.full(OWN_PAGES, -1, dtype=np.int64)
+        for half, group in enumerate((group_a, group_b)):
+            slot = half * OWN_PAGES // 2
+            for b in np.asarray(group, dtype=np.int64):
+                page_ids = b * q_ppb + np.flatnonzero(q_live[b])
+                own[slot : slot + page_ids.size] = page_ids
+                block[slot : slot + page_ids.size] = b
+                slot += page_ids.size
+        slots.append((own, block))
+    infos, owns, streams, masks = [], [], [], []
+    begin = 0
+    for h in range(heads):
+        for own, block in slots:
+            vis = np.zeros(nkb, dtype=np.int64)
+            for s in np.flatnonzero(block >= 0):
+                row = h * nb + block[s]
+                vis[indices[indptr[row] : indptr[row + 1]]] |= 1 << s
+            union = np.flatnonzero(vis)
+            sees_a, sees_b = (vis[union] & 0x0F) != 0, (vis[union] & 0xF0) != 0
+            union = union[np.argsort(np.where(sees_a & sees_b, 1, np.where(sees_a, 0, 2)), kind="stable")]
+            stream, lengths = gather_segments(k_indptr, k_pages, union)
+            mask = graph.k.page_mask.astype(np.uint32)[stream] | np.repeat(vis[union] << 16, lengths).astype(
+                np.uint32
+            )
+            infos.append([h, begin, stream.size, 2 * 64])
+            owns.append(own)
+            streams.append(stream)
+            masks.append(mask)
+            begin += stream.size
+    if not infos:
+        return (
+            np.zeros((0, 4), np.int64),
+            np.zeros((0, OWN_PAGES), np.int64),
+            np.zeros((0, OWN_PAGES), np.uint32),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.uint32),
+        )
+    own = np.stack(owns)
+    own_mask = np.where(own >= 0, graph.q.page_mask.astype(np.uint32)[np.maximum(own, 0)], 0).astype(
+        np.uint32
+    )
+    return np.asarray(infos, dtype=np.int64), own, own_mask, np.concatenate(streams), np.concatenate(masks)
 
 
 def pair_items(graph: SparseGraph, firsts: np.ndarray, seconds: np.ndarray | None = None):

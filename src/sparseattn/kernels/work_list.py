@@ -23,9 +23,12 @@ OWN_PAGES = 8
 CHUNKS = (64, 128)
 #: Query rows (M) of the routes the kernel runs: 64 (two warpgroups split the keys) or 128 (the rows).
 ROUTE_ROWS = (64, 128)
-#: Row-half visibility bits of a stream entry's mask word (pair items, :mod:`.pair_work_list`): bit 16 =
-#: rows 0-63 see the page, bit 17 = rows 64-127. An entry with neither bit is seen by every row.
-VIS_HALF0, VIS_HALF1 = 1 << 16, 1 << 17
+#: Visibility bits of a stream entry's mask word (pair items, :mod:`.pair_work_list`): bit 16 + s set =
+#: the rows of owned page slot s (rows 16s .. 16s + 15) see the page. An entry without any is seen by
+#: every row. ``VIS_HALF0`` / ``VIS_HALF1``: all slots of rows 0-63 / 64-127.
+VIS_SHIFT = 16
+VIS_SLOTS = 0xFF << VIS_SHIFT
+VIS_HALF0, VIS_HALF1 = 0x0F << VIS_SHIFT, 0xF0 << VIS_SHIFT
 #: Orders in which the persistent CTAs take items: "head" = head by head, largest first within a
 #: head (concurrent CTAs share one head's K/V in L2); "cost" = largest first over all heads.
 ORDERS = ("head", "cost")
@@ -89,15 +92,15 @@ class WorkList:
         keys = np.repeat(np.arange(items.size), lengths) * (int(chunks.max()) + 1) + offsets // (
             self.chunk // PAGE_ROWS
         )
-        seen = _visibility(self.stream_mask[entries])
+        seen = _visibility(self.stream_mask[entries]).reshape(2, 4, -1).any(axis=1)  # per row half
         return total + sum(64 * self.chunk * np.unique(keys[seen[h]]).size for h in (0, 1))
 
     def has_visibility(self) -> bool:
-        """True when some stream entry carries row-half visibility bits (a pair work list)."""
-        return bool((self.stream_mask.astype(np.uint32) >> 16).any())
+        """True when some stream entry carries visibility bits (a pair work list)."""
+        return bool((self.stream_mask.astype(np.uint32) & VIS_SLOTS).any())
 
     def stream_visibility(self, begin: int, length: int) -> np.ndarray:
-        """bool ``[2, length]``: which row half (0: rows 0-63, 1: rows 64-127) sees each entry of a stream."""
+        """bool ``[8, length]``: which owned page slot (rows 16s .. 16s + 15) sees each entry of a stream."""
         return _visibility(self.stream_mask[begin : begin + length])
 
     def device_arrays(self) -> dict[str, np.ndarray]:
@@ -116,10 +119,10 @@ class WorkList:
 
 
 def _visibility(masks: np.ndarray) -> np.ndarray:
-    """bool ``[2, n]``: which row half sees each entry (an entry without visibility bits: both)."""
+    """bool ``[8, n]``: which owned page slot sees each entry (an entry without visibility bits: all)."""
     m = masks.astype(np.uint32)
-    none = (m & (VIS_HALF0 | VIS_HALF1)) == 0
-    return np.stack([none | ((m & VIS_HALF0) != 0), none | ((m & VIS_HALF1) != 0)])
+    none = (m & VIS_SLOTS) == 0
+    return np.stack([none | ((m >> (VIS_SHIFT + s)) & 1).astype(bool) for s in range(OWN_PAGES)])
 
 
 def chunk_for(plans) -> int:
