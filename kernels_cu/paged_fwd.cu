@@ -24,8 +24,9 @@
 //     merges the two softmax states and stores the rows.
 // PAIR = true (pair work lists, sparseattn.kernels.pair_work_list): bit 16 + s of a stream entry's mask
 // says the rows of owned page slot s (rows 16s .. 16s + 15, one warp's) see the page (no bit: every row).
-// Each warp masks the pages its slot does not see; a warpgroup skips chunks none of its slots sees, after
-// finishing its pending P·V and releasing the chunk's buffers in ring order.
+// Each warp masks the pages its slot does not see; a warpgroup skips chunks none of its slots sees,
+// releasing their buffers once loaded; its pending P·V runs behind its next S unless a skipped chunk's
+// load waits for that P·V's V buffer.
 // Outputs: O bf16 [batch, heads, q_slots, HEAD_DIM] and LSE fp32 [batch, heads, q_slots] (natural log)
 // for the valid rows of each owned page; a valid row without any valid key gets O = 0, LSE = -inf.
 // Invalid query rows are never stored. Every page id is range-checked before use.
@@ -295,6 +296,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             uint32_t pa[PAGES][4];
             int prev = -1;  // V buffer of this warpgroup's previous chunk (its P·V is pending)
             uint32_t prev_par = 0;
+            int prev_pos = 0;  // its ring position
 #pragma unroll 1
             for (int c = row_split ? 0 : cw; c < it.chunks; c += row_split ? 1 : 2) {
                 const int pos = chunk_base + c;
@@ -315,8 +317,11 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                         if (vis == 0u || ((vis >> slot0) & 0xfu)) seen |= 1u << p;
                         if (vis == 0u || ((vis >> (slot0 + wq)) & 1u)) warp_seen |= 1u << p;
                     }
-                    if (seen == 0u) {  // nothing for these rows: finish the pending P·V, release in order
-                        if (prev >= 0) {
+                    if (seen == 0u) {  // nothing for these rows: release the chunk once it has landed
+                        // The pending P·V stays pending (it runs behind this warpgroup's next S) unless
+                        // the skipped chunk's load needs its V buffer, which the producer frees in ring
+                        // order: finishing it then keeps the wait below from waiting on ourselves.
+                        if (prev >= 0 && pos - prev_pos >= NBUF) {
                             finish_pv(sm, o, pa, prev, prev_par, release, lane);
                             prev = -1;
                         }
@@ -358,6 +363,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 hopper::pack_p<CHUNK>(pa, s);
                 prev = buf;
                 prev_par = par;
+                prev_pos = pos;
             }
             if (row_split) {  // Q is no longer read: the producer may load the next item's
                 __syncwarp();
