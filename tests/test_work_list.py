@@ -338,6 +338,51 @@ def test_pair_route_on_a_head_stack_pairs_per_head():
     _check_against_reference(pair, graphs, rng, (2, stack.q_slots, stack.k_slots))
 
 
+def test_pair_work_list_pairs_each_head_by_its_own_selection():
+    """Every head matches its own 64-row Q blocks by the K pages they share: head 1 selects the windows
+    of shuffled block positions, so its partners are not neighbours, yet each pair item's two blocks
+    share most of their K blocks; the list equals the stacked one-head lists and the reference."""
+    from sparseattn.kernels.pair_work_list import head_graph, pair_work_list
+
+    layout = video_layout((8, 16, 20), (4, 4, 4), block_size=64)  # 40 full cubes
+    nb = layout.num_blocks
+    position = np.stack([np.arange(nb), np.random.default_rng(4).permutation(nb)])
+    mask = np.abs(position[:, :, None] - position[:, None, :]) <= 6  # [heads, q block, k block]
+    graph = SparseGraph.from_block_mask(layout, layout, mask)
+    work = pair_work_list(graph)
+    ppb = layout.block_size // 16
+    items = np.flatnonzero(work.work_info[:, 3] == 128)
+    for head in (0, 1):
+        mine = items[work.work_info[items, 0] == head]
+        a, b = work.own_pages[mine, 0] // ppb, work.own_pages[mine, OWN_PAGES // 2] // ppb
+        overlap = (mask[head, a] & mask[head, b]).sum(1) / mask[head, a].sum(1)
+        assert mine.size >= nb // 2 - 1 and np.median(overlap) >= 0.8
+    assert np.mean(np.abs(a - b) == 1) < 0.5  # head 1's partners are mostly not neighbours
+    ones = [pair_work_list(head_graph(graph, head)) for head in (0, 1)]
+    assert work.executed_pairs() == sum(one.executed_pairs() for one in ones)
+    np.testing.assert_array_equal(work.stream_pages, np.concatenate([one.stream_pages for one in ones]))
+    _check_against_reference(work, graph, np.random.default_rng(2), (2, layout.num_slots, layout.num_slots))
+
+
+def test_greedy_matching_equals_the_sequential_greedy():
+    """The vectorized rounds give the sequential greedy's matching (heaviest edge first, ties by the
+    smaller ends), ties and all."""
+    from sparseattn.kernels.pair_work_list import greedy_matching
+
+    rng = np.random.default_rng(0)
+    for n in (2, 7, 60):
+        a, b = np.triu_indices(n, 1)
+        keep = rng.random(a.size) < 0.5
+        a, b = a[keep], b[keep]
+        weight = rng.integers(0, 4, a.size).astype(float)  # many ties
+        used, expect = np.zeros(n, bool), []
+        for i in np.lexsort((b, a, -weight)):
+            if not (used[a[i]] or used[b[i]]):
+                used[a[i]] = used[b[i]] = True
+                expect.append(i)
+        np.testing.assert_array_equal(greedy_matching(a, b, weight, n), np.sort(expect))
+
+
 def test_pair_work_list_pairs_scattered_64_row_blocks():
     """128-slot blocks: the partial Q blocks (64-row route) pair with each other wherever they are, and
     the pair list still equals the reference."""

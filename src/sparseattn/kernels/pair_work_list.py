@@ -61,19 +61,23 @@ def pair_blocks(graph: SparseGraph) -> np.ndarray:
     return first[small[first] & small[first + 1]]
 
 
-def pair_partners(rows: SparseGraph, eligible: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pair_partners(
+    rows: SparseGraph, eligible: np.ndarray | None = None, neighbours_first: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """int64 ``(firsts [P], seconds [P])``: the row blocks each pair item joins (``rows``: a graph whose
     rows are the blocks to pair: the graph itself for the forward's Q blocks, its transpose for the
-    backward's K/V blocks). Neighbours (2i, 2i + 1) both on the 64-row route first (:func:`pair_blocks`);
-    then the other 64-row blocks with live pages, matched by the streamed pages they share
-    (:func:`_sharing_pairs`: SVG2's cluster remainders, the partial blocks at a video's edges); the rest
-    two by two in block order. Every 64-row block is in at most one pair; one may be left over.
-    ``eligible`` (bool ``[blocks]``): pair only these blocks."""
+    backward's K/V blocks). With ``neighbours_first``, neighbours (2i, 2i + 1) both on the 64-row route
+    first (:func:`pair_blocks`); then the other 64-row blocks with live pages, matched by the streamed
+    pages they share (:func:`_sharing_pairs`: SVG2's cluster remainders, the partial blocks at a video's
+    edges); the rest two by two in block order. Every 64-row block is in at most one pair; one may be
+    left over. ``eligible`` (bool ``[blocks]``): pair only these blocks."""
     small = small_blocks(rows.q) if eligible is None else small_blocks(rows.q) & eligible
-    first = np.arange(0, rows.q.num_blocks - 1, 2)
-    firsts = first[small[first] & small[first + 1]]
-    small[firsts] = False
-    small[firsts + 1] = False
+    firsts = np.zeros(0, dtype=np.int64)
+    if neighbours_first:
+        first = np.arange(0, rows.q.num_blocks - 1, 2)
+        firsts = first[small[first] & small[first + 1]]
+        small[firsts] = False
+        small[firsts + 1] = False
     shared_a, shared_b, rest = _sharing_pairs(rows, np.flatnonzero(small))
     rest = rest[: rest.size - rest.size % 2]
     return (
@@ -110,29 +114,68 @@ def _sharing_pairs(rows: SparseGraph, blocks: np.ndarray):
         row_ids.append(np.repeat(np.arange(n), counts))
         cols.append(h * nc + sel)
     row_ids, cols = np.concatenate(row_ids), np.concatenate(cols)
-    selects = sp.csr_matrix((np.ones(row_ids.size), (row_ids, cols)), shape=(n, heads * nc))
-    weighted = sp.csr_matrix((col_pages[cols % nc], (row_ids, cols)), shape=(n, heads * nc))
-    shared = sp.triu(weighted @ selects.T, k=1).tocoo()
-    r, c, v = shared.row, shared.col, shared.data
+    selects = _matrix(row_ids, cols, np.ones(row_ids.size), (n, heads * nc))
+    weighted = _matrix(row_ids, cols, col_pages[cols % nc], (n, heads * nc))
+    if isinstance(selects, np.ndarray):
+        shared = np.triu(weighted @ selects.T, k=1)
+        r, c = np.nonzero(shared)
+        v = shared[r, c]
+    else:
+        shared = sp.triu(weighted @ selects.T, k=1).tocoo()
+        r, c, v = shared.row, shared.col, shared.data
     if v.size > MAX_PAIR_CANDIDATES:
         top = np.argpartition(-v, MAX_PAIR_CANDIDATES)[:MAX_PAIR_CANDIDATES]
         r, c, v = r[top], c[top], v[top]
+    chosen = greedy_matching(r, c, v, n)
+    a, b = r[chosen].astype(np.int64), c[chosen].astype(np.int64)
     used = np.zeros(n, dtype=bool)
-    a, b = [], []
-    for i in np.lexsort((c, r, -v)):  # most shared first, ties in block order
-        x, y = r[i], c[i]
-        if not (used[x] or used[y]):
-            used[x] = used[y] = True
-            a.append(x)
-            b.append(y)
-    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    used[a] = used[b] = True
     order = np.argsort(a, kind="stable")
     return blocks[a[order]], blocks[b[order]], blocks[~used]
 
 
+def greedy_matching(a: np.ndarray, b: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
+    """int64 ``[M]``: the edges (``a[i]``, ``b[i]``; vertices in ``[0, n)``, a ≠ b) of the greedy matching
+    that takes the heaviest edge first (ties: smaller ``a``, then smaller ``b``) unless one of its ends is
+    taken. Computed in rounds: every edge that ranks first at both its free ends joins at once, which
+    gives exactly the sequential greedy's matching in a few vectorized passes."""
+    rank_order = np.lexsort((b, a, -weight))
+    a, b = np.asarray(a, dtype=np.int64)[rank_order], np.asarray(b, dtype=np.int64)[rank_order]
+    used = np.zeros(n, dtype=bool)
+    live = np.arange(a.size)  # candidate edges by rank
+    chosen = []
+    while live.size:
+        best = np.full(n, a.size, dtype=np.int64)
+        np.minimum.at(best, a[live], live)
+        np.minimum.at(best, b[live], live)
+        win = live[(best[a[live]] == live) & (best[b[live]] == live)]
+        chosen.append(win)
+        used[a[win]] = used[b[win]] = True
+        live = live[~(used[a[live]] | used[b[live]])]
+    return np.sort(rank_order[np.concatenate(chosen)]) if chosen else np.zeros(0, dtype=np.int64)
+
+
+#: Largest row-by-column matrix the pairing heuristics hold dense (float32 entries); larger ones stay sparse.
+DENSE_ENTRIES = 1 << 24
+
+
+def _matrix(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, shape: tuple[int, int]):
+    """The ``shape`` matrix with ``values`` at (``rows``, ``cols``) (each place once): a float32 ndarray
+    up to :data:`DENSE_ENTRIES` entries (BLAS products, fast row reads), else a scipy CSR matrix."""
+    if shape[0] * shape[1] <= DENSE_ENTRIES:
+        dense = np.zeros(shape, dtype=np.float32)
+        dense[rows, cols] = values
+        return dense
+    import scipy.sparse as sp
+
+    return sp.csr_matrix((values, (rows, cols)), shape=shape)
+
+
 def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     """The KPage forward work list of ``graph`` with its 64-row Q blocks joined two by two into 128-row
-    pair items (:func:`pair_partners`; see the module docstring); the other items are the KPage plan's.
+    pair items (:func:`pair_partners`, matched by shared K pages; see the module docstring); the other
+    items are the KPage plan's. Every head pairs and packs its own blocks (heads select differently),
+    items head by head.
 
     Args:
         graph: a :class:`SparseGraph` (one layout for every head; per-head layouts:
@@ -141,13 +184,30 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     """
     if not isinstance(graph, SparseGraph):
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
+    if graph.heads == 1:
+        return _one_head_pair_work_list(graph)
+    lists = [_one_head_pair_work_list(head_graph(graph, h)) for h in range(graph.heads)]
+    return _stacked(lists, default_order() if order is None else order)
+
+
+def head_graph(graph: SparseGraph, h: int) -> SparseGraph:
+    """Head ``h`` of ``graph`` as a one-head graph (its CSR rows sliced, no re-sort)."""
+    nb = graph.q.num_blocks
+    lo, hi = graph.indptr[h * nb], graph.indptr[(h + 1) * nb]
+    return SparseGraph(
+        graph.q, graph.k, 1, graph.indptr[h * nb : (h + 1) * nb + 1] - lo, graph.indices[lo:hi], graph.name
+    )
+
+
+def _one_head_pair_work_list(graph: SparseGraph) -> WorkList:
+    """:func:`pair_work_list` of a one-head graph."""
     plan = plan_of(graph, "kpage", "auto", owner="q")  # the forward's cached KPage plan
-    base = work_list(plan, order=order)
+    base = work_list(plan)
     nb = graph.q.num_blocks
     live = graph.q.live_pages.astype(np.int64)
     partial = small_blocks(graph.q) & (live < OWN_PAGES // 2)
     groups = packed_groups(graph, np.flatnonzero(partial))
-    firsts, seconds = pair_partners(graph, eligible=~partial)
+    firsts, seconds = pair_partners(graph, eligible=~partial, neighbours_first=False)
     paired = np.zeros((graph.heads, nb), dtype=bool)
     paired[:, firsts] = True
     paired[:, seconds] = True
@@ -191,7 +251,13 @@ def stacked_pair_work_list(stack: HeadStack, order: str | None = None) -> WorkLi
     :func:`sparseattn.kernels.work_list.work_list` orders them."""
     if not isinstance(stack, HeadStack):
         raise KernelTypeError(f"stack must be a HeadStack, got {type(stack).__name__}")
-    lists = [pair_work_list(g, order="cost") for g in stack.graphs]
+    lists = [pair_work_list(g) for g in stack.graphs]
+    return _stacked(lists, default_order() if order is None else order)
+
+
+def _stacked(lists: list[WorkList], order: str) -> WorkList:
+    """Work lists of one head each (``lists[h]``: head h's) as one list: items' head set to h, streams
+    laid back to back, items ordered by ``order`` (:func:`sparseattn.kernels.work_list.work_order`)."""
     infos = []
     base = 0
     for h, wl in enumerate(lists):
@@ -204,12 +270,12 @@ def stacked_pair_work_list(stack: HeadStack, order: str | None = None) -> WorkLi
     chunk = lists[0].chunk
     return WorkList(
         work_info=info.astype(np.int32),
-        work_order=work_order(info, chunk, default_order() if order is None else order),
+        work_order=work_order(info, chunk, order),
         own_pages=np.concatenate([wl.own_pages for wl in lists]).astype(np.int32),
         own_mask=np.concatenate([wl.own_mask for wl in lists]).astype(np.uint32),
         stream_pages=np.concatenate([wl.stream_pages for wl in lists]).astype(np.int32),
         stream_mask=np.concatenate([wl.stream_mask for wl in lists]).astype(np.uint32),
-        heads=stack.heads,
+        heads=len(lists),
         chunk=chunk,
     )
 
@@ -256,8 +322,6 @@ def packed_groups(graph: SparseGraph, blocks: np.ndarray) -> list[np.ndarray]:
     (summed over heads) overlap the group's the most net of the pages it adds, while it adds no more than
     it shares: the group streams the union of its blocks' pages, so the blocks should select alike (a
     video's border cubes next to each other do). Groups in order of their first block."""
-    import scipy.sparse as sp
-
     if blocks.size == 0:
         return []
     heads, nb, nkb = graph.heads, graph.q.num_blocks, graph.k.num_blocks
@@ -270,7 +334,12 @@ def packed_groups(graph: SparseGraph, blocks: np.ndarray) -> list[np.ndarray]:
         rows.append(np.repeat(np.arange(blocks.size), counts))
         cols.append(h * nkb + sel)
     rows, cols = np.concatenate(rows), np.concatenate(cols)
-    selects = sp.csr_matrix((pages[cols % nkb], (rows, cols)), shape=(blocks.size, heads * nkb))
+    selects = _matrix(rows, cols, pages[cols % nkb], (blocks.size, heads * nkb))
+
+    def selected(i: int) -> np.ndarray:
+        row = selects[i] if isinstance(selects, np.ndarray) else selects[i].toarray().ravel()
+        return row > 0
+
     live = graph.q.live_pages.astype(np.int64)[blocks]
     free = np.ones(blocks.size, dtype=bool)
     groups = []
@@ -279,7 +348,7 @@ def packed_groups(graph: SparseGraph, blocks: np.ndarray) -> list[np.ndarray]:
             continue
         free[i] = False
         members, room = [i], OWN_PAGES // 2 - live[i]
-        union = selects[i].toarray().ravel() > 0
+        union = selected(i)
         while room > 0:
             cand = np.flatnonzero(
                 free[i + 1 : i + 1 + PACK_WINDOW] & (live[i + 1 : i + 1 + PACK_WINDOW] <= room)
@@ -297,7 +366,7 @@ def packed_groups(graph: SparseGraph, blocks: np.ndarray) -> list[np.ndarray]:
             free[j] = False
             members.append(j)
             room -= live[j]
-            union |= selects[j].toarray().ravel() > 0
+            union |= selected(j)
         groups.append(blocks[np.asarray(members, dtype=np.int64)])
     return groups
 
