@@ -106,10 +106,54 @@ def pageweaver_sanitize_case() -> int:
     return 0
 
 
+def pair_sanitize_case() -> int:
+    """The pair routes for compute-sanitizer: a neighbour-window graph on 64-slot video blocks (partial
+    border cubes packed into halves), a random graph on 128-slot blocks (scattered partial blocks paired)
+    and a HeadStack of both, forward (auto and pair routes) and backward (pair route), d = 128 and 64."""
+    import cupy
+    import numpy as np
+
+    from .builders import random_graph
+    from .graph import HeadStack, SparseGraph
+    from .kernels.backward import kpage_backward
+    from .kernels.forward import kpage_forward
+    from .kernels.validate import float_to_bf16_bits
+    from .layouts import video_layout
+
+    layout = video_layout((5, 7, 9), (4, 4, 4), block_size=64)
+    window = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
+    for i in range(layout.num_blocks):
+        window[:, i, max(0, i - 5) : i + 6] = True
+    lay128 = video_layout((5, 7, 9), (4, 4, 8), block_size=128)
+    stack = HeadStack.of(
+        [
+            random_graph(layout, layout, heads=1, density=0.4, seed=2),
+            random_graph(lay128, lay128, 1, 0.4, seed=3),
+        ]
+    )
+    cases = (
+        (SparseGraph.from_block_mask(layout, layout, window), layout.num_slots),
+        (random_graph(lay128, lay128, heads=2, density=0.5, seed=1), lay128.num_slots),
+        (stack, stack.q_slots),
+    )
+    rng = np.random.default_rng(0)
+    for graph, slots in cases:
+        for d in (128, 64):
+            shape = (1, 2, slots, d)
+            q, k, v, do = (cupy.asarray(float_to_bf16_bits(rng.standard_normal(shape))) for _ in range(4))
+            o, lse = kpage_forward(q, k, v, graph)
+            kpage_forward(q, k, v, graph, route="pair")
+            kpage_backward(q, k, v, o, lse, do, graph, route="pair")
+            cupy.cuda.Device().synchronize()
+    print("pair sanitize case done")
+    return 0
+
+
 def sanitize_case(paged_only: bool = False, backward_only: bool = False) -> int:
     """A small ragged case for compute-sanitizer: the paged forward (every route), the mma.sync BSA
-    forward and the backward, synchronized; ``paged_only`` runs the paged forward alone and
-    ``backward_only`` the backward (after one forward for its inputs): racecheck is slow."""
+    forward and the backward, synchronized, then the pair routes (:func:`pair_sanitize_case`);
+    ``paged_only`` runs the paged forward alone and ``backward_only`` the backward (after one forward
+    for its inputs): racecheck is slow."""
     import cupy
     import numpy as np
 
@@ -147,7 +191,7 @@ def sanitize_case(paged_only: bool = False, backward_only: bool = False) -> int:
                 bsa_backward(q, k, v, o, lse, do, graph, deterministic=True)
             cupy.cuda.Device().synchronize()
     print("sanitize case done")
-    return 0
+    return 0 if paged_only or backward_only else pair_sanitize_case()
 
 
 def main(argv=None) -> int:
@@ -168,6 +212,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--paged-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backward-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pair-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--bwd-impl",
         choices=BWD_IMPLS,
@@ -193,9 +238,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     pageweaver = args.suite == "pageweaver"
     if args.sanitize_case:
-        return (
-            pageweaver_sanitize_case() if pageweaver else sanitize_case(args.paged_only, args.backward_only)
-        )
+        if pageweaver:
+            return pageweaver_sanitize_case()
+        return pair_sanitize_case() if args.pair_only else sanitize_case(args.paged_only, args.backward_only)
     if pageweaver and args.tests == ["tests/"]:
         args.tests = list(PAGEWEAVER_TESTS)
 
@@ -258,20 +303,22 @@ def main(argv=None) -> int:
             steps.append(
                 dict(
                     step=f"compute-sanitizer {which}"
-                    + (" (backward)" if "--backward-only" in case_args else ""),
+                    + (" (backward)" if "--backward-only" in case_args else "")
+                    + (" (pair routes)" if "--pair-only" in case_args else ""),
                     code=code,
                     seconds=round(sec, 1),
                     note=note.strip(),
                 )
             )
 
-        sanitize("memcheck", "sanitizer.log", SANITIZER_LIMIT_S)
+        sanitize("memcheck", "sanitizer.log", SANITIZER_LIMIT_S * 2)
         if args.racecheck and Path(tool).exists():
             if pageweaver:
                 sanitize("racecheck", "racecheck.log", SANITIZER_LIMIT_S * 2)
             else:  # the forward and the backward apart: either alone fills racecheck's time limit
                 sanitize("racecheck", "racecheck.log", SANITIZER_LIMIT_S * 2, "--paged-only")
                 sanitize("racecheck", "racecheck_backward.log", SANITIZER_LIMIT_S * 2, "--backward-only")
+                sanitize("racecheck", "racecheck_pair.log", SANITIZER_LIMIT_S * 2, "--pair-only")
 
     if "bench" not in args.skip and pageweaver:
         cmd = [py, "-m", "sparseattn.pageweaver.kernel_bench", "--out", str(out)]
