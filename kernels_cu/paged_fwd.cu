@@ -304,18 +304,31 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 const uint32_t par = (pos / NBUF) & 1;
                 hopper::mbar_wait(sm.k_full(buf), par);
                 uint32_t seen_cols = 0xffffffffu;  // PAIR: the column bits of the pages this warp's rows see
+                uint32_t page_mask[PAIR ? PAGES : 1];  // PAIR: the chunk's entry masks, read once
                 if constexpr (PAIR) {
                     // bit 16 + s of a page's mask: owned page slot s sees it (none set: every slot does);
-                    // this warpgroup's slots are 4·cw .. 4·cw + 3 (0..3 on a key split), this warp's is one
+                    // this warpgroup's slots are 4·cw .. 4·cw + 3 (0..3 on a key split), this warp's is one.
+                    // Branch-free: this decode sits between the chunk's arrival and its S = Q·Kᵀ issue.
+                    static_assert(PAGES % 4 == 0, "pair chunks read their page masks 16 bytes at a time");
+                    const uint4* words = reinterpret_cast<const uint4*>(sm.kmask + buf * PAGES);
+#pragma unroll
+                    for (int w = 0; w < PAGES / 4; ++w) {
+                        const uint4 q4 = words[w];
+                        page_mask[4 * w] = q4.x;
+                        page_mask[4 * w + 1] = q4.y;
+                        page_mask[4 * w + 2] = q4.z;
+                        page_mask[4 * w + 3] = q4.w;
+                    }
                     const int slot0 = row_split ? 4 * cw : 0;
+                    const uint32_t group_slots = 0xfu << slot0, warp_slot = 1u << (slot0 + wq);
                     uint32_t seen = 0, warp_seen = 0;
 #pragma unroll
                     for (int p = 0; p < PAGES; ++p) {
-                        const uint32_t m = sm.kmask[buf * PAGES + p];
+                        const uint32_t m = page_mask[p];
                         const uint32_t vis = (m >> 16) & 0xffu;
-                        if (!(m & 0xffffu)) continue;
-                        if (vis == 0u || ((vis >> slot0) & 0xfu)) seen |= 1u << p;
-                        if (vis == 0u || ((vis >> (slot0 + wq)) & 1u)) warp_seen |= 1u << p;
+                        const uint32_t sees = (m & 0xffffu) ? (vis ? vis : 0xffu) : 0u;  // slots seeing page p
+                        seen |= (sees & group_slots) ? 1u << p : 0u;
+                        warp_seen |= (sees & warp_slot) ? 1u << p : 0u;
                     }
                     if (seen == 0u) {  // nothing for these rows: release the chunk once it has landed
                         // The pending P·V stays pending (it runs behind this warpgroup's next S) unless
@@ -338,7 +351,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     for (int p = 0; p < PAGES; ++p) seen_cols |= ((warp_seen >> p) & 1u) ? (0xfu << (4 * p)) : 0u;
                 }
                 if (prev >= 0) hopper::mbar_wait(sm.v_full(prev), prev_par);  // (nearly always landed long ago)
-                const uint32_t col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4) & seen_cols;
+                uint32_t col_bits = 0u;
+                if constexpr (!PAIR) col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4) & seen_cols;
                 hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
                 // S = Q·Kᵀ of this chunk, then O += P·V of the previous one right behind it: no control
                 // flow between the two issues, so the tensor cores run them back to back
@@ -352,6 +366,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 } else {
                     hopper::wgmma_wait<0>();
                 }
+                // PAIR: the column mask from the masks read above, off the path to the S issue
+                if constexpr (PAIR) col_bits = hopper::column_bits<CHUNK>(page_mask, t4) & seen_cols;
                 hopper::pin_registers(s);
                 if (lane == 0) hopper::mbar_arrive(sm.k_empty(buf), release);
                 hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);

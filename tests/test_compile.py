@@ -104,6 +104,33 @@ def test_spill_verdicts():
     assert all(entry.reason for entry in compile_check.ACCEPTED_SPILLS.values())
 
 
+def test_no_kernel_serializes_its_wgmmas(reports):
+    """ptxas warning C7514 (a non-wgmma instruction touching an accumulator inside a pipeline stage)
+    makes every wgmma wait for the one before: correct results, half the tensor-core rate."""
+    serialized = {k.kernel: k.wgmma_serialized for r in reports for k in r.kernels if k.wgmma_serialized}
+    assert not serialized, serialized
+
+
+def test_serialized_wgmma_warning_fails_the_kernel():
+    """The C7514 line names the mangled function, before or after its entry line; it maps to that
+    kernel only, whose status then fails the check."""
+    log = (
+        "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+        "due to non wgmma instructions reading accumulator registers of  a wgmma between start and end of "
+        "the pipeline stage in the function '_Z1fILi1EEvv'\n"
+        "ptxas info    : Compiling entry function '_Z1fILi1EEvv' for 'sm_90a'\n"
+        "ptxas info    : Used 168 registers, used 3 barriers\n"
+        "ptxas info    : Compiling entry function '_Z1fILi2EEvv' for 'sm_90a'\n"
+        "ptxas info    : Used 128 registers\n"
+    )
+    lowered = {"f<1>": "_Z1fILi1EEvv", "f<2>": "_Z1fILi2EEvv"}
+    first, second = compile_check.parse_ptxas_log("x.cu", log, lowered)
+    assert (first.kernel, first.status()) == ("f<1>", "WGMMA SERIALIZED")
+    assert first.wgmma_serialized.startswith("non wgmma instructions reading accumulator registers")
+    assert (second.kernel, second.status()) == ("f<2>", "ok")
+    assert "WGMMA SERIALIZED" in compile_check.FAILING
+
+
 def test_command_exits_0_and_says_why_a_spill_is_accepted(reports, monkeypatch, capsys):
     monkeypatch.setattr(compile_check, "check_all", lambda sources=None: reports)
     code = compile_check.main([])

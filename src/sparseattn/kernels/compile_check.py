@@ -8,7 +8,8 @@ added as a name expression. Wrapper modules in ``sparseattn.kernels`` declare th
 either ``SOURCE = "x.cu"`` + ``NAME_EXPRESSIONS = (...)`` or ``KERNEL_SOURCES = {"x.cu": (...)}``.
 
 ``python -m sparseattn.kernels.compile_check`` prints a table (registers, spills, shared memory
-per kernel) and exits non-zero on any error or on a spill that :data:`ACCEPTED_SPILLS` does not
+per kernel) and exits non-zero on any error, on ptxas serializing a kernel's wgmma instructions
+(warning C7514: the tensor cores lose their overlap), or on a spill that :data:`ACCEPTED_SPILLS` does not
 accept; the output says why each accepted spill is accepted. The test suite uses the same list.
 """
 
@@ -206,6 +207,8 @@ class KernelReport:
     stack_bytes: int = 0
     smem_static: int = 0
     cmem: str = ""
+    #: ptxas's reason when it serialized the kernel's wgmma instructions (warning C7514), else "".
+    wgmma_serialized: str = ""
 
     @property
     def spills(self) -> bool:
@@ -219,7 +222,10 @@ class KernelReport:
         return None
 
     def status(self) -> str:
-        """``ok``, ``accepted spill`` or ``SPILLS`` (a spill nothing accepts)."""
+        """``ok``, ``accepted spill``, ``SPILLS`` (a spill nothing accepts) or ``WGMMA SERIALIZED``
+        (ptxas waits for every wgmma before the next: the kernel's tensor-core overlap is gone)."""
+        if self.wgmma_serialized:
+            return "WGMMA SERIALIZED"
         if not self.spills:
             return "ok"
         return "accepted spill" if self.accepted_spill() else "SPILLS"
@@ -239,17 +245,25 @@ _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(.*)")
 _SMEM = re.compile(r"(\d+) bytes smem")
+_SERIALIZED = re.compile(
+    r"wgmma\.mma_async instructions are serialized due to (.*?) in the function '([^']+)'"
+)
+#: Statuses that fail the check.
+FAILING = ("SPILLS", "WGMMA SERIALIZED")
 
 
 def parse_ptxas_log(source: str, log: str, lowered: dict[str, str]) -> list[KernelReport]:
     """Per-kernel resource lines of a ``--ptxas-options=-v`` log (mangled names mapped back)."""
     demangle = {v: k for k, v in lowered.items()}
     reports: list[KernelReport] = []
+    by_mangled: dict[str, KernelReport] = {}
     current = None
     for line in log.splitlines():
         m = _ENTRY.search(line)
         if m:
-            current = KernelReport(source, demangle.get(m.group(1), m.group(1)))
+            current = by_mangled.setdefault(
+                m.group(1), KernelReport(source, demangle.get(m.group(1), m.group(1)))
+            )
             reports.append(current)
             continue
         if current is None:
@@ -262,6 +276,10 @@ def parse_ptxas_log(source: str, log: str, lowered: dict[str, str]) -> list[Kern
             current.registers = int(m.group(1))
             s = _SMEM.search(m.group(2))
             current.smem_static = int(s.group(1)) if s else 0
+    for m in _SERIALIZED.finditer(log):  # ptxas names the function; the line may precede its entry line
+        report = by_mangled.get(m.group(2))
+        if report is not None:
+            report.wgmma_serialized = " ".join(m.group(1).split())
     return reports
 
 
@@ -354,8 +372,10 @@ def main(argv=None) -> int:
             print(f"==== {rep.source}\n{rep.log}\n{rep.error}")
     print_table(reports)
     bad = [r for r in reports if not r.ok or r.error] + [
-        k for r in reports for k in r.kernels if k.status() == "SPILLS"
+        k for r in reports for k in r.kernels if k.status() in FAILING
     ]
+    for k in (k for rep in reports for k in rep.kernels if k.wgmma_serialized):
+        print(f"wgmma serialized: {k.kernel}: {k.wgmma_serialized}")
     return 1 if bad else 0
 
 
