@@ -119,3 +119,31 @@ def page_table(rows) -> np.ndarray:
     for i, r in enumerate(rows):
         pages[i, : len(r)] = r
     return pages
+
+
+def ragged_valid(rng, blocks: int, block_size: int) -> np.ndarray:
+    """Full, empty, single-row, single-page (not the first) and prefix-partial blocks, then random."""
+    valid = rng.random(blocks * block_size) < rng.uniform(0.3, 0.9)
+    v = valid.reshape(blocks, block_size)
+    v[0] = True
+    v[1] = False
+    v[2] = False
+    v[2, int(rng.integers(block_size))] = True
+    v[3] = False
+    v[3, 16:32] = True
+    v[4, : block_size // 2] = True
+    v[4, block_size // 2 :] = False
+    return valid
+
+
+def random_ragged_graph(rng) -> SparseGraph:
+    """A small random graph: ragged slot layouts (independent Q/K partitions, block sizes 64/128, Q
+    blocks with no selection), 1-3 heads."""
+    bq = int(rng.choice([64, 128]))
+    bk = bq if rng.random() < 0.7 else int(rng.choice([64, 128]))
+    q = slot_layout(ragged_valid(rng, int(rng.integers(5, 10)), bq), bq)
+    k = slot_layout(ragged_valid(rng, int(rng.integers(5, 14)), bk), bk)
+    heads = int(rng.integers(1, 4))
+    mask = rng.random((heads, q.num_blocks, k.num_blocks)) < rng.uniform(0.1, 0.9)
+    mask[:, int(rng.integers(q.num_blocks))] = False  # a Q block without any selection
+    return SparseGraph.from_block_mask(q, k, mask)

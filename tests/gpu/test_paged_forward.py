@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from forward_checks import check_forward, random_inputs, slots_of
+from small_cases import ragged_valid, random_ragged_graph
 
 from sparseattn import builders
 from sparseattn.graph import HeadStack, SparseGraph
@@ -19,8 +20,8 @@ from sparseattn.layouts import contiguous_layout, partition_layout, slot_layout,
 pytestmark = pytest.mark.gpu
 
 #: (plan kind, route) pairs: every tile route the skeleton runs
-ROUTES = [("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("bsa", "auto")]
-ROUTE_IDS = ["kpage-auto", "kpage-64x256", "kpage-128x128", "bsa"]
+ROUTES = [("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("kpage", "pair"), ("bsa", "auto")]
+ROUTE_IDS = ["kpage-auto", "kpage-64x256", "kpage-128x128", "kpage-pair", "bsa"]
 routes = pytest.mark.parametrize("kind, route", ROUTES, ids=ROUTE_IDS)
 head_dims = pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 
@@ -40,40 +41,12 @@ def run_case(rng, poisoned, graph, kind, route, batch=1, head_dim=128, scale=Non
     return check_forward(cupy.asnumpy(o), cupy.asnumpy(lse), qb, kb, vb, graph, scale)
 
 
-def ragged_valid(rng, blocks: int, block_size: int) -> np.ndarray:
-    """Full, empty, single-row, single-page (not the first) and prefix-partial blocks, then random."""
-    valid = rng.random(blocks * block_size) < rng.uniform(0.3, 0.9)
-    v = valid.reshape(blocks, block_size)
-    v[0] = True
-    v[1] = False
-    v[2] = False
-    v[2, int(rng.integers(block_size))] = True
-    v[3] = False
-    v[3, 16:32] = True
-    v[4, : block_size // 2] = True
-    v[4, block_size // 2 :] = False
-    return valid
-
-
-def random_case(rng):
-    """A small random graph: ragged slot layouts (independent Q/K partitions, block sizes 64/128, Q
-    blocks with no selection), 1-3 heads."""
-    bq = int(rng.choice([64, 128]))
-    bk = bq if rng.random() < 0.7 else int(rng.choice([64, 128]))
-    q = slot_layout(ragged_valid(rng, int(rng.integers(5, 10)), bq), bq)
-    k = slot_layout(ragged_valid(rng, int(rng.integers(5, 14)), bk), bk)
-    heads = int(rng.integers(1, 4))
-    mask = rng.random((heads, q.num_blocks, k.num_blocks)) < rng.uniform(0.1, 0.9)
-    mask[:, int(rng.integers(q.num_blocks))] = False  # a Q block without any selection
-    return SparseGraph.from_block_mask(q, k, mask)
-
-
 @routes
 def test_random_ragged_cases(rng, poisoned, kind, route):
     """100 random ragged graphs per route, each at head dims 64 and 128 (batch 1-2): 200 cases."""
     worst = 0.0
     for case in range(100):
-        graph = random_case(rng)
+        graph = random_ragged_graph(rng)
         for d in (64, 128):
             res = run_case(rng, poisoned, graph, kind, route, batch=int(rng.integers(1, 3)), head_dim=d)
             worst = max(worst, res["rel"] / max(res["rel_emul"], 1e-12))
@@ -197,11 +170,11 @@ def test_builtin_workload_full_size_sampled(rng, name):
 @head_dims
 @pytest.mark.parametrize("seed", range(10), ids=lambda s: f"case{s}")
 def test_pair_route(rng, poisoned, head_dim, seed):
-    """route='pair' (experimental): neighbouring 64-row Q blocks as 128-row items over the ordered union
-    of their K pages, each row half seeing only its own block's pages. Ragged random graphs (64-slot
-    blocks, so the 64-row route and pairs occur) and a neighbour-window graph whose pairs share most
-    pages."""
-    graph = random_case(rng)
+    """route='pair' (the route "auto" takes on VSA): 64-row Q blocks matched by the K pages they share as
+    128-row items over the ordered union of their K pages, partial blocks packed four pages to a half,
+    each warp seeing only its own block's pages. Ragged random graphs on 64-slot blocks (so the 64-row
+    route, pairs and packed halves occur) and a video neighbour-window graph with partial border cubes."""
+    graph = random_ragged_graph(rng)
     if graph.q.block_size != 64:
         q = slot_layout(ragged_valid(rng, int(rng.integers(6, 12)), 64), 64)
         mask = rng.random((2, q.num_blocks, graph.k.num_blocks)) < rng.uniform(0.2, 0.8)
