@@ -3,7 +3,8 @@
 KPage's 64-row route runs a Q block with at most four live pages as a 64-row item whose two consumer
 warpgroups split the key chunks. Every K/V byte it loads then serves 64 query rows, and the route is
 bound by K/V traffic. A *pair item* joins two such Q blocks of one head, A and B, into one 128-row item
-(:func:`pair_partners`: neighbours 2i and 2i + 1 first, then blocks that select the same K pages):
+(:func:`pair_partners`: every head's blocks matched by the K pages both select; the backward's K/V pairs
+take neighbours 2i and 2i + 1 first):
 - A's pages own rows 0–63 and B's rows 64–127;
 - the stream is the union of the K pages the two select, ordered [A only | shared | B only], each part in
   K block order; the forward list then alternates whole chunks of A-only and B-only pages ahead of the
