@@ -359,7 +359,7 @@ def test_pair_work_list_pairs_each_head_by_its_own_selection():
     """Every head matches its own 64-row Q blocks by the K pages they share: head 1 selects the windows
     of shuffled block positions, so its partners are not neighbours, yet each pair item's two blocks
     share most of their K blocks; the list equals the stacked one-head lists and the reference."""
-    from sparseattn.kernels.pair_work_list import head_graph, pair_work_list
+    from sparseattn.kernels.pair_work_list import pair_work_list
 
     layout = video_layout((8, 16, 20), (4, 4, 4), block_size=64)  # 40 full cubes
     nb = layout.num_blocks
@@ -375,7 +375,7 @@ def test_pair_work_list_pairs_each_head_by_its_own_selection():
         overlap = (mask[head, a] & mask[head, b]).sum(1) / mask[head, a].sum(1)
         assert mine.size >= nb // 2 - 1 and np.median(overlap) >= 0.8
     assert np.mean(np.abs(a - b) == 1) < 0.5  # head 1's partners are mostly not neighbours
-    ones = [pair_work_list(head_graph(graph, head)) for head in (0, 1)]
+    ones = [pair_work_list(graph.select_heads([head])) for head in (0, 1)]
     assert work.executed_pairs() == sum(one.executed_pairs() for one in ones)
     np.testing.assert_array_equal(work.stream_pages, np.concatenate([one.stream_pages for one in ones]))
     _check_against_reference(work, graph, np.random.default_rng(2), (2, layout.num_slots, layout.num_slots))

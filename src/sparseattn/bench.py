@@ -293,6 +293,7 @@ def bench_paged(
     from .kernels.forward import executed_pairs, forward_route, paged_forward
 
     g = case.graph
+    fwd_route = str(forward_route(g, kind, route))
     o, lse = paged_forward(case.q, case.k, case.v, g, scale=case.scale, kind=kind, route=route)
     cupy.cuda.Device().synchronize()
     rel = None
@@ -315,7 +316,7 @@ def bench_paged(
                 physical_pairs=physical,
                 rel_err_o=rel,
                 correct=None if rel is None else bool(rel < O_REL_TOL),
-                route=str(forward_route(g, kind, route)),
+                route=fwd_route,
             )
         )
     for impl, deterministic in bwd_impls:
@@ -351,7 +352,7 @@ def bench_paged(
             label = dict(
                 bwd_impl=name + ("+deterministic" if deterministic else ""),
                 deterministic=deterministic,
-                route=str(forward_route(g, kind, route)),
+                route=fwd_route,
                 bwd_route=str(backward_route(g, kind, route, name, deterministic)),
             )
             try:

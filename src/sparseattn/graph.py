@@ -264,15 +264,14 @@ class SparseGraph:
             raise GraphError(f"heads must lie in [0, {self.heads}), got {heads.tolist()}")
         if np.unique(heads).size != heads.size:
             raise GraphError(f"heads must not repeat, got {heads.tolist()}")
-        h, i, j = self.pairs
-        keep = np.isin(h, heads)
-        remap = np.full(self.heads, -1, dtype=np.int64)
-        remap[heads] = np.arange(heads.size)
-        graph = SparseGraph.from_pairs(
-            self.q, self.k, heads.size, remap[h[keep]], i[keep], j[keep], self.name, drop_empty=False
+        nb = self.q.num_blocks
+        rows = (heads[:, None] * nb + np.arange(nb)).ravel()  # the kept heads' CSR rows, in order
+        starts, lengths = self.indptr[rows], np.diff(self.indptr)[rows]
+        indptr = np.concatenate([[0], np.cumsum(lengths)])
+        entries = np.repeat(starts - indptr[:-1], lengths) + np.arange(indptr[-1])
+        return SparseGraph(
+            self.q, self.k, heads.size, indptr, self.indices[entries], self.name, self.dropped_pairs[heads]
         )
-        object.__setattr__(graph, "dropped_pairs", self.dropped_pairs[heads])
-        return graph
 
     def transpose(self) -> SparseGraph:
         """The graph with Q and K swapped: rows are K blocks (what a K/V-owned backward iterates)."""

@@ -39,6 +39,7 @@ from .work_list import (
     OWN_PAGES,
     VIS_HALF0,
     VIS_HALF1,
+    VIS_SHIFT,
     WorkList,
     chunk_for,
     default_order,
@@ -106,17 +107,10 @@ def _sharing_pairs(rows: SparseGraph, blocks: np.ndarray):
     n = blocks.size
     if n < 2:
         return blocks[:0], blocks[:0], blocks
-    heads, nb, nc = rows.heads, rows.q.num_blocks, rows.k.num_blocks
-    col_pages = rows.k.live_pages.astype(np.float64)
-    indptr, indices = rows.indptr.astype(np.int64), rows.indices.astype(np.int64)
-    row_ids, cols = [], []
-    for h in range(heads):  # columns: (head, column block), so heads add up
-        sel, counts = gather_segments(indptr, indices, h * nb + blocks)
-        row_ids.append(np.repeat(np.arange(n), counts))
-        cols.append(h * nc + sel)
-    row_ids, cols = np.concatenate(row_ids), np.concatenate(cols)
-    selects = _matrix(row_ids, cols, np.ones(row_ids.size), (n, heads * nc))
-    weighted = _matrix(row_ids, cols, col_pages[cols % nc], (n, heads * nc))
+    row_ids, cols, weights = _selections(rows, blocks)
+    shape = (n, rows.heads * rows.k.num_blocks)
+    selects = _matrix(row_ids, cols, np.ones(row_ids.size), shape)
+    weighted = _matrix(row_ids, cols, weights, shape)
     if isinstance(selects, np.ndarray):
         shared = np.triu(weighted @ selects.T, k=1)
         r, c = np.nonzero(shared)
@@ -133,6 +127,21 @@ def _sharing_pairs(rows: SparseGraph, blocks: np.ndarray):
     used[a] = used[b] = True
     order = np.argsort(a, kind="stable")
     return blocks[a[order]], blocks[b[order]], blocks[~used]
+
+
+def _selections(rows: SparseGraph, blocks: np.ndarray):
+    """What row blocks ``blocks`` select, every head: ``(row, column, live pages)`` per selection, the row
+    being the block's index in ``blocks`` and the column ``head · column blocks + column block`` (so that
+    products of these rows add over heads); the value is the selected block's live pages."""
+    nb, nc = rows.q.num_blocks, rows.k.num_blocks
+    indptr, indices = rows.indptr.astype(np.int64), rows.indices.astype(np.int64)
+    row_ids, cols = [], []
+    for h in range(rows.heads):
+        sel, counts = gather_segments(indptr, indices, h * nb + blocks)
+        row_ids.append(np.repeat(np.arange(blocks.size), counts))
+        cols.append(h * nc + sel)
+    row_ids, cols = np.concatenate(row_ids), np.concatenate(cols)
+    return row_ids, cols, rows.k.live_pages.astype(np.float64)[cols % nc]
 
 
 def greedy_matching(a: np.ndarray, b: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
@@ -187,17 +196,8 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
     if graph.heads == 1:
         return _one_head_pair_work_list(graph)
-    lists = [_one_head_pair_work_list(head_graph(graph, h)) for h in range(graph.heads)]
+    lists = [_one_head_pair_work_list(graph.select_heads([h])) for h in range(graph.heads)]
     return _stacked(lists, default_order() if order is None else order)
-
-
-def head_graph(graph: SparseGraph, h: int) -> SparseGraph:
-    """Head ``h`` of ``graph`` as a one-head graph (its CSR rows sliced, no re-sort)."""
-    nb = graph.q.num_blocks
-    lo, hi = graph.indptr[h * nb], graph.indptr[(h + 1) * nb]
-    return SparseGraph(
-        graph.q, graph.k, 1, graph.indptr[h * nb : (h + 1) * nb + 1] - lo, graph.indices[lo:hi], graph.name
-    )
 
 
 def _one_head_pair_work_list(graph: SparseGraph) -> WorkList:
@@ -325,17 +325,8 @@ def packed_groups(graph: SparseGraph, blocks: np.ndarray) -> list[np.ndarray]:
     video's border cubes next to each other do). Groups in order of their first block."""
     if blocks.size == 0:
         return []
-    heads, nb, nkb = graph.heads, graph.q.num_blocks, graph.k.num_blocks
-    pages = graph.k.live_pages.astype(np.float64)
-    rows, cols = [], []
-    for h in range(heads):  # columns: (head, K block)
-        sel, counts = gather_segments(
-            graph.indptr.astype(np.int64), graph.indices.astype(np.int64), h * nb + blocks
-        )
-        rows.append(np.repeat(np.arange(blocks.size), counts))
-        cols.append(h * nkb + sel)
-    rows, cols = np.concatenate(rows), np.concatenate(cols)
-    selects = _matrix(rows, cols, pages[cols % nkb], (blocks.size, heads * nkb))
+    rows, cols, weights = _selections(graph, blocks)
+    selects = _matrix(rows, cols, weights, (blocks.size, graph.heads * graph.k.num_blocks))
 
     def selected(i: int) -> np.ndarray:
         row = selects[i] if isinstance(selects, np.ndarray) else selects[i].toarray().ravel()
@@ -405,12 +396,13 @@ def group_items(graph: SparseGraph, halves_a: list, halves_b: list):
                 row = h * nb + block[s]
                 vis[indices[indptr[row] : indptr[row + 1]]] |= 1 << s
             union = np.flatnonzero(vis)
-            sees_a, sees_b = (vis[union] & 0x0F) != 0, (vis[union] & 0xF0) != 0
+            sees_a = (vis[union] & (VIS_HALF0 >> VIS_SHIFT)) != 0
+            sees_b = (vis[union] & (VIS_HALF1 >> VIS_SHIFT)) != 0
             union = union[np.argsort(np.where(sees_a & sees_b, 1, np.where(sees_a, 0, 2)), kind="stable")]
             stream, lengths = gather_segments(k_indptr, k_pages, union)
-            mask = graph.k.page_mask.astype(np.uint32)[stream] | np.repeat(vis[union] << 16, lengths).astype(
-                np.uint32
-            )
+            mask = graph.k.page_mask.astype(np.uint32)[stream] | np.repeat(
+                vis[union] << VIS_SHIFT, lengths
+            ).astype(np.uint32)
             infos.append([h, begin, stream.size, 2 * 64])
             owns.append(own)
             streams.append(stream)
