@@ -351,8 +351,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     for (int p = 0; p < PAGES; ++p) seen_cols |= ((warp_seen >> p) & 1u) ? (0xfu << (4 * p)) : 0u;
                 }
                 if (prev >= 0) hopper::mbar_wait(sm.v_full(prev), prev_par);  // (nearly always landed long ago)
-                uint32_t col_bits = 0u;
-                if constexpr (!PAIR) col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4) & seen_cols;
+                uint32_t col_bits;
                 hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
                 // S = Q·Kᵀ of this chunk, then O += P·V of the previous one right behind it: no control
                 // flow between the two issues, so the tensor cores run them back to back
@@ -366,8 +365,13 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 } else {
                     hopper::wgmma_wait<0>();
                 }
-                // PAIR: the column mask from the masks read above, off the path to the S issue
-                if constexpr (PAIR) col_bits = hopper::column_bits<CHUNK>(page_mask, t4) & seen_cols;
+                // the column mask, off the path to the S issue (PAIR: from the masks read above; else from
+                // shared memory, before this warp releases the K buffer the masks belong to)
+                if constexpr (PAIR) {
+                    col_bits = hopper::column_bits<CHUNK>(page_mask, t4) & seen_cols;
+                } else {
+                    col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4);
+                }
                 hopper::pin_registers(s);
                 if (lane == 0) hopper::mbar_arrive(sm.k_empty(buf), release);
                 hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
