@@ -667,21 +667,33 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         // ================================ producer ================================
         regs_release<PAIR ? kPairProducerRegs : kProducerRegs>();
         if (warp < 2) {  // Q (warp 0) or dO (warp 1): each step's 4 pages
+            // Lane p < SP holds page p of the coming steps, its two dependent loads a step apart: in step t
+            // the mask of step t + 1 (page known) and the page id of step t + 2, so a step's copies issue
+            // as soon as its buffer is free instead of after two global-load round trips.
+            auto page_id = [&](int t) -> int {
+                const int e = t * SP + lane;
+                return lane < SP && t < num_tiles && e < stream_len ? pages_all[e] : -1;
+            };
+            int page1 = page_id(0);  // step t's page (lane p: page p)
+            uint32_t mask1 = paged::load_page_mask(q_page_mask, page1, q_pages);
+            int page2 = page_id(1);  // step t + 1's
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
                 const int st = t & 1;
                 const uint32_t par = (t >> 1) & 1;
+                const int cur_page = page1;
+                const uint32_t cur_mask = mask1;
+                page1 = page2;
+                mask1 = paged::load_page_mask(q_page_mask, page2, q_pages);  // first used in step t + 1
+                page2 = page_id(t + 2);                                       // first used in step t + 1
                 mbar_wait(q_empty(st), par ^ 1u);
-                const int npages = min(SP, stream_len - t * SP);
-                int page[SP];
-                uint32_t mask[SP];
 #pragma unroll
-                for (int p = 0; p < SP; ++p) {
-                    page[p] = p < npages ? pages_all[t * SP + p] : -1;
-                    mask[p] = paged::load_page_mask(q_page_mask, page[p], q_pages);
+                for (int p = 0; p < SP; ++p) {  // page by page: two live registers, the producer runs at 24
+                    const int page[1] = {__shfl_sync(0xffffffffu, cur_page, p)};
+                    const uint32_t mask[1] = {__shfl_sync(0xffffffffu, cur_mask, p)};
+                    warp_copy_pages<D, QS, 1>((warp == 0 ? tQ0 : tdO0) + st * Cfg::kQBytes, p * PAGE_ROWS,
+                                              (warp == 0 ? q : dout) + bh * q_slots * D, q_pages, page, mask);
                 }
-                warp_copy_pages<D, QS, SP>((warp == 0 ? tQ0 : tdO0) + st * Cfg::kQBytes, 0,
-                                           (warp == 0 ? q : dout) + bh * q_slots * D, q_pages, page, mask);
                 mbar_track_cp_async(q_full(st));
                 mbar_arrive(q_full(st));
             }

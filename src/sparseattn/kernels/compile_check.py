@@ -53,13 +53,13 @@ ACCEPTED_SPILLS = {
     # (at 232 they spill or ptxas serializes their wgmmas), which leaves the producer 24
     "paged_bwd_ws_kernel<128, true>": AcceptedSpill(
         20,
-        20,
+        24,
         "pair backward: the producer warpgroup at 24 registers spills a few words of its page-gather loop "
         "(local accesses per 64-row step); the consumer region is spill-free (data/bench/NOTES_kpage_bwd.md)",
     ),
     "paged_bwd_ws_kernel<64, true>": AcceptedSpill(
-        8,
-        8,
+        20,
+        20,
         "pair backward at d = 64: the producer warpgroup at 24 registers, as for d = 128",
     ),
 }
