@@ -21,7 +21,9 @@ every timed call, median of ``--reps`` calls. Rates: useful TFLOP/s = 4·useful�
 (×3.5 for forward+backward: the backward costs 2.5× the forward), physical likewise with the pairs
 the implementation computes. Correctness: each sparse implementation's output for one head is
 compared with the float64 reference in the same run on 96 random Q blocks (``correct``;
-‖o − ref‖/‖ref‖ < 1e-2 on their valid rows).
+‖o − ref‖/‖ref‖ < 1e-2 on their valid rows); the skeleton's backward too, before it is timed: dQ on 8
+random Q blocks, dK and dV on 8 random K blocks of head 0, against the float64 reference backward from
+the kernel's own O and LSE (``rel_err_grads``, the largest of the three; ``correct`` when < 1e-2).
 
 Results go to a JSON file under ``data/bench/`` (the schema in docs/results.md) and a table on stdout.
 """
@@ -59,6 +61,10 @@ PASSES = ("fwd", "bwd", "fwdbwd")
 TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel")
 PAGED_IMPLS = ("kpage", "bsa", "kpage_pair")  # the skeleton's plans: backward records per --bwd-impl
 O_REL_TOL = 1e-2
+#: Bound on the sampled gradients' ‖g − ref‖/‖ref‖: a backward within twice the bf16-rounding emulation's
+#: error sits near 5e-3 (the GPU tests' rule), a wrong one far above.
+GRAD_REL_TOL = 1e-2
+GRAD_SAMPLE_BLOCKS = 8
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
 #: Dense all-pairs graphs (every block pair selected, 128-token blocks): the skeleton against cuDNN's
@@ -251,12 +257,76 @@ class Case:
         got = np.asarray(o_head0, dtype=np.float64)[:, : rows.size][:, rows]
         return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
+    def grad_err_head0(self, o, lse, grads) -> float:
+        """:func:`sampled_grad_error` of head 0: ``o``, ``lse`` the forward's device outputs, ``grads`` the
+        backward's ``(dq, dk, dv)`` (device, bf16 bits, every head)."""
+        g = head_graph(self.graph, 0)
+        nq, nk = g.q.num_slots, g.k.num_slots
+        q, k, v = (bf16_bits_to_float(x) for x in self.head0_numpy())
+        do, o0 = (bf16_bits_to_float(cupy.asnumpy(x[:, :1]))[:, :, :nq] for x in (self.do, o))
+        lse0 = cupy.asnumpy(lse[:, :1]).astype(np.float64)[:, :, :nq]
+        dq, dk, dv = (bf16_bits_to_float(cupy.asnumpy(x[:, :1])) for x in grads)
+        return sampled_grad_error(
+            g,
+            q[:, :, :nq],
+            k[:, :, :nk],
+            v[:, :, :nk],
+            o0,
+            lse0,
+            do,
+            (dq[:, :, :nq], dk[:, :, :nk], dv[:, :, :nk]),
+            self.scale,
+        )
+
     def torch_views(self):
         torch = _torch()
         return tuple(
             torch.from_dlpack(x.view(cupy.int16)).view(torch.bfloat16)
             for x in (self.q, self.k, self.v, self.do)
         )
+
+
+def sampled_grad_error(
+    graph: SparseGraph,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    grads,
+    scale,
+    sample_blocks: int = GRAD_SAMPLE_BLOCKS,
+    seed: int = 0,
+) -> float:
+    """The largest ‖g − ref‖/‖ref‖ of a backward's dQ, dK and dV on a one-head ``graph``: dQ on the valid
+    rows of ``sample_blocks`` random Q blocks, dK and dV on those of ``sample_blocks`` random K blocks,
+    each against the float64 reference backward over every pair of its blocks, from the kernel's own
+    ``o`` and ``lse`` (so the backward is checked on its own).
+
+    Args:
+        q, o, do: ``[batch, 1, q slots, d]``; k, v: ``[batch, 1, k slots, d]``; lse: ``[batch, 1, q slots]``
+            (natural log, as the forward kernels write it).
+        grads: ``(dq, dk, dv)`` shaped as ``q``, ``k``, ``v``.
+    """
+    from .reference import attention_backward
+
+    rng = np.random.default_rng(seed)
+    h, i, j = graph.pairs
+    errors = []
+    for layout, pair_blocks, which in ((graph.q, i, (0,)), (graph.k, j, (1, 2))):
+        chosen = rng.choice(layout.num_blocks, size=min(sample_blocks, layout.num_blocks), replace=False)
+        keep = np.isin(pair_blocks, chosen)
+        sub = SparseGraph.from_pairs(graph.q, graph.k, 1, h[keep], i[keep], j[keep], drop_empty=False)
+        ref = attention_backward(q, k, v, o, lse, do, sub, scale=scale)
+        rows = np.zeros(layout.num_blocks, dtype=bool)
+        rows[chosen] = True
+        rows = np.repeat(rows, layout.block_size) & layout.valid
+        for n in which:
+            got = np.asarray(grads[n], dtype=np.float64)[:, :, rows]
+            want = ref[n][:, :, rows]
+            errors.append(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    return float(max(errors))
 
 
 #: The backward kernel of each ``SPARSEATTN_BWD_IMPL`` value, as the fwdbwd records name it.
@@ -324,7 +394,7 @@ def bench_paged(
         bwd_physical = backward_executed_pairs(g, case.d, kind, name, route, deterministic) * case.b
 
         def backward(o2=o, l2=lse, impl=impl, deterministic=deterministic):
-            paged_backward(
+            return paged_backward(
                 case.q,
                 case.k,
                 case.v,
@@ -346,6 +416,16 @@ def bench_paged(
                 )
             )
 
+        checked = {}  # the gradients against the reference, once per backward kernel, before timing
+        if check and ("bwd" in passes or "fwdbwd" in passes):
+            try:
+                grads = backward()
+                cupy.cuda.Device().synchronize()
+                rel_g = case.grad_err_head0(o, lse, grads)
+                del grads
+                checked = dict(rel_err_grads=rel_g, correct=bool(rel_g < GRAD_REL_TOL))
+            except Exception as exc:  # noqa: BLE001 - recorded; the timing below still runs
+                checked = dict(check_error=f"{type(exc).__name__}: {exc}"[:300])
         for pass_, fn in (("bwd", backward), ("fwdbwd", fwdbwd)):
             if pass_ not in passes:
                 continue
@@ -364,9 +444,9 @@ def bench_paged(
                         time_ms=ms,
                         # forward + backward: the forward's pairs again (the rates are per useful pair)
                         physical_pairs=bwd_physical if pass_ == "bwd" else physical,
-                        correct=None,
                         backward=BACKWARD_KERNELS[name],
                         **label,
+                        **{"correct": None, **checked},
                     )
                 )
             except Exception as exc:  # noqa: BLE001 - a plan the backward cannot run is recorded, not fatal
@@ -742,7 +822,7 @@ def print_table(records: list[dict], file=None) -> None:
                 "-",
             )
             continue
-        rel = r.get("rel_err_o")
+        rel = r.get("rel_err_o", r.get("rel_err_grads"))
         table.add_row(
             r["workload"],
             r["impl"] + (f" [{r['bwd_impl']}]" if r.get("bwd_impl") else ""),
