@@ -231,8 +231,14 @@ class Case:
         self.q, self.k, self.v = rand_bits(shape_q), rand_bits(shape_k), rand_bits(shape_k)
         self.do = rand_bits(shape_q)
 
-    def head0_numpy(self):
-        return tuple(cupy.asnumpy(x[:, :1]) for x in (self.q, self.k, self.v))
+    def head0_inputs(self):
+        """float32 host copies of head 0's q, k, v and do ``[batch, 1, slots, d]``, made once per case
+        (every check of every implementation reads them)."""
+        if not hasattr(self, "_head0"):
+            self._head0 = tuple(
+                bf16_bits_to_float(cupy.asnumpy(x[:, :1])) for x in (self.q, self.k, self.v, self.do)
+            )
+        return self._head0
 
     def rel_err_head0(self, o_head0, sample_q_blocks: int = 96, seed: int = 0) -> float:
         """‖o − ref‖/‖ref‖ of head 0 over the valid rows of ``sample_q_blocks`` random Q blocks
@@ -241,15 +247,8 @@ class Case:
             from .reference import attention_forward
 
             g = head_graph(self.graph, 0)
-            rng = np.random.default_rng(seed)
-            h, i, j = g.pairs
-            chosen = rng.choice(g.q.num_blocks, size=min(sample_q_blocks, g.q.num_blocks), replace=False)
-            keep = np.isin(i, chosen)
-            sub = SparseGraph.from_pairs(g.q, g.k, 1, h[keep], i[keep], j[keep], drop_empty=False)
-            rows = np.zeros(g.q.num_blocks, dtype=bool)
-            rows[chosen] = True
-            rows = np.repeat(rows, g.q.block_size) & g.q.valid
-            q, k, v = (bf16_bits_to_float(x) for x in self.head0_numpy())
+            sub, rows = sampled_blocks(g, "q", sample_q_blocks, np.random.default_rng(seed))
+            q, k, v, _ = self.head0_inputs()
             nq, nk = g.q.num_slots, g.k.num_slots
             ref, _ = attention_forward(q[:, :, :nq], k[:, :, :nk], v[:, :, :nk], sub, scale=self.scale)
             self._ref = (ref[:, 0][:, rows], rows)
@@ -262,8 +261,8 @@ class Case:
         backward's ``(dq, dk, dv)`` (device, bf16 bits, every head)."""
         g = head_graph(self.graph, 0)
         nq, nk = g.q.num_slots, g.k.num_slots
-        q, k, v = (bf16_bits_to_float(x) for x in self.head0_numpy())
-        do, o0 = (bf16_bits_to_float(cupy.asnumpy(x[:, :1]))[:, :, :nq] for x in (self.do, o))
+        q, k, v, do = self.head0_inputs()
+        o0 = bf16_bits_to_float(cupy.asnumpy(o[:, :1]))[:, :, :nq]
         lse0 = cupy.asnumpy(lse[:, :1]).astype(np.float64)[:, :, :nq]
         dq, dk, dv = (bf16_bits_to_float(cupy.asnumpy(x[:, :1])) for x in grads)
         return sampled_grad_error(
@@ -273,7 +272,7 @@ class Case:
             v[:, :, :nk],
             o0,
             lse0,
-            do,
+            do[:, :, :nq],
             (dq[:, :, :nq], dk[:, :, :nk], dv[:, :, :nk]),
             self.scale,
         )
@@ -284,6 +283,20 @@ class Case:
             torch.from_dlpack(x.view(cupy.int16)).view(torch.bfloat16)
             for x in (self.q, self.k, self.v, self.do)
         )
+
+
+def sampled_blocks(graph: SparseGraph, side: str, count: int, rng) -> tuple[SparseGraph, np.ndarray]:
+    """``count`` random blocks of a one-head ``graph``'s ``side`` (``"q"`` or ``"k"``): the graph of every
+    pair they are in, and bool ``[side's slots]``: their valid rows. A reference on that graph is exact on
+    those rows."""
+    layout = graph.q if side == "q" else graph.k
+    h, i, j = graph.pairs
+    chosen = rng.choice(layout.num_blocks, size=min(count, layout.num_blocks), replace=False)
+    keep = np.isin(i if side == "q" else j, chosen)
+    sub = SparseGraph.from_pairs(graph.q, graph.k, 1, h[keep], i[keep], j[keep], drop_empty=False)
+    rows = np.zeros(layout.num_blocks, dtype=bool)
+    rows[chosen] = True
+    return sub, np.repeat(rows, layout.block_size) & layout.valid
 
 
 def sampled_grad_error(
@@ -312,16 +325,10 @@ def sampled_grad_error(
     from .reference import attention_backward
 
     rng = np.random.default_rng(seed)
-    h, i, j = graph.pairs
     errors = []
-    for layout, pair_blocks, which in ((graph.q, i, (0,)), (graph.k, j, (1, 2))):
-        chosen = rng.choice(layout.num_blocks, size=min(sample_blocks, layout.num_blocks), replace=False)
-        keep = np.isin(pair_blocks, chosen)
-        sub = SparseGraph.from_pairs(graph.q, graph.k, 1, h[keep], i[keep], j[keep], drop_empty=False)
+    for side, which in (("q", (0,)), ("k", (1, 2))):
+        sub, rows = sampled_blocks(graph, side, sample_blocks, rng)
         ref = attention_backward(q, k, v, o, lse, do, sub, scale=scale)
-        rows = np.zeros(layout.num_blocks, dtype=bool)
-        rows[chosen] = True
-        rows = np.repeat(rows, layout.block_size) & layout.valid
         for n in which:
             got = np.asarray(grads[n], dtype=np.float64)[:, :, rows]
             want = ref[n][:, :, rows]

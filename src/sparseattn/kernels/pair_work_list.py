@@ -55,10 +55,10 @@ def small_blocks(layout) -> np.ndarray:
     return (kpage_route_of_block(live) == 0) & (live > 0)
 
 
-def pair_blocks(graph: SparseGraph) -> np.ndarray:
-    """int64 ``[P]``: first Q block b of each pair (b, b + 1). Both blocks must be on the 64-row route
-    (1–4 live pages); b is even."""
-    small = small_blocks(graph.q)
+def pair_blocks(graph: SparseGraph, eligible: np.ndarray | None = None) -> np.ndarray:
+    """int64 ``[P]``: first row block b of each pair (b, b + 1). Both blocks must be on the 64-row route
+    (1–4 live pages), and ``eligible`` (bool ``[blocks]``) if given; b is even."""
+    small = small_blocks(graph.q) if eligible is None else small_blocks(graph.q) & eligible
     first = np.arange(0, graph.q.num_blocks - 1, 2)
     return first[small[first] & small[first + 1]]
 
@@ -74,12 +74,9 @@ def pair_partners(
     edges); the rest two by two in block order. Every 64-row block is in at most one pair; one may be
     left over. ``eligible`` (bool ``[blocks]``): pair only these blocks."""
     small = small_blocks(rows.q) if eligible is None else small_blocks(rows.q) & eligible
-    firsts = np.zeros(0, dtype=np.int64)
-    if neighbours_first:
-        first = np.arange(0, rows.q.num_blocks - 1, 2)
-        firsts = first[small[first] & small[first + 1]]
-        small[firsts] = False
-        small[firsts + 1] = False
+    firsts = pair_blocks(rows, eligible) if neighbours_first else np.zeros(0, dtype=np.int64)
+    small[firsts] = False
+    small[firsts + 1] = False
     shared_a, shared_b, rest = _sharing_pairs(rows, np.flatnonzero(small))
     rest = rest[: rest.size - rest.size % 2]
     return (
