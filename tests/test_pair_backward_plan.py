@@ -379,3 +379,22 @@ def test_pair_launch_starts_with_an_item_hiding_an_entry():
     assert not is_pair[start:cut].any() and is_pair[cut:stop].all()
     got, ref = _gradients(plan, graph, np.random.default_rng(1))
     _assert_close(got, ref, graph)
+
+
+def test_pair_launch_runs_head_by_head_longest_first():
+    """Before its tail, the pair launch takes one head's items after another, longest first within a head
+    (as the plain K/V-owned items run): the CTAs running at once share one head's Q and dO in L2."""
+    from sparseattn.kernels.bsa_backward import _launch_ranges, first_pair_items
+    from sparseattn.plans import TAIL_ITEMS
+
+    layout = video_layout((28, 40, 40), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=4, density=0.03, seed=3)
+    plan = pair_backward_plan(graph)
+    lengths, heads = plan.stream_lengths(), plan.work_head.astype(np.int64)
+    launches = list(_launch_ranges(plan, {"first_pair_item": first_pair_items(plan)}))
+    start, stop = launches[-1][1], launches[-1][2]
+    assert stop - start > TAIL_ITEMS + 100  # the launch has items before its tail
+    body = slice(start, stop - TAIL_ITEMS)
+    assert np.all(np.diff(heads[body]) >= 0)
+    for h in np.unique(heads[body]):
+        assert np.all(np.diff(lengths[body][heads[body] == h]) <= 0)
