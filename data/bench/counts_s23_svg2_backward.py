@@ -1,0 +1,86 @@
+"""CPU counts behind the session-23 notes on svg2's backward (NOTES_kpage_bwd.md, "Where svg2's backward
+time goes" and "svg2 against `bsa`: what is left, counted").
+
+    PYTHONPATH=src python data/bench/counts_s23_svg2_backward.py steps svg2_wan14b_720p 40
+    PYTHONPATH=src python data/bench/counts_s23_svg2_backward.py tiles svg2_wan14b_720p 4
+
+* ``steps``: the stacked K/V-owned backward plan's launches (plain items, pair items) in kernel steps of
+  four Q pages, and how many pair steps one half sees nothing of (that half skips its GEMMs).
+* ``tiles``: K/V-owned work at page level over the useful page pairs: every K/V block as one 128-row
+  tile, as 64-row halves (no union), and with blocks selected by identical Q-block sets packed together.
+"""
+
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+from sparseattn.kernels.backward import backward_route
+from sparseattn.kernels.plan_cache import plan_of
+from sparseattn.plans import first_pair_items, stack_head_plans
+from sparseattn.workloads import get_workload
+
+STEP_PAGES = 4
+
+
+def graphs_of(name: str, heads: int) -> list:
+    built = get_workload(name).build(heads=heads)
+    return built if isinstance(built, list) else [built.select_heads([h]) for h in range(built.heads)]
+
+
+def steps(gs: list) -> None:
+    route = backward_route(gs[0])
+    sq = -(-max(g.q.num_slots for g in gs) // 16) * 16
+    sk = -(-max(g.k.num_slots for g in gs) // 16) * 16
+    plan = stack_head_plans([plan_of(g, "kpage", route, owner="kv") for g in gs], sk // 16, sq // 16)
+    indptr = plan.stream_indptr.astype(np.int64)
+    vis = plan.stream_vis if plan.stream_vis is not None else np.full(int(indptr[-1]), 3, np.uint32)
+    for (start, stop), first_pair in zip(plan.route_ranges(), first_pair_items(plan)):
+        for name, a, b in (("plain", start, first_pair), ("pair", first_pair, stop)):
+            if b <= a:
+                continue
+            total = one_half = 0
+            for w in range(a, b):
+                v = vis[indptr[w] : indptr[w + 1]]
+                n = -(-v.size // STEP_PAGES)
+                padded = np.zeros(n * STEP_PAGES, np.uint32)
+                padded[: v.size] = v
+                per_step = padded.reshape(n, STEP_PAGES)
+                total += n
+                one_half += int(((per_step & 1).any(1) ^ (per_step & 2).any(1)).sum())
+            entries = vis[indptr[a] : indptr[b]]
+            seen_by_one = float(((entries == 1) | (entries == 2)).mean())
+            print(
+                f"{name}: items {b - a}, entries {int(indptr[b] - indptr[a])}, steps {total} "
+                f"({one_half} with one half seeing none of its rows); entries seen by one half {seen_by_one:.3f}"
+            )
+
+
+def tiles(gs: list) -> None:
+    useful = per_block = halves = same_set = 0
+    for g in gs:
+        t = g.transpose()  # rows: K/V blocks, columns: the Q blocks selecting them
+        k_pages, q_pages = t.q.live_pages.astype(np.int64), t.k.live_pages.astype(np.int64)
+        pages_of_set, stream_of_set = defaultdict(int), {}
+        for b in range(t.q.num_blocks):
+            sel = t.indices[t.indptr[b] : t.indptr[b + 1]]
+            if k_pages[b] == 0 or sel.size == 0:
+                continue
+            stream = int(q_pages[sel].sum())
+            useful += int(k_pages[b]) * stream
+            per_block += 8 * stream
+            halves += 4 * -(-int(k_pages[b]) // 4) * stream
+            key = tuple(sel.tolist())
+            pages_of_set[key] += int(k_pages[b])
+            stream_of_set[key] = stream
+        same_set += sum(-(-p // 8) * 8 * stream_of_set[k] for k, p in pages_of_set.items())
+        print(f"K/V blocks {t.q.num_blocks}, distinct Q-block sets {len(pages_of_set)}")
+    print(
+        f"page pairs over useful: 128-row tile per block {per_block / useful:.3f}; 64-row halves "
+        f"{halves / useful:.3f}; identical sets packed into 128-row tiles {same_set / useful:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    mode, name, heads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    {"steps": steps, "tiles": tiles}[mode](graphs_of(name, heads))
