@@ -207,7 +207,7 @@ class KernelReport:
     stack_bytes: int = 0
     smem_static: int = 0
     cmem: str = ""
-    #: ptxas's reason when it serialized the kernel's wgmma instructions (warning C7514), else "".
+    #: ptxas's reason when it serialized the kernel's wgmma instructions (C7512, C7514, ...), else "".
     wgmma_serialized: str = ""
 
     @property
@@ -246,7 +246,7 @@ _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _USED = re.compile(r"Used (\d+) registers(.*)")
 _SMEM = re.compile(r"(\d+) bytes smem")
 _SERIALIZED = re.compile(
-    r"wgmma\.mma_async instructions are serialized due to (.*?) in the function '([^']+)'"
+    r"wgmma\.mma_async instructions are serialized due to (.*?) (?:in|for) the function '([^']+)'"
 )
 #: Statuses that fail the check.
 FAILING = ("SPILLS", "WGMMA SERIALIZED")
