@@ -14,18 +14,13 @@ import sys
 from collections import defaultdict
 
 import numpy as np
+from counts_s20_occupancy import graphs_of  # beside this script
 
 from sparseattn.kernels.backward import backward_route
 from sparseattn.kernels.plan_cache import plan_of
 from sparseattn.plans import first_pair_items, stack_head_plans
-from sparseattn.workloads import get_workload
 
 STEP_PAGES = 4
-
-
-def graphs_of(name: str, heads: int) -> list:
-    built = get_workload(name).build(heads=heads)
-    return built if isinstance(built, list) else [built.select_heads([h]) for h in range(built.heads)]
 
 
 def steps(gs: list) -> None:

@@ -72,6 +72,16 @@ def launch_order(key: np.ndarray, lengths: np.ndarray, tail: int = TAIL_ITEMS) -
     return order
 
 
+def head_major_launch_order(key, head, lengths, ties=()) -> np.ndarray:
+    """int64 permutation of work items in the backward's grid order: by launch ``key``, head by head (the
+    CTAs running at once share one head's streamed pages in L2), longest stream first within a head (then
+    by ``ties``, least significant first, then item order), and each launch's tail as
+    :func:`launch_order` sorts it. ``key``, ``head``, ``lengths`` and each of ``ties``: ``[W]``."""
+    key, lengths = np.asarray(key), np.asarray(lengths)
+    first = np.lexsort((*ties, -lengths, np.asarray(head), key))
+    return first[launch_order(key[first], lengths[first])]
+
+
 def hidden_item_first(order: np.ndarray, key: np.ndarray, has_hidden: np.ndarray) -> np.ndarray:
     """``order`` (a :func:`launch_order`) with, in each launch of odd ``key`` (a route's pair items), the
     first item that hides an entry from one half moved to the launch's front. :func:`first_pair_items`
@@ -282,11 +292,10 @@ def _build(
     work_tile = np.arange(work_row.size) - np.repeat(np.cumsum(tiles_per_row) - tiles_per_row, tiles_per_row)
     work_route = route_of_row[work_row]
     if owner == "kv":
-        # the backward's grid takes items in plan order: by route, head by head (the CTAs running at once
-        # share one head's Q and dO in L2), longest stream first within a head, and each route's last
-        # items longest first (launch_order)
-        order = np.lexsort((work_tile, work_row, -row_stream_len[work_row], work_row // nb_own, work_route))
-        order = order[launch_order(work_route[order], row_stream_len[work_row[order]])]
+        # the backward's grid takes items in plan order
+        order = head_major_launch_order(
+            work_route, work_row // nb_own, row_stream_len[work_row], ties=(work_tile, work_row)
+        )
     else:
         # by route, then longest stream first (largest work first balances the grid)
         order = np.lexsort((work_tile, work_row, -row_stream_len[work_row], work_route))

@@ -9,7 +9,7 @@ either ``SOURCE = "x.cu"`` + ``NAME_EXPRESSIONS = (...)`` or ``KERNEL_SOURCES = 
 
 ``python -m sparseattn.kernels.compile_check`` prints a table (registers, spills, shared memory
 per kernel) and exits non-zero on any error, on ptxas serializing a kernel's wgmma instructions
-(warning C7514: the tensor cores lose their overlap), or on a spill that :data:`ACCEPTED_SPILLS` does not
+(warnings C7512, C7514: the tensor cores lose their overlap), or on a spill that :data:`ACCEPTED_SPILLS` does not
 accept; the output says why each accepted spill is accepted. The test suite uses the same list.
 """
 

@@ -22,7 +22,13 @@ import numpy as np
 
 from ..constants import KPAGE_ROUTES
 from ..graph import SparseGraph
-from ..plans import TilePlan, gather_segments, hidden_item_first, items_hiding_an_entry, launch_order
+from ..plans import (
+    TilePlan,
+    gather_segments,
+    head_major_launch_order,
+    hidden_item_first,
+    items_hiding_an_entry,
+)
 from .pair_work_list import pair_items, pair_partners
 from .plan_cache import plan_of
 from .validate import KernelTypeError
@@ -38,9 +44,8 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
 
     Returns:
         a :class:`TilePlan` (owner ``"kv"``, KPage routes) whose ``stream_vis`` is set; work items in
-        :func:`~sparseattn.plans.launch_order` by route, the plan's own 128-row items first, then the pair
-        items, each group head by head and longest first within a head (the CTAs running at once share one
-        head's Q and dO in L2).
+        :func:`~sparseattn.plans.head_major_launch_order` by route, the plan's own 128-row items first, then
+        the pair items, each group head by head and longest first within a head.
     """
     if not isinstance(graph, SparseGraph):
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
@@ -74,13 +79,10 @@ def pair_backward_plan(graph: SparseGraph) -> TilePlan:
     # to the plain kernel made VSA 480p's backward 21.3 instead of 20.3 ms)
     is_pair = np.concatenate([np.zeros(kept.size, dtype=np.int64), np.ones(info.shape[0], dtype=np.int64)])
     key = 2 * route + is_pair
-    # each head's items longest first, as the plain K/V-owned plans run them (block order was measured
-    # 2.6% slower on VSA 480p's backward and no different on svg2 and ssta, session 23)
-    lengths = np.diff(indptr)
+    # the plain K/V-owned plans' order (block order was 2.6% slower on VSA 480p's backward: NOTES v17)
     head_all = np.concatenate([base.work_head[kept], info[:, 0]]).astype(np.int64)
-    by_head = np.lexsort((-lengths, head_all, key))
     order = hidden_item_first(
-        by_head[launch_order(key[by_head], lengths[by_head])],
+        head_major_launch_order(key, head_all, np.diff(indptr)),
         key,
         items_hiding_an_entry(vis_all, indptr[:-1], indptr[1:]),
     )
