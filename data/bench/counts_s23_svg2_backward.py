@@ -23,13 +23,17 @@ from sparseattn.plans import first_pair_items, stack_head_plans
 STEP_PAGES = 4
 
 
-def steps(gs: list) -> None:
+def launch_steps(gs: list) -> list[dict]:
+    """Per launch of the stacked K/V-owned backward plan (plain items, pair items of each route): items,
+    streamed entries, kernel steps of STEP_PAGES Q pages, the steps one half sees nothing of, and the
+    share of entries one half sees."""
     route = backward_route(gs[0])
     sq = -(-max(g.q.num_slots for g in gs) // 16) * 16
     sk = -(-max(g.k.num_slots for g in gs) // 16) * 16
     plan = stack_head_plans([plan_of(g, "kpage", route, owner="kv") for g in gs], sk // 16, sq // 16)
     indptr = plan.stream_indptr.astype(np.int64)
     vis = plan.stream_vis if plan.stream_vis is not None else np.full(int(indptr[-1]), 3, np.uint32)
+    out = []
     for (start, stop), first_pair in zip(plan.route_ranges(), first_pair_items(plan)):
         for name, a, b in (("plain", start, first_pair), ("pair", first_pair, stop)):
             if b <= a:
@@ -44,11 +48,26 @@ def steps(gs: list) -> None:
                 total += n
                 one_half += int(((per_step & 1).any(1) ^ (per_step & 2).any(1)).sum())
             entries = vis[indptr[a] : indptr[b]]
-            seen_by_one = float(((entries == 1) | (entries == 2)).mean())
-            print(
-                f"{name}: items {b - a}, entries {int(indptr[b] - indptr[a])}, steps {total} "
-                f"({one_half} with one half seeing none of its rows); entries seen by one half {seen_by_one:.3f}"
+            out.append(
+                dict(
+                    launch=name,
+                    items=b - a,
+                    entries=int(indptr[b] - indptr[a]),
+                    steps=total,
+                    one_half_steps=one_half,
+                    seen_by_one=float(((entries == 1) | (entries == 2)).mean()) if entries.size else 0.0,
+                )
             )
+    return out
+
+
+def steps(gs: list) -> None:
+    for r in launch_steps(gs):
+        print(
+            f"{r['launch']}: items {r['items']}, entries {r['entries']}, steps {r['steps']} "
+            f"({r['one_half_steps']} with one half seeing none of its rows); entries seen by one half "
+            f"{r['seen_by_one']:.3f}"
+        )
 
 
 def tiles(gs: list) -> None:
