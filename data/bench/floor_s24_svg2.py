@@ -16,15 +16,16 @@ import sys
 from counts_s20_occupancy import graphs_of  # beside this script
 from counts_s23_svg2_backward import launch_steps
 
+from sparseattn.benchdata import load_run
+
 WORKLOAD = "svg2_wan14b_720p"
 STEP_PAIRS = 128 * 64
 
 
 def records(path: str) -> dict:
-    with open(path) as f:
-        data = json.load(f)
-    recs = data["records"] if isinstance(data, dict) else data
-    return {(r["impl"], r["pass"]): r for r in recs if r.get("workload") == WORKLOAD and "time_ms" in r}
+    """svg2's timed records of a bench run, by (impl, pass)."""
+    run = load_run(path)
+    return {(r["impl"], r["pass"]): r for r in run.records if r["workload"] == WORKLOAD and "time_ms" in r}
 
 
 def main(bench_path: str, launches_path: str) -> None:

@@ -69,7 +69,7 @@ def measure(name: str, kind: str) -> dict:
             ms, _ = timer(backward)
             res[mode].append(ms)
             if mode == "seq":
-                n = len(events) // 3  # 2 warm-up calls + 1 timed call
+                n = len(events) // (timer.warmup + timer.reps)  # the launches of one call
                 res["launch_ms"].append([cupy.cuda.get_elapsed_time(a, b) for a, b in events[-n:]])
     launch.side_by_side = SIDE_BY_SIDE
     busy = cupy.empty(1 << 30, dtype=cupy.int32)  # keeps the GPU busy while the host enqueues one call

@@ -58,8 +58,18 @@ def small_blocks(layout) -> np.ndarray:
 def pair_blocks(graph: SparseGraph, eligible: np.ndarray | None = None) -> np.ndarray:
     """int64 ``[P]``: first row block b of each pair (b, b + 1). Both blocks must be on the 64-row route
     (1–4 live pages), and ``eligible`` (bool ``[blocks]``) if given; b is even."""
-    small = small_blocks(graph.q) if eligible is None else small_blocks(graph.q) & eligible
-    first = np.arange(0, graph.q.num_blocks - 1, 2)
+    return _neighbour_firsts(_pairable(graph.q, eligible))
+
+
+def _pairable(layout, eligible: np.ndarray | None) -> np.ndarray:
+    """bool ``[blocks]``: blocks on the 64-row route (1–4 live pages), and ``eligible`` if given."""
+    small = small_blocks(layout)
+    return small if eligible is None else small & eligible
+
+
+def _neighbour_firsts(small: np.ndarray) -> np.ndarray:
+    """int64: the even blocks b with ``small[b]`` and ``small[b + 1]``."""
+    first = np.arange(0, small.size - 1, 2)
     return first[small[first] & small[first + 1]]
 
 
@@ -73,8 +83,8 @@ def pair_partners(
     pages they share (:func:`_sharing_pairs`: SVG2's cluster remainders, the partial blocks at a video's
     edges); the rest two by two in block order. Every 64-row block is in at most one pair; one may be
     left over. ``eligible`` (bool ``[blocks]``): pair only these blocks."""
-    small = small_blocks(rows.q) if eligible is None else small_blocks(rows.q) & eligible
-    firsts = pair_blocks(rows, eligible) if neighbours_first else np.zeros(0, dtype=np.int64)
+    small = _pairable(rows.q, eligible)
+    firsts = _neighbour_firsts(small) if neighbours_first else np.zeros(0, dtype=np.int64)
     small[firsts] = False
     small[firsts + 1] = False
     shared_a, shared_b, rest = _sharing_pairs(rows, np.flatnonzero(small))
