@@ -1,0 +1,427 @@
+"""SVG2's per-call clustering, partition and selection on the device, in torch, batched over rows.
+
+SVG2 re-clusters the Q and K tokens of every head at every call: k-means, a permutation of the
+tokens by cluster (each cluster padded to whole blocks), the top-p cluster pairs, and the block mask
+of those pairs. :mod:`sparseattn.builders` does this on the host (scipy k-means, numpy layouts); this
+module does the same on torch tensors, batched over ``N`` rows (``N = batch · heads``), on any device.
+
+Every function here is free of host synchronisation: no ``.item()``, no ``.cpu()``, no Python
+control flow on tensor values, and every output shape depends only on the input shapes and the
+Python integers passed in (``max_slots`` is a static bound, :func:`max_slots_bound`). So a call can
+be captured in a CUDA graph. The price is that nothing data-dependent is checked: labels must lie in
+``[0, num_groups)`` (an out-of-range label is an index error on the CPU, a device assert on CUDA).
+
+Deterministic on the CPU. On CUDA the cluster sums (``scatter_add_``) use atomics, so centroids may
+differ in the last bits from run to run; distances follow torch's TF32 setting for float32 matmuls.
+
+Functions:
+
+* :func:`kmeans` — batched Lloyd iterations, warm-started or seeded by batched k-means++.
+* :func:`cluster_means` — per-cluster means and sizes of the rows of ``x``.
+* :func:`partition_slots` — :func:`~sparseattn.layouts.partition_layout` per row, as a
+  :class:`DeviceLayout` of static shape; :func:`scatter_to_slots` / :func:`gather_from_slots` move
+  token-ordered data into slot order and back.
+* :func:`svg2_select` — :func:`~sparseattn.builders.svg2_select` per row, as a bool cluster mask.
+* :func:`cluster_block_mask` — the block pairs of the selected cluster pairs.
+* :func:`svg2_partition_step` — all of it for one attention call (:class:`SVG2Step`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .constants import PAGE_ROWS
+
+#: Distance entries ``[N, chunk, k]`` per chunk of :func:`nearest_centroid` (512 MiB of float32).
+ASSIGN_CHUNK_ENTRIES = 1 << 27
+
+
+def _check_rows(name: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.ndim != 3:
+        raise ValueError(f"{name} must be a tensor [N, tokens, d], got {getattr(x, 'shape', type(x))}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must hold floats, got {x.dtype}")
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive multiple of {PAGE_ROWS}, got {block_size!r}")
+    if block_size % PAGE_ROWS:
+        raise ValueError(f"block_size must be a positive multiple of {PAGE_ROWS}, got {block_size}")
+    return block_size
+
+
+# --- k-means ---------------------------------------------------------------------------------------
+def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor, chunk_tokens: int | None = None):
+    """int64 ``[N, tokens]``: index of the nearest centroid (squared Euclidean) of each row of ``x``.
+
+    ``x`` float ``[N, tokens, d]``, ``centroids`` ``[N, k, d]``; both taken as float32. Distances are
+    ``|c|² - 2 x·c`` (one ``baddbmm`` per chunk of ``chunk_tokens`` tokens, default: about
+    :data:`ASSIGN_CHUNK_ENTRIES` distances per chunk); ties go to the lower centroid index.
+    """
+    x = x.float()
+    c = centroids.float()
+    n, t, _ = x.shape
+    k = c.shape[1]
+    if chunk_tokens is None:
+        chunk_tokens = max(1, ASSIGN_CHUNK_ENTRIES // max(1, n * k))
+    csq = (c * c).sum(-1).unsqueeze(1)  # [N, 1, k]
+    ct = c.transpose(1, 2)  # [N, d, k]
+    parts = [
+        torch.baddbmm(csq, x[:, s : s + chunk_tokens], ct, alpha=-2.0).argmin(-1)
+        for s in range(0, t, chunk_tokens)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def cluster_means(x: torch.Tensor, labels: torch.Tensor, k: int):
+    """``(means float32 [N, k, d], sizes int64 [N, k])`` of the rows of ``x`` ``[N, tokens, d]`` per
+    cluster of ``labels`` ``[N, tokens]``; empty clusters have zero means (as
+    :func:`sparseattn.builders.group_means`)."""
+    sums, counts = _cluster_sums(x.float(), labels, k)
+    return sums / counts.clamp_min(1).unsqueeze(-1), counts.long()
+
+
+def _cluster_sums(x32: torch.Tensor, labels: torch.Tensor, k: int):
+    n, _, d = x32.shape
+    sums = x32.new_zeros(n, k, d).scatter_add_(1, labels.unsqueeze(-1).expand(-1, -1, d), x32)
+    counts = x32.new_zeros(n, k).scatter_add_(1, labels, x32.new_ones(labels.shape))
+    return sums, counts
+
+
+def kmeans_pp_init(
+    x: torch.Tensor, k: int, generator: torch.Generator | None = None, seed_points: int | None = None
+) -> torch.Tensor:
+    """float32 ``[N, k, d]``: k-means++ (D² sampling) seeds of each row of ``x`` ``[N, tokens, d]``.
+
+    As :func:`sparseattn.builders.kmeans_labels` seeds: each row draws a random pool of
+    ``m = min(tokens, max(2k, seed_points or 0))`` distinct tokens, and D² sampling runs on the pool
+    (first seed uniform, then each next seed with probability ∝ squared distance to the nearest seed
+    so far). A row with fewer distinct pool points than ``k`` repeats points at distance 0. All random
+    numbers come from ``generator`` (on ``x``'s device; default: torch's global generator), drawn
+    the same way whatever the data, so a seeded generator gives reproducible seeds. One loop of
+    ``k - 1`` steps, batched over ``N``.
+    """
+    n, t, d = x.shape
+    m = min(t, max(2 * k, seed_points or 0))
+    dev = x.device
+    pool = torch.rand(n, t, generator=generator, device=dev).argsort(dim=1)[:, :m]
+    p = x.float().gather(1, pool.unsqueeze(-1).expand(-1, -1, d))  # [N, m, d]
+    sq = (p * p).sum(-1)  # [N, m]
+    first = (torch.rand(n, 1, generator=generator, device=dev) * m).long().clamp_(max=m - 1)
+    u = torch.rand(n, k, generator=generator, device=dev)
+    chosen = torch.empty(n, k, dtype=torch.long, device=dev)
+    chosen[:, :1] = first
+
+    def dist_to(j):  # [N, m] squared distances of the pool points to pool point j [N, 1]
+        c = p.gather(1, j.unsqueeze(-1).expand(-1, -1, d))  # [N, 1, d]
+        return (sq - 2.0 * torch.bmm(p, c.transpose(1, 2)).squeeze(-1) + sq.gather(1, j)).clamp_min_(0.0)
+
+    d2 = dist_to(first)
+    for i in range(1, k):
+        cum = d2.cumsum(1)
+        target = u[:, i : i + 1] * cum[:, -1:]
+        j = torch.searchsorted(cum, target, right=True).clamp_(max=m - 1)  # [N, 1]
+        chosen[:, i : i + 1] = j
+        d2 = torch.minimum(d2, dist_to(j))
+    return p.gather(1, chosen.unsqueeze(-1).expand(-1, -1, d))
+
+
+def kmeans(
+    x: torch.Tensor,
+    k: int,
+    iters: int,
+    init: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    seed_points: int | None = None,
+    chunk_tokens: int | None = None,
+):
+    """Batched k-means of the rows of ``x``: ``(labels int64 [N, tokens], centroids float32 [N, k, d])``.
+
+    Args:
+        x: float ``[N, tokens, d]`` (any float dtype; distances and means in float32).
+        k: clusters per row (at most ``tokens``).
+        iters: Lloyd steps (assign every token to its nearest centroid, move each centroid to the
+            mean of its tokens; a cluster left empty keeps its centroid). A fixed count: no
+            convergence test, so no host synchronisation. ``iters=0`` only assigns.
+        init: ``[N, k, d]`` starting centroids (warm start: the previous call's centroids, as SVG2
+            reuses them from one denoising step to the next); default :func:`kmeans_pp_init`.
+        generator: the ``torch.Generator`` of the k-means++ seeding (unused with ``init``).
+        seed_points: k-means++ pool size (:func:`kmeans_pp_init`); chunk_tokens: see
+            :func:`nearest_centroid`.
+
+    The labels are the nearest centroids of the returned centroids (one assignment after the last
+    step), as :func:`sparseattn.builders.kmeans_labels` returns them; unlike it, the Lloyd steps run
+    on every token rather than a subsample (as SVG2 does).
+    """
+    _check_rows("x", x)
+    n, t, d = x.shape
+    k = _positive("k", k)
+    if k > t:
+        raise ValueError(f"k={k} is more than the {t} tokens to cluster")
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"iters must be a non-negative integer, got {iters!r}")
+    if init is None:
+        c = kmeans_pp_init(x, k, generator, seed_points)
+    else:
+        if tuple(init.shape) != (n, k, d):
+            raise ValueError(f"init must be [N, k, d] = {[n, k, d]}, got {list(init.shape)}")
+        c = init.to(device=x.device, dtype=torch.float32)
+    x32 = x.float()
+    for _ in range(iters):
+        labels = nearest_centroid(x32, c, chunk_tokens)
+        sums, counts = _cluster_sums(x32, labels, k)
+        counts = counts.unsqueeze(-1)
+        c = torch.where(counts > 0, sums / counts.clamp_min(1.0), c)
+    return nearest_centroid(x32, c, chunk_tokens), c
+
+
+# --- partition layouts ------------------------------------------------------------------------------
+def max_slots_bound(tokens: int, num_groups: int, block_size: int) -> int:
+    """Slots that every partition of ``tokens`` tokens into ``num_groups`` groups fits in.
+
+    A group of ``s`` tokens takes ``ceil(s / B) = floor((s + B - 1) / B)`` blocks (0 when empty) and
+    at most ``G = min(num_groups, tokens)`` groups are non-empty; a sum of floors is at most the floor
+    of the sum, so a row never needs more than ``floor((tokens + G · (B - 1)) / B)`` blocks. The bound
+    is reached (every token its own group; one group of ``tokens`` a multiple of ``B``).
+    """
+    tokens, num_groups = _positive("tokens", tokens), _positive("num_groups", num_groups)
+    block_size = _block_size(block_size)
+    return (tokens + min(num_groups, tokens) * (block_size - 1)) // block_size * block_size
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceLayout:
+    """Per-row :func:`~sparseattn.layouts.partition_layout` of ``N`` rows, padded to static shapes.
+
+    Row ``r`` holds the layout of ``labels[r]``; its first ``num_slots[r]`` slots (``num_slots[r] /
+    block_size`` blocks) are the host layout's, the rest is padding (``valid`` False,
+    ``block_group`` -1, zero counts).
+
+    Attributes:
+        block_size: slots per block (a multiple of 16).
+        token_slot: int64 ``[N, tokens]``, the slot of each token.
+        valid: bool ``[N, max_slots]``, slot holds a token.
+        block_group: int64 ``[N, max_blocks]``, the group of each block, -1 past the row's blocks.
+        num_slots: int64 ``[N]``, slots of each row's layout (a multiple of ``block_size``).
+        group_sizes: int64 ``[N, num_groups]``, tokens per group.
+        block_rows: int64 ``[N, max_blocks]``, valid slots per block (``BlockLayout.valid_rows``).
+        block_pages: int64 ``[N, max_blocks]``, live 16-row pages per block (``BlockLayout.live_pages``).
+    """
+
+    block_size: int
+    token_slot: torch.Tensor
+    valid: torch.Tensor
+    block_group: torch.Tensor
+    num_slots: torch.Tensor
+    group_sizes: torch.Tensor
+    block_rows: torch.Tensor
+    block_pages: torch.Tensor
+
+    @property
+    def max_slots(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_group.shape[1]
+
+
+def partition_slots(
+    labels: torch.Tensor, num_groups: int, block_size: int = 128, max_slots: int | None = None
+) -> DeviceLayout:
+    """The slot layout of :func:`~sparseattn.layouts.partition_layout` for every row of ``labels``.
+
+    Args:
+        labels: int ``[N, tokens]``, the group of each token, in ``[0, num_groups)`` (not checked).
+        num_groups: groups per row; groups are laid out one after another in id order, each padded to
+            a whole number of blocks (empty groups take no slots); tokens keep their relative order
+            inside a group.
+        block_size: slots per block, a multiple of 16.
+        max_slots: the static slot count of every row (a multiple of ``block_size``); default and
+            minimum :func:`max_slots_bound` ``(tokens, num_groups, block_size)``, which always
+            suffices (so no labels can overflow it).
+
+    Returns a :class:`DeviceLayout`. One stable sort per row; no host synchronisation.
+    """
+    if not isinstance(labels, torch.Tensor) or labels.ndim != 2:
+        raise ValueError(f"labels must be a tensor [N, tokens], got {getattr(labels, 'shape', type(labels))}")
+    if labels.is_floating_point() or labels.dtype == torch.bool or labels.is_complex():
+        raise TypeError(f"labels must hold integers, got {labels.dtype}")
+    n, t = labels.shape
+    g = _positive("num_groups", num_groups)
+    b = _block_size(block_size)
+    bound = max_slots_bound(t, g, b)
+    if max_slots is None:
+        max_slots = bound
+    if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots % b or max_slots < bound:
+        raise ValueError(
+            f"max_slots must be a multiple of block_size={b} and at least {bound} "
+            f"(max_slots_bound({t}, {g}, {b})), got {max_slots!r}"
+        )
+    labels = labels.long()
+    dev = labels.device
+    sizes = torch.zeros(n, g, dtype=torch.long, device=dev).scatter_add_(1, labels, torch.ones_like(labels))
+    blocks = (sizes + (b - 1)) // b
+    block_end = blocks.cumsum(1)  # [N, G]
+    group_start = (block_end - blocks) * b
+    first = sizes.cumsum(1) - sizes  # first sorted position of each group
+    sorted_labels, order = torch.sort(labels, dim=1, stable=True)
+    rank = torch.arange(t, device=dev).unsqueeze(0) - first.gather(1, sorted_labels)
+    token_slot = torch.empty_like(labels).scatter_(1, order, group_start.gather(1, sorted_labels) + rank)
+    valid = torch.zeros(n, max_slots, dtype=torch.bool, device=dev).scatter_(1, token_slot, True)
+    max_blocks = max_slots // b
+    block_ids = torch.arange(max_blocks, device=dev).expand(n, max_blocks).contiguous()
+    block_group = torch.searchsorted(block_end, block_ids, right=True)
+    block_group = torch.where(block_group < g, block_group, -1)
+    per_block = valid.view(n, max_blocks, b)
+    block_rows = per_block.sum(-1)
+    block_pages = per_block.view(n, max_blocks, b // PAGE_ROWS, PAGE_ROWS).any(-1).sum(-1)
+    return DeviceLayout(
+        b, token_slot, valid, block_group, block_end[:, -1] * b, sizes, block_rows, block_pages
+    )
+
+
+def scatter_to_slots(x: torch.Tensor, token_slot: torch.Tensor, max_slots: int) -> torch.Tensor:
+    """``[N, max_slots, d]``: token-ordered ``x`` ``[N, tokens, d]`` moved to the slots ``token_slot``
+    ``[N, tokens]``; padding slots are zero. Differentiable (``scatter``)."""
+    n, _, d = x.shape
+    index = token_slot.long().unsqueeze(-1).expand(-1, -1, d)
+    return x.new_zeros(n, max_slots, d).scatter(1, index, x)
+
+
+def gather_from_slots(y: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
+    """``[N, tokens, d]``: slot-ordered ``y`` ``[N, slots, d]`` back in token order (padding dropped)."""
+    return y.gather(1, token_slot.long().unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+
+
+# --- selection -------------------------------------------------------------------------------------
+def svg2_select(
+    q_centroids: torch.Tensor,
+    k_centroids: torch.Tensor,
+    k_sizes: torch.Tensor,
+    head_dim: int,
+    top_p: float,
+    min_fraction: float,
+) -> torch.Tensor:
+    """bool ``[N, q_clusters, k_clusters]``: SVG2's cluster pairs, the rule of
+    :func:`sparseattn.builders.svg2_select` on every row.
+
+    For Q cluster ``i`` of row ``r``: ``p_ij ∝ k_sizes[r, j] · exp(qc_i · kc_j / sqrt(head_dim))`` over
+    non-empty K clusters; keep the smallest set of highest ``p`` whose sum reaches ``top_p``, and at
+    least ``ceil(min_fraction · non-empty K clusters)``; among equal ``p`` the lower index first.
+    Empty K clusters are never selected (nor is anything in a row without non-empty K clusters).
+
+    ``q_centroids`` ``[N, q_clusters, d]``, ``k_centroids`` ``[N, k_clusters, d]``, ``k_sizes`` int
+    ``[N, k_clusters]``. Computed in float64 when ``q_centroids`` is float64, else in float32.
+    """
+    dtype = torch.float64 if q_centroids.dtype == torch.float64 else torch.float32
+    qc, kc = q_centroids.to(dtype), k_centroids.to(dtype)
+    alive = k_sizes > 0  # [N, Ck]
+    n_alive = alive.sum(-1, keepdim=True)  # [N, 1]
+    logits = torch.bmm(qc, kc.transpose(1, 2)) / math.sqrt(head_dim)
+    logits = logits + k_sizes.to(dtype).clamp_min(1).log().unsqueeze(1)
+    logits = logits.masked_fill(~alive.unsqueeze(1), -math.inf)
+    top = logits.amax(-1, keepdim=True)
+    p = (logits - torch.where(torch.isfinite(top), top, 0.0)).exp()
+    p = p / p.sum(-1, keepdim=True)  # a row without live K clusters: 0/0, selects nothing below
+    descending = p.sort(-1, descending=True).values
+    cum = descending.cumsum(-1)
+    keep = ((cum < top_p * (1 - 1e-12)).sum(-1) + 1).minimum(n_alive)  # [N, Cq]
+    least = torch.ceil(min_fraction * n_alive.to(torch.float64) - 1e-9).long().minimum(n_alive)
+    keep = keep.maximum(least)
+    last = descending.gather(-1, (keep - 1).clamp_min(0).unsqueeze(-1))
+    above = (p > last) & alive.unsqueeze(1)
+    tied = (p == last) & alive.unsqueeze(1)
+    tied_needed = keep - above.sum(-1)
+    chosen = above | (tied & (tied.cumsum(-1) <= tied_needed.unsqueeze(-1)))
+    return chosen & (keep > 0).unsqueeze(-1)
+
+
+def cluster_block_mask(
+    cluster_mask: torch.Tensor, q_block_group: torch.Tensor, k_block_group: torch.Tensor
+) -> torch.Tensor:
+    """bool ``[N, q_max_blocks, k_max_blocks]``: block pair ``(i, j)`` is selected when the pair of
+    their clusters is (``cluster_mask`` bool ``[N, q_clusters, k_clusters]``; ``q_block_group`` /
+    ``k_block_group`` int ``[N, max_blocks]`` from :class:`DeviceLayout`). Blocks with group -1 (past a
+    row's layout) are never selected; every other block of a partition layout holds a token."""
+    n, _, ck = cluster_mask.shape
+    qg, kg = q_block_group.long(), k_block_group.long()
+    nbq, nbk = qg.shape[1], kg.shape[1]
+    rows = cluster_mask.gather(1, qg.clamp_min(0).unsqueeze(-1).expand(n, nbq, ck))  # [N, nbq, Ck]
+    out = rows.gather(2, kg.clamp_min(0).unsqueeze(1).expand(n, nbq, nbk))
+    return out & (qg >= 0).unsqueeze(-1) & (kg >= 0).unsqueeze(1)
+
+
+# --- one call --------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class SVG2Step:
+    """What :func:`svg2_partition_step` computes for one attention call (``N`` rows).
+
+    Attributes:
+        q_labels, k_labels: int64 ``[N, q_tokens]`` / ``[N, k_tokens]``, the cluster of each token.
+        q_centroids, k_centroids: float32 ``[N, clusters, d]``, the k-means centroids (pass them as
+            ``q_init`` / ``k_init`` to warm-start the next call).
+        q_layout, k_layout: the :class:`DeviceLayout` of each side (``token_slot``, ``valid``,
+            ``block_group``, ...).
+        k_sizes: int64 ``[N, k_clusters]``, tokens per K cluster.
+        cluster_mask: bool ``[N, q_clusters, k_clusters]``, the selected cluster pairs.
+        block_mask: bool ``[N, q_max_blocks, k_max_blocks]``, the selected block pairs.
+    """
+
+    q_labels: torch.Tensor
+    k_labels: torch.Tensor
+    q_centroids: torch.Tensor
+    k_centroids: torch.Tensor
+    q_layout: DeviceLayout
+    k_layout: DeviceLayout
+    k_sizes: torch.Tensor
+    cluster_mask: torch.Tensor
+    block_mask: torch.Tensor
+
+
+def svg2_partition_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_clusters: int,
+    k_clusters: int,
+    block_size: int,
+    top_p: float,
+    min_fraction: float,
+    iters: int,
+    q_init: torch.Tensor | None = None,
+    k_init: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SVG2Step:
+    """SVG2's clustering, partition and selection for ``q`` ``[N, q_tokens, d]`` and ``k``
+    ``[N, k_tokens, d]``, as :func:`sparseattn.builders.svg2_graph` does per head on the host.
+
+    :func:`kmeans` of each side (``iters`` Lloyd steps from ``q_init`` / ``k_init``, else k-means++
+    seeds from ``generator``, Q first), :func:`partition_slots` of the labels (default
+    ``max_slots``), :func:`svg2_select` on the float32 cluster means of the labels (as the host's
+    :func:`~sparseattn.builders.group_means`) in float64 with ``head_dim = d``, and
+    :func:`cluster_block_mask`.
+    """
+    _check_rows("q", q)
+    _check_rows("k", k)
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} must agree in N and d")
+    q_labels, q_cent = kmeans(q, q_clusters, iters, q_init, generator)
+    k_labels, k_cent = kmeans(k, k_clusters, iters, k_init, generator)
+    q_layout = partition_slots(q_labels, q_clusters, block_size)
+    k_layout = partition_slots(k_labels, k_clusters, block_size)
+    q_means, _ = cluster_means(q, q_labels, q_clusters)
+    k_means, k_sizes = cluster_means(k, k_labels, k_clusters)
+    mask = svg2_select(q_means.double(), k_means.double(), k_sizes, q.shape[2], top_p, min_fraction)
+    blocks = cluster_block_mask(mask, q_layout.block_group, k_layout.block_group)
+    return SVG2Step(q_labels, k_labels, q_cent, k_cent, q_layout, k_layout, k_sizes, mask, blocks)

@@ -1,0 +1,369 @@
+"""SVG2 on the device (torch, here on the CPU): k-means, partition slots, selection and block mask
+against the host path of :mod:`sparseattn.builders` / :mod:`sparseattn.layouts`."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from scipy.cluster.vq import kmeans2
+
+from sparseattn import svg2_device as sd
+from sparseattn.builders import (
+    _kmeans_pp_init,
+    graph_from_group_masks,
+    group_means,
+    svg2_select,
+)
+from sparseattn.layouts import partition_layout
+
+
+def blobs(seed, n, tokens, d, centres=12, spread=0.6):
+    """float32 ``[n, tokens, d]``: Gaussian blobs around random centres (each row its own)."""
+    rng = np.random.default_rng(seed)
+    c = rng.normal(size=(n, centres, d)) * 2.0
+    which = rng.integers(centres, size=(n, tokens))
+    x = np.take_along_axis(c, which[..., None], axis=1) + spread * rng.normal(size=(n, tokens, d))
+    return x.astype(np.float32)
+
+
+def sq_dist(x, c):
+    """float64 ``[tokens, k]`` squared distances."""
+    x, c = x.astype(np.float64), c.astype(np.float64)
+    return (x * x).sum(1)[:, None] - 2 * x @ c.T + (c * c).sum(1)[None, :]
+
+
+def host_lloyd(x, init, iters):
+    """scipy's Lloyd iterations (empty clusters keep their centre), then the nearest centroids."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, _ = kmeans2(x.astype(np.float64), init, iter=iters, minit="matrix", missing="warn")
+    return code, sq_dist(x, code)
+
+
+def clear_labels(dist, eps):
+    """bool ``[tokens]``: the nearest centroid beats the second by more than ``eps``."""
+    part = np.partition(dist, 1, axis=1)
+    return part[:, 1] - part[:, 0] > eps
+
+
+# --- k-means -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed, tokens, d, k, iters", [(0, 1500, 32, 24, 3), (1, 700, 16, 40, 5)])
+def test_kmeans_matches_scipy_lloyd_from_same_init(seed, tokens, d, k, iters):
+    """``iters`` steps at once against scipy's. Exact only while no step meets a near tie: float32
+    and float64 distances can then send a token to different clusters, and the centroids part ways
+    from that step on (the fixed data here has none; the step-by-step test below covers ties)."""
+    x = blobs(seed, 4, tokens, d)
+    rng = np.random.default_rng(seed)
+    init = np.stack([_kmeans_pp_init(x[r].astype(np.float64), k, rng) for r in range(x.shape[0])])
+    init[:, -1] = 1e3  # a centre no token is near: its cluster stays empty and keeps the centre
+    labels, cent = sd.kmeans(torch.from_numpy(x), k, iters, init=torch.from_numpy(init))
+    assert labels.shape == (4, tokens) and labels.dtype == torch.int64
+    assert cent.shape == (4, k, d) and cent.dtype == torch.float32
+    for r in range(x.shape[0]):
+        code, dist = host_lloyd(x[r], init[r], iters)
+        np.testing.assert_allclose(cent[r].numpy(), code, rtol=0, atol=2e-4)
+        clear = clear_labels(dist, 1e-3)
+        assert clear.mean() > 0.99
+        np.testing.assert_array_equal(labels[r].numpy()[clear], dist.argmin(1)[clear])
+        np.testing.assert_array_equal(cent[r, -1].numpy(), np.float32(1e3))
+
+
+@pytest.mark.parametrize("seed", [0, 11, 20])
+def test_each_lloyd_step_matches_host_from_the_same_centroids(seed):
+    """One step at a time from the device's own centroids, so a float32/float64 near tie in one step
+    cannot carry over into the next (seeds 11 and 20 hold such ties)."""
+    x = blobs(seed, 4, 1000, 32)
+    xt, k = torch.from_numpy(x), 24
+    rng = np.random.default_rng(seed)
+    init = np.stack([_kmeans_pp_init(x[r].astype(np.float64), k, rng) for r in range(x.shape[0])])
+    init[:, -1] = 1e3
+    c = torch.from_numpy(init).float()
+    disagree = 0
+    for _ in range(4):
+        assign = sd.nearest_centroid(xt, c)
+        _, c_next = sd.kmeans(xt, k, 1, init=c)
+        for r in range(x.shape[0]):
+            dist = sq_dist(x[r], c[r].numpy())
+            host = dist.argmin(1)
+            clear = clear_labels(dist, 1e-3)
+            np.testing.assert_array_equal(assign[r].numpy()[clear], host[clear])
+            disagree += int((assign[r].numpy() != host).sum())
+            sums = np.zeros((k, x.shape[2]))
+            np.add.at(sums, host, x[r].astype(np.float64))
+            sizes = np.bincount(host, minlength=k)
+            means = np.where(sizes[:, None] > 0, sums / np.maximum(sizes, 1)[:, None], c[r].numpy())
+            settled = np.ones(k, bool)  # clusters no unclear token joins or leaves
+            settled[host[~clear]] = settled[assign[r].numpy()[~clear]] = False
+            np.testing.assert_allclose(c_next[r].numpy()[settled], means[settled], rtol=0, atol=1e-4)
+        c = c_next
+    assert disagree <= 3  # near ties only (here: 0, 1 and 1 for seeds 0, 11, 20)
+
+
+def test_kmeans_rows_are_independent_and_chunking_changes_nothing():
+    x = torch.from_numpy(blobs(2, 3, 400, 16))
+    init = sd.kmeans_pp_init(x, 10, torch.Generator().manual_seed(5))
+    labels, cent = sd.kmeans(x, 10, 3, init=init)
+    for r in range(3):
+        lr, cr = sd.kmeans(x[r : r + 1], 10, 3, init=init[r : r + 1])
+        assert torch.equal(lr[0], labels[r])
+        torch.testing.assert_close(cr[0], cent[r], rtol=0, atol=1e-5)
+    lc, cc = sd.kmeans(x, 10, 3, init=init, chunk_tokens=37)
+    assert torch.equal(lc, labels) and torch.equal(cc, cent)
+
+
+def test_kmeans_wcss_does_not_increase():
+    x = torch.from_numpy(blobs(3, 4, 900, 24, centres=20, spread=1.5))
+    init = sd.kmeans_pp_init(x, 16, torch.Generator().manual_seed(0))
+    wcss = []
+    for iters in range(7):
+        labels, cent = sd.kmeans(x, 16, iters, init=init)
+        diff = x.double() - cent.double().gather(1, labels.unsqueeze(-1).expand(-1, -1, x.shape[2]))
+        wcss.append((diff * diff).sum((1, 2)))
+    wcss = torch.stack(wcss)  # [iters, N]
+    assert torch.all(wcss[1:] <= wcss[:-1] * (1 + 1e-6))
+    assert torch.all(wcss[-1] < wcss[0])
+
+
+def test_kmeans_pp_seeding_is_reproducible_and_picks_distinct_points():
+    x = torch.from_numpy(blobs(4, 3, 500, 16))
+    a = sd.kmeans_pp_init(x, 12, torch.Generator().manual_seed(7))
+    b = sd.kmeans_pp_init(x, 12, torch.Generator().manual_seed(7))
+    c = sd.kmeans_pp_init(x, 12, torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    for r in range(3):
+        # every seed is a token of its row, and no token is picked twice (D² never picks distance 0)
+        match = (a[r][:, None, :] == x[r][None]).all(-1)  # [k, tokens]
+        assert torch.all(match.any(1))
+        assert torch.unique(match.float().argmax(1)).numel() == 12
+    la, ca = sd.kmeans(x, 12, 2, generator=torch.Generator().manual_seed(7))
+    lb, cb = sd.kmeans(x, 12, 2, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(la, lb) and torch.equal(ca, cb)
+
+
+def test_kmeans_degenerate_and_low_precision_inputs():
+    # 3 distinct points, 5 clusters: seeding repeats points, labels stay in range
+    x = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0]]).repeat(1, 40, 1).reshape(1, 120, 2).repeat(2, 1, 1)
+    labels, cent = sd.kmeans(x, 5, 3, generator=torch.Generator().manual_seed(0))
+    assert labels.min() >= 0 and labels.max() < 5 and torch.isfinite(cent).all()
+    assert torch.equal(cent.gather(1, labels.unsqueeze(-1).expand(-1, -1, 2)), x)
+    xb = torch.from_numpy(blobs(5, 2, 300, 16)).bfloat16()
+    lb, cb = sd.kmeans(xb, 8, 2, generator=torch.Generator().manual_seed(0))
+    assert lb.shape == (2, 300) and cb.dtype == torch.float32
+    with pytest.raises(ValueError, match="k=301"):
+        sd.kmeans(xb, 301, 1)
+    with pytest.raises(ValueError, match="init"):
+        sd.kmeans(xb, 8, 1, init=torch.zeros(2, 7, 16))
+
+
+# --- partition slots -----------------------------------------------------------------------------
+def label_cases(seed):
+    """(name, labels [N, tokens] int64, num_groups) covering empty groups, one group, singletons."""
+    rng = np.random.default_rng(seed)
+    t = 200
+    rows_random = rng.integers(0, 12, size=(3, t))
+    rows_random[1] = rng.choice([0, 3, 7, 29], size=t)  # most of the 30 groups empty
+    skewed = np.where(rng.random((2, t)) < 0.9, 5, rng.integers(0, 30, size=(2, t)))
+    return [
+        ("random", np.concatenate([rows_random, skewed]), 30),
+        ("one group", np.stack([np.zeros(t, np.int64), np.full(t, 3)]), 4),
+        ("only group", np.zeros((2, t), np.int64), 1),
+        ("singletons", np.stack([rng.permutation(t), np.arange(t)]), t),
+    ]
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+@pytest.mark.parametrize("case", range(4))
+def test_partition_slots_matches_partition_layout(case, block_size):
+    name, labels, groups = label_cases(case + 10 * block_size)[case]
+    lay = sd.partition_slots(torch.from_numpy(labels), groups, block_size)
+    n, t = labels.shape
+    bound = sd.max_slots_bound(t, groups, block_size)
+    assert lay.max_slots == bound and lay.max_blocks == bound // block_size
+    assert lay.valid.dtype == torch.bool and lay.token_slot.dtype == torch.int64
+    for r in range(n):
+        host = partition_layout(labels[r], block_size, groups)
+        ns, nb = host.num_slots, host.num_blocks
+        assert int(lay.num_slots[r]) == ns <= bound, name
+        np.testing.assert_array_equal(lay.token_slot[r].numpy(), host.token_slot)
+        np.testing.assert_array_equal(lay.valid[r, :ns].numpy(), host.valid)
+        assert not lay.valid[r, ns:].any()
+        np.testing.assert_array_equal(lay.block_group[r, :nb].numpy(), host.block_group)
+        assert torch.all(lay.block_group[r, nb:] == -1)
+        np.testing.assert_array_equal(lay.group_sizes[r].numpy(), np.bincount(labels[r], minlength=groups))
+        np.testing.assert_array_equal(lay.block_rows[r, :nb].numpy(), host.valid_rows)
+        np.testing.assert_array_equal(lay.block_pages[r, :nb].numpy(), host.live_pages)
+        assert not lay.block_rows[r, nb:].any() and not lay.block_pages[r, nb:].any()
+
+
+def test_max_slots_bound_is_reached_and_checked():
+    # every token its own group: each takes a whole block, exactly the bound
+    assert sd.max_slots_bound(200, 200, 128) == 200 * 128
+    assert sd.max_slots_bound(200, 1000, 16) == 200 * 16
+    assert sd.max_slots_bound(100, 1, 64) == 128
+    labels = torch.arange(200).unsqueeze(0)
+    assert int(sd.partition_slots(labels, 200, 128).num_slots[0]) == 200 * 128
+    wide = sd.partition_slots(labels, 200, 128, max_slots=201 * 128)
+    assert wide.max_slots == 201 * 128 and int(wide.block_group[0, -1]) == -1
+    for bad in (200 * 128 - 128, 200 * 128 + 16):
+        with pytest.raises(ValueError, match="max_slots"):
+            sd.partition_slots(labels, 200, 128, max_slots=bad)
+    with pytest.raises(ValueError, match="block_size"):
+        sd.partition_slots(labels, 200, 24)
+
+
+def test_scatter_and_gather_slots_round_trip():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 9, size=(3, 250))
+    lay = sd.partition_slots(torch.from_numpy(labels), 9, 32)
+    x = torch.randn(3, 250, 8, dtype=torch.float64, requires_grad=True)
+    y = sd.scatter_to_slots(x, lay.token_slot, lay.max_slots)
+    assert y.shape == (3, lay.max_slots, 8)
+    for r in range(3):
+        host = partition_layout(labels[r], 32, 9)
+        np.testing.assert_array_equal(y[r, : host.num_slots].detach().numpy(), host.to_slots(x[r].detach()))
+        assert not y[r, host.num_slots :].any()
+    back = sd.gather_from_slots(y, lay.token_slot)
+    assert torch.equal(back, x)
+    (back * 2).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+# --- selection -----------------------------------------------------------------------------------
+def host_mask(qc, kc, sizes, head_dim, top_p, min_fraction):
+    out = np.zeros((qc.shape[0], kc.shape[0]), bool)
+    with np.errstate(invalid="ignore"):
+        i, j = svg2_select(qc, kc, sizes, head_dim, top_p, min_fraction)
+    out[i, j] = True
+    return out
+
+
+def select_cases(seed):
+    rng = np.random.default_rng(seed)
+    n, cq, ck, d = 5, 12, 40, 8
+    qc, kc = rng.normal(size=(n, cq, d)), rng.normal(size=(n, ck, d))
+    sizes = rng.integers(0, 20, size=(n, ck))
+    sizes[:, ::7] = 0
+    sizes[0, 5:] = 0  # few live clusters
+    # ties: small integer centroids and sizes, so equal scores are bit-equal on both sides
+    qt = rng.integers(-1, 2, size=(n, cq, 4)).astype(np.float64)
+    kt = rng.integers(-1, 2, size=(n, ck, 4)).astype(np.float64)
+    st = rng.integers(0, 3, size=(n, ck))
+    st[1] = 0  # a row with no live K cluster selects nothing
+    return [(qc, kc, sizes, d), (qt, kt, st, 4), (qc * 4, kc * 4, sizes, d)]
+
+
+@pytest.mark.parametrize("top_p, min_fraction", [(0.3, 0.0), (0.9, 0.1), (0.5, 0.5), (1.0, 0.0), (0.2, 1.0)])
+@pytest.mark.parametrize("case", range(3))
+def test_svg2_select_matches_host(case, top_p, min_fraction):
+    qc, kc, sizes, d = select_cases(case)[case]
+    mask = sd.svg2_select(
+        torch.from_numpy(qc), torch.from_numpy(kc), torch.from_numpy(sizes), d, top_p, min_fraction
+    )
+    assert mask.dtype == torch.bool and mask.shape == (qc.shape[0], qc.shape[1], kc.shape[1])
+    for r in range(qc.shape[0]):
+        np.testing.assert_array_equal(
+            mask[r].numpy(), host_mask(qc[r], kc[r], sizes[r], d, top_p, min_fraction)
+        )
+    assert not (mask & (torch.from_numpy(sizes) == 0).unsqueeze(1)).any()
+
+
+def test_svg2_select_ties_are_present_and_float32_agrees():
+    qc, kc, sizes, d = select_cases(1)[1]
+    logits = np.einsum("nqd,nkd->nqk", qc, kc) / 2 + np.log(np.maximum(sizes, 1))[:, None, :]
+    assert any(
+        np.unique(row[sizes[r] > 0]).size < (sizes[r] > 0).sum() for r in range(5) for row in logits[r]
+    )
+    qc, kc, sizes, d = select_cases(0)[0]
+    args = (torch.from_numpy(sizes), d, 0.9, 0.1)
+    m64 = sd.svg2_select(torch.from_numpy(qc), torch.from_numpy(kc), *args)
+    m32 = sd.svg2_select(torch.from_numpy(qc).float(), torch.from_numpy(kc).float(), *args)
+    assert torch.equal(m32, m64)
+
+
+def test_svg2_select_never_picks_empty_clusters_on_underflow():
+    # every live cluster's p underflows to 0 but the winner's; min_fraction=1 keeps every live one.
+    # (The host rule ties the underflowed live clusters with the empty ones at p == 0 and takes the
+    # lowest indices, empty or not; here empty clusters never count.)
+    qc = np.array([[[1.0, 0.0]]])
+    kc = np.array([[[0.0, 0.0], [2000.0, 0.0], [0.0, 0.0], [-2000.0, 0.0], [0.0, 0.0]]])
+    sizes = np.array([[0, 1, 3, 2, 4]])
+    mask = sd.svg2_select(torch.from_numpy(qc), torch.from_numpy(kc), torch.from_numpy(sizes), 1, 0.5, 1.0)
+    assert mask[0, 0].tolist() == [False, True, True, True, True]
+
+
+# --- block mask and the whole step ---------------------------------------------------------------
+def host_block_mask(q_lab, k_lab, mask, block_size, cq, ck):
+    q_lay = partition_layout(q_lab, block_size, cq)
+    k_lay = partition_layout(k_lab, block_size, ck)
+    return graph_from_group_masks(q_lay, k_lay, [mask], q_groups=cq, k_groups=ck).block_mask()[0]
+
+
+def check_block_mask(device_mask, host):
+    nbq, nbk = host.shape
+    np.testing.assert_array_equal(device_mask[:nbq, :nbk].numpy(), host)
+    assert not device_mask[nbq:].any() and not device_mask[:, nbk:].any()
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_cluster_block_mask_matches_graph_from_group_masks(block_size):
+    rng = np.random.default_rng(block_size)
+    n, cq, ck = 4, 7, 11
+    q_lab = rng.integers(0, cq, size=(n, 300))
+    k_lab = rng.integers(0, ck - 3, size=(n, 260))  # the last 3 K clusters are empty
+    q_lab[0] = 2  # one Q cluster
+    cmask = rng.random((n, cq, ck)) < 0.3
+    q_lay = sd.partition_slots(torch.from_numpy(q_lab), cq, block_size)
+    k_lay = sd.partition_slots(torch.from_numpy(k_lab), ck, block_size)
+    bm = sd.cluster_block_mask(torch.from_numpy(cmask), q_lay.block_group, k_lay.block_group)
+    assert bm.shape == (n, q_lay.max_blocks, k_lay.max_blocks)
+    for r in range(n):
+        check_block_mask(bm[r], host_block_mask(q_lab[r], k_lab[r], cmask[r], block_size, cq, ck))
+
+
+def test_svg2_partition_step_matches_host_path():
+    n, d, cq, ck, block_size = 3, 32, 10, 20, 32
+    q = torch.from_numpy(blobs(20, n, 600, d))
+    k = torch.from_numpy(blobs(21, n, 500, d))
+    step = sd.svg2_partition_step(
+        q, k, cq, ck, block_size, 0.9, 0.1, 3, generator=torch.Generator().manual_seed(0)
+    )
+    assert step.q_centroids.shape == (n, cq, d) and step.k_centroids.shape == (n, ck, d)
+    for r in range(n):
+        q_lab, k_lab = step.q_labels[r].numpy(), step.k_labels[r].numpy()
+        qh, kh = q[r].numpy(), k[r].numpy()
+        for lab, groups, lay in ((q_lab, cq, step.q_layout), (k_lab, ck, step.k_layout)):
+            host = partition_layout(lab, block_size, groups)
+            np.testing.assert_array_equal(lay.token_slot[r].numpy(), host.token_slot)
+            np.testing.assert_array_equal(lay.block_group[r, : host.num_blocks].numpy(), host.block_group)
+        qm, _ = group_means(q_lab, qh, cq)
+        km, k_sizes = group_means(k_lab, kh, ck)
+        np.testing.assert_array_equal(step.k_sizes[r].numpy(), k_sizes)
+        cmask = host_mask(qm, km, k_sizes, d, 0.9, 0.1)
+        np.testing.assert_array_equal(step.cluster_mask[r].numpy(), cmask)
+        check_block_mask(step.block_mask[r], host_block_mask(q_lab, k_lab, cmask, block_size, cq, ck))
+    assert 0 < step.block_mask.float().mean() < 1
+    # warm start: zero Lloyd steps from the returned centroids give back the same labels
+    again = sd.svg2_partition_step(
+        q, k, cq, ck, block_size, 0.9, 0.1, 0, q_init=step.q_centroids, k_init=step.k_centroids
+    )
+    assert torch.equal(again.q_labels, step.q_labels) and torch.equal(again.k_labels, step.k_labels)
+
+
+def test_static_shapes_on_meta_tensors():
+    """Every step runs on meta tensors (no data): no output shape depends on values, nothing reads
+    a value back to the host."""
+    n, d, cq, ck = 2, 16, 6, 9
+    meta = torch.device("meta")
+    q, k = torch.empty(n, 300, d, device=meta), torch.empty(n, 200, d, device=meta)
+    qi, ki = torch.empty(n, cq, d, device=meta), torch.empty(n, ck, d, device=meta)
+    step = sd.svg2_partition_step(q, k, cq, ck, 32, 0.9, 0.1, 2, q_init=qi, k_init=ki)
+    assert step.block_mask.shape == (
+        n,
+        sd.max_slots_bound(300, cq, 32) // 32,
+        sd.max_slots_bound(200, ck, 32) // 32,
+    )
+    assert step.q_layout.valid.shape == (n, sd.max_slots_bound(300, cq, 32))
+    assert sd.kmeans_pp_init(q, cq).shape == (n, cq, d)
