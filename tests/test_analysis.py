@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparseattn import analysis, plans
+from sparseattn import analysis, planning
 from sparseattn.graph import SparseGraph
 from sparseattn.layouts import slot_layout, video_layout
 
@@ -82,7 +82,7 @@ def test_empty_q_block_kept_by_drop_empty_false_is_skipped_like_the_plan():
     g = full_graph(lay, lay, drop_empty=False)  # 4 pairs, 2 of them in the empty Q block's row
     t = totals(g)
     # Q block 0 pays two 64x64 tiles (its empty K block too): 2 * 4096; Q block 1 has no output rows.
-    assert t["bsa_physical"] == 8192 == plans.bsa_plan(g).physical_pairs()
+    assert t["bsa_physical"] == 8192 == planning.bsa_plan(g).physical_pairs()
     assert t["useful"] == 64 * 64
 
 
@@ -234,9 +234,9 @@ def test_counts_equal_plan_physical_pairs_and_bound_useful(case):
     c = analysis.graph_counts(g)
     t = c.totals()
     if q.block_size <= 128:
-        assert t["bsa_physical"] == plans.bsa_plan(g).physical_pairs()
+        assert t["bsa_physical"] == planning.bsa_plan(g).physical_pairs()
     for route, key in (("auto", "kpage_routed"), (0, "kpage_small_tile"), (1, "kpage_no_routing")):
-        assert t[key] == plans.kpage_plan(g, route).physical_pairs(), route
+        assert t[key] == planning.kpage_plan(g, route).physical_pairs(), route
     assert t["useful"] <= t["kpage_routed"]
     assert t["useful"] <= t["kpage_no_routing"]
     assert t["useful"] <= t["kpage_small_tile"]

@@ -31,7 +31,7 @@ from sparseattn.layouts import (
 )
 from sparseattn.pageweaver.analysis import analyze_captures
 from sparseattn.pageweaver.captures import Capture, CaptureError, CaptureTypeError
-from sparseattn.plans import PlanTypeError, bsa_plan, kpage_plan
+from sparseattn.planning.tile_plan import PlanTypeError, bsa_plan, kpage_plan
 from sparseattn.reference import ReferenceError, ReferenceTypeError, attention_forward
 from sparseattn.workloads import Selection, Workload, WorkloadError
 

@@ -20,7 +20,7 @@ from sparseattn.emulator import (
 )
 from sparseattn.graph import SparseGraph
 from sparseattn.layouts import slot_layout
-from sparseattn.plans import bsa_plan, kpage_plan
+from sparseattn.planning.tile_plan import bsa_plan, kpage_plan
 from sparseattn.reference import attention_backward, attention_forward
 
 RTOL = 1e-12
@@ -253,7 +253,7 @@ def test_stacked_head_plans_give_every_heads_gradients(kind, route, block):
     tensors viewed as one head, give each head's exact gradients; rows past a head's layout stay 0."""
     from small_cases import assert_head_stack_gradients, head_stack_backward_problem, head_stack_graphs
 
-    from sparseattn.plans import bsa_plan, kpage_plan, stack_head_plans
+    from sparseattn.planning.tile_plan import bsa_plan, kpage_plan, stack_head_plans
 
     rng = np.random.default_rng(7 + block)
     graphs = head_stack_graphs(rng, 3, block)
@@ -281,7 +281,7 @@ def test_stack_head_plans_refuses_mixed_plans():
     from small_cases import make_graph
 
     from sparseattn.layouts import contiguous_layout
-    from sparseattn.plans import PlanError, bsa_plan, kpage_plan, stack_head_plans
+    from sparseattn.planning.tile_plan import PlanError, bsa_plan, kpage_plan, stack_head_plans
 
     lay = contiguous_layout(256, 64)
     g = make_graph(lay, lay, heads=1, density=0.5, seed=0)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from sparseattn.graph import GraphError, SparseGraph
 from sparseattn.layouts import partition_layout, slot_layout, video_layout
-from sparseattn.plans import PlanError, bsa_plan, full_pages_first, gather_segments, kpage_plan
+from sparseattn.planning.tile_plan import PlanError, bsa_plan, full_pages_first, gather_segments, kpage_plan
 
 
 def _layout(valid_rows_per_block, block_size):

@@ -86,9 +86,9 @@ def test_plan_launches_go_largest_last(monkeypatch):
 
     from sparseattn import builders
     from sparseattn.kernels import bsa_backward
-    from sparseattn.kernels.pair_backward_plan import pair_backward_plan
     from sparseattn.layouts import video_layout
-    from sparseattn.plans import first_pair_items
+    from sparseattn.planning.pair_backward import pair_backward_plan
+    from sparseattn.planning.tile_plan import first_pair_items
 
     layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)  # 128-row blocks, partial ones at edges
     graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=6)

@@ -13,11 +13,11 @@ from small_cases import SMALL_CASES, make_graph, small_layouts
 from sparseattn import builders
 from sparseattn.emulator import EmulationError, emulate_backward, validate_plan
 from sparseattn.graph import SparseGraph
-from sparseattn.kernels.pair_backward_plan import PAIR_ROUTE, pair_backward_plan
-from sparseattn.kernels.plan_cache import plan_of
 from sparseattn.kernels.validate import KernelValueError, check_plan
 from sparseattn.layouts import video_layout
-from sparseattn.plans import stack_head_plans
+from sparseattn.planning.cache import plan_of
+from sparseattn.planning.pair_backward import PAIR_ROUTE, pair_backward_plan
+from sparseattn.planning.tile_plan import stack_head_plans
 from sparseattn.reference import attention_backward, attention_forward
 
 
@@ -116,8 +116,8 @@ def test_pair_partners_join_scattered_64_row_blocks():
     """128-slot blocks: the 64-row K/V blocks are the partial ones (at most four live pages), rarely
     neighbours. Neighbour pairs come first, the others pair two by two in block order; every 64-row block
     is in at most one pair, and the plan still equals the reference."""
-    from sparseattn.kernels.pair_work_list import pair_partners
-    from sparseattn.plans import kpage_route_of_block
+    from sparseattn.planning.pair_forward import pair_partners
+    from sparseattn.planning.tile_plan import kpage_route_of_block
 
     layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)
     graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=6)
@@ -225,7 +225,7 @@ def test_pair_route_without_pairs_takes_the_forward_plan_for_dq():
 def test_sharing_pairs_join_blocks_selected_by_the_same_q_blocks():
     """The greedy matching pairs the K/V blocks that share the most Q pages (summed over heads), each block
     once; blocks sharing nothing with a free block are left for the block-order pairing."""
-    from sparseattn.kernels.pair_work_list import _sharing_pairs
+    from sparseattn.planning.pair_forward import _sharing_pairs
 
     layout = video_layout((8, 4, 8), (1, 4, 8), block_size=64)  # 8 full 64-row blocks
     selected_by = {0: [0, 1], 1: [5, 6], 2: [0, 1, 2], 3: [5, 6, 7], 4: [3], 5: [4]}  # K block: Q blocks
@@ -290,7 +290,7 @@ def test_stacked_pair_plans_put_plain_items_first():
 def test_launch_order_groups_launches_and_runs_each_tail_longest_first():
     """Items sorted by launch key (stable: head by head, block order), then each launch's last ``tail``
     items longest first, so no long item starts among the last of a launch."""
-    from sparseattn.plans import launch_order
+    from sparseattn.planning.tile_plan import launch_order
 
     key = np.array([1, 0, 1, 0, 0, 1, 0, 1])
     lengths = np.array([5, 1, 9, 7, 3, 2, 8, 4])
@@ -312,7 +312,7 @@ def test_pair_plans_run_each_launch_tail_longest_first():
     graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=8)
     plan = pair_backward_plan(graph)
     lengths = plan.stream_lengths()
-    from sparseattn.plans import TAIL_ITEMS
+    from sparseattn.planning.tile_plan import TAIL_ITEMS
 
     for _, start, stop, _ in _launch_ranges(plan, {"first_pair_item": first_pair_items(plan)}):
         tail = lengths[max(start, stop - TAIL_ITEMS) : stop]
@@ -357,8 +357,8 @@ def test_pair_launch_starts_with_an_item_hiding_an_entry():
     """The pair kernel's launch starts at the first item hiding an entry (``first_pair_items``); the plan
     puts such an item first, so pair items whose entries both halves see stay in the pair launch instead
     of running at the end of the plain one."""
-    from sparseattn.kernels.pair_work_list import pair_partners, small_blocks
-    from sparseattn.plans import first_pair_items, hidden_item_first
+    from sparseattn.planning.pair_forward import pair_partners, small_blocks
+    from sparseattn.planning.tile_plan import first_pair_items, hidden_item_first
 
     key = np.array([2, 3, 3, 3, 3, 3])
     hidden = np.array([False, False, False, True, False, True])
@@ -385,7 +385,7 @@ def test_pair_launch_runs_head_by_head_longest_first():
     """Before its tail, the pair launch takes one head's items after another, longest first within a head
     (as the plain K/V-owned items run): the CTAs running at once share one head's Q and dO in L2."""
     from sparseattn.kernels.bsa_backward import _launch_ranges, first_pair_items
-    from sparseattn.plans import TAIL_ITEMS
+    from sparseattn.planning.tile_plan import TAIL_ITEMS
 
     layout = video_layout((28, 40, 40), (4, 4, 4), block_size=64)
     graph = builders.random_graph(layout, layout, heads=4, density=0.03, seed=3)

@@ -24,7 +24,7 @@ from sparseattn.kernels.validate import (
     float_to_bf16_bits,
 )
 from sparseattn.layouts import contiguous_layout
-from sparseattn.plans import bsa_plan, kpage_plan
+from sparseattn.planning.tile_plan import bsa_plan, kpage_plan
 
 
 class FakeDevice:

@@ -12,9 +12,9 @@ from sparseattn.emulator import emulate_work_list
 from sparseattn.graph import HeadStack, SparseGraph
 from sparseattn.kernels.forward import executed_pairs, plan_of, resolve_work
 from sparseattn.kernels.validate import KernelTypeError, KernelValueError
-from sparseattn.kernels.work_list import OWN_PAGES, chunk_for, work_list
 from sparseattn.layouts import contiguous_layout, partition_layout, video_layout
-from sparseattn.plans import bsa_plan, kpage_plan
+from sparseattn.planning.tile_plan import bsa_plan, kpage_plan
+from sparseattn.planning.work_list import OWN_PAGES, chunk_for, work_list
 from sparseattn.reference import attention_forward
 
 ROUTES = [("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("bsa", "auto")]
@@ -136,7 +136,7 @@ def test_backward_work_list_runs_every_head_with_its_own_layouts(block, route, r
     from small_cases import assert_head_stack_gradients, head_stack_backward_problem, head_stack_graphs
 
     from sparseattn.emulator import emulate_backward_work_list
-    from sparseattn.kernels.work_list import BACKWARD_STEP_ROWS, backward_work_list
+    from sparseattn.planning.work_list import BACKWARD_STEP_ROWS, backward_work_list
 
     graphs = head_stack_graphs(rng, 3, block)
     stack = HeadStack.of(graphs)
@@ -147,7 +147,7 @@ def test_backward_work_list_runs_every_head_with_its_own_layouts(block, route, r
 
 
 def test_backward_work_list_refuses_forward_plans():
-    from sparseattn.kernels.work_list import backward_work_list
+    from sparseattn.planning.work_list import backward_work_list
 
     lay = contiguous_layout(256, 64)
     graph = make_graph(lay, lay, heads=1, density=0.5, seed=0)
@@ -214,7 +214,7 @@ def test_default_backward_resolves_per_plan(block_size, dq_plan_available, expec
 def test_pair_work_list_equals_reference(case, seed):
     """Every pair item's halves see exactly their own block's K pages: the float64 emulation of the
     pair list equals the reference, padding rows stay unwritten."""
-    from sparseattn.kernels.pair_work_list import pair_work_list
+    from sparseattn.planning.pair_forward import pair_work_list
 
     q_lay, k_lay = small_layouts(case)
     graph = make_graph(q_lay, k_lay, heads=3, density=0.4, seed=seed)
@@ -226,7 +226,7 @@ def test_pair_work_list_on_ragged_random_graphs_equals_reference():
     """The GPU suite's 200 random cases of route 'pair' come from this generator (ragged slot layouts,
     block sizes 64/128, independent Q/K partitions, Q blocks without a selection): the float64
     emulation of the pair list equals the reference on 100 of its graphs."""
-    from sparseattn.kernels.pair_work_list import pair_work_list
+    from sparseattn.planning.pair_forward import pair_work_list
 
     rng = np.random.default_rng(11)
     paired = 0
@@ -243,7 +243,7 @@ def test_pair_work_list_shares_pages_and_keeps_the_tensor_work():
     """Neighbouring cubes select overlapping K blocks: pair items load each shared page once and, with
     the stream ordered [A only | shared | B only], compute no more than the two 64-row items plus the
     boundary chunks."""
-    from sparseattn.kernels.pair_work_list import pair_blocks, pair_work_list
+    from sparseattn.planning.pair_forward import pair_blocks, pair_work_list
 
     layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
     mask = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
@@ -263,8 +263,8 @@ def test_pair_work_list_shares_pages_and_keeps_the_tensor_work():
 def test_interleave_exclusive_chunks_alternates_whole_chunks(pages):
     """Pair streams [A only | shared | B only] become [a0, b0, a1, b1, ..., A rest | shared | B rest]: whole
     chunks of each half's own entries alternate, every part keeps its order, nothing is lost."""
-    from sparseattn.kernels.pair_work_list import interleave_exclusive_chunks
-    from sparseattn.kernels.work_list import VIS_HALF0, VIS_HALF1
+    from sparseattn.planning.pair_forward import interleave_exclusive_chunks
+    from sparseattn.planning.work_list import VIS_HALF0, VIS_HALF1
 
     rng = np.random.default_rng(pages)
     parts = rng.integers(0, 3 * pages, size=(12, 3))  # A only, shared, B only per item
@@ -292,8 +292,8 @@ def test_pair_work_list_packs_partial_blocks_into_halves():
     """A video's partial border cubes (1-3 live pages) are packed into 64-row halves of at most four pages
     each, every partial block in exactly one group; each owned page slot sees exactly its own block's K
     pages (the emulation equals the reference), and the list computes fewer pairs than the per-block one."""
-    from sparseattn.kernels.pair_work_list import packed_groups, pair_work_list, small_blocks
-    from sparseattn.kernels.work_list import VIS_SLOTS
+    from sparseattn.planning.pair_forward import packed_groups, pair_work_list, small_blocks
+    from sparseattn.planning.work_list import VIS_SLOTS
 
     layout = video_layout((9, 10, 14), (4, 4, 4), block_size=64)  # partial cubes on three faces
     mask = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
@@ -324,7 +324,7 @@ def test_pair_work_list_packs_partial_blocks_into_halves():
 def test_pair_work_list_without_pairs_is_the_kpage_list():
     """A layout with no two neighbouring 64-row Q blocks (all 128-row blocks) gives the KPage plan's items
     unchanged (the 720p STA/SSTA workloads)."""
-    from sparseattn.kernels.pair_work_list import pair_blocks, pair_work_list
+    from sparseattn.planning.pair_forward import pair_blocks, pair_work_list
 
     layout = video_layout((8, 8, 8), (4, 4, 8), block_size=128)
     graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=2)
@@ -359,7 +359,7 @@ def test_pair_work_list_pairs_each_head_by_its_own_selection():
     """Every head matches its own 64-row Q blocks by the K pages they share: head 1 selects the windows
     of shuffled block positions, so its partners are not neighbours, yet each pair item's two blocks
     share most of their K blocks; the list equals the stacked one-head lists and the reference."""
-    from sparseattn.kernels.pair_work_list import pair_work_list
+    from sparseattn.planning.pair_forward import pair_work_list
 
     layout = video_layout((8, 16, 20), (4, 4, 4), block_size=64)  # 40 full cubes
     nb = layout.num_blocks
@@ -384,7 +384,7 @@ def test_pair_work_list_pairs_each_head_by_its_own_selection():
 def test_greedy_matching_equals_the_sequential_greedy():
     """The vectorized rounds give the sequential greedy's matching (heaviest edge first, ties by the
     smaller ends), ties and all."""
-    from sparseattn.kernels.pair_work_list import greedy_matching
+    from sparseattn.planning.pair_forward import greedy_matching
 
     rng = np.random.default_rng(0)
     for n in (2, 7, 60):
@@ -403,7 +403,7 @@ def test_greedy_matching_equals_the_sequential_greedy():
 def test_pair_work_list_pairs_scattered_64_row_blocks():
     """128-slot blocks: the partial Q blocks (64-row route) pair with each other wherever they are, and
     the pair list still equals the reference."""
-    from sparseattn.kernels.pair_work_list import pair_blocks, pair_partners, pair_work_list
+    from sparseattn.planning.pair_forward import pair_blocks, pair_partners, pair_work_list
 
     layout = video_layout((7, 9, 11), (4, 4, 8), block_size=128)
     graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=6)
@@ -420,7 +420,7 @@ def test_pair_lists_need_128_key_chunks():
     import dataclasses
 
     from sparseattn.kernels.forward import check_work_list, kernel_name, work_of
-    from sparseattn.kernels.pair_work_list import pair_work_list
+    from sparseattn.planning.pair_forward import pair_work_list
 
     layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
     graph = builders.random_graph(layout, layout, heads=1, density=0.3, seed=1)
@@ -440,7 +440,7 @@ def test_pair_lists_need_128_key_chunks():
 def test_pair_union_order_and_tags(seed):
     """A pair item's stream: the union of A's and B's selected K blocks, pair by pair as [A only |
     shared | B only] in block order, tagged 1 / 3 / 2 — against a plain Python construction."""
-    from sparseattn.kernels.pair_work_list import _ordered_union
+    from sparseattn.planning.pair_forward import _ordered_union
 
     rng = np.random.default_rng(seed)
     n_pairs, nkb = 7, 23

@@ -20,7 +20,7 @@ import numpy as np
 from sparseattn.graph import HeadStack
 from sparseattn.kernels.backward import backward_executed_pairs, backward_route
 from sparseattn.kernels.forward import work_of
-from sparseattn.kernels.plan_cache import plan_of
+from sparseattn.planning.cache import plan_of
 from sparseattn.workloads import get_workload
 
 POPCOUNT = np.unpackbits(np.arange(1 << 16, dtype=">u2").view(np.uint8)).reshape(-1, 16).sum(1)

@@ -17,8 +17,8 @@ import numpy as np
 from counts_s20_occupancy import graphs_of  # beside this script
 
 from sparseattn.kernels.backward import backward_route
-from sparseattn.kernels.plan_cache import plan_of
-from sparseattn.plans import first_pair_items, stack_head_plans
+from sparseattn.planning.cache import plan_of
+from sparseattn.planning.tile_plan import first_pair_items, stack_head_plans
 
 STEP_PAGES = 4
 

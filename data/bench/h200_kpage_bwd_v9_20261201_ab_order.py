@@ -27,9 +27,9 @@ from sparseattn.bench import Case, workload_graph
 from sparseattn.kernels import launch
 from sparseattn.kernels.backward import kpage_backward
 from sparseattn.kernels.forward import kpage_forward
-from sparseattn.kernels.pair_backward_plan import PAIR_ROUTE, pair_backward_plan
-from sparseattn.kernels.pair_work_list import pair_partners
-from sparseattn.plans import gather_segments, launch_order
+from sparseattn.planning.pair_backward import PAIR_ROUTE, pair_backward_plan
+from sparseattn.planning.pair_forward import pair_partners
+from sparseattn.planning.tile_plan import gather_segments, launch_order
 
 
 def permuted(plan, order):

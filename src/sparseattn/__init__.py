@@ -39,7 +39,7 @@ from .layouts import (
     slot_layout,
     video_layout,
 )
-from .plans import TilePlan, bsa_plan, kpage_plan
+from .planning import TilePlan, bsa_plan, kpage_plan
 from .reference import attention_backward, attention_forward
 from .workloads import WORKLOADS, Selection, Workload, WorkloadError, get_workload
 

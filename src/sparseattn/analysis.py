@@ -10,9 +10,9 @@ Per head of one attention call, with ``vq_i``/``vk_j`` the valid rows and ``pq_i
   route for every block. "No routing" is the fixed (128, 128) route.
 
 A Q block with no valid row has no output rows, so no kernel computes it: its pairs count 0 physical
-(the plans in :mod:`sparseattn.plans` skip it too; graphs built with ``drop_empty=True``, the default,
-never hold such pairs). Every count here equals ``plans.bsa_plan(g).physical_pairs()`` and
-``plans.kpage_plan(g, route).physical_pairs()``, computed without building a plan: one pass of
+(the plans in :mod:`sparseattn.planning` skip it too; graphs built with ``drop_empty=True``, the default,
+never hold such pairs). Every count here equals ``planning.bsa_plan(g).physical_pairs()`` and
+``planning.kpage_plan(g, route).physical_pairs()``, computed without building a plan: one pass of
 segment sums over the graph's CSR arrays.
 """
 
@@ -28,10 +28,10 @@ import numpy as np
 from .constants import KPAGE_ROUTES, PAGE_ROWS
 from .graph import SparseGraph
 from .layouts import BlockLayout
-from .plans import kpage_route_of_block
+from .planning.tile_plan import kpage_route_of_block
 from .synthetic import reuse_factors
 
-#: Route names accepted by the analysis and the CLI, mapped to ``plans.kpage_plan``'s ``route``.
+#: Route names accepted by the analysis and the CLI, mapped to ``planning.kpage_plan``'s ``route``.
 ROUTE_CHOICES = {"auto": "auto", "64x256": 0, "128x128": 1}
 
 #: Bins of the selected-pair fill histogram (fraction of a Bq×Bk tile that is useful).

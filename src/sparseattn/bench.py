@@ -477,8 +477,8 @@ def bench_bsa(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, F
 
 
 def bench_kpage_pair(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, False),)) -> list[dict]:
-    """KPage's pair route: 64-row Q blocks two by two in the forward (:mod:`.kernels.pair_work_list`), 64-row
-    K/V blocks two by two in the backward (:mod:`.kernels.pair_backward_plan`; the default backward kernel,
+    """KPage's pair route: 64-row Q blocks two by two in the forward (:mod:`.planning.pair_forward`), 64-row
+    K/V blocks two by two in the backward (:mod:`.planning.pair_backward`; the default backward kernel,
     not deterministic); head by head on per-head layouts."""
     impls = tuple((impl, False) for impl, deterministic in bwd_impls if not deterministic)
     return bench_paged(case, timer, passes, check, "kpage", impls, "pair", "kpage_pair")

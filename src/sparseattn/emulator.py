@@ -25,7 +25,7 @@ import numpy as np
 
 from .constants import PAGE_ROWS
 from .graph import SparseGraph
-from .plans import OWNERS, TilePlan, gather_segments
+from .planning.tile_plan import OWNERS, TilePlan, gather_segments
 from .reference import _as_float_array, _check_like, _check_scale
 
 
@@ -398,13 +398,13 @@ def coverage_report(plan: TilePlan, graph: SparseGraph) -> dict:
 
 
 def emulate_work_list(work, q, k, v, scale=None):
-    """Run a paged-forward :class:`~sparseattn.kernels.work_list.WorkList` as the kernel does, in float64.
+    """Run a paged-forward :class:`~sparseattn.planning.work_list.WorkList` as the kernel does, in float64.
 
     Reads only the work list's arrays: (page, row mask) of each owned Q page and of each streamed K/V
     page, items in ``work_order``, keys in chunks of ``work.chunk``. A 128-row item processes every
     chunk with both row halves; a 64-row item splits the chunks between two running softmax states
     (even / odd chunks) and merges them, as the kernel's two warpgroups do. Visibility bits (pair items,
-    :mod:`sparseattn.kernels.pair_work_list`) hide an entry's keys from the owned page slots without its bit.
+    :mod:`sparseattn.planning.pair_forward`) hide an entry's keys from the owned page slots without its bit.
 
     Args:
         work: the WorkList; q ``[batch, heads, sq, d]``; k, v ``[batch, heads, sk, d]``.
@@ -473,8 +473,8 @@ def emulate_work_list(work, q, k, v, scale=None):
 
 
 def emulate_backward_work_list(work, q, k, v, o, lse, do, scale=None):
-    """Run a K/V-owned backward :class:`~sparseattn.kernels.work_list.WorkList`
-    (:func:`~sparseattn.kernels.work_list.backward_work_list`) as a kernel reading only its arrays would,
+    """Run a K/V-owned backward :class:`~sparseattn.planning.work_list.WorkList`
+    (:func:`~sparseattn.planning.work_list.backward_work_list`) as a kernel reading only its arrays would,
     in float64: each item owns the (page, row mask) entries of its K/V pages and streams the (page, row
     mask) entries of its Q pages ``work.chunk`` rows at a time.
 

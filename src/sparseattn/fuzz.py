@@ -29,7 +29,7 @@ from .analysis import graph_counts
 from .emulator import coverage_report, emulate_backward, emulate_forward, graph_slot_pairs
 from .graph import SparseGraph
 from .layouts import BlockLayout, partition_layout, slot_layout, video_layout
-from .plans import bsa_plan, kpage_plan
+from .planning import bsa_plan, kpage_plan
 from .reference import attention_backward, attention_forward
 
 RTOL = 1e-12

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .graph import SparseGraph
-from .plans import gather_segments
+from .planning.tile_plan import gather_segments
 
 
 class ReferenceError(ValueError):

@@ -24,7 +24,7 @@ from sparseattn.kernels.validate import (
     float_to_bf16_bits,
 )
 from sparseattn.layouts import contiguous_layout, partition_layout, slot_layout, video_layout
-from sparseattn.plans import bsa_plan, kpage_plan
+from sparseattn.planning.tile_plan import bsa_plan, kpage_plan
 from sparseattn.reference import attention_backward, attention_forward
 
 REL_TOL = 1e-2

@@ -88,8 +88,8 @@ def test_kpage_backward_pair_route_shared_pages(head_dim, rng, poisoned):
     cupy = pytest.importorskip("cupy")
     from sparseattn.graph import SparseGraph
     from sparseattn.kernels.backward import kpage_backward
-    from sparseattn.kernels.plan_cache import plan_of
     from sparseattn.layouts import video_layout
+    from sparseattn.planning.cache import plan_of
 
     layout = video_layout((5, 7, 9), (4, 4, 4), block_size=64)
     window = np.zeros((2, layout.num_blocks, layout.num_blocks), dtype=bool)
@@ -119,8 +119,8 @@ def test_pair_plans_refuse_other_kernels(rng):
     deterministic mode are refused before any launch."""
     cupy = pytest.importorskip("cupy")
     from sparseattn.kernels.bsa_backward import bsa_backward
-    from sparseattn.kernels.plan_cache import plan_of
     from sparseattn.kernels.validate import KernelValueError
+    from sparseattn.planning.cache import plan_of
 
     q_lay, k_lay = bwd_tests.LAYOUTS["video_prefix"](rng, 64)
     graph = bwd_tests._graph(rng, q_lay, k_lay, 2, density=0.5)
@@ -180,7 +180,7 @@ def run_random_case(layout, head_dim, rng, poisoned, impl, deterministic=False, 
     )
     cupy.cuda.runtime.deviceSynchronize()
     if deterministic:
-        from sparseattn.kernels.plan_cache import plan_of
+        from sparseattn.planning.cache import plan_of
 
         def same_bits(a, b):
             return (a.view(cupy.uint16) == b.view(cupy.uint16)).all().item()
@@ -241,7 +241,7 @@ def run_head_stack_case(head_dim, rng, poisoned, deterministic=False, route="aut
         graphs.append(bwd_tests._graph(rng, q_lay, k_lay, 1, density=float(rng.uniform(0.2, 0.7))))
     stack = HeadStack.of(graphs)
     if route == "pair":  # some head has 64-row K/V blocks to pair
-        from sparseattn.kernels.pair_work_list import pair_partners
+        from sparseattn.planning.pair_forward import pair_partners
 
         assert any(pair_partners(g.transpose())[0].size for g in graphs)
     sq, sk = stack.q_slots, stack.k_slots

@@ -19,11 +19,11 @@ import numpy as np
 
 from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
-from ..plans import TilePlan, stack_head_plans
+from ..planning.cache import cached, check_graph_matches, plan_of
+from ..planning.pair_forward import small_blocks
+from ..planning.tile_plan import TilePlan, stack_head_plans
 from . import launch
 from .bsa_backward import bsa_backward, uses_dq_pass
-from .pair_work_list import small_blocks
-from .plan_cache import cached, check_graph_matches, plan_of
 from .validate import KernelTypeError, KernelValueError
 
 KINDS = ("kpage", "bsa")
@@ -53,7 +53,7 @@ def paged_backward(
             :class:`TilePlan`, or a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
             layouts; one launch per route on the stacked per-head plans).
         route: KPage's routes (``"auto"``, 0, 1), or ``"pair"``: 64-row K/V blocks joined two by two into
-            128-row pair items (:mod:`sparseattn.kernels.pair_backward_plan`; per head on a HeadStack,
+            128-row pair items (:mod:`sparseattn.planning.pair_backward`; per head on a HeadStack,
             the default ``impl`` without ``deterministic``). ``"auto"`` takes pair items where
             :func:`backward_route` says so (64-row K/V blocks, the default kernel).
         scale, out, impl, deterministic: as :func:`sparseattn.kernels.bsa_backward.bsa_backward`
@@ -138,7 +138,7 @@ def _head_stack_backward(
     """Heads with their own layouts (SVG2). Slots past a head's layout get zero gradients.
 
     Contiguous tensors run in one launch per route: the heads' per-head plans laid end to end
-    (:func:`~sparseattn.plans.stack_head_plans`) on the tensors viewed as one head. Otherwise (or
+    (:func:`~sparseattn.planning.tile_plan.stack_head_plans`) on the tensors viewed as one head. Otherwise (or
     past the kernels' 32-bit page offsets) one launch per head, on contiguous copies of its slots.
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):

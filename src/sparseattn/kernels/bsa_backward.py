@@ -1,7 +1,7 @@
 """BSA baseline backward: ``kernels_cu/bsa_bwd.cu`` behind a validating wrapper.
 
 K/V-owned FlashAttention-2-style backward with exact masking. The kernel executes any owner-``"kv"``
-:class:`~sparseattn.plans.TilePlan` whose owned tile height is 64 or 128 rows; given a
+:class:`~sparseattn.planning.TilePlan` whose owned tile height is 64 or 128 rows; given a
 :class:`~sparseattn.graph.SparseGraph` the wrapper builds (and caches) ``bsa_plan(graph, owner="kv")``.
 
 Three launches per call (plus one main launch per route of the plan):
@@ -27,8 +27,8 @@ Step 2 has several implementations with the same plan, arguments and results:
   warp-specialized kernel on 128-row tiles, bulk reductions on 64-row tiles);
 * ``impl="mma"``: the ``mma.sync`` kernel ``bsa_bwd_kernel``.
 
-A plan with pair items (``TilePlan.stream_vis``, :mod:`.pair_backward_plan`: two 64-row K/V blocks in a
-128-row item, each half seeing its own block's Q pages) runs its 128-row items on
+A plan with pair items (``TilePlan.stream_vis``, :mod:`sparseattn.planning.pair_backward`: two 64-row K/V
+blocks in a 128-row item, each half seeing its own block's Q pages) runs its 128-row items on
 ``paged_bwd_ws_kernel<D, true>`` (written and compiled, not yet run on a GPU); it needs ``impl="wgmma"``
 or ``"wgmma_ws"`` without ``deterministic``.
 
@@ -49,9 +49,9 @@ import weakref
 import numpy as np
 
 from ..constants import PAGE_ROWS
-from ..plans import TilePlan, first_pair_items
+from ..planning.cache import PlanCache
+from ..planning.tile_plan import TilePlan, first_pair_items
 from . import launch
-from .plan_cache import PlanCache
 from .validate import (
     BF16_DTYPE_NAMES,
     KernelTypeError,

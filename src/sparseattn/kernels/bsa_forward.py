@@ -1,8 +1,8 @@
 """BSA baseline forward: ``kernels_cu/bsa_fwd.cu`` behind a validating wrapper.
 
-The kernel executes any owner-``"q"`` :class:`~sparseattn.plans.TilePlan` whose tile shapes it was
+The kernel executes any owner-``"q"`` :class:`~sparseattn.planning.TilePlan` whose tile shapes it was
 instantiated for; given a :class:`~sparseattn.graph.SparseGraph` the wrapper builds (and caches) the
-logical-block plan :func:`~sparseattn.plans.bsa_plan`. One launch per route, grid
+logical-block plan :func:`~sparseattn.planning.bsa_plan`. One launch per route, grid
 ``(work items of the route, batch)``.
 """
 
@@ -13,9 +13,9 @@ import weakref
 
 import numpy as np
 
-from ..plans import TilePlan
+from ..planning.cache import PlanCache
+from ..planning.tile_plan import TilePlan
 from . import launch
-from .plan_cache import PlanCache
 from .validate import (
     BF16_DTYPE_NAMES,
     KernelTypeError,

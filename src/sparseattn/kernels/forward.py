@@ -3,8 +3,8 @@
 :func:`kpage_forward` runs the KPage plan of a graph (live pages only, packed across logical blocks,
 each Q block routed to a 64×256 or a 128×128 tile), :func:`bsa_forward` the logical-block BSA plan
 (one Bq×Bk tile per selected pair) — the same kernel, so their difference is the plan alone.
-:func:`paged_forward` runs any owner-``"q"`` :class:`~sparseattn.plans.TilePlan` (or a prepared
-:class:`~.work_list.WorkList`).
+:func:`paged_forward` runs any owner-``"q"`` :class:`~sparseattn.planning.TilePlan` (or a prepared
+:class:`~sparseattn.planning.WorkList`).
 
 The kernel is persistent (one CTA per SM takes work items longest-first from a counter) and
 warp-specialized: a producer warpgroup gathers 16-row Q/K/V pages with ``cp.async`` into swizzled
@@ -28,10 +28,10 @@ import numpy as np
 
 from ..constants import KPAGE_ROUTES
 from ..graph import HeadStack, SparseGraph
-from ..plans import TilePlan, kpage_route_of_block, row_work
+from ..planning.cache import cached, check_graph_matches, pair_work_of, plan_of
+from ..planning.tile_plan import TilePlan, kpage_route_of_block, row_work
+from ..planning.work_list import CHUNKS, OWN_PAGES, WorkList, work_list
 from . import launch
-from .pair_work_list import pair_work_list, stacked_pair_work_list
-from .plan_cache import cached, check_graph_matches, plan_of
 from .validate import (
     BF16_DTYPE_NAMES,
     CUPY_TYPES,
@@ -45,7 +45,6 @@ from .validate import (
     dtype_name,
     pages_of,
 )
-from .work_list import CHUNKS, OWN_PAGES, WorkList, work_list
 
 SOURCE = "paged_fwd.cu"
 
@@ -182,8 +181,7 @@ def _work_of(graph_or_plan, kind: str, route) -> WorkList:
     if route == "pair":  # 64-row Q blocks joined two by two into 128-row items
         if kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
             raise KernelValueError("route='pair' runs KPage on a SparseGraph or a HeadStack")
-        build = pair_work_list if isinstance(obj, SparseGraph) else stacked_pair_work_list
-        return cached(obj, ("work", "pair"), lambda: build(obj))
+        return pair_work_of(obj)
     if isinstance(obj, SparseGraph):
         plan = plan_of(obj, kind, route)
         return cached(
@@ -399,7 +397,7 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
         out: optional ``(o, lse)`` to write into.
         kind, route: which plan a graph runs (``route``: ``"auto"``, 0 = 64×256, 1 = 128×128; or
             ``"pair"``: KPage with 64-row Q blocks joined two by two into 128-row items, per head on a
-            HeadStack, :mod:`sparseattn.kernels.pair_work_list`; ``"auto"`` takes it where
+            HeadStack, :mod:`sparseattn.planning.pair_forward`; ``"auto"`` takes it where
             :func:`forward_route` says so).
 
     Returns:

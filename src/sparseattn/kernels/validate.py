@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..constants import PAGE_ROWS
-from ..plans import TilePlan
+from ..planning.tile_plan import TilePlan
 
 
 class KernelTypeError(TypeError):

@@ -1,7 +1,7 @@
 """The flat work list the persistent paged kernels read, built from tile plans (CPU, numpy).
 
-A :class:`~sparseattn.plans.TilePlan` describes one layout shared by all heads; a work list is what
-one launch executes: every work item with its head, its stream of K/V pages and its owned Q pages,
+A :class:`~sparseattn.planning.tile_plan.TilePlan` describes one layout shared by all heads; a work list is
+what one launch executes: every work item with its head, its stream of K/V pages and its owned Q pages,
 the row mask of every entry (so heads with their own layouts — a :class:`~sparseattn.graph.HeadStack`
 — run in one launch), and the order in which the persistent CTAs take the items (largest first).
 """
@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..constants import PAGE_ROWS
-from ..plans import TilePlan
-from .validate import KernelValueError
+from .tile_plan import TilePlan
+
+# KernelValueError (sparseattn.kernels.validate) is imported where raised: `import sparseattn` loads no
+# kernel module.
 
 #: Owned Q pages per work item the kernel reads (the largest route's M / 16).
 OWN_PAGES = 8
@@ -23,7 +25,7 @@ OWN_PAGES = 8
 CHUNKS = (64, 128)
 #: Query rows (M) of the routes the kernel runs: 64 (two warpgroups split the keys) or 128 (the rows).
 ROUTE_ROWS = (64, 128)
-#: Visibility bits of a stream entry's mask word (pair items, :mod:`.pair_work_list`): bit 16 + s set =
+#: Visibility bits of a stream entry's mask word (pair items, :mod:`.pair_forward`): bit 16 + s set =
 #: the rows of owned page slot s (rows 16s .. 16s + 15) see the page. An entry without any is seen by
 #: every row. ``VIS_HALF0`` / ``VIS_HALF1``: all slots of rows 0-63 / 64-127.
 VIS_SHIFT = 16
@@ -38,6 +40,8 @@ def default_order() -> str:
     """``$SPARSEATTN_WORK_ORDER`` (an experiment knob) or ``"head"``."""
     order = os.environ.get("SPARSEATTN_WORK_ORDER", "head")
     if order not in ORDERS:
+        from ..kernels.validate import KernelValueError
+
         raise KernelValueError(f"SPARSEATTN_WORK_ORDER must be one of {ORDERS}, got {order!r}")
     return order
 
@@ -138,6 +142,8 @@ def chunk_for(plans) -> int:
     chunk = 64 if used and all(n == 64 for _, n in used) else 128
     for m, n in sorted(used):
         if m not in ROUTE_ROWS or n % chunk:
+            from ..kernels.validate import KernelValueError
+
             raise KernelValueError(
                 f"plan.routes has tile {(m, n)}; the paged forward kernel runs M in {ROUTE_ROWS} with N a "
                 f"multiple of {chunk} (plans mixing 64- and wider key tiles run with {chunk}-key chunks)"
@@ -155,6 +161,8 @@ def work_list(plans, heads_of=None, order: str | None = None) -> WorkList:
     """
     order = default_order() if order is None else order
     if order not in ORDERS:
+        from ..kernels.validate import KernelValueError
+
         raise KernelValueError(f"order must be one of {ORDERS}, got {order!r}")
     plans = _checked_plans(plans, "q", "the forward kernel")
     return _flatten(plans, heads_of, chunk_for(plans), order)
@@ -174,6 +182,8 @@ def backward_work_list(plans, heads_of=None) -> WorkList:
         if plan.num_work:
             rows = {int(plan.routes[int(r)][0]) for r in np.unique(plan.work_route)}
             if not rows <= set(ROUTE_ROWS):
+                from ..kernels.validate import KernelValueError
+
                 raise KernelValueError(
                     f"plans[{i}] owns tiles of {sorted(rows)} rows; the backward kernel owns {ROUTE_ROWS}"
                 )
@@ -181,6 +191,8 @@ def backward_work_list(plans, heads_of=None) -> WorkList:
 
 
 def _checked_plans(plans, owner: str, what: str) -> list[TilePlan]:
+    from ..kernels.validate import KernelValueError
+
     plans = [plans] if isinstance(plans, TilePlan) else list(plans)
     if not plans:
         raise KernelValueError("a work list needs at least one plan")
@@ -242,6 +254,8 @@ def _flatten(plans: list[TilePlan], heads_of, chunk: int, order: str) -> WorkLis
         offset += stream.size
     info = np.concatenate(parts["info"]).astype(np.int64)
     if offset > np.iinfo(np.int32).max:
+        from ..kernels.validate import KernelValueError
+
         raise KernelValueError(f"the plans stream {offset} pages, more than int32 indexing allows")
     return WorkList(
         work_info=info.astype(np.int32),

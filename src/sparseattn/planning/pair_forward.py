@@ -28,13 +28,13 @@ follow the visibility bits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
-from ..plans import gather_segments, kpage_route_of_block, stable_partition
-from .plan_cache import plan_of
-from .validate import KernelTypeError
+from .tile_plan import TilePlan, gather_segments, kpage_plan, kpage_route_of_block, stable_partition
 from .work_list import (
     OWN_PAGES,
     VIS_HALF0,
@@ -46,6 +46,9 @@ from .work_list import (
     work_list,
     work_order,
 )
+
+# KernelTypeError (sparseattn.kernels.validate) is imported where raised: `import sparseattn` loads no
+# kernel module.
 
 
 def small_blocks(layout) -> np.ndarray:
@@ -188,7 +191,9 @@ def _matrix(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, shape: tuple
     return sp.csr_matrix((values, (rows, cols)), shape=shape)
 
 
-def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
+def pair_work_list(
+    graph: SparseGraph, order: str | None = None, *, base_of: Callable[[SparseGraph], TilePlan] | None = None
+) -> WorkList:
     """The KPage forward work list of ``graph`` with its 64-row Q blocks joined two by two into 128-row
     pair items (:func:`pair_partners`, matched by shared K pages; see the module docstring); the other
     items are the KPage plan's. Every head pairs and packs its own blocks (heads select differently),
@@ -197,19 +202,30 @@ def pair_work_list(graph: SparseGraph, order: str | None = None) -> WorkList:
     Args:
         graph: a :class:`SparseGraph` (one layout for every head; per-head layouts:
             :func:`stacked_pair_work_list`).
-        order: as :func:`sparseattn.kernels.work_list.work_list`.
+        order: as :func:`sparseattn.planning.work_list.work_list`.
+        base_of: ``base_of(g)`` returns the KPage plan (owner ``"q"``, route ``"auto"``) of ``g``, one
+            head of ``graph``, whose unpaired items the list keeps; default: built by :func:`kpage_plan`
+            (:func:`sparseattn.planning.cache.pair_work_of` passes the cached
+            :func:`~sparseattn.planning.cache.plan_of` plans).
     """
     if not isinstance(graph, SparseGraph):
+        from ..kernels.validate import KernelTypeError
+
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
+
+    def one_head(g: SparseGraph) -> WorkList:
+        return _one_head_pair_work_list(g, None if base_of is None else base_of(g))
+
     if graph.heads == 1:
-        return _one_head_pair_work_list(graph)
-    lists = [_one_head_pair_work_list(graph.select_heads([h])) for h in range(graph.heads)]
+        return one_head(graph)
+    lists = [one_head(graph.select_heads([h])) for h in range(graph.heads)]
     return _stacked(lists, default_order() if order is None else order)
 
 
-def _one_head_pair_work_list(graph: SparseGraph) -> WorkList:
-    """:func:`pair_work_list` of a one-head graph."""
-    plan = plan_of(graph, "kpage", "auto", owner="q")  # the forward's cached KPage plan
+def _one_head_pair_work_list(graph: SparseGraph, plan: TilePlan | None = None) -> WorkList:
+    """:func:`pair_work_list` of a one-head graph; ``plan``: its KPage plan (owner ``"q"``, route
+    ``"auto"``) if already built, else built here."""
+    plan = kpage_plan(graph, route="auto", owner="q") if plan is None else plan
     base = work_list(plan)
     nb = graph.q.num_blocks
     live = graph.q.live_pages.astype(np.int64)
@@ -253,19 +269,23 @@ def _one_head_pair_work_list(graph: SparseGraph) -> WorkList:
     )
 
 
-def stacked_pair_work_list(stack: HeadStack, order: str | None = None) -> WorkList:
+def stacked_pair_work_list(
+    stack: HeadStack, order: str | None = None, *, base_of: Callable[[SparseGraph], TilePlan] | None = None
+) -> WorkList:
     """Pair work lists of per-head layouts (a :class:`HeadStack`) as one list: head h's
     :func:`pair_work_list` with its items' head set to h, streams laid back to back, items ordered as
-    :func:`sparseattn.kernels.work_list.work_list` orders them."""
+    :func:`sparseattn.planning.work_list.work_list` orders them. ``base_of`` as :func:`pair_work_list`'s."""
     if not isinstance(stack, HeadStack):
+        from ..kernels.validate import KernelTypeError
+
         raise KernelTypeError(f"stack must be a HeadStack, got {type(stack).__name__}")
-    lists = [pair_work_list(g) for g in stack.graphs]
+    lists = [pair_work_list(g, base_of=base_of) for g in stack.graphs]
     return _stacked(lists, default_order() if order is None else order)
 
 
 def _stacked(lists: list[WorkList], order: str) -> WorkList:
     """Work lists of one head each (``lists[h]``: head h's) as one list: items' head set to h, streams
-    laid back to back, items ordered by ``order`` (:func:`sparseattn.kernels.work_list.work_order`)."""
+    laid back to back, items ordered by ``order`` (:func:`sparseattn.planning.work_list.work_order`)."""
     infos = []
     base = 0
     for h, wl in enumerate(lists):

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .constants import KPAGE_ROUTES, KPAGE_SMALL_ROUTE_MAX_QROWS, PAGE_ROWS
-from .graph import SparseGraph
-from .layouts import BlockLayout
+from ..constants import KPAGE_ROUTES, KPAGE_SMALL_ROUTE_MAX_QROWS, PAGE_ROWS
+from ..graph import SparseGraph
+from ..layouts import BlockLayout
 
 OWNERS = ("q", "kv")
 INT32_MAX = np.iinfo(np.int32).max

@@ -1,6 +1,6 @@
 """Pair backward plans: two 64-row K/V blocks in one 128-row K/V-owned item over the union of their Q pages.
 
-The backward's mirror of :mod:`.pair_work_list`. KPage's K/V-owned plan runs a K/V block with at most
+The backward's mirror of :mod:`.pair_forward`. KPage's K/V-owned plan runs a K/V block with at most
 four live pages as a 64-row item that streams every Q page selecting it, so each Q and dO byte it loads
 serves 64 owned rows, and on VSA's 64-row plans the backward is bound by that traffic. A pair item joins
 two such K/V blocks of one head, A and B (neighbours 2i and 2i + 1, else two 64-row blocks selected by
@@ -22,34 +22,43 @@ import numpy as np
 
 from ..constants import KPAGE_ROUTES
 from ..graph import SparseGraph
-from ..plans import (
+from .pair_forward import pair_items, pair_partners
+from .tile_plan import (
     TilePlan,
     gather_segments,
     head_major_launch_order,
     hidden_item_first,
     items_hiding_an_entry,
+    kpage_plan,
 )
-from .pair_work_list import pair_items, pair_partners
-from .plan_cache import plan_of
-from .validate import KernelTypeError
 from .work_list import OWN_PAGES, VIS_HALF0, VIS_HALF1
+
+# KernelTypeError (sparseattn.kernels.validate) is imported where raised: `import sparseattn` loads no
+# kernel module.
 
 #: Route of the pair items in the KPage plan's routes: (128 owned rows, 128 streamed).
 PAIR_ROUTE = KPAGE_ROUTES.index((128, 128))
 
 
-def pair_backward_plan(graph: SparseGraph) -> TilePlan:
+def pair_backward_plan(graph: SparseGraph, *, base: TilePlan | None = None) -> TilePlan:
     """The K/V-owned KPage plan of ``graph`` with its 64-row K/V blocks joined two by two into 128-row
     pair items (:func:`pair_partners`; see the module docstring); the other items are the plan's.
 
+    Args:
+        graph: a :class:`SparseGraph`.
+        base: ``kpage_plan(graph, owner="kv")`` (route ``"auto"``) if already built, else built here
+            (:func:`sparseattn.planning.cache.plan_of` passes its cached plan).
+
     Returns:
         a :class:`TilePlan` (owner ``"kv"``, KPage routes) whose ``stream_vis`` is set; work items in
-        :func:`~sparseattn.plans.head_major_launch_order` by route, the plan's own 128-row items first, then
-        the pair items, each group head by head and longest first within a head.
+        :func:`~sparseattn.planning.tile_plan.head_major_launch_order` by route, the plan's own 128-row
+        items first, then the pair items, each group head by head and longest first within a head.
     """
     if not isinstance(graph, SparseGraph):
+        from ..kernels.validate import KernelTypeError
+
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
-    base = plan_of(graph, "kpage", "auto", owner="kv")  # the backward's cached KPage plan
+    base = kpage_plan(graph, route="auto", owner="kv") if base is None else base
     kv_rows = graph.transpose()  # rows are K/V blocks, columns the Q blocks selecting them
     firsts, seconds = pair_partners(kv_rows)
     nb = kv_rows.q.num_blocks
