@@ -57,7 +57,7 @@ IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "vsa_kernel", "kpage_
 #: Opt-in implementations (run only when named with --impl): kpage_pair forces KPage's pair route in both
 #: passes (``kpage`` takes it where ``route="auto"`` does).
 OPT_IN_IMPLS = ("kpage_pair",)
-PASSES = ("fwd", "bwd", "fwdbwd")
+PASSES = ("fwd", "bwd", "fwdbwd", "plan")
 TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel")
 PAGED_IMPLS = ("kpage", "bsa", "kpage_pair")  # the skeleton's plans: backward records per --bwd-impl
 O_REL_TOL = 1e-2
@@ -469,7 +469,75 @@ def bench_paged(
 
 
 def bench_kpage(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, False),)) -> list[dict]:
-    return bench_paged(case, timer, passes, check, "kpage", bwd_impls)
+    out = bench_paged(case, timer, passes, check, "kpage", bwd_impls)
+    if "plan" in passes:
+        out += bench_device_plans(case, timer, check)
+    return out
+
+
+def topk_selection(graph: SparseGraph, batch: int):
+    """The graph's selection as the VSA kernel's arguments on the GPU: int32 ``q2k_idx [batch, heads,
+    q_blocks, k]`` (each row's K blocks, k = the longest row, padded with 0) and ``q2k_num [batch, heads,
+    q_blocks]``, every batch entry alike."""
+    counts = np.diff(graph.indptr).astype(np.int64)
+    k = max(1, int(counts.max(initial=0)))
+    idx = np.zeros((graph.num_rows, k), dtype=np.int32)
+    pos = np.arange(graph.nnz) - np.repeat(graph.indptr[:-1], counts)
+    idx[graph.row_of_nnz, pos] = graph.indices
+    shape = (graph.heads, graph.q.num_blocks)
+    idx = np.broadcast_to(idx.reshape(*shape, k), (batch, *shape, k))
+    num = np.broadcast_to(counts.reshape(shape).astype(np.int32), (batch, *shape))
+    return cupy.asarray(np.ascontiguousarray(idx)), cupy.asarray(np.ascontiguousarray(num))
+
+
+def bench_device_plans(case: Case, timer: Timer, check: bool) -> list[dict]:
+    """The device planner on the graph's selection given as top-k indices on the GPU (every batch entry
+    planned on its own): pass ``plan`` (impl ``kpage``): the forward and backward plans of one call
+    (``time_ms``) and the forward's alone (``forward_plan_ms``); pass ``fwd`` (impl ``kpage_device``): the
+    forward on the device plans, checked like ``kpage``'s."""
+    from .kernels.forward import paged_forward
+    from .planning.device import DevicePlanner
+
+    g = case.graph
+    if not isinstance(g, SparseGraph):
+        return [dict(impl="kpage", **{"pass": "plan"}, error="per-head layouts: planned on the host")]
+    idx, num = topk_selection(g, case.b)
+    planner = DevicePlanner(g.q, g.k)
+    forward_only = DevicePlanner(g.q, g.k, backward=False)
+    plans = planner.plan(idx, num)
+    plans.check()
+    out = []
+    plan_ms, _ = timer(lambda: planner.plan(idx, num))
+    fwd_plan_ms, _ = timer(lambda: forward_only.plan(idx, num))
+    route = "pair" if planner.forward.has_pairs else "auto"
+    bwd_route = "pair" if planner.backward.has_pairs else "auto"
+    out.append(
+        dict(
+            impl="kpage",
+            **{"pass": "plan"},
+            time_ms=plan_ms,
+            forward_plan_ms=fwd_plan_ms,
+            route=route,
+            bwd_route=bwd_route,
+            selection=f"q2k_idx [batch, heads, q_blocks, {idx.shape[3]}]",
+        )
+    )
+    o, lse = paged_forward(case.q, case.k, case.v, plans, scale=case.scale)
+    cupy.cuda.Device().synchronize()
+    rel = case.rel_err_head0(bf16_bits_to_float(cupy.asnumpy(o[:, 0])).astype(np.float64)) if check else None
+    ms, _ = timer(lambda: paged_forward(case.q, case.k, case.v, plans, scale=case.scale, out=(o, lse)))
+    out.append(
+        dict(
+            impl="kpage_device",
+            **{"pass": "fwd"},
+            time_ms=ms,
+            rel_err_o=rel,
+            correct=None if rel is None else bool(rel < O_REL_TOL),
+            route=route,
+            plans="device",
+        )
+    )
+    return out
 
 
 def bench_bsa(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, False),)) -> list[dict]:
@@ -776,13 +844,18 @@ def _gpu_name() -> str:
 
 
 def _rates(rec: dict, useful: int, head_dim: int) -> dict:
-    if "time_ms" not in rec:
+    if "time_ms" not in rec or rec["pass"] not in FLOPS_PER_PAIR:  # planning computes no attention
         return rec
     factor = FLOPS_PER_PAIR[rec["pass"]] * head_dim
     sec = rec["time_ms"] * 1e-3
     rec["useful_tflops"] = round(factor * useful / sec / 1e12, 1)
-    rec["physical_tflops"] = round(factor * rec["physical_pairs"] / sec / 1e12, 1)
+    if "physical_pairs" in rec:
+        rec["physical_tflops"] = round(factor * rec["physical_pairs"] / sec / 1e12, 1)
     return rec
+
+
+def _rate(record: dict, key: str) -> str:
+    return f"{record[key]:.0f}" if key in record else "-"
 
 
 def print_table(records: list[dict], file=None) -> None:
@@ -836,8 +909,8 @@ def print_table(records: list[dict], file=None) -> None:
             r["pass"],
             str(r["heads"]),
             f"{r['time_ms']:.3f}",
-            f"{r['useful_tflops']:.0f}",
-            f"{r['physical_tflops']:.0f}",
+            _rate(r, "useful_tflops"),
+            _rate(r, "physical_tflops"),
             "-" if rel is None else f"{rel:.1e}",
             str(r.get("correct")),
         )

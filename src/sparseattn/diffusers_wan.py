@@ -18,7 +18,9 @@ Selections (:class:`WanSelection`):
 
 * ``sta``: a sliding window of tiles, the same for every head, built once per grid;
 * ``vsa``: per head and Q cube, the ``topk`` K cubes of highest mean(q)·mean(k). It is computed from
-  each call's rotated Q and K, per batch entry (a host round trip per call);
+  each call's rotated Q and K, per batch entry, on their device (:func:`sparseattn.torch.vsa_topk`); the
+  KPage backend then plans on the GPU (:func:`sparseattn.torch.block_sparse_attention`): no host round
+  trip, so a step can be captured in a CUDA graph;
 * ``full``: every block pair (dense attention through the sparse path, for checks).
 
 Needs ``torch`` and ``diffusers`` (``pip install -e '.[diffusers]'``), both imported on first use.
@@ -127,6 +129,7 @@ class WanSparseAttnProcessor:
             )
         self.selection, self.backend, self.route = selection, backend, route
         self._graphs: dict = {}
+        self._layout = None
         self._masks: dict = {}
         self._slots: dict = {}
         self._dense = None
@@ -169,17 +172,62 @@ class WanSparseAttnProcessor:
 
     def attend(self, q, k, v):
         """Sparse attention of ``[B, L, heads, d]`` q, k, v in raster token order; returns the same shape."""
-        heads = q.shape[2]
         if self.selection.dynamic:
-            return self._torch().cat(
-                [
-                    self._attend_graph(
-                        q[b : b + 1], k[b : b + 1], v[b : b + 1], self.graph_for(heads, q[b], k[b])
-                    )
-                    for b in range(q.shape[0])
-                ]
+            return self._attend_dynamic(q, k, v)
+        return self._attend_graph(q, k, v, self.graph_for(q.shape[2]))
+
+    @property
+    def layout(self):
+        """The slot layout of the grid's tokens (tile-major, valid prefix)."""
+        if self._layout is None:
+            self._layout = video_layout(self.grid, self.selection.tile, self.selection.blocks())
+        return self._layout
+
+    def _slot_index(self, device):
+        slots = self._slots.get(device)
+        if slots is None:
+            # a copy: the layout's cached arrays are read-only, which torch.from_numpy warns about
+            slots = self._slots[device] = self._torch().tensor(self.layout.token_slot, device=device)
+        return slots
+
+    def _to_slots(self, x, dtype):
+        """``[B, L, heads, d]`` tokens -> ``[B, heads, slots, d]`` in the layout's slot order (zeros in padding)."""
+        x = x.transpose(1, 2)
+        out = x.new_zeros(x.shape[0], x.shape[1], self.layout.num_slots, x.shape[3], dtype=dtype)
+        return out.index_copy(2, self._slot_index(x.device), x.to(dtype))
+
+    def select(self, q, k):
+        """VSA's ``(q2k_idx, q2k_num)`` of ``[B, L, heads, d]`` q, k (on their device)."""
+        from .torch import vsa_topk
+
+        torch = self._torch()
+        return vsa_topk(
+            self._to_slots(q, torch.float32),
+            self._to_slots(k, torch.float32),
+            self.layout,
+            self.selection.topk,
+        )
+
+    def _attend_dynamic(self, q, k, v):
+        """VSA: the selection from this call's q and k, on their device; KPage plans it on the GPU."""
+        torch = self._torch()
+        if self.backend == "masked_sdpa":
+            idx, num = self.select(q, k)
+            blocks = torch.zeros(*idx.shape[:3], self.layout.num_blocks, dtype=torch.bool, device=q.device)
+            used = torch.arange(idx.shape[3], device=q.device) < num[..., None]
+            blocks.scatter_(3, idx.long(), used)
+            token_block = torch.as_tensor(self.layout.token_slot // self.layout.block_size, device=q.device)
+            mask = blocks[:, :, token_block][:, :, :, token_block]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
             )
-        return self._attend_graph(q, k, v, self.graph_for(heads))
+            return out.transpose(1, 2)
+        from .torch import block_sparse_attention, vsa_topk
+
+        qs, ks, vs = (self._to_slots(x, torch.bfloat16) for x in (q, k, v))
+        idx, num = vsa_topk(qs, ks, self.layout, self.selection.topk)
+        out, _ = block_sparse_attention(qs, ks, vs, self.layout, idx, num, route=self.route)
+        return out.index_select(2, self._slot_index(q.device)).to(q.dtype).transpose(1, 2)
 
     def _attend_graph(self, q, k, v, graph: SparseGraph):
         torch = self._torch()
@@ -195,10 +243,7 @@ class WanSparseAttnProcessor:
             return out.transpose(1, 2)
         from .torch import kpage_attention
 
-        slots = self._slots.get(q.device)
-        if slots is None:
-            # a copy: the layout's cached arrays are read-only, which torch.from_numpy warns about
-            slots = self._slots[q.device] = torch.tensor(graph.q.token_slot, device=q.device)
+        slots = self._slot_index(q.device)
         n_slots = graph.q.num_slots
 
         def to_slots(x):

@@ -9,6 +9,7 @@ Rows of padding slots of ``o`` are zero, and padding rows get zero gradients.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .kernels.backward import kpage_backward
@@ -58,3 +59,165 @@ def kpage_attention(q, k, v, graph, route="auto", scale=None, deterministic=Fals
             64-bit fixed point).
     """
     return KPageAttention.apply(q, k, v, graph, route, scale, deterministic)
+
+
+# ---- dynamic selections: planned on the GPU per call --------------------------------------------------
+
+
+def planner_for(q_layout, k_layout=None, **options):
+    """The :class:`~sparseattn.planning.device.DevicePlanner` of a call site (layouts and options), built
+    once and kept as long as ``q_layout`` lives."""
+    from .planning.cache import cached
+    from .planning.device import DevicePlanner
+
+    k_layout = q_layout if k_layout is None else k_layout
+    key = ("device planner", id(k_layout), tuple(sorted(options.items())))
+    planner = cached(q_layout, key, lambda: DevicePlanner(q_layout, k_layout, **options))
+    if planner.k is not k_layout:  # another layout took the id of a freed one
+        planner = DevicePlanner(q_layout, k_layout, **options)
+    return planner
+
+
+class DynamicSparseAttention(torch.autograd.Function):
+    """Exact sparse attention of a selection on the GPU: plans built on the device each call (forward
+    work list, backward plans), the KPage (or BSA) kernels, autograd."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, planner, q2k_idx, q2k_num, mask, scale, deterministic):
+        from .kernels import launch
+
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        with launch.torch_context():
+            plans = planner.plan(q2k_idx, q2k_num, mask=mask)
+        o, lse = kpage_forward(q, k, v, plans, scale=scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.plans, ctx.scale, ctx.deterministic = plans, scale, deterministic
+        ctx.impl = planner.impl
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = kpage_backward(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            do.contiguous(),
+            ctx.plans,
+            scale=ctx.scale,
+            impl=ctx.impl,
+            deterministic=ctx.deterministic,
+        )
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _planner(layout, k_layout, kind, route, deterministic, max_selected):
+    from .planning.device import DevicePlanner
+
+    if isinstance(layout, DevicePlanner):
+        return layout
+    return planner_for(
+        layout, k_layout, kind=kind, route=route, deterministic=bool(deterministic), max_selected=max_selected
+    )
+
+
+def block_sparse_attention(
+    q,
+    k,
+    v,
+    layout,
+    q2k_idx,
+    q2k_num,
+    *,
+    k_layout=None,
+    kind="kpage",
+    route="auto",
+    scale=None,
+    deterministic=False,
+):
+    """Sparse attention of a top-k block selection made on the GPU, with autograd: the argument meaning of
+    the VSA kernel's ``block_sparse_attn_from_indices(q, k, v, q2k_idx, q2k_num, variable_block_sizes)``,
+    with the slot layout in place of the block sizes. Every call plans on the device (no host
+    synchronisation; capturable in a CUDA graph).
+
+    Args:
+        q, k, v: torch bf16 CUDA ``[batch, heads, slots, d]`` in the layouts' slot order.
+        layout: the :class:`~sparseattn.layouts.BlockLayout` of q (and of k, v unless ``k_layout``), e.g.
+            ``video_layout(grid, (4, 4, 4), 64)`` for VSA's cubes (valid tokens a prefix of each cube, as
+            ``variable_block_sizes`` says); or a :class:`~sparseattn.planning.device.DevicePlanner`.
+        q2k_idx: int32 ``[batch, heads, q_blocks, topk]``: the K blocks each Q block selects.
+        q2k_num: int32 ``[batch, heads, q_blocks]``: how many of them are used.
+        kind, route: ``"kpage"`` (or ``"bsa"``) and its route (``"auto"``: by a rule of the layout).
+        scale: softmax scale (default ``1/sqrt(d)``); deterministic: as :func:`kpage_attention`.
+
+    Returns:
+        ``(o, lse)``: ``o`` like ``q`` (padding rows zero), ``lse`` float32 ``[batch, heads, q_slots]``.
+    """
+    planner = _planner(layout, k_layout, kind, route, deterministic, None)
+    return DynamicSparseAttention.apply(q, k, v, planner, q2k_idx, q2k_num, None, scale, deterministic)
+
+
+def block_sparse_attention_mask(
+    q,
+    k,
+    v,
+    layout,
+    mask,
+    *,
+    k_layout=None,
+    kind="kpage",
+    route="auto",
+    scale=None,
+    deterministic=False,
+    max_selected=None,
+):
+    """:func:`block_sparse_attention` of a block mask: bool ``[batch, heads, q_blocks, k_blocks]`` on the GPU.
+    ``max_selected``: the most blocks a Q block selects (sizes the plan buffers; default all)."""
+    planner = _planner(layout, k_layout, kind, route, deterministic, max_selected)
+    return DynamicSparseAttention.apply(q, k, v, planner, None, None, mask, scale, deterministic)
+
+
+def _block_weights(layout, device):
+    """``(1 / valid rows [1, 1, blocks, 1] (0 for empty blocks), alive [blocks])`` on ``device``, uploaded
+    once per layout and device (a call then copies nothing from the host)."""
+    from .planning.cache import cached
+
+    def build():
+        rows = torch.as_tensor(layout.valid_rows, dtype=torch.float32, device=device)
+        alive = rows > 0
+        return torch.where(alive, 1.0 / rows.clamp(min=1), torch.zeros_like(rows))[None, None, :, None], alive
+
+    return cached(layout, ("block weights", str(device)), build)
+
+
+def vsa_topk(q, k, layout, topk: int):
+    """VSA's selection on the device: per (batch, head) and Q block, the ``topk`` K blocks of highest
+    ``mean(q_block) · mean(k_block)`` (means over each block's valid tokens; blocks without valid rows
+    never selected), as ``block_sparse_attention``'s ``(q2k_idx, q2k_num)``.
+
+    Args:
+        q, k: torch ``[batch, heads, slots, d]`` in ``layout``'s slot order, padding slots zero.
+        layout: their :class:`~sparseattn.layouts.BlockLayout`.
+        topk: blocks per Q block (at most the blocks with valid rows).
+
+    Returns:
+        int32 ``q2k_idx [batch, heads, q_blocks, topk']`` and ``q2k_num [batch, heads, q_blocks]``, with
+        ``topk' = min(topk, blocks with valid rows)``.
+    """
+    b, h, slots, d = q.shape
+    nb, bs = layout.num_blocks, layout.block_size
+    if slots != layout.num_slots or k.shape[2] != layout.num_slots:
+        raise ValueError(
+            f"q and k must have the layout's {layout.num_slots} slots, got {slots} and {k.shape[2]}"
+        )
+    weight, alive = _block_weights(layout, q.device)
+    qm = q.reshape(b, h, nb, bs, d).float().sum(3) * weight
+    km = k.reshape(b, h, nb, bs, d).float().sum(3) * weight
+    scores = (qm @ km.transpose(-1, -2)).masked_fill(~alive, float("-inf"))
+    kept = min(int(topk), int(np.count_nonzero(layout.valid_rows)))
+    idx = scores.topk(kept, dim=-1).indices.to(torch.int32)
+    num = torch.full((b, h, nb), kept, dtype=torch.int32, device=q.device)
+    return idx.contiguous(), num

@@ -20,7 +20,8 @@ import numpy as np
 from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
 from ..planning.cache import cached, check_graph_matches, plan_of
-from ..planning.pair_forward import small_blocks
+from ..planning.device import DevicePlans
+from ..planning.layout_pairs import backward_pairs_pay
 from ..planning.tile_plan import TilePlan, stack_head_plans
 from . import launch
 from .bsa_backward import bsa_backward, uses_dq_pass
@@ -50,8 +51,10 @@ def paged_backward(
     Args:
         q, k, v: the forward's inputs; o, lse: its outputs; do: the gradient of ``o`` (bf16 like ``o``).
         graph_or_plan: a :class:`SparseGraph` (its ``kind`` plan, owner ``"kv"``), an owner-``"kv"``
-            :class:`TilePlan`, or a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
-            layouts; one launch per route on the stacked per-head plans).
+            :class:`TilePlan`, a :class:`HeadStack` (or list of per-head graphs: SVG2's per-head
+            layouts; one launch per route on the stacked per-head plans), or the
+            :class:`~sparseattn.planning.device.DevicePlans` of a selection on the GPU (its kind and
+            route are the planner's).
         route: KPage's routes (``"auto"``, 0, 1), or ``"pair"``: 64-row K/V blocks joined two by two into
             128-row pair items (:mod:`sparseattn.planning.pair_backward`; per head on a HeadStack,
             the default ``impl`` without ``deterministic``). ``"auto"`` takes pair items where
@@ -63,6 +66,14 @@ def paged_backward(
     """
     if kind not in KINDS:
         raise KernelValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if isinstance(graph_or_plan, DevicePlans):
+        if graph_or_plan.backward is None:
+            raise KernelValueError("graph_or_plan: these device plans were made without the backward")
+        if launch.is_torch_tensor(q):
+            return _torch_backward(
+                q, k, v, o, lse, do, graph_or_plan, scale, out, impl=impl, deterministic=deterministic
+            )
+        return _device_plans_backward(q, k, v, o, lse, do, graph_or_plan, scale, out, impl, deterministic)
     if isinstance(graph_or_plan, HeadStack) or (isinstance(graph_or_plan, (list, tuple)) and graph_or_plan):
         stack = HeadStack.of(graph_or_plan)
         route = backward_route(stack, kind, route, impl, deterministic)
@@ -102,6 +113,46 @@ def paged_backward(
     )
 
 
+def _device_plans_backward(q, k, v, o, lse, do, plans: DevicePlans, scale, out, impl, deterministic):
+    """The backward of a device planner's plans: ``[batch, heads, ...]`` tensors run as one batch of
+    ``batch · heads`` heads, each with its own selection."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
+        if getattr(x, "ndim", 0) != 4:
+            raise KernelValueError(
+                f"{name} must be [batch, heads, slots, d], got shape {getattr(x, 'shape', None)}"
+            )
+    b, h, sq, _ = q.shape
+    if (b, h) != (plans.batch, plans.heads):
+        raise KernelValueError(
+            f"the plans were made for batch {plans.batch} x {plans.heads} heads, q has {b} x {h}"
+        )
+    if (sq, k.shape[2]) != (plans.q_slots, plans.k_slots):
+        raise KernelValueError(
+            f"the plans' layouts have {plans.q_slots} Q / {plans.k_slots} K slots, q has {sq} and k {k.shape[2]}"
+        )
+    if out is None:
+        import cupy
+
+        with cupy.cuda.Device(q.device.id):
+            out = (cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v))
+    elif not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise KernelTypeError("out must be a tuple (dq, dk, dv) of preallocated arrays")
+
+    def one(x):  # [batch, heads, slots, ...] as one batch of batch · heads heads (a view when contiguous)
+        return x.reshape(1, b * h, *x.shape[2:])
+
+    bsa_backward(
+        *(one(x) for x in (q, k, v, o, lse, do)),
+        plans.backward,
+        scale=scale,
+        out=tuple(one(x) for x in out),
+        impl=impl,
+        deterministic=deterministic,
+        dq_plan=plans.dq,
+    )
+    return tuple(out)
+
+
 def backward_route(graph_or_stack, kind: str = "kpage", route="auto", impl=None, deterministic=False):
     """The route a backward of ``graph_or_stack`` (a :class:`SparseGraph` or :class:`HeadStack`) runs:
     ``route``, except that KPage's ``"auto"`` becomes ``"pair"`` (64-row K/V blocks joined two by two
@@ -123,7 +174,7 @@ def backward_route(graph_or_stack, kind: str = "kpage", route="auto", impl=None,
 def _pairable(graph_or_stack) -> bool:
     """Whether some K/V layout of a graph or HeadStack has two or more 64-row blocks."""
     graphs = graph_or_stack.graphs if isinstance(graph_or_stack, HeadStack) else (graph_or_stack,)
-    return any(isinstance(g, SparseGraph) and int(np.count_nonzero(small_blocks(g.k))) >= 2 for g in graphs)
+    return any(isinstance(g, SparseGraph) and backward_pairs_pay(g.k) for g in graphs)
 
 
 def _q_owned_route(route):
@@ -242,11 +293,13 @@ def _torch_backward(
 
     if out is None:
         out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    inputs, outputs = launch.torch_views(
-        dict(q=q, k=k, v=v, o=o, lse=lse, do=do), out, ("out[0]", "out[1]", "out[2]"), "(dq, dk, dv)"
-    )
-    with launch.torch_stream():
-        if isinstance(plan, HeadStack):
+    with launch.torch_context():  # the views too: DLPack then exchanges no event with another stream
+        inputs, outputs = launch.torch_views(
+            dict(q=q, k=k, v=v, o=o, lse=lse, do=do), out, ("out[0]", "out[1]", "out[2]"), "(dq, dk, dv)"
+        )
+        if isinstance(plan, DevicePlans):
+            _device_plans_backward(*inputs, plan, scale, tuple(outputs), impl, deterministic)
+        elif isinstance(plan, HeadStack):
             _head_stack_backward(*inputs, plan, scale, tuple(outputs), kind, route, impl, deterministic)
         else:
             bsa_backward(
@@ -289,7 +342,6 @@ def backward_executed_pairs(
     plan, its owned rows × its streamed rows rounded up to the kernel's step (a :class:`HeadStack`: the
     sum over its heads). Pair items (``route="pair"``) count 64 owned rows per half and step that the
     half computes: the kernel skips a half's steps without a page it sees."""
-    import numpy as np
 
     from .bsa_backward import TILES, WGMMA_Q_ROWS, default_impl, wgmma_variant
 
@@ -320,7 +372,6 @@ def _pair_executed_pairs(plan, step_rows: int) -> int:
     """Σ over the steps of every work item (``step_rows`` streamed rows each) of 64 owned rows × the step
     for each 64-row half that sees one of the step's entries (all halves of items without pair
     visibility)."""
-    import numpy as np
 
     lengths = plan.stream_lengths()
     item = np.repeat(np.arange(plan.num_work), lengths)

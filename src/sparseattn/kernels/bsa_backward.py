@@ -50,6 +50,7 @@ import numpy as np
 
 from ..constants import PAGE_ROWS
 from ..planning.cache import PlanCache
+from ..planning.device import DeviceOwnedPlan
 from ..planning.tile_plan import TilePlan, first_pair_items
 from . import launch
 from .validate import (
@@ -274,10 +275,20 @@ def uncovered_k_pages(plan: TilePlan, k_pages: int) -> tuple[np.ndarray, np.ndar
     return np.nonzero(~covered)
 
 
-def _device_plan(plan: TilePlan, q_pages: int, k_pages: int, heads: int, device: int) -> dict:
+def _device_plan(
+    plan: TilePlan | DeviceOwnedPlan, q_pages: int, k_pages: int, heads: int, device: int
+) -> dict:
     """Validated plan arrays on the device (validation and upload happen once per plan and sizes); the
-    plan is K/V-owned (the main kernels) or Q-owned (the dQ pass)."""
+    plan is K/V-owned (the main kernels) or Q-owned (the dQ pass). A device planner's plan is on the device
+    already (built valid by construction: its heads are checked here)."""
     import cupy
+
+    if isinstance(plan, DeviceOwnedPlan):
+        if plan.heads != heads:
+            raise KernelValueError(
+                f"the device plan holds {plan.heads} heads, the tensors {heads} (batch · heads)"
+            )
+        return {**plan.arrays, "pair": plan.pair, "first_pair_item": None}
 
     per_plan = _DEVICE_PLANS.setdefault(plan, {})
     key = (q_pages, k_pages, heads, device)
@@ -335,6 +346,37 @@ def _launch_ranges(plan: TilePlan, arrays: dict):
             yield route, cut, stop, True
 
 
+def _ordered_launches(plan: TilePlan | DeviceOwnedPlan, arrays: dict) -> list:
+    """``(route, start, stop, pair)`` of every launch, the one streaming the most pages last (a device
+    plan's streams are on the device: its launches are ordered by owned rows instead)."""
+    if isinstance(plan, DeviceOwnedPlan):
+        ranges = [r for r in plan.launches if r[2] > r[1]]
+        return sorted(ranges, key=lambda r: (r[2] - r[1]) * plan.routes[r[0]][0])
+    return sorted(
+        _launch_ranges(plan, arrays),
+        key=lambda r: int(plan.stream_indptr[r[2]]) - int(plan.stream_indptr[r[1]]),
+    )
+
+
+def _zero_uncovered(grads, arrays: dict, plan, sizes) -> None:
+    """Zero the gradient rows of the owner pages no work item owns (``grads``: dK and dV of a K/V-owned
+    plan, dQ of the Q-owned one); ``sizes``: (batch, heads, owner pages, d)."""
+    b, h, pages, d = sizes
+    if isinstance(plan, DeviceOwnedPlan):
+        if plan.uncovered is not None:
+            from .planner import zero_pages
+
+            for grad in grads:
+                zero_pages(
+                    grad, b * h, pages * PAGE_ROWS * d, PAGE_ROWS * d, plan.uncovered, plan.uncovered_count
+                )
+        return
+    if arrays["uncovered"] is not None:
+        heads_idx, pages_idx = arrays["uncovered"]
+        for grad in grads:
+            grad.reshape(b, h, pages, PAGE_ROWS, d)[:, heads_idx, pages_idx] = 0
+
+
 def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scale, extra=()) -> None:
     """One launch per non-empty route of ``plan`` (two where pair items start inside a route), side by
     side (:func:`~.launch.side_by_side`), the one streaming the most pages last:
@@ -342,7 +384,7 @@ def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scal
     device arrays, the launch's first item, heads, slots, scales, ``extra``. ``sizes``: (batch, heads,
     q_slots, k_slots)."""
     b, h, sq, sk = sizes
-    own_stride = np.int32(plan.own_pages.shape[1])
+    own_stride = np.int32(plan.own_stride if isinstance(plan, DeviceOwnedPlan) else plan.own_pages.shape[1])
     scale_log2 = np.float32(scale * math.log2(math.e))
 
     def one(route, start, stop, pair):
@@ -371,11 +413,7 @@ def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scal
             shared_mem=smem,
         )
 
-    ranges = sorted(
-        _launch_ranges(plan, arrays),
-        key=lambda r: int(plan.stream_indptr[r[2]]) - int(plan.stream_indptr[r[1]]),
-    )
-    launch.side_by_side([lambda r=r: one(*r) for r in ranges])
+    launch.side_by_side([lambda r=r: one(*r) for r in _ordered_launches(plan, arrays)])
 
 
 def _dq_pass(q, k, v, do, lse, delta, dq, dq_plan: TilePlan, sizes, scale) -> None:
@@ -392,9 +430,7 @@ def _dq_pass(q, k, v, do, lse, delta, dq, dq_plan: TilePlan, sizes, scale) -> No
     _launch_routes(
         dq_plan, arrays, dq_kernel, (q, k, v, do, lse, delta, dq), (b, h, sq, int(k.shape[2])), scale
     )
-    if arrays["uncovered"] is not None:
-        heads_idx, pages_idx = arrays["uncovered"]
-        dq.reshape(b, h, q_pages, PAGE_ROWS, d)[:, heads_idx, pages_idx] = 0
+    _zero_uncovered((dq,), arrays, dq_plan, (b, h, q_pages, d))
 
 
 def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
@@ -418,7 +454,15 @@ def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
         raise KernelValueError(f"q has batch {b}; the kernel grid allows at most {MAX_GRID_Y}")
     q_pages = pages_of("q", sq)
     k_pages = pages_of("k", sk)
-    plan = _PLANS.resolve(graph_or_plan, h, sq, sk, q_pages, k_pages)
+    if isinstance(graph_or_plan, DeviceOwnedPlan):  # a device planner's: valid by construction
+        plan = graph_or_plan
+        if plan.owner != "kv" or plan.heads != h:
+            raise KernelValueError(
+                f"graph_or_plan is a device plan of owner {plan.owner!r} for {plan.heads} heads; the backward "
+                f"needs owner 'kv' for the tensors' {h} (batch · heads)"
+            )
+    else:
+        plan = _PLANS.resolve(graph_or_plan, h, sq, sk, q_pages, k_pages)
     scale = check_scale(scale, d)
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 3:
@@ -470,22 +514,24 @@ def bsa_backward(
         raise KernelValueError(
             f"dq_plan is only used by the Q-owned dQ pass (impl='wgmma_dq_pass' or 'wgmma'), not {impl!r}"
         )
-    if uses_dq_pass(impl) and dq_plan is None and isinstance(graph_or_plan, TilePlan):
+    plans = (TilePlan, DeviceOwnedPlan)
+    if uses_dq_pass(impl) and dq_plan is None and isinstance(graph_or_plan, plans):
         raise KernelValueError(
             f"impl={impl!r} computes dQ over the graph's Q-owned plan: pass the graph, or dq_plan"
         )
-    if dq_plan is not None and not isinstance(dq_plan, TilePlan):
+    if dq_plan is not None and not isinstance(dq_plan, plans):
         raise KernelTypeError(f"dq_plan must be a TilePlan, got {type(dq_plan).__name__}")
     plan, scale, out, (q_pages, k_pages, device) = check_inputs(
         q, k, v, o, lse, do, graph_or_plan, scale, out
     )
     # "wgmma" with a dq_plan runs the dQ pass; without one, on all-64-row plans when a graph gives it
     impl = "wgmma_dq_pass" if impl == "wgmma" and dq_plan is not None else impl
-    impl = resolve_impl(impl, plan, not isinstance(graph_or_plan, TilePlan))
+    impl = resolve_impl(impl, plan, not isinstance(graph_or_plan, plans))
     dq_pass = uses_dq_pass(impl)
     if dq_pass:
         dq_plan = _DQ_PLANS.plan_for(graph_or_plan) if dq_plan is None else dq_plan
-        _DQ_PLANS.checked(dq_plan, q_pages, k_pages, int(q.shape[1]))
+        if not isinstance(dq_plan, DeviceOwnedPlan):
+            _DQ_PLANS.checked(dq_plan, q_pages, k_pages, int(q.shape[1]))
     if impl != "mma" and max(int(q.shape[2]), int(k.shape[2])) * int(q.shape[3]) >= 2**31:
         raise KernelValueError(
             f"q/k have {max(int(q.shape[2]), int(k.shape[2]))} slots of head_dim {int(q.shape[3])}: past the "
@@ -568,8 +614,5 @@ def bsa_backward(
                 (dq_accum, dq, np.float32(scale), np.int64(n4)),
             )
 
-        if arrays["uncovered"] is not None:
-            heads_idx, pages_idx = arrays["uncovered"]
-            for grad in (dk, dv):
-                grad.reshape(b, h, k_pages, PAGE_ROWS, d)[:, heads_idx, pages_idx] = 0
+        _zero_uncovered((dk, dv), arrays, plan, (b, h, k_pages, d))
     return dq, dk, dv

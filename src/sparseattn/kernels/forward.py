@@ -29,6 +29,7 @@ import numpy as np
 from ..constants import KPAGE_ROUTES
 from ..graph import HeadStack, SparseGraph
 from ..planning.cache import cached, check_graph_matches, pair_work_of, plan_of
+from ..planning.device import DevicePlans, DeviceWorkList
 from ..planning.tile_plan import TilePlan, kpage_route_of_block, row_work
 from ..planning.work_list import CHUNKS, OWN_PAGES, WorkList, work_list
 from . import launch
@@ -342,14 +343,16 @@ def _check_tensors(q, k, v, out):
     return b, h, sq, k.shape[2], d, device
 
 
-def _launch(q, k, v, wl: WorkList, scale: float, o, lse, device: int):
+def _launch(q, k, v, wl: WorkList | DeviceWorkList, scale: float, o, lse, device: int):
     """One launch of the persistent kernel; everything but the five tensors is prepared once per
-    (work list, device, tensor sizes, scale) and reused."""
+    (work list, device, tensor sizes, scale) and reused (a device planner's work list is new per call:
+    its arrays are on the device already, and its streams end at the planner's capacity)."""
     import cupy
 
     b, h, sq, d = q.shape
     sk = k.shape[2]
-    arrays = launch.device_arrays(wl, device, wl.device_arrays)
+    on_device = isinstance(wl, DeviceWorkList)
+    arrays = wl.arrays if on_device else launch.device_arrays(wl, device, wl.device_arrays)
     key = (b, h, sq, sk, d, scale)
     ready = arrays.get(key)
     if ready is None:
@@ -371,7 +374,7 @@ def _launch(q, k, v, wl: WorkList, scale: float, o, lse, device: int):
             heads=np.int32(h),
             q_slots=np.int32(sq),
             k_slots=np.int32(sk),
-            stream_total=np.int32(wl.stream_pages.size),
+            stream_total=np.int32(wl.stream_total if on_device else wl.stream_pages.size),
             scale_log2=np.float32(scale * math.log2(math.e)),
         )
         rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
@@ -381,6 +384,34 @@ def _launch(q, k, v, wl: WorkList, scale: float, o, lse, device: int):
     stream = cupy.cuda.get_current_stream()
     cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, 4, stream.ptr)
     fn(grid, (THREADS,), (q, k, v, o, lse) + rest, shared_mem=smem)
+
+
+def _device_plans_forward(q, k, v, plans: DevicePlans, scale, out):
+    """The forward of a device planner's plans: the tensors ``[batch, heads, slots, d]`` run as one batch
+    of ``batch · heads`` heads (every batch entry has its own selection)."""
+    if launch.is_torch_tensor(q):
+        return _torch_forward(q, k, v, plans, scale, out, "kpage", "auto")
+    b, h, sq, sk, d, device = _check_tensors(q, k, v, out)
+    if (b, h) != (plans.batch, plans.heads):
+        raise KernelValueError(
+            f"the plans were made for batch {plans.batch} x {plans.heads} heads, q has {b} x {h}"
+        )
+    if (sq, sk) != (plans.q_slots, plans.k_slots):
+        raise KernelValueError(
+            f"the plans' layouts have {plans.q_slots} Q / {plans.k_slots} K slots, q has {sq} and k {sk}"
+        )
+    scale = check_scale(scale, d)
+    import cupy
+
+    with cupy.cuda.Device(device):
+        if out is None:
+            o = cupy.zeros(q.shape, dtype=q.dtype)
+            lse = cupy.full((b, h, sq), -np.inf, dtype=cupy.float32)
+        else:
+            o, lse = out
+        one = lambda x: x.reshape(1, b * h, *x.shape[2:])
+        _launch(one(q), one(k), one(v), plans.forward, scale, one(o), one(lse), device)
+    return o, lse
 
 
 def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "kpage", route="auto"):
@@ -407,6 +438,8 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
     """
     if kind not in ("kpage", "bsa"):
         raise KernelValueError(f"kind must be 'kpage' or 'bsa', got {kind!r}")
+    if isinstance(graph_or_plan, DevicePlans):
+        return _device_plans_forward(q, k, v, graph_or_plan, scale, out)
     if launch.is_torch_tensor(q):
         return _torch_forward(q, k, v, graph_or_plan, scale, out, kind, route)
     b, h, sq, sk, d, device = _check_tensors(q, k, v, out)
@@ -436,8 +469,10 @@ def _torch_forward(q, k, v, graph_or_plan, scale, out, kind, route):
             torch.zeros_like(q),
             torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device),
         )
-    inputs, outputs = launch.torch_views(dict(q=q, k=k, v=v), out, ("out[0] (o)", "out[1] (lse)"), "(o, lse)")
-    with launch.torch_stream():
+    with launch.torch_context():  # the views too: DLPack then exchanges no event with another stream
+        inputs, outputs = launch.torch_views(
+            dict(q=q, k=k, v=v), out, ("out[0] (o)", "out[1] (lse)"), "(o, lse)"
+        )
         paged_forward(*inputs, graph_or_plan, scale, tuple(outputs), kind=kind, route=route)
     return tuple(out)
 

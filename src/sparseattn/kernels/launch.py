@@ -7,6 +7,7 @@ and kernel (see :mod:`.runtime`), a plan's arrays are uploaded once per device.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 from . import runtime
@@ -103,6 +104,27 @@ def torch_stream():
     if from_external is not None and hasattr(stream, "__cuda_stream__"):
         return from_external(stream)
     return cupy.cuda.ExternalStream(stream.cuda_stream)
+
+
+def _torch_malloc(size: int):
+    """A CuPy allocation served by torch's caching allocator on the current device (and stream): it is
+    then one of torch's blocks, which CUDA-graph capture and torch's memory accounting see."""
+    import cupy
+    import torch
+
+    device = cupy.cuda.runtime.getDevice()
+    block = torch.empty(max(int(size), 1), dtype=torch.uint8, device=f"cuda:{device}")
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), int(size), block, device), 0)
+
+
+@contextlib.contextmanager
+def torch_context():
+    """Launch on torch's current stream with CuPy's temporaries allocated by torch: what a torch call
+    needs to run inside ``torch.cuda.graph`` capture (no allocation escapes the graph's memory pool)."""
+    import cupy
+
+    with torch_stream(), cupy.cuda.using_allocator(_torch_malloc):
+        yield
 
 
 _SIDE_STREAMS: dict[int, object] = {}

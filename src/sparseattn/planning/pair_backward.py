@@ -22,7 +22,8 @@ import numpy as np
 
 from ..constants import KPAGE_ROUTES
 from ..graph import SparseGraph
-from .pair_forward import pair_items, pair_partners
+from .layout_pairs import backward_layout_pairs
+from .pair_forward import PARTNERS, pair_items, pair_partners
 from .tile_plan import (
     TilePlan,
     gather_segments,
@@ -40,7 +41,9 @@ from .work_list import OWN_PAGES, VIS_HALF0, VIS_HALF1
 PAIR_ROUTE = KPAGE_ROUTES.index((128, 128))
 
 
-def pair_backward_plan(graph: SparseGraph, *, base: TilePlan | None = None) -> TilePlan:
+def pair_backward_plan(
+    graph: SparseGraph, *, base: TilePlan | None = None, partners: str = "shared"
+) -> TilePlan:
     """The K/V-owned KPage plan of ``graph`` with its 64-row K/V blocks joined two by two into 128-row
     pair items (:func:`pair_partners`; see the module docstring); the other items are the plan's.
 
@@ -48,6 +51,9 @@ def pair_backward_plan(graph: SparseGraph, *, base: TilePlan | None = None) -> T
         graph: a :class:`SparseGraph`.
         base: ``kpage_plan(graph, owner="kv")`` (route ``"auto"``) if already built, else built here
             (:func:`sparseattn.planning.cache.plan_of` passes its cached plan).
+        partners: ``"shared"`` (neighbours first, then matched by the Q pages they share) or ``"layout"``
+            (neighbours first, then in block order: the device planner's pairs,
+            :func:`~sparseattn.planning.layout_pairs.backward_layout_pairs`).
 
     Returns:
         a :class:`TilePlan` (owner ``"kv"``, KPage routes) whose ``stream_vis`` is set; work items in
@@ -58,9 +64,13 @@ def pair_backward_plan(graph: SparseGraph, *, base: TilePlan | None = None) -> T
         from ..kernels.validate import KernelTypeError
 
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
+    if partners not in PARTNERS:
+        from ..kernels.validate import KernelValueError
+
+        raise KernelValueError(f"partners must be one of {PARTNERS}, got {partners!r}")
     base = kpage_plan(graph, route="auto", owner="kv") if base is None else base
     kv_rows = graph.transpose()  # rows are K/V blocks, columns the Q blocks selecting them
-    firsts, seconds = pair_partners(kv_rows)
+    firsts, seconds = backward_layout_pairs(graph.k) if partners == "layout" else pair_partners(kv_rows)
     nb = kv_rows.q.num_blocks
     info, own, _, stream, stream_mask = pair_items(kv_rows, firsts, seconds)
     vis = (((stream_mask & VIS_HALF0) != 0) | (((stream_mask & VIS_HALF1) != 0) << 1)).astype(np.uint32)

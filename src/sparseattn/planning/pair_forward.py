@@ -34,7 +34,8 @@ import numpy as np
 
 from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
-from .tile_plan import TilePlan, gather_segments, kpage_plan, kpage_route_of_block, stable_partition
+from .layout_pairs import forward_layout_pairs, neighbour_firsts, small_blocks
+from .tile_plan import TilePlan, gather_segments, kpage_plan, stable_partition
 from .work_list import (
     OWN_PAGES,
     VIS_HALF0,
@@ -51,29 +52,16 @@ from .work_list import (
 # kernel module.
 
 
-def small_blocks(layout) -> np.ndarray:
-    """bool ``[blocks]``: the blocks of a :class:`~sparseattn.layouts.BlockLayout` on KPage's 64-row
-    route (1–4 live pages): the blocks pair items join."""
-    live = layout.live_pages.astype(np.int64)
-    return (kpage_route_of_block(live) == 0) & (live > 0)
-
-
 def pair_blocks(graph: SparseGraph, eligible: np.ndarray | None = None) -> np.ndarray:
     """int64 ``[P]``: first row block b of each pair (b, b + 1). Both blocks must be on the 64-row route
     (1–4 live pages), and ``eligible`` (bool ``[blocks]``) if given; b is even."""
-    return _neighbour_firsts(_pairable(graph.q, eligible))
+    return neighbour_firsts(_pairable(graph.q, eligible))
 
 
 def _pairable(layout, eligible: np.ndarray | None) -> np.ndarray:
     """bool ``[blocks]``: blocks on the 64-row route (1–4 live pages), and ``eligible`` if given."""
     small = small_blocks(layout)
     return small if eligible is None else small & eligible
-
-
-def _neighbour_firsts(small: np.ndarray) -> np.ndarray:
-    """int64: the even blocks b with ``small[b]`` and ``small[b + 1]``."""
-    first = np.arange(0, small.size - 1, 2)
-    return first[small[first] & small[first + 1]]
 
 
 def pair_partners(
@@ -87,7 +75,7 @@ def pair_partners(
     edges); the rest two by two in block order. Every 64-row block is in at most one pair; one may be
     left over. ``eligible`` (bool ``[blocks]``): pair only these blocks."""
     small = _pairable(rows.q, eligible)
-    firsts = _neighbour_firsts(small) if neighbours_first else np.zeros(0, dtype=np.int64)
+    firsts = neighbour_firsts(small) if neighbours_first else np.zeros(0, dtype=np.int64)
     small[firsts] = False
     small[firsts + 1] = False
     shared_a, shared_b, rest = _sharing_pairs(rows, np.flatnonzero(small))
@@ -191,8 +179,17 @@ def _matrix(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, shape: tuple
     return sp.csr_matrix((values, (rows, cols)), shape=shape)
 
 
+#: How pair items choose their blocks: matched by the K pages they select alike, per head ("shared"), or
+#: by the rule of the layout the device planner uses (:func:`~.layout_pairs.forward_layout_pairs`).
+PARTNERS = ("shared", "layout")
+
+
 def pair_work_list(
-    graph: SparseGraph, order: str | None = None, *, base_of: Callable[[SparseGraph], TilePlan] | None = None
+    graph: SparseGraph,
+    order: str | None = None,
+    *,
+    base_of: Callable[[SparseGraph], TilePlan] | None = None,
+    partners: str = "shared",
 ) -> WorkList:
     """The KPage forward work list of ``graph`` with its 64-row Q blocks joined two by two into 128-row
     pair items (:func:`pair_partners`, matched by shared K pages; see the module docstring); the other
@@ -207,14 +204,20 @@ def pair_work_list(
             head of ``graph``, whose unpaired items the list keeps; default: built by :func:`kpage_plan`
             (:func:`sparseattn.planning.cache.pair_work_of` passes the cached
             :func:`~sparseattn.planning.cache.plan_of` plans).
+        partners: one of :data:`PARTNERS`; ``"layout"`` gives the device planner's pair items (the same
+            blocks paired in every head).
     """
     if not isinstance(graph, SparseGraph):
         from ..kernels.validate import KernelTypeError
 
         raise KernelTypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
+    if partners not in PARTNERS:
+        from ..kernels.validate import KernelValueError
+
+        raise KernelValueError(f"partners must be one of {PARTNERS}, got {partners!r}")
 
     def one_head(g: SparseGraph) -> WorkList:
-        return _one_head_pair_work_list(g, None if base_of is None else base_of(g))
+        return _one_head_pair_work_list(g, None if base_of is None else base_of(g), partners)
 
     if graph.heads == 1:
         return one_head(graph)
@@ -222,25 +225,31 @@ def pair_work_list(
     return _stacked(lists, default_order() if order is None else order)
 
 
-def _one_head_pair_work_list(graph: SparseGraph, plan: TilePlan | None = None) -> WorkList:
+def _one_head_pair_work_list(
+    graph: SparseGraph, plan: TilePlan | None = None, partners: str = "shared"
+) -> WorkList:
     """:func:`pair_work_list` of a one-head graph; ``plan``: its KPage plan (owner ``"q"``, route
     ``"auto"``) if already built, else built here."""
     plan = kpage_plan(graph, route="auto", owner="q") if plan is None else plan
     base = work_list(plan)
     nb = graph.q.num_blocks
-    live = graph.q.live_pages.astype(np.int64)
-    partial = small_blocks(graph.q) & (live < OWN_PAGES // 2)
-    groups = packed_groups(graph, np.flatnonzero(partial))
-    firsts, seconds = pair_partners(graph, eligible=~partial, neighbours_first=False)
+    if partners == "layout":
+        firsts, seconds, halves_a, halves_b = forward_layout_pairs(graph.q)
+    else:
+        live = graph.q.live_pages.astype(np.int64)
+        partial = small_blocks(graph.q) & (live < OWN_PAGES // 2)
+        groups = packed_groups(graph, np.flatnonzero(partial))
+        firsts, seconds = pair_partners(graph, eligible=~partial, neighbours_first=False)
+        halves_a, halves_b = groups[0::2], groups[1::2] + [np.zeros(0, np.int64)] * (len(groups) % 2)
     paired = np.zeros((graph.heads, nb), dtype=bool)
     paired[:, firsts] = True
     paired[:, seconds] = True
-    for group in groups:
+    for group in (*halves_a, *halves_b):
         paired[:, group] = True
     keep = ~paired[plan.work_head.astype(np.int64), plan.work_block.astype(np.int64)]
 
     pairs = pair_items(graph, firsts, seconds)
-    packed = group_items(graph, groups[0::2], groups[1::2] + [np.zeros(0, np.int64)] * (len(groups) % 2))
+    packed = group_items(graph, halves_a, halves_b)
     info = np.concatenate([pairs[0], packed[0]])
     info[pairs[0].shape[0] :, 1] += pairs[3].size
     own, own_mask, stream, stream_mask = (np.concatenate([a, b]) for a, b in zip(pairs[1:], packed[1:]))

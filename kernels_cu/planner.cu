@@ -1,0 +1,417 @@
+// Device planner: a block selection on the GPU -> the work lists and plans the paged kernels read.
+//
+// The algorithm, its arrays and their numpy twin are documented in src/sparseattn/planning/device.py
+// (the launch side) and src/sparseattn/planning/device_emulation.py (the same steps in numpy, which
+// these kernels equal bit for bit). In short, per call:
+//   1. the selection becomes one bitmap row per (head, owner block): bit c = owner block selects
+//      stream block c (plan_bitmap_from_topk / plan_bitmap_from_mask; plan_bitmap_transpose gives
+//      the K/V-owned backward its rows);
+//   2. every work item of a layout-fixed template (per head: its owner pages, up to eight member
+//      blocks with the owned page slots each covers, a stream order mode) counts the live pages it
+//      streams (plan_items, count pass);
+//   3. offsets by an exclusive scan (plan_scan), item order by a per-segment sort (plan_segment_sort);
+//   4. every item writes its stream at its offset (plan_items, write pass).
+// Nothing here reads or writes out of bounds, whatever the selection holds: indices outside the
+// block range are ignored (and counted in `invalid`), and a stream past the buffer's capacity is cut
+// (and counted in `overflow`).
+//
+// NVRTC-compatible: no host headers.
+
+#include "tile_config.cuh"
+
+// Owned page slots of a work item (the largest route's M / PAGE_ROWS) and member blocks at most.
+#define PLAN_SLOTS 8
+// Row mask of a page whose PAGE_ROWS rows are all valid.
+#define PLAN_FULL_PAGE 0xFFFFu
+// Visibility bits of a work-list entry: bit PLAN_VIS_SHIFT + s = owned page slot s sees the page.
+#define PLAN_VIS_SHIFT 16
+#define PLAN_HALF0 0x0Fu
+#define PLAN_HALF1 0xF0u
+
+// Stream order of an item's entries (what its template says):
+//   PLAIN        stream blocks in order, each block's live pages in order;
+//   FULL_FIRST   the same, all full pages first, then all partial ones (forward KPage items);
+//   HALVES       [seen by half A only | by both | by half B only], each part in order (backward pairs);
+//   INTERLEAVED  HALVES with whole chunks of A-only and B-only pages alternated ahead (forward pairs).
+#define PLAN_MODE_PLAIN 0
+#define PLAN_MODE_FULL_FIRST 1
+#define PLAN_MODE_HALVES 2
+#define PLAN_MODE_INTERLEAVED 3
+
+// Output formats of the write pass.
+#define PLAN_OUT_WORK_LIST 0  // the forward kernel's: work_info int4, own and stream entries int2
+#define PLAN_OUT_TILE_PLAN 1  // the backward kernels': work_head, own_pages, stream_pages (+ pair pages)
+
+// Segment sort: at most this many items per segment (keys in shared memory).
+#define PLAN_SORT_MAX 16384
+#define PLAN_KEY_LEN 0   // longest stream first
+#define PLAN_KEY_COST 1  // largest M * chunks first
+
+typedef unsigned int plan_u32;
+typedef unsigned long long plan_u64;
+
+__device__ __forceinline__ bool plan_bit(const plan_u32* __restrict__ bits, int i) {
+    return (bits[i >> 5] >> (i & 31)) & 1u;
+}
+
+// ---- 1. selections -> bitmaps ----------------------------------------------------------------------
+
+// One thread per index entry. idx [rows, k] (entries at or past num[row] ignored), num [rows];
+// bitmap [rows, words], zeroed before. Rows are (head, owner block) pairs, head-major.
+extern "C" __global__ void plan_bitmap_from_topk(const int* __restrict__ idx, const int* __restrict__ num,
+                                                 long long rows, int k, int row_blocks, int cols, int words,
+                                                 const plan_u32* __restrict__ row_alive,
+                                                 const plan_u32* __restrict__ col_alive,
+                                                 plan_u32* __restrict__ bitmap, int* __restrict__ invalid) {
+    const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (t >= rows * k) return;
+    const long long r = t / k;
+    const int e = static_cast<int>(t - r * k);
+    const int n = num[r];
+    if (e == 0 && (n < 0 || n > k)) atomicAdd(invalid, 1);
+    if (e >= min(max(n, 0), k)) return;
+    const int c = idx[t];
+    if (static_cast<unsigned>(c) >= static_cast<unsigned>(cols)) {
+        atomicAdd(invalid, 1);
+        return;
+    }
+    const int b = static_cast<int>(r % row_blocks);
+    if (!plan_bit(row_alive, b) || !plan_bit(col_alive, c)) return;  // blocks without valid rows
+    atomicOr(bitmap + r * words + (c >> 5), 1u << (c & 31));
+}
+
+// One thread per bitmap word. mask: bool bytes [rows, cols].
+extern "C" __global__ void plan_bitmap_from_mask(const unsigned char* __restrict__ mask, long long rows,
+                                                 int row_blocks, int cols, int words,
+                                                 const plan_u32* __restrict__ row_alive,
+                                                 const plan_u32* __restrict__ col_alive,
+                                                 plan_u32* __restrict__ bitmap) {
+    const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (t >= rows * words) return;
+    const long long r = t / words;
+    const int w = static_cast<int>(t - r * words);
+    const unsigned char* m = mask + r * cols + w * 32;
+    const int n = min(32, cols - w * 32);
+    plan_u32 bits = 0;
+    for (int i = 0; i < n; ++i) bits |= static_cast<plan_u32>(m[i] != 0) << i;
+    if (!plan_bit(row_alive, static_cast<int>(r % row_blocks))) bits = 0;
+    bitmap[t] = bits & col_alive[w];
+}
+
+// in [heads, rows, in_words] (bits over cols) -> out [heads, cols, out_words] (bits over rows).
+// One warp per 32 x 32 tile of bits.
+extern "C" __global__ void plan_bitmap_transpose(const plan_u32* __restrict__ in, int heads, int rows, int cols,
+                                                 int in_words, int out_words, plan_u32* __restrict__ out) {
+    const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= static_cast<long long>(heads) * out_words * in_words) return;  // warp-uniform
+    const int cw = static_cast<int>(warp % in_words);
+    const long long hr = warp / in_words;
+    const int rw = static_cast<int>(hr % out_words);
+    const int h = static_cast<int>(hr / out_words);
+    const int r = rw * 32 + lane;
+    const plan_u32 word = r < rows ? in[(static_cast<long long>(h) * rows + r) * in_words + cw] : 0u;
+    plan_u32 mine = 0;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+        const plan_u32 b = __ballot_sync(0xffffffffu, (word >> c) & 1u);
+        if (lane == c) mine = b;
+    }
+    const int col = cw * 32 + lane;
+    if (col < cols) out[(static_cast<long long>(h) * cols + col) * out_words + rw] = mine;
+}
+
+// ---- 2 and 4. work items: count, then write ------------------------------------------------------
+
+__device__ __forceinline__ int plan_warp_incl(int v, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int x = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += x;
+    }
+    return v;
+}
+
+__device__ __forceinline__ int plan_warp_sum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Position of the r-th page of category cat (0 = A only, 1 = both halves, 2 = B only) in an
+// INTERLEAVED stream with na / ns A-only / shared pages and `runs` alternated chunk pairs of P pages.
+__device__ __forceinline__ int plan_interleaved(int cat, int r, int na, int ns, int runs, int P) {
+    const int moved = runs * P;
+    if (cat == 1) return 2 * moved + (na - moved) + r;
+    if (r < moved) return 2 * P * (r / P) + (cat == 2 ? P : 0) + r % P;
+    return 2 * moved + (cat == 0 ? 0 : (na - moved) + ns) + (r - moved);
+}
+
+// One warp per work item. Items: `heads` x `items` (head-major, the template repeated per head); with
+// `perm` the warp at position p handles item perm[p] (the backward's sorted order) and writes its
+// per-item outputs at p.
+//
+// Template (per head): it_info [items][4] = (mode, M rows, members, 0); it_members / it_bits
+// [items][8] = member owner blocks and the owned slots each covers (bit s = slot s); it_own [items][8]
+// = owned page ids (-1 padded). Stream side: t_first [blocks + 1] offsets of t_pages (each block's
+// live pages in order, or all its pages for BSA), t_nfull [blocks] its full pages, t_mask [pages];
+// o_mask [pages] the owner side's row masks.
+//
+// Count pass (write == 0): cnt[item] = (entries, c1, c2, 0): c1 = full pages (FULL_FIRST) or A-only
+// pages (HALVES, INTERLEAVED), c2 = pages seen by both halves.
+// Write pass: base[p] = the item's first entry (forward: begin[item], template order; backward: the
+// CSR offsets of the sorted order), entries past cap are cut (overflow).
+extern "C" __global__ void __launch_bounds__(256, 1) plan_items(
+    const plan_u32* __restrict__ bitmap, int row_blocks, int words, int heads, int items,
+    const int4* __restrict__ it_info, const int* __restrict__ it_members, const int* __restrict__ it_bits,
+    const int* __restrict__ it_own, const int* __restrict__ t_first, const int* __restrict__ t_pages,
+    const int* __restrict__ t_nfull, const unsigned short* __restrict__ t_mask,
+    const unsigned short* __restrict__ o_mask, int chunk_pages, int write, int out_format,
+    int4* __restrict__ cnt, const int* __restrict__ base, const int* __restrict__ perm, long long cap,
+    int4* __restrict__ work_info, int2* __restrict__ own_entries, int2* __restrict__ stream_entries,
+    int* __restrict__ work_head, int* __restrict__ own_pages, int* __restrict__ stream_pages,
+    int* __restrict__ pair_pages, int* __restrict__ overflow) {
+    const long long pos = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (pos >= static_cast<long long>(heads) * items) return;  // warp-uniform
+    const int item = perm != nullptr ? perm[pos] : static_cast<int>(pos);
+    const int bh = item / items;
+    const int it = item - bh * items;
+    const int4 info = it_info[it];
+    const int mode = info.x, members = min(max(info.z, 0), PLAN_SLOTS);
+    const bool halves = mode == PLAN_MODE_HALVES || mode == PLAN_MODE_INTERLEAVED;
+    // every lane holds every member: its bitmap row and the owned slots it covers
+    const int my_member = lane < members ? it_members[it * PLAN_SLOTS + lane] : 0;
+    const int my_bits = lane < members ? it_bits[it * PLAN_SLOTS + lane] : 0;
+    int row[PLAN_SLOTS];  // bitmap row of each member: (bh * row_blocks + block)
+    plan_u32 mbits[PLAN_SLOTS];
+#pragma unroll
+    for (int m = 0; m < PLAN_SLOTS; ++m) {
+        const int blk = min(max(__shfl_sync(0xffffffffu, my_member, m), 0), row_blocks - 1);
+        row[m] = bh * row_blocks + blk;
+        mbits[m] = static_cast<plan_u32>(__shfl_sync(0xffffffffu, my_bits, m));
+    }
+
+    // the write pass places pages from the item's totals (the count pass's)
+    int4 totals = make_int4(0, 0, 0, 0);
+    long long first = 0;
+    int len = 0;
+    if (write) {
+        totals = cnt[item];
+        first = base[pos];
+        len = static_cast<int>(max(0LL, min(static_cast<long long>(totals.x), cap - first)));
+        if (lane == 0 && len < totals.x) atomicAdd(overflow, 1);
+    }
+    const int na = totals.y, ns = totals.z;
+    const int runs = mode == PLAN_MODE_INTERLEAVED ? min(na, totals.x - na - ns) / chunk_pages : 0;
+
+    int acc_len = 0, acc_c1 = 0, acc_c2 = 0;  // count pass: this lane's sums
+    int carry[5] = {0, 0, 0, 0, 0};            // write pass: pages of earlier words, by class
+    for (int w0 = 0; w0 < words; w0 += 32) {
+        const int w = w0 + lane;
+        // this lane's word of each member; a = selected by a slot of rows 0-63, b = of rows 64-127
+        plan_u32 word[PLAN_SLOTS];
+        plan_u32 a = 0, b = 0;
+#pragma unroll
+        for (int m = 0; m < PLAN_SLOTS; ++m) {
+            word[m] = (m < members && w < words) ? bitmap[static_cast<long long>(row[m]) * words + w] : 0u;
+            if (!halves || (mbits[m] & PLAN_HALF0)) a |= word[m];
+            if (!halves || (mbits[m] & PLAN_HALF1)) b |= word[m];
+        }
+        const plan_u32 any = a | b;
+        // pages of this lane's word by class: 0 A only (all, when not halves), 1 both, 2 B only,
+        // 3 full, 4 partial (FULL_FIRST)
+        int n[5] = {0, 0, 0, 0, 0};
+        for (plan_u32 rest = any; rest; rest &= rest - 1) {
+            const plan_u32 bit = rest & (0u - rest);
+            const int j = w * 32 + __ffs(rest) - 1;
+            const int pages = t_first[j + 1] - t_first[j];
+            if (!halves) {
+                n[0] += pages;
+                n[3] += t_nfull[j];
+            } else {
+                const bool in_a = a & bit, in_b = b & bit;
+                n[0] += in_a && !in_b ? pages : 0;
+                n[1] += in_a && in_b ? pages : 0;
+                n[2] += in_b && !in_a ? pages : 0;
+            }
+        }
+        n[4] = n[0] - n[3];
+        if (!write) {
+            acc_len += n[0] + n[1] + n[2];
+            acc_c1 += mode == PLAN_MODE_FULL_FIRST ? n[3] : (halves ? n[0] : 0);
+            acc_c2 += n[1];
+            continue;
+        }
+        int before[5];
+#pragma unroll
+        for (int c = 0; c < 5; ++c) {
+            const int incl = plan_warp_incl(n[c], lane);
+            before[c] = carry[c] + incl - n[c];
+            carry[c] += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        for (plan_u32 rest = any; rest; rest &= rest - 1) {  // this lane's pages, blocks in order
+            const plan_u32 bit = rest & (0u - rest);
+            const int j = w * 32 + __ffs(rest) - 1;
+            const int cat = !halves ? 1 : ((a & bit) ? ((b & bit) ? 1 : 0) : 2);
+            plan_u32 vis = 0;  // the owned slots that see block j (INTERLEAVED work lists carry them)
+            if (mode == PLAN_MODE_INTERLEAVED) {
+#pragma unroll
+                for (int m = 0; m < PLAN_SLOTS; ++m) vis |= (word[m] & bit) ? mbits[m] : 0u;
+            }
+            for (int e = t_first[j]; e < t_first[j + 1]; ++e) {
+                const int page = t_pages[e];
+                const plan_u32 mask = t_mask[page];
+                int at;
+                if (mode == PLAN_MODE_PLAIN) {
+                    at = before[0]++;
+                } else if (mode == PLAN_MODE_FULL_FIRST) {
+                    at = mask == PLAN_FULL_PAGE ? before[3]++ : totals.y + before[4]++;
+                } else if (mode == PLAN_MODE_HALVES) {
+                    at = cat == 0 ? before[0]++ : (cat == 1 ? na + before[1]++ : na + ns + before[2]++);
+                } else {
+                    const int r = cat == 0 ? before[0]++ : (cat == 1 ? before[1]++ : before[2]++);
+                    at = plan_interleaved(cat, r, na, ns, runs, chunk_pages);
+                }
+                if (at >= len) continue;  // past the capacity (counted above)
+                const long long out = first + at;
+                if (out_format == PLAN_OUT_WORK_LIST) {
+                    stream_entries[out] = make_int2(page, static_cast<int>(mask | (vis << PLAN_VIS_SHIFT)));
+                } else {
+                    stream_pages[out] = page;
+                    if (pair_pages != nullptr) {  // the page, then the page or -1 as each half sees it
+                        pair_pages[3 * out] = page;
+                        pair_pages[3 * out + 1] = cat != 2 ? page : -1;
+                        pair_pages[3 * out + 2] = cat != 0 ? page : -1;
+                    }
+                }
+            }
+        }
+    }
+    if (!write) {
+        acc_len = plan_warp_sum(acc_len);
+        acc_c1 = plan_warp_sum(acc_c1);
+        acc_c2 = plan_warp_sum(acc_c2);
+        if (lane == 0) cnt[item] = make_int4(acc_len, acc_c1, acc_c2, 0);
+        return;
+    }
+    // the item's own outputs, at its position
+    const int own = lane < PLAN_SLOTS ? it_own[it * PLAN_SLOTS + lane] : -1;
+    if (out_format == PLAN_OUT_WORK_LIST) {
+        if (lane < PLAN_SLOTS) {
+            own_entries[pos * PLAN_SLOTS + lane] = make_int2(own, own >= 0 ? static_cast<int>(o_mask[own]) : 0);
+        }
+        if (lane == 0) work_info[pos] = make_int4(bh, static_cast<int>(first), len, info.y);
+    } else {
+        if (lane < PLAN_SLOTS) own_pages[pos * PLAN_SLOTS + lane] = own;
+        if (lane == 0) work_head[pos] = bh;
+    }
+}
+
+// ---- 3. offsets and order --------------------------------------------------------------------------
+
+// Exclusive scan of the items' stream lengths (cnt[item].x) in position order (item = perm[p], or p):
+// out[p] for p in [0, n], each clamped to cap (a stream past the capacity is cut: overflow).
+// One block of 1024 threads.
+extern "C" __global__ void __launch_bounds__(1024) plan_scan(const int4* __restrict__ cnt,
+                                                             const int* __restrict__ perm, int n,
+                                                             long long cap, int* __restrict__ out,
+                                                             int* __restrict__ overflow) {
+    __shared__ long long warp_sums[32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int per = (n + blockDim.x - 1) / blockDim.x;
+    const int lo = min(n, tid * per), hi = min(n, lo + per);
+    long long mine = 0;
+    for (int p = lo; p < hi; ++p) mine += cnt[perm != nullptr ? perm[p] : p].x;
+    long long incl = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const long long x = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += x;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        long long s = lane < (blockDim.x >> 5) ? warp_sums[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long x = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += x;
+        }
+        warp_sums[lane] = s;  // inclusive over warps
+    }
+    __syncthreads();
+    long long run = incl - mine + (warp > 0 ? warp_sums[warp - 1] : 0);
+    for (int p = lo; p < hi; ++p) {
+        out[p] = static_cast<int>(min(run, cap));
+        run += cnt[perm != nullptr ? perm[p] : p].x;
+    }
+    if (tid == blockDim.x - 1) {
+        out[n] = static_cast<int>(min(run, cap));
+        if (run > cap) atomicAdd(overflow, 1);
+    }
+}
+
+// One block per segment: segs[s] = (src, dst, n, 0). The segment's items are src + l (or
+// indirect[src + l]) for l < n; they are sorted by key (PLAN_KEY_LEN: stream length, PLAN_KEY_COST:
+// M * chunks of chunk_pages, both largest first), ties in segment order, and written to out[dst + r].
+// Dynamic shared memory: 8 * (n rounded up to a power of two) bytes.
+extern "C" __global__ void __launch_bounds__(1024) plan_segment_sort(
+    const int4* __restrict__ segs, const int4* __restrict__ cnt, const int* __restrict__ indirect,
+    const int4* __restrict__ it_info, int items, int key_kind, int chunk_pages, int* __restrict__ out) {
+    extern __shared__ plan_u64 keys[];
+    const int4 seg = segs[blockIdx.x];
+    const int n = min(seg.z, PLAN_SORT_MAX);
+    int size = 1;
+    while (size < n) size <<= 1;
+    for (int l = threadIdx.x; l < size; l += blockDim.x) {
+        plan_u64 key = ~0ull;
+        if (l < n) {
+            const int item = indirect != nullptr ? indirect[seg.x + l] : seg.x + l;
+            const int len = cnt[item].x;
+            long long metric = len;
+            if (key_kind == PLAN_KEY_COST) {
+                metric = static_cast<long long>(it_info[item % items].y) * ((len + chunk_pages - 1) / chunk_pages);
+            }
+            key = (static_cast<plan_u64>(0x7FFFFFFFll - min(metric, 0x7FFFFFFFll)) << 32) | static_cast<plan_u32>(l);
+        }
+        keys[l] = key;
+    }
+    __syncthreads();
+    for (int k = 2; k <= size; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int t = threadIdx.x; t < size; t += blockDim.x) {
+                const int u = t ^ j;
+                if (u > t) {
+                    const plan_u64 x = keys[t], y = keys[u];
+                    if ((x > y) == ((t & k) == 0)) {
+                        keys[t] = y;
+                        keys[u] = x;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int r = threadIdx.x; r < n; r += blockDim.x) {
+        const int l = static_cast<int>(keys[r] & 0xFFFFFFFFull);
+        out[seg.y + r] = indirect != nullptr ? indirect[seg.x + l] : seg.x + l;
+    }
+}
+
+// ---- outputs no item owns ---------------------------------------------------------------------------
+
+// Zero the listed pages of every head: x [heads, pages per head, PAGE_ROWS, d] bf16, one thread per 16
+// bytes; page_elems = PAGE_ROWS * d (a multiple of 8).
+extern "C" __global__ void plan_zero_pages(unsigned short* __restrict__ x, int heads, long long head_elems,
+                                           int page_elems, const int* __restrict__ pages, int n) {
+    const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int chunks = page_elems / 8;
+    if (t >= static_cast<long long>(heads) * n * chunks) return;
+    const int c = static_cast<int>(t % chunks);
+    const long long hi = t / chunks;
+    const int i = static_cast<int>(hi % n);
+    const int h = static_cast<int>(hi / n);
+    uint4* dst = reinterpret_cast<uint4*>(x + h * head_elems + static_cast<long long>(pages[i]) * page_elems);
+    dst[c] = make_uint4(0u, 0u, 0u, 0u);
+}

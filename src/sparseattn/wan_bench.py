@@ -1,0 +1,305 @@
+"""Whole Wan steps with sparse self-attention selected on the GPU every call (``python -m sparseattn.wan_bench``).
+
+A Wan2.1-1.3B-shaped ``WanTransformer3DModel`` (30 layers, 12 heads of 128, FFN 8960; random init, bf16)
+runs one denoising step at 480p and 720p (81 frames: latents of 21 x 60 x 104 and 21 x 90 x 160, tokens
+after (1, 2, 2) patching 32,760 and 75,600), as a forward step (no grad) and as a training step (forward
+and backward of a squared-error loss, no optimizer). Self-attention runs, in every block:
+
+* ``dense``: cuDNN SDPA over all tokens;
+* ``kpage_vsa``: VSA's selection on the GPU every call (cube means of q and k, each Q cube's top 10% of the
+  cubes; :func:`sparseattn.torch.vsa_topk`), planned on the GPU and run by the KPage kernels
+  (:func:`sparseattn.torch.block_sparse_attention`);
+* ``vsa_kernel``: the same selection, run by the VSA system's kernel (``fastvideo-kernel`` 0.3.4, its
+  Triton path, ``block_sparse_attn_from_indices``), when installed.
+
+Records: ``step_fwd`` / ``step_train`` (the whole step) and ``attn_fwd`` / ``attn_train`` (the attention
+part: CUDA events around every processor's attention call — token-to-slot scatter, selection, planning,
+attention, gather — summed over the step's layers; in training also its backward, from the gradient reaching
+the attention's output to the last gradient of its inputs), median of ``--reps`` steps after a warm-up.
+Before timing, one layer's attention output of every sparse impl is checked against masked SDPA on the
+same selection (``rel_err``, ``correct``). Writes one JSON (``--out``) in the bench format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+#: Wan2.1-1.3B's transformer (diffusers' config names).
+WAN_1_3B = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=30,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+)
+#: Latent (frames, height, width) of 81 frames: 480p and 720p.
+LATENTS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}
+IMPLS = ("dense", "kpage_vsa", "vsa_kernel")
+TOPK_FRACTION = 0.1
+
+
+class AttentionClock:
+    """CUDA events around attention calls (and, under autograd, around their backward), summed per step."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wrap(self, attend):
+        import torch
+
+        clock = self
+
+        class Mark(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, entry, key):
+                ctx.entry, ctx.key = entry, key
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                ctx.entry.setdefault(ctx.key, []).append(event)
+                return grad, None, None
+
+        def timed(q, k, v):
+            entry = {}
+            grad = torch.is_grad_enabled() and q.requires_grad
+            if grad:
+                q, k, v = (Mark.apply(x, entry, "bwd_end") for x in (q, k, v))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = attend(q, k, v)
+            end.record()
+            entry["fwd"] = (start, end)
+            clock.calls.append(entry)
+            return Mark.apply(out, entry, "bwd_start") if grad else out
+
+        return timed
+
+    def total_ms(self) -> float:
+        """The attention time of the calls since the last reset (synchronizes)."""
+        import torch
+
+        torch.cuda.synchronize()
+        total = 0.0
+        for entry in self.calls:
+            total += entry["fwd"][0].elapsed_time(entry["fwd"][1])
+            if "bwd_start" in entry:
+                start = entry["bwd_start"][0]
+                total += max(start.elapsed_time(e) for e in entry["bwd_end"])
+        self.calls = []
+        return total
+
+
+def processors(grid, impl: str):
+    """The self-attention processor of an impl (one instance shared by the blocks)."""
+    import torch
+
+    from .diffusers_wan import WanSelection, WanSparseAttnProcessor
+
+    blocks = math.prod(-(-g // t) for g, t in zip(grid, (4, 4, 4)))
+    selection = WanSelection.vsa((4, 4, 4), topk=math.ceil(TOPK_FRACTION * blocks))
+    if impl == "kpage_vsa":
+        return WanSparseAttnProcessor(grid, selection, backend="kpage")
+    if impl == "dense":
+        processor = WanSparseAttnProcessor(grid, WanSelection.full((4, 4, 4)), backend="masked_sdpa")
+
+        def dense(q, k, v):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    *(x.transpose(1, 2) for x in (q, k, v))
+                )
+            return out.transpose(1, 2)
+
+        processor.attend = dense
+        return processor
+    if impl == "vsa_kernel":
+        os.environ.setdefault("FASTVIDEO_VSA_TRITON", "1")
+        from fastvideo_kernel.block_sparse_attn import block_sparse_attn_from_indices
+
+        from .torch import vsa_topk
+
+        processor = WanSparseAttnProcessor(grid, selection, backend="kpage")
+        sizes = {}
+
+        def vsa_kernel(q, k, v):
+            lay = processor.layout
+            qs, ks, vs = (processor._to_slots(x, torch.bfloat16) for x in (q, k, v))
+            with torch.no_grad():
+                idx, num = vsa_topk(qs, ks, lay, selection.topk)
+            if q.device not in sizes:
+                sizes[q.device] = torch.tensor(lay.valid_rows.astype("int32"), device=q.device)
+            out, _ = block_sparse_attn_from_indices(qs, ks, vs, idx, num, sizes[q.device])
+            return out.index_select(2, processor._slot_index(q.device)).to(q.dtype).transpose(1, 2)
+
+        processor.attend = vsa_kernel
+        return processor
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+#: Token grid of the one-layer check (masked SDPA holds a [heads, tokens, tokens] mask).
+CHECK_GRID = (8, 16, 24)
+
+
+def check_layer(grid, impl: str, heads: int, head_dim: int, seed: int = 0) -> float:
+    """‖attend − masked SDPA‖ / ‖masked SDPA‖ of one layer's attention (the impl's processor on ``grid``)
+    on random q, k, v, the same selection in both."""
+    import torch
+
+    from .diffusers_wan import WanSparseAttnProcessor
+
+    processor = processors(grid, impl)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (1, math.prod(grid), heads, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    reference = WanSparseAttnProcessor(grid, processor.selection, backend="masked_sdpa")
+    with torch.no_grad():
+        got = processor.attend(q, k, v).float()
+        want = reference.attend(q.float(), k.float(), v.float())
+    return float((got - want).norm() / want.norm())
+
+
+def run(args) -> list[dict]:
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = WanTransformer3DModel(**{**WAN_1_3B, "num_layers": args.layers}).to(torch.bfloat16)
+    records = []
+    for name in args.resolution:
+        frames, height, width = LATENTS[name]
+        grid = (frames, height // 2, width // 2)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(1, 16, frames, height, width, device="cuda", dtype=torch.bfloat16, generator=g)
+        t = torch.tensor([500], device="cuda")
+        text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+        for impl in args.impl:
+            base = dict(
+                workload=f"wan1.3b_{name}", impl=impl, layers=args.layers, tokens=math.prod(grid), heads=12
+            )
+            try:
+                processor = processors(grid, impl)
+            except Exception as exc:  # noqa: BLE001 - a peer that does not load is recorded
+                records.append(dict(base, **{"pass": "step_fwd"}, error=f"{type(exc).__name__}: {exc}"[:300]))
+                continue
+            checked = {}
+            if impl != "dense":
+                rel = check_layer(CHECK_GRID, impl, 12, 128)
+                checked = dict(rel_err=rel, correct=bool(rel < 2e-2))
+            clock = AttentionClock()
+            processor.attend = clock.wrap(processor.attend)
+            for block in model.blocks:
+                block.attn1.set_processor(processor)
+            modes = [("fwd", False)] + ([("train", True)] if name in args.train else [])
+            for mode, train in modes:
+                model.train(train)
+
+                def step(train=train, inputs=(x, t, text)):
+                    if train:
+                        out = model(*inputs, return_dict=False)[0]
+                        out.float().square().mean().backward()
+                    else:
+                        with torch.no_grad():
+                            model(*inputs, return_dict=False)
+
+                steps, attention = [], []
+                try:
+                    for rep in range(args.warmup + args.reps):
+                        model.zero_grad(set_to_none=True)
+                        torch.cuda.synchronize()
+                        clock.calls = []
+                        t0 = time.perf_counter()
+                        step()
+                        torch.cuda.synchronize()
+                        wall = (time.perf_counter() - t0) * 1e3
+                        attn = clock.total_ms()
+                        if rep >= args.warmup:
+                            steps.append(wall)
+                            attention.append(attn)
+                except Exception as exc:  # noqa: BLE001 - recorded, the other impls still run
+                    records.append(
+                        dict(base, **{"pass": f"step_{mode}"}, error=f"{type(exc).__name__}: {exc}"[:300])
+                    )
+                    continue
+                for pass_, times in ((f"step_{mode}", steps), (f"attn_{mode}", attention)):
+                    records.append(
+                        dict(
+                            base,
+                            **{"pass": pass_},
+                            time_ms=round(statistics.median(times), 2),
+                            times_ms=[round(x, 2) for x in times],
+                            **checked,
+                        )
+                    )
+                print(
+                    f"{base['workload']} {impl} {mode}: step {statistics.median(steps):.1f} ms, "
+                    f"attention {statistics.median(attention):.1f} ms {checked}",
+                    flush=True,
+                )
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sparseattn.wan_bench", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--resolution", action="append", choices=sorted(LATENTS), help="default: 480p and 720p"
+    )
+    parser.add_argument(
+        "--train", action="append", choices=sorted(LATENTS), help="training steps at (default 480p)"
+    )
+    parser.add_argument("--impl", action="append", choices=IMPLS, help="default: all")
+    parser.add_argument("--layers", type=int, default=WAN_1_3B["num_layers"])
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=None, help="JSON path (default data/bench/wan_steps_<date>.json)")
+    args = parser.parse_args(argv)
+    args.resolution = args.resolution or ["480p", "720p"]
+    args.train = args.train or ["480p"]
+    args.impl = args.impl or list(IMPLS)
+    import torch
+
+    from .bench import _git_commit, _gpu_name
+
+    records = run(args)
+    now = datetime.now(timezone.utc)
+    out = Path(args.out or f"data/bench/wan_steps_{now.strftime('%Y%m%d')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = dict(
+        gpu=_gpu_name(),
+        commit=_git_commit(),
+        date=now.isoformat(timespec="seconds"),
+        command="python -m sparseattn.wan_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        torch=torch.__version__,
+        model="Wan2.1-1.3B-shaped WanTransformer3DModel, random init, bf16, " + f"{args.layers} layers",
+        records=records,
+    )
+    out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {out}")
+    return 0 if all(r.get("correct") is not False for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

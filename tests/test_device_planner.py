@@ -1,0 +1,168 @@
+"""The device planner's algorithm on the CPU (:mod:`sparseattn.planning.device_emulation`, the numpy twin of
+``kernels_cu/planner.cu``) against the host planners, and its plans executed by the numpy emulators
+against the float64 reference. The GPU tests (``tests/gpu/test_device_planner_gpu.py``) compare the
+device's arrays with this twin bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from device_plan_cases import (
+    canonical_plan,
+    canonical_work_list,
+    graph_of,
+    host_forward,
+    host_owned,
+    random_case,
+)
+from small_cases import rel_err
+
+from sparseattn.emulator import emulate_backward, emulate_work_list
+from sparseattn.layouts import video_layout
+from sparseattn.planning import device_emulation as emu
+from sparseattn.planning.device import DevicePlanner
+from sparseattn.planning.layout_pairs import forward_pairs_pay
+from sparseattn.planning.tile_plan import PlanError
+from sparseattn.reference import attention_backward, attention_forward
+from sparseattn.workloads import get_workload
+
+CASES = 220
+
+
+def _planner(case):
+    return DevicePlanner(case.q, case.k, kind=case.kind, route=case.route)
+
+
+def _device_route(planner, case, owned):
+    return "pair" if owned.has_pairs else ("auto" if case.route == "pair" else case.route)
+
+
+@pytest.mark.parametrize("chunk", range(11), ids=lambda c: f"cases{c * 20}-{c * 20 + 19}")
+def test_device_plans_equal_host_plans(chunk):
+    """≥ 200 random selections: the forward work list has the host's items (owned pages, masks, streams in
+    order), the K/V-owned backward plan and the dQ pass's plan the host's items, in the host's order where
+    there are no pair items (the device runs every pair launch on the pair kernel, so it keeps the launch's
+    order where the host moves the first item hiding an entry to the front)."""
+    rng = np.random.default_rng(1000 + chunk)
+    for index in range(chunk * CASES // 11, (chunk + 1) * CASES // 11):
+        case = random_case(rng, index)
+        planner = _planner(case)
+        out = emu.emulate_plans(planner, **case.selection())
+        graph = graph_of(out["rows"], case.q, case.k)
+        assert out["forward"]["overflow"] == 0 and out["invalid"] == 0, case.name
+        forward = emu.as_work_list(planner.forward, out["forward"], out["heads"])
+        host = host_forward(graph, case.kind, _device_route(planner, case, planner.forward))
+        assert canonical_work_list(forward) == canonical_work_list(host), case.name
+        backward = emu.as_tile_plan(planner.backward, out["backward"], out["heads"])
+        host_b = host_owned(graph, case.kind, _device_route(planner, case, planner.backward), "kv")
+        assert canonical_plan(backward) == canonical_plan(host_b), case.name
+        if not planner.backward.has_pairs:  # the host moves a pair item to its launch's front: not needed
+            assert np.array_equal(backward.stream_pages, host_b.stream_pages), f"{case.name}: backward order"
+            assert np.array_equal(backward.work_head, host_b.work_head), f"{case.name}: backward order"
+        if planner.dq is not None:
+            dq = emu.as_tile_plan(planner.dq, out["dq"], out["heads"])
+            assert canonical_plan(dq) == canonical_plan(host_owned(graph, case.kind, case.route, "q")), (
+                case.name
+            )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_device_plans_compute_the_graph(seed):
+    """The twin's plans, executed by the numpy emulators, give the float64 reference's O, LSE, dQ, dK, dV
+    (batch entries with their own selections run as one batch of batch · heads heads)."""
+    rng = np.random.default_rng(seed)
+    case = random_case(rng, seed)
+    planner = _planner(case)
+    out = emu.emulate_plans(planner, **case.selection())
+    heads = out["heads"]
+    graph = graph_of(out["rows"], case.q, case.k)
+    q = rng.standard_normal((1, heads, case.q.num_slots, 16))
+    k, v = (rng.standard_normal((1, heads, case.k.num_slots, 16)) for _ in range(2))
+    do = rng.standard_normal(q.shape)
+    o_ref, lse_ref = attention_forward(q, k, v, graph)
+    o, lse = emulate_work_list(emu.as_work_list(planner.forward, out["forward"], heads), q, k, v)
+    valid = case.q.valid
+    assert rel_err(o[:, :, valid], o_ref[:, :, valid]) < 1e-12, case.name
+    assert np.array_equal(np.isinf(lse[:, :, valid]), np.isinf(lse_ref[:, :, valid])), case.name
+    grads_ref = attention_backward(q, k, v, o_ref, lse_ref, do, graph)
+    grads = emulate_backward(
+        emu.as_tile_plan(planner.backward, out["backward"], heads), q, k, v, o_ref, lse_ref, do
+    )
+    for name, g, r, lay in zip(("dq", "dk", "dv"), grads, grads_ref, (case.q, case.k, case.k)):
+        assert rel_err(g[:, :, lay.valid], r[:, :, lay.valid]) < 1e-10, f"{case.name}: {name}"
+
+
+def test_mask_and_topk_selections_plan_alike():
+    """A top-k selection and the block mask of the same pairs give the same plans."""
+    rng = np.random.default_rng(3)
+    lay = video_layout((5, 9, 10), (2, 4, 4), 64)
+    nb = lay.num_blocks
+    idx = rng.integers(0, nb, size=(2, 3, nb, 4)).astype(np.int32)
+    num = rng.integers(0, 5, size=(2, 3, nb)).astype(np.int32)
+    mask = np.zeros((2, 3, nb, nb), dtype=bool)
+    b, h, i, e = np.nonzero(np.arange(4)[None, None, None, :] < num[..., None])
+    mask[b, h, i, idx[b, h, i, e]] = True
+    planner = DevicePlanner(lay)
+    a, m = emu.emulate_plans(planner, idx, num), emu.emulate_plans(planner, mask=mask)
+    for part in ("forward", "backward"):
+        for name in ("work_info", "stream_entries", "stream_indptr", "stream_pages", "own_pages"):
+            if name in a[part]:
+                assert np.array_equal(a[part][name], m[part][name]), (part, name)
+
+
+def test_invalid_entries_are_ignored_and_counted():
+    lay = video_layout((4, 8, 8), (2, 4, 4), 64)
+    nb = lay.num_blocks
+    idx = np.zeros((1, 1, nb, 2), dtype=np.int32)
+    idx[0, 0, 0] = (nb, -1)  # out of range: ignored
+    num = np.full((1, 1, nb), 2, dtype=np.int32)
+    num[0, 0, 1] = 7  # more than k: invalid, read as k
+    rows, invalid = emu.selection_matrix(lay.valid_rows > 0, lay.valid_rows > 0, idx[0], num[0])
+    assert invalid == 3
+    assert not rows[0, 0].any() and rows[0, 1, 0]
+
+
+def test_stream_capacity_holds_any_topk_selection():
+    """Every Q block selecting the k blocks with the most pages, all heads alike: the forward and backward
+    streams fit their buffers exactly or with room (the bound holds at its worst case)."""
+    lay = video_layout((5, 8, 12), (3, 4, 8), 128)
+    nb, k = lay.num_blocks, 5
+    top = np.argsort(-lay.live_pages, kind="stable")[:k].astype(np.int32)
+    idx = np.broadcast_to(top, (1, 2, nb, k)).copy()
+    num = np.full((1, 2, nb), k, dtype=np.int32)
+    for route in ("auto", "pair", 0, 1):
+        planner = DevicePlanner(lay, route=route)
+        out = emu.emulate_plans(planner, idx, num)
+        assert out["forward"]["overflow"] == 0 and out["backward"]["overflow"] == 0
+
+
+def test_max_selected_below_the_selection_is_reported():
+    lay = video_layout((4, 8, 8), (2, 4, 4), 64)
+    nb = lay.num_blocks
+    planner = DevicePlanner(lay, max_selected=1)
+    out = emu.emulate_plans(planner, mask=np.ones((1, 1, nb, nb), dtype=bool))
+    assert out["forward"]["overflow"] > 0
+
+
+def test_auto_routes_follow_a_rule_of_the_layout():
+    """``"auto"`` pairs the forward's 64-row blocks where most Q blocks are 64-row blocks (VSA's cubes), not
+    on SSTA's 128-row tiles; the backward pairs wherever the K/V layout has 64-row blocks."""
+    vsa, ssta = get_workload("vsa_wan14b_480p").layout(), get_workload("ssta_hy15_720p").layout()
+    assert forward_pairs_pay(vsa) and not forward_pairs_pay(ssta)
+    assert DevicePlanner(vsa).forward.has_pairs and DevicePlanner(vsa).backward.has_pairs
+    assert not DevicePlanner(ssta).forward.has_pairs and DevicePlanner(ssta).backward.has_pairs
+    assert not DevicePlanner(vsa, deterministic=True).backward.has_pairs
+
+
+def test_bad_planner_arguments_name_them():
+    lay = video_layout((4, 8, 8), (2, 4, 4), 64)
+    with pytest.raises(PlanError, match="q_layout"):
+        DevicePlanner("not a layout")
+    with pytest.raises(PlanError, match="route"):
+        DevicePlanner(lay, route="diagonal")
+    with pytest.raises(PlanError, match="kind"):
+        DevicePlanner(lay, kind="dense")
+    with pytest.raises(PlanError, match="pair"):
+        DevicePlanner(lay, kind="bsa", route="pair")
+    with pytest.raises(PlanError, match="max_selected"):
+        DevicePlanner(lay, max_selected=0)
