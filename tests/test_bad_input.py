@@ -189,6 +189,36 @@ CLI_CASES = [
         ["field 'pages'", "out of range"],
         "capture-page-id",
     ),
+    # page ids are range-checked in the stored dtype, before any narrowing cast: 2^40 in an int64 array
+    # used to come back as page 0, and 2^64 - 1 in a uint64 array as page -1 (padding)
+    cli_case(
+        "c.npz",
+        _npz(pages=np.array([[0, 2**40], [0, 1], [1, 0]], np.int64)),
+        ["--captures"],
+        ["field 'pages'", "page id 1099511627776", "out of range"],
+        "capture-page-id-int64-wraps",
+    ),
+    cli_case(
+        "c.npz",
+        _npz(pages=np.array([[0, 2**64 - 1], [0, 1], [1, 0]], np.uint64)),
+        ["--captures"],
+        ["field 'pages'", "page id 18446744073709551615", "out of range"],
+        "capture-page-id-uint64-wraps",
+    ),
+    cli_case(
+        "c.npz",
+        _npz(pages=np.array([[0, 1], [0, -1], [1, 0]], np.int8), positions=np.array([100, 2**33, 102])),
+        ["--captures"],
+        ["field 'positions'", "8589934592", "outside"],
+        "capture-position-int64",
+    ),
+    cli_case(
+        "c.npz",
+        _npz(pages=np.full((3, 2), -1, np.int16)),
+        ["--captures"],
+        ["field 'pages'", "selected nothing", "-1 padding"],
+        "capture-all-padding",
+    ),
     cli_case("c.npz", _npz(header=np.zeros(3)), ["--captures"], ["field 'header'"], "capture-header-array"),
     cli_case("c.npz", None, ["--captures"], ["c.npz", "not found"], "capture-missing-file"),
     # layout files
@@ -530,6 +560,25 @@ API_CASES = [
         "heads",
         "pairs-heads-string",
     ),
+    # ids that an int64 cannot hold are refused with their value (they used to wrap to negative ids)
+    api_case(
+        lambda: SparseGraph.from_pairs(LAY, LAY, 1, [0], [0], np.array([2**64 - 1], np.uint64)),
+        GraphError,
+        "18446744073709551615",
+        "pairs-uint64-wraps",
+    ),
+    api_case(
+        lambda: SparseGraph.from_block_lists(LAY, LAY, [[[2**63], [], [], []]]),
+        GraphError,
+        "9223372036854775808",
+        "block-lists-uint64-wraps",
+    ),
+    api_case(
+        lambda: SparseGraph(LAY, LAY, 1, np.array([0.0, 1.9, 2.0, 2.0, 2.0]), np.array([0, 1])),
+        GraphTypeError,
+        "indptr",
+        "graph-float-indptr",
+    ),
     api_case(lambda: GRAPH.row(0, 9), GraphError, "q_block", "row-out-of-range"),
     api_case(lambda: GRAPH.select_heads([3]), GraphError, "heads", "select-heads-out-of-range"),
     # builders and workloads
@@ -607,6 +656,18 @@ API_CASES = [
     ),
     api_case(
         lambda: Capture(np.zeros((0, 2), int), [], 256), CaptureError, "no queries", "capture-no-queries"
+    ),
+    api_case(
+        lambda: Capture(np.array([[0, 2**40]], np.int64), [100], 256),
+        CaptureError,
+        "1099511627776",
+        "capture-page-id-int64-wraps",
+    ),
+    api_case(
+        lambda: analyze_captures([Capture(np.full((3, 2), -1), [100, 101, 102], 256, name="c")]),
+        CaptureError,
+        "selected nothing",
+        "capture-all-padding",
     ),
     api_case(lambda: float_to_bf16_bits("abc"), Bf16TypeError, "x", "bf16-string"),
     api_case(lambda: float_to_bf16_bits([1 + 2j]), Bf16TypeError, "real", "bf16-complex"),
@@ -712,10 +773,11 @@ def test_size_checks_run_before_any_allocation(monkeypatch):
     assert w.graphs(heads=[0])[0].heads == 1
 
 
-def test_a_capture_selecting_nothing_has_null_ratios(tmp_path):
-    _npz(pages=np.full((3, 2), -1, np.int16))(tmp_path / "c.npz")
+def test_a_capture_with_some_empty_queries_is_analysed(tmp_path):
+    """Only a capture in which every query selected nothing is refused; empty rows among others count."""
+    _npz(pages=np.array([[0, 1], [-1, -1], [1, 0]], np.int16))(tmp_path / "c.npz")
     rows = analyze_captures([tmp_path / "c.npz"])
-    assert len(rows) == 3 and all(np.isnan(r["load_ratio_vs_per_query"]) for r in rows)
+    assert len(rows) == 3 and rows[0]["page_loads"] == 4
 
 
 def test_memory_error_never_escapes_the_command_line(capsys, monkeypatch):

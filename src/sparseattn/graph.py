@@ -38,15 +38,29 @@ def _check_heads(heads) -> int:
     return int(heads)
 
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
 def _int_array(name: str, value) -> np.ndarray:
-    """int64 1-D copy of ``value``; floats (which would be truncated) and strings raise."""
+    """int64 1-D copy of ``value``; floats (which would be truncated), strings and ids too large for
+    int64 (which would wrap) raise."""
     try:
         arr = np.asarray(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         arr = np.asarray(None)
+    if arr.dtype == object and arr.size and all(isinstance(v, int) for v in arr.ravel()):
+        raise GraphError(f"{name} holds {max(arr.ravel(), key=abs)}, too large for a 64-bit integer")
     if arr.dtype == np.bool_ or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise GraphTypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64).ravel()
+    return _to_int64(name, arr).ravel()
+
+
+def _to_int64(name: str, arr: np.ndarray) -> np.ndarray:
+    """``arr`` (any integer dtype) as int64, refusing values an int64 cannot hold (uint64 above 2^63 - 1
+    would wrap to negative numbers)."""
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _INT64_MAX:
+        raise GraphError(f"{name} holds {int(arr.max())}, too large for a 64-bit integer")
+    return arr.astype(np.int64)
 
 
 def _sorted_unique(keys: np.ndarray) -> np.ndarray:
@@ -90,7 +104,10 @@ class SparseGraph:
         dropped.setflags(write=False)
         object.__setattr__(self, "dropped_pairs", dropped)
         rows = self.heads * self.q.num_blocks
-        indptr = np.ascontiguousarray(self.indptr, dtype=np.int64)
+        indptr = np.asarray(self.indptr)
+        if indptr.dtype == np.bool_ or (indptr.size and not np.issubdtype(indptr.dtype, np.integer)):
+            raise GraphTypeError(f"indptr must hold integers, got dtype {indptr.dtype}")
+        indptr = np.ascontiguousarray(_to_int64("indptr", indptr))
         indices = np.asarray(self.indices)
         if indptr.shape != (rows + 1,):
             raise GraphError(
@@ -100,7 +117,7 @@ class SparseGraph:
             raise GraphError("indptr must start at 0, be non-decreasing and end at len(indices)")
         if indices.size and not np.issubdtype(indices.dtype, np.integer):
             raise GraphError(f"indices must be integers, got dtype {indices.dtype}")
-        indices = np.ascontiguousarray(indices, dtype=np.int64)
+        indices = np.ascontiguousarray(_to_int64("indices", indices))
         if indices.size and (indices.min() < 0 or indices.max() >= self.k.num_blocks):
             bad = indices[(indices < 0) | (indices >= self.k.num_blocks)][0]
             raise GraphError(f"indices holds K block {int(bad)} outside [0, {self.k.num_blocks})")

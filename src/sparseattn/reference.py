@@ -60,9 +60,9 @@ def _check_heads(heads, num_heads: int) -> np.ndarray:
     arr = np.asarray(heads).ravel()
     if arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
         raise ReferenceError(f"heads must be a non-empty list of head indices, got {heads!r}")
-    arr = arr.astype(np.int64)
-    if arr.min() < 0 or arr.max() >= num_heads:
+    if int(arr.min()) < 0 or int(arr.max()) >= num_heads:  # in the given dtype: no wrap-around
         raise ReferenceError(f"heads must lie in [0, {num_heads}), got {arr.tolist()}")
+    arr = arr.astype(np.int64)
     if np.unique(arr).size != arr.size:
         raise ReferenceError(f"heads must not repeat, got {arr.tolist()}")
     return arr

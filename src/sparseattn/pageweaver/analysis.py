@@ -24,7 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .captures import Capture, builtin_capture_paths, capture_stats, load_capture
+from .captures import (
+    Capture,
+    CaptureError,
+    CaptureFileError,
+    builtin_capture_paths,
+    capture_path,
+    capture_stats,
+    load_capture,
+)
 from .grouping import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_WINDOW,
@@ -89,8 +97,21 @@ def analyze_capture(
     window: int = DEFAULT_WINDOW,
     max_union: int | None = None,
 ) -> list[dict]:
-    """Three flat rows (per_query, adjacent, affinity) for one capture (object, path or built-in name)."""
+    """Three flat rows (per_query, adjacent, affinity) for one capture (object, path or built-in name).
+
+    A capture in which no query selected any page (every id is ``-1`` padding) has nothing to count:
+    it raises :class:`CaptureFileError` naming the file (:class:`CaptureError` for a capture object)
+    instead of rows of zero loads.
+    """
     cap = load_capture(capture)
+    if not (cap.pages >= 0).any():
+        what = (
+            f"every one of its {cap.num_queries} queries selected nothing (all page ids are -1 padding): "
+            "no page loads to count"
+        )
+        if isinstance(capture, Capture):
+            raise CaptureError(f"capture {cap.name!r}: pages: {what}", "pages")
+        raise CaptureFileError(capture_path(capture), what, "pages")
     t0 = time.perf_counter()
     adj = adjacent_groups(cap.num_queries, group_size)
     t1 = time.perf_counter()
@@ -126,7 +147,7 @@ def analyze_capture(
         row["grouping_ms_cpu"] = ms
         rows.append(row)
     pq, ad = rows[0], rows[1]
-    for row in rows:  # a capture that selects no page has no ratios (NaN, null in JSON)
+    for row in rows:
         row["load_ratio_vs_per_query"] = _ratio(pq["page_loads"], row["page_loads"])
         row["physical_ratio_vs_per_query"] = _ratio(pq["physical_pairs"], row["physical_pairs"])
         row["load_ratio_vs_adjacent"] = _ratio(ad["page_loads"], row["page_loads"])

@@ -117,14 +117,16 @@ class Capture:
         object.__setattr__(self, "context", int(self.context))
         object.__setattr__(self, "page_size", int(self.page_size))
         object.__setattr__(self, "causal", bool(self.causal))
-        if positions.size and (positions.min() < 0 or positions.max() >= self.context):
+        if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= self.context):
             bad = int(np.flatnonzero((positions < 0) | (positions >= self.context))[0])
             raise CaptureError(
                 f"positions: query {bad} has position {int(positions[bad])} outside [0, context={self.context})",
                 "positions",
             )
         num_pages = self.num_pages
-        if pages.size and (pages.min() < -1 or pages.max() >= num_pages):
+        # Range-checked in the array's own dtype (any integer width, signed or not) before the cast
+        # to int32 below, so an id such as 2**40 is refused instead of wrapping to a valid page.
+        if pages.size and (int(pages.min()) < -1 or int(pages.max()) >= num_pages):
             r, c = np.argwhere((pages < -1) | (pages >= num_pages))[0]
             raise CaptureError(
                 f"pages: page id {int(pages[r, c])} of query {r} is out of range [0, num_pages={num_pages}) "
@@ -256,8 +258,8 @@ class Capture:
                 )
             fields["positions"] = start + np.arange(arrays["pages"].shape[0] if arrays["pages"].ndim else 0)
         try:
-            pages = _check_int_array("pages", arrays["pages"])
-            return cls(pages=pages.astype(np.int32), **fields)
+            # no cast here: __post_init__ range-checks the ids in the stored dtype before narrowing
+            return cls(pages=_check_int_array("pages", arrays["pages"]), **fields)
         except CaptureError as err:
             detail = str(err)
             if err.field:
@@ -290,14 +292,19 @@ def _read_header(path: Path, raw: np.ndarray) -> dict:
     return header
 
 
+def capture_path(capture) -> Path:
+    """The file a path or a built-in name (``"nsa_32k"``) stands for."""
+    path = Path(capture)
+    if not path.exists() and str(capture) in BUILTIN_CAPTURES:
+        path = builtin_capture_dir() / f"{capture}.npz"
+    return path
+
+
 def load_capture(capture) -> Capture:
     """A :class:`Capture` from a capture, a path, or a built-in name (``"nsa_32k"``)."""
     if isinstance(capture, Capture):
         return capture
-    path = Path(capture)
-    if not path.exists() and str(capture) in BUILTIN_CAPTURES:
-        path = builtin_capture_dir() / f"{capture}.npz"
-    return Capture.load(path)
+    return Capture.load(capture_path(capture))
 
 
 # ---- statistics ---------------------------------------------------------------------------------
