@@ -21,7 +21,7 @@
 // log. A valid query row with no valid key gets O = 0 and LSE = -inf. Invalid rows are untouched.
 #include "paged_attn_common.cuh"
 
-// Keys per pipeline stage and query rows per warp (mirrored in sparseattn/kernels/bsa_forward.py).
+// Keys per pipeline stage and query rows per warp (mirrored in sparseattn/kernels/bsa_mma_forward.py).
 #define BSA_FWD_STAGE_KEYS 64
 #define BSA_FWD_WARP_M_LARGE 32
 

@@ -19,7 +19,7 @@ from sparseattn.bf16 import Bf16TypeError, Bf16ValueError, bf16_bits_to_float, f
 from sparseattn.builders import BuilderError, random_graph, vsa_graph
 from sparseattn.emulator import EmulationError, emulate_forward
 from sparseattn.graph import GraphError, GraphTypeError, SparseGraph
-from sparseattn.kernels.bsa_backward import bsa_backward
+from sparseattn.kernels.bsa_backward import plan_backward
 from sparseattn.kernels.validate import KernelTypeError, KernelValueError, check_same_device
 from sparseattn.layouts import (
     LayoutError,
@@ -680,31 +680,33 @@ API_CASES = [
         "same-device-numpy",
     ),
     api_case(
-        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, impl="cutlass"),
+        lambda: plan_backward(None, None, None, None, None, None, GRAPH, impl="cutlass"),
         KernelValueError,
         "impl must be one of",
         "backward-impl",
     ),
     api_case(
-        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, impl="mma", deterministic=True),
+        lambda: plan_backward(None, None, None, None, None, None, GRAPH, impl="mma", deterministic=True),
         KernelValueError,
         "deterministic=True needs a wgmma implementation",
         "backward-deterministic-mma",
     ),
     api_case(
-        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, impl="wgmma_sync", dq_plan=object()),
+        lambda: plan_backward(None, None, None, None, None, None, GRAPH, impl="wgmma_sync", dq_plan=object()),
         KernelValueError,
         "dq_plan is only used by the Q-owned dQ pass",
         "backward-dq-plan-unused",
     ),
     api_case(
-        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, impl="wgmma_dq_pass", dq_plan="plan"),
+        lambda: plan_backward(
+            None, None, None, None, None, None, GRAPH, impl="wgmma_dq_pass", dq_plan="plan"
+        ),
         KernelTypeError,
         "dq_plan must be a TilePlan",
         "backward-dq-plan-type",
     ),
     api_case(
-        lambda: bsa_backward(
+        lambda: plan_backward(
             None, None, None, None, None, None, kpage_plan(GRAPH, owner="kv"), impl="wgmma_dq_pass"
         ),
         KernelValueError,
@@ -712,7 +714,7 @@ API_CASES = [
         "backward-dq-pass-needs-graph",
     ),
     api_case(
-        lambda: bsa_backward(None, None, None, None, None, None, GRAPH, deterministic="yes"),
+        lambda: plan_backward(None, None, None, None, None, None, GRAPH, deterministic="yes"),
         KernelTypeError,
         "deterministic must be True or False",
         "backward-deterministic-type",

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from sparseattn import constants
-from sparseattn.kernels import bsa_forward, compile_check, runtime
+from sparseattn.kernels import bsa_mma_forward, compile_check, runtime
 
 
 def _cuh_defines() -> dict[str, int]:
@@ -53,15 +53,15 @@ def test_tile_constants_agree_between_python_and_cuda():
 
 def test_forward_wrapper_mirrors_kernel_constants():
     cuh = _cuh_defines()
-    cu = (runtime.kernel_dir() / bsa_forward.SOURCE).read_text()
+    cu = (runtime.kernel_dir() / bsa_mma_forward.SOURCE).read_text()
     fwd = {
         m.group(1): int(m.group(2))
         for m in re.finditer(r"^#define\s+(BSA_FWD_\w+)\s+(\d+)\s*$", cu, re.MULTILINE)
     }
-    assert bsa_forward.PAGE_ROWS == cuh["PAGE_ROWS"] and bsa_forward.WARP_ROWS == cuh["WARP_ROWS"]
-    assert bsa_forward.STAGE_KEYS == fwd["BSA_FWD_STAGE_KEYS"]
-    assert bsa_forward.WARP_M_LARGE == fwd["BSA_FWD_WARP_M_LARGE"]
-    assert {m for m, n in bsa_forward.TILE_SHAPES} == {
+    assert bsa_mma_forward.PAGE_ROWS == cuh["PAGE_ROWS"] and bsa_mma_forward.WARP_ROWS == cuh["WARP_ROWS"]
+    assert bsa_mma_forward.STAGE_KEYS == fwd["BSA_FWD_STAGE_KEYS"]
+    assert bsa_mma_forward.WARP_M_LARGE == fwd["BSA_FWD_WARP_M_LARGE"]
+    assert {m for m, n in bsa_mma_forward.TILE_SHAPES} == {
         cuh["BSA_BLOCK_SIZE_SMALL"],
         cuh["BSA_BLOCK_SIZE_LARGE"],
     }
@@ -165,29 +165,29 @@ def test_command_exits_0_and_says_why_a_spill_is_accepted(reports, monkeypatch, 
 
 
 def test_every_forward_instantiation_is_built(reports):
-    built = {k.kernel for r in reports if r.source == bsa_forward.SOURCE for k in r.kernels}
-    assert set(bsa_forward.NAME_EXPRESSIONS) <= built
+    built = {k.kernel for r in reports if r.source == bsa_mma_forward.SOURCE for k in r.kernels}
+    assert set(bsa_mma_forward.NAME_EXPRESSIONS) <= built
 
 
 def test_forward_shared_memory_fits_two_ctas_per_sm_on_the_h200():
     # 228 KB of shared memory per SM, 1 KB reserved per CTA; the kernel is tuned for two CTAs per SM
     smem_per_sm = 228 * 1024
-    for d in bsa_forward.HEAD_DIMS:
-        for m, n in bsa_forward.TILE_SHAPES:
-            assert 2 * (bsa_forward.smem_bytes(d, m, n) + 1024) <= smem_per_sm, (d, m, n)
+    for d in bsa_mma_forward.HEAD_DIMS:
+        for m, n in bsa_mma_forward.TILE_SHAPES:
+            assert 2 * (bsa_mma_forward.smem_bytes(d, m, n) + 1024) <= smem_per_sm, (d, m, n)
 
 
 def test_forward_wrapper_shared_memory_formula_matches_the_kernel(reports):
     """The launch passes smem_bytes(); NVRTC checks it equals the kernel's FwdTile::SMEM_BYTES."""
     checks = "\n".join(
-        f"static_assert(FwdTile<{d}, {m}, {n}>::SMEM_BYTES == {bsa_forward.smem_bytes(d, m, n)}, "
+        f"static_assert(FwdTile<{d}, {m}, {n}>::SMEM_BYTES == {bsa_mma_forward.smem_bytes(d, m, n)}, "
         f'"smem_bytes({d}, {m}, {n}) differs from the kernel");'
-        f"static_assert(FwdTile<{d}, {m}, {n}>::THREADS == {bsa_forward.threads_per_cta(m)}, "
+        f"static_assert(FwdTile<{d}, {m}, {n}>::THREADS == {bsa_mma_forward.threads_per_cta(m)}, "
         f'"threads_per_cta({m}) differs from the kernel");'
-        for d in bsa_forward.HEAD_DIMS
-        for m, n in bsa_forward.TILE_SHAPES
+        for d in bsa_mma_forward.HEAD_DIMS
+        for m, n in bsa_mma_forward.TILE_SHAPES
     )
-    code = runtime.preprocess(bsa_forward.SOURCE) + "\n" + checks + "\n"
+    code = runtime.preprocess(bsa_mma_forward.SOURCE) + "\n" + checks + "\n"
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
     ok, log, _, _ = nvrtc.compile(
         code, "smem_check.cu", compile_check.compile_options(compile_check.find_cuda_include()), ()
@@ -276,7 +276,7 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
 
 
 def test_wgmma_backward_mirrors_match_the_kernel(reports):
-    """bsa_backward's wgmma shared-memory and thread formulas equal paged_bwd.cu's Config, and the wgmma
+    """kernels.bsa_backward's wgmma shared-memory and thread formulas equal paged_bwd.cu's Config, and the wgmma
     kernel takes the mma.sync kernel's parameters plus the fixed-point bound (the wrapper passes one
     argument tuple and appends that one)."""
     from sparseattn.kernels import bsa_backward as bb

@@ -312,7 +312,7 @@ def test_head_stack_backward_runs_the_stacked_plan_on_views(monkeypatch):
             buf[...] = grad
         return out
 
-    monkeypatch.setattr(bw, "bsa_backward", fake_kernel)
+    monkeypatch.setattr(bw, "plan_backward", fake_kernel)
     rng = np.random.default_rng(3)
     graphs = head_stack_graphs(rng, 3, 64, sizes=(100, 200))
     stack = HeadStack.of(graphs)
@@ -320,4 +320,35 @@ def test_head_stack_backward_runs_the_stacked_plan_on_views(monkeypatch):
     out = tuple(np.full_like(x, np.nan) for x in inputs[:3])
     grads = bw.paged_backward(*inputs, stack, out=out)
     assert calls == [(1, 1, 3 * stack.q_slots, 8)] and grads[0] is out[0]
+    assert_head_stack_gradients(grads, graphs, refs)
+
+
+def test_bsa_backward_takes_a_head_stack_like_kpage_backward(monkeypatch):
+    """``sparseattn.bsa_backward`` runs a HeadStack (per-head layouts) on the stacked BSA plans, as
+    ``kpage_backward`` does on the KPage plans (the kernel call replaced by the float64 emulator)."""
+    from small_cases import assert_head_stack_gradients, head_stack_backward_problem, head_stack_graphs
+
+    import sparseattn
+    from sparseattn.graph import HeadStack
+    from sparseattn.kernels import backward as bw
+
+    plans = []
+
+    def fake_kernel(
+        q, k, v, o, lse, do, plan, scale=None, out=None, impl=None, deterministic=False, dq_plan=None
+    ):
+        plans.append(plan)
+        for buf, grad in zip(out, emulate_backward(plan, q, k, v, o, lse, do, scale)):
+            buf[...] = grad
+        return out
+
+    monkeypatch.setattr(bw, "plan_backward", fake_kernel)
+    assert sparseattn.bsa_backward is bw.bsa_backward
+    rng = np.random.default_rng(4)
+    graphs = head_stack_graphs(rng, 3, 64, sizes=(100, 200))
+    stack = HeadStack.of(graphs)
+    inputs, refs = head_stack_backward_problem(rng, graphs, 1, 8, stack.q_slots, stack.k_slots)
+    out = tuple(np.full_like(x, np.nan) for x in inputs[:3])
+    grads = sparseattn.bsa_backward(*inputs, stack, out=out)
+    assert len(plans) == 1 and plans[0].kind == "bsa" and plans[0].owner == "kv"
     assert_head_stack_gradients(grads, graphs, refs)

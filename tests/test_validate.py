@@ -13,7 +13,7 @@ import pytest
 
 from sparseattn.graph import SparseGraph
 from sparseattn.kernels import validate
-from sparseattn.kernels.bsa_forward import bsa_forward, check_inputs
+from sparseattn.kernels.bsa_mma_forward import bsa_mma_forward, check_inputs
 from sparseattn.kernels.validate import (
     KernelTypeError,
     KernelValueError,
@@ -101,7 +101,7 @@ def test_wrapper_refuses_numpy_before_any_gpu_import(small_graph):
     q = np.zeros((1, 2, small_graph.q.num_slots, 64), np.uint16)
     k = np.zeros((1, 2, small_graph.k.num_slots, 64), np.uint16)
     with pytest.raises(KernelTypeError, match="q must be a cupy array"):
-        bsa_forward(q, k, k, small_graph)
+        bsa_mma_forward(q, k, k, small_graph)
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ _KERNELS = {
     "kpage_forward": "sparseattn.kernels.forward",
     "bsa_forward": "sparseattn.kernels.forward",
     "kpage_backward": "sparseattn.kernels.backward",
-    "bsa_backward": "sparseattn.kernels.bsa_backward",
+    "bsa_backward": "sparseattn.kernels.backward",
 }
 
 # bsa_backward, bsa_forward, kpage_backward, kpage_forward: kernels, loaded on first access (_KERNELS)

@@ -4,8 +4,8 @@ For each workload (full-size layout and selection, ``--heads`` heads, batch 1) i
 
 * ``kpage``: the KPage plan on the paged forward skeleton (:func:`sparseattn.kernels.forward.kpage_forward`);
 * ``bsa``: the logical-block BSA plan on the same skeleton (:func:`sparseattn.kernels.forward.bsa_forward`);
-* ``bsa_mma``: the mma.sync BSA kernel (:func:`sparseattn.kernels.bsa_forward.bsa_forward`; with
-  ``fwdbwd`` also :func:`sparseattn.kernels.bsa_backward.bsa_backward`);
+* ``bsa_mma``: the mma.sync BSA kernel (:func:`sparseattn.kernels.bsa_mma_forward.bsa_mma_forward`; with
+  ``bwd`` / ``fwdbwd`` also :func:`sparseattn.kernels.bsa_backward.bsa_mma_backward`);
 * ``flex``: torch FlexAttention with a ``BlockMask`` built from the graph's block lists plus a
   padding ``mask_mod`` (exact), when torch is importable;
 * ``cudnn_dense``: cuDNN SDPA over the compact (unpadded) token sequence, the dense ceiling;
@@ -553,7 +553,7 @@ def bench_kpage_pair(case: Case, timer: Timer, passes, check: bool, bwd_impls=((
 
 
 def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
-    from .kernels.bsa_forward import bsa_forward, plan_for
+    from .kernels.bsa_mma_forward import bsa_mma_forward, plan_for
 
     g = case.graph
     if isinstance(g, HeadStack):
@@ -563,7 +563,7 @@ def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
         ]
     plan = plan_for(g)
     out = []
-    o, lse = bsa_forward(case.q, case.k, case.v, g, scale=case.scale)
+    o, lse = bsa_mma_forward(case.q, case.k, case.v, g, scale=case.scale)
     cupy.cuda.Device().synchronize()
     rel = None
     if check:
@@ -571,7 +571,7 @@ def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
         rel = case.rel_err_head0(o0)
     buffers = (o, lse)
     if "fwd" in passes:
-        ms, _ = timer(lambda: bsa_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers))
+        ms, _ = timer(lambda: bsa_mma_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers))
         out.append(
             dict(
                 impl="bsa_mma",
@@ -582,13 +582,13 @@ def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
                 correct=None if rel is None else bool(rel < O_REL_TOL),
             )
         )
-    from .kernels.bsa_backward import bsa_backward
+    from .kernels.bsa_backward import bsa_mma_backward
 
     def backward(o2=o, l2=lse):
-        bsa_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale, impl="mma")
+        bsa_mma_backward(case.q, case.k, case.v, o2, l2, case.do, g, scale=case.scale)
 
     def fwdbwd():
-        backward(*bsa_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers))
+        backward(*bsa_mma_forward(case.q, case.k, case.v, g, scale=case.scale, out=buffers))
 
     for pass_, fn in (("bwd", backward), ("fwdbwd", fwdbwd)):
         if pass_ not in passes:

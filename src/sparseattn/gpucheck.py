@@ -158,7 +158,7 @@ def sanitize_case(paged_only: bool = False, backward_only: bool = False) -> int:
     import numpy as np
 
     from .builders import random_graph
-    from .kernels.bsa_forward import bsa_forward
+    from .kernels.bsa_mma_forward import bsa_mma_forward
     from .kernels.forward import paged_forward
     from .kernels.validate import float_to_bf16_bits
     from .layouts import slot_layout, video_layout
@@ -183,12 +183,12 @@ def sanitize_case(paged_only: bool = False, backward_only: bool = False) -> int:
                 paged_forward(q, k, v, graph, kind=kind, route=route)
             if paged_only:
                 continue
-            from .kernels.bsa_backward import bsa_backward, default_impl
+            from .kernels.bsa_backward import default_impl, plan_backward
 
-            o, lse = bsa_forward(q, k, v, graph)
-            bsa_backward(q, k, v, o, lse, do, graph)
+            o, lse = bsa_mma_forward(q, k, v, graph)
+            plan_backward(q, k, v, o, lse, do, graph)
             if default_impl() != "mma":  # and the deterministic (fixed-point dQ) kernels
-                bsa_backward(q, k, v, o, lse, do, graph, deterministic=True)
+                plan_backward(q, k, v, o, lse, do, graph, deterministic=True)
             cupy.cuda.Device().synchronize()
     print("sanitize case done")
     return 0 if paged_only or backward_only else pair_sanitize_case()

@@ -134,7 +134,7 @@ def _rel_err(out_bits, ref, valid):
 def _run_and_check(cupy, poisoned, graph_or_plan, graph, host, ref, head_dim):
     q, k, v, o, lse, do = (cupy.asarray(x) for x in host)
     out = (poisoned(q.shape, "bf16"), poisoned(k.shape, "bf16"), poisoned(k.shape, "bf16"))
-    dq, dk, dv = bwd.bsa_backward(q, k, v, o, lse, do, graph_or_plan, out=out)
+    dq, dk, dv = bwd.plan_backward(q, k, v, o, lse, do, graph_or_plan, out=out)
     assert dq is out[0] and dk is out[1] and dv is out[2]
     cupy.cuda.runtime.deviceSynchronize()
     errs = {}
@@ -207,7 +207,7 @@ def test_default_outputs_and_scale(rng):
     q, k, v, do = (cupy.asarray(x) for x in host)
     args = (q, k, v, cupy.asarray(o), cupy.asarray(lse), do, graph)
     for _ in range(2):
-        dq, dk, dv = bwd.bsa_backward(*args, scale=scale)
+        dq, dk, dv = bwd.plan_backward(*args, scale=scale)
         for name, got, want, valid in (
             ("dq", dq, ref[0], graph.q.valid),
             ("dk", dk, ref[1], graph.k.valid),
@@ -264,7 +264,7 @@ def test_bad_tensor_raises_before_launch(case, small_problem):
     make, exc, words = BAD_INPUTS[case]
     bad = make(cupy, graph, tensors)
     with pytest.raises(exc, match=words):
-        bwd.bsa_backward(bad["q"], bad["k"], bad["v"], bad["o"], bad["lse"], bad["do"], graph)
+        bwd.plan_backward(bad["q"], bad["k"], bad["v"], bad["o"], bad["lse"], bad["do"], graph)
 
 
 @pytest.mark.gpu
@@ -299,7 +299,7 @@ def test_bad_plan_raises_before_launch(case, small_problem, poisoned):
         bad, words = _graph(np.random.default_rng(0), other, other, heads=2), "slots"
     out = (poisoned(t["q"].shape, "bf16"), poisoned(t["k"].shape, "bf16"), poisoned(t["k"].shape, "bf16"))
     with pytest.raises(KernelValueError, match=words):
-        bwd.bsa_backward(t["q"], t["k"], t["v"], t["o"], t["lse"], t["do"], bad, out=out)
+        bwd.plan_backward(t["q"], t["k"], t["v"], t["o"], t["lse"], t["do"], bad, out=out)
     cupy.cuda.runtime.deviceSynchronize()
     for buf in out:  # nothing was launched: the poisoned buffers are untouched
         assert bool((buf == 0x7FC0).all())
@@ -339,4 +339,4 @@ def test_host_arrays_are_refused():
     graph = _graph(np.random.default_rng(2), lay, lay, heads=1)
     x = np.zeros((1, 1, 64, 64), dtype=np.uint16)
     with pytest.raises(KernelTypeError, match="q must be a cupy array"):
-        bwd.bsa_backward(x, x, x, x, np.zeros((1, 1, 64), np.float32), x, graph)
+        bwd.plan_backward(x, x, x, x, np.zeros((1, 1, 64), np.float32), x, graph)

@@ -68,14 +68,14 @@ def run_and_check(
 ):
     import cupy
 
-    from sparseattn.kernels.bsa_forward import bsa_forward
+    from sparseattn.kernels.bsa_mma_forward import bsa_mma_forward
 
     qb, kb, vb = random_qkv(rng, graph, batch, head_dim)
     q, k, v = (cupy.asarray(x) for x in (qb, kb, vb))
     o = poisoned(q.shape, "bf16")
     lse = poisoned(q.shape[:3], "float32")
     scale = float(rng.uniform(0.5, 1.5)) / np.sqrt(head_dim)
-    bsa_forward(q, k, v, plan if plan is not None else graph, scale=scale, out=(o, lse))
+    bsa_mma_forward(q, k, v, plan if plan is not None else graph, scale=scale, out=(o, lse))
     cupy.cuda.Device().synchronize()
 
     heads = np.arange(graph.heads) if heads_checked is None else np.asarray(heads_checked)
@@ -237,7 +237,7 @@ def _bad_plan(graph, field):
 def test_bad_input_raises_before_launch(small_case, poisoned, case, exc):
     import cupy
 
-    from sparseattn.kernels.bsa_forward import bsa_forward
+    from sparseattn.kernels.bsa_mma_forward import bsa_mma_forward
 
     graph, q, k, v = small_case
     target = graph
@@ -256,6 +256,6 @@ def test_bad_input_raises_before_launch(small_case, poisoned, case, exc):
     o = poisoned((1, 2, graph.q.num_slots, 64), "bf16")
     lse = poisoned((1, 2, graph.q.num_slots), "float32")
     with pytest.raises(exc):
-        bsa_forward(q, k, v, target, out=(o, lse))
+        bsa_mma_forward(q, k, v, target, out=(o, lse))
     cupy.cuda.Device().synchronize()
     assert bool((o == BF16_NAN).all()), "output written although the input was refused"

@@ -59,8 +59,8 @@ def _rel_err(got_bits, ref, valid, name):
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_builtin_workload_scaled(name, rng, poisoned):
     cupy = pytest.importorskip("cupy")
-    from sparseattn.kernels.bsa_backward import bsa_backward
-    from sparseattn.kernels.bsa_forward import bsa_forward
+    from sparseattn.kernels.bsa_backward import plan_backward
+    from sparseattn.kernels.bsa_mma_forward import bsa_mma_forward
 
     wl = scaled_workload(name)
     d = wl.head_dim
@@ -72,7 +72,7 @@ def test_builtin_workload_scaled(name, rng, poisoned):
         o_ref, lse_ref = attention_forward(qf, kf, vf, graph)
 
         o_gpu, lse_gpu = poisoned((1, h, sq, d), "bf16"), poisoned((1, h, sq), "float32")
-        bsa_forward(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), graph, out=(o_gpu, lse_gpu))
+        bsa_mma_forward(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), graph, out=(o_gpu, lse_gpu))
         valid = graph.q.valid
         err_o = _rel_err(o_gpu.get(), o_ref, valid, "o")
         lse = lse_gpu.get()[:, :, valid]
@@ -87,7 +87,7 @@ def test_builtin_workload_scaled(name, rng, poisoned):
             qf, kf, vf, bf16_bits_to_float(o_bits), lse32.astype(np.float64), dof, graph
         )
         outs = (poisoned(q.shape, "bf16"), poisoned(k.shape, "bf16"), poisoned(k.shape, "bf16"))
-        bsa_backward(*(cupy.asarray(x) for x in (q, k, v, o_bits, lse32, do)), graph, out=outs)
+        plan_backward(*(cupy.asarray(x) for x in (q, k, v, o_bits, lse32, do)), graph, out=outs)
         errs = {
             "o": err_o,
             "dq": _rel_err(outs[0].get(), dq_ref, graph.q.valid, "dq"),

@@ -118,7 +118,7 @@ def test_pair_plans_refuse_other_kernels(rng):
     """A plan with pair items runs only on the warp-specialized kernel: other implementations and the
     deterministic mode are refused before any launch."""
     cupy = pytest.importorskip("cupy")
-    from sparseattn.kernels.bsa_backward import bsa_backward
+    from sparseattn.kernels.bsa_backward import plan_backward
     from sparseattn.kernels.validate import KernelValueError
     from sparseattn.planning.cache import plan_of
 
@@ -130,7 +130,7 @@ def test_pair_plans_refuse_other_kernels(rng):
     args = [cupy.asarray(x) for x in host]
     for kwargs in ({"impl": "wgmma_sync"}, {"impl": "mma"}, {"deterministic": True}):
         with pytest.raises(KernelValueError, match="pair items"):
-            bsa_backward(*args, plan, **kwargs)
+            plan_backward(*args, plan, **kwargs)
 
 
 def reversed_plan(plan):

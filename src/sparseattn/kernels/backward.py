@@ -2,7 +2,9 @@
 
 :func:`kpage_backward` runs the K/V-owned KPage plan (``kpage_plan(graph, owner="kv")``: each CTA owns
 the live 16-row pages of a K/V block, routed to a 64- or 128-row tile, and streams the live Q pages of
-every Q block that selects it, packed across blocks), :func:`paged_backward` either plan. The kernel is
+every Q block that selects it, packed across blocks), :func:`bsa_backward` the K/V-owned logical-block
+BSA plan (``bsa_plan(graph, owner="kv")``), :func:`paged_backward` either plan; both take a
+:class:`~sparseattn.graph.HeadStack` (per-head layouts) as the forwards do. The kernel is
 the K/V-owned backward of :mod:`.bsa_backward` (dK/dV accumulated by the owning CTA, dQ by fp32 atomics
 or bulk reductions, or by 64-bit fixed-point integer atomics with ``deterministic=True``), on wgmma
 (``kernels_cu/paged_bwd.cu``) by default or on ``mma.sync`` (``impl="mma"``).
@@ -24,7 +26,7 @@ from ..planning.device import DevicePlans
 from ..planning.layout_pairs import backward_pairs_pay
 from ..planning.tile_plan import TilePlan, stack_head_plans
 from . import launch
-from .bsa_backward import bsa_backward, uses_dq_pass
+from .bsa_backward import plan_backward, uses_dq_pass
 from .validate import KernelTypeError, KernelValueError
 
 KINDS = ("kpage", "bsa")
@@ -59,7 +61,7 @@ def paged_backward(
             128-row pair items (:mod:`sparseattn.planning.pair_backward`; per head on a HeadStack,
             the default ``impl`` without ``deterministic``). ``"auto"`` takes pair items where
             :func:`backward_route` says so (64-row K/V blocks, the default kernel).
-        scale, out, impl, deterministic: as :func:`sparseattn.kernels.bsa_backward.bsa_backward`
+        scale, out, impl, deterministic: as :func:`sparseattn.kernels.bsa_backward.plan_backward`
             (``impl``: ``"wgmma"`` (default), another wgmma variant or the ``"mma"`` main kernel;
             ``deterministic``: dQ bit-identical from run to run, by the Q-owned dQ pass or fixed-point
             integer atomics).
@@ -97,7 +99,7 @@ def paged_backward(
         return _torch_backward(
             q, k, v, o, lse, do, plan, scale, out, kind, route, impl, deterministic, dq_plan
         )
-    return bsa_backward(
+    return plan_backward(
         q,
         k,
         v,
@@ -141,7 +143,7 @@ def _device_plans_backward(q, k, v, o, lse, do, plans: DevicePlans, scale, out, 
     def one(x):  # [batch, heads, slots, ...] as one batch of batch · heads heads (a view when contiguous)
         return x.reshape(1, b * h, *x.shape[2:])
 
-    bsa_backward(
+    plan_backward(
         *(one(x) for x in (q, k, v, o, lse, do)),
         plans.backward,
         scale=scale,
@@ -246,7 +248,7 @@ def _head_stack_backward(
         def one(x):  # [batch, heads, slots, ...] viewed as one head (no copy)
             return x.reshape(b, 1, heads * x.shape[2], *x.shape[3:])
 
-        bsa_backward(
+        plan_backward(
             *(one(x) for x in (q, k, v, o, lse, do)),
             plan,
             scale=scale,
@@ -302,7 +304,7 @@ def _torch_backward(
         elif isinstance(plan, HeadStack):
             _head_stack_backward(*inputs, plan, scale, tuple(outputs), kind, route, impl, deterministic)
         else:
-            bsa_backward(
+            plan_backward(
                 *inputs,
                 plan,
                 scale=scale,
@@ -330,6 +332,25 @@ def kpage_backward(
         out,
         kind="kpage",
         route=route,
+        impl=impl,
+        deterministic=deterministic,
+    )
+
+
+def bsa_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=None, deterministic=False):
+    """BSA backward (K/V-owned BSA plan, the kernels :func:`kpage_backward` runs); a
+    :class:`HeadStack` as for :func:`kpage_backward`; arguments and results as :func:`paged_backward`."""
+    return paged_backward(
+        q,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        graph_or_plan,
+        scale,
+        out,
+        kind="bsa",
         impl=impl,
         deterministic=deterministic,
     )

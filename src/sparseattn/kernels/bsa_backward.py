@@ -1,8 +1,11 @@
-"""BSA baseline backward: ``kernels_cu/bsa_bwd.cu`` behind a validating wrapper.
+"""The K/V-owned backward kernels behind one validating wrapper, :func:`plan_backward`, and the
+``mma.sync`` BSA baseline :func:`bsa_mma_backward` (benchmarked as ``bsa_mma``).
 
-K/V-owned FlashAttention-2-style backward with exact masking. The kernel executes any owner-``"kv"``
-:class:`~sparseattn.planning.TilePlan` whose owned tile height is 64 or 128 rows; given a
-:class:`~sparseattn.graph.SparseGraph` the wrapper builds (and caches) ``bsa_plan(graph, owner="kv")``.
+K/V-owned FlashAttention-2-style backward with exact masking. :func:`plan_backward` executes any
+owner-``"kv"`` :class:`~sparseattn.planning.TilePlan` whose owned tile height is 64 or 128 rows; given a
+:class:`~sparseattn.graph.SparseGraph` it builds (and caches) ``bsa_plan(graph, owner="kv")``. The public
+entry points sit on it: ``sparseattn.kpage_backward`` / ``sparseattn.bsa_backward``
+(:mod:`.backward`: graphs, HeadStacks, routes) and :func:`bsa_mma_backward`.
 
 Three launches per call (plus one main launch per route of the plan):
 
@@ -434,7 +437,7 @@ def _dq_pass(q, k, v, do, lse, delta, dq, dq_plan: TilePlan, sizes, scale) -> No
 
 
 def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
-    """Validate every argument of :func:`bsa_backward` (no launch).
+    """Validate every argument of :func:`plan_backward` (no launch).
 
     Returns ``(plan, scale, out_or_None, (q_pages, k_pages, device))``; the plan is checked against the
     tensor sizes too (page ids, heads, owner ``"kv"``, tile shapes).
@@ -474,10 +477,16 @@ def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
     return plan, scale, out, (q_pages, k_pages, device)
 
 
-def bsa_backward(
+def bsa_mma_backward(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
+    """The ``mma.sync`` BSA baseline backward: :func:`plan_backward` with ``impl="mma"`` (a graph runs
+    its K/V-owned BSA plan). Returns ``(dq, dk, dv)``."""
+    return plan_backward(q, k, v, o, lse, do, graph_or_plan, scale=scale, out=out, impl="mma")
+
+
+def plan_backward(
     q, k, v, o, lse, do, graph_or_plan, scale=None, out=None, impl=None, deterministic=False, dq_plan=None
 ):
-    """Gradients of block-sparse attention on the GPU for the loss ``Σ do · o``.
+    """Gradients of block-sparse attention on the GPU for the loss ``Σ do · o``, on one K/V-owned plan.
 
     Args:
         q: bf16 ``[batch, heads, q_slots, d]`` CuPy array (``uint16`` bf16 bits or a bfloat16 dtype),

@@ -1,4 +1,6 @@
-"""BSA baseline forward: ``kernels_cu/bsa_fwd.cu`` behind a validating wrapper.
+"""The ``mma.sync`` BSA baseline forward, :func:`bsa_mma_forward` (benchmarked as ``bsa_mma``):
+``kernels_cu/bsa_fwd.cu`` behind a validating wrapper. (``sparseattn.bsa_forward`` is the paged wgmma
+skeleton on the same BSA plan, :mod:`.forward`.)
 
 The kernel executes any owner-``"q"`` :class:`~sparseattn.planning.TilePlan` whose tile shapes it was
 instantiated for; given a :class:`~sparseattn.graph.SparseGraph` the wrapper builds (and caches) the
@@ -94,7 +96,7 @@ def _device_plan(plan: TilePlan, device: int) -> dict:
 
 
 def check_inputs(q, k, v, graph_or_plan, scale=None, out=None):
-    """Validate every argument of :func:`bsa_forward` (no launch); returns ``(plan, scale, o, lse)``
+    """Validate every argument of :func:`bsa_mma_forward` (no launch); returns ``(plan, scale, o, lse)``
     with ``o``/``lse`` the caller's buffers or ``None``."""
     check_tensor("q", q, dtype=BF16_DTYPE_NAMES, ndim=4)
     b, h, sq, d = (int(x) for x in q.shape)
@@ -122,8 +124,8 @@ def check_inputs(q, k, v, graph_or_plan, scale=None, out=None):
     return plan, scale, o, lse, (q_pages, k_pages, device)
 
 
-def bsa_forward(q, k, v, graph_or_plan, scale=None, out=None):
-    """Block-sparse attention forward on the GPU.
+def bsa_mma_forward(q, k, v, graph_or_plan, scale=None, out=None):
+    """Block-sparse attention forward on the GPU, on the ``mma.sync`` kernel.
 
     Args:
         q: bf16 ``[batch, heads, q_slots, d]`` CuPy array (``uint16`` bf16 bits or a bfloat16 dtype),
