@@ -206,7 +206,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) plan_items(
     const int runs = mode == PLAN_MODE_INTERLEAVED ? min(na, totals.x - na - ns) / chunk_pages : 0;
 
     int acc_len = 0, acc_c1 = 0, acc_c2 = 0;  // count pass: this lane's sums
-    int carry[5] = {0, 0, 0, 0, 0};            // write pass: pages of earlier words, by class
+    int carry[5] = {0, 0, 0, 0, 0};            // write pass: pages of earlier blocks, by class
     for (int w0 = 0; w0 < words; w0 += 32) {
         const int w = w0 + lane;
         // this lane's word of each member; a = selected by a slot of rows 0-63, b = of rows 64-127
@@ -219,46 +219,67 @@ extern "C" __global__ void __launch_bounds__(256, 1) plan_items(
             if (!halves || (mbits[m] & PLAN_HALF1)) b |= word[m];
         }
         const plan_u32 any = a | b;
-        // pages of this lane's word by class: 0 A only (all, when not halves), 1 both, 2 B only,
-        // 3 full, 4 partial (FULL_FIRST)
-        int n[5] = {0, 0, 0, 0, 0};
-        for (plan_u32 rest = any; rest; rest &= rest - 1) {
-            const plan_u32 bit = rest & (0u - rest);
-            const int j = w * 32 + __ffs(rest) - 1;
-            const int pages = t_first[j + 1] - t_first[j];
-            if (!halves) {
-                n[0] += pages;
-                n[3] += t_nfull[j];
-            } else {
-                const bool in_a = a & bit, in_b = b & bit;
-                n[0] += in_a && !in_b ? pages : 0;
-                n[1] += in_a && in_b ? pages : 0;
-                n[2] += in_b && !in_a ? pages : 0;
+        if (!write) {  // count: this lane's word, bit by bit
+            for (plan_u32 rest = any; rest; rest &= rest - 1) {
+                const plan_u32 bit = rest & (0u - rest);
+                const int j = w * 32 + __ffs(rest) - 1;
+                const int pages = t_first[j + 1] - t_first[j];
+                acc_len += pages;
+                if (mode == PLAN_MODE_FULL_FIRST) acc_c1 += t_nfull[j];
+                if (halves && (a & bit) && !(b & bit)) acc_c1 += pages;
+                if (halves && (a & bit) && (b & bit)) acc_c2 += pages;
             }
-        }
-        n[4] = n[0] - n[3];
-        if (!write) {
-            acc_len += n[0] + n[1] + n[2];
-            acc_c1 += mode == PLAN_MODE_FULL_FIRST ? n[3] : (halves ? n[0] : 0);
-            acc_c2 += n[1];
             continue;
         }
-        int before[5];
+        // Write: the selected blocks of these 32 words, 32 at a time, one per lane, in block order (each
+        // lane then writes its block's pages: balanced over lanes, nearby positions per store).
+        const int bits_incl = plan_warp_incl(__popc(any), lane);
+        const int bits_excl = bits_incl - __popc(any);
+        const int bits_total = __shfl_sync(0xffffffffu, bits_incl, 31);
+        for (int t0 = 0; t0 < bits_total; t0 += 32) {
+            const int t = t0 + lane;
+            int owner = 0;  // the lane whose word holds selected block t: the last one starting at or before t
 #pragma unroll
-        for (int c = 0; c < 5; ++c) {
-            const int incl = plan_warp_incl(n[c], lane);
-            before[c] = carry[c] + incl - n[c];
-            carry[c] += __shfl_sync(0xffffffffu, incl, 31);
-        }
-        for (plan_u32 rest = any; rest; rest &= rest - 1) {  // this lane's pages, blocks in order
-            const plan_u32 bit = rest & (0u - rest);
-            const int j = w * 32 + __ffs(rest) - 1;
-            const int cat = !halves ? 1 : ((a & bit) ? ((b & bit) ? 1 : 0) : 2);
-            plan_u32 vis = 0;  // the owned slots that see block j (INTERLEAVED work lists carry them)
-            if (mode == PLAN_MODE_INTERLEAVED) {
-#pragma unroll
-                for (int m = 0; m < PLAN_SLOTS; ++m) vis |= (word[m] & bit) ? mbits[m] : 0u;
+            for (int step = 16; step > 0; step >>= 1) {
+                if (__shfl_sync(0xffffffffu, bits_excl, owner + step) <= t) owner += step;
             }
+            const plan_u32 o_any = __shfl_sync(0xffffffffu, any, owner);
+            const plan_u32 o_a = __shfl_sync(0xffffffffu, a, owner);
+            const plan_u32 o_b = __shfl_sync(0xffffffffu, b, owner);
+            const int o_first = __shfl_sync(0xffffffffu, bits_excl, owner);
+            plan_u32 o_word[PLAN_SLOTS];
+#pragma unroll
+            for (int m = 0; m < PLAN_SLOTS; ++m) {
+                o_word[m] = mode == PLAN_MODE_INTERLEAVED ? __shfl_sync(0xffffffffu, word[m], owner) : 0u;
+            }
+            const bool valid = t < bits_total;
+            int j = 0, cat = 1, pages = 0, full = 0;
+            plan_u32 vis = 0;  // the owned slots that see block j (INTERLEAVED work lists carry them)
+            if (valid) {
+                const int pos = __fns(o_any, 0, t - o_first + 1);
+                const plan_u32 bit = 1u << pos;
+                j = (w0 + owner) * 32 + pos;
+                cat = !halves ? 1 : ((o_a & bit) ? ((o_b & bit) ? 1 : 0) : 2);
+                pages = t_first[j + 1] - t_first[j];
+                full = t_nfull[j];
+#pragma unroll
+                for (int m = 0; m < PLAN_SLOTS; ++m) vis |= (o_word[m] & bit) ? mbits[m] : 0u;
+            }
+            // this block's pages by class: 0 A only (all, when not halves), 1 both, 2 B only, 3 full, 4 partial
+            int n[5];
+            n[0] = !halves ? pages : (cat == 0 ? pages : 0);
+            n[1] = halves && cat == 1 ? pages : 0;
+            n[2] = halves && cat == 2 ? pages : 0;
+            n[3] = !halves ? full : 0;
+            n[4] = !halves ? pages - full : 0;
+            int before[5];
+#pragma unroll
+            for (int c = 0; c < 5; ++c) {
+                const int incl = plan_warp_incl(n[c], lane);
+                before[c] = carry[c] + incl - n[c];
+                carry[c] += __shfl_sync(0xffffffffu, incl, 31);
+            }
+            if (!valid) continue;
             for (int e = t_first[j]; e < t_first[j + 1]; ++e) {
                 const int page = t_pages[e];
                 const plan_u32 mask = t_mask[page];

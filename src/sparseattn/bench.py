@@ -490,11 +490,37 @@ def topk_selection(graph: SparseGraph, batch: int):
     return cupy.asarray(np.ascontiguousarray(idx)), cupy.asarray(np.ascontiguousarray(num))
 
 
+def _graph_replay_ms(timer: Timer, call):
+    """Median ms of ``call`` captured in a CUDA graph and replayed (its GPU time without the host's
+    launches); None without torch."""
+    torch = _torch()
+    if torch is None:
+        return None
+    from .kernels import launch
+
+    def in_torch():
+        with launch.torch_context():
+            return call()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        in_torch()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kept = in_torch()  # noqa: F841 - the graph's buffers live as long as its outputs
+    ms, _ = timer(graph.replay)
+    return ms
+
+
 def bench_device_plans(case: Case, timer: Timer, check: bool) -> list[dict]:
     """The device planner on the graph's selection given as top-k indices on the GPU (every batch entry
-    planned on its own): pass ``plan`` (impl ``kpage``): the forward and backward plans of one call
-    (``time_ms``) and the forward's alone (``forward_plan_ms``); pass ``fwd`` (impl ``kpage_device``): the
-    forward on the device plans, checked like ``kpage``'s."""
+    planned on its own): pass ``plan`` (impl ``kpage``): the forward and backward plans of one call, timed
+    eagerly (``time_ms``: CUDA events around the call, so it includes the GPU's wait for the host's
+    launches when those take longer), as a replayed CUDA graph (``gpu_ms``: the GPU's time) and on the host
+    (``host_us``: the call's CPU time), and the forward's alone (``forward_plan_ms``, eager); pass ``fwd``
+    (impl ``kpage_device``): the forward on the device plans, checked like ``kpage``'s."""
     from .kernels.forward import paged_forward
     from .planning.device import DevicePlanner
 
@@ -509,6 +535,12 @@ def bench_device_plans(case: Case, timer: Timer, check: bool) -> list[dict]:
     out = []
     plan_ms, _ = timer(lambda: planner.plan(idx, num))
     fwd_plan_ms, _ = timer(lambda: forward_only.plan(idx, num))
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        planner.plan(idx, num)
+    host_us = (time.perf_counter() - t0) / 20 * 1e6
+    gpu = _graph_replay_ms(timer, lambda: planner.plan(idx, num))
     route = "pair" if planner.forward.has_pairs else "auto"
     bwd_route = "pair" if planner.backward.has_pairs else "auto"
     out.append(
@@ -517,6 +549,8 @@ def bench_device_plans(case: Case, timer: Timer, check: bool) -> list[dict]:
             **{"pass": "plan"},
             time_ms=plan_ms,
             forward_plan_ms=fwd_plan_ms,
+            gpu_ms=gpu,
+            host_us=round(host_us, 1),
             route=route,
             bwd_route=bwd_route,
             selection=f"q2k_idx [batch, heads, q_blocks, {idx.shape[3]}]",

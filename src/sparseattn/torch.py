@@ -86,9 +86,10 @@ class DynamicSparseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, planner, q2k_idx, q2k_num, mask, scale, deterministic):
         from .kernels import launch
 
+        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
         q, k, v = (x.contiguous() for x in (q, k, v))
         with launch.torch_context():
-            plans = planner.plan(q2k_idx, q2k_num, mask=mask)
+            plans = planner.plan(q2k_idx, q2k_num, mask=mask, backward=needs_grad)
         o, lse = kpage_forward(q, k, v, plans, scale=scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.plans, ctx.scale, ctx.deterministic = plans, scale, deterministic

@@ -343,26 +343,30 @@ def _check_tensors(q, k, v, out):
     return b, h, sq, k.shape[2], d, device
 
 
-def _launch(q, k, v, wl: WorkList | DeviceWorkList, scale: float, o, lse, device: int):
-    """One launch of the persistent kernel; everything but the five tensors is prepared once per
-    (work list, device, tensor sizes, scale) and reused (a device planner's work list is new per call:
-    its arrays are on the device already, and its streams end at the planner's capacity)."""
+def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device: int):
+    """``(kernel, grid, shared memory, counter pointer, arguments after the five tensors)`` of one launch,
+    prepared once per (work list, device, tensor sizes, scale) and reused; None when there is no work (a
+    device planner's work list is new per call: its arrays are on the device already, and its streams
+    end at the planner's capacity). ``sizes``: (batch, heads, q_slots, k_slots, d)."""
     import cupy
 
-    b, h, sq, d = q.shape
-    sk = k.shape[2]
+    b, h, sq, sk, d = sizes
     on_device = isinstance(wl, DeviceWorkList)
     arrays = wl.arrays if on_device else launch.device_arrays(wl, device, wl.device_arrays)
-    key = (b, h, sq, sk, d, scale)
+    key = (sizes, scale)
     ready = arrays.get(key)
     if ready is None:
         if wl.num_work * b == 0:
-            return
+            return None
         smem = smem_bytes(d, wl.chunk)
         name = kernel_name(d, wl.chunk, pair=wl.has_visibility())
         fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS), smem)
-        with cupy.cuda.Device(device):
-            counter = cupy.zeros(1, dtype=cupy.int32)
+        if on_device:
+            counter = arrays["counter"]
+        else:
+            with cupy.cuda.Device(device):
+                arrays["counter array"] = cupy.zeros(1, dtype=cupy.int32)
+            counter = np.uint64(arrays["counter array"].data.ptr)
         values = dict(
             work_info=arrays["work_info"],
             work_order=arrays["work_order"],
@@ -379,10 +383,23 @@ def _launch(q, k, v, wl: WorkList | DeviceWorkList, scale: float, o, lse, device
         )
         rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
         grid = (min(launch.sm_count(device), wl.num_work * b),)
-        ready = arrays[key] = (fn, grid, smem, counter, rest)
+        ready = arrays[key] = (fn, grid, smem, int(counter), rest)
+    return ready
+
+
+def _launch(q, k, v, wl: WorkList | DeviceWorkList, scale: float, o, lse, device: int, sizes=None):
+    """One launch of the persistent kernel on the current stream; the tensors are CuPy arrays, or raw
+    pointers with their ``sizes`` (batch, heads, q_slots, k_slots, d)."""
+    import cupy
+
+    if sizes is None:
+        b, h, sq, d = q.shape
+        sizes = (b, h, sq, k.shape[2], d)
+    ready = _prepared(wl, sizes, scale, device)
+    if ready is None:
+        return
     fn, grid, smem, counter, rest = ready
-    stream = cupy.cuda.get_current_stream()
-    cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, 4, stream.ptr)
+    cupy.cuda.runtime.memsetAsync(counter, 0, 4, cupy.cuda.get_current_stream().ptr)
     fn(grid, (THREADS,), (q, k, v, o, lse) + rest, shared_mem=smem)
 
 
@@ -461,8 +478,50 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
     return o, lse
 
 
+def _torch_device_forward(q, k, v, plans: DevicePlans, scale, out):
+    """The device plans' forward on torch tensors in a few attribute reads and one launch (raw pointers,
+    no DLPack views); None when anything is unusual (the general path then names what is wrong)."""
+    import torch
+
+    try:
+        b, h, sq, d = q.shape
+        sk = k.shape[2]
+        dev = q.device
+        ok = (
+            q.dtype == k.dtype == v.dtype == torch.bfloat16
+            and dev.type == "cuda"
+            and k.device == dev
+            and v.device == dev
+            and k.shape == v.shape == (b, h, sk, d)
+            and d in HEAD_DIMS
+            and (b, h, sq, sk) == (plans.batch, plans.heads, plans.q_slots, plans.k_slots)
+            and q.is_contiguous()
+            and k.is_contiguous()
+            and v.is_contiguous()
+            and out is None
+        )
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if not ok:
+        return None
+    scale = check_scale(scale, d)
+    o = torch.zeros_like(q)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=dev)
+    ptr = lambda x: np.uint64(x.data_ptr())
+    with launch.torch_stream():
+        _launch(
+            ptr(q), ptr(k), ptr(v), plans.forward, scale, ptr(o), ptr(lse), dev.index, (1, b * h, sq, sk, d)
+        )
+    return o, lse
+
+
 def _torch_forward(q, k, v, graph_or_plan, scale, out, kind, route):
     import torch
+
+    if isinstance(graph_or_plan, DevicePlans):
+        fast = _torch_device_forward(q, k, v, graph_or_plan, scale, out)
+        if fast is not None:
+            return fast
 
     if out is None:
         out = (

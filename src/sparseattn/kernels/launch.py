@@ -94,16 +94,28 @@ def torch_views(tensors: dict, out, out_names: tuple[str, ...], out_like: str) -
     return inputs, [torch_to_cupy(name, x) for name, x in zip(out_names, out)]
 
 
+_EXTERNAL_STREAMS: dict = {}
+
+
 def torch_stream():
-    """CuPy handle of torch's current CUDA stream (use as a context manager around launches)."""
+    """CuPy handle of torch's current CUDA stream (use as a context manager around launches); one handle
+    per torch stream, made once."""
     import cupy
     import torch
 
     stream = torch.cuda.current_stream()
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)  # CuPy >= 14 (ExternalStream deprecated)
-    if from_external is not None and hasattr(stream, "__cuda_stream__"):
-        return from_external(stream)
-    return cupy.cuda.ExternalStream(stream.cuda_stream)
+    key = (stream.device_index, stream.cuda_stream)
+    handle = _EXTERNAL_STREAMS.get(key)
+    if handle is None:
+        from_external = getattr(
+            cupy.cuda.Stream, "from_external", None
+        )  # CuPy >= 14 (ExternalStream deprecated)
+        if from_external is not None and hasattr(stream, "__cuda_stream__"):
+            handle = from_external(stream)
+        else:
+            handle = cupy.cuda.ExternalStream(stream.cuda_stream)
+        _EXTERNAL_STREAMS[key] = handle
+    return handle
 
 
 def _torch_malloc(size: int):

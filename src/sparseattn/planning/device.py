@@ -134,13 +134,49 @@ class DeviceTemplate:
         return self.segments[key]
 
 
+class Arena:
+    """The buffers of one call in one device allocation: ``buffer(name)`` is a raw device pointer
+    (``numpy.uint64``, what kernels take), ``view(name)`` a CuPy array over it (for tests and checks)."""
+
+    ALIGN = 256
+
+    def __init__(self, specs: dict):
+        self.specs, offset = {}, 0
+        for name, (shape, dtype) in specs.items():
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            self.specs[name] = (offset, tuple(int(x) for x in shape), np.dtype(dtype))
+            offset += -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        self.nbytes = offset
+        self.memory = None
+
+    def allocate(self) -> Arena:
+        """A fresh allocation (CuPy's allocator: torch's inside :func:`~sparseattn.kernels.launch.torch_context`)."""
+        import cupy
+
+        out = Arena.__new__(Arena)
+        out.specs, out.nbytes = self.specs, self.nbytes
+        out.memory = cupy.empty(self.nbytes, dtype=cupy.uint8)
+        out.base = int(out.memory.data.ptr)
+        return out
+
+    def buffer(self, name: str) -> np.uint64:
+        return np.uint64(self.base + self.specs[name][0])
+
+    def view(self, name: str):
+        import cupy
+
+        offset, shape, dtype = self.specs[name]
+        return cupy.ndarray(shape, dtype, memptr=self.memory.data + offset)
+
+
 @dataclass(frozen=True, eq=False)
 class DeviceWorkList:
     """A forward work list in device memory (what ``paged_fwd.cu`` reads), built by the device planner.
 
-    ``arrays``: ``work_info`` int32 ``[W, 4]``, ``work_order`` int32 ``[W]``, ``own_entries`` int32
-    ``[W, 8, 2]``, ``stream_entries`` int32 ``[capacity, 2]`` (the first entries used); ``num_work`` and
-    ``heads`` (batch · heads) are fixed by the layouts, the streams' lengths live on the device."""
+    ``arrays``: raw pointers to ``work_info`` int32 ``[W, 4]``, ``work_order`` int32 ``[W]``,
+    ``own_entries`` int32 ``[W, 8, 2]``, ``stream_entries`` int32 ``[capacity, 2]`` (the first entries used),
+    ``counter`` int32 (the persistent kernel's item counter); ``num_work`` and ``heads`` (batch · heads) are
+    fixed by the layouts, the streams' lengths live on the device. ``arena`` holds the memory."""
 
     arrays: dict
     num_work: int
@@ -148,6 +184,7 @@ class DeviceWorkList:
     chunk: int
     pair: bool
     stream_total: int
+    arena: Arena
 
     def has_visibility(self) -> bool:
         return self.pair
@@ -156,9 +193,10 @@ class DeviceWorkList:
 @dataclass(frozen=True, eq=False)
 class DeviceOwnedPlan:
     """A K/V-owned backward plan (or the dQ pass's Q-owned plan) in device memory, in the format of
-    :meth:`~.tile_plan.TilePlan.device_arrays`: ``work_head``, ``own_pages`` ``[W, 8]``, ``stream_indptr``
-    ``[W + 1]``, ``stream_pages``, page masks, and ``pair_pages`` ``[capacity, 3]`` with pair items.
-    ``launches``: ``(route, first item, stop, pair)`` per launch (layout-fixed)."""
+    :meth:`~.tile_plan.TilePlan.device_arrays`: raw pointers to ``work_head``, ``own_pages`` ``[W, 8]``,
+    ``stream_indptr`` ``[W + 1]``, ``stream_pages``, the page masks, and ``pair_pages`` ``[capacity, 3]``
+    with pair items (else None). ``launches``: ``(route, first item, stop, pair)`` per launch
+    (layout-fixed); ``uncovered``: the owner pages no item owns (int32, on the device) or None."""
 
     arrays: dict
     owner: str
@@ -169,6 +207,7 @@ class DeviceOwnedPlan:
     own_stride: int
     uncovered: object
     uncovered_count: int
+    arena: Arena
 
     def route_ranges(self) -> list[tuple[int, int]]:
         """``(start, stop)`` of each route's items (keys are route-major, so each route is contiguous)."""
@@ -187,7 +226,7 @@ class DeviceOwnedPlan:
 class DevicePlans:
     """Every plan of one call: the forward work list, the backward's K/V-owned plan and (when the
     backward computes dQ in a Q-owned pass) its plan; ``batch``/``heads`` of the selection, the slot
-    counts of the layouts; ``status`` int32 ``[2]`` on the device: invalid selection entries, streams cut
+    counts of the layouts; ``arena.view("status")`` int32 ``[2]``: invalid selection entries, streams cut
     at the capacity."""
 
     forward: DeviceWorkList
@@ -197,11 +236,15 @@ class DevicePlans:
     heads: int
     q_slots: int
     k_slots: int
-    status: object
+    arena: Arena
+
+    def view(self, part: str, name: str):
+        """A CuPy view of one of the plans' arrays (``part``: ``"forward"``, ``"backward"``, ``"dq"``)."""
+        return self.arena.view(f"{part}.{name}")
 
     def check(self) -> None:
         """Raise if the selection held invalid entries or a stream outgrew its buffer (synchronises)."""
-        invalid, overflow = (int(x) for x in self.status.get())
+        invalid, overflow = (int(x) for x in self.arena.view("status").get())
         if invalid:
             raise PlanError(
                 f"the selection holds {invalid} invalid entries (q2k_idx outside [0, k_blocks) or q2k_num "
@@ -330,9 +373,52 @@ class DevicePlanner:
             )
         return cap
 
-    def plan(self, q2k_idx=None, q2k_num=None, *, mask=None) -> DevicePlans:
+    def _arena(self, bh: int, k: int, backward: bool) -> Arena:
+        """The buffers of a call with ``bh`` heads and selections of width ``k`` (built once per shape)."""
+        key = ("arena", bh, k, backward)
+        arena = self._devices.get(key)
+        if arena is None:
+            i32, u32 = np.int32, np.uint32
+            nq, nk = self.q_blocks, self.k_blocks
+            specs = {"status": ((2,), i32), "bitmap": ((bh, nq, _words(nk)), u32)}
+            t = self.forward
+            n, cap = bh * t.num_items, self.capacity(t, bh, k)
+            specs.update(
+                {
+                    "forward.cnt": ((n, 4), i32),
+                    "forward.begin": ((n + 1,), i32),
+                    "forward.work_info": ((n, 4), i32),
+                    "forward.work_order": ((n,), i32),
+                    "forward.own_entries": ((n, SLOTS, 2), i32),
+                    "forward.stream_entries": ((cap, 2), i32),
+                    "forward.counter": ((1,), i32),
+                }
+            )
+            if backward and self.backward is not None:
+                specs["bitmap_t"] = ((bh, nk, _words(nq)), u32)
+            for part, t in (("backward", self.backward), ("dq", self.dq)):
+                if t is None or not backward:
+                    continue
+                n, cap = bh * t.num_items, self.capacity(t, bh, k)
+                specs.update(
+                    {
+                        f"{part}.cnt": ((n, 4), i32),
+                        f"{part}.head_major": ((n,), i32),
+                        f"{part}.order": ((n,), i32),
+                        f"{part}.stream_indptr": ((n + 1,), i32),
+                        f"{part}.work_head": ((n,), i32),
+                        f"{part}.own_pages": ((n, SLOTS), i32),
+                        f"{part}.stream_pages": ((cap,), i32),
+                    }
+                )
+                if t.has_pairs:
+                    specs[f"{part}.pair_pages"] = ((cap, 3), i32)
+            arena = self._devices[key] = Arena(specs)
+        return arena
+
+    def plan(self, q2k_idx=None, q2k_num=None, *, mask=None, backward: bool = True) -> DevicePlans:
         """The plans of one selection, enqueued on the current stream (CuPy's; torch's inside
-        :func:`sparseattn.kernels.launch.torch_context`).
+        :func:`sparseattn.kernels.launch.torch_context`), in one new device allocation.
 
         Args:
             q2k_idx: int32 ``[batch, heads, q_blocks, k]``: the K blocks each Q block selects (the VSA
@@ -340,6 +426,7 @@ class DevicePlanner:
             q2k_num: int32 ``[batch, heads, q_blocks]``: how many of them are used; or
             mask: bool ``[batch, heads, q_blocks, k_blocks]``.
             CuPy arrays or torch CUDA tensors, C-contiguous.
+            backward: also the backward's plans (when the planner has them); False for inference.
         """
         import cupy
 
@@ -364,18 +451,21 @@ class DevicePlanner:
         bh = batch * heads
         if bh == 0:
             raise KernelValueError("the selection has no (batch, head) rows")
+        backward = bool(backward) and self.backward is not None
         tables = self._uploaded(device)
         fwd = tables["forward"]
         wq, wk = _words(nk), _words(nq)
         with cupy.cuda.Device(device):
+            arena = self._arena(bh, k, backward).allocate()
+            buf = arena.buffer
+            status, bitmap = buf("status"), buf("bitmap")
+            # status and (for top-k) the bitmap are zeroed in one memset: they lie back to back
+            zeroed = arena.specs["bitmap"][0] + (0 if mask is not None else bh * nq * wq * 4)
             stream = cupy.cuda.get_current_stream()
-            status = cupy.zeros(2, dtype=cupy.int32)
-            invalid, overflow = status[0:1], status[1:2]
-            bitmap = cupy.empty((bh, nq, wq), dtype=cupy.uint32)
+            cupy.cuda.runtime.memsetAsync(int(status), 0, zeroed, stream.ptr)
             if mask is not None:
                 P.bitmap_from_mask(mask_arg, bh * nq, nq, nk, wq, fwd.owner_alive, fwd.stream_alive, bitmap)
             else:
-                cupy.cuda.runtime.memsetAsync(bitmap.data.ptr, 0, bitmap.nbytes, stream.ptr)
                 P.bitmap_from_topk(
                     idx_arg,
                     num_arg,
@@ -387,37 +477,40 @@ class DevicePlanner:
                     fwd.owner_alive,
                     fwd.stream_alive,
                     bitmap,
-                    invalid,
+                    status,
                 )
-            forward = self._forward(fwd, bitmap, bh, k, overflow)
-            backward = dq = None
-            if self.backward is not None:
-                bitmap_t = cupy.empty((bh, nk, wk), dtype=cupy.uint32)
+            overflow = np.uint64(int(status) + 4)
+            forward = self._forward(fwd, arena, bitmap, bh, k, overflow)
+            owned = {"backward": None, "dq": None}
+            if backward:
+                bitmap_t = buf("bitmap_t")
                 P.bitmap_transpose(bitmap, bh, nq, nk, wq, wk, bitmap_t)
-                backward = self._owned(tables["backward"], bitmap_t, nk, wk, bh, k, overflow)
-            if self.dq is not None:
-                dq = self._owned(tables["dq"], bitmap, nq, wq, bh, k, overflow)
-        return DevicePlans(forward, backward, dq, batch, heads, self.q.num_slots, self.k.num_slots, status)
+                owned["backward"] = self._owned(
+                    "backward", tables["backward"], arena, bitmap_t, nk, wk, bh, k, overflow
+                )
+                if self.dq is not None:
+                    owned["dq"] = self._owned("dq", tables["dq"], arena, bitmap, nq, wq, bh, k, overflow)
+        return DevicePlans(
+            forward, owned["backward"], owned["dq"], batch, heads, self.q.num_slots, self.k.num_slots, arena
+        )
 
-    def _forward(self, dev: DeviceTemplate, bitmap, bh: int, k: int, overflow) -> DeviceWorkList:
-        import cupy
-
+    def _forward(
+        self, dev: DeviceTemplate, arena: Arena, bitmap, bh: int, k: int, overflow
+    ) -> DeviceWorkList:
         from ..kernels import planner as P
 
         t = dev.template
         n = bh * t.num_items
         cap = self.capacity(t, bh, k)
         chunk_pages = t.chunk // PAGE_ROWS
-        cnt = cupy.empty((max(n, 1), 4), dtype=cupy.int32)
-        words = bitmap.shape[2]
+        buf = lambda name: arena.buffer("forward." + name)
+        cnt = buf("cnt")
+        words = _words(self.k_blocks)
         P.items(bitmap, t.owner_blocks, words, bh, dev.tables, chunk_pages, False, P.OUT_WORK_LIST, cnt)
-        begin = cupy.empty(n + 1, dtype=cupy.int32)
-        P.scan(cnt, n, cap, begin, overflow)
+        P.scan(cnt, n, cap, buf("begin"), overflow)
         arrays = {
-            "work_info": cupy.empty((max(n, 1), 4), dtype=cupy.int32),
-            "work_order": cupy.empty(max(n, 1), dtype=cupy.int32),
-            "own_entries": cupy.empty((max(n, 1), SLOTS, 2), dtype=cupy.int32),
-            "stream_entries": cupy.empty((max(cap, 1), 2), dtype=cupy.int32),
+            name: buf(name)
+            for name in ("work_info", "work_order", "own_entries", "stream_entries", "counter")
         }
         P.items(
             bitmap,
@@ -429,7 +522,7 @@ class DevicePlanner:
             True,
             P.OUT_WORK_LIST,
             cnt,
-            base=begin,
+            base=buf("begin"),
             cap=cap,
             work_info=arrays["work_info"],
             own_entries=arrays["own_entries"],
@@ -447,10 +540,19 @@ class DevicePlanner:
             items_per_head=t.num_items,
             chunk_pages=chunk_pages,
         )
-        return DeviceWorkList(arrays, n, bh, t.chunk, t.has_pairs, cap)
+        return DeviceWorkList(arrays, n, bh, t.chunk, t.has_pairs, cap, arena)
 
     def _owned(
-        self, dev: DeviceTemplate, rows, row_blocks: int, words: int, bh: int, k: int, overflow
+        self,
+        part: str,
+        dev: DeviceTemplate,
+        arena: Arena,
+        rows,
+        row_blocks: int,
+        words: int,
+        bh: int,
+        k: int,
+        overflow,
     ) -> DeviceOwnedPlan:
         import cupy
 
@@ -459,26 +561,24 @@ class DevicePlanner:
         t = dev.template
         n = bh * t.num_items
         cap = self.capacity(t, bh, k)
-        cnt = cupy.empty((max(n, 1), 4), dtype=cupy.int32)
+        buf = lambda name: arena.buffer(f"{part}.{name}")
+        cnt = buf("cnt")
         P.items(rows, row_blocks, words, bh, dev.tables, 0, False, P.OUT_TILE_PLAN, cnt)
         per, tails, launches = dev.launch_segments(bh)
-        head_major = cupy.empty(max(n, 1), dtype=cupy.int32)
+        head_major, order = buf("head_major"), buf("order")
         largest = max((c for _, _, c, _ in t.launches), default=0)
         P.segment_sort(per, per.shape[0], largest, cnt, head_major, P.KEY_LEN)
-        order = head_major.copy()  # the tails re-sorted over all heads
+        # the order: the head-major one with each launch's tail re-sorted over all heads
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(
+            int(order), int(head_major), 4 * n, cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr
+        )
         P.segment_sort(tails, tails.shape[0], TAIL_ITEMS, cnt, order, P.KEY_LEN, indirect=head_major)
-        indptr = cupy.empty(n + 1, dtype=cupy.int32)
-        P.scan(cnt, n, cap, indptr, overflow, perm=order)
-        arrays = {
-            "work_head": cupy.empty(max(n, 1), dtype=cupy.int32),
-            "own_pages": cupy.empty((max(n, 1), SLOTS), dtype=cupy.int32),
-            "stream_indptr": indptr,
-            "stream_pages": cupy.empty(max(cap, 1), dtype=cupy.int32),
-            "own_page_mask": dev.tables["o_mask"],
-            "stream_page_mask": dev.tables["t_mask"],
-            "pair_pages": cupy.empty((max(cap, 1), 3), dtype=cupy.int32) if t.has_pairs else None,
-            "order": order,
-        }
+        P.scan(cnt, n, cap, buf("stream_indptr"), overflow, perm=order)
+        names = ("work_head", "own_pages", "stream_indptr", "stream_pages", "order")
+        arrays = {name: buf(name) for name in names}
+        arrays["pair_pages"] = buf("pair_pages") if t.has_pairs else None
+        arrays["own_page_mask"], arrays["stream_page_mask"] = dev.tables["o_mask"], dev.tables["t_mask"]
         P.items(
             rows,
             row_blocks,
@@ -489,7 +589,7 @@ class DevicePlanner:
             True,
             P.OUT_TILE_PLAN,
             cnt,
-            base=indptr,
+            base=arrays["stream_indptr"],
             perm=order,
             cap=cap,
             work_head=arrays["work_head"],
@@ -508,4 +608,5 @@ class DevicePlanner:
             own_stride=SLOTS,
             uncovered=dev.uncovered,
             uncovered_count=dev.uncovered_count,
+            arena=arena,
         )
