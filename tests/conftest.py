@@ -2,6 +2,11 @@
 
 * ``--require-gpu``: tests marked ``gpu`` FAIL (instead of skipping) when CuPy or a usable CUDA
   device is missing, so a broken driver on the GPU machine cannot pass silently.
+* kernel warm-up: when GPU tests run (``-m gpu``, ``--require-gpu`` or paths under ``tests/gpu``) and
+  CuPy is installed, the pytest process (the xdist controller, before any worker starts) compiles every
+  kernel module once into CuPy's on-disk cache (:mod:`sparseattn.kernels.warmup`, the modules in
+  parallel), so the workers load cubins instead of each compiling every kernel;
+  ``SPARSEATTN_KERNEL_WARMUP=0`` skips it. The report header says what it took.
 * ``rng``: a numpy Generator with a fresh seed per test (printed; set ``SPARSEATTN_SEED`` to replay).
 * ``poisoned``: allocates NaN-filled CuPy output buffers (bf16 as uint16 bits, or float dtypes).
 """
@@ -9,8 +14,10 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import secrets
+import time
 
 import numpy as np
 import pytest
@@ -48,10 +55,43 @@ def gpu_status() -> tuple[bool, str]:
         return False, f"CUDA device not usable ({type(exc).__name__}: {exc})"
 
 
+def _gpu_tests_selected(config) -> bool:
+    markexpr = config.getoption("markexpr", "") or ""
+    if "gpu" in markexpr:
+        return "not gpu" not in markexpr
+    return bool(config.getoption("--require-gpu")) or any(
+        "tests/gpu" in str(arg).replace(os.sep, "/") for arg in config.args
+    )
+
+
+def pytest_configure(config):
+    """Kernel warm-up, once per run in the controller (xdist workers have ``workerinput``)."""
+    if hasattr(config, "workerinput") or not _gpu_tests_selected(config):
+        return
+    from sparseattn.kernels import warmup
+
+    if not warmup.enabled():
+        config._sparseattn_warmup = f"skipped ({warmup.ENV_SWITCH}=0)"
+        return
+    if importlib.util.find_spec("cupy") is None:
+        config._sparseattn_warmup = "skipped (no CuPy)"
+        return
+    t0 = time.perf_counter()
+    results = warmup.warm_up()
+    failed = [r for r in results if not r.ok]
+    note = f"{len(results) - len(failed)}/{len(results)} modules in {time.perf_counter() - t0:.1f} s"
+    if failed:  # the tests that launch them report the compile error themselves
+        note += f"; failed: {failed[0].build.source}: {failed[0].error}"
+    config._sparseattn_warmup = note
+
+
 def pytest_report_header(config):
     ok, reason = gpu_status()
     required = config.getoption("--require-gpu")
-    return f"sparseattn GPU: {'yes' if ok else 'no'} ({reason}); --require-gpu={required}"
+    lines = [f"sparseattn GPU: {'yes' if ok else 'no'} ({reason}); --require-gpu={required}"]
+    if hasattr(config, "_sparseattn_warmup"):
+        lines.append(f"sparseattn kernel warm-up (CuPy cache): {config._sparseattn_warmup}")
+    return lines
 
 
 def pytest_runtest_setup(item):

@@ -129,6 +129,11 @@ def _defines(prefix: str) -> tuple[str, ...]:
     return tuple(n for n in _variant if n.startswith(prefix))
 
 
+def kernel_defines(source: str) -> tuple[str, ...]:
+    """The macros ``source`` is compiled with now (the variant in force): what :mod:`.warmup` compiles."""
+    return _defines("PQ_" if source == PER_QUERY_SOURCE else "PW_")
+
+
 def variant() -> tuple[str, ...]:
     """The compile-time variant in force for ``pw_union_fwd.cu`` (empty: the default build)."""
     return _variant

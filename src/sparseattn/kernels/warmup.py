@@ -27,7 +27,7 @@ import os
 import pkgutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from . import runtime
@@ -68,7 +68,9 @@ class BuildResult:
 def _wrapper_modules() -> list[str]:
     import sparseattn.kernels as pkg
 
-    names = [f"{pkg.__name__}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if m.name not in _NOT_WRAPPERS]
+    names = [
+        f"{pkg.__name__}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if m.name not in _NOT_WRAPPERS
+    ]
     return sorted(names) + list(EXTRA_MODULES)
 
 
@@ -124,9 +126,9 @@ def warm_up(selected: list[Build] | None = None, jobs: int | None = None, log=No
             done(i, _run_one(build))
     else:  # spawned: no fork of a process that may hold a CUDA context
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_run_one, build) for build in todo]
-            for i, future in enumerate(futures):
-                done(i, future.result())
+            futures = {pool.submit(_run_one, build): i for i, build in enumerate(todo)}
+            for future in as_completed(futures):
+                done(futures[future], future.result())
     return [results[i] for i in range(len(todo))]
 
 
@@ -136,7 +138,9 @@ def enabled() -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sparseattn.kernels.warmup", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m sparseattn.kernels.warmup", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--list", action="store_true", help="list the builds, compile nothing")
     parser.add_argument("--jobs", type=int, default=None, help="processes (default: one per build)")
     args = parser.parse_args(argv)

@@ -20,6 +20,8 @@ from .grouping import DEFAULT_GROUP_SIZE, DEFAULT_WINDOW, Grouping, GroupingErro
 
 KERNEL_SOURCE = "pw_grouping.cu"
 KERNELS = ("pw_affinity_group", "pw_group_offsets")
+#: The module as :mod:`sparseattn.kernels.warmup` compiles it (the tuple :func:`_kernels` launches with).
+SOURCE, NAME_EXPRESSIONS = KERNEL_SOURCE, KERNELS
 #: Shared memory a CTA may use on the H200 (227 KB opt-in).
 MAX_SHARED_BYTES = 227 * 1024
 SCAN_THREADS = 1024
