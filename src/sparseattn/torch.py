@@ -83,10 +83,9 @@ class DynamicSparseAttention(torch.autograd.Function):
     work list, backward plans), the KPage (or BSA) kernels, autograd."""
 
     @staticmethod
-    def forward(ctx, q, k, v, planner, q2k_idx, q2k_num, mask, scale, deterministic):
+    def forward(ctx, q, k, v, planner, q2k_idx, q2k_num, mask, scale, deterministic, needs_grad):
         from .kernels import launch
 
-        needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
         q, k, v = (x.contiguous() for x in (q, k, v))
         with launch.torch_context():
             plans = planner.plan(q2k_idx, q2k_num, mask=mask, backward=needs_grad)
@@ -112,7 +111,13 @@ class DynamicSparseAttention(torch.autograd.Function):
             impl=ctx.impl,
             deterministic=ctx.deterministic,
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd will ask for gradients (decided outside the Function: its forward runs without
+    grad mode): the backward's plans are made only then."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
 
 def _planner(layout, k_layout, kind, route, deterministic, max_selected):
@@ -158,7 +163,9 @@ def block_sparse_attention(
         ``(o, lse)``: ``o`` like ``q`` (padding rows zero), ``lse`` float32 ``[batch, heads, q_slots]``.
     """
     planner = _planner(layout, k_layout, kind, route, deterministic, None)
-    return DynamicSparseAttention.apply(q, k, v, planner, q2k_idx, q2k_num, None, scale, deterministic)
+    return DynamicSparseAttention.apply(
+        q, k, v, planner, q2k_idx, q2k_num, None, scale, deterministic, _needs_grad(q, k, v)
+    )
 
 
 def block_sparse_attention_mask(
@@ -178,7 +185,9 @@ def block_sparse_attention_mask(
     """:func:`block_sparse_attention` of a block mask: bool ``[batch, heads, q_blocks, k_blocks]`` on the GPU.
     ``max_selected``: the most blocks a Q block selects (sizes the plan buffers; default all)."""
     planner = _planner(layout, k_layout, kind, route, deterministic, max_selected)
-    return DynamicSparseAttention.apply(q, k, v, planner, None, None, mask, scale, deterministic)
+    return DynamicSparseAttention.apply(
+        q, k, v, planner, None, None, mask, scale, deterministic, _needs_grad(q, k, v)
+    )
 
 
 def _block_weights(layout, device):
