@@ -22,6 +22,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -297,7 +298,7 @@ class OccupancyReport:
     workload: str
     layers: int
     counts: PairCounts
-    fill: BlockFill
+    fill: BlockFill | None  # None when the analysis was asked for counts only (``fill=False``)
     head_dim: int | None = None
     description: str = ""
 
@@ -391,7 +392,9 @@ def analyze_graphs(
     return report
 
 
-def _report(graphs, workload="", layers=1, route="auto", head_dim=None, description="") -> OccupancyReport:
+def _report(
+    graphs, workload="", layers=1, route="auto", head_dim=None, description="", fill=True
+) -> OccupancyReport:
     graphs = [graphs] if isinstance(graphs, SparseGraph) else graphs
     try:
         graphs = list(graphs)
@@ -403,16 +406,17 @@ def _report(graphs, workload="", layers=1, route="auto", head_dim=None, descript
     if head_dim is not None:
         head_dim = _check_positive_int("head_dim", head_dim)
     route = parse_route(route)
-    counts, fill = [], None
+    counts, fills = [], None
     for g in graphs:
         if not isinstance(g, SparseGraph):
             raise AnalysisError(f"graph must be a SparseGraph, got {type(g).__name__}")
         stats = _k_pair_stats(g)
         counts.append(_graph_counts(g, route, *stats))
-        fill = _graph_fill(g, *stats) if fill is None else fill + _graph_fill(g, *stats)
+        if fill:
+            fills = _graph_fill(g, *stats) if fills is None else fills + _graph_fill(g, *stats)
     counts = PairCounts.concat(counts)
     name = workload or graphs[0].name
-    return OccupancyReport(name, layers, counts, fill, head_dim, description)
+    return OccupancyReport(name, layers, counts, fills, head_dim, description)
 
 
 def analyze_workload(workload, seed: int = 0, route="auto") -> OccupancyReport:
@@ -479,21 +483,27 @@ def _tasks(slices: list[_Slice], seed: int) -> list[list[int]]:
     return sorted(tasks, key=lambda t: -sum(slices[i].cost for i in t))
 
 
-def _analyze_slice(part: _Slice, seed: int, route) -> tuple[PairCounts, BlockFill]:
+def _analyze_slice(part: _Slice, seed: int, route, fill: bool = True) -> tuple[PairCounts, BlockFill | None]:
     w = part.workload
     graphs = w.graphs(seed=seed) if part.heads is None else w.graphs(seed=seed, heads=part.heads, workers=1)
-    report = _report(graphs, getattr(w, "name", ""), route=route)
+    report = _report(graphs, getattr(w, "name", ""), route=route, fill=fill)
     return report.counts, report.fill
 
 
-def _analyze_task(task) -> list[tuple[PairCounts, BlockFill]]:
-    parts, seed, route = task
+def _analyze_task(task) -> list[tuple[PairCounts, BlockFill | None]]:
+    parts, seed, route, fill = task
     with reuse_factors():
-        return [_analyze_slice(part, seed, route) for part in parts]
+        return [_analyze_slice(part, seed, route, fill) for part in parts]
 
 
 def analyze_workloads(
-    workloads, seed: int = 0, route="auto", workers: int | None = 1, on_progress: Callable | None = None
+    workloads,
+    seed: int = 0,
+    route="auto",
+    workers: int | None = 1,
+    on_progress: Callable | None = None,
+    fill: bool = True,
+    cache=None,
 ) -> list[OccupancyReport]:
     """:func:`analyze_workload` of each workload, in order, on ``workers`` processes.
 
@@ -501,50 +511,84 @@ def analyze_workloads(
     one piece. ``workers``: 1 (default) runs here; ``None`` uses every core, spawning child
     processes (:func:`sparseattn.parallel.run_tasks`) for large jobs — a script doing so must call
     it under ``if __name__ == "__main__":``, as a spawned child imports the main module.
-    ``on_progress(workload, heads_done)`` follows every slice (from any thread).
+    ``on_progress(workload, heads_done)`` follows every slice (from any thread). ``fill=False``
+    leaves the block-fill histograms out (``report.fill`` is None; the counts do not need them).
+    ``cache``: a folder (or True: :func:`sparseattn.countcache.default_dir`) that keeps each slice's
+    counts for the next run of the same question (:mod:`sparseattn.countcache`); None computes all.
     """
     from .parallel import run_tasks
 
-    parse_route(route)
+    route = parse_route(route)
     workloads = list(workloads)
     slices = _slices(workloads)
-    tasks = _tasks(slices, seed)
-    if sum(s.cost for s in slices) < PARALLEL_MIN_WORK:
+    by_slice, keys, folder = {}, {}, None
+    if cache is not None and cache is not False:
+        from . import countcache
+
+        folder = countcache.default_dir() if cache is True else Path(cache)
+        for i, part in enumerate(slices):
+            key = countcache.slice_key(part.workload, part.heads, seed, route, fill)
+            hit = countcache.load(folder, key) if key is not None else None
+            if hit is not None and (hit[1] is not None or not fill):
+                by_slice[i] = hit
+            elif key is not None:
+                keys[i] = key
+    todo = [i for i in range(len(slices)) if i not in by_slice]
+    tasks = [[todo[j] for j in t] for t in _tasks([slices[i] for i in todo], seed)]
+    if sum(slices[i].cost for i in todo) < PARALLEL_MIN_WORK:
         workers = 1
     done_heads = [0] * len(workloads)
     lock = threading.Lock()
 
-    def done(t: int) -> None:
-        for i in tasks[t]:
-            part = slices[i]
-            with lock:
-                w = workloads[part.index]
-                done_heads[part.index] += len(part.heads) if part.heads else getattr(w, "heads", 1)
-                heads_done = done_heads[part.index]
-            if on_progress is not None:
-                on_progress(w, heads_done)
+    def slice_done(i: int) -> None:
+        part = slices[i]
+        with lock:
+            w = workloads[part.index]
+            done_heads[part.index] += len(part.heads) if part.heads else getattr(w, "heads", 1)
+            heads_done = done_heads[part.index]
+        if on_progress is not None:
+            on_progress(w, heads_done)
 
+    for i in sorted(by_slice):
+        slice_done(i)
     results = run_tasks(
-        _analyze_task, [([slices[i] for i in t], seed, route) for t in tasks], workers=workers, on_done=done
+        _analyze_task,
+        [([slices[i] for i in t], seed, route, fill) for t in tasks],
+        workers=workers,
+        on_done=lambda t: [slice_done(i) for i in tasks[t]],
     )
-    by_slice = {i: result for t, task_results in zip(tasks, results) for i, result in zip(t, task_results)}
+    computed = {i: result for t, task_results in zip(tasks, results) for i, result in zip(t, task_results)}
+    if folder is not None:
+        _save_slices(folder, {keys[i]: computed[i] for i in computed if i in keys})
+    by_slice.update(computed)
     reports = []
     for index, w in enumerate(workloads):
         parts = [by_slice[i] for i, s in enumerate(slices) if s.index == index]
-        fill = parts[0][1]
+        fills = parts[0][1]
         for _, f in parts[1:]:
-            fill = fill + f
+            fills = None if fills is None or f is None else fills + f
         report = OccupancyReport(
             w.name,
             int(getattr(w, "layers", 1)),
             PairCounts.concat([c for c, _ in parts]),
-            fill,
+            fills,
             getattr(w, "head_dim", None),
             getattr(w, "description", ""),
         )
         report.warn_dropped(_dropped_where(w))
         reports.append(report)
     return reports
+
+
+def _save_slices(folder, entries: dict) -> None:
+    """Store computed slices in the count cache; a cache that cannot be written only warns."""
+    from . import countcache
+
+    try:
+        for key, (counts, fill) in entries.items():
+            countcache.save(folder, key, counts, fill)
+    except OSError as err:
+        warnings.warn(f"count cache {folder}: not written ({err})", stacklevel=3)
 
 
 def _dropped_where(workload) -> str:

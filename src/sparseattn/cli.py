@@ -321,12 +321,15 @@ def _is_terminal(stream) -> bool:
         return False
 
 
-def analyze_with_progress(workloads: list, seed: int = 0, route: str = "auto") -> list:
-    """OccupancyReport of each workload (in parallel slices), with progress on stderr."""
+def analyze_with_progress(workloads: list, seed: int = 0, route: str = "auto", cache=None) -> list:
+    """OccupancyReport of each workload (in parallel slices, counts only), with progress on stderr;
+    ``cache``: the count cache's folder (:mod:`sparseattn.countcache`), or None."""
     from .analysis import analyze_workloads
 
     with AnalysisProgress(workloads) as progress:
-        return analyze_workloads(workloads, seed=seed, route=route, workers=None, on_progress=progress)
+        return analyze_workloads(
+            workloads, seed=seed, route=route, workers=None, on_progress=progress, fill=False, cache=cache
+        )
 
 
 def check_output_path(option: str, path: str, suffixes: tuple[str, ...]) -> None:
@@ -454,7 +457,12 @@ def _run_analyze(args) -> int:
     if args.plot:
         check_output_path("--plot", args.plot, PLOT_SUFFIXES)
     workloads = _selected_workloads(args)
-    reports = analyze_with_progress(workloads, seed=args.seed, route=args.route)
+    cache = None
+    if args.cache is not None:
+        from .countcache import default_dir
+
+        cache = default_dir() if args.cache == "" else args.cache
+    reports = analyze_with_progress(workloads, seed=args.seed, route=args.route, cache=cache)
     records = [r.record(multiply_layers=args.layers) for r in reports]
     per_head = [r.per_head_records(multiply_layers=args.layers) for r in reports] if args.per_head else None
     if args.plot:
@@ -480,8 +488,10 @@ def _run_analyze(args) -> int:
 
 
 def _run_capture_analysis(args) -> int:
-    if args.workload or args.layout or args.plot or args.per_head:
-        raise ValueError("--captures cannot be combined with --workload, --layout, --plot or --per-head")
+    if args.workload or args.layout or args.plot or args.per_head or args.cache is not None:
+        raise ValueError(
+            "--captures cannot be combined with --workload, --layout, --plot, --per-head or --cache"
+        )
     pw = _optional_module("pageweaver.analysis", "PageWeaver capture analysis")
     paths = list(args.captures) or None
     rows = pw.analyze_captures(paths=paths, group_size=args.group_size, window=args.window)
@@ -656,6 +666,15 @@ def build_parser(bench=None) -> argparse.ArgumentParser:
         "or one fixed route",
     )
     an.add_argument("--per-head", action="store_true", help="also report every head")
+    an.add_argument(
+        "--cache",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="keep the counts of every slice of heads in DIR (default ~/.cache/sparseattn/analyze, or "
+        "$SPARSEATTN_CACHE_DIR) and reuse them when the same workload, seed, route and code run again",
+    )
     an.add_argument("--layers", action="store_true", help="multiply pair counts by the workload's layers")
     an.add_argument(
         "--group-size", type=_positive_int, default=8, help="captures: queries per group (default 8)"

@@ -67,7 +67,15 @@ def slice_key(workload, heads, seed: int, route, fill: bool) -> str | None:
     if not isinstance(workload, Workload):
         return None
     h = hashlib.sha256()
-    for part in (CACHE_FORMAT, code_digest(), repr(workload), repr(workload.selection.blocks), heads, seed, route):
+    for part in (
+        CACHE_FORMAT,
+        code_digest(),
+        repr(workload),
+        repr(workload.selection.blocks),
+        heads,
+        seed,
+        route,
+    ):
         h.update(repr(part).encode() + b"\0")
     h.update(b"fill" if fill else b"counts")
     return h.hexdigest()[:40]
