@@ -157,32 +157,36 @@ __device__ __forceinline__ int plan_interleaved(int cat, int r, int na, int ns, 
 // live pages in order, or all its pages for BSA), t_nfull [blocks] its full pages, t_mask [pages];
 // o_mask [pages] the owner side's row masks.
 //
-// Count pass (write == 0): cnt[item] = (entries, c1, c2, 0): c1 = full pages (FULL_FIRST) or A-only
-// pages (HALVES, INTERLEAVED), c2 = pages seen by both halves.
+// Count pass (write == 0): cnt[item] = (entries, c1, c2, M): c1 = full pages (FULL_FIRST) or A-only
+// pages (HALVES, INTERLEAVED), c2 = pages seen by both halves, M the item's rows.
 // Write pass: base[p] = the item's first entry (forward: begin[item], template order; backward: the
 // CSR offsets of the sorted order), entries past cap are cut (overflow).
-extern "C" __global__ void __launch_bounds__(256, 1) plan_items(
-    const plan_u32* __restrict__ bitmap, int row_blocks, int words, int heads, int items,
+__device__ __forceinline__ void plan_item(
+    long long pos, int lane, const plan_u32* __restrict__ bitmap, int row_blocks, int words, int items,
     const int4* __restrict__ it_info, const int* __restrict__ it_members, const int* __restrict__ it_bits,
-    const int* __restrict__ it_own, const int* __restrict__ t_first, const int* __restrict__ t_pages,
+    const int* __restrict__ it_own, int matched, const int4* __restrict__ m_info,
+    const int* __restrict__ m_members, const int* __restrict__ m_bits, const int* __restrict__ m_own, const int* __restrict__ t_first, const int* __restrict__ t_pages,
     const int* __restrict__ t_nfull, const unsigned short* __restrict__ t_mask,
     const unsigned short* __restrict__ o_mask, int chunk_pages, int write, int out_format,
     int4* __restrict__ cnt, const int* __restrict__ base, const int* __restrict__ perm, long long cap,
     int4* __restrict__ work_info, int2* __restrict__ own_entries, int2* __restrict__ stream_entries,
     int* __restrict__ work_head, int* __restrict__ own_pages, int* __restrict__ stream_pages,
     int* __restrict__ pair_pages, int* __restrict__ overflow) {
-    const long long pos = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (pos >= static_cast<long long>(heads) * items) return;  // warp-uniform
     const int item = perm != nullptr ? perm[pos] : static_cast<int>(pos);
     const int bh = item / items;
     const int it = item - bh * items;
-    const int4 info = it_info[it];
+    // a matched slot's item is this head's (plan_pair_match), the others the template's
+    const bool slot = it < matched;
+    const long long at8 = slot ? (static_cast<long long>(bh) * matched + it) * PLAN_SLOTS : it * PLAN_SLOTS;
+    const int4 info = slot ? m_info[static_cast<long long>(bh) * matched + it] : it_info[it];
+    const int* members_of = slot ? m_members : it_members;
+    const int* bits_of = slot ? m_bits : it_bits;
+    const int* own_of = slot ? m_own : it_own;
     const int mode = info.x, members = min(max(info.z, 0), PLAN_SLOTS);
     const bool halves = mode == PLAN_MODE_HALVES || mode == PLAN_MODE_INTERLEAVED;
     // every lane holds every member: its bitmap row and the owned slots it covers
-    const int my_member = lane < members ? it_members[it * PLAN_SLOTS + lane] : 0;
-    const int my_bits = lane < members ? it_bits[it * PLAN_SLOTS + lane] : 0;
+    const int my_member = lane < members ? members_of[at8 + lane] : 0;
+    const int my_bits = lane < members ? bits_of[at8 + lane] : 0;
     int row[PLAN_SLOTS];  // bitmap row of each member: (bh * row_blocks + block)
     plan_u32 mbits[PLAN_SLOTS];
 #pragma unroll
@@ -313,11 +317,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) plan_items(
         acc_len = plan_warp_sum(acc_len);
         acc_c1 = plan_warp_sum(acc_c1);
         acc_c2 = plan_warp_sum(acc_c2);
-        if (lane == 0) cnt[item] = make_int4(acc_len, acc_c1, acc_c2, 0);
+        if (lane == 0) cnt[item] = make_int4(acc_len, acc_c1, acc_c2, info.y);
         return;
     }
     // the item's own outputs, at its position
-    const int own = lane < PLAN_SLOTS ? it_own[it * PLAN_SLOTS + lane] : -1;
+    const int own = lane < PLAN_SLOTS ? own_of[at8 + lane] : -1;
     if (out_format == PLAN_OUT_WORK_LIST) {
         if (lane < PLAN_SLOTS) {
             own_entries[pos * PLAN_SLOTS + lane] = make_int2(own, own >= 0 ? static_cast<int>(o_mask[own]) : 0);
@@ -326,6 +330,178 @@ extern "C" __global__ void __launch_bounds__(256, 1) plan_items(
     } else {
         if (lane < PLAN_SLOTS) own_pages[pos * PLAN_SLOTS + lane] = own;
         if (lane == 0) work_head[pos] = bh;
+    }
+}
+
+// Stream tables of at most this many bytes are staged in shared memory (two blocks per SM).
+#define PLAN_SMEM_TABLES_MAX (96 * 1024)
+
+// Every (head, item): one warp per item, warps striding over the items. With smem_tables the streamed
+// side's tables (t_first, t_nfull, t_pages, t_mask: stream_blocks blocks, stream_list listed pages,
+// stream_pages pages) are read from shared memory, loaded once per block.
+extern "C" __global__ void __launch_bounds__(256, 1) plan_items(
+    const plan_u32* __restrict__ bitmap, int row_blocks, int words, int heads, int items,
+    const int4* __restrict__ it_info, const int* __restrict__ it_members, const int* __restrict__ it_bits,
+    const int* __restrict__ it_own, const int* __restrict__ t_first, const int* __restrict__ t_pages,
+    const int* __restrict__ t_nfull, const unsigned short* __restrict__ t_mask,
+    const unsigned short* __restrict__ o_mask, int chunk_pages, int write, int out_format,
+    int4* __restrict__ cnt, const int* __restrict__ base, const int* __restrict__ perm, long long cap,
+    int4* __restrict__ work_info, int2* __restrict__ own_entries, int2* __restrict__ stream_entries,
+    int* __restrict__ work_head, int* __restrict__ own_pages, int* __restrict__ stream_pages,
+    int* __restrict__ pair_pages, int* __restrict__ overflow, int stream_blocks, int stream_list,
+    int stream_page_count, int smem_tables, int matched, const int4* __restrict__ m_info,
+    const int* __restrict__ m_members, const int* __restrict__ m_bits, const int* __restrict__ m_own) {
+    extern __shared__ __align__(16) int plan_tables[];
+    const int* first = t_first;
+    const int* full = t_nfull;
+    const int* listed = t_pages;
+    const unsigned short* masks = t_mask;
+    if (smem_tables) {
+        int* s_first = plan_tables;
+        int* s_full = s_first + stream_blocks + 1;
+        int* s_listed = s_full + stream_blocks;
+        unsigned short* s_masks = reinterpret_cast<unsigned short*>(s_listed + stream_list);
+        for (int i = threadIdx.x; i <= stream_blocks; i += blockDim.x) s_first[i] = t_first[i];
+        for (int i = threadIdx.x; i < stream_blocks; i += blockDim.x) s_full[i] = t_nfull[i];
+        for (int i = threadIdx.x; i < stream_list; i += blockDim.x) s_listed[i] = t_pages[i];
+        for (int i = threadIdx.x; i < stream_page_count; i += blockDim.x) s_masks[i] = t_mask[i];
+        __syncthreads();
+        first = s_first;
+        full = s_full;
+        listed = s_listed;
+        masks = s_masks;
+    }
+    const long long total = static_cast<long long>(heads) * items;
+    const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
+    for (long long pos = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; pos < total;
+         pos += warps) {
+        plan_item(pos, threadIdx.x & 31, bitmap, row_blocks, words, items, it_info, it_members, it_bits, it_own,
+                  matched, m_info, m_members, m_bits, m_own, first, listed, full, masks, o_mask, chunk_pages, write, out_format, cnt, base, perm, cap,
+                  work_info, own_entries, stream_entries, work_head, own_pages, stream_pages, pair_pages,
+                  overflow);
+    }
+}
+
+// ---- the forward's matched pairs ---------------------------------------------------------------------
+
+// keys[bh, e] of every candidate edge e = (slot a, slot b), a < b, of every head: the K blocks both
+// blocks select (popcount of their rows' AND) << 40 | (0xFFFFF - a) << 20 | (0xFFFFF - b), so that the
+// largest key is the heaviest edge, ties to the lower a, then the lower b; 0 when they share none.
+extern "C" __global__ void plan_pair_weights(const plan_u32* __restrict__ bitmap, int row_blocks, int words,
+                                             int heads, const int2* __restrict__ edges, int n_edges,
+                                             const int* __restrict__ slot_block, plan_u64* __restrict__ keys) {
+    const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (t >= static_cast<long long>(heads) * n_edges) return;
+    const int bh = static_cast<int>(t / n_edges);
+    const int2 e = edges[t - static_cast<long long>(bh) * n_edges];
+    const plan_u32* ra = bitmap + (static_cast<long long>(bh) * row_blocks + slot_block[e.x]) * words;
+    const plan_u32* rb = bitmap + (static_cast<long long>(bh) * row_blocks + slot_block[e.y]) * words;
+    int shared = 0;
+    for (int w = 0; w < words; ++w) shared += __popc(ra[w] & rb[w]);
+    keys[t] = shared ? (static_cast<plan_u64>(shared) << 40) | (static_cast<plan_u64>(0xFFFFF - e.x) << 20) |
+                           static_cast<plan_u64>(0xFFFFF - e.y)
+                     : 0ull;
+}
+
+// One block per head: the greedy matching of its slots by key (in rounds: an edge joins when it is the
+// largest key at both its free ends, which gives the sequential greedy's matching), the slots left two
+// by two in order, then each slot's item: the pair of its block and its partner's (the lower slot), nothing
+// (the higher) or its block alone. slot_own: [slots][8] the blocks' owned pages (4 live pages).
+extern "C" __global__ void __launch_bounds__(1024) plan_pair_match(
+    const plan_u64* __restrict__ keys, const int2* __restrict__ edges, int n_edges, int slots,
+    const int* __restrict__ slot_block, const int* __restrict__ slot_own, int* __restrict__ partner,
+    plan_u64* __restrict__ best, int4* __restrict__ m_info, int* __restrict__ m_members, int* __restrict__ m_bits,
+    int* __restrict__ m_own) {
+    // partner and best live in global memory (any number of slots), read past L1 (__ldcg): the atomics
+    // update them in L2
+    __shared__ int any;
+    const long long bh = blockIdx.x;
+    keys += bh * n_edges;
+    partner += bh * slots;
+    best += bh * slots;
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) partner[s] = -1;
+    __syncthreads();
+    while (true) {
+        for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+            if (__ldcg(partner + s) < 0) best[s] = 0ull;
+        }
+        if (threadIdx.x == 0) any = 0;
+        __syncthreads();
+        for (int e = threadIdx.x; e < n_edges; e += blockDim.x) {
+            const plan_u64 key = keys[e];
+            const int2 ed = edges[e];
+            if (key && __ldcg(partner + ed.x) < 0 && __ldcg(partner + ed.y) < 0) {
+                atomicMax(best + ed.x, key);
+                atomicMax(best + ed.y, key);
+                any = 1;
+            }
+        }
+        __syncthreads();
+        if (!any) break;
+        for (int e = threadIdx.x; e < n_edges; e += blockDim.x) {
+            const plan_u64 key = keys[e];
+            const int2 ed = edges[e];
+            // the edge is the largest at both ends: no other edge touching them joins in this round
+            if (key && __ldcg(partner + ed.x) < 0 && __ldcg(partner + ed.y) < 0 && __ldcg(best + ed.x) == key &&
+                __ldcg(best + ed.y) == key) {
+                partner[ed.x] = ed.y;
+                partner[ed.y] = ed.x;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {  // the slots left, two by two in order
+        int prev = -1;
+        for (int s = 0; s < slots; ++s) {
+            if (__ldcg(partner + s) >= 0) continue;
+            if (prev < 0) {
+                prev = s;
+            } else {
+                partner[prev] = s;
+                partner[s] = prev;
+                prev = -1;
+            }
+        }
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+        const int p = __ldcg(partner + s);
+        const long long at = bh * slots + s;
+        int4 info;
+        int members[PLAN_SLOTS], bits[PLAN_SLOTS], own[PLAN_SLOTS];
+#pragma unroll
+        for (int i = 0; i < PLAN_SLOTS; ++i) {
+            members[i] = -1;
+            bits[i] = 0;
+            own[i] = -1;
+        }
+        if (p > s) {  // the pair: this block's pages own rows 0-63, the partner's rows 64-127
+            info = make_int4(PLAN_MODE_INTERLEAVED, 128, 2, 0);
+            members[0] = slot_block[s];
+            members[1] = slot_block[p];
+            bits[0] = PLAN_HALF0;
+            bits[1] = PLAN_HALF1;
+#pragma unroll
+            for (int i = 0; i < PLAN_SLOTS / 2; ++i) {
+                own[i] = slot_own[s * PLAN_SLOTS + i];
+                own[PLAN_SLOTS / 2 + i] = slot_own[p * PLAN_SLOTS + i];
+            }
+        } else if (p >= 0) {  // the partner's item holds this block
+            info = make_int4(PLAN_MODE_PLAIN, 64, 0, 0);
+        } else {  // alone: the block's own 64-row item
+            info = make_int4(PLAN_MODE_FULL_FIRST, 64, 1, 0);
+            members[0] = slot_block[s];
+            bits[0] = 0xFF;
+#pragma unroll
+            for (int i = 0; i < PLAN_SLOTS; ++i) own[i] = slot_own[s * PLAN_SLOTS + i];
+        }
+        m_info[at] = info;
+#pragma unroll
+        for (int i = 0; i < PLAN_SLOTS; ++i) {
+            m_members[at * PLAN_SLOTS + i] = members[i];
+            m_bits[at * PLAN_SLOTS + i] = bits[i];
+            m_own[at * PLAN_SLOTS + i] = own[i];
+        }
     }
 }
 
@@ -375,11 +551,12 @@ extern "C" __global__ void __launch_bounds__(1024) plan_scan(const int4* __restr
 
 // One block per segment: segs[s] = (src, dst, n, 0). The segment's items are src + l (or
 // indirect[src + l]) for l < n; they are sorted by key (PLAN_KEY_LEN: stream length, PLAN_KEY_COST:
-// M * chunks of chunk_pages, both largest first), ties in segment order, and written to out[dst + r].
+// rows M x chunks of chunk_pages, from the count pass's cnt, both largest first), ties in segment order,
+// and written to out[dst + r].
 // Dynamic shared memory: 8 * (n rounded up to a power of two) bytes.
 extern "C" __global__ void __launch_bounds__(1024) plan_segment_sort(
-    const int4* __restrict__ segs, const int4* __restrict__ cnt, const int* __restrict__ indirect,
-    const int4* __restrict__ it_info, int items, int key_kind, int chunk_pages, int* __restrict__ out) {
+    const int4* __restrict__ segs, const int4* __restrict__ cnt, const int* __restrict__ indirect, int key_kind,
+    int chunk_pages, int* __restrict__ out) {
     extern __shared__ plan_u64 keys[];
     const int4 seg = segs[blockIdx.x];
     const int n = min(seg.z, PLAN_SORT_MAX);
@@ -389,10 +566,10 @@ extern "C" __global__ void __launch_bounds__(1024) plan_segment_sort(
         plan_u64 key = ~0ull;
         if (l < n) {
             const int item = indirect != nullptr ? indirect[seg.x + l] : seg.x + l;
-            const int len = cnt[item].x;
-            long long metric = len;
-            if (key_kind == PLAN_KEY_COST) {
-                metric = static_cast<long long>(it_info[item % items].y) * ((len + chunk_pages - 1) / chunk_pages);
+            const int4 c = cnt[item];
+            long long metric = c.x;
+            if (key_kind == PLAN_KEY_COST) {  // rows M (the count pass's .w) x chunks
+                metric = static_cast<long long>(c.w) * ((c.x + chunk_pages - 1) / chunk_pages);
             }
             key = (static_cast<plan_u64>(0x7FFFFFFFll - min(metric, 0x7FFFFFFFll)) << 32) | static_cast<plan_u32>(l);
         }

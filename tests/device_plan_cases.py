@@ -111,10 +111,13 @@ def host_owned(graph: SparseGraph, kind: str, route, owner: str):
 
 
 def canonical_work_list(wl) -> list:
-    """Every item as (head, M, owned pages and masks, stream pages and masks in order), sorted."""
+    """Every item as (head, M, owned pages and masks, stream pages and masks in order), sorted; items that
+    own nothing and stream nothing (a matched pair's second slot) are left out."""
     items = []
     for w in range(wl.work_info.shape[0]):
         head, begin, length, m = (int(x) for x in wl.work_info[w])
+        if length == 0 and (wl.own_pages[w] < 0).all():
+            continue
         items.append(
             (
                 head,

@@ -110,10 +110,11 @@ def test_usable_and_failed_records():
 
 
 def test_useful_tflops_matches_the_recorded_rate():
-    run = load_run(benchdata.DEFAULT_BENCH_DIR / "h200_wgmma_20261129_bench.json")
-    for rec in run.records:
-        if benchdata.is_usable(rec) and "useful_tflops" in rec:
-            assert benchdata.useful_tflops(rec) == pytest.approx(rec["useful_tflops"], abs=0.06)
+    run = load_run(benchdata.DEFAULT_BENCH_DIR / "forward_speed_seven_workloads_h200_20261201_c9804b7.json")
+    checked = [r for r in run.records if benchdata.is_usable(r) and "useful_tflops" in r]
+    assert len(checked) >= 20
+    for rec in checked:
+        assert benchdata.useful_tflops(rec) == pytest.approx(rec["useful_tflops"], abs=0.06)
 
 
 def test_source_names_gpu_commit_date_and_file(bench_dir):

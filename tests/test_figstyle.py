@@ -50,6 +50,11 @@ def test_source_lines_fit_the_column():
     assert max(len(line) for line in lines) <= figstyle.ONE_COLUMN * 72 / (0.56 * figstyle.MIN_FONT_PT)
 
 
+def test_a_path_longer_than_a_line_breaks_after_a_slash():
+    name = "x" * 40 + ".json."
+    assert figstyle.wrap_source(f"data: data/bench/{name} More.") == ["data: data/bench/", f"{name} More."]
+
+
 @pytest.mark.parametrize(
     "draw",
     [

@@ -10,7 +10,7 @@ import pytest
 
 from sparseattn.wan_training import main
 
-RECORDED = Path(__file__).resolve().parents[1] / "data" / "bench" / "h200_wan_training_20261201.json"
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "bench" / "wan_training_h200_20261201_8bdd2a9.json"
 
 
 def test_replot_draws_the_recorded_curves(tmp_path):

@@ -1,5 +1,8 @@
 """Recorded benchmark results (``data/bench/*.json``) for figures and notebooks.
 
+Only the runs at the top of ``data/bench/`` are read: the canonical results, one measured question per
+file (``data/bench/README.md``); ``data/bench/experiments/`` keeps the history and is not searched.
+
 A benchmark file is one run on one GPU: an object with ``gpu``, ``commit``, ``date``, ``command`` and
 ``records`` (``workload``, ``impl``, ``pass``, ``heads``, ``head_dim``, ``time_ms``, ``useful_pairs``,
 ``physical_pairs``, ``correct``, optional ``error``). Other JSON files in the folder (summaries,

@@ -222,12 +222,13 @@ class WanSparseAttnProcessor:
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
             )
             return out.transpose(1, 2)
-        from .torch import block_sparse_attention, vsa_topk
+        from .torch import block_sparse_attention, slots_to_tokens, tokens_to_slots, vsa_topk
 
-        qs, ks, vs = (self._to_slots(x, torch.bfloat16) for x in (q, k, v))
-        idx, num = vsa_topk(qs, ks, self.layout, self.selection.topk)
+        qs, ks, vs = tokens_to_slots(self.layout, q, k, v)
+        with torch.no_grad():
+            idx, num = vsa_topk(qs, ks, self.layout, self.selection.topk)
         out, _ = block_sparse_attention(qs, ks, vs, self.layout, idx, num, route=self.route)
-        return out.index_select(2, self._slot_index(q.device)).to(q.dtype).transpose(1, 2)
+        return slots_to_tokens(self.layout, out).to(q.dtype)
 
     def _attend_graph(self, q, k, v, graph: SparseGraph):
         torch = self._torch()
@@ -241,17 +242,11 @@ class WanSparseAttnProcessor:
                     self._masks[key] = mask
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[None])
             return out.transpose(1, 2)
-        from .torch import kpage_attention
+        from .torch import kpage_attention, slots_to_tokens, tokens_to_slots
 
-        slots = self._slot_index(q.device)
-        n_slots = graph.q.num_slots
-
-        def to_slots(x):
-            out = x.new_zeros(x.shape[0], x.shape[1], n_slots, x.shape[3], dtype=torch.bfloat16)
-            return out.index_copy(2, slots, x.to(torch.bfloat16))
-
-        out = kpage_attention(to_slots(q), to_slots(k), to_slots(v), graph, route=self.route)
-        return out.index_select(2, slots).to(q.dtype).transpose(1, 2)
+        qs, ks, vs = tokens_to_slots(graph.q, *(x.transpose(1, 2) for x in (q, k, v)))
+        out = kpage_attention(qs, ks, vs, graph, route=self.route)
+        return slots_to_tokens(graph.q, out).to(q.dtype)
 
     def _diffusers_processor(self):
         if self._dense is None:

@@ -201,10 +201,24 @@ def _source_height(lines: int) -> float:
     return (lines * 1.25 * MIN_FONT_PT + 3) / 72
 
 
+class _PathWrapper(textwrap.TextWrapper):
+    """Breaks lines at spaces; a word longer than a line (a file path) after one of its ``/`` rather than
+    inside a file name."""
+
+    def _handle_long_word(self, reversed_chunks, cur_line, cur_len, width):
+        chunk = reversed_chunks[-1]
+        cut = chunk.rfind("/", 0, max(width - cur_len, 1)) + 1
+        if cut:
+            cur_line.append(chunk[:cut])
+            reversed_chunks[-1] = chunk[cut:]
+        else:
+            super()._handle_long_word(reversed_chunks, cur_line, cur_len, width)
+
+
 def wrap_source(text: str, width: float = ONE_COLUMN) -> list[str]:
     """The source text broken into lines that fit a figure ``width`` inches wide at MIN_FONT_PT."""
     chars = max(20, int(width * 72 / (0.56 * MIN_FONT_PT)))  # DejaVu Sans: ~0.56 em per character
-    return textwrap.wrap(text, chars, break_on_hyphens=False) or [""]
+    return _PathWrapper(chars, break_on_hyphens=False).wrap(text) or [""]
 
 
 def add_source_line(fig: Figure, lines: list[str]) -> None:

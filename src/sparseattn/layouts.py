@@ -98,6 +98,9 @@ class BlockLayout:
             (raster order of the latent for video layouts).
         block_group: int64 ``[num_blocks]``, the partition group (tile or cluster) each block belongs to.
         name: a short description for reports.
+        tile_grid: for a video layout, ``(tiles along t, h, w, blocks per tile)``: block ``b`` is block
+            ``b % blocks_per_tile`` of tile ``b // blocks_per_tile`` in raster order (what tells the device
+            planner which blocks are spatial neighbours); ``None`` for other layouts.
     """
 
     block_size: int
@@ -105,6 +108,7 @@ class BlockLayout:
     token_slot: np.ndarray
     block_group: np.ndarray
     name: str = ""
+    tile_grid: tuple | None = None
 
     def __post_init__(self):
         check_block_size("block_size", self.block_size)
@@ -121,6 +125,18 @@ class BlockLayout:
         block_group = np.ascontiguousarray(self.block_group, dtype=np.int64)
         if block_group.shape != (valid.size // self.block_size,):
             raise LayoutError(f"block_group must have one entry per block, got shape {block_group.shape}")
+        if self.tile_grid is not None:
+            grid = tuple(self.tile_grid)
+            if (
+                len(grid) != 4
+                or not all(_is_int(x) and x > 0 for x in grid)
+                or int(np.prod(grid)) != block_group.size
+            ):
+                raise LayoutError(
+                    f"tile_grid must be four positive integers (tiles along t, h, w, blocks per tile) whose "
+                    f"product is the {block_group.size} blocks, got {self.tile_grid!r}"
+                )
+            object.__setattr__(self, "tile_grid", tuple(int(x) for x in grid))
         object.__setattr__(self, "valid", valid)
         object.__setattr__(self, "token_slot", token_slot)
         object.__setattr__(self, "block_group", block_group)
@@ -313,7 +329,8 @@ def video_layout(grid, tile, block_size: int = 128, padding: str = "prefix", nam
     valid[token_slot] = True
     block_group = np.repeat(np.arange(vg.num_tiles, dtype=np.int64), blocks_per_tile)
     label = name or f"{T}x{H}x{W} tiles {t}x{h}x{w} B={block_size} {padding}"
-    return BlockLayout(block_size, valid, token_slot, block_group, label)
+    grid_of_blocks = (*vg.tiles_per_axis, blocks_per_tile)
+    return BlockLayout(block_size, valid, token_slot, block_group, label, tile_grid=grid_of_blocks)
 
 
 def partition_layout(

@@ -224,10 +224,108 @@ def vsa_topk(q, k, layout, topk: int):
             f"q and k must have the layout's {layout.num_slots} slots, got {slots} and {k.shape[2]}"
         )
     weight, alive = _block_weights(layout, q.device)
-    qm = q.reshape(b, h, nb, bs, d).float().sum(3) * weight
-    km = k.reshape(b, h, nb, bs, d).float().sum(3) * weight
+    qm = q.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32) * weight  # fp32 sums, no fp32 copy of q
+    km = k.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32) * weight
     scores = (qm @ km.transpose(-1, -2)).masked_fill(~alive, float("-inf"))
     kept = min(int(topk), int(np.count_nonzero(layout.valid_rows)))
     idx = scores.topk(kept, dim=-1).indices.to(torch.int32)
     num = torch.full((b, h, nb), kept, dtype=torch.int32, device=q.device)
     return idx.contiguous(), num
+
+
+# ---- tokens <-> slots ------------------------------------------------------------------------------
+
+
+def _slot_indices(layout, device):
+    """int32 ``(slot_token [slots] (-1 for padding), token_slot [tokens])`` on ``device``, uploaded once."""
+    from .planning.cache import cached
+
+    def build():
+        return (
+            torch.as_tensor(layout.slot_token.astype(np.int32), device=device),
+            torch.as_tensor(layout.token_slot.astype(np.int32), device=device),
+        )
+
+    return cached(layout, ("slot indices", str(device)), build)
+
+
+def _fast_slots(tensors) -> bool:
+    return all(
+        x.is_cuda and x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[-1] % 8 == 0
+        for x in tensors
+    )
+
+
+def _move(kernel, sources, layout, out_shape, sizes):
+    """``kernel`` (slots_from_tokens / tokens_from_slots) over ``sources``, into new tensors of ``out_shape``."""
+    from .kernels import launch, slots
+
+    outs = [torch.empty(out_shape, dtype=torch.bfloat16, device=sources[0].device) for _ in sources]
+    slot_token, token_slot = _slot_indices(layout, sources[0].device)
+    index = slot_token if kernel is slots.slots_from_tokens else token_slot
+    ptr = lambda x: np.uint64(x.data_ptr())
+    with launch.torch_stream():
+        kernel([ptr(x) for x in sources], [ptr(y) for y in outs], ptr(index), *sizes)
+    return outs
+
+
+class TokensToSlots(torch.autograd.Function):
+    """``[B, tokens, heads, d]`` tensors -> ``[B, heads, slots, d]`` in a layout's slot order (padding slots
+    zero), in one launch; the gradients go back the other way."""
+
+    @staticmethod
+    def forward(ctx, layout, *xs):
+        from .kernels.slots import slots_from_tokens
+
+        b, n, h, d = xs[0].shape
+        ctx.layout, ctx.sizes = layout, (b, n, h, layout.num_slots, d)
+        return tuple(_move(slots_from_tokens, xs, layout, (b, h, layout.num_slots, d), ctx.sizes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from .kernels.slots import tokens_from_slots
+
+        b, n, h, _s, d = ctx.sizes
+        grads = [g.contiguous() for g in grads]
+        return (None, *_move(tokens_from_slots, grads, ctx.layout, (b, n, h, d), ctx.sizes))
+
+
+class SlotsToTokens(torch.autograd.Function):
+    """``[B, heads, slots, d]`` in a layout's slot order -> ``[B, tokens, heads, d]`` (padding dropped)."""
+
+    @staticmethod
+    def forward(ctx, layout, y):
+        from .kernels.slots import tokens_from_slots
+
+        b, h, s, d = y.shape
+        ctx.layout, ctx.sizes = layout, (b, layout.num_tokens, h, s, d)
+        return _move(tokens_from_slots, [y], layout, (b, layout.num_tokens, h, d), ctx.sizes)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .kernels.slots import slots_from_tokens
+
+        b, _n, h, s, d = ctx.sizes
+        return None, _move(slots_from_tokens, [grad.contiguous()], ctx.layout, (b, h, s, d), ctx.sizes)[0]
+
+
+def tokens_to_slots(layout, *xs):
+    """Token-ordered ``[B, tokens, heads, d]`` tensors in ``layout``'s slot order ``[B, heads, slots, d]``,
+    bf16, padding slots zero, with autograd (one fused launch for bf16 CUDA tensors; torch ops otherwise)."""
+    if _fast_slots(xs):
+        return TokensToSlots.apply(layout, *xs)
+    slots = torch.as_tensor(layout.token_slot, device=xs[0].device)
+    outs = []
+    for x in xs:
+        x = x.transpose(1, 2)
+        out = x.new_zeros(x.shape[0], x.shape[1], layout.num_slots, x.shape[3], dtype=torch.bfloat16)
+        outs.append(out.index_copy(2, slots, x.to(torch.bfloat16)))
+    return tuple(outs)
+
+
+def slots_to_tokens(layout, y):
+    """:func:`tokens_to_slots`'s inverse for one ``[B, heads, slots, d]`` tensor: ``[B, tokens, heads, d]``."""
+    if _fast_slots((y,)):
+        return SlotsToTokens.apply(layout, y)
+    slots = torch.as_tensor(layout.token_slot, device=y.device)
+    return y.index_select(2, slots).transpose(1, 2)

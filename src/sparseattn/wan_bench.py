@@ -135,20 +135,20 @@ def processors(grid, impl: str):
         os.environ.setdefault("FASTVIDEO_VSA_TRITON", "1")
         from fastvideo_kernel.block_sparse_attn import block_sparse_attn_from_indices
 
-        from .torch import vsa_topk
+        from .torch import slots_to_tokens, tokens_to_slots, vsa_topk
 
         processor = WanSparseAttnProcessor(grid, selection, backend="kpage")
         sizes = {}
 
-        def vsa_kernel(q, k, v):
+        def vsa_kernel(q, k, v):  # the kpage_vsa processor's steps, the VSA kernel for the attention
             lay = processor.layout
-            qs, ks, vs = (processor._to_slots(x, torch.bfloat16) for x in (q, k, v))
+            qs, ks, vs = tokens_to_slots(lay, q, k, v)
             with torch.no_grad():
                 idx, num = vsa_topk(qs, ks, lay, selection.topk)
             if q.device not in sizes:
                 sizes[q.device] = torch.tensor(lay.valid_rows.astype("int32"), device=q.device)
             out, _ = block_sparse_attn_from_indices(qs, ks, vs, idx, num, sizes[q.device])
-            return out.index_select(2, processor._slot_index(q.device)).to(q.dtype).transpose(1, 2)
+            return slots_to_tokens(lay, out).to(q.dtype)
 
         processor.attend = vsa_kernel
         return processor

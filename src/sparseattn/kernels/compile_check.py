@@ -47,7 +47,7 @@ ACCEPTED_SPILLS = {
         32,
         44,
         "d=128 / 128-block backward at 255 registers; every spill-free tiling measured on the H200 "
-        "ran about 14% slower (data/bench/NOTES_bsa_bwd.md)",
+        "ran about 14% slower (data/bench/experiments/NOTES_bsa_bwd.md)",
     ),
     # the pair backward (what route="auto" runs on 64-row K/V blocks): its consumers need 240 registers
     # (at 232 they spill or ptxas serializes their wgmmas), which leaves the producer 24
@@ -55,7 +55,7 @@ ACCEPTED_SPILLS = {
         20,
         24,
         "pair backward: the producer warpgroup at 24 registers spills a few words of its page-gather loop "
-        "(local accesses per 64-row step); the consumer region is spill-free (data/bench/NOTES_kpage_bwd.md)",
+        "(local accesses per 64-row step); the consumer region is spill-free (data/bench/experiments/NOTES_kpage_bwd.md)",
     ),
     "paged_bwd_ws_kernel<64, true>": AcceptedSpill(
         20,

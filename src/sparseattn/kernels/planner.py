@@ -16,6 +16,8 @@ NAME_EXPRESSIONS = (
     "plan_bitmap_from_topk",
     "plan_bitmap_from_mask",
     "plan_bitmap_transpose",
+    "plan_pair_weights",
+    "plan_pair_match",
     "plan_items",
     "plan_scan",
     "plan_segment_sort",
@@ -26,6 +28,10 @@ OUT_WORK_LIST, OUT_TILE_PLAN = 0, 1
 KEY_LEN, KEY_COST = 0, 1
 #: Items of one segment the sort takes (PLAN_SORT_MAX).
 SORT_MAX = 16384
+#: Stream tables of at most this many bytes are staged in shared memory (PLAN_SMEM_TABLES_MAX); the item
+#: passes run two blocks per SM, their warps striding over the items.
+SMEM_TABLES_MAX = 96 * 1024
+BLOCKS_PER_SM = 2
 THREADS = 256
 NULL = np.uint64(0)
 
@@ -124,14 +130,21 @@ def items(
     stream_pages=NULL,
     pair_pages=NULL,
     overflow=NULL,
+    matched=None,
 ):
     """One pass of ``plan_items`` over every (head, item): count (``write`` False) or write. ``tables``:
-    the template's device arrays (:class:`sparseattn.planning.device.DeviceTemplate`)."""
+    the template's device arrays (:class:`sparseattn.planning.device.DeviceTemplate`); ``matched``: the
+    matched slots' items of every head (``info``, ``members``, ``bits``, ``own`` pointers, and ``slots``)."""
     n = heads * tables["items"]
     if n == 0:
         return
-    _fn("plan_items")(
-        (_blocks(n * 32),),
+    import cupy
+
+    smem = tables["smem_bytes"] if tables["smem_bytes"] <= SMEM_TABLES_MAX else 0
+    fn = launch.prepare(_fn("plan_items"), smem)
+    blocks = min(_blocks(n * 32), BLOCKS_PER_SM * launch.sm_count(cupy.cuda.runtime.getDevice()))
+    fn(
+        (blocks,),
         (THREADS,),
         (
             bitmap,
@@ -163,6 +176,56 @@ def items(
             stream_pages,
             pair_pages,
             overflow,
+            np.int32(tables["t_blocks"]),
+            np.int32(tables["t_listed"]),
+            np.int32(tables["t_pages_total"]),
+            np.int32(1 if smem else 0),
+            np.int32(0 if matched is None else matched["slots"]),
+            *((NULL,) * 4 if matched is None else (matched[n] for n in ("info", "members", "bits", "own"))),
+        ),
+        shared_mem=smem,
+    )
+
+
+def pair_weights(bitmap, row_blocks: int, words: int, heads: int, edges, n_edges: int, slot_block, keys):
+    """``keys [heads, n_edges]``: each candidate edge's shared selected K blocks, packed with its slots."""
+    if heads * n_edges == 0:
+        return
+    _fn("plan_pair_weights")(
+        (_blocks(heads * n_edges),),
+        (THREADS,),
+        (
+            bitmap,
+            np.int32(row_blocks),
+            np.int32(words),
+            np.int32(heads),
+            edges,
+            np.int32(n_edges),
+            slot_block,
+            keys,
+        ),
+    )
+
+
+def pair_match(
+    keys, edges, n_edges: int, slots: int, heads: int, slot_block, slot_own, partner, best, matched
+):
+    """Every head's greedy matching of its slots, and the slots' items into ``matched``'s arrays."""
+    if heads == 0 or slots == 0:
+        return
+    _fn("plan_pair_match")(
+        (heads,),
+        (1024,),
+        (
+            keys,
+            edges,
+            np.int32(n_edges),
+            np.int32(slots),
+            slot_block,
+            slot_own,
+            partner,
+            best,
+            *(matched[n] for n in ("info", "members", "bits", "own")),
         ),
     )
 
@@ -180,13 +243,11 @@ def segment_sort(
     cnt,
     out,
     key_kind: int,
-    info=NULL,
-    items_per_head: int = 1,
     chunk_pages: int = 1,
     indirect=NULL,
 ):
     """Sort each segment's items (``segs`` int32 ``[num_segs, 4]``: source, destination, items) largest
-    first by ``key_kind`` into ``out``."""
+    first by ``key_kind`` (stream length, or rows × chunks: the count pass's ``cnt``) into ``out``."""
     if num_segs == 0:
         return
     size = 1 << max(0, int(max_items) - 1).bit_length()
@@ -194,7 +255,7 @@ def segment_sort(
     fn(
         (num_segs,),
         (1024,),
-        (segs, cnt, indirect, info, np.int32(items_per_head), np.int32(key_kind), np.int32(chunk_pages), out),
+        (segs, cnt, indirect, np.int32(key_kind), np.int32(chunk_pages), out),
         shared_mem=8 * size,
     )
 

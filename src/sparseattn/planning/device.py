@@ -86,7 +86,18 @@ class DeviceTemplate:
             "t_full": cupy.asarray(st.full if st.full.size else np.zeros(1, np.int32)),
             "t_mask": cupy.asarray(st.mask),
             "o_mask": cupy.asarray(template.owner_mask),
+            # sizes of the stream tables, which plan_items stages in shared memory when they fit
+            "t_blocks": st.num_blocks,
+            "t_listed": int(st.pages.size),
+            "t_pages_total": int(st.mask.size),
+            "smem_bytes": -(-(4 * (2 * st.num_blocks + 1 + st.pages.size) + 2 * st.mask.size) // 16) * 16,
         }
+        if template.matched:  # the forward's matched slots: their blocks, owned pages and candidate edges
+            tables["slot_block"] = cupy.asarray(template.block[: template.matched])
+            tables["slot_own"] = cupy.asarray(template.own[: template.matched])
+            tables["edges"] = cupy.asarray(
+                template.edges if template.edges.size else np.zeros((1, 2), np.int32)
+            )
         uncovered = template.uncovered_pages(template.owner_mask.size).astype(np.int32)
         return cls(
             template=template,
@@ -394,6 +405,19 @@ class DevicePlanner:
                     "forward.counter": ((1,), i32),
                 }
             )
+            if t.matched:
+                m, e = t.matched, t.edges.shape[0]
+                specs.update(
+                    {
+                        "forward.keys": ((bh, e), np.uint64),
+                        "forward.partner": ((bh, m), i32),
+                        "forward.best": ((bh, m), np.uint64),
+                        "forward.m_info": ((bh, m, 4), i32),
+                        "forward.m_members": ((bh, m, SLOTS), i32),
+                        "forward.m_bits": ((bh, m, SLOTS), i32),
+                        "forward.m_own": ((bh, m, SLOTS), i32),
+                    }
+                )
             if backward and self.backward is not None:
                 specs["bitmap_t"] = ((bh, nk, _words(nq)), u32)
             for part, t in (("backward", self.backward), ("dq", self.dq)):
@@ -506,7 +530,38 @@ class DevicePlanner:
         buf = lambda name: arena.buffer("forward." + name)
         cnt = buf("cnt")
         words = _words(self.k_blocks)
-        P.items(bitmap, t.owner_blocks, words, bh, dev.tables, chunk_pages, False, P.OUT_WORK_LIST, cnt)
+        matched = None
+        if t.matched:  # every head matches its full 64-row blocks in pairs: the slots' items
+            matched = {"slots": t.matched, **{n: buf("m_" + n) for n in ("info", "members", "bits", "own")}}
+            n_edges = t.edges.shape[0]
+            tb = dev.tables
+            P.pair_weights(
+                bitmap, t.owner_blocks, words, bh, tb["edges"], n_edges, tb["slot_block"], buf("keys")
+            )
+            P.pair_match(
+                buf("keys"),
+                tb["edges"],
+                n_edges,
+                t.matched,
+                bh,
+                tb["slot_block"],
+                tb["slot_own"],
+                buf("partner"),
+                buf("best"),
+                matched,
+            )
+        P.items(
+            bitmap,
+            t.owner_blocks,
+            words,
+            bh,
+            dev.tables,
+            chunk_pages,
+            False,
+            P.OUT_WORK_LIST,
+            cnt,
+            matched=matched,
+        )
         P.scan(cnt, n, cap, buf("begin"), overflow)
         arrays = {
             name: buf(name)
@@ -528,6 +583,7 @@ class DevicePlanner:
             own_entries=arrays["own_entries"],
             stream_entries=arrays["stream_entries"],
             overflow=overflow,
+            matched=matched,
         )
         P.segment_sort(
             dev.head_segments(bh),
@@ -536,8 +592,6 @@ class DevicePlanner:
             cnt,
             arrays["work_order"],
             P.KEY_COST,
-            info=dev.tables["info"],
-            items_per_head=t.num_items,
             chunk_pages=chunk_pages,
         )
         return DeviceWorkList(arrays, n, bh, t.chunk, t.has_pairs, cap, arena)

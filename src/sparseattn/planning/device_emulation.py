@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .layout_pairs import greedy_matching
 from .templates import (
+    ALL_SLOTS,
     HALF_A,
     HALF_B,
     MODE_FULL_FIRST,
@@ -74,12 +76,60 @@ def _interleaved_position(cat: int, r: int, na: int, ns: int, runs: int, pages: 
     return 2 * moved + (0 if cat == 0 else (na - moved) + ns) + (r - moved)
 
 
-def item_streams(template: ItemTemplate, rows: np.ndarray):
+def matched_slots(template: ItemTemplate, rows: np.ndarray) -> dict:
+    """The matched slots of every head (``plan_pair_weights`` and ``plan_pair_match``): each head's greedy
+    matching of its full 64-row blocks over the template's edges, heaviest first by the K blocks both
+    select (ties: lower slots first; edges sharing none left out), the slots left two by two in order; then
+    per slot its item: the pair (the lower slot), nothing (the higher) or the block alone. Returns
+    ``{"partner": int64 [heads, matched]`` (-1: alone), ``"info"``, ``"members"``, ``"bits"``, ``"own"``
+    (``[heads, matched, 4 | 8]``, the template's rows for those items)."""
+    heads, n = rows.shape[0], template.matched
+    blocks = template.block[:n].astype(np.int64)
+    a, b = (template.edges[:, 0].astype(np.int64), template.edges[:, 1].astype(np.int64))
+    partner = np.full((heads, n), -1, dtype=np.int64)
+    for bh in range(heads):
+        sel = rows[bh, blocks]
+        shared = (sel[a] & sel[b]).sum(axis=1) if a.size else np.zeros(0, np.int64)
+        keep = shared > 0
+        chosen = greedy_matching(a[keep], b[keep], shared[keep], n)
+        partner[bh, a[keep][chosen]] = b[keep][chosen]
+        partner[bh, b[keep][chosen]] = a[keep][chosen]
+        rest = np.flatnonzero(partner[bh] < 0)
+        rest = rest[: rest.size - rest.size % 2]
+        partner[bh, rest[0::2]], partner[bh, rest[1::2]] = rest[1::2], rest[0::2]
+    info = np.zeros((heads, n, 4), dtype=np.int64)
+    members = np.full((heads, n, 8), -1, dtype=np.int64)
+    bits = np.zeros((heads, n, 8), dtype=np.int64)
+    own = np.full((heads, n, 8), -1, dtype=np.int64)
+    slot = np.arange(n)
+    for bh in range(heads):
+        p = partner[bh]
+        pair, alone = p > slot, p < 0
+        info[bh, pair] = (MODE_INTERLEAVED, 128, 2, 0)
+        info[bh, alone] = (MODE_FULL_FIRST, 64, 1, 0)
+        info[bh, ~pair & ~alone] = (MODE_PLAIN, 64, 0, 0)
+        members[bh, pair, 0], members[bh, pair, 1] = blocks[pair], blocks[p[pair]]
+        bits[bh, pair, 0], bits[bh, pair, 1] = HALF_A, HALF_B
+        own[bh, pair, :4], own[bh, pair, 4:] = template.own[slot[pair], :4], template.own[p[pair], :4]
+        members[bh, alone, 0], bits[bh, alone, 0] = blocks[alone], ALL_SLOTS
+        own[bh, alone] = template.own[slot[alone]]
+    return {"partner": partner, "info": info, "members": members, "bits": bits, "own": own}
+
+
+def _item_fields(template: ItemTemplate, matched, bh: int, it: int):
+    """``(info, members, bits, own)`` of item ``it`` of head ``bh``: a matched slot's, else the template's."""
+    if matched is not None and it < template.matched:
+        return (matched[name][bh, it] for name in ("info", "members", "bits", "own"))
+    return template.info[it], template.members[it], template.bits[it], template.own[it]
+
+
+def item_streams(template: ItemTemplate, rows: np.ndarray, matched: dict | None = None):
     """Every item's stream, heads × items in head-major order.
 
     Args:
         rows: bool ``[heads, owner blocks, stream blocks]``: what each owner block selects (the forward's
             selection matrix, its transpose for K/V-owned templates).
+        matched: the matched slots' items (:func:`matched_slots`), when the template has them.
 
     Returns:
         ``(entries, counts)``: ``entries[n]`` int64 ``[len, 2]`` of item n (page id, row mask with the
@@ -94,10 +144,11 @@ def item_streams(template: ItemTemplate, rows: np.ndarray):
     entries, counts = [], []
     for bh in range(heads):
         for it in range(template.num_items):
-            mode, _, n_members, _ = (int(x) for x in template.info[it])
+            info, members, member_bits, _ = _item_fields(template, matched, bh, it)
+            mode, _, n_members, _ = (int(x) for x in info)
             halves = mode in (MODE_HALVES, MODE_INTERLEAVED)
-            blocks = template.members[it, :n_members].astype(np.int64)
-            bits = template.bits[it, :n_members].astype(np.int64)
+            blocks = np.asarray(members[:n_members], dtype=np.int64)
+            bits = np.asarray(member_bits[:n_members], dtype=np.int64)
             sel = rows[bh, blocks]  # [members, stream blocks]
             a = sel[(bits & HALF_A) != 0].any(axis=0) if halves else sel.any(axis=0)
             b = sel[(bits & HALF_B) != 0].any(axis=0) if halves else a
@@ -151,13 +202,19 @@ def forward_arrays(template: ItemTemplate, rows: np.ndarray, capacity: int) -> d
     ``work_info`` int32 ``[W, 4]`` (head, first entry, entries, M), ``work_order`` int32 ``[W]`` (per head,
     largest M · chunks first), ``own_entries`` int32 ``[W, 8, 2]``, ``stream_entries`` int32 ``[S, 2]``
     (``S`` = the entries written, at most ``capacity``) and ``overflow`` (items cut at the capacity)."""
-    entries, counts = item_streams(template, rows)
+    matched = matched_slots(template, rows) if template.matched else None
+    entries, counts = item_streams(template, rows, matched)
     heads, n_items = rows.shape[0], template.num_items
     lengths = counts[:, 0]
     begin = _clamped_offsets(lengths, capacity)
     kept = np.minimum(lengths, capacity - begin[:-1])
-    rows_m = np.tile(template.rows.astype(np.int64), heads)
-    info = np.stack([np.repeat(np.arange(heads), n_items), begin[:-1], kept, rows_m], axis=1)
+    info = np.tile(template.info.astype(np.int64), (heads, 1, 1))
+    own = np.tile(template.own.astype(np.int64), (heads, 1, 1))
+    if matched is not None:
+        info[:, : template.matched], own[:, : template.matched] = matched["info"], matched["own"]
+    rows_m = info[:, :, 1].ravel()
+    own = own.reshape(-1, own.shape[-1])
+    work_info = np.stack([np.repeat(np.arange(heads), n_items), begin[:-1], kept, rows_m], axis=1)
     cost = rows_m * -(-lengths // (template.chunk // 16))
     order = (
         np.concatenate(
@@ -171,15 +228,15 @@ def forward_arrays(template: ItemTemplate, rows: np.ndarray, capacity: int) -> d
         if heads * n_items
         else np.zeros(0, np.int64)
     )
-    own = np.tile(template.own.astype(np.int64), (heads, 1))
     own_mask = np.where(own >= 0, template.owner_mask.astype(np.int64)[np.maximum(own, 0)], 0)
     stream = np.concatenate([e[:n] for e, n in zip(entries, kept)]) if entries else np.zeros((0, 2), np.int64)
     return dict(
-        work_info=info.astype(np.int32),
+        work_info=work_info.astype(np.int32),
         work_order=order.astype(np.int32),
         own_entries=np.stack([own, own_mask], axis=-1).astype(np.int32),
         stream_entries=stream.astype(np.int32).reshape(-1, 2),
         overflow=int(np.count_nonzero(kept < lengths)),
+        partner=None if matched is None else matched["partner"].astype(np.int32),
     )
 
 

@@ -1,24 +1,27 @@
-"""Pair items chosen by a rule of the layout alone: what the device planner pairs.
+"""The pair items the device planner makes: candidates from the layout, matches from the selection.
 
-The host pair builders match blocks by the pages their selections share (a greedy matching over the
-graph), which needs the selection before the pairs. The device planner fixes its pairs per call site
-instead, from the layout, so that a call's pair items are known before its selection and every head
-and batch entry pairs the same blocks:
+The host pair builders match blocks over every pair that shares selected pages (a greedy matching over
+the whole graph). The device planner narrows the candidates to what the layout says are neighbours, so
+that a head's matching is a few passes over a short, fixed edge list:
 
-* forward (:func:`forward_layout_pairs`): full 64-row Q blocks (4 live pages) as neighbours (2i, 2i + 1)
-  first, then the other full ones two by two in block order; partial 64-row blocks (1–3 live pages)
-  packed in block order into halves of at most four pages (a half closes when the next block does not
-  fit), and the halves two by two;
-* backward (:func:`backward_layout_pairs`): 64-row K/V blocks (1–4 live pages) as neighbours first, then
-  the others two by two in block order.
+* forward, full 64-row Q blocks (4 live pages): every head matches its own blocks greedily by the K
+  blocks they both select, over the edges of :func:`candidate_edges` (a video layout's 26 spatial
+  neighbours, else the next blocks in order), heaviest first; the blocks left are paired two by two in
+  block order (:func:`forward_matched_pairs`);
+* forward, partial 64-row Q blocks (1–3 live pages): packed in block order into halves of at most four
+  pages (a half closes when the next block does not fit), the halves two by two
+  (:func:`forward_layout_groups`), the same in every head;
+* backward (:func:`backward_layout_pairs`): 64-row K/V blocks (1–4 live pages) as neighbours (2i, 2i + 1)
+  first, then the others two by two in block order, the same in every head.
 
-Measured on VSA 480p (3 heads, host plans): the forward pair list streams 0.56x the pages of the
-per-block routes with these pairs and 0.50x with the matched ones; the time of the pair kernel follows
-each half's steps, which the pairing leaves unchanged (NOTES_kpage_fwd, v13: matching instead of
-neighbour pairs changed VSA's forward by about 1%).
+Counted on VSA 480p (8 heads): the forward pair list with neighbour candidates streams 1.015x the chunks
+of the host's matching over all pairs (1.09x with fixed neighbour pairs), and 1.03x with the packed halves
+in block order.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 
@@ -68,17 +71,94 @@ def packed_in_order(blocks: np.ndarray, live: np.ndarray, room: int = HALF_PAGES
     return groups
 
 
-def forward_layout_pairs(layout):
-    """The forward's pair items of a Q layout: ``(firsts, seconds, halves_a, halves_b)``: pairs of full
-    64-row blocks (int64 arrays), and pairs of packed halves of partial blocks (lists of int64 block
-    arrays; the last B half is empty when the halves are odd)."""
+def full_blocks(layout) -> np.ndarray:
+    """bool ``[blocks]``: 64-row blocks with four live pages (the forward matches them in pairs)."""
+    return small_blocks(layout) & (layout.live_pages == HALF_PAGES)
+
+
+def forward_layout_groups(layout) -> tuple[list, list]:
+    """The forward's packed halves of a Q layout: ``(halves_a, halves_b)``, lists of int64 block arrays of
+    its partial 64-row blocks (the last B half empty when the halves are odd)."""
     live = layout.live_pages.astype(np.int64)
-    small = small_blocks(layout)
-    partial = small & (live < HALF_PAGES)
-    firsts, seconds = neighbours_then_in_order(small & ~partial)
+    partial = small_blocks(layout) & (live < HALF_PAGES)
     groups = packed_in_order(np.flatnonzero(partial), live)
-    halves_b = groups[1::2] + [np.zeros(0, np.int64)] * (len(groups) % 2)
-    return firsts, seconds, groups[0::2], halves_b
+    return groups[0::2], groups[1::2] + [np.zeros(0, np.int64)] * (len(groups) % 2)
+
+
+#: Tile steps (t, h, w) to a neighbour a pair may join: half of the 26-neighbourhood (the other half gives
+#: the same edges reversed).
+NEIGHBOUR_STEPS = tuple(step for step in itertools.product((-1, 0, 1), repeat=3) if step > (0, 0, 0))
+#: Without a tile grid, each block's candidates are the next blocks of its class in block order.
+ORDER_WINDOW = 4
+
+
+def candidate_edges(layout, eligible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``(a, b)``: the edges a matching may take between blocks with ``eligible`` set (a < b, sorted):
+    for a video layout (``tile_grid``), the same block of every neighbouring tile (:data:`NEIGHBOUR_STEPS`);
+    else each eligible block and the next :data:`ORDER_WINDOW` eligible ones."""
+    eligible = np.asarray(eligible, dtype=bool)
+    if layout.tile_grid is None:
+        ids = np.flatnonzero(eligible)
+        pairs = [(ids[:-w], ids[w:]) for w in range(1, ORDER_WINDOW + 1) if ids.size > w]
+    else:
+        nt, nh, nw, per_tile = layout.tile_grid
+        blocks = np.arange(layout.num_blocks)
+        tile, rank = blocks // per_tile, blocks % per_tile
+        coords = np.stack(np.unravel_index(tile, (nt, nh, nw)), axis=1)
+        pairs = []
+        for step in NEIGHBOUR_STEPS:
+            to = coords + np.asarray(step)
+            inside = ((to >= 0) & (to < (nt, nh, nw))).all(axis=1)
+            other = np.ravel_multi_index(to[inside].T, (nt, nh, nw)) * per_tile + rank[inside]
+            pairs.append((blocks[inside], other))
+    a = np.concatenate([p[0] for p in pairs]) if pairs else np.zeros(0, np.int64)
+    b = np.concatenate([p[1] for p in pairs]) if pairs else np.zeros(0, np.int64)
+    keep = eligible[a] & eligible[b] & (a != b)
+    a, b = np.minimum(a[keep], b[keep]), np.maximum(a[keep], b[keep])
+    key = np.unique(a * layout.num_blocks + b)
+    return key // layout.num_blocks, key % layout.num_blocks
+
+
+def greedy_matching(a: np.ndarray, b: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
+    """int64 ``[M]``: the edges (``a[i]``, ``b[i]``; vertices in ``[0, n)``, a ≠ b) of the greedy matching
+    that takes the heaviest edge first (ties: smaller ``a``, then smaller ``b``) unless one of its ends is
+    taken. Computed in rounds: every edge that ranks first at both its free ends joins at once, which
+    gives exactly the sequential greedy's matching in a few vectorized passes (the device's too)."""
+    rank_order = np.lexsort((b, a, -weight))
+    a, b = np.asarray(a, dtype=np.int64)[rank_order], np.asarray(b, dtype=np.int64)[rank_order]
+    used = np.zeros(n, dtype=bool)
+    live = np.arange(a.size)  # candidate edges by rank
+    chosen = []
+    while live.size:
+        best = np.full(n, a.size, dtype=np.int64)
+        np.minimum.at(best, a[live], live)
+        np.minimum.at(best, b[live], live)
+        win = live[(best[a[live]] == live) & (best[b[live]] == live)]
+        chosen.append(win)
+        used[a[win]] = used[b[win]] = True
+        live = live[~(used[a[live]] | used[b[live]])]
+    return np.sort(rank_order[np.concatenate(chosen)]) if chosen else np.zeros(0, dtype=np.int64)
+
+
+def forward_matched_pairs(layout, selects: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One head's pairs of full 64-row Q blocks: int64 ``(firsts, seconds)`` (first < second), in order of
+    the first. ``selects``: bool ``[q_blocks, k_blocks]``, what each Q block selects. The greedy matching
+    over :func:`candidate_edges` by the number of K blocks both select (edges sharing none are left out),
+    then the blocks left two by two in block order."""
+    eligible = full_blocks(layout)
+    a, b = candidate_edges(layout, eligible)
+    selects = np.asarray(selects, dtype=bool)
+    shared = (selects[a] & selects[b]).sum(axis=1) if a.size else np.zeros(0, np.int64)
+    keep = shared > 0
+    chosen = greedy_matching(a[keep], b[keep], shared[keep], layout.num_blocks)
+    firsts, seconds = a[keep][chosen], b[keep][chosen]
+    free = eligible.copy()
+    free[firsts] = free[seconds] = False
+    rest = np.flatnonzero(free)
+    rest = rest[: rest.size - rest.size % 2]
+    firsts, seconds = np.concatenate([firsts, rest[0::2]]), np.concatenate([seconds, rest[1::2]])
+    order = np.argsort(firsts, kind="stable")
+    return firsts[order], seconds[order]
 
 
 def backward_layout_pairs(layout) -> tuple[np.ndarray, np.ndarray]:

@@ -34,7 +34,13 @@ import numpy as np
 
 from ..constants import PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
-from .layout_pairs import forward_layout_pairs, neighbour_firsts, small_blocks
+from .layout_pairs import (
+    forward_layout_groups,
+    forward_matched_pairs,
+    greedy_matching,
+    neighbour_firsts,
+    small_blocks,
+)
 from .tile_plan import TilePlan, gather_segments, kpage_plan, stable_partition
 from .work_list import (
     OWN_PAGES,
@@ -142,27 +148,6 @@ def _selections(rows: SparseGraph, blocks: np.ndarray):
     return row_ids, cols, rows.k.live_pages.astype(np.float64)[cols % nc]
 
 
-def greedy_matching(a: np.ndarray, b: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
-    """int64 ``[M]``: the edges (``a[i]``, ``b[i]``; vertices in ``[0, n)``, a ≠ b) of the greedy matching
-    that takes the heaviest edge first (ties: smaller ``a``, then smaller ``b``) unless one of its ends is
-    taken. Computed in rounds: every edge that ranks first at both its free ends joins at once, which
-    gives exactly the sequential greedy's matching in a few vectorized passes."""
-    rank_order = np.lexsort((b, a, -weight))
-    a, b = np.asarray(a, dtype=np.int64)[rank_order], np.asarray(b, dtype=np.int64)[rank_order]
-    used = np.zeros(n, dtype=bool)
-    live = np.arange(a.size)  # candidate edges by rank
-    chosen = []
-    while live.size:
-        best = np.full(n, a.size, dtype=np.int64)
-        np.minimum.at(best, a[live], live)
-        np.minimum.at(best, b[live], live)
-        win = live[(best[a[live]] == live) & (best[b[live]] == live)]
-        chosen.append(win)
-        used[a[win]] = used[b[win]] = True
-        live = live[~(used[a[live]] | used[b[live]])]
-    return np.sort(rank_order[np.concatenate(chosen)]) if chosen else np.zeros(0, dtype=np.int64)
-
-
 #: Largest row-by-column matrix the pairing heuristics hold dense (float32 entries); larger ones stay sparse.
 DENSE_ENTRIES = 1 << 24
 
@@ -234,7 +219,8 @@ def _one_head_pair_work_list(
     base = work_list(plan)
     nb = graph.q.num_blocks
     if partners == "layout":
-        firsts, seconds, halves_a, halves_b = forward_layout_pairs(graph.q)
+        firsts, seconds = forward_matched_pairs(graph.q, graph.block_mask()[0])
+        halves_a, halves_b = forward_layout_groups(graph.q)
     else:
         live = graph.q.live_pages.astype(np.int64)
         partial = small_blocks(graph.q) & (live < OWN_PAGES // 2)

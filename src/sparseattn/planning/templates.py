@@ -30,8 +30,10 @@ from .layout_pairs import (
     HALF_PAGES,
     backward_layout_pairs,
     backward_pairs_pay,
-    forward_layout_pairs,
+    candidate_edges,
+    forward_layout_groups,
     forward_pairs_pay,
+    full_blocks,
 )
 from .tile_plan import PlanError, kpage_route_of_block
 from .work_list import OWN_PAGES
@@ -117,6 +119,11 @@ class ItemTemplate:
         owner_alive: bool ``[owner blocks]``.
         stream: the streamed side's :class:`StreamTable`.
         chunk: keys per chunk of the forward kernel (64 when every route is 64 keys wide, else 128).
+        matched: items ``[0, matched)`` are the slots of the forward's full 64-row blocks (block order),
+            which every head matches in pairs per call: a slot becomes its block's pair item with the
+            block it matched (the lower block's slot), nothing (the higher's), or the block alone; their
+            rows here are the block alone.
+        edges: int32 ``[E, 2]``: the slots (a < b) a matching may join (:func:`~.layout_pairs.candidate_edges`).
     """
 
     owner: str
@@ -133,6 +140,8 @@ class ItemTemplate:
     owner_alive: np.ndarray
     stream: StreamTable
     chunk: int
+    matched: int = 0
+    edges: np.ndarray | None = None
 
     @property
     def num_items(self) -> int:
@@ -267,7 +276,14 @@ def _pair_item(layout: BlockLayout, half_a, half_b, mode: int, key: int):
 
 
 def _assemble(
-    owner, kind, routes, items, own_layout: BlockLayout, stream_layout: BlockLayout
+    owner,
+    kind,
+    routes,
+    items,
+    own_layout: BlockLayout,
+    stream_layout: BlockLayout,
+    matched: int = 0,
+    edges=None,
 ) -> ItemTemplate:
     n = len(items)
     info = np.zeros((n, 4), dtype=np.int32)
@@ -297,6 +313,8 @@ def _assemble(
         owner_alive=own_layout.valid_rows > 0,
         stream=StreamTable.of(stream_layout, kind),
         chunk=chunk,
+        matched=matched,
+        edges=edges,
     )
     for _, _, count, _ in template.launches:
         if count > MAX_SEGMENT_ITEMS:
@@ -343,7 +361,9 @@ def forward_template(q: BlockLayout, k: BlockLayout, kind: str = "kpage", route=
 
     KPage's per-block routes stream full pages first (``MODE_FULL_FIRST``), BSA's every page of every
     selected block; ``"pair"``'s pair items stream their halves' union, A-only and B-only chunks
-    alternated (``MODE_INTERLEAVED``), and the blocks left unpaired take ``"auto"``'s per-block items."""
+    alternated (``MODE_INTERLEAVED``): first one slot per full 64-row block, matched per head and call
+    (``matched``, ``edges``), then the packed halves of the partial ones, then ``"auto"``'s per-block items
+    of the other blocks."""
     _check(q, k, kind, route)
     route = forward_route(q, kind, route)
     mode = MODE_FULL_FIRST if kind == "kpage" else MODE_PLAIN
@@ -351,14 +371,19 @@ def forward_template(q: BlockLayout, k: BlockLayout, kind: str = "kpage", route=
     one_launch = lambda r: 0
     if route != "pair":
         return _assemble("q", kind, routes, _per_block_items(q, kind, route, mode, one_launch), q, k)
-    firsts, seconds, halves_a, halves_b = forward_layout_pairs(q)
-    items = [_pair_item(q, [a], [b], MODE_INTERLEAVED, 0) for a, b in zip(firsts, seconds)]
+    eligible = full_blocks(q)
+    per_block = _per_block_items(q, kind, "auto", mode, one_launch)
+    items = [it for it in per_block if eligible[it["block"]]]  # the matched slots, block order
+    halves_a, halves_b = forward_layout_groups(q)
     items += [_pair_item(q, a, b, MODE_INTERLEAVED, 0) for a, b in zip(halves_a, halves_b)]
-    paired = np.zeros(q.num_blocks, dtype=bool)
+    placed = eligible.copy()
     for item in items:
-        paired[item["members"]] = True
-    items += [it for it in _per_block_items(q, kind, "auto", mode, one_launch) if not paired[it["block"]]]
-    return _assemble("q", kind, routes, items, q, k)
+        placed[item["members"]] = True
+    items += [it for it in per_block if not placed[it["block"]]]
+    slot = np.cumsum(eligible) - 1
+    a, b = candidate_edges(q, eligible)
+    edges = np.stack([slot[a], slot[b]], axis=1).astype(np.int32).reshape(-1, 2)
+    return _assemble("q", kind, routes, items, q, k, matched=int(eligible.sum()), edges=edges)
 
 
 def backward_template(

@@ -1,6 +1,7 @@
-"""Where the backward's wall time goes (NOTES_kpage_bwd.md, session 24), on an H200:
+"""Where the backward's wall time goes (NOTES_kpage_bwd.md, "Where the backward's time goes, launch by
+launch", 04372ba), on an H200:
 
-    PYTHONPATH=src OUT=DIR python data/bench/launches_s24.py svg2_wan14b_720p vsa_wan14b_480p \\
+    PYTHONPATH=src OUT=DIR python data/bench/experiments/backward_launches.py svg2_wan14b_720p vsa_wan14b_480p \\
         ssta_hy15_720p svg2_wan14b_720p:bsa
 
 For each workload (``NAME`` or ``NAME:KIND``, kind ``kpage`` by default; full heads, batch 1): the
@@ -96,7 +97,7 @@ def main(argv: list[str]) -> None:
         gpu=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
         date=time.strftime("%Y-%m-%d", time.gmtime()),
         commit=os.environ.get("SPARSEATTN_COMMIT", ""),
-        command="python data/bench/launches_s24.py " + " ".join(argv),
+        command="python data/bench/experiments/backward_launches.py " + " ".join(argv),
         workloads={},
     )
     for arg in argv:

@@ -11,7 +11,7 @@ For each workload the pair plan of the K/V-owned backward runs in four item orde
 with the plan's launches side by side (``launch.side_by_side``) and, on ssta, one after the other.
 CUDA events, median of 10 after 3 warm-ups, batch 1, the workloads' real head counts.
 
-Usage (H200): ``PYTHONPATH=src python data/bench/h200_kpage_bwd_v9_20261201_ab_order.py vsa_wan14b_480p
+Usage (H200): ``PYTHONPATH=src python data/bench/experiments/h200_kpage_bwd_v9_20261201_ab_order.py vsa_wan14b_480p
 vsa_wan14b_720p ssta_hy15_720p``; JSON to ``$OUT/ab_order.json``.
 """
 

@@ -1,10 +1,10 @@
-"""svg2's forward+backward against `bsa`: what the floor asks of the kernels (NOTES_kpage_bwd.md, session 24).
+"""svg2's forward+backward against `bsa`: what the floor asks of the kernels (NOTES_kpage_bwd.md, 8f56664).
 
-    PYTHONPATH=src python data/bench/floor_s24_svg2.py \\
-        data/bench/h200_s23_20261201_31cacf6_bench.json data/bench/h200_s24_20261201_04372ba_launches.json
+    PYTHONPATH=src python data/bench/experiments/svg2_backward_floor.py \\
+        data/bench/experiments/h200_complete_bench_20261201_31cacf6_bench.json data/bench/experiments/h200_backward_launches_20261201_04372ba.json
 
 From a complete bench (kpage and bsa records of svg2_wan14b_720p) and the launch timings of
-``launches_s24.py``: the floor (0.9 × bsa's forward pairs over kpage's), the time budget it leaves
+``backward_launches.py``: the floor (0.9 × bsa's forward pairs over kpage's), the time budget it leaves
 kpage, each pass's time per physical pair against bsa's, kpage's passes at bsa's per-pair time, and the
 backward's time per 128 × 64 step in each launch, counted on the stacked 40-head plan (the pair launch's
 one-half steps count half their pairs, as the bench's physical pairs do).
@@ -13,8 +13,8 @@ one-half steps count half their pairs, as the bench's physical pairs do).
 import json
 import sys
 
-from counts_s20_occupancy import graphs_of  # beside this script
-from counts_s23_svg2_backward import launch_steps
+from occupancy_counts import graphs_of  # beside this script
+from svg2_backward_counts import launch_steps
 
 from sparseattn.benchdata import load_run
 

@@ -1,9 +1,9 @@
-"""CPU counts behind the session-20 notes (NOTES_kpage_fwd.md v9 and VSA; NOTES_kpage_bwd.md svg2).
+"""CPU counts behind the notes of 3912864 (NOTES_kpage_fwd.md v9 and VSA; NOTES_kpage_bwd.md svg2).
 
-    PYTHONPATH=src python data/bench/counts_s20_occupancy.py masked svg2_wan14b_720p 4
-    PYTHONPATH=src python data/bench/counts_s20_occupancy.py forward vsa_wan14b_480p 8
-    PYTHONPATH=src python data/bench/counts_s20_occupancy.py backward svg2_wan14b_720p 4
-    PYTHONPATH=src python data/bench/counts_s20_occupancy.py backward-split svg2_wan14b_720p 2
+    PYTHONPATH=src python data/bench/experiments/occupancy_counts.py masked svg2_wan14b_720p 4
+    PYTHONPATH=src python data/bench/experiments/occupancy_counts.py forward vsa_wan14b_480p 8
+    PYTHONPATH=src python data/bench/experiments/occupancy_counts.py backward svg2_wan14b_720p 4
+    PYTHONPATH=src python data/bench/experiments/occupancy_counts.py backward-split svg2_wan14b_720p 2
 
 * ``masked``: the share of the forward work list's 128-key chunks holding a partial page (the chunks
   the softmax masks), as built and with every item's full pages first.

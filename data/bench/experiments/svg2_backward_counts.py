@@ -1,8 +1,8 @@
-"""CPU counts behind the session-23 notes on svg2's backward (NOTES_kpage_bwd.md, "Where svg2's backward
+"""CPU counts behind the notes of 8adfd1b → 31cacf6 on svg2's backward (NOTES_kpage_bwd.md, "Where svg2's backward
 time goes" and "svg2 against `bsa`: what is left, counted").
 
-    PYTHONPATH=src python data/bench/counts_s23_svg2_backward.py steps svg2_wan14b_720p 40
-    PYTHONPATH=src python data/bench/counts_s23_svg2_backward.py tiles svg2_wan14b_720p 4
+    PYTHONPATH=src python data/bench/experiments/svg2_backward_counts.py steps svg2_wan14b_720p 40
+    PYTHONPATH=src python data/bench/experiments/svg2_backward_counts.py tiles svg2_wan14b_720p 4
 
 * ``steps``: the stacked K/V-owned backward plan's launches (plain items, pair items) in kernel steps of
   four Q pages, and how many pair steps one half sees nothing of (that half skips its GEMMs).
@@ -14,7 +14,7 @@ import sys
 from collections import defaultdict
 
 import numpy as np
-from counts_s20_occupancy import graphs_of  # beside this script
+from occupancy_counts import graphs_of  # beside this script
 
 from sparseattn.kernels.backward import backward_route
 from sparseattn.planning.cache import plan_of

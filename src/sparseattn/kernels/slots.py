@@ -1,0 +1,73 @@
+"""Launchers of ``kernels_cu/slots.cu``: activations between token order ``[batch, tokens, heads, d]`` and a
+layout's slot order ``[batch, heads, slots, d]`` (padding slots zero), up to three tensors per launch, on
+the current stream. Tensors are raw device pointers (``numpy.uint64``) or CuPy arrays, bf16, contiguous,
+``d`` a multiple of 8; the torch side is :class:`sparseattn.torch.TokensToSlots`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import launch
+
+SOURCE = "slots.cu"
+NAME_EXPRESSIONS = ("slots_from_tokens", "tokens_from_slots")
+THREADS = 256
+NULL = np.uint64(0)
+
+
+def _launch(
+    name: str, sources, targets, index, batch: int, tokens: int, heads: int, slots: int, d: int, rows: int
+):
+    n = len(sources)
+    chunks = d // 8
+    total = rows * chunks
+    if total == 0:
+        return
+    pad = lambda xs: tuple(xs) + (NULL,) * (3 - n)
+    launch.function(SOURCE, name, NAME_EXPRESSIONS)(
+        (-(-total // THREADS),),
+        (THREADS,),
+        (
+            *pad(sources),
+            *pad(targets),
+            np.int32(n),
+            index,
+            np.int32(batch),
+            np.int32(tokens),
+            np.int32(heads),
+            np.int32(slots),
+            np.int32(chunks),
+        ),
+    )
+
+
+def slots_from_tokens(sources, targets, slot_token, batch: int, tokens: int, heads: int, slots: int, d: int):
+    """``targets[i][b, h, s] = sources[i][b, slot_token[s], h]`` (zeros where ``slot_token[s] < 0``)."""
+    _launch(
+        "slots_from_tokens",
+        sources,
+        targets,
+        slot_token,
+        batch,
+        tokens,
+        heads,
+        slots,
+        d,
+        batch * heads * slots,
+    )
+
+
+def tokens_from_slots(sources, targets, token_slot, batch: int, tokens: int, heads: int, slots: int, d: int):
+    """``targets[i][b, t, h] = sources[i][b, h, token_slot[t]]``."""
+    _launch(
+        "tokens_from_slots",
+        sources,
+        targets,
+        token_slot,
+        batch,
+        tokens,
+        heads,
+        slots,
+        d,
+        batch * tokens * heads,
+    )
