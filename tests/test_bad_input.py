@@ -214,6 +214,13 @@ CLI_CASES = [
     ),
     cli_case(
         "c.npz",
+        _npz(dict(CAPTURE_HEADER, query_start=2**70)),
+        ["--captures"],
+        ["field 'query_start'", "1180591620717411303424"],
+        "capture-query-start-overflows",
+    ),
+    cli_case(
+        "c.npz",
         _npz(pages=np.full((3, 2), -1, np.int16)),
         ["--captures"],
         ["field 'pages'", "selected nothing", "-1 padding"],

@@ -256,7 +256,12 @@ class Capture:
                     f"must be an integer when the file has no 'positions' array, got {start!r}",
                     "query_start",
                 )
-            fields["positions"] = start + np.arange(arrays["pages"].shape[0] if arrays["pages"].ndim else 0)
+            count = arrays["pages"].shape[0] if arrays["pages"].ndim else 0
+            if not 0 <= start <= np.iinfo(np.int64).max - count:  # positions are int64: refuse, never wrap
+                raise CaptureFileError(
+                    path, f"{start} is not a query position (0 to 2^63 - 1)", "query_start"
+                )
+            fields["positions"] = start + np.arange(count, dtype=np.int64)
         try:
             # no cast here: __post_init__ range-checks the ids in the stored dtype before narrowing
             return cls(pages=_check_int_array("pages", arrays["pages"]), **fields)
