@@ -22,6 +22,7 @@ from sparseattn.graph import GraphError, GraphTypeError, SparseGraph
 from sparseattn.kernels.bsa_backward import plan_backward
 from sparseattn.kernels.validate import KernelTypeError, KernelValueError, check_same_device
 from sparseattn.layouts import (
+    BlockLayout,
     LayoutError,
     LayoutTypeError,
     contiguous_layout,
@@ -503,6 +504,24 @@ def api_case(call, error, needle, id):
 
 API_CASES = [
     # layouts
+    api_case(
+        lambda: BlockLayout(16, np.ones(16, bool), np.arange(16) + 0.5, [0]),
+        LayoutTypeError,
+        "token_slot",
+        "layout-float-token-slot",
+    ),
+    api_case(
+        lambda: BlockLayout(16, np.ones(16, bool), np.zeros(16, int), [0]),
+        LayoutError,
+        "every valid slot once",
+        "layout-duplicate-token-slot",
+    ),
+    api_case(
+        lambda: BlockLayout(16, np.ones(16, bool), np.arange(16, dtype=np.uint64) + np.uint64(2**63), [0]),
+        LayoutError,
+        "too large",
+        "layout-uint64-token-slot",
+    ),
     api_case(lambda: video_layout(None, (4, 4, 4)), LayoutTypeError, "grid", "video-layout-grid-none"),
     api_case(lambda: video_layout((8, 8, 8), None), LayoutTypeError, "tile", "video-layout-tile-none"),
     api_case(

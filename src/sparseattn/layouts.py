@@ -81,6 +81,20 @@ def as_bool_mask(name: str, value, error: type[Exception] = LayoutTypeError) -> 
     raise error(f"{name} must be a bool array (or integers 0/1), got {what}")
 
 
+def _index_array(name: str, value) -> np.ndarray:
+    """``value`` as a contiguous int64 array: floats (which would be truncated), bools and integers an int64
+    cannot hold (which would wrap) raise :class:`LayoutTypeError` / :class:`LayoutError` naming ``name``."""
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError):
+        arr = np.asarray(None)
+    if arr.dtype == np.bool_ or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise LayoutTypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise LayoutError(f"{name} holds {int(arr.max())}, too large for a 64-bit integer")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
 def _check_layout_size(field: str, tokens: int, slots: int) -> None:
     problem = memory_problem(LAYOUT_BYTES_PER_TOKEN * max(tokens, slots), f"a layout of {tokens:,} tokens")
     if problem:
@@ -117,12 +131,20 @@ class BlockLayout:
             raise LayoutError(
                 f"valid must be 1-D with a multiple of block_size={self.block_size} slots, got shape {valid.shape}"
             )
-        token_slot = np.ascontiguousarray(self.token_slot, dtype=np.int64)
+        token_slot = _index_array("token_slot", self.token_slot)
         if token_slot.size != int(valid.sum()):
             raise LayoutError(
                 f"token_slot has {token_slot.size} tokens but valid marks {int(valid.sum())} slots"
             )
-        block_group = np.ascontiguousarray(self.block_group, dtype=np.int64)
+        if token_slot.size:  # each valid slot holds exactly one token
+            if token_slot.min() < 0 or token_slot.max() >= valid.size:
+                bad = int(token_slot[(token_slot < 0) | (token_slot >= valid.size)][0])
+                raise LayoutError(f"token_slot holds slot {bad} outside [0, {valid.size})")
+            hit = np.zeros(valid.size, dtype=bool)
+            hit[token_slot] = True
+            if not np.array_equal(hit, valid):
+                raise LayoutError("token_slot must name every valid slot once (and no padding slot)")
+        block_group = _index_array("block_group", self.block_group)
         if block_group.shape != (valid.size // self.block_size,):
             raise LayoutError(f"block_group must have one entry per block, got shape {block_group.shape}")
         if self.tile_grid is not None:
