@@ -384,9 +384,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) plan_items(
 
 // ---- the forward's matched pairs ---------------------------------------------------------------------
 
-// keys[bh, e] of every candidate edge e = (slot a, slot b), a < b, of every head: the K blocks both
-// blocks select (popcount of their rows' AND) << 40 | (0xFFFFF - a) << 20 | (0xFFFFF - b), so that the
-// largest key is the heaviest edge, ties to the lower a, then the lower b; 0 when they share none.
+// keys[bh, e] of every candidate edge e = (slot a, slot b), a < b, of every head (as layout_pairs.edge_keys):
+// min(shared, 4095) << 52 | tie << 40 | (0xFFFFF - a) << 20 | (0xFFFFF - b), shared = the K blocks both
+// blocks select (popcount of their rows' AND), tie = a 12-bit hash of (a, b) that breaks equal weights
+// (without it, equal weights along a row of blocks chain the matching's rounds); 0 when they share none.
 extern "C" __global__ void plan_pair_weights(const plan_u32* __restrict__ bitmap, int row_blocks, int words,
                                              int heads, const int2* __restrict__ edges, int n_edges,
                                              const int* __restrict__ slot_block, plan_u64* __restrict__ keys) {
@@ -398,8 +399,10 @@ extern "C" __global__ void plan_pair_weights(const plan_u32* __restrict__ bitmap
     const plan_u32* rb = bitmap + (static_cast<long long>(bh) * row_blocks + slot_block[e.y]) * words;
     int shared = 0;
     for (int w = 0; w < words; ++w) shared += __popc(ra[w] & rb[w]);
-    keys[t] = shared ? (static_cast<plan_u64>(shared) << 40) | (static_cast<plan_u64>(0xFFFFF - e.x) << 20) |
-                           static_cast<plan_u64>(0xFFFFF - e.y)
+    const plan_u32 tie = (((static_cast<plan_u32>(e.x) * 0x9E3779B1u) ^ (static_cast<plan_u32>(e.y) * 0x85EBCA77u)) >> 20) &
+                         0xFFFu;
+    keys[t] = shared ? (static_cast<plan_u64>(min(shared, 4095)) << 52) | (static_cast<plan_u64>(tie) << 40) |
+                           (static_cast<plan_u64>(0xFFFFF - e.x) << 20) | static_cast<plan_u64>(0xFFFFF - e.y)
                      : 0ull;
 }
 

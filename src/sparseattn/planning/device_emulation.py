@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout_pairs import greedy_matching
+from .layout_pairs import edge_keys, greedy_matching_by_key
 from .templates import (
     ALL_SLOTS,
     HALF_A,
@@ -78,8 +78,8 @@ def _interleaved_position(cat: int, r: int, na: int, ns: int, runs: int, pages: 
 
 def matched_slots(template: ItemTemplate, rows: np.ndarray) -> dict:
     """The matched slots of every head (``plan_pair_weights`` and ``plan_pair_match``): each head's greedy
-    matching of its full 64-row blocks over the template's edges, heaviest first by the K blocks both
-    select (ties: lower slots first; edges sharing none left out), the slots left two by two in order; then
+    matching of its full 64-row blocks over the template's edges by :func:`~.layout_pairs.edge_keys`
+    (edges sharing no K block left out), the slots left two by two in order; then
     per slot its item: the pair (the lower slot), nothing (the higher) or the block alone. Returns
     ``{"partner": int64 [heads, matched]`` (-1: alone), ``"info"``, ``"members"``, ``"bits"``, ``"own"``
     (``[heads, matched, 4 | 8]``, the template's rows for those items)."""
@@ -91,7 +91,7 @@ def matched_slots(template: ItemTemplate, rows: np.ndarray) -> dict:
         sel = rows[bh, blocks]
         shared = (sel[a] & sel[b]).sum(axis=1) if a.size else np.zeros(0, np.int64)
         keep = shared > 0
-        chosen = greedy_matching(a[keep], b[keep], shared[keep], n)
+        chosen = greedy_matching_by_key(a[keep], b[keep], edge_keys(a[keep], b[keep], shared[keep]), n)
         partner[bh, a[keep][chosen]] = b[keep][chosen]
         partner[bh, b[keep][chosen]] = a[keep][chosen]
         rest = np.flatnonzero(partner[bh] < 0)

@@ -140,17 +140,47 @@ def greedy_matching(a: np.ndarray, b: np.ndarray, weight: np.ndarray, n: int) ->
     return np.sort(rank_order[np.concatenate(chosen)]) if chosen else np.zeros(0, dtype=np.int64)
 
 
+#: Bits of an edge key (``plan_pair_weights``): the shared K blocks (capped), a hash of the two slots that
+#: breaks ties (so that equal weights along a row of blocks do not chain the matching's rounds), and the
+#: two slots (the key is unique).
+KEY_WEIGHT_MAX, KEY_TIE_BITS, KEY_SLOT_BITS = 4095, 12, 20
+
+
+def edge_keys(a: np.ndarray, b: np.ndarray, shared: np.ndarray) -> np.ndarray:
+    """uint64 keys of edges between slots ``a < b`` sharing ``shared`` selected blocks: larger = taken first
+    (more shared blocks, then a hash of (a, b), then lower a, then lower b); 0 for edges sharing none."""
+    a, b = np.asarray(a, dtype=np.uint64), np.asarray(b, dtype=np.uint64)
+    mask32 = np.uint64(0xFFFFFFFF)
+    mix = ((a * np.uint64(0x9E3779B1)) & mask32) ^ ((b * np.uint64(0x85EBCA77)) & mask32)
+    tie = (mix >> np.uint64(20)) & np.uint64((1 << KEY_TIE_BITS) - 1)
+    top = np.uint64((1 << KEY_SLOT_BITS) - 1)
+    weight = np.minimum(np.asarray(shared, dtype=np.uint64), np.uint64(KEY_WEIGHT_MAX))
+    key = (weight << np.uint64(52)) | (tie << np.uint64(40)) | ((top - a) << np.uint64(20)) | (top - b)
+    return np.where(np.asarray(shared) > 0, key, np.uint64(0))
+
+
+def greedy_matching_by_key(a: np.ndarray, b: np.ndarray, key: np.ndarray, n: int) -> np.ndarray:
+    """int64: the edges of the greedy matching that takes the largest (unique) ``key`` first, as
+    :func:`greedy_matching`."""
+    order = np.argsort(np.asarray(key, dtype=np.uint64))[::-1]
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    return greedy_matching(a, b, -rank.astype(np.float64), n)
+
+
 def forward_matched_pairs(layout, selects: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One head's pairs of full 64-row Q blocks: int64 ``(firsts, seconds)`` (first < second), in order of
     the first. ``selects``: bool ``[q_blocks, k_blocks]``, what each Q block selects. The greedy matching
-    over :func:`candidate_edges` by the number of K blocks both select (edges sharing none are left out),
-    then the blocks left two by two in block order."""
+    over :func:`candidate_edges` by the number of K blocks both select (:func:`edge_keys`; edges sharing none
+    are left out), then the blocks left two by two in block order."""
     eligible = full_blocks(layout)
     a, b = candidate_edges(layout, eligible)
     selects = np.asarray(selects, dtype=bool)
     shared = (selects[a] & selects[b]).sum(axis=1) if a.size else np.zeros(0, np.int64)
     keep = shared > 0
-    chosen = greedy_matching(a[keep], b[keep], shared[keep], layout.num_blocks)
+    slot = np.cumsum(eligible) - 1  # the key ranks slots (blocks in order), as the device does
+    keys = edge_keys(slot[a[keep]], slot[b[keep]], shared[keep])
+    chosen = greedy_matching_by_key(a[keep], b[keep], keys, layout.num_blocks)
     firsts, seconds = a[keep][chosen], b[keep][chosen]
     free = eligible.copy()
     free[firsts] = free[seconds] = False

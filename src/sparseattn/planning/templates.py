@@ -165,7 +165,9 @@ class ItemTemplate:
 
     @property
     def has_pairs(self) -> bool:
-        return bool(np.isin(self.mode, (MODE_HALVES, MODE_INTERLEAVED)).any())
+        """Whether items may hold two halves (the kernels' pair instantiations run them): pair items of the
+        template, or matched slots, which become pair items per call."""
+        return self.matched > 0 or bool(np.isin(self.mode, (MODE_HALVES, MODE_INTERLEAVED)).any())
 
     @cached_property
     def launches(self) -> tuple[tuple[int, int, int, bool], ...]:
