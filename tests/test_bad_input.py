@@ -505,6 +505,12 @@ def api_case(call, error, needle, id):
 API_CASES = [
     # layouts
     api_case(
+        lambda: partition_layout(np.array([0, 2**64 - 1], np.uint64), 16),
+        LayoutError,
+        "too large",
+        "partition-uint64-groups",
+    ),
+    api_case(
         lambda: BlockLayout(16, np.ones(16, bool), np.arange(16) + 0.5, [0]),
         LayoutTypeError,
         "token_slot",

@@ -374,6 +374,8 @@ def partition_layout(
         raise LayoutTypeError(f"groups must hold integers, got dtype {groups.dtype}")
     if groups.min() < 0:
         raise LayoutError("groups must be non-negative")
+    if groups.dtype == np.uint64:  # bincount takes int64: refuse what would wrap
+        groups = _index_array("groups", groups)
     if num_groups is not None and not _is_int(num_groups):
         raise LayoutTypeError(f"num_groups must be an integer, got {num_groups!r}")
     n_groups = int(groups.max()) + 1 if num_groups is None else int(num_groups)
