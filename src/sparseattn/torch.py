@@ -1,8 +1,13 @@
-"""Torch interop: ``kpage_attention`` as a ``torch.autograd.Function`` over the KPage forward and
-backward kernels (torch bf16 CUDA tensors in and out, no copies, on torch's current stream).
+"""Torch interop: autograd ops over the KPage forward and backward kernels (torch bf16 CUDA tensors in
+and out, no copies, on torch's current stream).
 
 >>> o = sparseattn.torch.kpage_attention(q, k, v, graph)   # q, k, v: [batch, heads, slots, d] bf16
 >>> o.backward(do)                                          # dq, dk, dv in q.grad, k.grad, v.grad
+
+For selections made per call on the GPU (VSA's top-k, a learned selection): :func:`block_sparse_attention`
+(top-k indices and counts, the VSA kernel's arguments) and :func:`block_sparse_attention_mask` (a block
+mask) plan every call on the device (:mod:`sparseattn.planning.device`); :func:`vsa_topk` is VSA's
+selection, :func:`tokens_to_slots` / :func:`slots_to_tokens` move activations into a layout's slot order.
 
 Rows of padding slots of ``o`` are zero, and padding rows get zero gradients.
 """
