@@ -26,8 +26,6 @@ NAME_EXPRESSIONS = (
 #: Stream orders, output formats and sort keys of planner.cu (PLAN_MODE_*, PLAN_OUT_*, PLAN_KEY_*).
 OUT_WORK_LIST, OUT_TILE_PLAN = 0, 1
 KEY_LEN, KEY_COST = 0, 1
-#: Items of one segment the sort takes (PLAN_SORT_MAX).
-SORT_MAX = 16384
 #: Stream tables of at most this many bytes are staged in shared memory (PLAN_SMEM_TABLES_MAX); the item
 #: passes run two blocks per SM, their warps striding over the items.
 SMEM_TABLES_MAX = 96 * 1024

@@ -351,7 +351,8 @@ class DevicePlanner:
             all_64 = bool((self.backward.rows == 64).all()) and self.backward.num_items > 0
             if resolved == "wgmma_dq_pass" or (resolved == "wgmma" and all_64):
                 self.dq = dq_template(q_layout, k_layout, kind, route)
-        self._devices: dict = {}
+        self._tables: dict = {}  # device -> the templates' arrays on it
+        self._arenas: dict = {}  # (heads, selection width, backward) -> the buffers' layout
 
     @property
     def q_blocks(self) -> int:
@@ -362,7 +363,7 @@ class DevicePlanner:
         return self.k.num_blocks
 
     def _uploaded(self, device: int) -> dict:
-        tables = self._devices.get(device)
+        tables = self._tables.get(device)
         if tables is None:
             import cupy
 
@@ -372,7 +373,7 @@ class DevicePlanner:
                     for name, t in (("forward", self.forward), ("backward", self.backward), ("dq", self.dq))
                     if t is not None
                 }
-            self._devices[device] = tables
+            self._tables[device] = tables
         return tables
 
     def capacity(self, template: ItemTemplate, heads: int, k: int) -> int:
@@ -386,8 +387,8 @@ class DevicePlanner:
 
     def _arena(self, bh: int, k: int, backward: bool) -> Arena:
         """The buffers of a call with ``bh`` heads and selections of width ``k`` (built once per shape)."""
-        key = ("arena", bh, k, backward)
-        arena = self._devices.get(key)
+        key = (bh, k, backward)
+        arena = self._arenas.get(key)
         if arena is None:
             i32, u32 = np.int32, np.uint32
             nq, nk = self.q_blocks, self.k_blocks
@@ -437,7 +438,7 @@ class DevicePlanner:
                 )
                 if t.has_pairs:
                     specs[f"{part}.pair_pages"] = ((cap, 3), i32)
-            arena = self._devices[key] = Arena(specs)
+            arena = self._arenas[key] = Arena(specs)
         return arena
 
     def plan(self, q2k_idx=None, q2k_num=None, *, mask=None, backward: bool = True) -> DevicePlans:
