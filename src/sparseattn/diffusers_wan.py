@@ -133,10 +133,31 @@ class WanSparseAttnProcessor:
         self._masks: dict = {}
         self._slots: dict = {}
         self._dense = None
+        self._planner = None
 
     @property
     def num_tokens(self) -> int:
-        return int(np.prod(self.grid))
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    def prepare(self, heads: int):
+        """Build what a call needs and its selection fixes (the static graph, or the layout and the device
+        planner of a dynamic selection) now rather than in the first call: a ``torch.compile`` trace then
+        finds them as constants. :func:`install_sparse_attention` calls it with the model's head count."""
+        if self.selection.dynamic:
+            _ = self.layout
+            if self.backend == "kpage":
+                self.planner()
+        else:
+            self.graph_for(heads)
+        return self
+
+    def planner(self):
+        """The :class:`~sparseattn.planning.device.DevicePlanner` of a dynamic selection (built once)."""
+        if self._planner is None:
+            from .torch import planner_for
+
+            self._planner = planner_for(self.layout, route=self.route)
+        return self._planner
 
     def graph_for(self, heads: int, q=None, k=None) -> SparseGraph:
         """The static graph (cached per head count), or VSA's from one batch entry's ``[L, heads, d]`` q, k."""
@@ -227,7 +248,7 @@ class WanSparseAttnProcessor:
         qs, ks, vs = tokens_to_slots(self.layout, q, k, v)
         with torch.no_grad():
             idx, num = vsa_topk(qs, ks, self.layout, self.selection.topk)
-        out, _ = block_sparse_attention(qs, ks, vs, self.layout, idx, num, route=self.route)
+        out, _ = block_sparse_attention(qs, ks, vs, self.planner(), idx, num)
         return slots_to_tokens(self.layout, out).to(q.dtype)
 
     def _attend_graph(self, q, k, v, graph: SparseGraph):
@@ -273,6 +294,9 @@ def install_sparse_attention(
             f"transformer must be a diffusers WanTransformer3DModel, got {type(transformer).__name__}"
         )
     processor = WanSparseAttnProcessor(grid, selection, backend, route)
+    heads = getattr(getattr(transformer, "config", None), "num_attention_heads", None)
+    if heads is not None:
+        processor.prepare(int(heads))
     for block in blocks:
         block.attn1.set_processor(processor)
     return processor

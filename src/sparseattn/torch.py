@@ -17,38 +17,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .kernels.backward import kpage_backward
-from .kernels.forward import kpage_forward
-
-
-class KPageAttention(torch.autograd.Function):
-    """Exact sparse attention of ``graph`` with the KPage plans (forward: Q-owned, backward: K/V-owned)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, graph, route, scale, deterministic):
-        q, k, v = (x.contiguous() for x in (q, k, v))
-        o, lse = kpage_forward(q, k, v, graph, route=route, scale=scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.graph, ctx.route, ctx.scale, ctx.deterministic = graph, route, scale, deterministic
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = kpage_backward(
-            q,
-            k,
-            v,
-            o,
-            lse,
-            do.contiguous(),
-            ctx.graph,
-            route=ctx.route,
-            scale=ctx.scale,
-            deterministic=ctx.deterministic,
-        )
-        return dq, dk, dv, None, None, None, None
-
 
 def kpage_attention(q, k, v, graph, route="auto", scale=None, deterministic=False):
     """Sparse attention output ``o`` (bf16 ``[batch, heads, q_slots, d]``) with autograd.
@@ -62,8 +30,18 @@ def kpage_attention(q, k, v, graph, route="auto", scale=None, deterministic=Fals
             ``1/sqrt(d)``.
         deterministic: gradients bit-identical from run to run (the Q-owned dQ pass, or dQ added in
             64-bit fixed point).
+
+    A ``torch.library`` operator (``torch.ops.sparseattn.kpage_fwd``, its gradient ``kpage_bwd``):
+    ``torch.compile`` traces it without a graph break and CUDA graphs capture it.
     """
-    return KPageAttention.apply(q, k, v, graph, route, scale, deterministic)
+    from .graph import SparseGraph
+    from .torch_ops import OPS, default_scale, handle
+
+    if not isinstance(graph, SparseGraph):
+        raise TypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
+    return OPS.kpage_fwd(
+        q, k, v, handle(graph), str(route), default_scale(scale, q.shape[-1]), deterministic
+    )[0]
 
 
 # ---- dynamic selections: planned on the GPU per call --------------------------------------------------
@@ -81,42 +59,6 @@ def planner_for(q_layout, k_layout=None, **options):
     if planner.k is not k_layout:  # another layout took the id of a freed one
         planner = DevicePlanner(q_layout, k_layout, **options)
     return planner
-
-
-class DynamicSparseAttention(torch.autograd.Function):
-    """Exact sparse attention of a selection on the GPU: plans built on the device each call (forward
-    work list, backward plans), the KPage (or BSA) kernels, autograd."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, planner, q2k_idx, q2k_num, mask, scale, deterministic, needs_grad):
-        from .kernels import launch
-
-        q, k, v = (x.contiguous() for x in (q, k, v))
-        with launch.torch_context():
-            plans = planner.plan(q2k_idx, q2k_num, mask=mask, backward=needs_grad)
-        o, lse = kpage_forward(q, k, v, plans, scale=scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.plans, ctx.scale, ctx.deterministic = plans, scale, deterministic
-        ctx.impl = planner.impl
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = kpage_backward(
-            q,
-            k,
-            v,
-            o,
-            lse,
-            do.contiguous(),
-            ctx.plans,
-            scale=ctx.scale,
-            impl=ctx.impl,
-            deterministic=ctx.deterministic,
-        )
-        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _needs_grad(*tensors) -> bool:
@@ -168,9 +110,7 @@ def block_sparse_attention(
         ``(o, lse)``: ``o`` like ``q`` (padding rows zero), ``lse`` float32 ``[batch, heads, q_slots]``.
     """
     planner = _planner(layout, k_layout, kind, route, deterministic, None)
-    return DynamicSparseAttention.apply(
-        q, k, v, planner, q2k_idx, q2k_num, None, scale, deterministic, _needs_grad(q, k, v)
-    )
+    return _dynamic(q, k, v, planner, q2k_idx, q2k_num, None, scale)
 
 
 def block_sparse_attention_mask(
@@ -190,11 +130,33 @@ def block_sparse_attention_mask(
     """:func:`block_sparse_attention` of a block mask: bool ``[batch, heads, q_blocks, k_blocks]`` on the GPU.
     ``max_selected``: the most blocks a Q block selects (sizes the plan buffers; default all)."""
     planner = _planner(layout, k_layout, kind, route, deterministic, max_selected)
-    return DynamicSparseAttention.apply(
-        q, k, v, planner, None, None, mask, scale, deterministic, _needs_grad(q, k, v)
+    return _dynamic(q, k, v, planner, None, None, mask, scale)
+
+
+def _dynamic(q, k, v, planner, q2k_idx, q2k_num, mask, scale):
+    """The ``dynamic_fwd`` operator: plans on the device (the backward's too when gradients are needed)."""
+    from .torch_ops import OPS, default_scale, handle
+
+    o, lse, _plans = OPS.dynamic_fwd(
+        q,
+        k,
+        v,
+        q2k_idx,
+        q2k_num,
+        mask,
+        handle(planner),
+        default_scale(scale, q.shape[-1]),
+        _needs_grad(q, k, v),
     )
+    return o, lse
 
 
+@torch.compiler.assume_constant_result
+def _alive_blocks(layout) -> int:
+    return int(np.count_nonzero(layout.valid_rows))
+
+
+@torch.compiler.assume_constant_result
 def _block_weights(layout, device):
     """``(1 / valid rows [1, 1, blocks, 1] (0 for empty blocks), alive [blocks])`` on ``device``, uploaded
     once per layout and device (a call then copies nothing from the host)."""
@@ -232,7 +194,7 @@ def vsa_topk(q, k, layout, topk: int):
     qm = q.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32) * weight  # fp32 sums, no fp32 copy of q
     km = k.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32) * weight
     scores = (qm @ km.transpose(-1, -2)).masked_fill(~alive, float("-inf"))
-    kept = min(int(topk), int(np.count_nonzero(layout.valid_rows)))
+    kept = min(int(topk), _alive_blocks(layout))
     idx = scores.topk(kept, dim=-1).indices.to(torch.int32)
     num = torch.full((b, h, nb), kept, dtype=torch.int32, device=q.device)
     return idx.contiguous(), num
@@ -241,96 +203,17 @@ def vsa_topk(q, k, layout, topk: int):
 # ---- tokens <-> slots ------------------------------------------------------------------------------
 
 
-def _slot_indices(layout, device):
-    """int32 ``(slot_token [slots] (-1 for padding), token_slot [tokens])`` on ``device``, uploaded once."""
-    from .planning.cache import cached
-
-    def build():
-        return (
-            torch.as_tensor(layout.slot_token.astype(np.int32), device=device),
-            torch.as_tensor(layout.token_slot.astype(np.int32), device=device),
-        )
-
-    return cached(layout, ("slot indices", str(device)), build)
-
-
-def _fast_slots(tensors) -> bool:
-    return all(
-        x.is_cuda and x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[-1] % 8 == 0
-        for x in tensors
-    )
-
-
-def _move(kernel, sources, layout, out_shape, sizes):
-    """``kernel`` (slots_from_tokens / tokens_from_slots) over ``sources``, into new tensors of ``out_shape``."""
-    from .kernels import launch, slots
-
-    outs = [torch.empty(out_shape, dtype=torch.bfloat16, device=sources[0].device) for _ in sources]
-    slot_token, token_slot = _slot_indices(layout, sources[0].device)
-    index = slot_token if kernel is slots.slots_from_tokens else token_slot
-    ptr = lambda x: np.uint64(x.data_ptr())
-    with launch.torch_stream():
-        kernel([ptr(x) for x in sources], [ptr(y) for y in outs], ptr(index), *sizes)
-    return outs
-
-
-class TokensToSlots(torch.autograd.Function):
-    """``[B, tokens, heads, d]`` tensors -> ``[B, heads, slots, d]`` in a layout's slot order (padding slots
-    zero), in one launch; the gradients go back the other way."""
-
-    @staticmethod
-    def forward(ctx, layout, *xs):
-        from .kernels.slots import slots_from_tokens
-
-        b, n, h, d = xs[0].shape
-        ctx.layout, ctx.sizes = layout, (b, n, h, layout.num_slots, d)
-        return tuple(_move(slots_from_tokens, xs, layout, (b, h, layout.num_slots, d), ctx.sizes))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        from .kernels.slots import tokens_from_slots
-
-        b, n, h, _s, d = ctx.sizes
-        grads = [g.contiguous() for g in grads]
-        return (None, *_move(tokens_from_slots, grads, ctx.layout, (b, n, h, d), ctx.sizes))
-
-
-class SlotsToTokens(torch.autograd.Function):
-    """``[B, heads, slots, d]`` in a layout's slot order -> ``[B, tokens, heads, d]`` (padding dropped)."""
-
-    @staticmethod
-    def forward(ctx, layout, y):
-        from .kernels.slots import tokens_from_slots
-
-        b, h, s, d = y.shape
-        ctx.layout, ctx.sizes = layout, (b, layout.num_tokens, h, s, d)
-        return _move(tokens_from_slots, [y], layout, (b, layout.num_tokens, h, d), ctx.sizes)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        from .kernels.slots import slots_from_tokens
-
-        b, _n, h, s, d = ctx.sizes
-        return None, _move(slots_from_tokens, [grad.contiguous()], ctx.layout, (b, h, s, d), ctx.sizes)[0]
-
-
 def tokens_to_slots(layout, *xs):
     """Token-ordered ``[B, tokens, heads, d]`` tensors in ``layout``'s slot order ``[B, heads, slots, d]``,
-    bf16, padding slots zero, with autograd (one fused launch for bf16 CUDA tensors; torch ops otherwise)."""
-    if _fast_slots(xs):
-        return TokensToSlots.apply(layout, *xs)
-    slots = torch.as_tensor(layout.token_slot, device=xs[0].device)
-    outs = []
-    for x in xs:
-        x = x.transpose(1, 2)
-        out = x.new_zeros(x.shape[0], x.shape[1], layout.num_slots, x.shape[3], dtype=torch.bfloat16)
-        outs.append(out.index_copy(2, slots, x.to(torch.bfloat16)))
-    return tuple(outs)
+    bf16, padding slots zero, with autograd (one fused launch for bf16 CUDA tensors; torch ops otherwise;
+    the operator ``torch.ops.sparseattn.tokens_to_slots``)."""
+    from .torch_ops import OPS, handle
+
+    return tuple(OPS.tokens_to_slots(list(xs), handle(layout)))
 
 
 def slots_to_tokens(layout, y):
     """:func:`tokens_to_slots`'s inverse for one ``[B, heads, slots, d]`` tensor: ``[B, tokens, heads, d]``."""
-    if _fast_slots((y,)):
-        return SlotsToTokens.apply(layout, y)
-    slots = torch.as_tensor(layout.token_slot, device=y.device)
-    return y.index_select(2, slots).transpose(1, 2)
+    from .torch_ops import OPS, handle
+
+    return OPS.slots_to_tokens(y, handle(layout))

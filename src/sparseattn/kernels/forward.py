@@ -478,9 +478,10 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
     return o, lse
 
 
-def _torch_device_forward(q, k, v, plans: DevicePlans, scale, out):
-    """The device plans' forward on torch tensors in a few attribute reads and one launch (raw pointers,
-    no DLPack views); None when anything is unusual (the general path then names what is wrong)."""
+def _torch_fast_forward(q, k, v, graph_or_plans, route, scale, out):
+    """The forward of device plans or a cached graph on torch tensors in a few attribute reads and one
+    launch (raw pointers, no DLPack views); None when anything is unusual (the general path then names
+    what is wrong)."""
     import torch
 
     try:
@@ -494,7 +495,6 @@ def _torch_device_forward(q, k, v, plans: DevicePlans, scale, out):
             and v.device == dev
             and k.shape == v.shape == (b, h, sk, d)
             and d in HEAD_DIMS
-            and (b, h, sq, sk) == (plans.batch, plans.heads, plans.q_slots, plans.k_slots)
             and q.is_contiguous()
             and k.is_contiguous()
             and v.is_contiguous()
@@ -504,22 +504,39 @@ def _torch_device_forward(q, k, v, plans: DevicePlans, scale, out):
         return None
     if not ok:
         return None
+    if isinstance(graph_or_plans, DevicePlans):
+        plans = graph_or_plans
+        if (b, h, sq, sk) != (plans.batch, plans.heads, plans.q_slots, plans.k_slots):
+            return None
+        wl, sizes = plans.forward, (1, b * h, sq, sk, d)
+    elif isinstance(graph_or_plans, SparseGraph) and b <= MAX_BATCH:
+        wl, sizes = resolve_work(graph_or_plans, "kpage", route, h, sq, sk), (b, h, sq, sk, d)
+    else:
+        return None
     scale = check_scale(scale, d)
     o = torch.zeros_like(q)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=dev)
     ptr = lambda x: np.uint64(x.data_ptr())
     with launch.torch_stream():
-        _launch(
-            ptr(q), ptr(k), ptr(v), plans.forward, scale, ptr(o), ptr(lse), dev.index, (1, b * h, sq, sk, d)
-        )
+        _launch(ptr(q), ptr(k), ptr(v), wl, scale, ptr(o), ptr(lse), dev.index, sizes)
     return o, lse
+
+
+def torch_graph_forward(q, k, v, graph_or_plans, route="auto", scale=None):
+    """KPage forward of a :class:`SparseGraph` (or device plans) on torch CUDA tensors: ``(o, lse)``, as
+    :func:`paged_forward`; the common case in one launch with microseconds of host work."""
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    fast = _torch_fast_forward(q, k, v, graph_or_plans, route, scale, None)
+    if fast is not None:
+        return fast
+    return paged_forward(q, k, v, graph_or_plans, scale, kind="kpage", route=route)
 
 
 def _torch_forward(q, k, v, graph_or_plan, scale, out, kind, route):
     import torch
 
-    if isinstance(graph_or_plan, DevicePlans):
-        fast = _torch_device_forward(q, k, v, graph_or_plan, scale, out)
+    if isinstance(graph_or_plan, DevicePlans) or (kind == "kpage" and isinstance(graph_or_plan, SparseGraph)):
+        fast = _torch_fast_forward(q, k, v, graph_or_plan, route, scale, out)
         if fast is not None:
             return fast
 

@@ -34,7 +34,7 @@ counted; :meth:`DevicePlans.check` (which synchronises) raises if there were any
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -145,6 +145,30 @@ class DeviceTemplate:
         return self.segments[key]
 
 
+def _cupy_bytes(memory, nbytes: int):
+    """A CuPy ``uint8`` view of the first ``nbytes`` bytes of a torch CUDA tensor (which it keeps alive)."""
+    import cupy
+
+    held = memory.numel() * memory.element_size()
+    if held < nbytes:
+        raise PlanError(f"memory holds {held} bytes; the plans need {nbytes}")
+    raw = cupy.cuda.UnownedMemory(memory.data_ptr(), nbytes, memory, memory.device.index)
+    return cupy.ndarray((nbytes,), cupy.uint8, memptr=cupy.cuda.MemoryPointer(raw, 0))
+
+
+def _rebased_arrays(arrays: dict, old: Arena, new: Arena) -> dict:
+    """``arrays`` with the pointers into ``old`` moved to the same offsets in ``new`` (launch caches,
+    keyed by tuples, dropped; pointers to the templates' tables kept)."""
+    out = {}
+    for name, value in arrays.items():
+        if not isinstance(name, str):
+            continue
+        if isinstance(value, np.uint64) and old.base <= int(value) < old.base + old.nbytes:
+            value = np.uint64(int(value) - old.base + new.base)
+        out[name] = value
+    return out
+
+
 class Arena:
     """The buffers of one call in one device allocation: ``buffer(name)`` is a raw device pointer
     (``numpy.uint64``, what kernels take), ``view(name)`` a CuPy array over it (for tests and checks)."""
@@ -160,14 +184,26 @@ class Arena:
         self.nbytes = offset
         self.memory = None
 
-    def allocate(self) -> Arena:
-        """A fresh allocation (CuPy's allocator: torch's inside :func:`~sparseattn.kernels.launch.torch_context`)."""
+    def allocate(self, memory=None) -> Arena:
+        """A fresh allocation (CuPy's allocator: torch's inside :func:`~sparseattn.kernels.launch.torch_context`),
+        or the caller's ``memory``: a torch CUDA tensor of at least :attr:`nbytes` bytes."""
         import cupy
 
         out = Arena.__new__(Arena)
         out.specs, out.nbytes = self.specs, self.nbytes
-        out.memory = cupy.empty(self.nbytes, dtype=cupy.uint8)
+        if memory is None:
+            out.memory = cupy.empty(self.nbytes, dtype=cupy.uint8)
+        else:
+            out.memory = _cupy_bytes(memory, self.nbytes)
         out.base = int(out.memory.data.ptr)
+        return out
+
+    def rebased(self, memory=None) -> Arena:
+        """The same buffers in ``memory`` (a torch CUDA tensor), or without memory (a prototype)."""
+        out = Arena.__new__(Arena)
+        out.specs, out.nbytes = self.specs, self.nbytes
+        out.memory = None if memory is None else _cupy_bytes(memory, self.nbytes)
+        out.base = self.base if memory is None else int(out.memory.data.ptr)
         return out
 
     def buffer(self, name: str) -> np.uint64:
@@ -252,6 +288,19 @@ class DevicePlans:
     def view(self, part: str, name: str):
         """A CuPy view of one of the plans' arrays (``part``: ``"forward"``, ``"backward"``, ``"dq"``)."""
         return self.arena.view(f"{part}.{name}")
+
+    def rebased(self, memory=None) -> DevicePlans:
+        """The same plans over the bytes of ``memory`` (a torch CUDA tensor holding a copy of this call's
+        arena, e.g. the ``plans`` output of the ``dynamic_fwd`` operator), or without memory (a prototype)."""
+        arena = self.arena.rebased(memory)
+        move = lambda part: (
+            None
+            if part is None
+            else replace(part, arrays=_rebased_arrays(part.arrays, self.arena, arena), arena=arena)
+        )
+        return replace(
+            self, forward=move(self.forward), backward=move(self.backward), dq=move(self.dq), arena=arena
+        )
 
     def check(self) -> None:
         """Raise if the selection held invalid entries or a stream outgrew its buffer (synchronises)."""
@@ -353,6 +402,7 @@ class DevicePlanner:
                 self.dq = dq_template(q_layout, k_layout, kind, route)
         self._tables: dict = {}  # device -> the templates' arrays on it
         self._arenas: dict = {}  # (heads, selection width, backward) -> the buffers' layout
+        self._prototypes: dict = {}  # (heads, width, backward, device) -> plans without memory (plans_in)
 
     @property
     def q_blocks(self) -> int:
@@ -441,7 +491,29 @@ class DevicePlanner:
             arena = self._arenas[key] = Arena(specs)
         return arena
 
-    def plan(self, q2k_idx=None, q2k_num=None, *, mask=None, backward: bool = True) -> DevicePlans:
+    def mask_width(self) -> int:
+        """How many K blocks one Q block of a block mask may select (sizes the plan buffers)."""
+        return self.k_blocks if self.max_selected is None else min(self.k_blocks, self.max_selected)
+
+    def arena_bytes(self, bh: int, width: int, backward: bool) -> int:
+        """Bytes of one call's plans: ``bh`` (batch · heads) rows, selections of ``width``."""
+        return self._arena(bh, width, bool(backward) and self.backward is not None).nbytes
+
+    def plans_in(self, memory, batch: int, heads: int, width: int) -> DevicePlans:
+        """The plans (with the backward's) that an earlier :meth:`plan` call of this shape wrote into
+        ``memory`` (its torch tensor), without a launch: the layout of the buffers is the shape's."""
+        key = (batch * heads, int(width), self.backward is not None, memory.device.index)
+        proto = self._prototypes.get(key)
+        if proto is None:
+            raise PlanError(
+                f"this planner made no plans for {batch} x {heads} heads of width {width} with the backward "
+                "in this process"
+            )
+        return proto.rebased(memory)
+
+    def plan(
+        self, q2k_idx=None, q2k_num=None, *, mask=None, backward: bool = True, memory=None
+    ) -> DevicePlans:
         """The plans of one selection, enqueued on the current stream (CuPy's; torch's inside
         :func:`sparseattn.kernels.launch.torch_context`), in one new device allocation.
 
@@ -452,6 +524,8 @@ class DevicePlanner:
             mask: bool ``[batch, heads, q_blocks, k_blocks]``.
             CuPy arrays or torch CUDA tensors, C-contiguous.
             backward: also the backward's plans (when the planner has them); False for inference.
+            memory: a torch CUDA tensor of at least :meth:`arena_bytes` bytes to hold the plans (default:
+                a new allocation).
         """
         import cupy
 
@@ -464,7 +538,7 @@ class DevicePlanner:
         if mask is not None:
             mask_arg, dims, device = _selection_arrays("mask", mask, "bool", (None, None, nq, nk))
             batch, heads = dims[0], dims[1]
-            k = nk if self.max_selected is None else min(nk, self.max_selected)
+            k = self.mask_width()
         else:
             if q2k_num is None:
                 raise KernelValueError("q2k_idx needs q2k_num (how many of each row's indices are used)")
@@ -481,7 +555,7 @@ class DevicePlanner:
         fwd = tables["forward"]
         wq, wk = _words(nk), _words(nq)
         with cupy.cuda.Device(device):
-            arena = self._arena(bh, k, backward).allocate()
+            arena = self._arena(bh, k, backward).allocate(memory)
             buf = arena.buffer
             status, bitmap = buf("status"), buf("bitmap")
             # status and (for top-k) the bitmap are zeroed in one memset: they lie back to back
@@ -515,9 +589,12 @@ class DevicePlanner:
                 )
                 if self.dq is not None:
                     owned["dq"] = self._owned("dq", tables["dq"], arena, bitmap, nq, wq, bh, k, overflow)
-        return DevicePlans(
+        plans = DevicePlans(
             forward, owned["backward"], owned["dq"], batch, heads, self.q.num_slots, self.k.num_slots, arena
         )
+        if backward:
+            self._prototypes.setdefault((bh, k, True, device), plans.rebased())
+        return plans
 
     def _forward(
         self, dev: DeviceTemplate, arena: Arena, bitmap, bh: int, k: int, overflow

@@ -1,0 +1,199 @@
+"""Host time per call of the KPage entry points (``python -m sparseattn.host_cost``).
+
+A loop of calls on a tiny graph (batch 1, 2 heads, 256 slots of 128 dims: the GPU work is a few
+microseconds, so the loop measures the Python and driver work of a call), wall time per call after a
+warm-up, the median of ``--reps`` loops of ``--calls`` calls. The loop is not synchronised inside; its
+``synced_us`` (the same loop ended by a device synchronisation) says whether the GPU kept up (when it did
+not, the launch queue fills and the host time is the GPU's).
+
+Records (bench format, ``--out``): ``impl`` ``torch_op`` (the ``torch.library`` operators through
+:mod:`sparseattn.torch`, autograd included) or ``cupy`` (:func:`~sparseattn.kernels.forward.kpage_forward`
+and :func:`~sparseattn.kernels.backward.kpage_backward` on CuPy arrays); ``pass`` ``host_fwd`` or
+``host_fwdbwd``; ``workload`` ``host_static`` (a cached :class:`~sparseattn.graph.SparseGraph`) or
+``host_dynamic`` (a top-k selection planned on the device each call: torch only); ``time_us``.
+``--profile DIR`` also writes a cProfile of each loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+#: Targets per call (µs): the forward, and forward + backward, through the torch op.
+TARGET_US = {"host_fwd": 20.0, "host_fwdbwd": 50.0}
+
+
+def tiny_problem():
+    """``(graph, layout, q2k_idx, q2k_num)``: 2 heads over a 4 x 4 x 16 token grid in 4 x 4 x 4 tiles (4 blocks
+    of 64), each Q block selecting itself and the next block."""
+    import torch
+
+    from .graph import SparseGraph
+    from .layouts import video_layout
+
+    layout = video_layout((4, 4, 16), (4, 4, 4), 64)
+    nb = layout.num_blocks
+    mask = np.zeros((2, nb, nb), dtype=bool)
+    for i in range(nb):
+        mask[:, i, [i, (i + 1) % nb]] = True
+    graph = SparseGraph.from_block_mask(layout, layout, mask, name="host cost")
+    idx = torch.tensor([[i, (i + 1) % nb] for i in range(nb)], dtype=torch.int32, device="cuda")
+    idx = idx.expand(1, 2, nb, 2).contiguous()
+    num = torch.full((1, 2, nb), 2, dtype=torch.int32, device="cuda")
+    return graph, layout, idx, num
+
+
+def _loop(call, calls: int, reps: int, warmup: int, profile: Path | None, label: str) -> dict:
+    import torch
+
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    host, synced = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / calls * 1e6)
+        synced.append((t2 - t0) / calls * 1e6)
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            call()
+        prof.disable()
+        torch.cuda.synchronize()
+        with open(profile / f"{label}.txt", "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+    return dict(time_us=statistics.median(host), synced_us=statistics.median(synced), calls=calls, reps=reps)
+
+
+def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | None = None) -> list[dict]:
+    import cupy
+    import torch
+
+    import sparseattn.torch as st
+
+    from .kernels import launch
+    from .kernels.backward import kpage_backward
+    from .kernels.forward import kpage_forward
+
+    graph, layout, idx, num = tiny_problem()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, 2, layout.num_slots, 128)
+    q, k, v, do = (torch.randn(shape, device="cuda", generator=g).bfloat16() for _ in range(4))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    qc, kc, vc, doc = (cupy.from_dlpack(x.view(torch.int16)).view(cupy.uint16) for x in (q, k, v, do))
+
+    def torch_fwd():
+        with torch.no_grad():
+            st.kpage_attention(q, k, v, graph)
+
+    def torch_fwdbwd():
+        st.kpage_attention(qg, kg, vg, graph).backward(do)
+
+    def cupy_fwd():
+        kpage_forward(qc, kc, vc, graph)
+
+    def cupy_fwdbwd():
+        o, lse = kpage_forward(qc, kc, vc, graph)
+        kpage_backward(qc, kc, vc, o, lse, doc, graph)
+
+    def dynamic_fwd():
+        with torch.no_grad():
+            st.block_sparse_attention(q, k, v, layout, idx, num)
+
+    def dynamic_fwdbwd():
+        st.block_sparse_attention(qg, kg, vg, layout, idx, num)[0].backward(do)
+
+    cases = [
+        ("host_static", "torch_op", "host_fwd", torch_fwd),
+        ("host_static", "torch_op", "host_fwdbwd", torch_fwdbwd),
+        ("host_static", "cupy", "host_fwd", cupy_fwd),
+        ("host_static", "cupy", "host_fwdbwd", cupy_fwdbwd),
+        ("host_dynamic", "torch_op", "host_fwd", dynamic_fwd),
+        ("host_dynamic", "torch_op", "host_fwdbwd", dynamic_fwdbwd),
+    ]
+    records = []
+    with launch.torch_stream():  # CuPy's calls on torch's stream, like the op's
+        for workload, impl, pass_, call in cases:
+            label = f"{workload}_{impl}_{pass_}"
+            print(f"  {label} ...", file=sys.stderr, flush=True)
+            try:
+                rec = _loop(call, calls, reps, warmup, profile, label)
+            except Exception as e:  # noqa: BLE001 - recorded, the other cases still run
+                rec = dict(error=f"{type(e).__name__}: {e}")
+            target = TARGET_US[pass_] if workload == "host_static" else None
+            records.append(
+                dict(
+                    workload=workload,
+                    impl=impl,
+                    pass_=pass_,
+                    **rec,
+                    target_us=target,
+                    tokens=layout.num_tokens,
+                    heads=2,
+                    head_dim=128,
+                )
+            )
+    for r in records:
+        r["pass"] = r.pop("pass_")
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sparseattn.host_cost", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--profile", type=Path, default=None, help="write a cProfile of every loop here")
+    parser.add_argument("--out", default=None, help="JSON path (default data/bench/host_cost_<date>.json)")
+    args = parser.parse_args(argv)
+    import torch
+
+    from .bench import _git_commit, _gpu_name
+
+    records = measure(args.calls, args.reps, args.warmup, args.profile)
+    now = datetime.now(timezone.utc)
+    out = Path(args.out or f"data/bench/host_cost_{now.strftime('%Y%m%d')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = dict(
+        gpu=_gpu_name(),
+        commit=_git_commit(),
+        date=now.isoformat(timespec="seconds"),
+        command="python -m sparseattn.host_cost " + " ".join(sys.argv[1:] if argv is None else argv),
+        torch=torch.__version__,
+        records=records,
+    )
+    out.write_text(json.dumps(payload, indent=1))
+    print(f"{'workload':<13} {'impl':<9} {'pass':<12} {'host µs':>8} {'synced µs':>9} {'target':>7}")
+    for r in records:
+        if "error" in r:
+            print(f"{r['workload']:<13} {r['impl']:<9} {r['pass']:<12} {r['error']}")
+            continue
+        target = "" if r["target_us"] is None else f"{r['target_us']:.0f}"
+        print(
+            f"{r['workload']:<13} {r['impl']:<9} {r['pass']:<12} {r['time_us']:8.1f} {r['synced_us']:9.1f} {target:>7}"
+        )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The ``torch.library`` operators (``torch.ops.sparseattn``) on the CPU: their CPU implementations against
+the float64 reference, their fake implementations and autograd formulas (``torch.library.opcheck``), and
+``torch.compile(fullgraph=True)`` of a random-init diffusers Wan transformer with the KPage processor
+(no graph break, compiled equals eager). The CUDA implementations are tested in
+``tests/gpu/test_torch_ops_gpu.py``. Skipped unless torch imports (diffusers for the model tests)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from small_cases import random_ragged_graph
+
+from sparseattn import reference
+from sparseattn.torch_ops import OPS, handle, resolve
+
+
+def _qkv(graph, batch=2, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = lambda n: (batch, graph.heads, n, d)
+    q = torch.randn(shape(graph.q.num_slots), generator=g)
+    k = torch.randn(shape(graph.k.num_slots), generator=g)
+    v = torch.randn(shape(graph.k.num_slots), generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"ragged{s}")
+def test_kpage_op_cpu_matches_the_float64_reference(seed):
+    import sparseattn.torch as st
+
+    graph = random_ragged_graph(np.random.default_rng(seed))
+    q, k, v = (x.requires_grad_() for x in _qkv(graph, seed=seed))
+    o = st.kpage_attention(q, k, v, graph)
+    do = torch.randn_like(o)
+    o.backward(do)
+    args = [x.detach().double().numpy() for x in (q, k, v)]
+    o_ref, lse_ref = reference.attention_forward(*args, graph)
+    grads = reference.attention_backward(*args, o_ref, lse_ref, do.double().numpy(), graph)
+    valid = torch.tensor(graph.q.valid)
+    np.testing.assert_allclose(o.detach()[:, :, valid].numpy(), o_ref[:, :, graph.q.valid], atol=2e-5)
+    assert not o.detach()[:, :, ~valid].any(), "padding rows must be zero"
+    for got, want in zip((q.grad, k.grad, v.grad), grads):
+        np.testing.assert_allclose(got.numpy(), want, atol=5e-5)
+
+
+def test_kpage_op_passes_opcheck():
+    graph = random_ragged_graph(np.random.default_rng(7))
+    q, k, v = (x.requires_grad_() for x in _qkv(graph, seed=7))
+    torch.library.opcheck(OPS.kpage_fwd, (q, k, v, handle(graph), "auto", 0.2, False))
+
+
+def test_tokens_slots_ops_round_trip_and_gradients():
+    import sparseattn.torch as st
+    from sparseattn.layouts import video_layout
+
+    layout = video_layout((3, 5, 6), (2, 2, 2), 16)
+    x = torch.randn(2, layout.num_tokens, 3, 16, requires_grad=True)
+    (slots,) = st.tokens_to_slots(layout, x)
+    assert slots.shape == (2, 3, layout.num_slots, 16) and slots.dtype == torch.bfloat16
+    assert not slots[:, :, ~torch.tensor(layout.valid)].any(), "padding slots must be zero"
+    back = st.slots_to_tokens(layout, slots)
+    torch.testing.assert_close(back.float(), x.detach().bfloat16().float())
+    w = torch.randn_like(slots, dtype=torch.float32)
+    (slots.float() * w).sum().backward()
+    want = w[:, :, torch.tensor(layout.token_slot)].transpose(1, 2).bfloat16().float()
+    torch.testing.assert_close(x.grad, want)
+    torch.library.opcheck(OPS.tokens_to_slots, ([x.detach().bfloat16().requires_grad_()], handle(layout)))
+    torch.library.opcheck(OPS.slots_to_tokens, (slots.detach().requires_grad_(), handle(layout)))
+
+
+def _dynamic_problem(seed=0, batch=2, heads=3, topk=4):
+    from sparseattn.layouts import video_layout
+
+    layout = video_layout((4, 6, 8), (2, 2, 4), 16)
+    g = torch.Generator().manual_seed(seed)
+    nb = layout.num_blocks
+    q, k, v = (torch.randn(batch, heads, layout.num_slots, 32, generator=g) for _ in range(3))
+    idx = torch.stack([torch.randperm(nb, generator=g)[:topk] for _ in range(batch * heads * nb)])
+    idx = idx.reshape(batch, heads, nb, topk).to(torch.int32)
+    num = torch.randint(0, topk + 1, (batch, heads, nb), generator=g, dtype=torch.int32)
+    return layout, q, k, v, idx, num
+
+
+def test_dynamic_op_cpu_matches_the_reference_and_mask_form():
+    import sparseattn.torch as st
+    from sparseattn.graph import SparseGraph
+    from sparseattn.torch_ops import selection_block_mask
+
+    layout, q, k, v, idx, num = _dynamic_problem()
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o, _ = st.block_sparse_attention(q, k, v, layout, idx, num)
+    do = torch.randn_like(o)
+    o.backward(do)
+    mask = selection_block_mask(idx, num, None, layout.num_blocks)
+    o2, _ = st.block_sparse_attention_mask(q.detach(), k.detach(), v.detach(), layout, mask)
+    torch.testing.assert_close(o2, o.detach())
+    for b in range(q.shape[0]):
+        graph = SparseGraph.from_block_mask(layout, layout, mask[b].numpy())
+        args = [x.detach()[b : b + 1].double().numpy() for x in (q, k, v)]
+        o_ref, lse_ref = reference.attention_forward(*args, graph)
+        np.testing.assert_allclose(o.detach()[b : b + 1].numpy(), o_ref, atol=2e-5)
+        grads = reference.attention_backward(*args, o_ref, lse_ref, do[b : b + 1].double().numpy(), graph)
+        for got, want in zip((q.grad, k.grad, v.grad), grads):
+            np.testing.assert_allclose(got[b : b + 1].numpy(), want, atol=5e-5)
+
+
+def test_dynamic_op_passes_opcheck():
+    import sparseattn.torch as st
+
+    layout, q, k, v, idx, num = _dynamic_problem(seed=3)
+    planner = st.planner_for(layout)
+    args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), idx, num, None, handle(planner))
+    torch.library.opcheck(OPS.dynamic_fwd, (*args, 0.25, True))
+
+
+def test_handle_of_a_freed_object_is_a_clear_error():
+    from sparseattn.layouts import video_layout
+
+    layout = video_layout((2, 4, 4), (2, 2, 2), 16)
+    h = handle(layout)
+    assert handle(layout) == h and resolve(h) is layout
+    del layout
+    gc.collect()
+    with pytest.raises(ValueError, match="no live graph"):
+        resolve(h)
+
+
+# ---- torch.compile of a diffusers Wan transformer with the KPage processor -------------------------------
+
+LATENT = (5, 8, 12)  # tokens after (1, 2, 2) patching: (5, 4, 6)
+GRID = (5, 4, 6)
+
+
+def _wan(selection, seed=0):
+    pytest.importorskip("diffusers")
+    from sparseattn.diffusers_wan import install_sparse_attention
+    from sparseattn.wan_training import tiny_wan
+
+    model = tiny_wan(seed, head_dim=32, text_dim=16, ffn_dim=64)
+    install_sparse_attention(model, GRID, selection, backend="kpage")
+    g = torch.Generator().manual_seed(seed + 1)
+    inputs = (
+        torch.randn(2, 4, *LATENT, generator=g),
+        torch.tensor([500, 20]),
+        torch.randn(2, 7, 16, generator=g),
+    )
+    return model, inputs
+
+
+SELECTIONS = {
+    "sta": lambda W: W.sta(tile=(1, 2, 2), window=(3, 1, 3)),
+    "vsa": lambda W: W.vsa(tile=(1, 2, 2), topk=3),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SELECTIONS))
+def test_compiled_wan_with_the_kpage_processor_has_no_graph_break(kind):
+    pytest.importorskip("diffusers")
+    from sparseattn.diffusers_wan import WanSelection
+
+    torch._dynamo.reset()
+    model, (x, t, enc) = _wan(SELECTIONS[kind](WanSelection))
+    explained = torch._dynamo.explain(model)(x, t, enc, return_dict=False)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+    xe = x.clone().requires_grad_()
+    eager = model(xe, t, enc, return_dict=False)[0]
+    eager.square().mean().backward()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    xc = x.clone().requires_grad_()
+    out = compiled(xc, t, enc, return_dict=False)[0]
+    out.square().mean().backward()
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(xc.grad, xe.grad)
