@@ -592,7 +592,10 @@ def load_bench():
 
 def _add_bench_parser(sub, bench) -> None:
     """The ``bench`` subcommand; its arguments come from ``bench.add_arguments`` when it is loaded."""
-    help_text = "benchmark the CUDA kernels on a GPU (needs the gpu extra); 'bench pageweaver --help': PageWeaver's suite"
+    help_text = (
+        "benchmark the CUDA kernels on a GPU (needs the gpu extra); 'bench pageweaver --help': PageWeaver's "
+        "suite; 'bench model wan --help': whole Wan steps"
+    )
     if bench is None:
         sub.add_parser("bench", help=help_text, add_help=False)
         return
@@ -711,6 +714,10 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as err:
             return _error(err, EXIT_UNAVAILABLE)
         return kernel_bench.main(argv[2:], prog=f"{PROG} bench pageweaver")
+    if argv[:2] == ["bench", "model"]:  # whole-model steps (diffusers' Wan) have their own arguments too
+        from . import model_bench
+
+        return model_bench.main(argv[2:], prog=f"{PROG} bench model")
     if argv and argv[0] == "bench":
         try:
             bench = load_bench()

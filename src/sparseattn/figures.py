@@ -118,6 +118,14 @@ def pageweaver_speed_figure(inputs: Inputs) -> Figure | None:
     return None if run is None else draw(run)
 
 
+def model_steps_figure(inputs: Inputs) -> Figure | None:
+    from .modelplots import model_steps_figure as draw
+    from .modelplots import pick_model_run
+
+    run = pick_model_run(inputs.runs)
+    return None if run is None else draw(run)
+
+
 @dataclass(frozen=True)
 class FigureSpec:
     """One figure of ``figures/``: file stem, what it shows, how it is drawn (None = no data yet)."""
@@ -157,6 +165,12 @@ FIGURES = (
         pageweaver_speed_figure,
         missing="no recorded complete-call benchmark yet "
         "(impl pageweaver_union and flashinfer, pass complete_call)",
+    ),
+    FigureSpec(
+        "model_wan_steps",
+        "whole Wan steps (forward, training) and their attention part per implementation",
+        model_steps_figure,
+        missing="no recorded `sparseattn bench model wan` run in data/bench yet",
     ),
 )
 FIGURE_NAMES = tuple(spec.stem for spec in FIGURES)

@@ -18,6 +18,10 @@ attention, gather — summed over the step's layers; in training also its backwa
 the attention's output to the last gradient of its inputs), median of ``--reps`` steps after a warm-up.
 Before timing, one layer's attention output of every sparse impl is checked against masked SDPA on the
 same selection (``rel_err``, ``correct``). Writes one JSON (``--out``) in the bench format.
+
+``sparseattn bench model wan`` (:mod:`sparseattn.model_bench`) runs these rows beside STA (KPage and
+compiled FlexAttention on 128-token tiles), on Wan2.1-1.3B- and 14B-shaped models, at both resolutions in
+training as well; this script stays as the VSA-only run behind ``data/bench/wan_steps_vsa_*``.
 """
 
 from __future__ import annotations
