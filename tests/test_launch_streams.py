@@ -80,8 +80,10 @@ def test_one_launch_runs_on_the_current_stream(fake_cupy):
 
 
 def test_plan_launches_go_largest_last(monkeypatch):
-    """``_launch_routes`` hands ``side_by_side`` one launch per (route, plain / pair) range of the plan,
-    the one streaming the most pages last; each launch covers its range's items."""
+    """A backward recipe runs one launch per (route, plain / pair) range of the plan side by side, the one
+    streaming the most pages last; each launch covers its range's items."""
+    import types
+
     import numpy as np
 
     from sparseattn import builders
@@ -94,27 +96,53 @@ def test_plan_launches_go_largest_last(monkeypatch):
     graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=6)
     plan = pair_backward_plan(graph)
     arrays = dict(plan.device_arrays(), first_pair_item=first_pair_items(plan))
-    launched, orders = [], []
+    launched = []
     monkeypatch.setattr(bsa_backward.launch, "prepare", lambda fn, smem: None)
-    monkeypatch.setattr(
-        bsa_backward.launch,
-        "side_by_side",
-        lambda launches: orders.append(len(launches)) or [go() for go in launches],
-    )
+
+    class Packed:  # records (first item (after the plan arrays), items, pair) in the order launches are made
+        def __init__(self, fn, grid, block, args, smem=0, bound=None):
+            launched.append((int(args[7]), int(grid[0]), fn.pair))
+
+    monkeypatch.setattr(bsa_backward.launch, "PackedLaunch", Packed)
 
     def kernel_of(rows, pair):
-        def fn(grid, block, args, shared_mem):
-            launched.append(
-                (int(args[7]), int(grid[0]), pair)
-            )  # first item (after the plan arrays), items, pair
+        return types.SimpleNamespace(pair=pair), 0, 128
 
-        return fn, 0, 128
-
-    bsa_backward._launch_routes(plan, arrays, kernel_of, (), (1, 1, 16, 16), 1.0)
+    recipe = bsa_backward.BackwardRecipe()
+    kind, steps = bsa_backward._route_steps(recipe, plan, arrays, kernel_of, (), (1, 1, 16, 16), 1.0)
     ranges = list(bsa_backward._launch_ranges(plan, arrays))
-    assert orders == [len(ranges)] and len(ranges) >= 2
+    assert kind == "side" and len(steps) == len(ranges) >= 2
     pages = [int(plan.stream_indptr[b]) - int(plan.stream_indptr[a]) for _, a, b, _ in ranges]
     assert sorted((a, b - a, pair) for _, a, b, pair in ranges) == sorted(launched)
     by_start = {a: p for (_, a, _, _), p in zip(ranges, pages)}
     assert [by_start[first] for first, _, _ in launched] == sorted(pages)
     assert np.any([pair for _, _, pair in launched]) and not all(pair for _, _, pair in launched)
+
+
+def test_packed_arguments_keep_their_c_types():
+    """Kernel arguments packed for ``cuLaunchKernel``: numpy scalars keep their width and kind, arrays pass
+    a pointer, anything else (a Python int: which width?) is refused."""
+    import ctypes
+    import types
+
+    import numpy as np
+    import pytest
+
+    from sparseattn.kernels.validate import KernelTypeError
+
+    array = types.SimpleNamespace(data=types.SimpleNamespace(ptr=0xABC0))
+    args = (np.int32(-3), np.uint32(7), np.int64(1 << 40), np.uint64(0xDEAD), np.float32(0.5), array)
+    slots, params, held = launch.pack_arguments(args)
+    assert [type(s) for s in slots] == [
+        ctypes.c_int32,
+        ctypes.c_uint32,
+        ctypes.c_int64,
+        ctypes.c_uint64,
+        ctypes.c_float,
+        ctypes.c_uint64,
+    ]
+    assert [s.value for s in slots] == [-3, 7, 1 << 40, 0xDEAD, 0.5, 0xABC0]
+    assert [params[i] for i in range(len(slots))] == [ctypes.addressof(s) for s in slots]
+    assert held == [array]
+    with pytest.raises(KernelTypeError, match="argument 1"):
+        launch.pack_arguments((np.int32(1), 5))

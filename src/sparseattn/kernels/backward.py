@@ -26,7 +26,7 @@ from ..planning.device import DevicePlans
 from ..planning.layout_pairs import backward_pairs_pay
 from ..planning.tile_plan import TilePlan, stack_head_plans
 from . import launch
-from .bsa_backward import plan_backward, uses_dq_pass
+from .bsa_backward import plan_backward, torch_plan_backward, uses_dq_pass
 from .validate import KernelTypeError, KernelValueError
 
 KINDS = ("kpage", "bsa")
@@ -293,6 +293,10 @@ def _torch_backward(
 ):
     import torch
 
+    if out is None and not isinstance(plan, HeadStack):
+        fast = _torch_fast_backward(q, k, v, o, lse, do, plan, scale, impl, deterministic, dq_plan)
+        if fast is not None:
+            return fast
     if out is None:
         out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     with launch.torch_context():  # the views too: DLPack then exchanges no event with another stream
@@ -314,6 +318,24 @@ def _torch_backward(
                 dq_plan=dq_plan,
             )
     return tuple(out)
+
+
+def _torch_fast_backward(q, k, v, o, lse, do, plan, scale, impl, deterministic, dq_plan):
+    """:func:`~.bsa_backward.torch_plan_backward` of a K/V-owned plan or of device plans (their
+    ``[batch, heads]`` run as ``batch · heads`` heads); None to take the general path."""
+    if not isinstance(plan, DevicePlans):
+        return torch_plan_backward(q, k, v, o, lse, do, plan, scale, impl, deterministic, dq_plan)
+    try:
+        b, h = q.shape[:2]
+        if (b, h, q.shape[2], k.shape[2]) != (plan.batch, plan.heads, plan.q_slots, plan.k_slots):
+            return None
+        flat = [x.reshape(1, b * h, *x.shape[2:]) for x in (q, k, v, o, lse, do)]
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return None
+    grads = torch_plan_backward(*flat, plan.backward, scale, impl, deterministic, plan.dq)
+    if grads is None:
+        return None
+    return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
 
 
 def kpage_backward(

@@ -314,26 +314,6 @@ def _device_plan(
     return per_plan[key]
 
 
-def _fixed_point_bound(do, v, k, arrays: dict, head_dim: int):
-    """uint32 ``[3]`` on the device: bf16 magnitude bits of the largest finite valid element of dO, V and
-    K (``bwd_absmax_bf16``), from which the kernels derive the deterministic mode's fixed-point unit."""
-    import cupy
-
-    absmax = cupy.zeros(3, dtype=cupy.uint32)
-    fn = launch.function(WGMMA_SOURCE, ABSMAX_NAME, WGMMA_NAME_EXPRESSIONS)
-    blocks = 4 * launch.sm_count(int(do.device.id))
-    for i, (x, mask) in enumerate(
-        ((do, arrays["stream_page_mask"]), (v, arrays["own_page_mask"]), (k, arrays["own_page_mask"]))
-    ):
-        n8 = x.size // 8
-        fn(
-            (max(1, min(blocks, -(-n8 // ELEMENTWISE_THREADS))),),
-            (ELEMENTWISE_THREADS,),
-            (x, np.int64(n8), np.int32(head_dim), np.int32(x.shape[2]), mask, absmax[i:]),
-        )
-    return absmax
-
-
 def _launch_ranges(plan: TilePlan, arrays: dict):
     """(route, start, stop, pair) per launch: one per non-empty route; a route whose items include pair
     items (entries hidden from one half) is split where the first such item starts, so that the items
@@ -361,79 +341,225 @@ def _ordered_launches(plan: TilePlan | DeviceOwnedPlan, arrays: dict) -> list:
     )
 
 
-def _zero_uncovered(grads, arrays: dict, plan, sizes) -> None:
-    """Zero the gradient rows of the owner pages no work item owns (``grads``: dK and dV of a K/V-owned
-    plan, dQ of the Q-owned one); ``sizes``: (batch, heads, owner pages, d)."""
-    b, h, pages, d = sizes
-    if isinstance(plan, DeviceOwnedPlan):
-        if plan.uncovered is not None:
-            from .planner import zero_pages
+# ---- one backward call as a list of packed launches --------------------------------------------------
 
-            for grad in grads:
-                zero_pages(
-                    grad, b * h, pages * PAGE_ROWS * d, PAGE_ROWS * d, plan.uncovered, plan.uncovered_count
-                )
-        return
-    if arrays["uncovered"] is not None:
-        heads_idx, pages_idx = arrays["uncovered"]
-        for grad in grads:
-            grad.reshape(b, h, pages, PAGE_ROWS, d)[:, heads_idx, pages_idx] = 0
+#: The tensors of a backward call, in the order :meth:`BackwardRecipe.run` takes their pointers.
+TENSORS = ("q", "k", "v", "o", "lse", "do", "dq", "dk", "dv", "delta", "dq_accum", "absmax")
 
 
-def _launch_routes(plan: TilePlan, arrays: dict, kernel_of, tensors, sizes, scale, extra=()) -> None:
-    """One launch per non-empty route of ``plan`` (two where pair items start inside a route), side by
-    side (:func:`~.launch.side_by_side`), the one streaming the most pages last:
-    ``kernel_of(owned_rows, pair)`` gives ``(fn, smem, threads)``; arguments: ``tensors``, the plan's
-    device arrays, the launch's first item, heads, slots, scales, ``extra``. ``sizes``: (batch, heads,
-    q_slots, k_slots)."""
+def _bound_name(name: str) -> tuple[str, int]:
+    """``"absmax+4"`` -> ``("absmax", 4)``: a tensor and a byte offset into it."""
+    tensor, _, offset = name.partition("+")
+    return tensor, int(offset or 0)
+
+
+class BackwardRecipe:
+    """Every launch of one backward call, packed once per (plan, sizes, scale, implementation): ``steps``
+    in order, each ``("launch", packed, names)`` (the tensors bound to the launch's pointer arguments),
+    ``("memset", name, bytes)`` or ``("side", [launch steps])`` (launches side by side, the last on the
+    caller's stream). ``temporaries``: ``name -> (shape, dtype)`` the caller allocates."""
+
+    def __init__(self):
+        self.steps: list = []
+        self.temporaries: dict = {}
+        self._events = None
+
+    def add(self, fn, grid, block, args: tuple, smem: int = 0):
+        """A launch step; tensor arguments are given by name (strings) and bound per call."""
+        bound = tuple(i for i, a in enumerate(args) if isinstance(a, str))
+        names = tuple(_bound_name(args[i]) for i in bound)
+        values = tuple(np.uint64(0) if isinstance(a, str) else a for a in args)
+        launch.prepare(fn, smem)
+        return ("launch", launch.PackedLaunch(fn, grid, block, values, smem, bound), names)
+
+    def run(self, stream: int, device: int, pointers: dict) -> None:
+        """Enqueue the call on ``stream``; ``pointers``: name -> device pointer (int)."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        for step in self.steps:
+            kind = step[0]
+            if kind == "launch":
+                step[1](stream, *(pointers[n] + off for n, off in step[2]))
+            elif kind == "memset":
+                rt.memsetAsync(pointers[step[1]] + step[3], 0, step[2], stream)
+            elif len(step[1]) == 1:
+                _, packed, names = step[1][0]
+                packed(stream, *(pointers[n] + off for n, off in names))
+            else:
+                side = launch.side_stream(device).ptr
+                if self._events is None:
+                    flags = rt.eventDisableTiming
+                    self._events = (rt.eventCreateWithFlags(flags), rt.eventCreateWithFlags(flags))
+                forked, joined = self._events
+                rt.eventRecord(forked, stream)
+                rt.streamWaitEvent(side, forked, 0)
+                for _, packed, names in step[1][:-1]:
+                    packed(side, *(pointers[n] + off for n, off in names))
+                _, packed, names = step[1][-1]
+                packed(stream, *(pointers[n] + off for n, off in names))
+                rt.eventRecord(joined, side)
+                rt.streamWaitEvent(stream, joined, 0)
+
+
+def _route_steps(recipe, plan, arrays: dict, kernel_of, tensors: tuple, sizes, scale, extra=()) -> tuple:
+    """One launch per non-empty route of ``plan`` (two where pair items start inside a route), to run side
+    by side, the one streaming the most pages last: ``kernel_of(owned_rows, pair)`` gives ``(fn, smem,
+    threads)`` (and optionally its own ``extra``); arguments: ``tensors`` (names), the plan's device arrays,
+    the launch's first item, heads, slots, scales, ``extra``. ``sizes``: (batch, heads, q_slots, k_slots)."""
     b, h, sq, sk = sizes
     own_stride = np.int32(plan.own_stride if isinstance(plan, DeviceOwnedPlan) else plan.own_pages.shape[1])
     scale_log2 = np.float32(scale * math.log2(math.e))
-
-    def one(route, start, stop, pair):
-        fn, smem, threads, *own_extra = kernel_of(plan.routes[route][0], pair)  # (..., extra) overrides extra
-        launch.prepare(fn, smem)
-        fn(
-            (stop - start, b),
-            (threads,),
-            (
-                *tensors,
-                arrays["work_head"],
-                arrays["own_pages"],
-                own_stride,
-                arrays["stream_indptr"],
-                arrays["stream_pages"],
-                arrays["own_page_mask"],
-                arrays["stream_page_mask"],
-                np.int32(start),
-                np.int32(h),
-                np.int32(sq),
-                np.int32(sk),
-                np.float32(scale),
-                scale_log2,
-                *(own_extra[0] if own_extra else extra),
-            ),
-            shared_mem=smem,
+    steps = []
+    for route, start, stop, pair in _ordered_launches(plan, arrays):
+        fn, smem, threads, *own_extra = kernel_of(plan.routes[route][0], pair)
+        args = (
+            *tensors,
+            arrays["work_head"],
+            arrays["own_pages"],
+            own_stride,
+            arrays["stream_indptr"],
+            arrays["stream_pages"],
+            arrays["own_page_mask"],
+            arrays["stream_page_mask"],
+            np.int32(start),
+            np.int32(h),
+            np.int32(sq),
+            np.int32(sk),
+            np.float32(scale),
+            scale_log2,
+            *(own_extra[0] if own_extra else extra),
         )
+        steps.append(recipe.add(fn, (stop - start, b), (threads,), args, smem))
+    return ("side", steps)
 
-    launch.side_by_side([lambda r=r: one(*r) for r in _ordered_launches(plan, arrays)])
+
+def _uncovered_steps(recipe, names, arrays: dict, plan, sizes) -> list:
+    """Steps zeroing the gradient rows of the owner pages no work item owns (``names``: dK and dV of a
+    K/V-owned plan, dQ of the Q-owned one); ``sizes``: (batch, heads, owner pages, d)."""
+    from . import planner
+
+    b, h, pages, d = sizes
+    if isinstance(plan, DeviceOwnedPlan):
+        if plan.uncovered is None:
+            return []
+        heads, head_elems, list_, n = b * h, pages * PAGE_ROWS * d, plan.uncovered, plan.uncovered_count
+    else:
+        if arrays["uncovered"] is None:
+            return []
+        if "uncovered flat" not in arrays:  # (head, page) pairs as pages of one head of h * pages pages
+            import cupy
+
+            heads_idx, pages_idx = arrays["uncovered"]
+            arrays["uncovered flat"] = (heads_idx * pages + pages_idx).astype(cupy.int32)
+        list_ = arrays["uncovered flat"]
+        heads, head_elems, n = b, h * pages * PAGE_ROWS * d, int(list_.size)
+    total = heads * n * (PAGE_ROWS * d // 8)
+    if total == 0:
+        return []
+    fn = planner._fn("plan_zero_pages")
+    grid = (planner._blocks(total),)
+    return [
+        recipe.add(
+            fn,
+            grid,
+            (planner.THREADS,),
+            (name, np.int32(heads), np.int64(head_elems), np.int32(PAGE_ROWS * d), list_, np.int32(n)),
+        )
+        for name in names
+    ]
 
 
-def _dq_pass(q, k, v, do, lse, delta, dq, dq_plan: TilePlan, sizes, scale) -> None:
-    """dQ of every owned Q page in one launch per route of the Q-owned plan (``paged_bwd_dq_kernel``);
-    Q pages no work item owns are zeroed."""
-    q_pages, k_pages, h, device = sizes
-    b, _, sq, d = (int(x) for x in q.shape)
-    arrays = _device_plan(dq_plan, q_pages, k_pages, h, device)
+def backward_recipe(plan, arrays, impl: str, deterministic: bool, dq_plan, sizes, scale, device: int):
+    """The :class:`BackwardRecipe` of a checked plan (``arrays``: its device arrays) for tensors of ``sizes``
+    (batch, heads, q_slots, k_slots, d); cached with a host plan's arrays."""
+    b, h, sq, sk, d = sizes
+    key = ("recipe", impl, bool(deterministic), id(dq_plan), sizes, scale)
+    cached_recipe = arrays.get(key)
+    if cached_recipe is not None:
+        return cached_recipe
+    q_pages, k_pages = sq // PAGE_ROWS, sk // PAGE_ROWS
+    dq_pass = uses_dq_pass(impl)
+    fixed = deterministic and not dq_pass
+    r = BackwardRecipe()
+    r.temporaries["delta"] = ((b, h, sq), np.float32)
+    if not dq_pass:
+        r.temporaries["dq_accum"] = ((b, h, sq, d), np.int64 if fixed else np.float32)
+        r.steps.append(("memset", "dq_accum", b * h * sq * d * (8 if fixed else 4), 0))
+    if fixed:
+        r.temporaries["absmax"] = ((3,), np.uint32)
+        r.steps.append(("memset", "absmax", 12, 0))
+        fn = launch.function(WGMMA_SOURCE, ABSMAX_NAME, WGMMA_NAME_EXPRESSIONS)
+        blocks = 4 * launch.sm_count(device)
+        for i, (name, slots, mask) in enumerate(
+            (("do", sq, "stream_page_mask"), ("v", sk, "own_page_mask"), ("k", sk, "own_page_mask"))
+        ):
+            n8 = b * h * slots * d // 8
+            step = r.add(
+                fn,
+                (max(1, min(blocks, -(-n8 // ELEMENTWISE_THREADS))),),
+                (ELEMENTWISE_THREADS,),
+                (name, np.int64(n8), np.int32(d), np.int32(slots), arrays[mask], f"absmax+{4 * i}"),
+            )
+            r.steps.append(step)
 
-    def dq_kernel(owned_rows, pair=False):
-        fn = launch.function(WGMMA_SOURCE, dq_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS)
-        return fn, dq_smem_bytes(d, owned_rows), dq_threads_per_cta(owned_rows)
-
-    _launch_routes(
-        dq_plan, arrays, dq_kernel, (q, k, v, do, lse, delta, dq), (b, h, sq, int(k.shape[2])), scale
+    rows = b * h * sq
+    pre = launch.function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
+    lanes = rows * (d // 8)
+    r.steps.append(
+        r.add(
+            pre,
+            (-(-lanes // ELEMENTWISE_THREADS),),
+            (ELEMENTWISE_THREADS,),
+            ("o", "do", "delta", np.int64(rows)),
+        )
     )
-    _zero_uncovered((dq,), arrays, dq_plan, (b, h, q_pages, d))
+
+    def main_kernel(owned_rows, pair=False):
+        if impl == "mma":
+            fn = launch.function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
+            return fn, smem_bytes(d, owned_rows), threads_per_cta(owned_rows)
+        split, dq_mode = wgmma_variant(impl, owned_rows, deterministic)
+        if split == WS_SPLIT:
+            return (
+                launch.function(WGMMA_SOURCE, ws_kernel_name(d, pair), WGMMA_NAME_EXPRESSIONS),
+                ws_smem_bytes(d, pair),
+                WS_THREADS,
+                (arrays["pair_pages"],) if pair else extra,
+            )
+        name = wgmma_kernel_name(d, owned_rows, split, dq_mode)
+        fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
+        return fn, wgmma_smem_bytes(d, owned_rows, split), wgmma_threads_per_cta(owned_rows, split)
+
+    extra = () if impl == "mma" else ("absmax",) if fixed else (np.uint64(0),)
+    dq_accum = "dq_accum" if not dq_pass else np.uint64(0)
+    tensors = ("q", "k", "v", "do", "lse", "delta", dq_accum, "dk", "dv")
+    r.steps.append(_route_steps(r, plan, arrays, main_kernel, tensors, (b, h, sq, sk), scale, extra))
+
+    if dq_pass:
+        dq_arrays = _device_plan(dq_plan, q_pages, k_pages, h, device)
+
+        def dq_kernel(owned_rows, pair=False):
+            fn = launch.function(WGMMA_SOURCE, dq_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS)
+            return fn, dq_smem_bytes(d, owned_rows), dq_threads_per_cta(owned_rows)
+
+        dq_tensors = ("q", "k", "v", "do", "lse", "delta", "dq")
+        r.steps.append(_route_steps(r, dq_plan, dq_arrays, dq_kernel, dq_tensors, (b, h, sq, sk), scale))
+        r.steps.extend(_uncovered_steps(r, ("dq",), dq_arrays, dq_plan, (b, h, q_pages, d)))
+    elif fixed:
+        post = launch.function(WGMMA_SOURCE, FIXED_POSTPROCESS_NAME, WGMMA_NAME_EXPRESSIONS)
+        n2 = b * h * sq * d // 2
+        args = ("dq_accum", "dq", np.float32(scale), "absmax", np.int32(d), np.int64(n2))
+        r.steps.append(r.add(post, (-(-n2 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args))
+    else:
+        post = launch.function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
+        n4 = b * h * sq * d // 4
+        args = ("dq_accum", "dq", np.float32(scale), np.int64(n4))
+        r.steps.append(r.add(post, (-(-n4 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args))
+    r.steps.extend(_uncovered_steps(r, ("dk", "dv"), arrays, plan, (b, h, k_pages, d)))
+    if not isinstance(plan, DeviceOwnedPlan):
+        arrays[key] = r
+    return r
 
 
 def check_inputs(q, k, v, o, lse, do, graph_or_plan, scale=None, out=None):
@@ -558,70 +684,83 @@ def plan_backward(
             f"impl='wgmma' or 'wgmma_ws' with deterministic=False (got impl={impl!r}, "
             f"deterministic={deterministic})"
         )
+    recipe = backward_recipe(
+        plan, arrays, impl, deterministic, dq_plan if dq_pass else None, (b, h, sq, sk, d), scale, device
+    )
     with cupy.cuda.Device(device):
         if out is None:
             dq = cupy.empty(q.shape, q.dtype)
             dk, dv = cupy.empty(k.shape, k.dtype), cupy.empty(k.shape, k.dtype)
         else:
             dq, dk, dv = out
-        delta = cupy.empty((b, h, sq), dtype=cupy.float32)
-        fixed = deterministic and not dq_pass
-        if dq_pass:
-            dq_accum = np.uint64(0)  # the main kernel never touches it
-        else:
-            dq_accum = cupy.zeros((b, h, sq, d), dtype=cupy.int64 if fixed else cupy.float32)
-        absmax = _fixed_point_bound(do, v, k, arrays, d) if fixed else None
+        temps = {name: cupy.empty(shape, dtype) for name, (shape, dtype) in recipe.temporaries.items()}
+        tensors = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv, **temps)
+        pointers = {name: x.data.ptr for name, x in tensors.items()}
+        recipe.run(cupy.cuda.get_current_stream().ptr, device, pointers)
+    return dq, dk, dv
 
-        rows = b * h * sq
-        pre = launch.function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
-        lanes = rows * (d // 8)
-        pre((-(-lanes // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), (o, do, delta, np.int64(rows)))
 
-        def main_kernel(owned_rows, pair=False):
-            if impl == "mma":
-                fn = launch.function(SOURCE, kernel_name(d, owned_rows), NAME_EXPRESSIONS)
-                return fn, smem_bytes(d, owned_rows), threads_per_cta(owned_rows)
-            split, dq_mode = wgmma_variant(impl, owned_rows, deterministic)
-            if split == WS_SPLIT:
-                return (
-                    launch.function(WGMMA_SOURCE, ws_kernel_name(d, pair), WGMMA_NAME_EXPRESSIONS),
-                    ws_smem_bytes(d, pair),
-                    WS_THREADS,
-                    (arrays["pair_pages"],) if pair else extra,
-                )
-            name = wgmma_kernel_name(d, owned_rows, split, dq_mode)
-            fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
-            return fn, wgmma_smem_bytes(d, owned_rows, split), wgmma_threads_per_cta(owned_rows, split)
+_TORCH_DTYPES = {np.float32: "float32", np.int64: "int64", np.uint32: "int32"}
 
-        extra = () if impl == "mma" else (absmax if fixed else np.uint64(0),)
-        _launch_routes(
-            plan,
-            arrays,
-            main_kernel,
-            (q, k, v, do, lse, delta, dq_accum, dk, dv),
-            (b, h, sq, sk),
-            scale,
-            extra,
+
+def torch_plan_backward(q, k, v, o, lse, do, plan, scale=None, impl=None, deterministic=False, dq_plan=None):
+    """:func:`plan_backward` on torch CUDA tensors in a few attribute reads and the recipe's launches
+    (raw pointers, torch's current stream, no DLPack views): ``(dq, dk, dv)``, or None when anything is
+    unusual (the caller then takes the general path, which names what is wrong). ``plan``: a checked-once
+    K/V-owned :class:`TilePlan` or a device plan."""
+    import torch
+
+    try:
+        b, h, sq, d = q.shape
+        sk = k.shape[2]
+        dev = q.device
+        ok = (
+            dev.type == "cuda"
+            and q.dtype == torch.bfloat16
+            and all(x.dtype == torch.bfloat16 and x.device == dev for x in (k, v, o, do))
+            and lse.dtype == torch.float32
+            and lse.device == dev
+            and k.shape == v.shape == (b, h, sk, d)
+            and o.shape == do.shape == q.shape
+            and lse.shape == (b, h, sq)
+            and all(x.is_contiguous() for x in (q, k, v, o, lse, do))
+            and d in HEAD_DIMS
+            and b <= MAX_GRID_Y
+            and sq % PAGE_ROWS == 0
+            and sk % PAGE_ROWS == 0
+            and max(sq, sk) * d < 2**31
+            and isinstance(plan, (TilePlan, DeviceOwnedPlan))
+            and plan.owner == "kv"
         )
-
-        if dq_pass:
-            _dq_pass(q, k, v, do, lse, delta, dq, dq_plan, (q_pages, k_pages, h, device), scale)
-        elif fixed:
-            post = launch.function(WGMMA_SOURCE, FIXED_POSTPROCESS_NAME, WGMMA_NAME_EXPRESSIONS)
-            n2 = b * h * sq * d // 2
-            post(
-                (-(-n2 // ELEMENTWISE_THREADS),),
-                (ELEMENTWISE_THREADS,),
-                (dq_accum, dq, np.float32(scale), absmax, np.int32(d), np.int64(n2)),
-            )
-        else:
-            post = launch.function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
-            n4 = b * h * sq * d // 4
-            post(
-                (-(-n4 // ELEMENTWISE_THREADS),),
-                (ELEMENTWISE_THREADS,),
-                (dq_accum, dq, np.float32(scale), np.int64(n4)),
-            )
-
-        _zero_uncovered((dk, dv), arrays, plan, (b, h, k_pages, d))
+    except (AttributeError, TypeError, ValueError):
+        return None
+    impl = default_impl() if impl is None else impl
+    if not ok or impl not in IMPLS or impl == "mma" or not isinstance(deterministic, (bool, np.bool_)):
+        return None
+    q_pages, k_pages, device = sq // PAGE_ROWS, sk // PAGE_ROWS, dev.index
+    if isinstance(plan, TilePlan):
+        _PLANS.checked(plan, q_pages, k_pages, h)
+    elif plan.heads != h:
+        return None
+    impl = "wgmma_dq_pass" if impl == "wgmma" and dq_plan is not None else impl
+    impl = resolve_impl(impl, plan, False)
+    dq_pass = uses_dq_pass(impl)
+    if dq_pass:
+        if dq_plan is None:
+            return None
+        if isinstance(dq_plan, TilePlan):
+            _DQ_PLANS.checked(dq_plan, q_pages, k_pages, h)
+    arrays = _device_plan(plan, q_pages, k_pages, h, device)
+    if arrays["pair"] and (impl not in ("wgmma", "wgmma_ws") or deterministic):
+        return None
+    scale = check_scale(scale, d)
+    recipe = backward_recipe(
+        plan, arrays, impl, deterministic, dq_plan if dq_pass else None, (b, h, sq, sk, d), scale, device
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    tensors = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv)
+    for name, (shape, dtype) in recipe.temporaries.items():
+        tensors[name] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=dev)
+    pointers = {name: x.data_ptr() for name, x in tensors.items()}
+    recipe.run(torch.cuda.current_stream(dev).cuda_stream, device, pointers)
     return dq, dk, dv

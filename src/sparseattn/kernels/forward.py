@@ -344,7 +344,7 @@ def _check_tensors(q, k, v, out):
 
 
 def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device: int):
-    """``(kernel, grid, shared memory, counter pointer, arguments after the five tensors)`` of one launch,
+    """``(packed launch, counter pointer)`` of one launch (the five tensors its first arguments),
     prepared once per (work list, device, tensor sizes, scale) and reused; None when there is no work (a
     device planner's work list is new per call: its arrays are on the device already, and its streams
     end at the planner's capacity). ``sizes``: (batch, heads, q_slots, k_slots, d)."""
@@ -383,13 +383,21 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
         )
         rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
         grid = (min(launch.sm_count(device), wl.num_work * b),)
-        ready = arrays[key] = (fn, grid, smem, int(counter), rest)
+        packed = launch.PackedLaunch(fn, grid, (THREADS,), (np.uint64(0),) * 5 + rest, smem)
+        ready = arrays[key] = (packed, int(counter))
     return ready
 
 
-def _launch(q, k, v, wl: WorkList | DeviceWorkList, scale: float, o, lse, device: int, sizes=None):
-    """One launch of the persistent kernel on the current stream; the tensors are CuPy arrays, or raw
-    pointers with their ``sizes`` (batch, heads, q_slots, k_slots, d)."""
+def _pointer(x) -> int:
+    """A device pointer: raw (an integer) or a CuPy array's."""
+    return int(x) if isinstance(x, (int, np.integer)) else x.data.ptr
+
+
+def _launch(
+    q, k, v, wl: WorkList | DeviceWorkList, scale: float, o, lse, device: int, sizes=None, stream=None
+):
+    """One launch of the persistent kernel on ``stream`` (default: CuPy's current stream); the tensors are
+    CuPy arrays, or raw pointers with their ``sizes`` (batch, heads, q_slots, k_slots, d)."""
     import cupy
 
     if sizes is None:
@@ -398,9 +406,10 @@ def _launch(q, k, v, wl: WorkList | DeviceWorkList, scale: float, o, lse, device
     ready = _prepared(wl, sizes, scale, device)
     if ready is None:
         return
-    fn, grid, smem, counter, rest = ready
-    cupy.cuda.runtime.memsetAsync(counter, 0, 4, cupy.cuda.get_current_stream().ptr)
-    fn(grid, (THREADS,), (q, k, v, o, lse) + rest, shared_mem=smem)
+    packed, counter = ready
+    stream = cupy.cuda.get_current_stream().ptr if stream is None else stream
+    cupy.cuda.runtime.memsetAsync(counter, 0, 4, stream)
+    packed(stream, *(_pointer(x) for x in (q, k, v, o, lse)))
 
 
 def _device_plans_forward(q, k, v, plans: DevicePlans, scale, out):
@@ -514,11 +523,25 @@ def _torch_fast_forward(q, k, v, graph_or_plans, route, scale, out):
     else:
         return None
     scale = check_scale(scale, d)
-    o = torch.zeros_like(q)
-    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=dev)
-    ptr = lambda x: np.uint64(x.data_ptr())
-    with launch.torch_stream():
-        _launch(ptr(q), ptr(k), ptr(v), wl, scale, ptr(o), ptr(lse), dev.index, sizes)
+    o = torch.empty_like(q)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=dev)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    import cupy
+
+    cupy.cuda.runtime.memsetAsync(o.data_ptr(), 0, o.numel() * 2, stream)
+    launch.fill_neg_inf(lse.data_ptr(), lse.numel(), stream, dev.index)
+    _launch(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        wl,
+        scale,
+        o.data_ptr(),
+        lse.data_ptr(),
+        dev.index,
+        sizes,
+        stream,
+    )
     return o, lse
 
 
