@@ -383,6 +383,8 @@ class BackwardRecipe:
                 step[1](stream, *(pointers[n] + off for n, off in step[2]))
             elif kind == "memset":
                 rt.memsetAsync(pointers[step[1]] + step[3], 0, step[2], stream)
+            elif not step[1]:
+                continue
             elif len(step[1]) == 1:
                 _, packed, names = step[1][0]
                 packed(stream, *(pointers[n] + off for n, off in names))

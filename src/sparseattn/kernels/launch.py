@@ -101,7 +101,8 @@ class PackedLaunch:
     __slots__ = ("address", "block", "bound", "f", "fn", "grid", "held", "params", "slots", "smem")
 
     def __init__(self, fn, grid, block, args, smem: int = 0, bound=None):
-        self.fn, self.f = fn, int(fn.ptr)
+        self.fn = fn  # a cupy RawKernel (its compiled Function is .kernel) or a Function
+        self.f = int(getattr(fn, "kernel", fn).ptr)
         self.grid = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
         self.block = tuple(int(x) for x in block) + (1,) * (3 - len(block))
         self.smem = int(smem)
@@ -130,6 +131,15 @@ def side_stream(device: int):
     return side
 
 
+def _capturing(stream: int) -> bool:
+    import cupy
+
+    try:
+        return bool(cupy.cuda.runtime.streamIsCapturing(stream))
+    except AttributeError:  # a CuPy without the query: assume an eager stream
+        return False
+
+
 _NEG_INF: dict = {}  # device -> float32 -inf buffers (every one kept: captured graphs may read it)
 
 
@@ -140,7 +150,7 @@ def fill_neg_inf(ptr: int, count: int, stream: int, device: int) -> None:
 
     bufs = _NEG_INF.setdefault(device, [])
     if not bufs or bufs[-1].size < count:
-        if cupy.cuda.runtime.streamIsCapturing(stream):  # no synchronisation now: fill in place
+        if _capturing(stream):  # no synchronisation now: fill in place
             mem = cupy.cuda.UnownedMemory(ptr, 4 * count, None, device)
             out = cupy.ndarray((count,), cupy.float32, memptr=cupy.cuda.MemoryPointer(mem, 0))
             with cupy.cuda.ExternalStream(stream):
