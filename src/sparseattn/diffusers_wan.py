@@ -134,6 +134,7 @@ class WanSparseAttnProcessor:
         self._slots: dict = {}
         self._dense = None
         self._planner = None
+        self._ids: dict = {}  # heads -> handles (graph, Q layout); "dynamic" -> (layout, planner)
 
     @property
     def num_tokens(self) -> int:
@@ -141,15 +142,25 @@ class WanSparseAttnProcessor:
 
     def prepare(self, heads: int):
         """Build what a call needs and its selection fixes (the static graph, or the layout and the device
-        planner of a dynamic selection) now rather than in the first call: a ``torch.compile`` trace then
-        finds them as constants. :func:`install_sparse_attention` calls it with the model's head count."""
+        planner of a dynamic selection) now rather than in the first call, and name them by the integer
+        handles the operators take: a ``torch.compile`` trace then finds only constants.
+        :func:`install_sparse_attention` calls it with the model's head count."""
+        from .torch_ops import handle
+
         if self.selection.dynamic:
-            _ = self.layout
-            if self.backend == "kpage":
-                self.planner()
+            planner = self.planner() if self.backend == "kpage" else None
+            self._ids["dynamic"] = (handle(self.layout), None if planner is None else handle(planner))
         else:
-            self.graph_for(heads)
+            graph = self.graph_for(heads)
+            self._ids[heads] = (handle(graph), handle(graph.q))
         return self
+
+    def _handles(self, key):
+        ids = self._ids.get(key)
+        if ids is None:
+            self.prepare(key if isinstance(key, int) else 0)
+            ids = self._ids[key]
+        return ids
 
     def planner(self):
         """The :class:`~sparseattn.planning.device.DevicePlanner` of a dynamic selection (built once)."""
@@ -195,6 +206,8 @@ class WanSparseAttnProcessor:
         """Sparse attention of ``[B, L, heads, d]`` q, k, v in raster token order; returns the same shape."""
         if self.selection.dynamic:
             return self._attend_dynamic(q, k, v)
+        if self.backend == "kpage":
+            return self._attend_kpage(q, k, v, *self._handles(q.shape[2]))
         return self._attend_graph(q, k, v, self.graph_for(q.shape[2]))
 
     @property
@@ -245,11 +258,12 @@ class WanSparseAttnProcessor:
             return out.transpose(1, 2)
         from .torch import block_sparse_attention, slots_to_tokens, tokens_to_slots, vsa_topk
 
-        qs, ks, vs = tokens_to_slots(self.layout, q, k, v)
+        layout, planner = self._handles("dynamic")
+        qs, ks, vs = tokens_to_slots(layout, q, k, v)
         with torch.no_grad():
-            idx, num = vsa_topk(qs, ks, self.layout, self.selection.topk)
-        out, _ = block_sparse_attention(qs, ks, vs, self.planner(), idx, num)
-        return slots_to_tokens(self.layout, out).to(q.dtype)
+            idx, num = vsa_topk(qs, ks, layout, self.selection.topk)
+        out, _ = block_sparse_attention(qs, ks, vs, planner, idx, num)
+        return slots_to_tokens(layout, out).to(q.dtype)
 
     def _attend_graph(self, q, k, v, graph: SparseGraph):
         torch = self._torch()
@@ -263,11 +277,17 @@ class WanSparseAttnProcessor:
                     self._masks[key] = mask
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[None])
             return out.transpose(1, 2)
+        from .torch_ops import handle
+
+        return self._attend_kpage(*(x.transpose(1, 2) for x in (q, k, v)), handle(graph), handle(graph.q))
+
+    def _attend_kpage(self, q, k, v, graph: int, layout: int):
+        """KPage of a static graph named by handles: ``[B, L, heads, d]`` q, k, v to slots, attention, back."""
         from .torch import kpage_attention, slots_to_tokens, tokens_to_slots
 
-        qs, ks, vs = tokens_to_slots(graph.q, *(x.transpose(1, 2) for x in (q, k, v)))
+        qs, ks, vs = tokens_to_slots(layout, q, k, v)
         out = kpage_attention(qs, ks, vs, graph, route=self.route)
-        return slots_to_tokens(graph.q, out).to(q.dtype)
+        return slots_to_tokens(layout, out).to(q.dtype)
 
     def _diffusers_processor(self):
         if self._dense is None:

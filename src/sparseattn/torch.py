@@ -23,7 +23,8 @@ def kpage_attention(q, k, v, graph, route="auto", scale=None, deterministic=Fals
 
     Args:
         q, k, v: torch bf16 CUDA tensors ``[batch, heads, slots, d]`` in ``graph``'s slot layouts.
-        graph: a :class:`~sparseattn.graph.SparseGraph` (its plans are built once and cached).
+        graph: a :class:`~sparseattn.graph.SparseGraph` (its plans are built once and cached), or its
+            :func:`~sparseattn.torch_ops.handle` (what a ``torch.compile``-traced caller passes).
         route: KPage route (``"auto"``, 0 = 64×256, 1 = 128×128, or ``"pair"``: 64-row blocks joined
             two by two in both passes, not with ``deterministic``; ``"auto"`` takes them where they pay:
             the backward on 64-row K/V blocks, the forward on VSA-like selections); scale: default
@@ -37,11 +38,10 @@ def kpage_attention(q, k, v, graph, route="auto", scale=None, deterministic=Fals
     from .graph import SparseGraph
     from .torch_ops import OPS, default_scale, handle
 
-    if not isinstance(graph, SparseGraph):
-        raise TypeError(f"graph must be a SparseGraph, got {type(graph).__name__}")
-    return OPS.kpage_fwd(
-        q, k, v, handle(graph), str(route), default_scale(scale, q.shape[-1]), deterministic
-    )[0]
+    if not isinstance(graph, (SparseGraph, int)):
+        raise TypeError(f"graph must be a SparseGraph (or its handle), got {type(graph).__name__}")
+    h = graph if isinstance(graph, int) else handle(graph)
+    return OPS.kpage_fwd(q, k, v, h, str(route), default_scale(scale, q.shape[-1]), deterministic)[0]
 
 
 # ---- dynamic selections: planned on the GPU per call --------------------------------------------------
@@ -70,7 +70,7 @@ def _needs_grad(*tensors) -> bool:
 def _planner(layout, k_layout, kind, route, deterministic, max_selected):
     from .planning.device import DevicePlanner
 
-    if isinstance(layout, DevicePlanner):
+    if isinstance(layout, (DevicePlanner, int)):  # a planner, or a planner's handle
         return layout
     return planner_for(
         layout, k_layout, kind=kind, route=route, deterministic=bool(deterministic), max_selected=max_selected
@@ -144,23 +144,36 @@ def _dynamic(q, k, v, planner, q2k_idx, q2k_num, mask, scale):
         q2k_idx,
         q2k_num,
         mask,
-        handle(planner),
+        planner if isinstance(planner, int) else handle(planner),
         default_scale(scale, q.shape[-1]),
         _needs_grad(q, k, v),
     )
     return o, lse
 
 
-@torch.compiler.assume_constant_result
-def _alive_blocks(layout) -> int:
-    return int(np.count_nonzero(layout.valid_rows))
+def _layout_handle(layout) -> int:
+    from .torch_ops import handle
+
+    return layout if isinstance(layout, int) else handle(layout)
 
 
 @torch.compiler.assume_constant_result
-def _block_weights(layout, device):
+def _layout_sizes(layout_handle: int) -> tuple[int, int, int, int]:
+    """``(blocks, block size, slots, blocks with valid rows)`` of a layout's handle (constants of a trace)."""
+    from .torch_ops import resolve
+
+    lay = resolve(layout_handle)
+    return lay.num_blocks, lay.block_size, lay.num_slots, int(np.count_nonzero(lay.valid_rows))
+
+
+@torch.compiler.assume_constant_result
+def _block_weights(layout_handle: int, device):
     """``(1 / valid rows [1, 1, blocks, 1] (0 for empty blocks), alive [blocks])`` on ``device``, uploaded
     once per layout and device (a call then copies nothing from the host)."""
     from .planning.cache import cached
+    from .torch_ops import resolve
+
+    layout = resolve(layout_handle)
 
     def build():
         rows = torch.as_tensor(layout.valid_rows, dtype=torch.float32, device=device)
@@ -177,7 +190,7 @@ def vsa_topk(q, k, layout, topk: int):
 
     Args:
         q, k: torch ``[batch, heads, slots, d]`` in ``layout``'s slot order, padding slots zero.
-        layout: their :class:`~sparseattn.layouts.BlockLayout`.
+        layout: their :class:`~sparseattn.layouts.BlockLayout` (or its handle).
         topk: blocks per Q block (at most the blocks with valid rows).
 
     Returns:
@@ -185,16 +198,15 @@ def vsa_topk(q, k, layout, topk: int):
         ``topk' = min(topk, blocks with valid rows)``.
     """
     b, h, slots, d = q.shape
-    nb, bs = layout.num_blocks, layout.block_size
-    if slots != layout.num_slots or k.shape[2] != layout.num_slots:
-        raise ValueError(
-            f"q and k must have the layout's {layout.num_slots} slots, got {slots} and {k.shape[2]}"
-        )
-    weight, alive = _block_weights(layout, q.device)
+    lh = _layout_handle(layout)
+    nb, bs, num_slots, alive_blocks = _layout_sizes(lh)
+    if slots != num_slots or k.shape[2] != num_slots:
+        raise ValueError(f"q and k must have the layout's {num_slots} slots, got {slots} and {k.shape[2]}")
+    weight, alive = _block_weights(lh, q.device)
     qm = q.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32) * weight  # fp32 sums, no fp32 copy of q
     km = k.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32) * weight
     scores = (qm @ km.transpose(-1, -2)).masked_fill(~alive, float("-inf"))
-    kept = min(int(topk), _alive_blocks(layout))
+    kept = min(int(topk), alive_blocks)
     idx = scores.topk(kept, dim=-1).indices.to(torch.int32)
     num = torch.full((b, h, nb), kept, dtype=torch.int32, device=q.device)
     return idx.contiguous(), num
@@ -206,14 +218,14 @@ def vsa_topk(q, k, layout, topk: int):
 def tokens_to_slots(layout, *xs):
     """Token-ordered ``[B, tokens, heads, d]`` tensors in ``layout``'s slot order ``[B, heads, slots, d]``,
     bf16, padding slots zero, with autograd (one fused launch for bf16 CUDA tensors; torch ops otherwise;
-    the operator ``torch.ops.sparseattn.tokens_to_slots``)."""
-    from .torch_ops import OPS, handle
+    the operator ``torch.ops.sparseattn.tokens_to_slots``). ``layout``: a BlockLayout or its handle."""
+    from .torch_ops import OPS
 
-    return tuple(OPS.tokens_to_slots(list(xs), handle(layout)))
+    return tuple(OPS.tokens_to_slots(list(xs), _layout_handle(layout)))
 
 
 def slots_to_tokens(layout, y):
     """:func:`tokens_to_slots`'s inverse for one ``[B, heads, slots, d]`` tensor: ``[B, tokens, heads, d]``."""
-    from .torch_ops import OPS, handle
+    from .torch_ops import OPS
 
-    return OPS.slots_to_tokens(y, handle(layout))
+    return OPS.slots_to_tokens(y, _layout_handle(layout))
