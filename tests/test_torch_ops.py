@@ -177,3 +177,16 @@ def test_compiled_wan_with_the_kpage_processor_has_no_graph_break(kind):
     out.square().mean().backward()
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(xc.grad, xe.grad)
+
+
+def test_host_cost_floor_operator_allocates_and_differentiates():
+    """The host-cost script's floor: a Python operator that only allocates, with an autograd formula."""
+    from sparseattn.host_cost import _noop_operator
+
+    op = _noop_operator()
+    assert _noop_operator() is op
+    x = torch.randn(2, 3, requires_grad=True)
+    y = op(x)
+    assert y.shape == x.shape
+    y.backward(torch.ones_like(y))
+    assert x.grad.shape == x.shape

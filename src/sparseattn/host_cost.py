@@ -10,7 +10,9 @@ Records (bench format, ``--out``): ``impl`` ``torch_op`` (the ``torch.library`` 
 :mod:`sparseattn.torch`, autograd included) or ``cupy`` (:func:`~sparseattn.kernels.forward.kpage_forward`
 and :func:`~sparseattn.kernels.backward.kpage_backward` on CuPy arrays); ``pass`` ``host_fwd`` or
 ``host_fwdbwd``; ``workload`` ``host_static`` (a cached :class:`~sparseattn.graph.SparseGraph`) or
-``host_dynamic`` (a top-k selection planned on the device each call: torch only); ``time_us``.
+``host_dynamic`` (a top-k selection planned on the device each call: torch only); ``time_us``. The floor
+of the same machine, workload ``host_floor``: torch's own SDPA at the same sizes (impl ``torch_sdpa``)
+and a Python ``torch.library`` operator that only allocates its output (``torch_noop_op``).
 ``--profile DIR`` also writes a cProfile of each loop.
 """
 
@@ -50,6 +52,26 @@ def tiny_problem():
     idx = idx.expand(1, 2, nb, 2).contiguous()
     num = torch.full((1, 2, nb), 2, dtype=torch.int32, device="cuda")
     return graph, layout, idx, num
+
+
+def _noop_operator():
+    """A ``torch.library`` operator with a Python CUDA implementation that only allocates its output, and
+    an autograd formula that only allocates the gradient: the floor of any Python operator's host time."""
+    import torch
+
+    name = "sparseattn_probe::noop"
+    if not hasattr(torch.ops, "sparseattn_probe") or not hasattr(torch.ops.sparseattn_probe, "noop"):
+        lib = _noop_operator.lib = torch.library.Library("sparseattn_probe", "DEF")
+        lib.define("noop(Tensor q) -> Tensor")
+        torch.library.impl(name, ("CPU", "CUDA"), lambda q: torch.empty_like(q), lib=lib)
+        torch.library.register_fake(name, lambda q: torch.empty_like(q), lib=lib)
+        torch.library.register_autograd(
+            name,
+            lambda ctx, grad: torch.empty_like(grad),
+            setup_context=lambda ctx, inputs, output: None,
+            lib=lib,
+        )
+    return torch.ops.sparseattn_probe.noop
 
 
 def _loop(call, calls: int, reps: int, warmup: int, profile: Path | None, label: str) -> dict:
@@ -120,7 +142,27 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
     def dynamic_fwdbwd():
         st.block_sparse_attention(qg, kg, vg, layout, idx, num)[0].backward(do)
 
+    noop = _noop_operator()
+
+    def sdpa_fwd():
+        with torch.no_grad():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def sdpa_fwdbwd():
+        torch.nn.functional.scaled_dot_product_attention(qg, kg, vg).backward(do)
+
+    def noop_fwd():
+        with torch.no_grad():
+            noop(q)
+
+    def noop_fwdbwd():
+        noop(qg).backward(do)
+
     cases = [
+        ("host_floor", "torch_sdpa", "host_fwd", sdpa_fwd),
+        ("host_floor", "torch_sdpa", "host_fwdbwd", sdpa_fwdbwd),
+        ("host_floor", "torch_noop_op", "host_fwd", noop_fwd),
+        ("host_floor", "torch_noop_op", "host_fwdbwd", noop_fwdbwd),
         ("host_static", "torch_op", "host_fwd", torch_fwd),
         ("host_static", "torch_op", "host_fwdbwd", torch_fwdbwd),
         ("host_static", "cupy", "host_fwd", cupy_fwd),
