@@ -241,3 +241,22 @@ def test_pageweaver_geomean_leaves_out_gqa16(tmp_path):
     text = _texts(speedplots.pageweaver_speed_figure(run))
     assert f"{math.sqrt(8):.2f}× geomean, GQA 1/8" in text
     assert "GQA 16 (128 heads)" in text
+
+
+def test_pageweaver_flashinfer_baseline_is_its_fastest_path(tmp_path):
+    """The FlashInfer baseline of a capture and GQA is the fastest of its recorded paths (e4m3 or bf16
+    cache, any backend); failed backends (error records) are left out."""
+    fastest = _rec("nsa_8k", "flashinfer_bf16", "complete_call", 0.8, heads=8)
+    fastest.update(backend="fa3")
+    failed = _rec("nsa_8k", "flashinfer", "complete_call", 0.1, heads=8)
+    failed.update(backend="auto", error="RuntimeError: no fa3 for e4m3")
+    records = [
+        _rec("nsa_8k", "flashinfer", "complete_call", 1.0, heads=8),
+        fastest,
+        failed,
+        _rec("nsa_8k", "pageweaver_union", "complete_call", 0.4, heads=8),
+    ]
+    _write_run(tmp_path, "pw.json", "2026-12-01T00:00:00+00:00", records)
+    run = speedplots.pick_pageweaver_run(find_runs(tmp_path))
+    (row,) = speedplots.pageweaver_speedups(run)
+    assert row["speedup"] == pytest.approx(2.0) and row["baseline_path"] == "flashinfer_bf16 (fa3)"

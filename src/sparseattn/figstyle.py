@@ -89,6 +89,7 @@ IMPL_LABELS = {
     "cudnn_dense": "cuDNN dense",
     "vsa_kernel": "VSA kernel",
     "flashinfer": "FlashInfer",
+    "flashinfer_bf16": "FlashInfer (bf16 cache)",
     "pageweaver_union": "PageWeaver union",
     "kv_page_union": "KV-page union",
     "per_query": "per-query",

@@ -14,9 +14,15 @@ size (8 KV heads by default, head dim 128, e4m3 K/V with per-page scales, bf16 Q
   mma.sync 16-row tiles holding the query's G heads, 16-key steps, each query loading its own pages;
 * ``union_singleton`` (opt-in) — every query its own group on the union kernel (rows = its G query
   heads, padded to the 64-row wgmma tile): the union kernel's machinery without the union;
-* ``flashinfer`` — FlashInfer's ``BlockSparseAttentionWrapper`` (R = 1, C = page size, backend ``fa2``,
-  e4m3 K/V, bf16 Q), when the package imports; its ``plan`` (host work) is not timed. Queries are cut
-  into chunks of at most 32,768 rows (the wrapper fails on 65,536 rows at GQA ≥ 4).
+* ``flashinfer`` — FlashInfer's ``BlockSparseAttentionWrapper`` (R = 1, C = page size, e4m3 K/V, bf16 Q),
+  when the package imports; its ``plan`` (host work) is not timed. Queries are cut into chunks of at
+  most 32,768 rows (the wrapper fails on 65,536 rows at GQA ≥ 4);
+* ``flashinfer_bf16`` — the same selection with K/V dequantised to bf16 (each page times its scale),
+  FlashInfer's faster path for a model that can afford a bf16 cache.
+
+Both FlashInfer paths run on every backend of ``--flashinfer-backends`` (default ``fa2``, ``fa3``,
+``auto``; the record's ``backend``); a backend that fails to build or run gives an ``error`` record and
+the run goes on. The figures compare the union with the fastest FlashInfer path of each capture and GQA.
 
 Times are medians of CUDA events with the L2 cache flushed before every call (a 256 MB memset).
 ``useful_pairs`` counts the valid (query head, key) pairs (causal keys of the selected pages);
@@ -28,6 +34,7 @@ Writes ``DIR/pageweaver_kernels.json`` and ``DIR/pageweaver_kernels.log``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -39,7 +46,9 @@ from .grouping import adjacent_groups
 from .reference import key_index, paged_attention_reference
 
 #: Implementations ``--impl`` accepts.
-IMPLS = ("pageweaver_union", "kv_page_union", "per_query", "union_singleton", "flashinfer")
+IMPLS = ("pageweaver_union", "kv_page_union", "per_query", "union_singleton", "flashinfer", "flashinfer_bf16")
+#: FlashInfer backends each FlashInfer path is tried on.
+FLASHINFER_BACKENDS = ("fa2", "fa3", "auto")
 
 FLUSH_BYTES = 256 << 20
 CHECK_QUERIES = 48
@@ -86,8 +95,9 @@ class Timer:
         return time_device(fn, self.reps, warmup=1, flush=self.flush)
 
 
-def _flashinfer_calls(capture: Capture, q_t, k_t, v_t, kv_heads: int, gqa: int):
-    """FlashInfer wrappers (planned) and a callable running them; None when FlashInfer is missing."""
+def _flashinfer_calls(capture: Capture, q_t, k_t, v_t, kv_heads: int, gqa: int, backend: str = "fa2"):
+    """FlashInfer wrappers (planned, on ``backend``, K/V of ``k_t``'s dtype) and a callable running them;
+    None when FlashInfer is missing."""
     try:
         import flashinfer
         import torch
@@ -105,7 +115,7 @@ def _flashinfer_calls(capture: Capture, q_t, k_t, v_t, kv_heads: int, gqa: int):
         ip = (indptr[a : b + 1] - indptr[a]).contiguous()
         ix = indices[int(indptr[a]) : int(indptr[b])].contiguous()
         w = flashinfer.BlockSparseAttentionWrapper(
-            torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), backend="fa2"
+            torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), backend=backend
         )
         w.plan(
             ip,
@@ -118,11 +128,28 @@ def _flashinfer_calls(capture: Capture, q_t, k_t, v_t, kv_heads: int, gqa: int):
             kv_heads,
             128,
             q_data_type=torch.bfloat16,
-            kv_data_type=torch.float8_e4m3fn,
+            kv_data_type=k_t.dtype,
             o_data_type=torch.bfloat16,
         )
         calls.append((w, q_t[a:b]))
     return lambda: [w.run(qq, k_t, v_t) for w, qq in calls]
+
+
+def flashinfer_cache(k8, v8, k_scale, v_scale, page_size: int, bf16: bool):
+    """``(K, V)`` torch tensors ``[rows, kv_heads, d]`` for FlashInfer: the e4m3 cache as it is (its page
+    scales are not FlashInfer's to apply: a timing peer), or dequantised to bf16 (each page times its
+    scale: the same values the union kernel computes with)."""
+    import cupy as cp
+    import torch
+
+    out = []
+    for bits, scale in ((k8, k_scale), (v8, v_scale)):
+        t = torch.from_dlpack(bits).view(torch.float8_e4m3fn)
+        if bf16:
+            per_row = torch.from_dlpack(cp.repeat(scale, page_size, axis=1)[:, : t.shape[1], None])
+            t = (t.float() * per_row).to(torch.bfloat16)
+        out.append(t.permute(1, 0, 2).contiguous())
+    return tuple(out)
 
 
 def check_sample(capture, q, k, v, ks, vs, o, gqa, rng) -> dict:
@@ -156,7 +183,9 @@ def check_sample(capture, q, k, v, ks, vs, o, gqa, rng) -> dict:
     return {"correct": ok, "rel_err": float(rel), "rel_err_emulation": float(rel_emul)}
 
 
-def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log) -> list[dict]:
+def bench_capture(
+    name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log, flashinfer_backends=FLASHINFER_BACKENDS
+) -> list[dict]:
     import cupy as cp
 
     from ..kernels.pageweaver import (
@@ -294,28 +323,43 @@ def bench_capture(name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log)
                 plan_first_s=round(plan_s, 2),
                 **chk,
             )
-        if "flashinfer" in impls:
+        paths = [impl for impl in ("flashinfer", "flashinfer_bf16") if impl in impls]
+        if paths and importlib.util.find_spec("flashinfer") is None:
+            log("flashinfer not importable: skipped")
+            for skipped in paths:
+                impls.remove(skipped)
+            paths = []
+        if paths:
             qt = torch.randn(nq, hq, 128, dtype=torch.bfloat16, device="cuda")
-            kt = torch.from_dlpack(k8).view(torch.float8_e4m3fn).permute(1, 0, 2).contiguous()
-            vt = torch.from_dlpack(v8).view(torch.float8_e4m3fn).permute(1, 0, 2).contiguous()
-            try:
-                t0 = time.perf_counter()
-                run = _flashinfer_calls(cap, qt, kt, vt, kv_heads, gqa)
-                if run is None:
-                    log("flashinfer not importable: skipped")
-                    impls.remove("flashinfer")
-                else:
+        for impl in paths:
+            kt, vt = flashinfer_cache(k8, v8, ks, vs, P, bf16=impl == "flashinfer_bf16")
+            for backend in flashinfer_backends:
+                try:
+                    t0 = time.perf_counter()
+                    run = _flashinfer_calls(cap, qt, kt, vt, kv_heads, gqa, backend)
+                    if run is None:
+                        raise ImportError("flashinfer (or torch) did not import")
                     run()
                     cp.cuda.Device().synchronize()
                     plan_s = time.perf_counter() - t0
                     ms = timer(run)
                     record(
-                        "flashinfer", ms, None, grouping="none", plan_first_s=round(plan_s, 1), correct=None
+                        impl,
+                        ms,
+                        None,
+                        grouping="none",
+                        backend=backend,
+                        plan_first_s=round(plan_s, 1),
+                        correct=None,
                     )
-            except Exception as err:  # noqa: BLE001 - a failing peer is recorded, the run goes on
-                log(f"{name} G={gqa} flashinfer failed: {type(err).__name__}: {str(err)[:300]}")
-            del qt, kt, vt
+                except Exception as err:  # noqa: BLE001 - a failing peer is recorded, the run goes on
+                    message = f"{type(err).__name__}: {str(err)[:300]}"
+                    records.append(dict(base, impl=impl, backend=backend, error=message))
+                    log(f"{name} G={gqa} {impl} ({backend}) failed: {message}")
+            del kt, vt
             torch.cuda.empty_cache()
+        if paths:
+            del qt
 
     for gqa in gqas:
         run_gqa(gqa)
@@ -332,9 +376,15 @@ def main(argv=None, prog: str | None = None) -> int:
     ap.add_argument(
         "--impl",
         nargs="*",
-        default=["pageweaver_union", "kv_page_union", "per_query", "flashinfer"],
+        default=["pageweaver_union", "kv_page_union", "per_query", "flashinfer", "flashinfer_bf16"],
         choices=IMPLS,
         help="implementations to run (also: union_singleton)",
+    )
+    ap.add_argument(
+        "--flashinfer-backends",
+        nargs="*",
+        default=list(FLASHINFER_BACKENDS),
+        help="FlashInfer backends each FlashInfer path runs on (a failing one is an error record)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -367,7 +417,9 @@ def main(argv=None, prog: str | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     records = []
     for name in args.captures:
-        records += bench_capture(name, args.gqa, args.kv_heads, timer, list(args.impl), rng, log)
+        records += bench_capture(
+            name, args.gqa, args.kv_heads, timer, list(args.impl), rng, log, tuple(args.flashinfer_backends)
+        )
     command = "sparseattn bench pageweaver " + " ".join(sys.argv[1:] if argv is None else argv)
     log.write(out, "pageweaver_kernels", command, records)
     return 0 if all(r.get("correct") in (True, None) for r in records) else 1
