@@ -97,3 +97,16 @@ def test_a_failing_check_is_recorded_and_the_timing_still_runs(reference_kernels
     assert records[0]["check_error"] == "RuntimeError: no reference today"
     unchecked = bench.bench_paged(reference_kernels.case, _timer, ("bwd",), check=False, kind="kpage")
     assert unchecked[0]["correct"] is None and "rel_err_grads" not in unchecked[0]
+
+
+@pytest.mark.parametrize("name", ["dense_16384", "dense_32768", "dense_75600", "dense_131072"])
+def test_dense_workloads_select_every_block_pair(name):
+    """The dense rows: every block pair of 128-token blocks at the workload's head count."""
+    from sparseattn.bench import DENSE_WORKLOADS, workload_graph
+
+    tokens, heads, head_dim = DENSE_WORKLOADS[name]
+    graph, d = workload_graph(name)
+    blocks = -(-tokens // 128)
+    assert (graph.heads, graph.q.num_blocks, d) == (heads, blocks, head_dim)
+    assert graph.nnz == heads * blocks * blocks and graph.useful_pairs() == heads * tokens**2
+    assert int(graph.q.valid.sum()) == tokens

@@ -68,8 +68,14 @@ GRAD_SAMPLE_BLOCKS = 8
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
 #: Dense all-pairs graphs (every block pair selected, 128-token blocks): the skeleton against cuDNN's
-#: dense attention on the same tokens. name -> (tokens, heads, head_dim); tokens of the Wan 720p latent.
-DENSE_WORKLOADS = {"dense_75600": (75600, 8, 128)}
+#: dense attention on the same tokens. name -> (tokens, heads, head_dim); 75,600: the Wan 720p latent;
+#: 16K to 128K tokens with about half a million query rows (tokens · heads) each.
+DENSE_WORKLOADS = {
+    "dense_16384": (16384, 32, 128),
+    "dense_32768": (32768, 16, 128),
+    "dense_75600": (75600, 8, 128),
+    "dense_131072": (131072, 4, 128),
+}
 
 
 def dense_graph(name: str, heads: int | None = None) -> tuple[SparseGraph, int]:

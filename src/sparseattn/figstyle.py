@@ -76,7 +76,10 @@ WORKLOAD_LABELS = {
     "sta_hunyuan_117f": "STA · HunyuanVideo 117f",
     "sta_wan14b_69f": "STA · Wan2.1-14B 69f",
     "svg2_wan14b_720p": "SVG2 · Wan2.1-14B 720p",
+    "dense_16384": "Dense · 16,384 tokens × 32 heads",
+    "dense_32768": "Dense · 32,768 tokens × 16 heads",
     "dense_75600": "Dense · 75,600 tokens, all pairs",
+    "dense_131072": "Dense · 131,072 tokens × 4 heads",
 }
 
 #: Kernel implementation ids of the benchmark JSON -> legend names.
