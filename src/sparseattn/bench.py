@@ -877,6 +877,38 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def run_path(out, stem: str) -> Path:
+    """``out``, or ``data/bench/<stem>_<today>.json`` (folders made)."""
+    from datetime import datetime, timezone
+
+    path = Path(out or f"data/bench/{stem}_{datetime.now(timezone.utc).strftime('%Y%m%d')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_run(path: Path, prog: str, argv, records: list, **meta) -> Path:
+    """Write a run in the bench format (docs/results.md) to ``path``: the GPU, the commit, the date, the
+    command (``prog`` and ``argv``, default the process's), the torch version, ``meta`` and ``records``."""
+    import json
+    import sys
+    from datetime import datetime, timezone
+
+    import torch
+
+    args = sys.argv[1:] if argv is None else argv
+    payload = dict(
+        gpu=_gpu_name(),
+        commit=_git_commit(),
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join([prog, *args]),
+        torch=torch.__version__,
+        **meta,
+        records=records,
+    )
+    path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
 def _gpu_name() -> str:
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     name = props["name"]

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -207,23 +205,10 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", type=Path, default=None, help="write a cProfile of every loop here")
     parser.add_argument("--out", default=None, help="JSON path (default data/bench/host_cost_<date>.json)")
     args = parser.parse_args(argv)
-    import torch
-
-    from .bench import _git_commit, _gpu_name
+    from .bench import run_path, write_run
 
     records = measure(args.calls, args.reps, args.warmup, args.profile)
-    now = datetime.now(timezone.utc)
-    out = Path(args.out or f"data/bench/host_cost_{now.strftime('%Y%m%d')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = dict(
-        gpu=_gpu_name(),
-        commit=_git_commit(),
-        date=now.isoformat(timespec="seconds"),
-        command="python -m sparseattn.host_cost " + " ".join(sys.argv[1:] if argv is None else argv),
-        torch=torch.__version__,
-        records=records,
-    )
-    out.write_text(json.dumps(payload, indent=1))
+    out = write_run(run_path(args.out, "host_cost"), "python -m sparseattn.host_cost", argv, records)
     print(f"{'workload':<13} {'impl':<9} {'pass':<12} {'host µs':>8} {'synced µs':>9} {'target':>7}")
     for r in records:
         if "error" in r:

@@ -27,14 +27,11 @@ training as well; this script stays as the VSA-only run behind ``data/bench/wan_
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 #: Wan2.1-1.3B's transformer (diffusers' config names).
 WAN_1_3B = dict(
@@ -55,60 +52,6 @@ WAN_1_3B = dict(
 LATENTS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}
 IMPLS = ("dense", "kpage_vsa", "vsa_kernel")
 TOPK_FRACTION = 0.1
-
-
-class AttentionClock:
-    """CUDA events around attention calls (and, under autograd, around their backward), summed per step."""
-
-    def __init__(self):
-        self.calls = []
-
-    def wrap(self, attend):
-        import torch
-
-        clock = self
-
-        class Mark(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, entry, key):
-                ctx.entry, ctx.key = entry, key
-                return x.view_as(x)
-
-            @staticmethod
-            def backward(ctx, grad):
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-                ctx.entry.setdefault(ctx.key, []).append(event)
-                return grad, None, None
-
-        def timed(q, k, v):
-            entry = {}
-            grad = torch.is_grad_enabled() and q.requires_grad
-            if grad:
-                q, k, v = (Mark.apply(x, entry, "bwd_end") for x in (q, k, v))
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = attend(q, k, v)
-            end.record()
-            entry["fwd"] = (start, end)
-            clock.calls.append(entry)
-            return Mark.apply(out, entry, "bwd_start") if grad else out
-
-        return timed
-
-    def total_ms(self) -> float:
-        """The attention time of the calls since the last reset (synchronizes)."""
-        import torch
-
-        torch.cuda.synchronize()
-        total = 0.0
-        for entry in self.calls:
-            total += entry["fwd"][0].elapsed_time(entry["fwd"][1])
-            if "bwd_start" in entry:
-                start = entry["bwd_start"][0]
-                total += max(start.elapsed_time(e) for e in entry["bwd_end"])
-        self.calls = []
-        return total
 
 
 def processors(grid, impl: str):
@@ -209,6 +152,8 @@ def run(args) -> list[dict]:
             if impl != "dense":
                 rel = check_layer(CHECK_GRID, impl, 12, 128)
                 checked = dict(rel_err=rel, correct=bool(rel < 2e-2))
+            from .model_bench import AttentionClock  # the bench's clock (model_bench imports this module)
+
             clock = AttentionClock()
             processor.attend = clock.wrap(processor.attend)
             for block in model.blocks:
@@ -283,24 +228,13 @@ def main(argv=None) -> int:
     args.resolution = args.resolution or ["480p", "720p"]
     args.train = args.train or ["480p"]
     args.impl = args.impl or list(IMPLS)
-    import torch
-
-    from .bench import _git_commit, _gpu_name
+    from .bench import run_path, write_run
 
     records = run(args)
-    now = datetime.now(timezone.utc)
-    out = Path(args.out or f"data/bench/wan_steps_{now.strftime('%Y%m%d')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    payload = dict(
-        gpu=_gpu_name(),
-        commit=_git_commit(),
-        date=now.isoformat(timespec="seconds"),
-        command="python -m sparseattn.wan_bench " + " ".join(sys.argv[1:] if argv is None else argv),
-        torch=torch.__version__,
-        model="Wan2.1-1.3B-shaped WanTransformer3DModel, random init, bf16, " + f"{args.layers} layers",
-        records=records,
+    model = "Wan2.1-1.3B-shaped WanTransformer3DModel, random init, bf16, " + f"{args.layers} layers"
+    out = write_run(
+        run_path(args.out, "wan_steps"), "python -m sparseattn.wan_bench", argv, records, model=model
     )
-    out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {out}")
     return 0 if all(r.get("correct") is not False for r in records) else 1
 

@@ -20,12 +20,10 @@ Records (bench format, ``--out``): workload ``wan1.3b_480p``, impl ``kpage_sta``
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 TILE, WINDOW = (4, 4, 8), (3, 3, 3)
@@ -142,17 +140,16 @@ def run(args, explain_path: Path) -> list[dict]:
     return records
 
 
-def graph_step(args, latent, grid, selection, base) -> list[dict]:
-    """A training step of ``--graph-layers`` layers captured in a CUDA graph, replay against eager."""
+def captured_training_step(model, static: list):
+    """A training step of ``model`` on the tensors ``static`` (forward, squared-output loss, backward into
+    the parameters' ``.grad``) captured in a CUDA graph after two warm-up steps on a side stream.
+
+    Returns ``(graph, loss, grads, eager_step)``: replaying ``graph`` refills the captured ``loss`` and
+    ``grads`` (one per parameter that requires grad) from whatever ``static`` holds; ``eager_step()`` runs
+    the same step eagerly and returns its loss (the parameters' ``.grad`` then hold its gradients)."""
     import torch
 
-    from .diffusers_wan import install_sparse_attention
-
-    model = _model(args.graph_layers)
-    install_sparse_attention(model, grid, selection, backend="kpage")
-    model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    static = [v.clone() for v in _inputs(2, latent)]
 
     def eager_step():
         for p in params:
@@ -173,7 +170,21 @@ def graph_step(args, latent, grid, selection, base) -> list[dict]:
     with torch.cuda.graph(graph):
         loss = model(*static, return_dict=False)[0].float().square().mean()
         loss.backward()
-    grads = [p.grad for p in params]
+    return graph, loss, [p.grad for p in params], eager_step
+
+
+def graph_step(args, latent, grid, selection, base) -> list[dict]:
+    """A training step of ``--graph-layers`` layers captured in a CUDA graph, replay against eager."""
+    import torch
+
+    from .diffusers_wan import install_sparse_attention
+
+    model = _model(args.graph_layers)
+    install_sparse_attention(model, grid, selection, backend="kpage")
+    model.train()
+    static = [v.clone() for v in _inputs(2, latent)]
+    graph, loss, grads, eager_step = captured_training_step(model, static)
+    params = [p for p in model.parameters() if p.requires_grad]
     worst = 0.0
     for seed in (3, 4):
         for buf, v in zip(static, _inputs(seed, latent)):
@@ -212,24 +223,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None, help="JSON path (default data/bench/wan_compile_<date>.json)")
     args = parser.parse_args(argv)
-    import torch
+    from .bench import run_path, write_run
 
-    from .bench import _git_commit, _gpu_name
-
-    now = datetime.now(timezone.utc)
-    out = Path(args.out or f"data/bench/wan_compile_{now.strftime('%Y%m%d')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = run_path(args.out, "wan_compile")
     records = run(args, out.with_suffix(".explain.txt"))
-    payload = dict(
-        gpu=_gpu_name(),
-        commit=_git_commit(),
-        date=now.isoformat(timespec="seconds"),
-        command="python -m sparseattn.wan_compile " + " ".join(sys.argv[1:] if argv is None else argv),
-        torch=torch.__version__,
-        model=f"Wan2.1-1.3B-shaped WanTransformer3DModel, random init, bf16, {args.layers} layers",
-        records=records,
-    )
-    out.write_text(json.dumps(payload, indent=1))
+    model = f"Wan2.1-1.3B-shaped WanTransformer3DModel, random init, bf16, {args.layers} layers"
+    write_run(out, "python -m sparseattn.wan_compile", argv, records, model=model)
     for r in records:
         if "error" in r:
             print(f"{r['impl']:<22} {r['pass']:<11} {r['error']}")

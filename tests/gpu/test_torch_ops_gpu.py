@@ -131,30 +131,12 @@ def test_compiled_wan_on_the_gpu_has_no_graph_break_and_equals_eager(kind):
 def test_cuda_graph_training_step_replays_like_eager(kind):
     """A whole training step (forward, loss, backward into the parameters' .grad) captured once; replayed on
     new inputs copied into the captured buffers, it gives the eager step's loss and gradients."""
+    from sparseattn.wan_compile import captured_training_step
+
     model = _wan(_selection(kind))
     params = [p for p in model.parameters() if p.requires_grad]
     static = [x.clone() for x in _inputs(2)]
-
-    def step():
-        for p in params:
-            p.grad = None
-        loss = model(*static, return_dict=False)[0].float().square().mean()
-        loss.backward()
-        return loss.detach()
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    for p in params:
-        p.grad = None
-    with torch.cuda.graph(graph):
-        loss = model(*static, return_dict=False)[0].float().square().mean()
-        loss.backward()
-    captured = [p.grad for p in params]
+    graph, loss, captured, step = captured_training_step(model, static)
     for seed in (3, 4):
         for buf, x in zip(static, _inputs(seed)):
             buf.copy_(x)
