@@ -154,3 +154,70 @@ def test_training_script_runs_a_few_steps_on_cpu(tmp_path):
     losses = record["losses"]["masked_sdpa"]
     assert len(losses) == 3 and all(np.isfinite(losses))
     assert (tmp_path / "wan_training.png").stat().st_size > 0
+
+
+SVG2 = dict(q_clusters=6, k_clusters=9, top_p=0.7, min_fraction=0.2, iters=2, block_size=16)
+
+
+def test_svg2_attends_the_selected_cluster_pairs_of_each_head():
+    """SVG2 on masked SDPA: each head's query attends exactly the keys whose cluster pair the rule
+    (:func:`sparseattn.builders.svg2_select`, on the host, from the step's own cluster means) selects."""
+    from sparseattn.builders import svg2_select
+
+    processor = WanSparseAttnProcessor(GRID, WanSelection.svg2(**SVG2), backend="masked_sdpa")
+    g = torch.Generator().manual_seed(3)
+    n = int(np.prod(GRID))
+    q, k, v = (torch.randn(2, n, HEADS, HEAD_DIM, generator=g) for _ in range(3))
+    step = processor.svg2_step(q, k)
+    processor._centroids.clear()  # the same seeded start again: attend clusters as this step did
+    out = processor.attend(q, k, v)
+    for row in range(2 * HEADS):
+        b, h = divmod(row, HEADS)
+        ql, kl = step.q_labels[row].numpy(), step.k_labels[row].numpy()
+        qx, kx = q[b, :, h].double().numpy(), k[b, :, h].double().numpy()
+        qm = np.stack([qx[ql == c].mean(0) if np.any(ql == c) else np.zeros(HEAD_DIM) for c in range(6)])
+        km = np.stack([kx[kl == c].mean(0) if np.any(kl == c) else np.zeros(HEAD_DIM) for c in range(9)])
+        i, j = svg2_select(qm, km, np.bincount(kl, minlength=9), HEAD_DIM, 0.7, 0.2)
+        pairs = np.zeros((6, 9), dtype=bool)
+        pairs[i, j] = True
+        np.testing.assert_array_equal(step.cluster_mask[row].numpy(), pairs)
+        mask = torch.as_tensor(pairs[ql][:, kl])
+        scores = (q[b, :, h] @ k[b, :, h].T / HEAD_DIM**0.5).masked_fill(~mask, float("-inf"))
+        want = torch.softmax(scores, -1).nan_to_num() @ v[b, :, h]
+        torch.testing.assert_close(out[b, :, h], want, rtol=1e-4, atol=1e-5)
+
+
+def test_svg2_warm_starts_each_layer_from_its_previous_centroids():
+    """The model's two layers keep their own centroids; a second step starts from them (a call with the
+    stored centroids as init reproduces the next call's clustering)."""
+    from sparseattn.svg2_device import kmeans
+
+    x, t, enc = model_inputs()
+    model = tiny_model()
+    processor = install_sparse_attention(model, GRID, WanSelection.svg2(**SVG2), backend="masked_sdpa")
+    with torch.no_grad():
+        model(x, t, enc, return_dict=False)
+    layers = {key[0] for key in processor._centroids}
+    assert layers == {id(b.attn1) for b in model.blocks}
+    key = (id(model.blocks[0].attn1), 2 * HEADS)
+    q_cent = processor._centroids[key][0].clone()
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, int(np.prod(GRID)), HEADS, HEAD_DIM, generator=g)
+    processor._layer = key[0]
+    step = processor.svg2_step(q, q)
+    rows = q.permute(0, 2, 1, 3).reshape(2 * HEADS, -1, HEAD_DIM)
+    labels, _ = kmeans(rows, 6, 2, q_cent)
+    assert torch.equal(step.q_labels, labels)
+
+
+def test_svg2_model_trains_on_masked_sdpa_and_refuses_kpage():
+    x, t, enc = model_inputs()
+    model = tiny_model().train()
+    install_sparse_attention(model, GRID, WanSelection.svg2(**SVG2), backend="masked_sdpa")
+    model(x, t, enc, return_dict=False)[0].square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    with pytest.raises(NotImplementedError, match="masked_sdpa"):
+        WanSparseAttnProcessor(GRID, WanSelection.svg2(**SVG2), backend="kpage")
+    with pytest.raises(ValueError, match="top_p"):
+        WanSelection.svg2(top_p=0)

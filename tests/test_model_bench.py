@@ -119,7 +119,7 @@ def test_summary_rows():
     assert rows["kpage_sta"]["x_step_train"] == pytest.approx(2000 / 900)
     assert rows["kpage_sta"]["attn_train"] == 120 and rows["dense"]["x_step_fwd"] == 1.0
     assert rows["flex_sta"]["note"].startswith("error: InductorError")
-    assert rows["kpage_svg2"]["note"].startswith("skipped: WanSelection.svg2")
+    assert rows["kpage_svg2"]["note"].startswith("skipped: SVG2 on KPage")
 
 
 def test_markdown_table(tmp_path, capsys):

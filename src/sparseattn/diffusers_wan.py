@@ -21,6 +21,10 @@ Selections (:class:`WanSelection`):
   each call's rotated Q and K, per batch entry, on their device (:func:`sparseattn.torch.vsa_topk`); the
   KPage backend then plans on the GPU (:func:`sparseattn.torch.block_sparse_attention`): no host round
   trip, so a step can be captured in a CUDA graph;
+* ``svg2``: SVG2's semantic-aware permutation: per call and head, k-means of the Q and of the K tokens
+  (warm-started from the same layer's previous centroids), the top-p cluster pairs by cluster-size-weighted
+  centroid scores (:mod:`sparseattn.svg2_device`, on the tensors' device); masked-SDPA backend only for
+  now (the KPage backend needs per-head layouts planned per call);
 * ``full``: every block pair (dense attention through the sparse path, for checks).
 
 Needs ``torch`` and ``diffusers`` (``pip install -e '.[diffusers]'``), both imported on first use.
@@ -48,6 +52,8 @@ class WanSelection:
     window: tuple[int, int, int] | None = None
     topk: int | None = None
     block_size: int | None = None
+    #: SVG2: (q_clusters, k_clusters, top_p, min_fraction, Lloyd iterations per call)
+    clusters: tuple | None = None
 
     @classmethod
     def sta(cls, tile=(4, 4, 4), window=(3, 3, 3), block_size=None) -> WanSelection:
@@ -61,9 +67,26 @@ class WanSelection:
     def full(cls, tile=(4, 4, 4), block_size=None) -> WanSelection:
         return cls("full", tuple(tile), block_size=block_size)
 
+    @classmethod
+    def svg2(
+        cls, q_clusters=300, k_clusters=1000, top_p=0.9, min_fraction=0.1, iters=3, block_size=128
+    ) -> WanSelection:
+        """SVG2: per call, k-means of each head's Q and K tokens (``iters`` Lloyd steps, warm-started from
+        the same layer's previous centroids), the top-``top_p`` cluster pairs (at least ``min_fraction``
+        of the K clusters) by cluster-size-weighted centroid scores; clusters padded to ``block_size``."""
+        spec = (int(q_clusters), int(k_clusters), float(top_p), float(min_fraction), int(iters))
+        return cls("svg2", (1, 1, 1), clusters=spec, block_size=block_size)
+
     def __post_init__(self):
-        if self.kind not in ("sta", "vsa", "full"):
-            raise ValueError(f"selection kind must be 'sta', 'vsa' or 'full', got {self.kind!r}")
+        if self.kind not in ("sta", "vsa", "full", "svg2"):
+            raise ValueError(f"selection kind must be 'sta', 'vsa', 'full' or 'svg2', got {self.kind!r}")
+        if self.kind == "svg2":
+            qc, kc, top_p, min_fraction, iters = self.clusters
+            if min(qc, kc, iters) < 1 or not 0 < top_p <= 1 or not 0 <= min_fraction <= 1:
+                raise ValueError(
+                    "an 'svg2' selection needs q_clusters, k_clusters, iters >= 1, 0 < top_p <= 1 and "
+                    f"0 <= min_fraction <= 1, got {self.clusters!r}"
+                )
         if self.kind == "sta" and self.window is None:
             raise ValueError("an 'sta' selection needs a window (tiles per axis)")
         if self.kind == "vsa" and (self.topk is None or self.topk < 1):
@@ -71,8 +94,8 @@ class WanSelection:
 
     @property
     def dynamic(self) -> bool:
-        """True when the graph depends on each call's Q and K (VSA)."""
-        return self.kind == "vsa"
+        """True when the graph depends on each call's Q and K (VSA, SVG2)."""
+        return self.kind in ("vsa", "svg2")
 
     def blocks(self) -> int:
         """Block size of the layout: the selection's, else 64 for tiles of at most 64 tokens, else 128."""
@@ -87,6 +110,10 @@ class WanSelection:
         if self.kind == "sta":
             return sta_graph(
                 grid, self.tile, self.window, heads=heads, block_size=self.blocks(), name="wan sta"
+            )
+        if self.kind == "svg2":
+            raise ValueError(
+                "an 'svg2' selection has per-head layouts made per call: WanSparseAttnProcessor.svg2_step"
             )
         if self.kind == "vsa":
             return vsa_graph(grid, self.tile, self.topk, heads=heads, block_size=self.blocks(), q=q, k=k)
@@ -127,7 +154,14 @@ class WanSparseAttnProcessor:
             raise ValueError(
                 f"grid must be three positive token counts (frames, height, width), got {grid!r}"
             )
+        if selection.kind == "svg2" and backend == "kpage":
+            raise NotImplementedError(
+                "selection 'svg2' on backend 'kpage': its per-head layouts change every call, which the "
+                "device planner does not plan yet; use backend='masked_sdpa'"
+            )
         self.selection, self.backend, self.route = selection, backend, route
+        self._centroids: dict = {}  # SVG2: (layer, rows) -> the previous call's (Q, K) centroids
+        self._layer = None
         self._graphs: dict = {}
         self._layout = None
         self._masks: dict = {}
@@ -147,6 +181,8 @@ class WanSparseAttnProcessor:
         :func:`install_sparse_attention` calls it with the model's head count."""
         from .torch_ops import handle
 
+        if self.selection.kind == "svg2":  # nothing fixed: every call clusters anew
+            return self
         if self.selection.dynamic:
             planner = self.planner() if self.backend == "kpage" else None
             self._ids["dynamic"] = (handle(self.layout), None if planner is None else handle(planner))
@@ -184,6 +220,7 @@ class WanSparseAttnProcessor:
             return self._diffusers_processor()(
                 attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
             )
+        self._layer = id(attn)  # SVG2 keeps its centroids per layer
         if hidden_states.shape[1] != self.num_tokens:
             raise ValueError(
                 f"hidden_states holds {hidden_states.shape[1]} tokens; the processor's grid "
@@ -242,9 +279,45 @@ class WanSparseAttnProcessor:
             self.selection.topk,
         )
 
+    def svg2_step(self, q, k):
+        """SVG2's clustering and selection of ``[B, L, heads, d]`` q, k (a
+        :class:`~sparseattn.svg2_device.SVG2Step` over ``B · heads`` rows), warm-started from this layer's
+        previous call (the first call seeds k-means++ with a fixed generator)."""
+        from .svg2_device import svg2_partition_step
+
+        torch = self._torch()
+        qc, kc, top_p, min_fraction, iters = self.selection.clusters
+        b, n, h, d = q.shape
+        rows = lambda x: x.detach().float().permute(0, 2, 1, 3).reshape(b * h, n, d)
+        key = (self._layer, b * h)
+        init = self._centroids.get(key, (None, None))
+        generator = None
+        if init[0] is None:
+            generator = torch.Generator(device=q.device).manual_seed(0)
+        step = svg2_partition_step(
+            rows(q), rows(k), qc, kc, self.selection.blocks(), top_p, min_fraction, iters, *init, generator
+        )
+        self._centroids[key] = (step.q_centroids, step.k_centroids)
+        return step
+
+    def _attend_svg2(self, q, k, v):
+        """SVG2 on masked SDPA: query i attends key j when the pair of their clusters is selected."""
+        torch = self._torch()
+        b, n, h, _ = q.shape
+        step = self.svg2_step(q, k)
+        cm = step.cluster_mask  # [B·H, Cq, Ck]
+        rows = cm.gather(1, step.q_labels.unsqueeze(-1).expand(-1, -1, cm.shape[2]))  # [B·H, L, Ck]
+        mask = rows.gather(2, step.k_labels.unsqueeze(1).expand(-1, n, -1)).view(b, h, n, n)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+        )
+        return out.transpose(1, 2)
+
     def _attend_dynamic(self, q, k, v):
         """VSA: the selection from this call's q and k, on their device; KPage plans it on the GPU."""
         torch = self._torch()
+        if self.selection.kind == "svg2":
+            return self._attend_svg2(q, k, v)
         if self.backend == "masked_sdpa":
             idx, num = self.select(q, k)
             blocks = torch.zeros(*idx.shape[:3], self.layout.num_blocks, dtype=torch.bool, device=q.device)

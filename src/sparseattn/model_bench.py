@@ -23,7 +23,7 @@ Implementations of the blocks' self-attention (cross-attention keeps diffusers' 
 * ``kpage_vsa``: VSA's top 10% of 4 x 4 x 4 cubes selected on the GPU every call, planned on the GPU and run
   by KPage (:mod:`sparseattn.wan_bench`'s processor);
 * ``vsa_kernel``: the same selection run by the VSA system's kernel (``fastvideo-kernel``), when installed;
-* ``kpage_svg2``: SVG2 through KPage, once ``WanSelection.svg2`` exists (until then skipped, and said so);
+* ``kpage_svg2``: SVG2 through KPage, once the processor runs it (until then skipped, and said so);
 * opt-in (``--impl``): ``dense_diffusers`` (diffusers' own ``WanAttnProcessor``, whole steps only) and
   ``masked_sta`` (the STA graph as a boolean mask for SDPA: the reference, for small grids and the CPU).
 
@@ -133,7 +133,10 @@ CHECK_ROWS = 512
 #: o and the LSE: about 140 kB per token and layer for 1.3B, 404 kB for 14B).
 ACT_BYTES_PER_DIM = 68
 ACT_BYTES_PER_FFN = 4
-SVG2_MISSING = "WanSelection.svg2 does not exist yet (issue: SVG2 as its users run it)"
+SVG2_MISSING = (
+    "SVG2 on KPage needs per-head layouts planned per call, which the device planner does not do yet "
+    "(WanSelection.svg2 runs on the masked-SDPA backend only)"
+)
 
 
 class Skip(Exception):
@@ -511,10 +514,10 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
         )
         return Impl(processor, processor, meta, check="vsa_grid")
     if impl == "kpage_svg2":
-        if not hasattr(WanSelection, "svg2"):
-            raise Skip(SVG2_MISSING)
-        selection = WanSelection.svg2()
-        processor = WanSparseAttnProcessor(grid, selection, backend="kpage")
+        try:
+            processor = WanSparseAttnProcessor(grid, WanSelection.svg2(), backend="kpage")
+        except NotImplementedError:
+            raise Skip(SVG2_MISSING) from None
         _prepare(processor, heads)
         return Impl(processor, processor, dict(selection="svg2"), check="none")
     raise ValueError(f"impl must be one of {ALL_IMPLS}, got {impl!r}")
