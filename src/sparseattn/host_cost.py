@@ -12,7 +12,9 @@ and :func:`~sparseattn.kernels.backward.kpage_backward` on CuPy arrays); ``pass`
 ``host_fwdbwd``; ``workload`` ``host_static`` (a cached :class:`~sparseattn.graph.SparseGraph`) or
 ``host_dynamic`` (a top-k selection planned on the device each call: torch only); ``time_us``. The floor
 of the same machine, workload ``host_floor``: torch's own SDPA at the same sizes (impl ``torch_sdpa``)
-and a Python ``torch.library`` operator that only allocates its output (``torch_noop_op``).
+and a Python ``torch.library`` operator that only allocates its output (``torch_noop_op``). Where the
+time goes, workload ``host_layers``: the operators called directly (``torch_op_direct``, no autograd) and
+their implementations (``torch_impl``), forward and backward (pass ``host_bwd``) apart.
 ``--profile DIR`` also writes a cProfile of each loop.
 """
 
@@ -156,6 +158,26 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
     def noop_fwdbwd():
         noop(qg).backward(do)
 
+    # the layers of one torch forward / backward, each timed alone (where the host time goes)
+    from .kernels.forward import torch_graph_forward
+    from .torch_ops import OPS, handle
+
+    h, scale = handle(graph), 128**-0.5
+    o, lse = torch_graph_forward(q, k, v, graph)
+
+    def op_fwd():
+        with torch.no_grad():
+            OPS.kpage_fwd.default(q, k, v, h, "auto", scale, False)
+
+    def impl_fwd():
+        torch_graph_forward(q, k, v, graph, "auto", scale)
+
+    def op_bwd():
+        OPS.kpage_bwd.default(q, k, v, o, lse, do, h, "auto", scale, False)
+
+    def impl_bwd():
+        kpage_backward(q, k, v, o, lse, do, graph, scale=scale)
+
     cases = [
         ("host_floor", "torch_sdpa", "host_fwd", sdpa_fwd),
         ("host_floor", "torch_sdpa", "host_fwdbwd", sdpa_fwdbwd),
@@ -165,6 +187,10 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
         ("host_static", "torch_op", "host_fwdbwd", torch_fwdbwd),
         ("host_static", "cupy", "host_fwd", cupy_fwd),
         ("host_static", "cupy", "host_fwdbwd", cupy_fwdbwd),
+        ("host_layers", "torch_op_direct", "host_fwd", op_fwd),
+        ("host_layers", "torch_impl", "host_fwd", impl_fwd),
+        ("host_layers", "torch_op_direct", "host_bwd", op_bwd),
+        ("host_layers", "torch_impl", "host_bwd", impl_bwd),
         ("host_dynamic", "torch_op", "host_fwd", dynamic_fwd),
         ("host_dynamic", "torch_op", "host_fwdbwd", dynamic_fwdbwd),
     ]

@@ -41,7 +41,7 @@ def kpage_attention(q, k, v, graph, route="auto", scale=None, deterministic=Fals
     if not isinstance(graph, (SparseGraph, int)):
         raise TypeError(f"graph must be a SparseGraph (or its handle), got {type(graph).__name__}")
     h = graph if isinstance(graph, int) else handle(graph)
-    return OPS.kpage_fwd(q, k, v, h, str(route), default_scale(scale, q.shape[-1]), deterministic)[0]
+    return OPS.kpage_fwd.default(q, k, v, h, str(route), default_scale(scale, q.shape[-1]), deterministic)[0]
 
 
 # ---- dynamic selections: planned on the GPU per call --------------------------------------------------
@@ -137,7 +137,7 @@ def _dynamic(q, k, v, planner, q2k_idx, q2k_num, mask, scale):
     """The ``dynamic_fwd`` operator: plans on the device (the backward's too when gradients are needed)."""
     from .torch_ops import OPS, default_scale, handle
 
-    o, lse, _plans = OPS.dynamic_fwd(
+    o, lse, _plans = OPS.dynamic_fwd.default(
         q,
         k,
         v,
@@ -221,11 +221,11 @@ def tokens_to_slots(layout, *xs):
     the operator ``torch.ops.sparseattn.tokens_to_slots``). ``layout``: a BlockLayout or its handle."""
     from .torch_ops import OPS
 
-    return tuple(OPS.tokens_to_slots(list(xs), _layout_handle(layout)))
+    return tuple(OPS.tokens_to_slots.default(list(xs), _layout_handle(layout)))
 
 
 def slots_to_tokens(layout, y):
     """:func:`tokens_to_slots`'s inverse for one ``[B, heads, slots, d]`` tensor: ``[B, tokens, heads, d]``."""
     from .torch_ops import OPS
 
-    return OPS.slots_to_tokens(y, _layout_handle(layout))
+    return OPS.slots_to_tokens.default(y, _layout_handle(layout))

@@ -144,7 +144,7 @@ def _kpage_setup(ctx, inputs, output):
 
 def _kpage_backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = OPS.kpage_bwd(q, k, v, o, lse, do.contiguous(), *ctx.args)
+    dq, dk, dv = OPS.kpage_bwd.default(q, k, v, o, lse, do.contiguous(), *ctx.args)
     return dq, dk, dv, None, None, None, None
 
 
@@ -224,7 +224,9 @@ def _dynamic_backward(ctx, do, _dlse, _dplans):
             "block_sparse_attention ran)"
         )
     q, k, v, o, lse, plans, q2k_idx, q2k_num, mask = ctx.saved_tensors
-    dq, dk, dv = OPS.dynamic_bwd(q, k, v, o, lse, do.contiguous(), plans, q2k_idx, q2k_num, mask, *ctx.args)
+    dq, dk, dv = OPS.dynamic_bwd.default(
+        q, k, v, o, lse, do.contiguous(), plans, q2k_idx, q2k_num, mask, *ctx.args
+    )
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -334,7 +336,7 @@ def _tokens_to_slots_setup(ctx, inputs, output):
 
 def _tokens_to_slots_backward(ctx, grads):
     grads = [g.contiguous() for g in grads]
-    return [OPS.slots_to_tokens(g, ctx.layout).to(dt) for g, dt in zip(grads, ctx.dtypes)], None
+    return [OPS.slots_to_tokens.default(g, ctx.layout).to(dt) for g, dt in zip(grads, ctx.dtypes)], None
 
 
 def _slots_to_tokens_setup(ctx, inputs, output):
@@ -342,7 +344,7 @@ def _slots_to_tokens_setup(ctx, inputs, output):
 
 
 def _slots_to_tokens_backward(ctx, grad):
-    return OPS.tokens_to_slots([grad.contiguous()], ctx.layout)[0].to(ctx.dtype), None
+    return OPS.tokens_to_slots.default([grad.contiguous()], ctx.layout)[0].to(ctx.dtype), None
 
 
 torch.library.register_autograd(

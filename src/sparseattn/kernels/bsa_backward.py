@@ -764,5 +764,5 @@ def torch_plan_backward(q, k, v, o, lse, do, plan, scale=None, impl=None, determ
     for name, (shape, dtype) in recipe.temporaries.items():
         tensors[name] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=dev)
     pointers = {name: x.data_ptr() for name, x in tensors.items()}
-    recipe.run(torch.cuda.current_stream(dev).cuda_stream, device, pointers)
+    recipe.run(launch.torch_stream_ptr(dev.index), device, pointers)
     return dq, dk, dv

@@ -525,7 +525,7 @@ def _torch_fast_forward(q, k, v, graph_or_plans, route, scale, out):
     scale = check_scale(scale, d)
     o = torch.empty_like(q)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=dev)
-    stream = torch.cuda.current_stream(dev).cuda_stream
+    stream = launch.torch_stream_ptr(dev.index)
     import cupy
 
     cupy.cuda.runtime.memsetAsync(o.data_ptr(), 0, o.numel() * 2, stream)

@@ -201,6 +201,17 @@ def torch_views(tensors: dict, out, out_names: tuple[str, ...], out_like: str) -
     return inputs, [torch_to_cupy(name, x) for name, x in zip(out_names, out)]
 
 
+def torch_stream_ptr(device_index: int) -> int:
+    """The raw handle of torch's current CUDA stream on ``device_index`` (torch's C entry point: a fraction
+    of ``torch.cuda.current_stream()``'s host time)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device_index))
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
 _EXTERNAL_STREAMS: dict = {}
 
 
