@@ -379,3 +379,20 @@ def test_the_wan_example_runs_on_the_cpu(capsys):
     out = capsys.readouterr().out
     assert "128 tokens, 2 layers on cpu" in out and "sparse (sta, masked_sdpa)" in out
     assert 0 < diff < 1
+
+
+def test_ranks_run_records_one_and_n_ranks(tmp_path):
+    """``--ranks 2``: the masked-SDPA STA step at 1 and 2 gloo ranks (Ulysses), with the all-to-alls'
+    share; implementations that do not run under sequence parallelism are recorded as skipped."""
+    pytest.importorskip("torch")
+    pytest.importorskip("diffusers")
+    out = tmp_path / "ranks.json"
+    argv = [*TINY, "--impl", "masked_sta,dense", "--modes", "fwd", "--ranks", "2", "--out", str(out)]
+    assert model_bench.main(argv, prog="sparseattn bench model") == 0
+    records = json.loads(out.read_text())["records"]
+    timed = {r["ranks"]: r for r in records if r["impl"] == "masked_sta"}
+    assert set(timed) == {1, 2} and all(r["pass"] == "step_fwd" and r["time_ms"] > 0 for r in timed.values())
+    assert 0 < timed[2]["all_to_all_share"] <= 1 and len(timed[2]["per_rank_ms"]) == 2
+    assert timed[1]["all_to_all_ms"] == 0
+    (dense,) = [r for r in records if r["impl"] == "dense"]
+    assert "sequence parallelism" in dense["skipped"]

@@ -46,6 +46,8 @@ query rows (VSA's per-call selection: at the grid of :data:`sparseattn.wan_bench
 output); ``checked``, ``rel_err``, ``correct`` (``rel_err`` < 2e-2, bf16) in every record of the impl.
 A failing implementation (not installed, out of memory) becomes an ``error`` record and the run goes on;
 ``--budget-s`` stops starting new work once the run has taken that long (``skipped`` records).
+``--ranks N`` runs the sparse processors under Ulysses sequence parallelism instead (:func:`ranks_bench`:
+steps at 1 and N ranks, the all-to-alls' share).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+import numpy as np
 
 from .wan_bench import LATENTS, WAN_1_3B
 
@@ -256,6 +260,13 @@ def build_parser(prog: str = "sparseattn bench model") -> argparse.ArgumentParse
         help="start no new implementation or mode after this many seconds (0: no limit)",
     )
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny smoke runs)")
+    parser.add_argument(
+        "--ranks",
+        type=_positive,
+        default=1,
+        help="Ulysses sequence parallelism over N processes (one GPU each over NCCL, gloo on the CPU): "
+        "steps of the sparse processors at 1 and N ranks in the same run, with the all-to-alls' share",
+    )
     parser.add_argument(
         "--out", metavar="PATH", help="JSON result file (default data/bench/model_wan_<time>.json)"
     )
@@ -852,6 +863,124 @@ def device_name(device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+#: Implementations under sequence parallelism: (selection, backend) of the processor on every rank.
+RANKS_IMPLS = {
+    "kpage_sta": ("sta", "kpage"),
+    "kpage_vsa": ("vsa", "kpage"),
+    "masked_sta": ("sta", "masked_sdpa"),
+}
+
+
+def ranks_bench(args, run, emit=None) -> list[dict]:
+    """``--ranks N``: each sparse processor's whole step at 1 and at N ranks (Ulysses: tokens sliced over
+    the ranks, all-to-alls over heads around attention; :mod:`sparseattn.sequence_parallel`), one process
+    per rank (:func:`~sparseattn.sequence_parallel.run_ranks`), float32 weights with bf16 autocast on
+    GPUs. Records: ``step_fwd`` / ``step_train`` with ``ranks``, ``time_ms`` (the slowest rank's median
+    step), ``all_to_all_ms`` and ``all_to_all_share`` (the collectives' time, CUDA events on GPUs)."""
+    from .diffusers_wan import WanSelection
+    from .sequence_parallel import _bench_rank, run_ranks
+    from .wan_bench import TOPK_FRACTION
+
+    start = "spawn" if str(args.device).startswith("cuda") else "fork"  # CPU smoke runs: a second per group
+    for key in args.models:
+        spec = MODELS[key]
+        layers = int(args.layers.get(key, spec.default_layers))
+        config = dict(spec.config, num_layers=layers)
+        for res in args.res:
+            grid = token_grid(RESOLUTIONS[res])
+            for impl in (i for i in args.impl if i not in RANKS_IMPLS):
+                for mode in args.modes:
+                    run.records.append(
+                        dict(
+                            workload=f"wan{key}_{res}",
+                            impl=impl,
+                            **{"pass": f"step_{mode}"},
+                            ranks=args.ranks,
+                            skipped=f"{impl} does not run under sequence parallelism (only {', '.join(RANKS_IMPLS)})",
+                        )
+                    )
+            for impl in (i for i in args.impl if i in RANKS_IMPLS):
+                kind, backend = RANKS_IMPLS[impl]
+                if kind == "sta":
+                    selection = sta_selection(args)
+                else:
+                    blocks = math.prod(-(-g // t) for g, t in zip(grid, VSA_TILE))
+                    selection = WanSelection.vsa(VSA_TILE, topk=max(1, math.ceil(TOPK_FRACTION * blocks)))
+                base = dict(
+                    workload=f"wan{key}_{res}",
+                    impl=impl,
+                    model=spec.label,
+                    layers=layers,
+                    layers_full=spec.layers_full,
+                    heads=spec.heads,
+                    tokens=math.prod(grid),
+                    grid=list(grid),
+                    selection=kind,
+                )
+                for mode in args.modes:
+                    for ranks in (1, args.ranks):
+                        rec = dict(base, **{"pass": f"step_{mode}"}, ranks=ranks)
+                        if run.over_budget():
+                            run.records.append(dict(rec, skipped=run.budget_note()))
+                            continue
+                        options = dict(
+                            grid=grid,
+                            selection=selection,
+                            backend=backend,
+                            steps=args.reps,
+                            warmup=args.warmup,
+                            backward=mode == "train",
+                            config=config,
+                            text_tokens=spec.text_tokens,
+                        )
+                        try:
+                            results = run_ranks(ranks, _bench_rank, options, start_method=start)
+                        except Exception as exc:  # noqa: BLE001 - recorded; the run goes on
+                            lines = [x for x in str(exc).splitlines() if x.strip()]  # a rank's: its last line
+                            error = f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
+                            run.records.append(dict(rec, error=error))
+                            run.log(f"[{key} {res}] {impl} {mode} x{ranks}: {error}")
+                            continue
+                        step = max(float(np.median(r["step_s"])) for r in results)
+                        comm = max(float(np.median(r["all_to_all_s"])) for r in results)
+                        run.records.append(
+                            dict(
+                                rec,
+                                time_ms=round(step * 1e3, 2),
+                                all_to_all_ms=round(comm * 1e3, 2),
+                                all_to_all_share=round(comm / step, 4) if step else None,
+                                device=results[0]["device"],
+                                per_rank_ms=[[round(t * 1e3, 2) for t in r["step_s"]] for r in results],
+                            )
+                        )
+                        run.log(
+                            f"[{key} {res}] {impl} {mode} x{ranks}: {step * 1e3:.1f} ms, all-to-all {comm * 1e3:.1f} ms"
+                        )
+                        if emit is not None:
+                            emit(run.records)
+    return run.records
+
+
+def print_ranks_summary(records: list[dict]) -> None:
+    """The ``--ranks`` table: step time at 1 and N ranks, the scaling and the all-to-alls' share."""
+    one = {
+        (r["workload"], r["impl"], r["pass"]): r for r in records if r.get("ranks") == 1 and "time_ms" in r
+    }
+    print(
+        f"{'workload':<16} {'impl':<11} {'pass':<10} {'ranks':>5} {'step ms':>10} {'scaling':>8} {'all-to-all':>10}"
+    )
+    for r in records:
+        if r.get("ranks", 1) == 1 and "time_ms" in r:
+            continue
+        head = f"{r['workload']:<16} {r['impl']:<11} {r['pass']:<10} {r.get('ranks', ''):>5}"
+        if "time_ms" not in r:
+            print(f"{head} {r.get('skipped') or r.get('error')}")
+            continue
+        base = one.get((r["workload"], r["impl"], r["pass"]))
+        scaling = f"{base['time_ms'] / r['time_ms']:.2f}x" if base else "-"
+        print(f"{head} {r['time_ms']:10.1f} {scaling:>8} {100 * r['all_to_all_share']:9.1f}%")
+
+
 def payload(records: list[dict], args, command: str, now, commit: str) -> dict:
     """The bench JSON object (docs/results.md): gpu, commit, date, command, records, and the setup."""
     import torch
@@ -1035,9 +1164,12 @@ def main(argv=None, prog: str = "sparseattn bench model") -> int:
 
     run = Run(args)
     run.log(f"{command}  # {device_name(args.device)}")
-    records = run.bench(emit)
+    records = ranks_bench(args, run, emit) if args.ranks > 1 else run.bench(emit)
     emit(records)
-    print_summary(records)
+    if args.ranks > 1:
+        print_ranks_summary(records)
+    else:
+        print_summary(records)
     print(f"wrote {out}")
     return 0 if all(r.get("correct") is not False for r in records) else 1
 

@@ -507,7 +507,7 @@ def bench_step(
     rank: int,
     ranks: int,
     grid=(8, 8, 8),
-    selection: str = "sta",
+    selection="sta",
     backend: str = "masked_sdpa",
     heads: int = 4,
     head_dim: int = 32,
@@ -516,11 +516,17 @@ def bench_step(
     steps: int = 3,
     warmup: int = 1,
     backward: bool = True,
+    config: dict | None = None,
+    text_tokens: int = 16,
 ) -> dict:
     """Per-step seconds and seconds in the collectives of a random-init Wan under sequence parallelism on
     this rank (float32 weights, bf16 autocast on CUDA as :mod:`sparseattn.wan_training`; float32 on CPU),
     one batch entry; ``ranks == 1`` runs the single-device
-    processor. Called on every rank (:func:`run_ranks` or torchrun)."""
+    processor. Called on every rank (:func:`run_ranks` or torchrun).
+
+    ``selection``: ``"sta"`` / ``"vsa"`` / ``"full"`` (clipped to small grids) or a :class:`WanSelection`;
+    ``config``: ``WanTransformer3DModel`` arguments (a model shape such as Wan2.1-1.3B's) in place of
+    ``heads``, ``head_dim``, ``layers`` and ``ffn_dim``; ``text_tokens`` of the text embedding."""
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -529,31 +535,38 @@ def bench_step(
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        in_channels=16,
-        out_channels=16,
-        text_dim=64,
-        freq_dim=64,
-        ffn_dim=ffn_dim,
-        num_layers=layers,
-        rope_max_seq_len=max(1024, *grid),
-    ).to(device)
+    if config is None:
+        config = dict(
+            patch_size=(1, 2, 2),
+            num_attention_heads=heads,
+            attention_head_dim=head_dim,
+            in_channels=16,
+            out_channels=16,
+            text_dim=64,
+            freq_dim=64,
+            ffn_dim=ffn_dim,
+            num_layers=layers,
+        )
+    config = dict(config, rope_max_seq_len=max(1024, *grid, config.get("rope_max_seq_len", 1024)))
+    heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+    layers, ffn_dim = config["num_layers"], config["ffn_dim"]
+    model = WanTransformer3DModel(**config).to(device)
     tiles = [-(-n // 4) for n in grid]
-    sel = {  # STA's 3x3x3 window and VSA's top 8 of 4x4x4 cubes, clipped to small grids
-        "sta": WanSelection.sta((4, 4, 4), tuple(min(3, n) for n in tiles)),
-        "vsa": WanSelection.vsa((4, 4, 4), min(8, int(np.prod(tiles)))),
-        "full": WanSelection.full((4, 4, 4)),
-    }[selection]
+    sel = selection
+    if isinstance(selection, str):
+        sel = {  # STA's 3x3x3 window and VSA's top 8 of 4x4x4 cubes, clipped to small grids
+            "sta": WanSelection.sta((4, 4, 4), tuple(min(3, n) for n in tiles)),
+            "vsa": WanSelection.vsa((4, 4, 4), min(8, int(np.prod(tiles)))),
+            "full": WanSelection.full((4, 4, 4)),
+        }[selection]
     if ranks > 1:
         install_sequence_parallel(model, grid, sel, backend=backend)
     else:
         install_sparse_attention(model, grid, sel, backend=backend)
     g = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(1, 16, grid[0], 2 * grid[1], 2 * grid[2], generator=g, device=device)
-    text = torch.randn(1, 16, 64, generator=g, device=device)
+    channels = config["in_channels"]
+    x = torch.randn(1, channels, grid[0], 2 * grid[1], 2 * grid[2], generator=g, device=device)
+    text = torch.randn(1, text_tokens, config["text_dim"], generator=g, device=device)
     t = torch.tensor([500], device=device)
     step_s, comm_s = [], []
     for i in range(warmup + steps):
@@ -574,7 +587,7 @@ def bench_step(
         "rank": rank,
         "ranks": ranks,
         "grid": list(grid),
-        "selection": selection,
+        "selection": sel.kind,
         "backend": backend,
         "heads": heads,
         "head_dim": head_dim,
