@@ -545,6 +545,36 @@ def _torch_fast_forward(q, k, v, graph_or_plans, route, scale, out):
     return o, lse
 
 
+def torch_dynamic_forward(q, k, v, work, scale=None):
+    """KPage forward of a :class:`~sparseattn.planning.dynamic_layouts.DynamicWorkList` (per-row layouts
+    made per call): ``q`` bf16 ``[batch, heads, q_slots, d]`` with ``batch · heads`` the list's rows (each
+    row in its own layout's slot order), ``k``, ``v`` ``[batch, heads, k_slots, d]``. Returns ``(o, lse)``
+    (padding rows zero / ``-inf``)."""
+    import cupy
+    import torch
+
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    b, h, sq, d = q.shape
+    sk = k.shape[2]
+    if b * h != work.rows:
+        raise KernelValueError(f"the work list has {work.rows} rows; q has {b} x {h} (batch x heads)")
+    if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype or not q.is_cuda:
+        raise KernelTypeError("q, k, v must be bf16 CUDA tensors")
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != d or d not in HEAD_DIMS:
+        raise KernelValueError(f"k and v must be [{b}, {h}, k_slots, d] like q (d in {HEAD_DIMS})")
+    scale = check_scale(scale, d)
+    dev = q.device
+    o = torch.empty_like(q)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=dev)
+    stream = launch.torch_stream_ptr(dev.index)
+    cupy.cuda.runtime.memsetAsync(o.data_ptr(), 0, o.numel() * 2, stream)
+    launch.fill_neg_inf(lse.data_ptr(), lse.numel(), stream, dev.index)
+    ptr = lambda x: x.data_ptr()
+    wl = work.device_work_list()
+    _launch(ptr(q), ptr(k), ptr(v), wl, scale, ptr(o), ptr(lse), dev.index, (1, b * h, sq, sk, d), stream)
+    return o, lse
+
+
 def torch_graph_forward(q, k, v, graph_or_plans, route="auto", scale=None):
     """KPage forward of a :class:`SparseGraph` (or device plans) on torch CUDA tensors: ``(o, lse)``, as
     :func:`paged_forward`; the common case in one launch with microseconds of host work."""

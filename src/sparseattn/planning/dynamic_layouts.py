@@ -1,0 +1,222 @@
+"""Forward work lists of per-head layouts made per call (SVG2), built in torch on the tensors' device.
+
+The device planner (:mod:`.device`) plans a selection over layouts fixed at the call site. SVG2 makes new
+layouts every call: per row (batch entry × head) its k-means clusters, each padded to whole blocks
+(:func:`sparseattn.svg2_device.partition_slots`, a :class:`~sparseattn.svg2_device.DeviceLayout` of
+static shape). What the forward kernel needs of a layout is per-block: how many rows a block holds, as a
+prefix (so its live 16-row pages and their row masks). :func:`forward_work_list` takes those counts and a
+block mask and writes the paged forward kernel's work list (:class:`~.work_list.WorkList`'s arrays) with
+torch operations: one item per (row, Q block); its own pages the block's live pages; its stream the live
+K pages of every block it selects, full pages first and each block's partial page last (KPage's packing
+across blocks); items taken head by head, largest first.
+
+Every shape is static (``rows × q_blocks`` items; ``capacity`` stream entries), nothing synchronises with
+the host, and a stream that would pass ``capacity`` is cut and counted in ``status`` (check it with
+:func:`check_status`). Rows are processed ``rows_per_chunk`` at a time, bounding the temporary
+``[rows, q_blocks, k_blocks, pages]`` index tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..constants import PAGE_ROWS
+from .work_list import OWN_PAGES
+
+#: Keys per chunk of the work lists made here (the forward kernel's 128-key chunks).
+CHUNK = 128
+FULL_MASK = (1 << PAGE_ROWS) - 1
+
+
+@dataclass(frozen=True, eq=False)
+class DynamicWorkList:
+    """A forward work list as torch tensors on the device (the arrays of
+    :meth:`~.work_list.WorkList.device_arrays`).
+
+    Attributes:
+        work_info: int32 ``[W, 4]``: row (head of the flattened ``[1, rows, slots, d]`` tensors), first
+            stream entry, stream length (pages), query rows M (64 when the block has at most 4 live pages).
+        work_order: int32 ``[W]``: the order the persistent CTAs take the items.
+        own_entries: int32 ``[W, 8, 2]``: (Q page id, row mask), ``(-1, 0)`` padded.
+        stream_entries: int32 ``[capacity, 2]``: (K page id, row mask); the first ``total`` used.
+        status: int64 ``[2]``: stream entries needed in all, and how many of them did not fit.
+        rows, chunk, capacity: rows (heads) of the list, keys per chunk, stream entries allocated.
+    """
+
+    work_info: torch.Tensor
+    work_order: torch.Tensor
+    own_entries: torch.Tensor
+    stream_entries: torch.Tensor
+    status: torch.Tensor
+    rows: int
+    chunk: int
+    capacity: int
+    counter: torch.Tensor
+
+    @property
+    def num_work(self) -> int:
+        return int(self.work_info.shape[0])
+
+    def device_work_list(self):
+        """The list as the forward kernel's launcher takes it (raw pointers; this object keeps the memory)."""
+        import numpy as np
+
+        from .device import DeviceWorkList
+
+        ptr = lambda t: np.uint64(t.data_ptr())
+        arrays = dict(
+            work_info=ptr(self.work_info),
+            work_order=ptr(self.work_order),
+            own_entries=ptr(self.own_entries),
+            stream_entries=ptr(self.stream_entries),
+            counter=ptr(self.counter),
+        )
+        return DeviceWorkList(arrays, self.num_work, self.rows, self.chunk, False, self.capacity, self)
+
+    def to_work_list(self):
+        """The host :class:`~.work_list.WorkList` (synchronises; for checks and the emulator)."""
+        import numpy as np
+
+        from .work_list import WorkList
+
+        info = self.work_info.cpu().numpy()
+        total = int(info[:, 2].astype(np.int64).sum())
+        stream = self.stream_entries[: min(total, self.capacity)].cpu().numpy()
+        own = self.own_entries.cpu().numpy()
+        return WorkList(
+            work_info=info,
+            work_order=self.work_order.cpu().numpy(),
+            own_pages=own[:, :, 0],
+            own_mask=own[:, :, 1].astype(np.uint32),
+            stream_pages=stream[:, 0],
+            stream_mask=stream[:, 1].astype(np.uint32),
+            heads=self.rows,
+            chunk=self.chunk,
+        )
+
+
+def stream_capacity(q_blocks: int, k_rows_bound: int, k_blocks: int, rows: int) -> int:
+    """Stream entries that hold any selection: every Q block of every row selecting every K block
+    (``k_rows_bound / 16`` full pages plus one partial page per block)."""
+    return rows * q_blocks * (k_rows_bound // PAGE_ROWS + k_blocks)
+
+
+def _row_masks(rows_in_page: torch.Tensor) -> torch.Tensor:
+    """16-bit row masks of pages holding ``rows_in_page`` rows (a prefix), int32."""
+    return ((1 << rows_in_page.clamp(0, PAGE_ROWS)) - 1).to(torch.int32)
+
+
+def forward_work_list(
+    q_block_rows: torch.Tensor,
+    k_block_rows: torch.Tensor,
+    block_mask: torch.Tensor,
+    block_size: int,
+    capacity: int | None = None,
+    rows_per_chunk: int = 8,
+) -> DynamicWorkList:
+    """The paged forward's work list of per-row layouts and a block selection.
+
+    Args:
+        q_block_rows: int ``[R, q_blocks]``: valid rows of each Q block (a prefix of the block), per row.
+        k_block_rows: int ``[R, k_blocks]``: the same of K.
+        block_mask: bool ``[R, q_blocks, k_blocks]``: the selected block pairs (blocks without rows are
+            skipped whatever it says).
+        block_size: slots per block (16 to 128, a multiple of 16).
+        capacity: stream entries to allocate (default :func:`stream_capacity`: any selection fits).
+        rows_per_chunk: rows planned per step (bounds the temporaries).
+    """
+    r, nq = q_block_rows.shape
+    nk = k_block_rows.shape[1]
+    if block_mask.shape != (r, nq, nk):
+        raise ValueError(f"block_mask must be [{r}, {nq}, {nk}], got {list(block_mask.shape)}")
+    if block_size % PAGE_ROWS or not PAGE_ROWS <= block_size <= OWN_PAGES * PAGE_ROWS:
+        raise ValueError(f"block_size must be a multiple of {PAGE_ROWS} up to {OWN_PAGES * PAGE_ROWS}")
+    pages_per_block = block_size // PAGE_ROWS
+    if capacity is None:
+        capacity = stream_capacity(nq, nk * block_size, nk, r)
+    dev = q_block_rows.device
+    q_rows = q_block_rows.long().clamp(0, block_size)
+    k_rows = k_block_rows.long().clamp(0, block_size)
+    sel = block_mask & (q_rows > 0).unsqueeze(-1) & (k_rows > 0).unsqueeze(1)
+    k_full = k_rows // PAGE_ROWS  # [R, nk]
+    k_part = (k_rows % PAGE_ROWS > 0).long()
+    sel_l = sel.long()
+    len_full = (sel_l * k_full.unsqueeze(1)).sum(-1)  # [R, nq]
+    len_part = (sel_l * k_part.unsqueeze(1)).sum(-1)
+    length = len_full + len_part
+    flat_len = length.reshape(-1)
+    start = flat_len.cumsum(0) - flat_len  # [R·nq]
+    total = flat_len.sum()
+
+    # one scratch entry past the end takes every write that is not kept (static shapes, no sync)
+    stream_pages = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
+    stream_mask = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
+    page_of = torch.arange(pages_per_block, device=dev)
+    for a in range(0, r, rows_per_chunk):
+        b = min(r, a + rows_per_chunk)
+        s = sel[a:b]  # [c, nq, nk]
+        c = b - a
+        item_start = start.view(r, nq)[a:b]
+        # full pages: (block j, page p < full_j), ranked in (j, p) order within the item
+        full = s.unsqueeze(-1) & (page_of < k_full[a:b, None, :, None])  # [c, nq, nk, P]
+        rank = full.reshape(c, nq, -1).long().cumsum(-1).view_as(full) - 1
+        pos = item_start[:, :, None, None] + rank
+        page = (torch.arange(nk, device=dev)[:, None] * pages_per_block + page_of).expand_as(full)
+        _scatter(stream_pages, stream_mask, pos, full, page, torch.full_like(pos, FULL_MASK), capacity)
+        # partial pages after them: one per selected block with a partial page
+        part = s & (k_part[a:b, None, :] > 0)  # [c, nq, nk]
+        rank = part.long().cumsum(-1) - 1
+        pos = (item_start + len_full[a:b]).unsqueeze(-1) + rank
+        page = (torch.arange(nk, device=dev) * pages_per_block + k_full[a:b]).unsqueeze(1).expand_as(part)
+        masks = _row_masks(k_rows[a:b] % PAGE_ROWS).unsqueeze(1).expand_as(part)
+        _scatter(stream_pages, stream_mask, pos, part, page, masks, capacity)
+
+    # own pages: the Q block's live pages with their row masks
+    own_slot = torch.arange(OWN_PAGES, device=dev)
+    q_live = -(-q_rows // PAGE_ROWS)  # [R, nq]
+    live = own_slot < q_live.unsqueeze(-1)  # [R, nq, 8]
+    own_page = torch.arange(nq, device=dev)[:, None] * pages_per_block + own_slot
+    own_page = torch.where(live, own_page.expand_as(live), -1)
+    own_rows = (q_rows.unsqueeze(-1) - own_slot * PAGE_ROWS).clamp(0, PAGE_ROWS)
+    own_mask = torch.where(live, _row_masks(own_rows), 0)
+    own_entries = torch.stack([own_page.to(torch.int32), own_mask], -1).view(r * nq, OWN_PAGES, 2)
+
+    m = torch.where(q_live <= OWN_PAGES // 2, 64, 128).reshape(-1)
+    head = torch.arange(r, device=dev).repeat_interleave(nq)
+    work_info = torch.stack([head, start, flat_len, m], 1).to(torch.int32)
+    cost = m * -(-flat_len // (CHUNK // PAGE_ROWS))
+    order = torch.sort(-cost, stable=True).indices  # largest first, ties in item order
+    order = order[torch.sort(head[order], stable=True).indices]  # then head by head
+    status = torch.stack([total, (total - capacity).clamp(min=0)])
+    stream_entries = torch.stack([stream_pages[:capacity], stream_mask[:capacity]], 1)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    return DynamicWorkList(
+        work_info.contiguous(),
+        order.to(torch.int32).contiguous(),
+        own_entries.contiguous(),
+        stream_entries.contiguous(),
+        status,
+        r,
+        CHUNK,
+        int(capacity),
+        counter,
+    )
+
+
+def _scatter(pages, masks, pos, keep, page, mask, capacity: int) -> None:
+    """Write ``page`` / ``mask`` at ``pos`` where ``keep`` and ``pos < capacity``, elsewhere into the
+    scratch entry ``capacity`` (no data-dependent shapes)."""
+    where = torch.where(keep & (pos < capacity), pos, capacity).reshape(-1)
+    pages.index_put_((where,), page.reshape(-1).to(torch.int32))
+    masks.index_put_((where,), mask.reshape(-1).to(torch.int32))
+
+
+def check_status(work: DynamicWorkList) -> None:
+    """Raise when streams were cut at the capacity (synchronises)."""
+    needed, cut = (int(x) for x in work.status.cpu())
+    if cut:
+        raise ValueError(
+            f"the work list needs {needed} stream entries; {cut} did not fit its capacity {work.capacity}"
+        )

@@ -1,0 +1,106 @@
+"""Forward work lists of per-row layouts made per call (SVG2's clusters), built in torch: run by the numpy
+emulator of the kernel (:func:`sparseattn.emulator.emulate_work_list`), they give the float64 attention of
+each row's slot mask; items, streams and counts as the module says."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sparseattn.emulator import emulate_work_list
+from sparseattn.planning.dynamic_layouts import (
+    check_status,
+    forward_work_list,
+)
+from sparseattn.svg2_device import cluster_block_mask, partition_slots
+
+
+def _problem(seed, rows=3, tokens=150, q_groups=5, k_groups=7, block=32, density=0.4, device="cpu"):
+    """Random per-row partitions (clusters padded to blocks) and a random cluster-pair selection, laid out
+    by :func:`partition_slots` on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    ql = torch.randint(0, q_groups, (rows, tokens), generator=g)
+    kl = torch.randint(0, k_groups, (rows, tokens), generator=g)
+    kl[:, : tokens // 3] = 0  # one large cluster: blocks full of rows beside partial ones
+    pairs = torch.rand(rows, q_groups, k_groups, generator=g) < density
+    pairs[0, 0] = False  # a Q cluster selecting nothing
+    ql, kl, pairs = ql.to(device), kl.to(device), pairs.to(device)
+    q_lay, k_lay = partition_slots(ql, q_groups, block), partition_slots(kl, k_groups, block)
+    mask = cluster_block_mask(pairs, q_lay.block_group, k_lay.block_group)
+    return q_lay, k_lay, mask
+
+
+def _reference(q, k, v, q_lay, k_lay, mask, block):
+    """float64 attention of each row over its valid slots and selected block pairs; o NaN on padding."""
+    rows, sq, d = q.shape
+    qb = np.arange(sq) // block
+    kb = np.arange(k.shape[1]) // block
+    o = np.full((rows, sq, d), np.nan)
+    for r in range(rows):
+        allowed = mask[r][qb][:, kb] & k_lay.valid[r].cpu().numpy()[None, :]
+        s = q[r] @ k[r].T / np.sqrt(d)
+        s = np.where(allowed, s, -np.inf)
+        top = s.max(1, keepdims=True)
+        p = np.exp(s - np.where(np.isfinite(top), top, 0))
+        den = p.sum(1, keepdims=True)
+        out = np.where(den > 0, (p @ v[r]) / np.where(den > 0, den, 1), 0.0)
+        valid = q_lay.valid[r].cpu().numpy()
+        o[r, valid] = out[valid]
+    return o
+
+
+@pytest.mark.parametrize("seed", range(6), ids=lambda s: f"case{s}")
+@pytest.mark.parametrize("block", [32, 64, 128], ids=lambda b: f"B{b}")
+def test_emulated_work_list_equals_the_reference(seed, block):
+    q_lay, k_lay, mask = _problem(seed, block=block)
+    work = forward_work_list(q_lay.block_rows, k_lay.block_rows, mask, block)
+    check_status(work)
+    wl = work.to_work_list()
+    rng = np.random.default_rng(seed)
+    rows, sq, sk, d = mask.shape[0], q_lay.max_slots, k_lay.max_slots, 16
+    q, k, v = (rng.standard_normal((rows, n, d)) for n in (sq, sk, sk))
+    o, _ = emulate_work_list(wl, q[None], k[None], v[None])
+    want = _reference(q, k, v, q_lay, k_lay, mask.numpy(), block)
+    valid = q_lay.valid.numpy()
+    np.testing.assert_allclose(o[0][valid], want[valid], atol=1e-12)
+    assert np.isnan(o[0][~valid]).all(), "padding Q slots must belong to no item"
+
+
+def test_items_streams_and_order():
+    """One item per (row, Q block); a stream holds each selected K block's live pages, full pages before
+    the partial ones; M 64 for blocks of at most 4 live pages; items head by head, largest first."""
+    block = 128
+    q_lay, k_lay, mask = _problem(3, block=block)
+    work = forward_work_list(q_lay.block_rows, k_lay.block_rows, mask, block)
+    info = work.work_info.numpy().astype(np.int64)
+    rows, nq = q_lay.block_rows.shape
+    assert info.shape == (rows * nq, 4)
+    k_rows = k_lay.block_rows.numpy()
+    for w in range(info.shape[0]):
+        r, i = divmod(w, nq)
+        selected = np.flatnonzero(mask[r, i].numpy() & (k_rows[r] > 0))
+        want_len = int(np.sum(-(-k_rows[r, selected] // 16))) if q_lay.block_rows[r, i] > 0 else 0
+        assert info[w, 2] == want_len
+        q_pages = -(-int(q_lay.block_rows[r, i]) // 16)
+        assert info[w, 3] == (64 if q_pages <= 4 else 128)
+        entries = work.stream_entries[info[w, 1] : info[w, 1] + info[w, 2]].numpy()
+        partial = entries[:, 1] != 0xFFFF
+        if partial.any():
+            assert partial[np.argmax(partial) :].all(), "partial pages must come last"
+    order = work.work_order.numpy()
+    heads = info[order, 0]
+    assert np.all(np.diff(heads) >= 0)
+    cost = info[:, 3] * -(-info[:, 2] // 8)
+    for r in range(rows):
+        c = cost[order[heads == r]]
+        assert np.all(np.diff(c) <= 0)
+
+
+def test_capacity_cut_is_reported():
+    q_lay, k_lay, mask = _problem(1, block=64, density=1.0)
+    work = forward_work_list(q_lay.block_rows, k_lay.block_rows, mask, 64, capacity=10)
+    assert int(work.status[1]) > 0
+    with pytest.raises(ValueError, match="did not fit"):
+        check_status(work)
