@@ -210,14 +210,12 @@ def test_svg2_warm_starts_each_layer_from_its_previous_centroids():
     assert torch.equal(step.q_labels, labels)
 
 
-def test_svg2_model_trains_on_masked_sdpa_and_refuses_kpage():
+def test_svg2_model_trains_on_masked_sdpa():
     x, t, enc = model_inputs()
     model = tiny_model().train()
     install_sparse_attention(model, GRID, WanSelection.svg2(**SVG2), backend="masked_sdpa")
     model(x, t, enc, return_dict=False)[0].square().mean().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
-    with pytest.raises(NotImplementedError, match="masked_sdpa"):
-        WanSparseAttnProcessor(GRID, WanSelection.svg2(**SVG2), backend="kpage")
     with pytest.raises(ValueError, match="top_p"):
         WanSelection.svg2(top_p=0)

@@ -23,8 +23,9 @@ Selections (:class:`WanSelection`):
   trip, so a step can be captured in a CUDA graph;
 * ``svg2``: SVG2's semantic-aware permutation: per call and head, k-means of the Q and of the K tokens
   (warm-started from the same layer's previous centroids), the top-p cluster pairs by cluster-size-weighted
-  centroid scores (:mod:`sparseattn.svg2_device`, on the tensors' device); masked-SDPA backend only for
-  now (the KPage backend needs per-head layouts planned per call);
+  centroid scores (:mod:`sparseattn.svg2_device`, on the tensors' device); masked SDPA, or KPage on the
+  per-row layouts of each call's clusters (:mod:`sparseattn.planning.dynamic_layouts`; forward only so
+  far);
 * ``full``: every block pair (dense attention through the sparse path, for checks).
 
 Needs ``torch`` and ``diffusers`` (``pip install -e '.[diffusers]'``), both imported on first use.
@@ -153,11 +154,6 @@ class WanSparseAttnProcessor:
         if len(self.grid) != 3 or min(self.grid) < 1:
             raise ValueError(
                 f"grid must be three positive token counts (frames, height, width), got {grid!r}"
-            )
-        if selection.kind == "svg2" and backend == "kpage":
-            raise NotImplementedError(
-                "selection 'svg2' on backend 'kpage': its per-head layouts change every call, which the "
-                "device planner does not plan yet; use backend='masked_sdpa'"
             )
         self.selection, self.backend, self.route = selection, backend, route
         self._centroids: dict = {}  # SVG2: (layer, rows) -> the previous call's (Q, K) centroids
@@ -301,10 +297,17 @@ class WanSparseAttnProcessor:
         return step
 
     def _attend_svg2(self, q, k, v):
-        """SVG2 on masked SDPA: query i attends key j when the pair of their clusters is selected."""
+        """SVG2: query i attends key j when the pair of their clusters is selected (masked SDPA, or KPage
+        on the per-row layouts of this call's clusters)."""
+        step = self.svg2_step(q, k)
+        if self.backend == "kpage" and q.is_cuda:  # on the CPU, KPage's graph is computed by masking
+            return self._svg2_kpage(q, k, v, step)
+        return self._svg2_masked(q, k, v, step)
+
+    def _svg2_masked(self, q, k, v, step):
+        """Masked SDPA of an SVG2 step's cluster pairs, ``[B, L, heads, d]`` in and out."""
         torch = self._torch()
         b, n, h, _ = q.shape
-        step = self.svg2_step(q, k)
         cm = step.cluster_mask  # [B·H, Cq, Ck]
         rows = cm.gather(1, step.q_labels.unsqueeze(-1).expand(-1, -1, cm.shape[2]))  # [B·H, L, Ck]
         mask = rows.gather(2, step.k_labels.unsqueeze(1).expand(-1, n, -1)).view(b, h, n, n)
@@ -312,6 +315,32 @@ class WanSparseAttnProcessor:
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
         )
         return out.transpose(1, 2)
+
+    def _svg2_kpage(self, q, k, v, step):
+        """KPage's forward on this call's per-row layouts (:mod:`sparseattn.planning.dynamic_layouts`):
+        tokens to each row's cluster-ordered slots, the work list planned on the device, back to tokens.
+        Forward only so far: the backward of per-call layouts is not planned yet."""
+        from .kernels.forward import torch_dynamic_forward
+        from .planning.dynamic_layouts import forward_work_list
+        from .svg2_device import gather_from_slots, scatter_to_slots
+
+        torch = self._torch()
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            raise NotImplementedError(
+                "SVG2 on the KPage backend runs forward only (no gradients yet); train with "
+                "backend='masked_sdpa'"
+            )
+        b, n, h, d = q.shape
+        rows = lambda x: x.permute(0, 2, 1, 3).reshape(b * h, n, d).to(torch.bfloat16)
+        ql, kl = step.q_layout, step.k_layout
+        qs = scatter_to_slots(rows(q), ql.token_slot, ql.max_slots)
+        ks, vs = (scatter_to_slots(rows(x), kl.token_slot, kl.max_slots) for x in (k, v))
+        work = forward_work_list(
+            ql.block_rows, kl.block_rows, step.block_mask, ql.block_size, rows_per_chunk=4
+        )
+        o, _ = torch_dynamic_forward(qs[None], ks[None], vs[None], work)
+        out = gather_from_slots(o[0], ql.token_slot)  # [B·H, n, d]
+        return out.view(b, h, n, d).transpose(1, 2).to(q.dtype)
 
     def _attend_dynamic(self, q, k, v):
         """VSA: the selection from this call's q and k, on their device; KPage plans it on the GPU."""

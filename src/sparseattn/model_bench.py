@@ -23,7 +23,8 @@ Implementations of the blocks' self-attention (cross-attention keeps diffusers' 
 * ``kpage_vsa``: VSA's top 10% of 4 x 4 x 4 cubes selected on the GPU every call, planned on the GPU and run
   by KPage (:mod:`sparseattn.wan_bench`'s processor);
 * ``vsa_kernel``: the same selection run by the VSA system's kernel (``fastvideo-kernel``), when installed;
-* ``kpage_svg2``: SVG2 through KPage, once the processor runs it (until then skipped, and said so);
+* ``kpage_svg2``: SVG2 (k-means of Q and K per head every call, top-p cluster pairs) through KPage on the
+  per-row layouts of each call's clusters; forward steps only so far (a training step records the error);
 * opt-in (``--impl``): ``dense_diffusers`` (diffusers' own ``WanAttnProcessor``, whole steps only) and
   ``masked_sta`` (the STA graph as a boolean mask for SDPA: the reference, for small grids and the CPU).
 
@@ -137,10 +138,7 @@ CHECK_ROWS = 512
 #: o and the LSE: about 140 kB per token and layer for 1.3B, 404 kB for 14B).
 ACT_BYTES_PER_DIM = 68
 ACT_BYTES_PER_FFN = 4
-SVG2_MISSING = (
-    "SVG2 on KPage needs per-head layouts planned per call, which the device planner does not do yet "
-    "(WanSelection.svg2 runs on the masked-SDPA backend only)"
-)
+SVG2_MISSING = "SVG2 on KPage is not available in this processor"
 
 
 class Skip(Exception):
@@ -525,12 +523,16 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
         )
         return Impl(processor, processor, meta, check="vsa_grid")
     if impl == "kpage_svg2":
+        tokens = math.prod(grid)
+        clusters = dict(
+            q_clusters=min(300, tokens // 4), k_clusters=min(1000, tokens // 2)
+        )  # SVG2's 300 / 1000
         try:
-            processor = WanSparseAttnProcessor(grid, WanSelection.svg2(), backend="kpage")
+            processor = WanSparseAttnProcessor(grid, WanSelection.svg2(**clusters), backend="kpage")
         except NotImplementedError:
             raise Skip(SVG2_MISSING) from None
         _prepare(processor, heads)
-        return Impl(processor, processor, dict(selection="svg2"), check="none")
+        return Impl(processor, processor, dict(selection="svg2", **clusters), check="none")
     raise ValueError(f"impl must be one of {ALL_IMPLS}, got {impl!r}")
 
 

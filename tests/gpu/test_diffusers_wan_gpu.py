@@ -45,3 +45,23 @@ def test_kpage_backend_matches_masked_sdpa_forward_and_backward(selection):
     rel_g = (g - g_ref).norm() / g_ref.norm()
     assert rel_o < 2e-2, f"forward: relative difference {rel_o:.3e}"
     assert rel_g < 5e-2, f"gradients: relative difference {rel_g:.3e}"
+
+
+@pytest.mark.parametrize("block", [64, 128], ids=lambda b: f"B{b}")
+def test_svg2_kpage_forward_equals_masked_sdpa_on_the_same_step(block):
+    """SVG2 through KPage (per-row layouts of this call's clusters, planned on the GPU) against masked
+    SDPA of the same clustering and selection, bf16 noise."""
+    from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
+
+    grid = (6, 10, 12)
+    sel = WanSelection.svg2(q_clusters=20, k_clusters=40, top_p=0.8, min_fraction=0.1, block_size=block)
+    kpage = WanSparseAttnProcessor(grid, sel, backend="kpage")
+    g = torch.Generator(device="cuda").manual_seed(block)
+    n = grid[0] * grid[1] * grid[2]
+    q, k, v = (torch.randn(2, n, 3, 64, device="cuda", generator=g).bfloat16() for _ in range(3))
+    with torch.no_grad():
+        step = kpage.svg2_step(q, k)
+        got = kpage._svg2_kpage(q, k, v, step).float()
+        want = kpage._svg2_masked(q.float(), k.float(), v.float(), step)
+    rel = (got - want).norm() / want.norm()
+    assert torch.isfinite(got).all() and rel < 2e-2, f"relative difference {rel:.3e}"
