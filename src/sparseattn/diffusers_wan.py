@@ -24,8 +24,8 @@ Selections (:class:`WanSelection`):
 * ``svg2``: SVG2's semantic-aware permutation: per call and head, k-means of the Q and of the K tokens
   (warm-started from the same layer's previous centroids), the top-p cluster pairs by cluster-size-weighted
   centroid scores (:mod:`sparseattn.svg2_device`, on the tensors' device); masked SDPA, or KPage on the
-  per-row layouts of each call's clusters (:mod:`sparseattn.planning.dynamic_layouts`; forward only so
-  far);
+  per-row layouts of each call's clusters (:mod:`sparseattn.planning.dynamic_layouts`, forward and
+  backward planned on the device);
 * ``full``: every block pair (dense attention through the sparse path, for checks).
 
 Needs ``torch`` and ``diffusers`` (``pip install -e '.[diffusers]'``), both imported on first use.
@@ -317,29 +317,21 @@ class WanSparseAttnProcessor:
         return out.transpose(1, 2)
 
     def _svg2_kpage(self, q, k, v, step):
-        """KPage's forward on this call's per-row layouts (:mod:`sparseattn.planning.dynamic_layouts`):
-        tokens to each row's cluster-ordered slots, the work list planned on the device, back to tokens.
-        Forward only so far: the backward of per-call layouts is not planned yet."""
-        from .kernels.forward import torch_dynamic_forward
-        from .planning.dynamic_layouts import forward_work_list
+        """KPage on this call's per-row layouts (:func:`sparseattn.torch.per_row_layout_attention`): tokens
+        to each row's cluster-ordered slots, forward and backward planned on the device, back to tokens."""
         from .svg2_device import gather_from_slots, scatter_to_slots
+        from .torch import per_row_layout_attention
 
         torch = self._torch()
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-            raise NotImplementedError(
-                "SVG2 on the KPage backend runs forward only (no gradients yet); train with "
-                "backend='masked_sdpa'"
-            )
         b, n, h, d = q.shape
         rows = lambda x: x.permute(0, 2, 1, 3).reshape(b * h, n, d).to(torch.bfloat16)
         ql, kl = step.q_layout, step.k_layout
         qs = scatter_to_slots(rows(q), ql.token_slot, ql.max_slots)
         ks, vs = (scatter_to_slots(rows(x), kl.token_slot, kl.max_slots) for x in (k, v))
-        work = forward_work_list(
-            ql.block_rows, kl.block_rows, step.block_mask, ql.block_size, rows_per_chunk=4
+        o, _ = per_row_layout_attention(
+            qs, ks, vs, ql.block_rows, kl.block_rows, step.block_mask, ql.block_size
         )
-        o, _ = torch_dynamic_forward(qs[None], ks[None], vs[None], work)
-        out = gather_from_slots(o[0], ql.token_slot)  # [B·H, n, d]
+        out = gather_from_slots(o, ql.token_slot)  # [B·H, n, d]
         return out.view(b, h, n, d).transpose(1, 2).to(q.dtype)
 
     def _attend_dynamic(self, q, k, v):

@@ -24,7 +24,7 @@ Implementations of the blocks' self-attention (cross-attention keeps diffusers' 
   by KPage (:mod:`sparseattn.wan_bench`'s processor);
 * ``vsa_kernel``: the same selection run by the VSA system's kernel (``fastvideo-kernel``), when installed;
 * ``kpage_svg2``: SVG2 (k-means of Q and K per head every call, top-p cluster pairs) through KPage on the
-  per-row layouts of each call's clusters; forward steps only so far (a training step records the error);
+  per-row layouts of each call's clusters, forward and backward planned on the device;
 * opt-in (``--impl``): ``dense_diffusers`` (diffusers' own ``WanAttnProcessor``, whole steps only) and
   ``masked_sta`` (the STA graph as a boolean mask for SDPA: the reference, for small grids and the CPU).
 

@@ -229,3 +229,80 @@ def slots_to_tokens(layout, y):
     from .torch_ops import OPS
 
     return OPS.slots_to_tokens.default(y, _layout_handle(layout))
+
+
+# ---- per-row layouts made per call (SVG2) ------------------------------------------------------------
+
+
+def _slot_valid(block_rows, block_size: int):
+    """bool ``[R, blocks · block_size]``: slot holds a row (each block's rows are a prefix)."""
+    slot = torch.arange(block_size, device=block_rows.device)
+    return (slot < block_rows.unsqueeze(-1)).reshape(block_rows.shape[0], -1)
+
+
+class _PerRowLayouts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_rows, k_rows, mask, block_size, scale):
+        from .kernels.forward import torch_dynamic_forward
+        from .planning.dynamic_layouts import forward_work_list
+
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        work = forward_work_list(q_rows, k_rows, mask, block_size, rows_per_chunk=4)
+        o, lse = torch_dynamic_forward(q[None], k[None], v[None], work, scale)
+        ctx.save_for_backward(q, k, v, o, lse, q_rows, k_rows, mask)
+        ctx.block_size, ctx.scale = block_size, scale
+        ctx.mark_non_differentiable(lse)
+        return o[0], lse[0]
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        from .kernels.bsa_backward import torch_plan_backward
+        from .planning.dynamic_layouts import backward_plan
+
+        q, k, v, o, lse, q_rows, k_rows, mask = ctx.saved_tensors
+        plan = backward_plan(q_rows, k_rows, mask, ctx.block_size, rows_per_chunk=4)
+        flat = lambda x: x.reshape(1, 1, -1, x.shape[-1])
+        grads = torch_plan_backward(
+            flat(q),
+            flat(k),
+            flat(v),
+            flat(o),
+            lse.reshape(1, 1, -1),
+            flat(do.contiguous()),
+            plan.device_plan(),
+            ctx.scale,
+        )
+        if grads is None:
+            raise RuntimeError(
+                "per_row_layout_attention: the backward's tensors are not what the kernel takes"
+            )
+        dq, dk, dv = (g.view(x.shape) for g, x in zip(grads, (q, k, v)))
+        k_ok = _slot_valid(k_rows, ctx.block_size).unsqueeze(-1)  # pages no item owns are not written
+        q_ok = _slot_valid(q_rows, ctx.block_size).unsqueeze(-1)
+        zero = torch.zeros((), dtype=dq.dtype, device=dq.device)
+        return (
+            torch.where(q_ok, dq, zero),
+            torch.where(k_ok, dk, zero),
+            torch.where(k_ok, dv, zero),
+            *(None,) * 5,
+        )
+
+
+def per_row_layout_attention(q, k, v, q_block_rows, k_block_rows, block_mask, block_size: int, scale=None):
+    """KPage attention where every row (batch entry × head) has its own slot layout, made per call (SVG2's
+    clusters padded to blocks, :func:`sparseattn.svg2_device.partition_slots`), with autograd: the forward
+    work list and the backward's plan are built on the device each call
+    (:mod:`sparseattn.planning.dynamic_layouts`).
+
+    Args:
+        q: bf16 CUDA ``[R, q_slots, d]``, each row in its layout's slot order; k, v: ``[R, k_slots, d]``.
+        q_block_rows, k_block_rows: int ``[R, q_slots / block_size]`` / ``[R, k_slots / block_size]``:
+            the rows each block holds (a prefix; ``DeviceLayout.block_rows``).
+        block_mask: bool ``[R, q_blocks, k_blocks]``: the selected block pairs.
+        block_size: 64 or 128. scale: default ``1/sqrt(d)``.
+
+    Returns:
+        ``(o, lse)``: ``o`` like ``q`` (padding rows zero), ``lse`` float32 ``[R, q_slots]``.
+    """
+    scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else float(scale)
+    return _PerRowLayouts.apply(q, k, v, q_block_rows, k_block_rows, block_mask, int(block_size), scale)

@@ -48,9 +48,9 @@ def test_kpage_backend_matches_masked_sdpa_forward_and_backward(selection):
 
 
 @pytest.mark.parametrize("block", [64, 128], ids=lambda b: f"B{b}")
-def test_svg2_kpage_forward_equals_masked_sdpa_on_the_same_step(block):
+def test_svg2_kpage_equals_masked_sdpa_on_the_same_step(block):
     """SVG2 through KPage (per-row layouts of this call's clusters, planned on the GPU) against masked
-    SDPA of the same clustering and selection, bf16 noise."""
+    SDPA of the same clustering and selection, output and gradients within bf16 noise."""
     from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
 
     grid = (6, 10, 12)
@@ -61,7 +61,15 @@ def test_svg2_kpage_forward_equals_masked_sdpa_on_the_same_step(block):
     q, k, v = (torch.randn(2, n, 3, 64, device="cuda", generator=g).bfloat16() for _ in range(3))
     with torch.no_grad():
         step = kpage.svg2_step(q, k)
-        got = kpage._svg2_kpage(q, k, v, step).float()
-        want = kpage._svg2_masked(q.float(), k.float(), v.float(), step)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    got = kpage._svg2_kpage(*leaves, step).float()
+    want = kpage._svg2_masked(*ref, step)
+    do = torch.randn_like(want)
+    got.backward(do)
+    want.backward(do)
     rel = (got - want).norm() / want.norm()
     assert torch.isfinite(got).all() and rel < 2e-2, f"relative difference {rel:.3e}"
+    for name, a, b in zip(("dq", "dk", "dv"), leaves, ref):
+        rel = (a.grad.float() - b.grad).norm() / b.grad.norm()
+        assert torch.isfinite(a.grad).all() and rel < 5e-2, f"{name}: relative difference {rel:.3e}"

@@ -220,3 +220,162 @@ def check_status(work: DynamicWorkList) -> None:
         raise ValueError(
             f"the work list needs {needed} stream entries; {cut} did not fit its capacity {work.capacity}"
         )
+
+
+# ---- the backward's K/V-owned plan ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class DynamicOwnedPlan:
+    """A K/V-owned backward plan of per-row layouts as torch tensors, in the format of
+    :meth:`~.tile_plan.TilePlan.device_arrays`, over the tensors viewed as one head of ``rows · slots``
+    slots (page ids global: row ``r``'s page ``p`` is ``r · pages_per_row + p``; the page masks are tables
+    over all rows' pages).
+
+    Attributes:
+        work_head: int32 ``[W]`` (zeros: one head); work_block: int32 ``[W]``, the K block of each item.
+        own_pages: int32 ``[W, 8]``: the K block's live pages, ``-1`` padded.
+        stream_indptr: int32 ``[W + 1]``; stream_pages: int32 ``[capacity]``: the live Q pages of every Q
+            block that selects the item's K block, in Q-block order.
+        own_page_mask, stream_page_mask: int16 ``[rows · pages]`` (uint16 bits): row masks of the K / Q pages.
+        status: int64 ``[2]``: entries needed, and how many did not fit.
+        block_size: rows owned per item (the route ``(block_size, 64)``).
+    """
+
+    work_head: torch.Tensor
+    work_block: torch.Tensor
+    own_pages: torch.Tensor
+    stream_indptr: torch.Tensor
+    stream_pages: torch.Tensor
+    own_page_mask: torch.Tensor
+    stream_page_mask: torch.Tensor
+    status: torch.Tensor
+    block_size: int
+    capacity: int
+
+    @property
+    def num_work(self) -> int:
+        return int(self.work_head.shape[0])
+
+    @property
+    def routes(self) -> tuple:
+        return ((self.block_size, 64),)
+
+    def tile_plan(self):
+        """The host :class:`~.tile_plan.TilePlan` (synchronises; for checks and the emulator)."""
+        import numpy as np
+
+        from .tile_plan import TilePlan
+
+        indptr = self.stream_indptr.cpu().numpy()
+        return TilePlan(
+            kind="kpage",
+            owner="kv",
+            routes=self.routes,
+            work_route=np.zeros(self.num_work, dtype=np.int8),
+            work_head=self.work_head.cpu().numpy(),
+            work_block=self.work_block.cpu().numpy(),
+            own_pages=self.own_pages.cpu().numpy(),
+            stream_indptr=indptr,
+            stream_pages=self.stream_pages[: int(indptr[-1])].cpu().numpy(),
+            own_page_mask=self.own_page_mask.cpu().numpy().view(np.uint16),
+            stream_page_mask=self.stream_page_mask.cpu().numpy().view(np.uint16),
+            heads=1,
+        )
+
+    def device_plan(self):
+        """The plan as the backward's launcher takes it (raw pointers; this object keeps the memory)."""
+        import numpy as np
+
+        from .device import DeviceOwnedPlan
+
+        ptr = lambda t: np.uint64(t.data_ptr())
+        arrays = {
+            name: ptr(getattr(self, name))
+            for name in (
+                "work_head",
+                "own_pages",
+                "stream_indptr",
+                "stream_pages",
+                "own_page_mask",
+                "stream_page_mask",
+            )
+        }
+        arrays["pair_pages"] = None
+        w = self.num_work
+        return DeviceOwnedPlan(arrays, "kv", self.routes, ((0, 0, w, False),), 1, w, OWN_PAGES, None, 0, self)
+
+
+def _page_masks(block_rows: torch.Tensor, pages_per_block: int) -> torch.Tensor:
+    """int16 ``[R · blocks · pages]``: the row mask of every page of every row's blocks (prefix rows)."""
+    page = torch.arange(pages_per_block, device=block_rows.device)
+    rows = (block_rows.long().unsqueeze(-1) - page * PAGE_ROWS).clamp(0, PAGE_ROWS)
+    return _row_masks(rows).reshape(-1).to(torch.int16)
+
+
+def backward_plan(
+    q_block_rows: torch.Tensor,
+    k_block_rows: torch.Tensor,
+    block_mask: torch.Tensor,
+    block_size: int,
+    capacity: int | None = None,
+    rows_per_chunk: int = 8,
+) -> DynamicOwnedPlan:
+    """The K/V-owned backward plan of per-row layouts and a block selection (arguments as
+    :func:`forward_work_list`): one item per (row, K block) owning its live pages, streaming the live Q
+    pages of the Q blocks that select it."""
+    r, nq = q_block_rows.shape
+    nk = k_block_rows.shape[1]
+    if block_mask.shape != (r, nq, nk):
+        raise ValueError(f"block_mask must be [{r}, {nq}, {nk}], got {list(block_mask.shape)}")
+    if block_size % PAGE_ROWS or block_size not in (64, 128):
+        raise ValueError("block_size must be 64 or 128 (the backward kernels own 64- or 128-row tiles)")
+    per_block = block_size // PAGE_ROWS
+    q_per_row, k_per_row = nq * per_block, nk * per_block
+    if capacity is None:
+        capacity = r * nk * q_per_row
+    dev = q_block_rows.device
+    q_rows = q_block_rows.long().clamp(0, block_size)
+    k_rows = k_block_rows.long().clamp(0, block_size)
+    sel = block_mask & (q_rows > 0).unsqueeze(-1) & (k_rows > 0).unsqueeze(1)  # [R, nq, nk]
+    q_live = -(-q_rows // PAGE_ROWS)  # [R, nq]
+    length = (sel.long() * q_live.unsqueeze(-1)).sum(1)  # [R, nk]
+    flat_len = length.reshape(-1)
+    start = flat_len.cumsum(0) - flat_len
+    total = flat_len.sum()
+    stream = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
+    dummy = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
+    page_of = torch.arange(per_block, device=dev)
+    for a in range(0, r, rows_per_chunk):
+        b = min(r, a + rows_per_chunk)
+        s = sel[a:b].transpose(1, 2)  # [c, nk, nq]
+        live = s.unsqueeze(-1) & (page_of < q_live[a:b, None, :, None])  # [c, nk, nq, P]
+        c = b - a
+        rank = live.reshape(c, nk, -1).long().cumsum(-1).view_as(live) - 1
+        pos = start.view(r, nk)[a:b, :, None, None] + rank
+        row = torch.arange(a, b, device=dev)[:, None, None, None]
+        page = row * q_per_row + torch.arange(nq, device=dev)[:, None] * per_block + page_of
+        _scatter(stream, dummy, pos, live, page.expand_as(live), torch.zeros_like(pos), capacity)
+    own_slot = torch.arange(OWN_PAGES, device=dev)
+    k_live = -(-k_rows // PAGE_ROWS)  # [R, nk]
+    owned = own_slot < k_live.unsqueeze(-1)
+    own = (
+        torch.arange(r, device=dev)[:, None, None] * k_per_row
+        + torch.arange(nk, device=dev)[:, None] * per_block
+        + own_slot
+    )
+    own = torch.where(owned, own, -1).reshape(r * nk, OWN_PAGES).to(torch.int32)
+    # offsets past the capacity are cut to it (those streams end early; status says so): never out of bounds
+    indptr = torch.cat([start, total.reshape(1)]).clamp(max=capacity).to(torch.int32)
+    return DynamicOwnedPlan(
+        work_head=torch.zeros(r * nk, dtype=torch.int32, device=dev),
+        work_block=torch.arange(nk, device=dev).repeat(r).to(torch.int32),
+        own_pages=own.contiguous(),
+        stream_indptr=indptr.contiguous(),
+        stream_pages=stream[:capacity].contiguous(),
+        own_page_mask=_page_masks(k_rows, per_block).contiguous(),
+        stream_page_mask=_page_masks(q_rows, per_block).contiguous(),
+        status=torch.stack([total, (total - capacity).clamp(min=0)]),
+        block_size=block_size,
+        capacity=int(capacity),
+    )
