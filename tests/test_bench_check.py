@@ -110,3 +110,23 @@ def test_dense_workloads_select_every_block_pair(name):
     assert (graph.heads, graph.q.num_blocks, d) == (heads, blocks, head_dim)
     assert graph.nnz == heads * blocks * blocks and graph.useful_pairs() == heads * tokens**2
     assert int(graph.q.valid.sum()) == tokens
+
+
+def test_varblock_inputs_are_the_same_graph():
+    """FlashInfer's variable-block form of an SVG2 HeadStack: per head, the clusters' token counts as
+    blocks, the tokens in slot order, and a block mask that keeps exactly the graph's (query, key) pairs."""
+    from sparseattn.builders import svg2_graph
+    from sparseattn.graph import HeadStack
+
+    graphs = svg2_graph((4, 6, 8), heads=3, q_clusters=5, k_clusters=9, block_size=64, seed=2)
+    mask, row_sz, col_sz, q_slots, k_slots = bench.varblock_inputs(HeadStack.of(graphs))
+    tokens = 4 * 6 * 8
+    assert q_slots.shape == k_slots.shape == (3, tokens)
+    for h, g in enumerate(graphs):
+        assert row_sz[h].sum() == col_sz[h].sum() == tokens
+        assert np.array_equal(q_slots[h], np.flatnonzero(g.q.valid))
+        q_block = np.repeat(np.arange(row_sz.shape[1]), row_sz[h])  # cluster block of each token, slot order
+        k_block = np.repeat(np.arange(col_sz.shape[1]), col_sz[h])
+        got = mask[h][q_block][:, k_block]
+        want = g.token_mask(0)[q_slots[h]][:, k_slots[h]]
+        assert np.array_equal(got, want)

@@ -11,6 +11,9 @@ For each workload (full-size layout and selection, ``--heads`` heads, batch 1) i
 * ``cudnn_dense``: cuDNN SDPA over the compact (unpadded) token sequence, the dense ceiling;
 * ``vsa_kernel``: on ``vsa_*`` workloads, the VSA system's own kernel (``fastvideo-kernel==0.3.4``, Triton
   path), when installed;
+* ``flashinfer_varblock`` / ``flashinfer_varblock_fa3``: on ``svg2_*`` workloads, FlashInfer's
+  variable-block sparse wrapper (``flashinfer-python``; backends ``fa2`` / ``fa3``): each head's
+  clusters as variable-size blocks, tokens permuted per head, no padding (:func:`varblock_inputs`);
 Workloads whose heads have their own layouts (SVG2) run as a :class:`~sparseattn.graph.HeadStack`:
 one launch for all heads on our kernels, per-head block masks for FlexAttention.
 ``physical_pairs`` is what each implementation executes (for the paged skeleton: M · chunk · chunks
@@ -53,12 +56,22 @@ from .graph import HeadStack, SparseGraph
 from .kernels.validate import bf16_bits_to_float
 
 DEFAULT_WORKLOADS = ("vsa_wan14b_720p", "ssta_hy15_720p", "svg2_wan14b_720p", "sta_hunyuan_117f")
-IMPLS = ("kpage", "bsa", "bsa_mma", "flex", "cudnn_dense", "vsa_kernel", "kpage_pair")
+IMPLS = (
+    "kpage",
+    "bsa",
+    "bsa_mma",
+    "flex",
+    "cudnn_dense",
+    "vsa_kernel",
+    "kpage_pair",
+    "flashinfer_varblock",
+    "flashinfer_varblock_fa3",
+)
 #: Opt-in implementations (run only when named with --impl): kpage_pair forces KPage's pair route in both
 #: passes (``kpage`` takes it where ``route="auto"`` does).
 OPT_IN_IMPLS = ("kpage_pair",)
 PASSES = ("fwd", "bwd", "fwdbwd", "plan")
-TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel")
+TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel", "flashinfer_varblock", "flashinfer_varblock_fa3")
 PAGED_IMPLS = ("kpage", "bsa", "kpage_pair")  # the skeleton's plans: backward records per --bwd-impl
 O_REL_TOL = 1e-2
 #: Bound on the sampled gradients' ‖g − ref‖/‖ref‖: a backward within twice the bf16-rounding emulation's
@@ -799,6 +812,120 @@ def launch_overhead(case: Case, calls: int = 200) -> dict:
     return dict(impl="kpage", **{"pass": "host_launch"}, host_us=round(float(np.median(times)) * 1e6, 1))
 
 
+def varblock_inputs(graph, batch: int = 1):
+    """FlashInfer's variable-block form of a per-head partition graph (SVG2): per head, its clusters as
+    blocks of their token counts (padding dropped, empty clusters dropped, short heads padded with empty
+    blocks), the selected cluster pairs as the block mask, and the slots of each head's tokens in that
+    order. Returns ``(mask [H, MB, NB] bool, row_sz [H, MB], col_sz [H, NB], q_slots [H, tq], k_slots
+    [H, tk])`` as numpy (int32 sizes; ``tq``/``tk`` the tokens, the same in every head)."""
+    stack = HeadStack.of(graph)
+
+    def clusters(layout):
+        groups = np.asarray(layout.block_group)
+        rows = layout.valid_rows.astype(np.int64)
+        ids, first = np.unique(groups, return_index=True)
+        ids = ids[np.argsort(first)]  # in slot order
+        sizes = np.array([rows[groups == g].sum() for g in ids], dtype=np.int64)
+        keep = sizes > 0
+        return ids[keep], sizes[keep], np.flatnonzero(layout.valid)
+
+    per_head = []
+    for g in stack.graphs:
+        qi, qs, qslots = clusters(g.q)
+        ki, ks, kslots = clusters(g.k)
+        bm = g.block_mask()[0]
+        q_index = {c: n for n, c in enumerate(qi)}
+        k_index = {c: n for n, c in enumerate(ki)}
+        pairs = np.zeros((qi.size, ki.size), dtype=bool)
+        i, j = np.nonzero(bm)
+        qg, kg = np.asarray(g.q.block_group)[i], np.asarray(g.k.block_group)[j]
+        for a, b in zip(qg, kg):
+            if a in q_index and b in k_index:
+                pairs[q_index[a], k_index[b]] = True
+        per_head.append((pairs, qs, ks, qslots, kslots))
+    mb = max(x[1].size for x in per_head)
+    nb = max(x[2].size for x in per_head)
+    h = len(per_head)
+    mask = np.zeros((h, mb, nb), dtype=bool)
+    row_sz = np.zeros((h, mb), dtype=np.int32)
+    col_sz = np.zeros((h, nb), dtype=np.int32)
+    for n, (pairs, qs, ks, _, _) in enumerate(per_head):
+        mask[n, : qs.size, : ks.size] = pairs
+        row_sz[n, : qs.size] = qs
+        col_sz[n, : ks.size] = ks
+    q_slots = np.stack([x[3] for x in per_head])
+    k_slots = np.stack([x[4] for x in per_head])
+    return mask, row_sz, col_sz, q_slots, k_slots
+
+
+def bench_flashinfer_varblock(
+    case: Case, timer: Timer, passes, check: bool, backend: str = "fa2"
+) -> list[dict]:
+    """FlashInfer's ``VariableBlockSparseAttentionWrapper`` (the peer SVG2 ships with) on the same
+    partitions: per head its clusters as variable-size blocks, tokens permuted by cluster, no padding;
+    forward only. Its ``plan`` (host work) is not timed."""
+    impl = "flashinfer_varblock" if backend == "fa2" else f"flashinfer_varblock_{backend}"
+    if not isinstance(case.graph, HeadStack) or "fwd" not in passes:
+        return []  # per-head partitions (SVG2) only; forward only
+    try:
+        import flashinfer
+    except Exception as exc:  # noqa: BLE001 - the optional peer is not installed
+        return [dict(impl=impl, **{"pass": "fwd"}, error=f"flashinfer not importable: {exc}"[:300])]
+    torch = _torch()
+    mask, row_sz, col_sz, q_slots, k_slots = varblock_inputs(case.graph)
+    h = mask.shape[0]
+    dev = "cuda"
+    q, k, v, _ = case.torch_views()
+    qi = torch.as_tensor(q_slots, device=dev)
+    ki = torch.as_tensor(k_slots, device=dev)
+    # [batch 0, H, slots, d] -> per head its tokens in cluster order: [H, tokens, d]
+    qc = torch.stack([q[0, n].index_select(0, qi[n]) for n in range(h)]).contiguous()
+    kc = torch.stack([k[0, n].index_select(0, ki[n]) for n in range(h)]).contiguous()
+    vc = torch.stack([v[0, n].index_select(0, ki[n]) for n in range(h)]).contiguous()
+    wrapper = flashinfer.VariableBlockSparseAttentionWrapper(
+        torch.empty(512 << 20, dtype=torch.uint8, device=dev), backend=backend
+    )
+    t0 = time.time()
+    wrapper.plan(
+        torch.as_tensor(mask, device=dev),
+        torch.as_tensor(row_sz, device=dev),
+        torch.as_tensor(col_sz, device=dev),
+        h,
+        h,
+        case.d,
+        sm_scale=case.scale,
+        q_data_type=torch.bfloat16,
+    )
+    o = wrapper.run(qc, kc, vc)
+    torch.cuda.synchronize()
+    plan_s = time.time() - t0
+    rel = None
+    if check:  # head 0 back in slot order, padding rows zero, against the float64 reference
+        tokens = q_slots.shape[1]
+        o_heads = o if tuple(o.shape[:2]) == (h, tokens) else o.transpose(0, 1)  # [H, tokens, d]
+        o0 = torch.zeros(graph_slots(case.graph)[0], case.d, dtype=torch.float32, device=dev)
+        o0.index_copy_(0, qi[0], o_heads[0].float())
+        rel = case.rel_err_head0(o0.cpu().numpy().astype(np.float64)[None])
+    ms, _ = timer(lambda: wrapper.run(qc, kc, vc))
+    useful = case.graph.useful_pairs() * case.b
+    return [
+        dict(
+            impl=impl,
+            **{"pass": "fwd"},
+            time_ms=ms,
+            physical_pairs=int(useful),
+            rel_err_o=rel,
+            correct=None if rel is None else bool(rel < O_REL_TOL),
+            plan_first_s=round(plan_s, 1),
+            backend=backend,
+        )
+    ]
+
+
+def bench_flashinfer_varblock_fa3(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
+    return bench_flashinfer_varblock(case, timer, passes, check, backend="fa3")
+
+
 BENCHES = {
     "kpage": bench_kpage,
     "bsa": bench_bsa,
@@ -807,6 +934,8 @@ BENCHES = {
     "cudnn_dense": bench_cudnn_dense,
     "vsa_kernel": bench_vsa_kernel,
     "kpage_pair": bench_kpage_pair,
+    "flashinfer_varblock": bench_flashinfer_varblock,
+    "flashinfer_varblock_fa3": bench_flashinfer_varblock_fa3,
 }
 
 
