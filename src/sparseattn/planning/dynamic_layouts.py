@@ -127,28 +127,19 @@ def forward_work_list(
         capacity: stream entries to allocate (default :func:`stream_capacity`: any selection fits).
         rows_per_chunk: rows planned per step (bounds the temporaries).
     """
-    r, nq = q_block_rows.shape
-    nk = k_block_rows.shape[1]
-    if block_mask.shape != (r, nq, nk):
-        raise ValueError(f"block_mask must be [{r}, {nq}, {nk}], got {list(block_mask.shape)}")
+    r, nq, nk, q_rows, k_rows, sel = _selection(q_block_rows, k_block_rows, block_mask, block_size)
     if block_size % PAGE_ROWS or not PAGE_ROWS <= block_size <= OWN_PAGES * PAGE_ROWS:
         raise ValueError(f"block_size must be a multiple of {PAGE_ROWS} up to {OWN_PAGES * PAGE_ROWS}")
     pages_per_block = block_size // PAGE_ROWS
     if capacity is None:
         capacity = stream_capacity(nq, nk * block_size, nk, r)
     dev = q_block_rows.device
-    q_rows = q_block_rows.long().clamp(0, block_size)
-    k_rows = k_block_rows.long().clamp(0, block_size)
-    sel = block_mask & (q_rows > 0).unsqueeze(-1) & (k_rows > 0).unsqueeze(1)
     k_full = k_rows // PAGE_ROWS  # [R, nk]
     k_part = (k_rows % PAGE_ROWS > 0).long()
     sel_l = sel.long()
     len_full = (sel_l * k_full.unsqueeze(1)).sum(-1)  # [R, nq]
     len_part = (sel_l * k_part.unsqueeze(1)).sum(-1)
-    length = len_full + len_part
-    flat_len = length.reshape(-1)
-    start = flat_len.cumsum(0) - flat_len  # [R·nq]
-    total = flat_len.sum()
+    flat_len, start, total = _offsets(len_full + len_part)
 
     # one scratch entry past the end takes every write that is not kept (static shapes, no sync)
     stream_pages = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
@@ -205,12 +196,32 @@ def forward_work_list(
     )
 
 
+def _selection(q_block_rows, k_block_rows, block_mask, block_size: int):
+    """``(R, q_blocks, k_blocks, q rows, k rows, selected pairs)``: the arguments checked, the row counts
+    clamped to the block, pairs of blocks without rows dropped."""
+    r, nq = q_block_rows.shape
+    nk = k_block_rows.shape[1]
+    if block_mask.shape != (r, nq, nk):
+        raise ValueError(f"block_mask must be [{r}, {nq}, {nk}], got {list(block_mask.shape)}")
+    q_rows = q_block_rows.long().clamp(0, block_size)
+    k_rows = k_block_rows.long().clamp(0, block_size)
+    sel = block_mask & (q_rows > 0).unsqueeze(-1) & (k_rows > 0).unsqueeze(1)
+    return r, nq, nk, q_rows, k_rows, sel
+
+
+def _offsets(lengths: torch.Tensor):
+    """``(lengths flat, exclusive prefix sums, total)`` of per-item stream lengths."""
+    flat = lengths.reshape(-1)
+    return flat, flat.cumsum(0) - flat, flat.sum()
+
+
 def _scatter(pages, masks, pos, keep, page, mask, capacity: int) -> None:
-    """Write ``page`` / ``mask`` at ``pos`` where ``keep`` and ``pos < capacity``, elsewhere into the
-    scratch entry ``capacity`` (no data-dependent shapes)."""
+    """Write ``page`` (and ``mask``, unless None) at ``pos`` where ``keep`` and ``pos < capacity``,
+    elsewhere into the scratch entry ``capacity`` (no data-dependent shapes)."""
     where = torch.where(keep & (pos < capacity), pos, capacity).reshape(-1)
     pages.index_put_((where,), page.reshape(-1).to(torch.int32))
-    masks.index_put_((where,), mask.reshape(-1).to(torch.int32))
+    if masks is not None:
+        masks.index_put_((where,), mask.reshape(-1).to(torch.int32))
 
 
 def check_status(work: DynamicWorkList) -> None:
@@ -324,27 +335,17 @@ def backward_plan(
     """The K/V-owned backward plan of per-row layouts and a block selection (arguments as
     :func:`forward_work_list`): one item per (row, K block) owning its live pages, streaming the live Q
     pages of the Q blocks that select it."""
-    r, nq = q_block_rows.shape
-    nk = k_block_rows.shape[1]
-    if block_mask.shape != (r, nq, nk):
-        raise ValueError(f"block_mask must be [{r}, {nq}, {nk}], got {list(block_mask.shape)}")
-    if block_size % PAGE_ROWS or block_size not in (64, 128):
+    r, nq, nk, q_rows, k_rows, sel = _selection(q_block_rows, k_block_rows, block_mask, block_size)
+    if block_size not in (64, 128):
         raise ValueError("block_size must be 64 or 128 (the backward kernels own 64- or 128-row tiles)")
     per_block = block_size // PAGE_ROWS
     q_per_row, k_per_row = nq * per_block, nk * per_block
     if capacity is None:
         capacity = r * nk * q_per_row
     dev = q_block_rows.device
-    q_rows = q_block_rows.long().clamp(0, block_size)
-    k_rows = k_block_rows.long().clamp(0, block_size)
-    sel = block_mask & (q_rows > 0).unsqueeze(-1) & (k_rows > 0).unsqueeze(1)  # [R, nq, nk]
     q_live = -(-q_rows // PAGE_ROWS)  # [R, nq]
-    length = (sel.long() * q_live.unsqueeze(-1)).sum(1)  # [R, nk]
-    flat_len = length.reshape(-1)
-    start = flat_len.cumsum(0) - flat_len
-    total = flat_len.sum()
+    _, start, total = _offsets((sel.long() * q_live.unsqueeze(-1)).sum(1))  # per (row, K block)
     stream = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
-    dummy = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
     page_of = torch.arange(per_block, device=dev)
     for a in range(0, r, rows_per_chunk):
         b = min(r, a + rows_per_chunk)
@@ -355,7 +356,7 @@ def backward_plan(
         pos = start.view(r, nk)[a:b, :, None, None] + rank
         row = torch.arange(a, b, device=dev)[:, None, None, None]
         page = row * q_per_row + torch.arange(nq, device=dev)[:, None] * per_block + page_of
-        _scatter(stream, dummy, pos, live, page.expand_as(live), torch.zeros_like(pos), capacity)
+        _scatter(stream, None, pos, live, page.expand_as(live), None, capacity)
     own_slot = torch.arange(OWN_PAGES, device=dev)
     k_live = -(-k_rows // PAGE_ROWS)  # [R, nk]
     owned = own_slot < k_live.unsqueeze(-1)
