@@ -190,3 +190,23 @@ def test_host_cost_floor_operator_allocates_and_differentiates():
     assert y.shape == x.shape
     y.backward(torch.ones_like(y))
     assert x.grad.shape == x.shape
+
+
+def test_plain_function_equals_the_operator():
+    """``KPageFunction`` (the operator's implementations behind a plain autograd.Function, the host-cost
+    comparison) gives the operator's output and gradients."""
+    from sparseattn.torch_ops import KPageFunction
+
+    graph = random_ragged_graph(np.random.default_rng(11))
+    q, k, v = _qkv(graph, seed=11)
+    outs = []
+    for run in (
+        lambda a, b, c: KPageFunction.apply(a, b, c, handle(graph), "auto", 0.2, False),
+        lambda a, b, c: OPS.kpage_fwd.default(a, b, c, handle(graph), "auto", 0.2, False)[0],
+    ):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = run(*leaves)
+        o.square().sum().backward()
+        outs.append([o.detach(), *(x.grad for x in leaves)])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)

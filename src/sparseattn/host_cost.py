@@ -13,8 +13,9 @@ and :func:`~sparseattn.kernels.backward.kpage_backward` on CuPy arrays); ``pass`
 ``host_dynamic`` (a top-k selection planned on the device each call: torch only); ``time_us``. The floor
 of the same machine, workload ``host_floor``: torch's own SDPA at the same sizes (impl ``torch_sdpa``)
 and a Python ``torch.library`` operator that only allocates its output (``torch_noop_op``). Where the
-time goes, workload ``host_layers``: the operators called directly (``torch_op_direct``, no autograd) and
-their implementations (``torch_impl``), forward and backward (pass ``host_bwd``) apart.
+time goes, workload ``host_layers``: the operators called directly (``torch_op_direct``, no autograd),
+their implementations (``torch_impl``), forward and backward (pass ``host_bwd``) apart, and the same
+implementations behind a plain ``autograd.Function`` (``torch_function``).
 ``--profile DIR`` also writes a cProfile of each loop.
 """
 
@@ -165,6 +166,15 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
     h, scale = handle(graph), 128**-0.5
     o, lse = torch_graph_forward(q, k, v, graph)
 
+    from .torch_ops import KPageFunction
+
+    def function_fwd():
+        with torch.no_grad():
+            KPageFunction.apply(q, k, v, h, "auto", scale, False)
+
+    def function_fwdbwd():
+        KPageFunction.apply(qg, kg, vg, h, "auto", scale, False).backward(do)
+
     def op_fwd():
         with torch.no_grad():
             OPS.kpage_fwd.default(q, k, v, h, "auto", scale, False)
@@ -187,6 +197,8 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
         ("host_static", "torch_op", "host_fwdbwd", torch_fwdbwd),
         ("host_static", "cupy", "host_fwd", cupy_fwd),
         ("host_static", "cupy", "host_fwdbwd", cupy_fwdbwd),
+        ("host_layers", "torch_function", "host_fwd", function_fwd),
+        ("host_layers", "torch_function", "host_fwdbwd", function_fwdbwd),
         ("host_layers", "torch_op_direct", "host_fwd", op_fwd),
         ("host_layers", "torch_impl", "host_fwd", impl_fwd),
         ("host_layers", "torch_op_direct", "host_bwd", op_bwd),

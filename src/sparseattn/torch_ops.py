@@ -102,7 +102,6 @@ def _kpage_fwd_fake(q, k, v, graph, route, scale, deterministic):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.impl("sparseattn::kpage_fwd", "CUDA")
 def _kpage_fwd_cuda(q, k, v, graph, route, scale, deterministic):
     from .kernels.forward import torch_graph_forward
 
@@ -114,7 +113,6 @@ def _kpage_bwd_fake(q, k, v, o, lse, do, graph, route, scale, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-@torch.library.impl("sparseattn::kpage_bwd", "CUDA")
 def _kpage_bwd_cuda(q, k, v, o, lse, do, graph, route, scale, deterministic):
     from .kernels.backward import kpage_backward
 
@@ -151,6 +149,28 @@ def _kpage_backward(ctx, do, _dlse):
 torch.library.register_autograd("sparseattn::kpage_fwd", _kpage_backward, setup_context=_kpage_setup)
 
 
+class KPageFunction(torch.autograd.Function):
+    """The same forward and backward implementations as ``kpage_fwd`` / ``kpage_bwd`` behind a plain
+    ``autograd.Function`` (no dispatcher, no ``register_autograd`` wrapper): what an eager call would cost
+    without the operator. ``python -m sparseattn.host_cost`` times both; ``torch.compile`` needs the
+    operator. Arguments as ``kpage_fwd``; returns ``o``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, graph, route, scale, deterministic):
+        impl = _kpage_fwd_cuda if q.is_cuda else _kpage_fwd_cpu
+        o, lse = impl(q, k, v, graph, route, scale, deterministic)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (graph, route, scale, deterministic)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        impl = _kpage_bwd_cuda if q.is_cuda else _kpage_bwd_cpu
+        dq, dk, dv = impl(q, k, v, o, lse, do.contiguous(), *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
 # ---- selections planned on the device ------------------------------------------------------------------
 
 
@@ -175,7 +195,6 @@ def _dynamic_fwd_fake(q, k, v, q2k_idx, q2k_num, mask, planner, scale, plan_back
     return o, lse, q.new_empty((n,), dtype=torch.uint8)
 
 
-@torch.library.impl("sparseattn::dynamic_fwd", "CUDA")
 def _dynamic_fwd_cuda(q, k, v, q2k_idx, q2k_num, mask, planner, scale, plan_backward):
     from .kernels import launch
     from .kernels.forward import kpage_forward
@@ -195,7 +214,6 @@ def _dynamic_bwd_fake(q, k, v, o, lse, do, plans, q2k_idx, q2k_num, mask, planne
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-@torch.library.impl("sparseattn::dynamic_bwd", "CUDA")
 def _dynamic_bwd_cuda(q, k, v, o, lse, do, plans, q2k_idx, q2k_num, mask, planner, scale, deterministic):
     from .kernels.backward import kpage_backward
 
@@ -248,7 +266,6 @@ def _slots_to_tokens_fake(y, layout):
     return y.new_empty((y.shape[0], n_tokens, y.shape[1], y.shape[3]), dtype=torch.bfloat16)
 
 
-@torch.library.impl("sparseattn::tokens_to_slots", "CUDA")
 def _tokens_to_slots_cuda(xs, layout):
     from .kernels.slots import slots_from_tokens
 
@@ -260,7 +277,6 @@ def _tokens_to_slots_cuda(xs, layout):
     return _move(slots_from_tokens, xs, lay, (b, h, lay.num_slots, d), (b, n, h, lay.num_slots, d))
 
 
-@torch.library.impl("sparseattn::slots_to_tokens", "CUDA")
 def _slots_to_tokens_cuda(y, layout):
     from .kernels.slots import tokens_from_slots
 
@@ -311,7 +327,6 @@ def _token_slots(layout, device):
     )
 
 
-@torch.library.impl("sparseattn::tokens_to_slots", "CPU")
 def _tokens_to_slots_cpu(xs, layout):
     lay = resolve(layout)
     slots = _token_slots(lay, xs[0].device)
@@ -323,7 +338,6 @@ def _tokens_to_slots_cpu(xs, layout):
     return outs
 
 
-@torch.library.impl("sparseattn::slots_to_tokens", "CPU")
 def _slots_to_tokens_cpu(y, layout):
     slots = _token_slots(resolve(layout), y.device)
     return y.index_select(2, slots).transpose(1, 2).to(torch.bfloat16).contiguous()
@@ -392,12 +406,10 @@ def _graph_mask(graph) -> torch.Tensor:
     )
 
 
-@torch.library.impl("sparseattn::kpage_fwd", "CPU")
 def _kpage_fwd_cpu(q, k, v, graph, route, scale, deterministic):
     return masked_attention(q, k, v, _graph_mask(resolve(graph))[None], scale)
 
 
-@torch.library.impl("sparseattn::kpage_bwd", "CPU")
 def _kpage_bwd_cpu(q, k, v, o, lse, do, graph, route, scale, deterministic):
     return _masked_grads(q, k, v, do, _graph_mask(resolve(graph))[None], scale)
 
@@ -415,7 +427,6 @@ def _dynamic_mask(p, q2k_idx, q2k_num, mask):
     return _slot_mask(selection_block_mask(q2k_idx, q2k_num, mask, p.k_blocks), p.q, p.k)
 
 
-@torch.library.impl("sparseattn::dynamic_fwd", "CPU")
 def _dynamic_fwd_cpu(q, k, v, q2k_idx, q2k_num, mask, planner, scale, plan_backward):
     p = resolve(planner)
     o, lse = masked_attention(q, k, v, _dynamic_mask(p, q2k_idx, q2k_num, mask), scale)
@@ -423,6 +434,20 @@ def _dynamic_fwd_cpu(q, k, v, q2k_idx, q2k_num, mask, planner, scale, plan_backw
     return o, lse, torch.zeros((n,), dtype=torch.uint8)  # no plans: the CPU backward reads the selection
 
 
-@torch.library.impl("sparseattn::dynamic_bwd", "CPU")
 def _dynamic_bwd_cpu(q, k, v, o, lse, do, plans, q2k_idx, q2k_num, mask, planner, scale, deterministic):
     return _masked_grads(q, k, v, do, _dynamic_mask(resolve(planner), q2k_idx, q2k_num, mask), scale)
+
+
+# the implementations, registered under their dispatch keys (plain functions: callable by name too)
+torch.library.impl("sparseattn::kpage_fwd", "CUDA", _kpage_fwd_cuda)
+torch.library.impl("sparseattn::kpage_bwd", "CUDA", _kpage_bwd_cuda)
+torch.library.impl("sparseattn::dynamic_fwd", "CUDA", _dynamic_fwd_cuda)
+torch.library.impl("sparseattn::dynamic_bwd", "CUDA", _dynamic_bwd_cuda)
+torch.library.impl("sparseattn::tokens_to_slots", "CUDA", _tokens_to_slots_cuda)
+torch.library.impl("sparseattn::slots_to_tokens", "CUDA", _slots_to_tokens_cuda)
+torch.library.impl("sparseattn::tokens_to_slots", "CPU", _tokens_to_slots_cpu)
+torch.library.impl("sparseattn::slots_to_tokens", "CPU", _slots_to_tokens_cpu)
+torch.library.impl("sparseattn::kpage_fwd", "CPU", _kpage_fwd_cpu)
+torch.library.impl("sparseattn::kpage_bwd", "CPU", _kpage_bwd_cpu)
+torch.library.impl("sparseattn::dynamic_fwd", "CPU", _dynamic_fwd_cpu)
+torch.library.impl("sparseattn::dynamic_bwd", "CPU", _dynamic_bwd_cpu)
