@@ -131,7 +131,8 @@ class PrefillAttention:
             kv_data_type=torch.float8_e4m3fn,
             o_data_type=torch.bfloat16,
         )
-        out = wrapper.run(q.transpose(0, 1).bfloat16().contiguous(), kc.transpose(0, 1), vc.transpose(0, 1))
+        qt = q.transpose(0, 1).bfloat16().contiguous()  # [Q, heads, d]
+        out = wrapper.run(qt, kc.transpose(0, 1).contiguous(), vc.transpose(0, 1).contiguous())
         return out.transpose(0, 1)
 
 
