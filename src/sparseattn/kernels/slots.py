@@ -1,7 +1,7 @@
 """Launchers of ``kernels_cu/slots.cu``: activations between token order ``[batch, tokens, heads, d]`` and a
 layout's slot order ``[batch, heads, slots, d]`` (padding slots zero), up to three tensors per launch, on
 the current stream. Tensors are raw device pointers (``numpy.uint64``) or CuPy arrays, bf16, contiguous,
-``d`` a multiple of 8; the torch side is :class:`sparseattn.torch.TokensToSlots`."""
+``d`` a multiple of 8; the torch side is the ``sparseattn::tokens_to_slots`` operator (:mod:`sparseattn.torch_ops`)."""
 
 from __future__ import annotations
 
