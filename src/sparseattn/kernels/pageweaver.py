@@ -153,11 +153,51 @@ def per_query_groups(num_queries: int) -> Grouping:
     return Grouping(ids, np.arange(num_queries + 1, dtype=np.int32), 1, "per_query")
 
 
+class DeviceCapture:
+    """A selection that lives on the device (made per call by a model: :mod:`sparseattn.pageweaver.page_select`),
+    for the kernels in place of a host :class:`Capture`: ``pages`` int32 ``[Q, k]`` (valid ids first, ``-1``
+    padding, ids in ``[0, num_pages)`` by construction: not checked, as a host capture is),
+    ``positions`` int32 ``[Q]`` (CuPy arrays or torch CUDA tensors), the ``context`` length, the
+    ``page_size`` and causality."""
+
+    def __init__(self, pages, positions, context: int, page_size: int, causal: bool = True):
+        import cupy
+
+        as_cupy = lambda x: x if isinstance(x, cupy.ndarray) else cupy.from_dlpack(x.contiguous())
+        self.pages, self.positions = as_cupy(pages), as_cupy(positions)
+        if self.pages.dtype != cupy.int32 or self.positions.dtype != cupy.int32:
+            raise KernelTypeError("DeviceCapture pages and positions must be int32")
+        if self.pages.ndim != 2 or self.positions.shape != (self.pages.shape[0],):
+            raise KernelValueError(
+                f"DeviceCapture pages must be [Q, k] and positions [Q], got {self.pages.shape} and "
+                f"{self.positions.shape}"
+            )
+        self.context, self.page_size, self.causal = int(context), int(page_size), bool(causal)
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.pages.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.pages.shape[1])
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.context // self.page_size)
+
+
 def check_capture(capture) -> Capture:
+    if isinstance(capture, DeviceCapture):
+        return _check_capture_sizes(capture)
     if not isinstance(capture, Capture):
         raise KernelTypeError(
             f"capture must be a sparseattn.pageweaver.Capture, got {type(capture).__name__}"
         )
+    return _check_capture_sizes(capture)
+
+
+def _check_capture_sizes(capture):
     P = capture.page_size
     if P < 16 or P & (P - 1):
         raise KernelValueError(f"capture.page_size must be a power of two >= 16 for the kernel, got {P}")
@@ -173,6 +213,8 @@ def check_capture(capture) -> Capture:
 
 
 def _device_capture(capture: Capture, device: int) -> dict:
+    if isinstance(capture, DeviceCapture):
+        return {"pages": capture.pages, "positions": capture.positions}
     return launch.device_arrays(
         capture,
         device,

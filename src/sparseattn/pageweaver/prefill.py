@@ -89,19 +89,12 @@ class PrefillAttention:
         return self._flashinfer(q, kc, vc, pages, scale)
 
     def _union(self, q, kc, vc, ks, vs, pages, positions, scale):
-        import cupy
-
-        from ..kernels.pageweaver import union_forward
-        from .captures import Capture
+        from ..kernels.pageweaver import DeviceCapture, union_forward
         from .grouping_gpu import affinity_groups_device
 
         n = q.shape[1]
-        capture = Capture(
-            pages=pages.cpu().numpy(), positions=positions.cpu().numpy(), context=n, page_size=self.page_size
-        )  # the kernel takes a host capture (one copy of the selection per layer)
-        groups = affinity_groups_device(
-            cupy.from_dlpack(pages.contiguous()), capture.num_pages, self.group_size, self.window
-        )
+        capture = DeviceCapture(pages, positions.to(torch.int32), n, self.page_size)  # stays on the device
+        groups = affinity_groups_device(capture.pages, capture.num_pages, self.group_size, self.window)
         o, _ = union_forward(q.bfloat16().contiguous(), kc, vc, ks, vs, capture, groups, scale=scale)
         return o
 
