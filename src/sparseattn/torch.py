@@ -248,7 +248,17 @@ class _PerRowLayouts(torch.autograd.Function):
 
         q, k, v = (x.contiguous() for x in (q, k, v))
         work = forward_work_list(q_rows, k_rows, mask, block_size, rows_per_chunk=4)
-        o, lse = torch_dynamic_forward(q[None], k[None], v[None], work, scale)
+        if q.is_cuda:
+            o, lse = torch_dynamic_forward(q[None], k[None], v[None], work, scale)
+        else:  # the kernel's numpy emulator on the same work list (float64; small problems)
+            from .emulator import emulate_work_list
+
+            o64, lse64 = emulate_work_list(
+                work.to_work_list(), *(x[None].double().numpy() for x in (q, k, v)), scale
+            )
+            o = torch.from_numpy(o64).nan_to_num(0.0).to(q.dtype)  # rows no item owns: zero, -inf
+            lse = torch.from_numpy(lse64).nan_to_num(float("-inf"), float("-inf"), float("-inf"))
+            lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         ctx.save_for_backward(q, k, v, o, lse, q_rows, k_rows, mask)
         ctx.block_size, ctx.scale = block_size, scale
         ctx.mark_non_differentiable(lse)
@@ -262,16 +272,24 @@ class _PerRowLayouts(torch.autograd.Function):
         q, k, v, o, lse, q_rows, k_rows, mask = ctx.saved_tensors
         plan = backward_plan(q_rows, k_rows, mask, ctx.block_size, rows_per_chunk=4)
         flat = lambda x: x.reshape(1, 1, -1, x.shape[-1])
-        grads = torch_plan_backward(
-            flat(q),
-            flat(k),
-            flat(v),
-            flat(o),
-            lse.reshape(1, 1, -1),
-            flat(do.contiguous()),
-            plan.device_plan(),
-            ctx.scale,
-        )
+        if q.is_cuda:
+            grads = torch_plan_backward(
+                flat(q),
+                flat(k),
+                flat(v),
+                flat(o),
+                lse.reshape(1, 1, -1),
+                flat(do.contiguous()),
+                plan.device_plan(),
+                ctx.scale,
+            )
+        else:  # the backward kernel's numpy emulator on the same plan
+            from .emulator import emulate_backward
+
+            arrays = [flat(x).double().numpy() for x in (q, k, v, o, do)]
+            lse64 = lse.reshape(1, 1, -1).double().numpy()
+            out = emulate_backward(plan.tile_plan(), *arrays[:4], lse64, arrays[4], ctx.scale)
+            grads = tuple(torch.from_numpy(g).to(q.dtype) for g in out)
         if grads is None:
             raise RuntimeError(
                 "per_row_layout_attention: the backward's tensors are not what the kernel takes"
@@ -295,7 +313,8 @@ def per_row_layout_attention(q, k, v, q_block_rows, k_block_rows, block_mask, bl
     (:mod:`sparseattn.planning.dynamic_layouts`).
 
     Args:
-        q: bf16 CUDA ``[R, q_slots, d]``, each row in its layout's slot order; k, v: ``[R, k_slots, d]``.
+        q: bf16 CUDA ``[R, q_slots, d]``, each row in its layout's slot order; k, v: ``[R, k_slots, d]``
+            (CPU tensors run the kernels' numpy emulators on the same plans: small problems, checks).
         q_block_rows, k_block_rows: int ``[R, q_slots / block_size]`` / ``[R, k_slots / block_size]``:
             the rows each block holds (a prefix; ``DeviceLayout.block_rows``).
         block_mask: bool ``[R, q_blocks, k_blocks]``: the selected block pairs.
