@@ -161,7 +161,6 @@ class WanSparseAttnProcessor:
         self._graphs: dict = {}
         self._layout = None
         self._masks: dict = {}
-        self._slots: dict = {}
         self._dense = None
         self._planner = None
         self._ids: dict = {}  # heads -> handles (graph, Q layout); "dynamic" -> (layout, planner)
@@ -250,18 +249,13 @@ class WanSparseAttnProcessor:
             self._layout = video_layout(self.grid, self.selection.tile, self.selection.blocks())
         return self._layout
 
-    def _slot_index(self, device):
-        slots = self._slots.get(device)
-        if slots is None:
-            # a copy: the layout's cached arrays are read-only, which torch.from_numpy warns about
-            slots = self._slots[device] = self._torch().tensor(self.layout.token_slot, device=device)
-        return slots
-
     def _to_slots(self, x, dtype):
         """``[B, L, heads, d]`` tokens -> ``[B, heads, slots, d]`` in the layout's slot order (zeros in padding)."""
+        from .torch_ops import token_slot_index
+
         x = x.transpose(1, 2)
         out = x.new_zeros(x.shape[0], x.shape[1], self.layout.num_slots, x.shape[3], dtype=dtype)
-        return out.index_copy(2, self._slot_index(x.device), x.to(dtype))
+        return out.index_copy(2, token_slot_index(self.layout, x.device), x.to(dtype))
 
     def select(self, q, k):
         """VSA's ``(q2k_idx, q2k_num)`` of ``[B, L, heads, d]`` q, k (on their device)."""
@@ -340,11 +334,11 @@ class WanSparseAttnProcessor:
         if self.selection.kind == "svg2":
             return self._attend_svg2(q, k, v)
         if self.backend == "masked_sdpa":
+            from .torch_ops import selection_block_mask, token_slot_index
+
             idx, num = self.select(q, k)
-            blocks = torch.zeros(*idx.shape[:3], self.layout.num_blocks, dtype=torch.bool, device=q.device)
-            used = torch.arange(idx.shape[3], device=q.device) < num[..., None]
-            blocks.scatter_(3, idx.long(), used)
-            token_block = torch.as_tensor(self.layout.token_slot // self.layout.block_size, device=q.device)
+            blocks = selection_block_mask(idx, num, None, self.layout.num_blocks)
+            token_block = token_slot_index(self.layout, q.device) // self.layout.block_size
             mask = blocks[:, :, token_block][:, :, :, token_block]
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask

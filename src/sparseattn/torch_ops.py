@@ -318,7 +318,7 @@ def _move(kernel, sources, layout, out_shape, sizes):
     return outs
 
 
-def _token_slots(layout, device):
+def token_slot_index(layout, device):
     """int64 ``token_slot`` of ``layout`` on ``device`` (uploaded once)."""
     from .planning.cache import cached
 
@@ -329,7 +329,7 @@ def _token_slots(layout, device):
 
 def _tokens_to_slots_cpu(xs, layout):
     lay = resolve(layout)
-    slots = _token_slots(lay, xs[0].device)
+    slots = token_slot_index(lay, xs[0].device)
     outs = []
     for x in xs:
         x = x.transpose(1, 2)
@@ -339,7 +339,7 @@ def _tokens_to_slots_cpu(xs, layout):
 
 
 def _slots_to_tokens_cpu(y, layout):
-    slots = _token_slots(resolve(layout), y.device)
+    slots = token_slot_index(resolve(layout), y.device)
     return y.index_select(2, slots).transpose(1, 2).to(torch.bfloat16).contiguous()
 
 

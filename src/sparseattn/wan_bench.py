@@ -31,7 +31,6 @@ import math
 import os
 import statistics
 import sys
-import time
 
 #: Wan2.1-1.3B's transformer (diffusers' config names).
 WAN_1_3B = dict(
@@ -152,7 +151,7 @@ def run(args) -> list[dict]:
             if impl != "dense":
                 rel = check_layer(CHECK_GRID, impl, 12, 128)
                 checked = dict(rel_err=rel, correct=bool(rel < 2e-2))
-            from .model_bench import AttentionClock  # the bench's clock (model_bench imports this module)
+            from .model_bench import AttentionClock, time_mode  # (model_bench imports this module)
 
             clock = AttentionClock()
             processor.attend = clock.wrap(processor.attend)
@@ -160,30 +159,10 @@ def run(args) -> list[dict]:
                 block.attn1.set_processor(processor)
             modes = [("fwd", False)] + ([("train", True)] if name in args.train else [])
             for mode, train in modes:
-                model.train(train)
-
-                def step(train=train, inputs=(x, t, text)):
-                    if train:
-                        out = model(*inputs, return_dict=False)[0]
-                        out.float().square().mean().backward()
-                    else:
-                        with torch.no_grad():
-                            model(*inputs, return_dict=False)
-
-                steps, attention = [], []
                 try:
-                    for rep in range(args.warmup + args.reps):
-                        model.zero_grad(set_to_none=True)
-                        torch.cuda.synchronize()
-                        clock.calls = []
-                        t0 = time.perf_counter()
-                        step()
-                        torch.cuda.synchronize()
-                        wall = (time.perf_counter() - t0) * 1e3
-                        attn = clock.total_ms()
-                        if rep >= args.warmup:
-                            steps.append(wall)
-                            attention.append(attn)
+                    steps, attention, _ = time_mode(
+                        model, (x, t, text), clock, train, args.warmup, args.reps, "cuda"
+                    )
                 except Exception as exc:  # noqa: BLE001 - recorded, the other impls still run
                     records.append(
                         dict(base, **{"pass": f"step_{mode}"}, error=f"{type(exc).__name__}: {exc}"[:300])

@@ -658,17 +658,7 @@ def plan_backward(
         )
     if dq_plan is not None and not isinstance(dq_plan, plans):
         raise KernelTypeError(f"dq_plan must be a TilePlan, got {type(dq_plan).__name__}")
-    plan, scale, out, (q_pages, k_pages, device) = check_inputs(
-        q, k, v, o, lse, do, graph_or_plan, scale, out
-    )
-    # "wgmma" with a dq_plan runs the dQ pass; without one, on all-64-row plans when a graph gives it
-    impl = "wgmma_dq_pass" if impl == "wgmma" and dq_plan is not None else impl
-    impl = resolve_impl(impl, plan, not isinstance(graph_or_plan, plans))
-    dq_pass = uses_dq_pass(impl)
-    if dq_pass:
-        dq_plan = _DQ_PLANS.plan_for(graph_or_plan) if dq_plan is None else dq_plan
-        if not isinstance(dq_plan, DeviceOwnedPlan):
-            _DQ_PLANS.checked(dq_plan, q_pages, k_pages, int(q.shape[1]))
+    plan, scale, out, (_, _, device) = check_inputs(q, k, v, o, lse, do, graph_or_plan, scale, out)
     if impl != "mma" and max(int(q.shape[2]), int(k.shape[2])) * int(q.shape[3]) >= 2**31:
         raise KernelValueError(
             f"q/k have {max(int(q.shape[2]), int(k.shape[2]))} slots of head_dim {int(q.shape[3])}: past the "
@@ -678,17 +668,8 @@ def plan_backward(
 
     b, h, sq, d = (int(x) for x in q.shape)
     sk = int(k.shape[2])
-    arrays = _device_plan(plan, q_pages, k_pages, h, device)
-    pair = arrays["pair"]
-    if pair and (impl not in ("wgmma", "wgmma_ws") or deterministic):
-        raise KernelValueError(
-            "graph_or_plan has pair items (stream_vis): they run on the warp-specialized kernel only, "
-            f"impl='wgmma' or 'wgmma_ws' with deterministic=False (got impl={impl!r}, "
-            f"deterministic={deterministic})"
-        )
-    recipe = backward_recipe(
-        plan, arrays, impl, deterministic, dq_plan if dq_pass else None, (b, h, sq, sk, d), scale, device
-    )
+    graph = None if isinstance(graph_or_plan, plans) else graph_or_plan
+    recipe = _recipe_of(plan, dq_plan, graph, impl, deterministic, (b, h, sq, sk, d), scale, device)
     with cupy.cuda.Device(device):
         if out is None:
             dq = cupy.empty(q.shape, q.dtype)
@@ -700,6 +681,31 @@ def plan_backward(
         pointers = {name: x.data.ptr for name, x in tensors.items()}
         recipe.run(cupy.cuda.get_current_stream().ptr, device, pointers)
     return dq, dk, dv
+
+
+def _recipe_of(plan, dq_plan, graph, impl: str, deterministic, sizes, scale: float, device: int):
+    """The :class:`BackwardRecipe` of a checked K/V-owned ``plan`` for tensors of ``sizes`` (batch, heads,
+    q_slots, k_slots, d): ``"wgmma"`` runs the Q-owned dQ pass when a ``dq_plan`` is given, or on
+    all-64-row plans when the ``graph`` can give one; pair items run on the warp-specialized kernel only."""
+    _, h, sq, sk, _ = sizes
+    q_pages, k_pages = sq // PAGE_ROWS, sk // PAGE_ROWS
+    impl = "wgmma_dq_pass" if impl == "wgmma" and dq_plan is not None else impl
+    impl = resolve_impl(impl, plan, graph is not None)
+    dq_pass = uses_dq_pass(impl)
+    if dq_pass:
+        dq_plan = _DQ_PLANS.plan_for(graph) if dq_plan is None else dq_plan
+        if not isinstance(dq_plan, DeviceOwnedPlan):
+            _DQ_PLANS.checked(dq_plan, q_pages, k_pages, h)
+    arrays = _device_plan(plan, q_pages, k_pages, h, device)
+    if arrays["pair"] and (impl not in ("wgmma", "wgmma_ws") or deterministic):
+        raise KernelValueError(
+            "graph_or_plan has pair items (stream_vis): they run on the warp-specialized kernel only, "
+            f"impl='wgmma' or 'wgmma_ws' with deterministic=False (got impl={impl!r}, "
+            f"deterministic={deterministic})"
+        )
+    return backward_recipe(
+        plan, arrays, impl, deterministic, dq_plan if dq_pass else None, sizes, scale, device
+    )
 
 
 _TORCH_DTYPES = {np.float32: "float32", np.int64: "int64", np.uint32: "int32"}
@@ -739,30 +745,18 @@ def torch_plan_backward(q, k, v, o, lse, do, plan, scale=None, impl=None, determ
     impl = default_impl() if impl is None else impl
     if not ok or impl not in IMPLS or impl == "mma" or not isinstance(deterministic, (bool, np.bool_)):
         return None
-    q_pages, k_pages, device = sq // PAGE_ROWS, sk // PAGE_ROWS, dev.index
     if isinstance(plan, TilePlan):
-        _PLANS.checked(plan, q_pages, k_pages, h)
+        _PLANS.checked(plan, sq // PAGE_ROWS, sk // PAGE_ROWS, h)
     elif plan.heads != h:
         return None
-    impl = "wgmma_dq_pass" if impl == "wgmma" and dq_plan is not None else impl
-    impl = resolve_impl(impl, plan, False)
-    dq_pass = uses_dq_pass(impl)
-    if dq_pass:
-        if dq_plan is None:
-            return None
-        if isinstance(dq_plan, TilePlan):
-            _DQ_PLANS.checked(dq_plan, q_pages, k_pages, h)
-    arrays = _device_plan(plan, q_pages, k_pages, h, device)
-    if arrays["pair"] and (impl not in ("wgmma", "wgmma_ws") or deterministic):
+    if uses_dq_pass(impl) and dq_plan is None:  # the general path says a graph or dq_plan is needed
         return None
     scale = check_scale(scale, d)
-    recipe = backward_recipe(
-        plan, arrays, impl, deterministic, dq_plan if dq_pass else None, (b, h, sq, sk, d), scale, device
-    )
+    recipe = _recipe_of(plan, dq_plan, None, impl, deterministic, (b, h, sq, sk, d), scale, dev.index)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     tensors = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv)
     for name, (shape, dtype) in recipe.temporaries.items():
         tensors[name] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=dev)
     pointers = {name: x.data_ptr() for name, x in tensors.items()}
-    recipe.run(launch.torch_stream_ptr(dev.index), device, pointers)
+    recipe.run(launch.torch_stream_ptr(dev.index), dev.index, pointers)
     return dq, dk, dv

@@ -522,26 +522,23 @@ def _torch_fast_forward(q, k, v, graph_or_plans, route, scale, out):
         wl, sizes = resolve_work(graph_or_plans, "kpage", route, h, sq, sk), (b, h, sq, sk, d)
     else:
         return None
-    scale = check_scale(scale, d)
-    o = torch.empty_like(q)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=dev)
-    stream = launch.torch_stream_ptr(dev.index)
-    import cupy
+    return _torch_launch(q, k, v, wl, check_scale(scale, d), sizes)
 
+
+def _torch_launch(q, k, v, wl, scale: float, sizes):
+    """``(o, lse)`` of one launch on torch tensors (raw pointers, torch's current stream): fresh outputs,
+    ``o`` zeroed and ``lse`` ``-inf`` where no item writes. ``sizes`` as :func:`_launch` takes them."""
+    import cupy
+    import torch
+
+    dev = q.device
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=dev)
+    stream = launch.torch_stream_ptr(dev.index)
     cupy.cuda.runtime.memsetAsync(o.data_ptr(), 0, o.numel() * 2, stream)
     launch.fill_neg_inf(lse.data_ptr(), lse.numel(), stream, dev.index)
-    _launch(
-        q.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        wl,
-        scale,
-        o.data_ptr(),
-        lse.data_ptr(),
-        dev.index,
-        sizes,
-        stream,
-    )
+    ptr = lambda x: x.data_ptr()
+    _launch(ptr(q), ptr(k), ptr(v), wl, scale, ptr(o), ptr(lse), dev.index, sizes, stream)
     return o, lse
 
 
@@ -550,7 +547,6 @@ def torch_dynamic_forward(q, k, v, work, scale=None):
     made per call): ``q`` bf16 ``[batch, heads, q_slots, d]`` with ``batch · heads`` the list's rows (each
     row in its own layout's slot order), ``k``, ``v`` ``[batch, heads, k_slots, d]``. Returns ``(o, lse)``
     (padding rows zero / ``-inf``)."""
-    import cupy
     import torch
 
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -562,17 +558,7 @@ def torch_dynamic_forward(q, k, v, work, scale=None):
         raise KernelTypeError("q, k, v must be bf16 CUDA tensors")
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != d or d not in HEAD_DIMS:
         raise KernelValueError(f"k and v must be [{b}, {h}, k_slots, d] like q (d in {HEAD_DIMS})")
-    scale = check_scale(scale, d)
-    dev = q.device
-    o = torch.empty_like(q)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=dev)
-    stream = launch.torch_stream_ptr(dev.index)
-    cupy.cuda.runtime.memsetAsync(o.data_ptr(), 0, o.numel() * 2, stream)
-    launch.fill_neg_inf(lse.data_ptr(), lse.numel(), stream, dev.index)
-    ptr = lambda x: x.data_ptr()
-    wl = work.device_work_list()
-    _launch(ptr(q), ptr(k), ptr(v), wl, scale, ptr(o), ptr(lse), dev.index, (1, b * h, sq, sk, d), stream)
-    return o, lse
+    return _torch_launch(q, k, v, work.device_work_list(), check_scale(scale, d), (1, b * h, sq, sk, d))
 
 
 def torch_graph_forward(q, k, v, graph_or_plans, route="auto", scale=None):

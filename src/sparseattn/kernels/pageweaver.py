@@ -27,7 +27,7 @@ import weakref
 
 import numpy as np
 
-from ..pageweaver.captures import Capture
+from ..pageweaver.captures import Capture, CaptureShape
 from ..pageweaver.grouping import Grouping, GroupingError, validate_grouping
 from ..pageweaver.kv_page_plan import build_kv_page_plan
 from . import launch
@@ -153,7 +153,7 @@ def per_query_groups(num_queries: int) -> Grouping:
     return Grouping(ids, np.arange(num_queries + 1, dtype=np.int32), 1, "per_query")
 
 
-class DeviceCapture:
+class DeviceCapture(CaptureShape):
     """A selection that lives on the device (made per call by a model: :mod:`sparseattn.pageweaver.page_select`),
     for the kernels in place of a host :class:`Capture`: ``pages`` int32 ``[Q, k]`` (valid ids first, ``-1``
     padding, ids in ``[0, num_pages)`` by construction: not checked, as a host capture is),
@@ -173,18 +173,6 @@ class DeviceCapture:
                 f"{self.positions.shape}"
             )
         self.context, self.page_size, self.causal = int(context), int(page_size), bool(causal)
-
-    @property
-    def num_queries(self) -> int:
-        return int(self.pages.shape[0])
-
-    @property
-    def k(self) -> int:
-        return int(self.pages.shape[1])
-
-    @property
-    def num_pages(self) -> int:
-        return -(-self.context // self.page_size)
 
 
 def check_capture(capture) -> Capture:

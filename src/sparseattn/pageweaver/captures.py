@@ -80,8 +80,26 @@ def _check_int(name: str, value) -> int:
     return int(value)
 
 
+class CaptureShape:
+    """The sizes every selection of pages shares, from its ``pages`` ``[Q, k]``, ``context`` and
+    ``page_size`` (a host :class:`Capture`, or the kernels' device capture)."""
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.pages.shape[0])
+
+    @property
+    def k(self) -> int:
+        """Selection width (columns of ``pages``); a row may hold fewer valid ids."""
+        return int(self.pages.shape[1])
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.context // self.page_size)
+
+
 @dataclass(frozen=True, eq=False)
-class Capture:
+class Capture(CaptureShape):
     """Per-query selected page ids (see the module docstring for the fields' meaning)."""
 
     pages: np.ndarray
@@ -164,20 +182,7 @@ class Capture:
             raise CaptureTypeError(f"meta must be a mapping, got {type(self.meta).__name__}", "meta")
         object.__setattr__(self, "meta", dict(self.meta))
 
-    # ---- shape --------------------------------------------------------------------------------
-    @property
-    def num_queries(self) -> int:
-        return int(self.pages.shape[0])
-
-    @property
-    def k(self) -> int:
-        """Selection width (columns of ``pages``); a row may hold fewer valid ids."""
-        return int(self.pages.shape[1])
-
-    @property
-    def num_pages(self) -> int:
-        return -(-self.context // self.page_size)
-
+    # ---- shape (num_queries, k, num_pages: CaptureShape) ----------------------------------------
     @property
     def counts(self) -> np.ndarray:
         """int64 ``[Q]``: selected pages per query, ``|S_q|``."""

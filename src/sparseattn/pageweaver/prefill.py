@@ -161,11 +161,10 @@ def masked_page_attention(q, k, v, pages, page_size: int, scale: float) -> torch
     mask = sel[:, key_page] & (
         torch.arange(n, device=q.device)[None, :] <= torch.arange(nq, device=q.device)[:, None]
     )
-    kf = k.float().repeat_interleave(g, 0)
-    vf = v.float().repeat_interleave(g, 0)
-    s = (q.float() @ kf.transpose(1, 2)) * scale
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num()
-    return p @ vf
+    from ..torch_ops import masked_attention
+
+    kf, vf = (x.float().repeat_interleave(g, 0) for x in (k, v))
+    return masked_attention(q.float(), kf, vf, mask, scale)[0]
 
 
 def register(config: PrefillAttention, name: str = "pageweaver_prefill") -> str:

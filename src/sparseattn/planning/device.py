@@ -628,40 +628,36 @@ class DevicePlanner:
                 buf("best"),
                 matched,
             )
-        P.items(
-            bitmap,
-            t.owner_blocks,
-            words,
-            bh,
-            dev.tables,
-            chunk_pages,
-            False,
-            P.OUT_WORK_LIST,
-            cnt,
-            matched=matched,
-        )
+
+        def items(write: bool, **outputs):  # the count pass, then the write pass, over the same items
+            P.items(
+                bitmap,
+                t.owner_blocks,
+                words,
+                bh,
+                dev.tables,
+                chunk_pages,
+                write,
+                P.OUT_WORK_LIST,
+                cnt,
+                matched=matched,
+                **outputs,
+            )
+
+        items(False)
         P.scan(cnt, n, cap, buf("begin"), overflow)
         arrays = {
             name: buf(name)
             for name in ("work_info", "work_order", "own_entries", "stream_entries", "counter")
         }
-        P.items(
-            bitmap,
-            t.owner_blocks,
-            words,
-            bh,
-            dev.tables,
-            chunk_pages,
+        items(
             True,
-            P.OUT_WORK_LIST,
-            cnt,
             base=buf("begin"),
             cap=cap,
             work_info=arrays["work_info"],
             own_entries=arrays["own_entries"],
             stream_entries=arrays["stream_entries"],
             overflow=overflow,
-            matched=matched,
         )
         P.segment_sort(
             dev.head_segments(bh),
