@@ -145,6 +145,7 @@ def kmeans(
     *,
     seed_points: int | None = None,
     chunk_tokens: int | None = None,
+    assign: str = "auto",
 ):
     """Batched k-means of the rows of ``x``: ``(labels int64 [N, tokens], centroids float32 [N, k, d])``.
 
@@ -159,6 +160,10 @@ def kmeans(
         generator: the ``torch.Generator`` of the k-means++ seeding (unused with ``init``).
         seed_points: k-means++ pool size (:func:`kmeans_pp_init`); chunk_tokens: see
             :func:`nearest_centroid`.
+        assign: how tokens find their nearest centroid: ``"torch"`` (:func:`nearest_centroid`, float32
+            distances), ``"fused"`` (:func:`sparseattn.nearest_centroid.nearest_centroid_fused`: one
+            Triton kernel on half-precision ``x``, centroids rounded to its dtype), or ``"auto"`` (fused
+            where it can run, else torch).
 
     The labels are the nearest centroids of the returned centroids (one assignment after the last
     step), as :func:`sparseattn.builders.kmeans_labels` returns them; unlike it, the Lloyd steps run
@@ -177,13 +182,26 @@ def kmeans(
         if tuple(init.shape) != (n, k, d):
             raise ValueError(f"init must be [N, k, d] = {[n, k, d]}, got {list(init.shape)}")
         c = init.to(device=x.device, dtype=torch.float32)
+    nearest = _assigner(x, assign, chunk_tokens)
     x32 = x.float()
     for _ in range(iters):
-        labels = nearest_centroid(x32, c, chunk_tokens)
+        labels = nearest(c)
         sums, counts = _cluster_sums(x32, labels, k)
         counts = counts.unsqueeze(-1)
         c = torch.where(counts > 0, sums / counts.clamp_min(1.0), c)
-    return nearest_centroid(x32, c, chunk_tokens), c
+    return nearest(c), c
+
+
+def _assigner(x: torch.Tensor, assign: str, chunk_tokens: int | None):
+    """``centroids -> labels`` of ``x`` by the ``assign`` method of :func:`kmeans`."""
+    from .nearest_centroid import fused_available, nearest_centroid_fused
+
+    if assign not in ("auto", "torch", "fused"):
+        raise ValueError(f"assign must be 'auto', 'torch' or 'fused', got {assign!r}")
+    if assign == "fused" or (assign == "auto" and fused_available(x)):
+        return lambda c: nearest_centroid_fused(x, c)
+    x32 = x.float()
+    return lambda c: nearest_centroid(x32, c, chunk_tokens)
 
 
 # --- partition layouts ------------------------------------------------------------------------------
@@ -402,12 +420,13 @@ def svg2_partition_step(
     q_init: torch.Tensor | None = None,
     k_init: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    assign: str = "auto",
 ) -> SVG2Step:
     """SVG2's clustering, partition and selection for ``q`` ``[N, q_tokens, d]`` and ``k``
     ``[N, k_tokens, d]``, as :func:`sparseattn.builders.svg2_graph` does per head on the host.
 
     :func:`kmeans` of each side (``iters`` Lloyd steps from ``q_init`` / ``k_init``, else k-means++
-    seeds from ``generator``, Q first), :func:`partition_slots` of the labels (default
+    seeds from ``generator``, Q first; ``assign`` as there), :func:`partition_slots` of the labels (default
     ``max_slots``), :func:`svg2_select` on the float32 cluster means of the labels (as the host's
     :func:`~sparseattn.builders.group_means`) in float64 with ``head_dim = d``, and
     :func:`cluster_block_mask`.
@@ -416,8 +435,8 @@ def svg2_partition_step(
     _check_rows("k", k)
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} must agree in N and d")
-    q_labels, q_cent = kmeans(q, q_clusters, iters, q_init, generator)
-    k_labels, k_cent = kmeans(k, k_clusters, iters, k_init, generator)
+    q_labels, q_cent = kmeans(q, q_clusters, iters, q_init, generator, assign=assign)
+    k_labels, k_cent = kmeans(k, k_clusters, iters, k_init, generator, assign=assign)
     q_layout = partition_slots(q_labels, q_clusters, block_size)
     k_layout = partition_slots(k_labels, k_clusters, block_size)
     q_means, _ = cluster_means(q, q_labels, q_clusters)

@@ -1,0 +1,294 @@
+"""One SVG2 attention call on the GPU, timed by part, on a built-in ``svg2_*`` workload's shape.
+
+A call as the Wan processor makes it (warm-started from the previous call's centroids): k-means of Q and
+of K (:func:`sparseattn.svg2_device.kmeans`), the partition layouts and the selection (slots, cluster
+means, top-p, block mask), tokens to slots, the KPage forward's work list
+(:func:`sparseattn.planning.dynamic_layouts.forward_work_list`) and kernel, slots back to tokens, and the
+backward's plan. Each part between CUDA events, median of ``--reps`` calls; the k-means runs once per
+``--assign`` method (float32 torch distances and the fused Triton kernel) in the same run.
+
+Q and K are the workload's synthetic features (:func:`sparseattn.synthetic.synthetic_head_factors`,
+zero-padded to the head dim) in bf16; V is random. The output of head 0 is checked on sampled query
+tokens against float64 attention over the selected cluster pairs.
+
+    python -m sparseattn.svg2_step_bench --workload svg2_wan14b_720p --out data/bench/svg2_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+PARTS_SELECT = ("kmeans_q", "kmeans_k", "layouts_select")
+PARTS_KPAGE = ("to_slots", "plan_fwd", "kernel_fwd", "from_slots")
+ASSIGNS = ("torch", "fused")
+
+
+def features(workload, heads: int, device):
+    """bf16 ``(q, k, v)`` ``[heads, tokens, d]`` of a built-in workload: its synthetic Q/K features."""
+    import torch
+
+    from .synthetic import synthetic_head_factors
+
+    d = workload.head_dim
+    qs, ks = [], []
+    for h in range(heads):
+        zq, zk = synthetic_head_factors(h, grid=workload.grid, dim=d)
+        qs.append(np.pad(zq, ((0, 0), (0, d - zq.shape[1]))))
+        ks.append(np.pad(zk, ((0, 0), (0, d - zk.shape[1]))))
+    q = torch.from_numpy(np.stack(qs)).to(device, torch.bfloat16)
+    k = torch.from_numpy(np.stack(ks)).to(device, torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(2)
+    v = torch.randn(q.shape, generator=g, device=device, dtype=torch.bfloat16)
+    return q, k, v
+
+
+def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None):
+    """One SVG2 call: ``(out [N, tokens, d], step)``; ``marks(name)`` is called after each part."""
+    from .kernels.forward import torch_dynamic_forward
+    from .planning.dynamic_layouts import forward_work_list
+    from .svg2_device import (
+        cluster_block_mask,
+        cluster_means,
+        gather_from_slots,
+        kmeans,
+        partition_slots,
+        scatter_to_slots,
+        svg2_select,
+    )
+
+    mark = marks or (lambda name: None)
+    qc, kc = sel.q_clusters, sel.k_clusters
+    q_labels, q_cent = kmeans(q, qc, iters, init[0], assign=assign)
+    mark("kmeans_q")
+    k_labels, k_cent = kmeans(k, kc, iters, init[1], assign=assign)
+    mark("kmeans_k")
+    ql = partition_slots(q_labels, qc, block_size)
+    kl = partition_slots(k_labels, kc, block_size)
+    q_means, _ = cluster_means(q, q_labels, qc)
+    k_means, k_sizes = cluster_means(k, k_labels, kc)
+    mask = svg2_select(q_means.double(), k_means.double(), k_sizes, q.shape[2], sel.top_p, sel.min_fraction)
+    blocks = cluster_block_mask(mask, ql.block_group, kl.block_group)
+    mark("layouts_select")
+    qs = scatter_to_slots(q, ql.token_slot, ql.max_slots)
+    ks = scatter_to_slots(k, kl.token_slot, kl.max_slots)
+    vs = scatter_to_slots(v, kl.token_slot, kl.max_slots)
+    mark("to_slots")
+    work = forward_work_list(ql.block_rows, kl.block_rows, blocks, block_size, rows_per_chunk=4)
+    mark("plan_fwd")
+    o, _ = torch_dynamic_forward(qs[None], ks[None], vs[None], work)
+    mark("kernel_fwd")
+    out = gather_from_slots(o[0], ql.token_slot)
+    mark("from_slots")
+    return out, dict(
+        q_labels=q_labels, k_labels=k_labels, mask=mask, blocks=blocks, cent=(q_cent, k_cent), ql=ql, kl=kl
+    )
+
+
+def check_head0(q, k, v, out, state, samples: int = 256, seed: int = 0) -> float:
+    """Relative error of head 0's output on ``samples`` query tokens against float64 attention over the
+    selected cluster pairs."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    t = q.shape[1]
+    rows = torch.from_numpy(rng.choice(t, size=min(samples, t), replace=False)).to(q.device)
+    lq = state["q_labels"][0, rows]
+    allowed = state["mask"][0][lq][:, state["k_labels"][0]]  # [samples, tokens]
+    qq, kk, vv = q[0, rows].double(), k[0].double(), v[0].double()
+    s = (qq @ kk.T) / q.shape[2] ** 0.5
+    s = s.masked_fill(~allowed, float("-inf"))
+    ref = torch.softmax(s, -1) @ vv
+    got = out[0, rows].double()
+    return float((got - ref).norm() / ref.norm())
+
+
+class _Marks:
+    """CUDA events in call order; ``elapsed()`` gives each mark's time since the previous one (ms)."""
+
+    def __init__(self):
+        import torch
+
+        self._event = lambda: torch.cuda.Event(enable_timing=True)
+        self._sync = torch.cuda.synchronize
+        self.events = [("start", self._event())]
+        self.events[0][1].record()
+
+    def __call__(self, name: str) -> None:
+        e = self._event()
+        e.record()
+        self.events.append((name, e))
+
+    def elapsed(self) -> dict[str, float]:
+        self._sync()
+        pairs = zip(self.events, self.events[1:])
+        out = {b[0]: a[1].elapsed_time(b[1]) for a, b in pairs}
+        out.pop("plan_bwd_start", None)
+        return out
+
+
+def measure(workload_name: str, heads: int | None, reps: int, warmup: int, iters: int, log=print):
+    import torch
+
+    from . import workloads as wl
+    from .planning.dynamic_layouts import backward_plan
+
+    w = wl.get_workload(workload_name)
+    sel = w.selection
+    heads = heads or w.heads
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    q, k, v = features(w, heads, dev)
+    log(
+        f"{workload_name}: {heads} heads x {q.shape[1]:,} tokens, d={q.shape[2]}, features in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    B = w.block_size
+    g = torch.Generator(device=dev).manual_seed(0)
+    from .svg2_device import kmeans
+
+    torch.cuda.synchronize()
+    seed_t = {}
+    for side, x, c in (("q", q, sel.q_clusters), ("k", k, sel.k_clusters)):
+        a = time.perf_counter()
+        _, cent = kmeans(x, c, 0, None, g)
+        torch.cuda.synchronize()
+        seed_t[side] = (time.perf_counter() - a) * 1e3, cent
+    init = (seed_t["q"][1], seed_t["k"][1])
+    records = [
+        dict(part=f"seed_{s}", assign="-", time_ms=seed_t[s][0], note="k-means++ seeding, first call only")
+        for s in ("q", "k")
+    ]
+    for assign in ASSIGNS:
+        times: dict[str, list[float]] = {}
+        try:
+            for rep in range(warmup + reps):
+                marks = _Marks()
+                out, state = one_call(q, k, v, sel, B, init, assign, iters, marks)
+                init = state["cent"]
+                if assign == ASSIGNS[-1] and rep == warmup + reps - 1:
+                    marks("plan_bwd_start")
+                    backward_plan(
+                        state["ql"].block_rows, state["kl"].block_rows, state["blocks"], B, rows_per_chunk=4
+                    )
+                    marks("plan_bwd")
+                if rep >= warmup:
+                    for name, ms in marks.elapsed().items():
+                        times.setdefault(name, []).append(ms)
+        except Exception as exc:  # noqa: BLE001 (a method that fails is recorded; the run goes on)
+            log(f"assign={assign}: {type(exc).__name__}: {exc}")
+            records.append(dict(part="kmeans_q", assign=assign, error=f"{type(exc).__name__}: {exc}"))
+            continue
+        err = check_head0(q, k, v, out, state)
+        ql, kl = state["ql"], state["kl"]
+        qsz = torch.bincount(state["q_labels"][0], minlength=sel.q_clusters).double()
+        ksz = torch.bincount(state["k_labels"][0], minlength=sel.k_clusters).double()
+        useful = float(qsz @ state["mask"][0].double() @ ksz) / float(q.shape[1]) ** 2
+        live_blocks = float(
+            state["blocks"].float().sum() / ((ql.block_rows > 0).sum(1) * (kl.block_rows > 0).sum(1)).sum()
+        )
+        for name, ts in times.items():
+            records.append(
+                dict(
+                    part=name,
+                    assign=assign,
+                    time_ms=statistics.median(ts),
+                    reps=len(ts),
+                    rel_err_head0=err,
+                    useful_fraction_head0=useful,
+                    block_fraction=live_blocks,
+                )
+            )
+        log(
+            f"assign={assign}: "
+            + ", ".join(f"{n} {statistics.median(ts):.2f}" for n, ts in times.items())
+            + f" ms; head-0 rel_err {err:.2e}; useful pairs {useful:.1%}"
+        )
+    meta = dict(
+        workload=workload_name,
+        heads=heads,
+        tokens=int(q.shape[1]),
+        head_dim=int(q.shape[2]),
+        q_clusters=sel.q_clusters,
+        k_clusters=sel.k_clusters,
+        iters=iters,
+        block_size=B,
+        top_p=sel.top_p,
+        min_fraction=sel.min_fraction,
+    )
+    return [dict(meta, **r) for r in records]
+
+
+def summary(records) -> list[str]:
+    """The per-call overhead (clustering + selection + planning) against the KPage kernel, per method."""
+    lines = []
+    for assign in ASSIGNS:
+        t = {r["part"]: r["time_ms"] for r in records if r.get("assign") == assign and "time_ms" in r}
+        if "kernel_fwd" not in t:
+            continue
+        over = sum(t.get(p, 0.0) for p in (*PARTS_SELECT, "plan_fwd"))
+        lines.append(
+            f"assign={assign}: kmeans q {t['kmeans_q']:.2f} + k {t['kmeans_k']:.2f} + layouts/select "
+            f"{t['layouts_select']:.2f} + fwd plan {t['plan_fwd']:.2f} = {over:.2f} ms = "
+            f"{over / t['kernel_fwd']:.0%} of the kernel's {t['kernel_fwd']:.2f} ms"
+            + (f"; bwd plan {t['plan_bwd']:.2f} ms" if "plan_bwd" in t else "")
+        )
+    return lines
+
+
+def main(argv=None) -> int:
+    from .bench import run_path, write_run
+
+    ap = argparse.ArgumentParser(
+        prog="python -m sparseattn.svg2_step_bench", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--workload", default="svg2_wan14b_720p")
+    ap.add_argument("--heads", type=int, default=None, help="heads (default: the workload's)")
+    ap.add_argument(
+        "--iters", type=int, default=3, help="Lloyd steps per call (default 3, the Wan processor's)"
+    )
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile", default=None, help="also write a torch.profiler table of one call here")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    records = measure(args.workload, args.heads, args.reps, args.warmup, args.iters)
+    if args.profile:
+        profile_table(args.workload, args.heads, args.iters, args.profile)
+    path = write_run(run_path(args.out, "svg2_step"), "python -m sparseattn.svg2_step_bench", argv, records)
+    for line in summary(records):
+        print(line)
+    print(f"wrote {path}")
+    return 0
+
+
+def profile_table(workload_name, heads, iters, path) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from . import workloads as wl
+    from .svg2_device import kmeans
+
+    w = wl.get_workload(workload_name)
+    q, k, v = features(w, heads or w.heads, torch.device("cuda"))
+    init = tuple(kmeans(x, c, 0)[1] for x, c in ((q, w.selection.q_clusters), (k, w.selection.k_clusters)))
+    with open(path, "w") as f:
+        for assign in ASSIGNS:
+            one_call(q, k, v, w.selection, w.block_size, init, assign, iters)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                one_call(q, k, v, w.selection, w.block_size, init, assign, iters)
+                torch.cuda.synchronize()
+            f.write(f"== assign={assign}\n")
+            f.write(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+            )
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
