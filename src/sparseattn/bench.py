@@ -896,6 +896,7 @@ def bench_flashinfer_varblock(
         sm_scale=case.scale,
         q_data_type=torch.bfloat16,
     )
+    _grow_vector_sparse_buffers(wrapper, torch)
     o = wrapper.run(qc, kc, vc)
     torch.cuda.synchronize()
     plan_s = time.time() - t0
@@ -920,6 +921,19 @@ def bench_flashinfer_varblock(
             backend=backend,
         )
     ]
+
+
+def _grow_vector_sparse_buffers(wrapper, torch) -> None:
+    """FlashInfer's FA3 path expands the plan's page indices into a buffer of fixed size (16M entries in
+    0.5.3) at each run and refuses a plan that needs more (``_vector_sparse_indices_buffer is not large
+    enough``); a user of a long sequence gives it room after ``plan``: one entry more than the plan's
+    indices (its check is ``<=``). The run writes that buffer before reading it."""
+    have = getattr(wrapper, "_vector_sparse_indices_buffer", None)
+    need = getattr(wrapper, "_paged_kv_indices_buf", None)
+    if have is not None and need is not None and have.numel() <= need.numel():
+        wrapper._vector_sparse_indices_buffer = torch.empty(
+            need.numel() + 1, dtype=have.dtype, device=have.device
+        )
 
 
 def bench_flashinfer_varblock_fa3(case: Case, timer: Timer, passes, check: bool) -> list[dict]:

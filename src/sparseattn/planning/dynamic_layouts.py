@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..constants import PAGE_ROWS
+from . import page_streams
 from .work_list import OWN_PAGES
 
 #: Keys per chunk of the work lists made here (the forward kernel's 128-key chunks).
@@ -136,11 +137,70 @@ def forward_work_list(
     dev = q_block_rows.device
     k_full = k_rows // PAGE_ROWS  # [R, nk]
     k_part = (k_rows % PAGE_ROWS > 0).long()
+    if page_streams.available(sel):
+        k_full32, k_part32 = k_full.int().contiguous(), k_part.int().contiguous()
+        flat_len, start, total = _offsets(page_streams.stream_lengths(sel, k_full32, k_part32))
+        entries = torch.empty(capacity + 1, 2, dtype=torch.int32, device=dev)
+        page_streams.write_streams(
+            sel,
+            k_full32,
+            k_part32,
+            k_rows.int().contiguous(),
+            start,
+            entries,
+            capacity,
+            pages_per_block,
+            0,
+            split_partial=True,
+        )
+        stream_entries = entries[:capacity]
+    else:
+        flat_len, start, total, stream_entries = _forward_streams_torch(
+            sel, k_rows, k_full, k_part, capacity, pages_per_block, rows_per_chunk
+        )
+
+    # own pages: the Q block's live pages with their row masks
+    own_slot = torch.arange(OWN_PAGES, device=dev)
+    q_live = -(-q_rows // PAGE_ROWS)  # [R, nq]
+    live = own_slot < q_live.unsqueeze(-1)  # [R, nq, 8]
+    own_page = torch.arange(nq, device=dev)[:, None] * pages_per_block + own_slot
+    own_page = torch.where(live, own_page.expand_as(live), -1)
+    own_rows = (q_rows.unsqueeze(-1) - own_slot * PAGE_ROWS).clamp(0, PAGE_ROWS)
+    own_mask = torch.where(live, _row_masks(own_rows), 0)
+    own_entries = torch.stack([own_page.to(torch.int32), own_mask], -1).view(r * nq, OWN_PAGES, 2)
+
+    m = torch.where(q_live <= OWN_PAGES // 2, 64, 128).reshape(-1)
+    head = torch.arange(r, device=dev).repeat_interleave(nq)
+    work_info = torch.stack([head, start, flat_len, m], 1).to(torch.int32)
+    cost = m * -(-flat_len // (CHUNK // PAGE_ROWS))
+    order = torch.sort(-cost, stable=True).indices  # largest first, ties in item order
+    order = order[torch.sort(head[order], stable=True).indices]  # then head by head
+    status = torch.stack([total, (total - capacity).clamp(min=0)])
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    return DynamicWorkList(
+        work_info.contiguous(),
+        order.to(torch.int32).contiguous(),
+        own_entries.contiguous(),
+        stream_entries.contiguous(),
+        status,
+        r,
+        CHUNK,
+        int(capacity),
+        counter,
+    )
+
+
+def _forward_streams_torch(
+    sel, k_rows, k_full, k_part, capacity: int, pages_per_block: int, rows_per_chunk: int
+):
+    """The forward's streams in torch (the reference of :mod:`.page_streams`, and its path off CUDA):
+    ``(lengths, starts, total, stream_entries [capacity, 2])``."""
+    r, nq, nk = sel.shape
+    dev = sel.device
     sel_l = sel.long()
     len_full = (sel_l * k_full.unsqueeze(1)).sum(-1)  # [R, nq]
     len_part = (sel_l * k_part.unsqueeze(1)).sum(-1)
     flat_len, start, total = _offsets(len_full + len_part)
-
     # one scratch entry past the end takes every write that is not kept (static shapes, no sync)
     stream_pages = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
     stream_mask = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
@@ -163,37 +223,7 @@ def forward_work_list(
         page = (torch.arange(nk, device=dev) * pages_per_block + k_full[a:b]).unsqueeze(1).expand_as(part)
         masks = _row_masks(k_rows[a:b] % PAGE_ROWS).unsqueeze(1).expand_as(part)
         _scatter(stream_pages, stream_mask, pos, part, page, masks, capacity)
-
-    # own pages: the Q block's live pages with their row masks
-    own_slot = torch.arange(OWN_PAGES, device=dev)
-    q_live = -(-q_rows // PAGE_ROWS)  # [R, nq]
-    live = own_slot < q_live.unsqueeze(-1)  # [R, nq, 8]
-    own_page = torch.arange(nq, device=dev)[:, None] * pages_per_block + own_slot
-    own_page = torch.where(live, own_page.expand_as(live), -1)
-    own_rows = (q_rows.unsqueeze(-1) - own_slot * PAGE_ROWS).clamp(0, PAGE_ROWS)
-    own_mask = torch.where(live, _row_masks(own_rows), 0)
-    own_entries = torch.stack([own_page.to(torch.int32), own_mask], -1).view(r * nq, OWN_PAGES, 2)
-
-    m = torch.where(q_live <= OWN_PAGES // 2, 64, 128).reshape(-1)
-    head = torch.arange(r, device=dev).repeat_interleave(nq)
-    work_info = torch.stack([head, start, flat_len, m], 1).to(torch.int32)
-    cost = m * -(-flat_len // (CHUNK // PAGE_ROWS))
-    order = torch.sort(-cost, stable=True).indices  # largest first, ties in item order
-    order = order[torch.sort(head[order], stable=True).indices]  # then head by head
-    status = torch.stack([total, (total - capacity).clamp(min=0)])
-    stream_entries = torch.stack([stream_pages[:capacity], stream_mask[:capacity]], 1)
-    counter = torch.zeros(1, dtype=torch.int32, device=dev)
-    return DynamicWorkList(
-        work_info.contiguous(),
-        order.to(torch.int32).contiguous(),
-        own_entries.contiguous(),
-        stream_entries.contiguous(),
-        status,
-        r,
-        CHUNK,
-        int(capacity),
-        counter,
-    )
+    return flat_len, start, total, torch.stack([stream_pages[:capacity], stream_mask[:capacity]], 1)
 
 
 def _selection(q_block_rows, k_block_rows, block_mask, block_size: int):
@@ -317,6 +347,28 @@ class DynamicOwnedPlan:
         return DeviceOwnedPlan(arrays, "kv", self.routes, ((0, 0, w, False),), 1, w, OWN_PAGES, None, 0, self)
 
 
+def _backward_streams_torch(owned_sel, q_live, capacity: int, per_block: int, rows_per_chunk: int):
+    """The backward's streams in torch (the reference of :mod:`.page_streams`, and its path off CUDA):
+    ``(starts, total, stream [capacity + 1])``."""
+    r, nk, nq = owned_sel.shape
+    dev = owned_sel.device
+    q_per_row = nq * per_block
+    _, start, total = _offsets((owned_sel.long() * q_live.unsqueeze(1)).sum(-1))  # per (row, K block)
+    stream = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
+    page_of = torch.arange(per_block, device=dev)
+    for a in range(0, r, rows_per_chunk):
+        b = min(r, a + rows_per_chunk)
+        s = owned_sel[a:b]  # [c, nk, nq]
+        live = s.unsqueeze(-1) & (page_of < q_live[a:b, None, :, None])  # [c, nk, nq, P]
+        c = b - a
+        rank = live.reshape(c, nk, -1).long().cumsum(-1).view_as(live) - 1
+        pos = start.view(r, nk)[a:b, :, None, None] + rank
+        row = torch.arange(a, b, device=dev)[:, None, None, None]
+        page = row * q_per_row + torch.arange(nq, device=dev)[:, None] * per_block + page_of
+        _scatter(stream, None, pos, live, page.expand_as(live), None, capacity)
+    return start, total, stream
+
+
 def _page_masks(block_rows: torch.Tensor, pages_per_block: int) -> torch.Tensor:
     """int16 ``[R · blocks · pages]``: the row mask of every page of every row's blocks (prefix rows)."""
     page = torch.arange(pages_per_block, device=block_rows.device)
@@ -344,19 +396,26 @@ def backward_plan(
         capacity = r * nk * q_per_row
     dev = q_block_rows.device
     q_live = -(-q_rows // PAGE_ROWS)  # [R, nq]
-    _, start, total = _offsets((sel.long() * q_live.unsqueeze(-1)).sum(1))  # per (row, K block)
-    stream = torch.zeros(capacity + 1, dtype=torch.int32, device=dev)
-    page_of = torch.arange(per_block, device=dev)
-    for a in range(0, r, rows_per_chunk):
-        b = min(r, a + rows_per_chunk)
-        s = sel[a:b].transpose(1, 2)  # [c, nk, nq]
-        live = s.unsqueeze(-1) & (page_of < q_live[a:b, None, :, None])  # [c, nk, nq, P]
-        c = b - a
-        rank = live.reshape(c, nk, -1).long().cumsum(-1).view_as(live) - 1
-        pos = start.view(r, nk)[a:b, :, None, None] + rank
-        row = torch.arange(a, b, device=dev)[:, None, None, None]
-        page = row * q_per_row + torch.arange(nq, device=dev)[:, None] * per_block + page_of
-        _scatter(stream, None, pos, live, page.expand_as(live), None, capacity)
+    owned_sel = sel.transpose(1, 2)  # [R, nk, nq]: the Q blocks selecting each K block
+    if page_streams.available(sel):
+        q_live32 = q_live.int().contiguous()
+        no_part = torch.zeros_like(q_live32)
+        _, start, total = _offsets(page_streams.stream_lengths(owned_sel, q_live32, no_part))
+        stream = torch.empty(capacity + 1, dtype=torch.int32, device=dev)
+        page_streams.write_streams(
+            owned_sel,
+            q_live32,
+            no_part,
+            None,
+            start,
+            stream,
+            capacity,
+            per_block,
+            q_per_row,
+            split_partial=False,
+        )
+    else:
+        start, total, stream = _backward_streams_torch(owned_sel, q_live, capacity, per_block, rows_per_chunk)
     own_slot = torch.arange(OWN_PAGES, device=dev)
     k_live = -(-k_rows // PAGE_ROWS)  # [R, nk]
     owned = own_slot < k_live.unsqueeze(-1)

@@ -1,0 +1,199 @@
+"""The page streams of per-row layouts, written by one Triton program per work item.
+
+A work item (row ``r``, block ``i`` of its owning side) streams the live pages of every block ``j`` of
+the other side that it selects, in block order. :func:`stream_lengths` counts each item's entries and
+:func:`write_streams` writes them at the item's offset; between the two, an exclusive prefix sum in
+torch. Each program walks its item's selection ``BLOCK_J`` blocks at a time (a prefix sum of page
+counts within the chunk gives every page its position), so the work is one read of the selection and
+one write per stream entry: no ``[rows, blocks, blocks, pages]`` temporaries as in the torch form
+(:mod:`.dynamic_layouts`), which stays the reference and the path off CUDA.
+
+Two stream forms:
+
+* forward (``split_partial=True``): every selected block's full 16-row pages first (mask ``0xFFFF``),
+  then one partial page per selected block that has one (its row mask), written as interleaved
+  ``(page, mask)`` int32 pairs;
+* backward (``split_partial=False``): all live pages of each selected block, page ids only.
+
+Entries past ``capacity`` go nowhere (the callers count them in their status). The kernels need CUDA
+tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests); :func:`available` says which.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..constants import PAGE_ROWS
+
+try:  # Triton ships with torch's CUDA builds; CPU-only installs may lack it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+#: Blocks of the other side read per step of a program.
+BLOCK_J = 256
+FULL_MASK = (1 << PAGE_ROWS) - 1
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the Triton stream writers can run on ``x``'s device."""
+    if triton is None:
+        return False
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return x.is_cuda or (interpreting and x.device.type == "cpu")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _lengths_kernel(
+        sel_ptr, full_ptr, part_ptr, out_ptr, n_owner, n_other, s_r, s_i, s_j, BJ: tl.constexpr
+    ):
+        item = tl.program_id(0)
+        r = (item // n_owner).to(tl.int64)
+        i = (item % n_owner).to(tl.int64)
+        total = tl.zeros([], tl.int64)
+        for j0 in range(0, n_other, BJ):
+            j = j0 + tl.arange(0, BJ)
+            ok = j < n_other
+            s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
+            nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
+            npart = tl.load(part_ptr + r * n_other + j, mask=ok, other=0)
+            total += tl.sum(tl.where(s, nf + npart, 0).to(tl.int64), axis=0)
+        tl.store(out_ptr + item, total)
+
+    @triton.jit
+    def _write_kernel(
+        sel_ptr,
+        full_ptr,
+        part_ptr,
+        rows_ptr,
+        start_ptr,
+        out_ptr,
+        n_owner,
+        n_other,
+        s_r,
+        s_i,
+        s_j,
+        capacity,
+        row_page_stride,
+        P: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BJ: tl.constexpr,
+    ):
+        item = tl.program_id(0)
+        r = (item // n_owner).to(tl.int64)
+        i = (item % n_owner).to(tl.int64)
+        off = tl.load(start_ptr + item)
+        base = r * row_page_stride
+        # pass 1: full pages (SPLIT) or every live page, block by block
+        for j0 in range(0, n_other, BJ):
+            j = j0 + tl.arange(0, BJ)
+            ok = j < n_other
+            s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
+            n = tl.where(s, tl.load(full_ptr + r * n_other + j, mask=ok, other=0), 0).to(tl.int64)
+            excl = tl.cumsum(n, axis=0) - n
+            for p in tl.static_range(P):
+                pos = off + excl + p
+                keep = (p < n) & (pos < capacity)
+                page = (base + j * P + p).to(tl.int32)
+                if SPLIT:
+                    tl.store(out_ptr + 2 * pos, page, mask=keep)
+                    tl.store(out_ptr + 2 * pos + 1, tl.full([BJ], 0xFFFF, tl.int32), mask=keep)
+                else:
+                    tl.store(out_ptr + pos, page, mask=keep)
+            off += tl.sum(n, axis=0)
+        if SPLIT:  # pass 2: the partial page of each selected block, after all full pages
+            for j0 in range(0, n_other, BJ):
+                j = j0 + tl.arange(0, BJ)
+                ok = j < n_other
+                s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
+                n = tl.where(s, tl.load(part_ptr + r * n_other + j, mask=ok, other=0), 0).to(tl.int64)
+                excl = tl.cumsum(n, axis=0) - n
+                pos = off + excl
+                keep = (n > 0) & (pos < capacity)
+                nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
+                rows = tl.load(rows_ptr + r * n_other + j, mask=ok, other=0) % 16
+                tl.store(out_ptr + 2 * pos, (base + j * P + nf).to(tl.int32), mask=keep)
+                tl.store(out_ptr + 2 * pos + 1, ((1 << rows) - 1).to(tl.int32), mask=keep)
+                off += tl.sum(n, axis=0)
+
+
+def _check(sel: torch.Tensor, full: torch.Tensor, part: torch.Tensor):
+    if sel.ndim != 3 or full.shape != (sel.shape[0], sel.shape[2]) or part.shape != full.shape:
+        raise ValueError(
+            f"sel must be [R, owner, other] with full/part [R, other]; got {list(sel.shape)}, "
+            f"{list(full.shape)}, {list(part.shape)}"
+        )
+    if not available(sel):
+        raise ValueError(
+            f"the Triton stream writers cannot run on {sel.device} (Triton: {triton is not None})"
+        )
+
+
+def stream_lengths(sel: torch.Tensor, full: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """int64 ``[R · owner]``: entries of each item's stream, ``Σ_j sel[r, i, j] · (full + part)[r, j]``.
+
+    Args:
+        sel: bool ``[R, owner_blocks, other_blocks]`` (any strides: a transposed view is fine).
+        full, part: int32 ``[R, other_blocks]``: pages of the first kind (full, or all live) and of the
+            second (0 or 1 partial page) of each block of the other side.
+    """
+    _check(sel, full, part)
+    r, n_owner, n_other = sel.shape
+    out = torch.empty(r * n_owner, dtype=torch.int64, device=sel.device)
+    if out.numel():
+        sel_u8 = sel.view(torch.uint8)
+        _lengths_kernel[(r * n_owner,)](
+            sel_u8, full, part, out, n_owner, n_other, *sel_u8.stride(), BJ=BLOCK_J
+        )
+    return out
+
+
+def write_streams(
+    sel: torch.Tensor,
+    full: torch.Tensor,
+    part: torch.Tensor,
+    rows: torch.Tensor | None,
+    start: torch.Tensor,
+    out: torch.Tensor,
+    capacity: int,
+    pages_per_block: int,
+    row_page_stride: int,
+    split_partial: bool,
+) -> None:
+    """Write every item's stream at ``start[item]`` into ``out``.
+
+    Args:
+        sel, full, part: as :func:`stream_lengths`.
+        rows: int32 ``[R, other_blocks]``, valid rows of each block (for the partial pages' masks;
+            ``split_partial`` only).
+        start: int64 ``[R · owner]``, each item's first entry.
+        out: int32 ``[capacity + 1, 2]`` (``split_partial``: (page, mask) pairs) or ``[capacity + 1]``.
+        pages_per_block: 16-row pages per block; a page id is
+            ``r · row_page_stride + j · pages_per_block + p``.
+    """
+    _check(sel, full, part)
+    r, n_owner, n_other = sel.shape
+    if r * n_owner == 0:
+        return
+    sel_u8 = sel.view(torch.uint8)
+    _write_kernel[(r * n_owner,)](
+        sel_u8,
+        full,
+        part,
+        full if rows is None else rows,
+        start,
+        out,
+        n_owner,
+        n_other,
+        *sel_u8.stride(),
+        int(capacity),
+        int(row_page_stride),
+        P=int(pages_per_block),
+        SPLIT=bool(split_partial),
+        BJ=BLOCK_J,
+    )

@@ -1,0 +1,41 @@
+"""The Triton kernels (the SVG2 planner's page streams, the fused nearest centroid) under Triton's
+interpreter on the CPU, against their torch references (``triton_interpreted_checks.py``, in a fresh
+process: the interpreter is chosen when Triton is imported). The GPU tests run them compiled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+CHECKS = Path(__file__).with_name("triton_interpreted_checks.py")
+
+
+@pytest.mark.parametrize("kernel", ["page_streams", "nearest_centroid"])
+def test_triton_kernel_under_the_interpreter_equals_torch(kernel):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, str(CHECKS), kernel],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "cases agree" in run.stdout
+
+
+def test_fused_nearest_centroid_refuses_what_it_cannot_run():
+    import torch
+
+    from sparseattn.nearest_centroid import nearest_centroid_fused
+
+    with pytest.raises(ValueError, match="nearest_centroid_fused"):
+        nearest_centroid_fused(torch.randn(1, 8, 64), torch.randn(1, 2, 64))  # float32

@@ -1,0 +1,82 @@
+"""Checks of the Triton kernels under Triton's interpreter (CPU tensors), against their torch references.
+
+Triton's interpreter must be chosen before Triton is imported, so ``test_triton_interpreted.py`` runs
+this file in a fresh process with ``TRITON_INTERPRET=1``: ``python tests/triton_interpreted_checks.py
+page_streams`` (or ``nearest_centroid``). Exit status 0 when every case agrees.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def _case(seed, r=3, nq=9, nk=13, block=128, density=0.4):
+    g = torch.Generator().manual_seed(seed)
+    q_rows = torch.randint(0, block + 1, (r, nq), generator=g)
+    k_rows = torch.randint(0, block + 1, (r, nk), generator=g)
+    q_rows[:, -2:] = 0  # padding blocks, as a per-row layout has
+    mask = torch.rand(r, nq, nk, generator=g) < density
+    return q_rows, k_rows, mask
+
+
+def check_page_streams() -> int:
+    from sparseattn.planning import dynamic_layouts as dl
+    from sparseattn.planning import page_streams
+
+    triton_available = page_streams.available
+    cases = 0
+    for seed in range(3):
+        for block in (64, 128):
+            for capacity in (None, 41):
+                q_rows, k_rows, mask = _case(seed, nk=11 + seed * 5, block=block)
+                assert triton_available(mask), "the interpreter is not on"
+                fwd = dl.forward_work_list(q_rows, k_rows, mask, block, capacity=capacity)
+                bwd = dl.backward_plan(q_rows, k_rows, mask, block, capacity=capacity)
+                page_streams.available = lambda x: False
+                try:
+                    fwd_ref = dl.forward_work_list(q_rows, k_rows, mask, block, capacity=capacity)
+                    bwd_ref = dl.backward_plan(q_rows, k_rows, mask, block, capacity=capacity)
+                finally:
+                    page_streams.available = triton_available
+                for name in ("work_info", "work_order", "own_entries", "status"):
+                    assert torch.equal(getattr(fwd, name), getattr(fwd_ref, name)), name
+                used = min(int(fwd.status[0]), fwd.capacity)
+                assert used > 0
+                assert torch.equal(fwd.stream_entries[:used], fwd_ref.stream_entries[:used]), "fwd streams"
+                for name in ("stream_indptr", "own_pages", "work_block", "status"):
+                    assert torch.equal(getattr(bwd, name), getattr(bwd_ref, name)), name
+                used = min(int(bwd.status[0]), bwd.capacity)
+                assert torch.equal(bwd.stream_pages[:used], bwd_ref.stream_pages[:used]), "bwd streams"
+                if capacity is not None:
+                    assert int(fwd.status[1]) > 0 and int(bwd.status[1]) > 0, "the cut is counted"
+                cases += 1
+    return cases
+
+
+def check_nearest_centroid() -> int:
+    """fp16 (the interpreter has no bf16): labels equal the float32 path's on the rounded centroids."""
+    from sparseattn.nearest_centroid import nearest_centroid_fused
+    from sparseattn.svg2_device import kmeans, nearest_centroid
+
+    cases = 0
+    for n, t, k, d in ((1, 128, 64, 64), (2, 97, 70, 64), (3, 300, 130, 32)):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(n, t, d, generator=g).half()
+        c = torch.randn(n, k, d, generator=g)
+        got = nearest_centroid_fused(x, c)
+        want = nearest_centroid(x.float(), c.half().float())
+        assert got.dtype == torch.int64 and torch.equal(got, want), (n, t, k, d)
+        init = c[:, :16]
+        labels, cent = kmeans(x, 16, 2, init, assign="fused")
+        assert torch.equal(labels, nearest_centroid(x.float(), cent.half().float()))
+        cases += 1
+    return cases
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    name = sys.argv[1]
+    print(f"{name}: {globals()[f'check_{name}']()} cases agree")
