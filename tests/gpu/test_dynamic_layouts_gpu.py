@@ -75,3 +75,40 @@ def test_per_row_layout_attention_gradients_match_the_reference(seed, block):
         assert np.isfinite(g).all(), f"{name}: non-finite"
         assert rel_err(g[ok], w[ok]) < 1e-2, name
         assert not g[~ok].any(), f"{name}: padding slots must be zero"
+
+
+def test_triton_page_streams_equal_the_torch_planner_on_100_partitions(monkeypatch):
+    """The compiled Triton stream writers against the torch planner (both on the GPU) on 100 random
+    per-row partitions (k-means-like labels, padded to blocks) and selections, ragged and capacity-cut."""
+    from sparseattn.planning import dynamic_layouts as dl
+    from sparseattn.planning import page_streams
+    from sparseattn.svg2_device import partition_slots
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for case in range(100):
+        rows, tokens, block = 1 + case % 3, 97 + 37 * case, (64, 128)[case % 2]
+        ql = partition_slots(
+            torch.randint(0, 3 + case % 11, (rows, tokens), device="cuda", generator=g), 13, block
+        )
+        kl = partition_slots(
+            torch.randint(0, 5 + case % 17, (rows, tokens), device="cuda", generator=g), 21, block
+        )
+        mask = torch.rand(rows, ql.max_blocks, kl.max_blocks, device="cuda", generator=g) < 0.05 + case / 120
+        capacity = 50 if case % 10 == 9 else None
+        args = (ql.block_rows, kl.block_rows, mask, block)
+        assert page_streams.available(mask)
+        fwd, bwd = dl.forward_work_list(*args, capacity=capacity), dl.backward_plan(*args, capacity=capacity)
+        with monkeypatch.context() as m:
+            m.setattr(page_streams, "available", lambda x: False)
+            fwd_ref, bwd_ref = (
+                dl.forward_work_list(*args, capacity=capacity),
+                dl.backward_plan(*args, capacity=capacity),
+            )
+        for name in ("work_info", "work_order", "own_entries", "status"):
+            assert torch.equal(getattr(fwd, name), getattr(fwd_ref, name)), (case, name)
+        used = min(int(fwd.status[0]), fwd.capacity)
+        assert torch.equal(fwd.stream_entries[:used], fwd_ref.stream_entries[:used]), case
+        for name in ("stream_indptr", "own_pages", "status"):
+            assert torch.equal(getattr(bwd, name), getattr(bwd_ref, name)), (case, name)
+        used = min(int(bwd.status[0]), bwd.capacity)
+        assert torch.equal(bwd.stream_pages[:used], bwd_ref.stream_pages[:used]), case
