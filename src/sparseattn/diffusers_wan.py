@@ -278,7 +278,9 @@ class WanSparseAttnProcessor:
         torch = self._torch()
         qc, kc, top_p, min_fraction, iters = self.selection.clusters
         b, n, h, d = q.shape
-        rows = lambda x: x.detach().float().permute(0, 2, 1, 3).reshape(b * h, n, d)
+        # the layer's own dtype: bf16 rows take the fused nearest-centroid kernel (distances never leave
+        # the chip); k-means sums and cluster means are float32 whatever the input
+        rows = lambda x: x.detach().permute(0, 2, 1, 3).reshape(b * h, n, d)
         key = (self._layer, b * h)
         init = self._centroids.get(key, (None, None))
         generator = None
