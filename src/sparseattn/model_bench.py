@@ -1089,11 +1089,15 @@ def markdown_table(records: list[dict]) -> str:
             if not any((workload, i, step) in index for i in impls):
                 continue
             dense = index.get((workload, "dense", step), {}).get("time_ms")
-            ckpt = any(index.get((workload, i, step), {}).get("grad_checkpointing") for i in impls)
-            cells = [f"{model} {first.get('res', '')} {what}" + (" (checkpointed)" if ckpt else "")]
+            ran = [index[(workload, i, step)] for i in impls if (workload, i, step) in index]
+            ckpt_all = all(r.get("grad_checkpointing") for r in ran)
+            cells = [f"{model} {first.get('res', '')} {what}" + (" (checkpointed)" if ckpt_all else "")]
             for impl in impls:
                 rec = index.get((workload, impl, step), {"impl": impl})
-                cells.append(_markdown_cell(rec, index.get((workload, impl, attn), {}), dense))
+                cell = _markdown_cell(rec, index.get((workload, impl, attn), {}), dense)
+                cells.append(
+                    cell + (", checkpointed" if rec.get("grad_checkpointing") and not ckpt_all else "")
+                )
             if ratio:
                 kp = index.get((workload, "kpage_sta", attn), {}).get("time_ms")
                 fx = index.get((workload, "flex_sta", attn), {}).get("time_ms")

@@ -93,10 +93,10 @@ def _group_label(records: list[dict], workload: str, pass_: str) -> str:
     layers, full = rec.get("layers"), rec.get("layers_full")
     if layers and full and layers != full:
         name += f", {layers} of {full} layers"
-    if pass_ == "step_train" and any(
-        r.get("grad_checkpointing") for r in records if r["workload"] == workload and r["pass"] == pass_
-    ):
-        name += ", checkpointed"
+    ran = [r for r in records if r["workload"] == workload and r["pass"] == pass_ and "time_ms" in r]
+    ckpt = [r["impl"] for r in ran if r.get("grad_checkpointing")]
+    if pass_ == "step_train" and ckpt:
+        name += ", checkpointed" if len(ckpt) == len(ran) else f", {', '.join(ckpt)} checkpointed"
     return name
 
 
