@@ -714,6 +714,15 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as err:
             return _error(err, EXIT_UNAVAILABLE)
         return kernel_bench.main(argv[2:], prog=f"{PROG} bench pageweaver")
+    if argv[:3] == ["bench", "model", "prefill"]:  # a Llama-like prefill with PageWeaver's attention
+        try:
+            import torch  # noqa: F401 - the bench needs torch and transformers; say so plainly
+            import transformers  # noqa: F401
+        except ImportError as err:
+            return _error(f"bench model prefill needs the transformers extra ({err})", EXIT_UNAVAILABLE)
+        from .pageweaver import prefill_bench
+
+        return prefill_bench.main(argv[3:], prog=f"{PROG} bench model prefill")
     if argv[:2] == ["bench", "model"]:  # whole-model steps (diffusers' Wan) have their own arguments too
         from . import model_bench
 

@@ -126,6 +126,12 @@ def model_steps_figure(inputs: Inputs) -> Figure | None:
     return None if run is None else draw(run)
 
 
+def prefill_figure(inputs: Inputs) -> Figure | None:
+    from .pageweaver.prefillplots import figure_from_runs
+
+    return figure_from_runs(inputs.runs)
+
+
 @dataclass(frozen=True)
 class FigureSpec:
     """One figure of ``figures/``: file stem, what it shows, how it is drawn (None = no data yet)."""
@@ -171,6 +177,12 @@ FIGURES = (
         "whole Wan steps (forward, training) and their attention part per implementation",
         model_steps_figure,
         missing="no recorded `sparseattn bench model wan` run in data/bench yet",
+    ),
+    FigureSpec(
+        "llama_prefill",
+        "a Llama-like prefill with PageWeaver's union, FlashInfer and dense attention; the attention's parts",
+        prefill_figure,
+        missing="no recorded `sparseattn bench model prefill` run in data/bench yet",
     ),
 )
 FIGURE_NAMES = tuple(spec.stem for spec in FIGURES)

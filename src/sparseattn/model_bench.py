@@ -198,7 +198,10 @@ def build_parser(prog: str = "sparseattn bench model") -> argparse.ArgumentParse
         epilog="Records: docs/results.md; time_ms is a median of --reps steps.",
     )
     parser.add_argument(
-        "model_family", choices=("wan",), help="the model family (diffusers' Wan transformer)"
+        "model_family",
+        choices=("wan",),
+        help="the model family: wan (diffusers' Wan transformer); "
+        "`sparseattn bench model prefill --help`: a Llama-like prefill with PageWeaver's attention",
     )
     parser.add_argument(
         "--models",

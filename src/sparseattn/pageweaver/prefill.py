@@ -13,30 +13,42 @@ implementation):
      window 64) — :func:`sparseattn.kernels.pageweaver.union_forward`;
    * ``"flashinfer"``: FlashInfer's block-sparse wrapper on the same selection and the same e4m3 cache
      (one row per query, a page per block; ``fa2``): the native path of a model with an FP8 cache;
+   * ``"flashinfer_bf16"``: the same wrapper and selection on K and V kept in bf16 (twice the cache's
+     memory; no FP8 step);
    * ``"reference"``: masked attention in float32 on the dequantised cache (any device; checks).
 
-Batch 1, head dim 128 for the GPU backends. :func:`bench` times whole prefills (a random-init model, its
-layers and width stated in the records) and the attention part (CUDA events around every attention call).
+Batch 1, head dim 128 for the GPU backends. With ``timed``, CUDA events split every call into its parts
+(:data:`PARTS`: selection, cache, grouping, FlashInfer's plan, the attention kernel); with
+``keep_selections``, each call's page selection is kept (:meth:`PrefillAttention.captures` turns them
+into PageWeaver captures). :mod:`.prefill_bench` times whole prefills.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .page_select import select_pages
 
 #: The e4m3 format's largest finite value (a page's scale maps its largest magnitude at most there).
 E4M3_MAX = 448.0
-BACKENDS = ("union", "flashinfer", "reference")
+BACKENDS = ("union", "flashinfer", "flashinfer_bf16", "reference")
+#: The parts of an attention call, in call order (a backend records those it has).
+PARTS = ("select", "cache", "group", "plan", "kernel")
 
 
 @dataclass
 class PrefillAttention:
-    """One sparse-prefill configuration: the selection's budget and the attention backend; ``times``
-    collects CUDA-event pairs around each attention call when ``timed``."""
+    """One sparse-prefill configuration: the selection's budget and the attention backend.
+
+    ``timed``: ``times`` collects a CUDA-event pair around each attention call and ``parts`` a list of
+    ``(part, event)`` marks per call (the first mark is the call's start). ``keep_selections``:
+    ``selections`` collects each call's int32 ``[Q, budget]`` page selection, in call order (one call per
+    layer and forward)."""
 
     backend: str = "union"
     page_size: int = 64
@@ -47,7 +59,10 @@ class PrefillAttention:
     window: int = 64
     fp8: bool = True
     timed: bool = False
+    keep_selections: bool = False
     times: list = field(default_factory=list)
+    parts: list = field(default_factory=list)
+    selections: list = field(default_factory=list)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -57,48 +72,117 @@ class PrefillAttention:
     def budget(self) -> int:
         return self.sink + self.local + self.top
 
+    def reset(self) -> None:
+        """Forget the recorded times, parts and selections."""
+        self.times, self.parts, self.selections = [], [], []
+
     def __call__(self, module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
         """A ``transformers`` attention function: ``query`` ``[1, heads, L, d]``, ``key`` / ``value``
         ``[1, kv_heads, L, d]``; returns ``([1, L, heads, d], None)``."""
         if query.shape[0] != 1:
             raise ValueError(f"sparse prefill runs batch 1, got batch {query.shape[0]}")
         scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
-        start = end = None
+        mark = self._marker(query)
+        out = self.attend(query[0], key[0], value[0], scale, mark)
         if self.timed and query.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        out = self.attend(query[0], key[0], value[0], scale)
-        if start is not None:
-            end.record()
-            self.times.append((start, end))
+            marks = self.parts[-1]
+            self.times.append((marks[0][1], marks[-1][1]))
         return out.transpose(0, 1).unsqueeze(0), None
 
-    def attend(self, q, k, v, scale: float) -> torch.Tensor:
+    def _marker(self, x: torch.Tensor):
+        """``mark(part)``: a CUDA event after ``part`` of this call (a no-op unless timed on CUDA)."""
+        if not (self.timed and x.is_cuda):
+            return lambda part: None
+        marks = []
+        self.parts.append(marks)
+
+        def mark(part: str) -> None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append((part, event))
+
+        mark("start")
+        return mark
+
+    def part_times(self) -> dict:
+        """Milliseconds per part summed over the recorded calls (synchronises)."""
+        torch.cuda.synchronize()
+        total: dict = {}
+        for marks in self.parts:
+            for (_, a), (part, b) in itertools.pairwise(marks):
+                total[part] = total.get(part, 0.0) + a.elapsed_time(b)
+        return total
+
+    def attend(self, q, k, v, scale: float, mark=None) -> torch.Tensor:
         """``[heads, L, d]`` output of ``q`` ``[heads, L, d]`` on ``k``, ``v`` ``[kv_heads, L, d]``."""
+        mark = mark or (lambda part: None)
         n = q.shape[1]
         positions = torch.arange(n, device=q.device)
         pages = select_pages(q, k, positions, self.page_size, self.sink, self.local, self.top)
+        if self.keep_selections:
+            self.selections.append(pages)
+        mark("select")
         if self.backend == "reference":
             if self.fp8:
                 k, v = (dequantize(*fp8_cache(x, self.page_size), n) for x in (k, v))
             return masked_page_attention(q, k, v, pages, self.page_size, scale).to(q.dtype)
+        if self.backend == "flashinfer_bf16":
+            kc, vc = (paged_bf16(x, self.page_size) for x in (k, v))
+            mark("cache")
+            return self._flashinfer(q, kc, vc, pages, scale, mark)
         kc, ks = fp8_cache(k, self.page_size)
         vc, vs = fp8_cache(v, self.page_size)
+        mark("cache")
         if self.backend == "union":
-            return self._union(q, kc, vc, ks, vs, pages, positions, scale)
-        return self._flashinfer(q, kc, vc, pages, scale)
+            return self._union(q, kc, vc, ks, vs, pages, positions, scale, mark)
+        return self._flashinfer(q, kc, vc, pages, scale, mark)
 
-    def _union(self, q, kc, vc, ks, vs, pages, positions, scale):
+    def captures(self, context: int, layers: int, name: str = "llama_prefill"):
+        """PageWeaver captures (:class:`~.captures.Capture`) of the kept selections: the last forward's
+        ``layers`` calls, one capture per layer, named ``{name}_{context}_layer{i}``."""
+        from .captures import Capture
+
+        if len(self.selections) < layers:
+            raise ValueError(
+                f"{len(self.selections)} selections kept, fewer than the {layers} layers asked for"
+            )
+        out = []
+        for i, pages in enumerate(self.selections[-layers:]):
+            arr = pages.cpu().numpy()
+            out.append(
+                Capture(
+                    pages=arr,
+                    positions=np.arange(arr.shape[0], dtype=np.int64),
+                    context=int(context),
+                    page_size=self.page_size,
+                    causal=True,
+                    name=f"{name}_{context}_layer{i}",
+                    meta=dict(
+                        source="the page selector of a random-init Llama-like model (weights are random, "
+                        "not a trained model's)",
+                        layer=i,
+                        selector=f"Quest page scores over all query heads; sink {self.sink}, local "
+                        f"{self.local}, top {self.top} pages",
+                    ),
+                )
+            )
+        return out
+
+    def _union(self, q, kc, vc, ks, vs, pages, positions, scale, mark):
         from ..kernels.pageweaver import DeviceCapture, union_forward
         from .grouping_gpu import affinity_groups_device
 
         n = q.shape[1]
         capture = DeviceCapture(pages, positions.to(torch.int32), n, self.page_size)  # stays on the device
         groups = affinity_groups_device(capture.pages, capture.num_pages, self.group_size, self.window)
+        mark("group")
         o, _ = union_forward(q.bfloat16().contiguous(), kc, vc, ks, vs, capture, groups, scale=scale)
+        mark("kernel")
         return o
 
-    def _flashinfer(self, q, kc, vc, pages, scale):
+    def _flashinfer(self, q, kc, vc, pages, scale, mark):
+        """FlashInfer's block-sparse wrapper: one row per query, a page per column block, K/V as stored
+        (``kc``/``vc`` e4m3 or bf16 ``[kv_heads, pages · page_size, d]``)."""
         import flashinfer
 
         n = pages.shape[0]
@@ -106,9 +190,7 @@ class PrefillAttention:
         indptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=q.device), valid.sum(1).cumsum(0)])
         indices = pages[valid].to(torch.int32)
         rows = kc.shape[1]
-        wrapper = flashinfer.BlockSparseAttentionWrapper(
-            torch.empty(512 << 20, dtype=torch.uint8, device=q.device), backend="fa2"
-        )
+        wrapper = flashinfer.BlockSparseAttentionWrapper(self._workspace(q.device), backend="fa2")
         wrapper.plan(
             indptr.to(torch.int32),
             indices,
@@ -121,12 +203,29 @@ class PrefillAttention:
             q.shape[2],
             sm_scale=scale,
             q_data_type=torch.bfloat16,
-            kv_data_type=torch.float8_e4m3fn,
+            kv_data_type=kc.dtype,
             o_data_type=torch.bfloat16,
         )
         qt = q.transpose(0, 1).bfloat16().contiguous()  # [Q, heads, d]
-        out = wrapper.run(qt, kc.transpose(0, 1).contiguous(), vc.transpose(0, 1).contiguous())
+        kt, vt = (x.transpose(0, 1).contiguous() for x in (kc, vc))
+        mark("plan")
+        out = wrapper.run(qt, kt, vt)
+        mark("kernel")
         return out.transpose(0, 1)
+
+    def _workspace(self, device) -> torch.Tensor:
+        """FlashInfer's float workspace, allocated once per configuration and device."""
+        ws = getattr(self, "_ws", None)
+        if ws is None or ws.device != torch.device(device):
+            ws = torch.empty(512 << 20, dtype=torch.uint8, device=device)
+            self._ws = ws
+        return ws
+
+
+def paged_bf16(x: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``x`` ``[kv_heads, L, d]`` as bf16 ``[kv_heads, pages · page_size, d]``, the last page zero-padded."""
+    pad = -x.shape[1] % page_size
+    return torch.nn.functional.pad(x.to(torch.bfloat16), (0, 0, 0, pad)).contiguous()
 
 
 def fp8_cache(x: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,117 +273,3 @@ def register(config: PrefillAttention, name: str = "pageweaver_prefill") -> str:
 
     AttentionInterface.register(name, config)
     return name
-
-
-# ---- the whole-model bench ----------------------------------------------------------------------------
-
-#: A Llama-like shape: 8 KV heads of 128 (GQA 4), width 4096, FFN 14336 (Llama-3-8B's), random init.
-LLAMA_SHAPE = dict(
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-)
-
-
-def bench(
-    context: int, layers: int, backends, reps: int = 3, budget=(1, 2, 13), page_size: int = 64, log=print
-):
-    """Records of whole prefills of ``context`` tokens (batch 1) per backend: ``time_ms`` the median step,
-    ``attn_ms`` the attention calls' CUDA-event time (selection, FP8 cache and attention), ``tokens_per_s``;
-    ``sdpa_dense`` is the model's own dense attention (its native path without an FP8 cache)."""
-    import statistics
-    import time
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**LLAMA_SHAPE, num_hidden_layers=layers, max_position_embeddings=max(context, 8192))
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    ids = torch.randint(
-        0, config.vocab_size, (1, context), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
-    )
-    sink, local, top = budget
-    base = dict(
-        workload=f"llama_prefill_{context}",
-        **{"pass": "prefill"},
-        tokens=context,
-        layers=layers,
-        hidden=config.hidden_size,
-        heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads,
-        head_dim=128,
-        page_size=page_size,
-        sink=sink,
-        local=local,
-        top=top,
-    )
-    records = []
-    for backend in backends:
-        rec = dict(base, impl="sdpa_dense" if backend == "sdpa" else f"pageweaver_{backend}")
-        attn = None
-        if backend == "sdpa":
-            model.config._attn_implementation = "sdpa"
-        else:
-            attn = PrefillAttention(backend, page_size, sink, local, top, timed=True)
-            model.config._attn_implementation = register(attn, f"pw_prefill_{backend}")
-        try:
-            times, attn_ms = [], []
-            for i in range(reps + 1):
-                if attn is not None:
-                    attn.times = []
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    model(ids)
-                torch.cuda.synchronize()
-                if i:  # the first is the warm-up (kernel compiles, FlashInfer's JIT)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                    if attn is not None:
-                        attn_ms.append(sum(a.elapsed_time(b) for a, b in attn.times))
-            ms = statistics.median(times)
-            rec.update(time_ms=round(ms, 2), tokens_per_s=round(context / ms * 1e3, 1), times_ms=times)
-            if attn_ms:
-                rec["attn_ms"] = round(statistics.median(attn_ms), 2)
-        except Exception as exc:  # noqa: BLE001 - a failing backend is recorded, the others still run
-            rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        log(f"{rec['impl']}: {rec.get('time_ms', rec.get('error'))}")
-        records.append(rec)
-    return records
-
-
-def main(argv=None) -> int:
-    """``python -m sparseattn.pageweaver.prefill``: whole-model prefills, union against FlashInfer's e4m3
-    path on the same selection and FP8 cache, and the dense native path."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m sparseattn.pageweaver.prefill", description=main.__doc__)
-    ap.add_argument("--context", type=int, default=16384)
-    ap.add_argument("--layers", type=int, default=4, help="layers of the Llama-like model (default 4)")
-    ap.add_argument("--backends", default="union,flashinfer,sdpa")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--budget", default="1,2,13", help="sink,local,top pages (default 1,2,13: 16 pages)")
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    from ..bench import run_path, write_run
-
-    budget = tuple(int(x) for x in args.budget.split(","))
-    records = bench(args.context, args.layers, args.backends.split(","), args.reps, budget, args.page_size)
-    model = f"Llama-like (width 4096, 32 heads on 8 KV heads of 128, FFN 14336), random init, bf16, {args.layers} layers"
-    out = write_run(
-        run_path(args.out, "llama_prefill"),
-        "python -m sparseattn.pageweaver.prefill",
-        argv,
-        records,
-        model=model,
-    )
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
