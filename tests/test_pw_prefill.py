@@ -11,21 +11,21 @@ pytest.importorskip("transformers")
 
 from sparseattn.pageweaver.prefill import PrefillAttention, dequantize, fp8_cache, register
 
+TINY_SHAPE = dict(
+    vocab_size=97,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
+
 
 def _model(attn: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-    )
+    config = LlamaConfig(**TINY_SHAPE, num_hidden_layers=2, max_position_embeddings=512)
     config._attn_implementation = attn
     return LlamaForCausalLM(config).eval()
 
@@ -64,16 +64,6 @@ def test_fp8_cache_scales_are_powers_of_two_and_round_trip():
     assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
     back = dequantize(values, scale, 100)
     assert ((back - x).norm() / x.norm()) < 0.05
-
-
-TINY_SHAPE = dict(
-    vocab_size=97,
-    hidden_size=128,
-    intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-)
 
 
 def test_prefill_bench_on_the_cpu_writes_records_captures_and_a_table(tmp_path):

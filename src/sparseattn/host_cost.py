@@ -6,15 +6,18 @@ warm-up, the median of ``--reps`` loops of ``--calls`` calls. The loop is not sy
 ``synced_us`` (the same loop ended by a device synchronisation) says whether the GPU kept up (when it did
 not, the launch queue fills and the host time is the GPU's).
 
-Records (bench format, ``--out``): ``impl`` ``torch_op`` (the ``torch.library`` operators through
-:mod:`sparseattn.torch`, autograd included) or ``cupy`` (:func:`~sparseattn.kernels.forward.kpage_forward`
+Records (bench format, ``--out``): ``impl`` ``torch`` (:mod:`sparseattn.torch`'s entry points, autograd
+included: the ``torch.library`` operators, or for an eager differentiated KPage call the same
+implementations behind a plain ``autograd.Function``; the runs up to ``host_cost_h200_20261202_1940dad`` called this
+``torch_op`` and took the operator throughout) or ``cupy`` (:func:`~sparseattn.kernels.forward.kpage_forward`
 and :func:`~sparseattn.kernels.backward.kpage_backward` on CuPy arrays); ``pass`` ``host_fwd`` or
 ``host_fwdbwd``; ``workload`` ``host_static`` (a cached :class:`~sparseattn.graph.SparseGraph`) or
 ``host_dynamic`` (a top-k selection planned on the device each call: torch only); ``time_us``. The floor
 of the same machine, workload ``host_floor``: torch's own SDPA at the same sizes (impl ``torch_sdpa``)
 and a Python ``torch.library`` operator that only allocates its output (``torch_noop_op``). Where the
 time goes, workload ``host_layers``: the operators called directly (``torch_op_direct``, no autograd),
-their implementations (``torch_impl``), forward and backward (pass ``host_bwd``) apart, and the same
+their implementations (``torch_impl``), forward and backward (pass ``host_bwd``) apart, the operator with
+its autograd (``torch_op_autograd``, what ``torch.compile`` and CUDA graphs run) and the same
 implementations behind a plain ``autograd.Function`` (``torch_function``).
 ``--profile DIR`` also writes a cProfile of each loop.
 """
@@ -182,6 +185,9 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
     def impl_fwd():
         torch_graph_forward(q, k, v, graph, "auto", scale)
 
+    def op_fwdbwd():
+        OPS.kpage_fwd.default(qg, kg, vg, h, "auto", scale, False)[0].backward(do)
+
     def op_bwd():
         OPS.kpage_bwd.default(q, k, v, o, lse, do, h, "auto", scale, False)
 
@@ -193,18 +199,19 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
         ("host_floor", "torch_sdpa", "host_fwdbwd", sdpa_fwdbwd),
         ("host_floor", "torch_noop_op", "host_fwd", noop_fwd),
         ("host_floor", "torch_noop_op", "host_fwdbwd", noop_fwdbwd),
-        ("host_static", "torch_op", "host_fwd", torch_fwd),
-        ("host_static", "torch_op", "host_fwdbwd", torch_fwdbwd),
+        ("host_static", "torch", "host_fwd", torch_fwd),
+        ("host_static", "torch", "host_fwdbwd", torch_fwdbwd),
         ("host_static", "cupy", "host_fwd", cupy_fwd),
         ("host_static", "cupy", "host_fwdbwd", cupy_fwdbwd),
         ("host_layers", "torch_function", "host_fwd", function_fwd),
         ("host_layers", "torch_function", "host_fwdbwd", function_fwdbwd),
+        ("host_layers", "torch_op_autograd", "host_fwdbwd", op_fwdbwd),
         ("host_layers", "torch_op_direct", "host_fwd", op_fwd),
         ("host_layers", "torch_impl", "host_fwd", impl_fwd),
         ("host_layers", "torch_op_direct", "host_bwd", op_bwd),
         ("host_layers", "torch_impl", "host_bwd", impl_bwd),
-        ("host_dynamic", "torch_op", "host_fwd", dynamic_fwd),
-        ("host_dynamic", "torch_op", "host_fwdbwd", dynamic_fwdbwd),
+        ("host_dynamic", "torch", "host_fwd", dynamic_fwd),
+        ("host_dynamic", "torch", "host_fwdbwd", dynamic_fwdbwd),
     ]
     records = []
     with launch.torch_stream():  # CuPy's calls on torch's stream, like the op's

@@ -1,0 +1,81 @@
+"""SVG2's k-means on the GPU against the host's (scipy's Lloyd steps from the same seeds), on random blobs
+and on a built-in workload's synthetic features: float32 rows (torch distances) and bf16 rows (the fused
+Triton assignment, centroids rounded to bf16 for the dot products)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_svg2_device import blobs, clear_labels, host_lloyd, sq_dist
+
+from sparseattn import svg2_device as sd
+from sparseattn.builders import _kmeans_pp_init
+
+pytestmark = pytest.mark.gpu
+
+
+def _inertia(x: np.ndarray, labels: np.ndarray, centroids: np.ndarray) -> float:
+    """float64 sum of squared distances of each token to its labelled centroid."""
+    diff = x.astype(np.float64) - centroids.astype(np.float64)[labels]
+    return float((diff * diff).sum())
+
+
+def _synthetic(heads: int, tokens: int, d: int = 128) -> np.ndarray:
+    """float32 ``[heads, tokens, d]``: the K features of ``svg2_wan14b_720p`` (first ``tokens``), padded."""
+    from sparseattn.synthetic import synthetic_head_factors
+    from sparseattn.workloads import get_workload
+
+    w = get_workload("svg2_wan14b_720p")
+    out = []
+    for h in range(heads):
+        _, zk = synthetic_head_factors(h, grid=w.grid, dim=d)
+        out.append(np.pad(zk[:tokens], ((0, 0), (0, d - zk.shape[1]))))
+    return np.stack(out).astype(np.float32)
+
+
+@pytest.mark.parametrize("data", ["blobs", "synthetic"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_kmeans_agrees_with_the_host(data, dtype):
+    """Same seeds (k-means++ on the host), same data: labels equal wherever the nearest centroid is clear,
+    and the inertia of the GPU clustering within 1e-4 (float32) / 1e-3 (bf16 rows) of the host's."""
+    k, iters = 40, 3
+    x = blobs(3, 4, 3000, 64) if data == "blobs" else _synthetic(4, 6000)
+    if dtype == "bfloat16":  # the host clusters the same (rounded) values
+        x = torch.from_numpy(x).bfloat16().float().numpy()
+    rng = np.random.default_rng(0)
+    init = np.stack([_kmeans_pp_init(x[r].astype(np.float64), k, rng) for r in range(x.shape[0])])
+    xt = torch.from_numpy(x).cuda()
+    if dtype == "bfloat16":
+        xt = xt.bfloat16()
+    labels, cent = sd.kmeans(xt, k, iters, init=torch.from_numpy(init).cuda())
+    labels, cent = labels.cpu().numpy(), cent.cpu().numpy()
+    tol = 1e-4 if dtype == "float32" else 1e-3
+    for r in range(x.shape[0]):
+        code, dist = host_lloyd(x[r], init[r], iters)
+        host_labels = dist.argmin(1)
+        got, want = _inertia(x[r], labels[r], cent[r]), _inertia(x[r], host_labels, code)
+        assert abs(got - want) <= tol * want, (r, got, want)
+        clear = clear_labels(sq_dist(x[r], cent[r]), 1e-4 * np.abs(dist).mean())
+        assert clear.mean() > 0.95
+        same = (labels[r][clear] == host_labels[clear]).mean()
+        assert same > (0.999 if dtype == "float32" else 0.99), (r, same)
+
+
+def test_fused_assignment_is_the_nearest_of_the_rounded_centroids():
+    """bf16 rows: the fused kernel's labels are the float64 nearest centroids of the bf16-rounded
+    centroids, wherever the nearest beats the second by more than float32 rounding."""
+    from sparseattn.nearest_centroid import nearest_centroid_fused
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 5000, 128, device="cuda", generator=g).bfloat16()
+    c = torch.randn(3, 333, 128, device="cuda", generator=g)
+    got = nearest_centroid_fused(x, c).cpu().numpy()
+    xs, cs = x.float().cpu().numpy(), c.bfloat16().float().cpu().numpy()
+    for r in range(3):
+        dist = sq_dist(xs[r], cs[r])
+        clear = clear_labels(dist, 1e-3 * np.abs(dist).mean())
+        assert clear.mean() > 0.99
+        np.testing.assert_array_equal(got[r][clear], dist.argmin(1)[clear])
