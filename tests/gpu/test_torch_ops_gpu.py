@@ -111,11 +111,11 @@ def _selection(kind):
 
 @pytest.mark.parametrize("kind", ["sta", "vsa"])
 def test_compiled_wan_on_the_gpu_has_no_graph_break_and_equals_eager(kind):
+    """``fullgraph=True`` makes any graph break an error (one compile; ``torch._dynamo.explain`` would trace
+    the model a second time), and the compiled step equals eager in output and input gradient."""
     torch._dynamo.reset()
     model = _wan(_selection(kind))
     x, t, enc = _inputs(1)
-    explained = torch._dynamo.explain(model)(x, t, enc, return_dict=False)
-    assert explained.graph_break_count == 0, explained.break_reasons
     xe = x.clone().requires_grad_()
     eager = model(xe, t, enc, return_dict=False)[0]
     eager.float().square().mean().backward()
