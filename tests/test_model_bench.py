@@ -221,6 +221,7 @@ def test_smoke_run_writes_a_bench_run(smoke):
     for pass_ in model_bench.PASSES:  # on the CPU KPage's SVG2 graph is computed by masking
         rec = by[("kpage_svg2", pass_)]
         assert benchdata.is_usable(rec) and rec["q_clusters"] == 32 and rec["k_clusters"] == 64, rec
+        assert rec["checked"] is True and rec["rel_err"] < 1e-5, rec  # the same step's cluster pairs
 
 
 def test_smoke_run_goes_on_after_a_failing_impl(monkeypatch, tmp_path):

@@ -44,7 +44,7 @@ recomputed forward.
 Checks, before timing: every implementation's attention of one layer on random q, k, v at the step's own
 token grid is compared with SDPA in float32 under the selection's token mask on ``--check-rows`` sampled
 query rows (VSA's per-call selection: at the grid of :data:`sparseattn.wan_bench.CHECK_GRID`, the whole
-output); ``checked``, ``rel_err``, ``correct`` (``rel_err`` < 2e-2, bf16) in every record of the impl.
+output; SVG2's: the cluster pairs of the same call's step, :func:`check_svg2_rows`); ``checked``, ``rel_err``, ``correct`` (``rel_err`` < 2e-2, bf16) in every record of the impl.
 A failing implementation (not installed, out of memory) becomes an ``error`` record and the run goes on;
 ``--budget-s`` stops starting new work once the run has taken that long (``skipped`` records).
 ``--ranks N`` runs the sparse processors under Ulysses sequence parallelism instead (:func:`ranks_bench`:
@@ -420,7 +420,7 @@ class Impl:
     timed: object | None
     meta: dict = field(default_factory=dict)
     graph: object | None = None  # static graph of the check's token mask (None with dense)
-    check: str = "rows"  # rows | vsa_grid | none
+    check: str = "rows"  # rows | vsa_grid | svg2_rows | none
 
 
 def sta_selection(args):
@@ -535,7 +535,7 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
         except NotImplementedError:
             raise Skip(SVG2_MISSING) from None
         _prepare(processor, heads)
-        return Impl(processor, processor, dict(selection="svg2", **clusters), check="none")
+        return Impl(processor, processor, dict(selection="svg2", **clusters), check="svg2_rows")
     raise ValueError(f"impl must be one of {ALL_IMPLS}, got {impl!r}")
 
 
@@ -572,6 +572,38 @@ def check_rows(
     return float((got - want).norm() / want.norm())
 
 
+def check_svg2_rows(
+    processor, grid, heads: int, head_dim: int, rows: int = CHECK_ROWS, device="cuda", seed=0
+):
+    """‖out − reference‖ / ‖reference‖ of one SVG2 call of ``processor`` on random ``[1, tokens, heads, d]``
+    q, k, v at ``grid``, on ``rows`` sampled query rows: the reference is float32 SDPA where query ``i``
+    sees key ``j`` when the call's step selected the pair of their clusters (the same step, so the same
+    k-means labels)."""
+    import torch
+
+    tokens = math.prod(grid)
+    dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (1, tokens, heads, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(3))
+    with torch.no_grad():
+        step = processor.svg2_step(q, k)
+        got = processor._svg2_kpage(q, k, v, step) if q.is_cuda else processor._svg2_masked(q, k, v, step)
+        idx = torch.randperm(tokens, device=device, generator=g)[: min(rows, tokens)].sort().values
+        cm = step.cluster_mask  # [heads, Cq, Ck] (batch 1)
+        lq = step.q_labels[:, idx]  # [heads, rows]
+        allowed = cm.gather(1, lq.unsqueeze(-1).expand(-1, -1, cm.shape[2]))  # [heads, rows, Ck]
+        mask = allowed.gather(2, step.k_labels.unsqueeze(1).expand(-1, idx.numel(), -1))[None]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[:, idx].transpose(1, 2).float(),
+            k.transpose(1, 2).float(),
+            v.transpose(1, 2).float(),
+            attn_mask=mask,
+        ).transpose(1, 2)
+        got = got[:, idx].float()
+    return float((got - want).norm() / want.norm())
+
+
 def run_check(impl: str, built: Impl, grid, spec: ModelSpec, args) -> dict:
     """The record fields of the impl's check: ``checked``, ``check``, ``rel_err``, ``correct``."""
     if built.check == "none" or args.check_rows == 0:
@@ -581,6 +613,12 @@ def run_check(impl: str, built: Impl, grid, spec: ModelSpec, args) -> dict:
 
         rel = check_layer(CHECK_GRID, impl, spec.heads, spec.head_dim)
         what = f"one layer at grid {'x'.join(map(str, CHECK_GRID))}, the same selection, masked SDPA float32"
+    elif built.check == "svg2_rows":
+        rel = check_svg2_rows(built.timed, grid, spec.heads, spec.head_dim, args.check_rows, args.device)
+        what = (
+            f"one layer at the step's grid, {args.check_rows} sampled query rows, masked SDPA float32 over the "
+            "same call's selected cluster pairs"
+        )
     else:
         rel = check_rows(
             built.timed.attend, grid, spec.heads, spec.head_dim, built.graph, args.check_rows, args.device
