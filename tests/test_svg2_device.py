@@ -367,3 +367,49 @@ def test_static_shapes_on_meta_tensors():
     )
     assert step.q_layout.valid.shape == (n, sd.max_slots_bound(300, cq, 32))
     assert sd.kmeans_pp_init(q, cq).shape == (n, cq, d)
+
+
+def test_last_step_labels_pair_with_their_cluster_means():
+    """``final_assign=False`` (SVG2's own pairing): the labels are the last Lloyd step's assignment, the
+    centroids its cluster means (empty clusters keep theirs), and lloyd's sums and sizes are those clusters'."""
+    x = torch.from_numpy(blobs(5, 3, 600, 16))
+    init = x[:, :20].clone()
+    labels, cent, sums, sizes = sd.lloyd(x, 20, 2, init, final_assign=False)
+    _, before = sd.kmeans(x, 20, 1, init)  # the centroids the last step assigned to
+    assert torch.equal(labels, sd.nearest_centroid(x, before))
+    means, counts = sd.cluster_means(x, labels, 20)
+    assert torch.equal(counts, sizes.long())
+    occupied = (counts > 0).unsqueeze(-1)
+    torch.testing.assert_close(torch.where(occupied, cent, means), means)
+    torch.testing.assert_close(sums / sizes.clamp_min(1).unsqueeze(-1), means)
+    with pytest.raises(ValueError, match="iters >= 1"):
+        sd.lloyd(x, 20, 0, init, final_assign=False)
+
+
+def test_partition_step_with_last_step_labels_matches_its_own_means():
+    """svg2_partition_step(final_assign=False) selects on the means of the labels it returns."""
+    q = torch.from_numpy(blobs(6, 2, 500, 16))
+    k = torch.from_numpy(blobs(7, 2, 500, 16))
+    step = sd.svg2_partition_step(q, k, 12, 30, 64, 0.7, 0.1, 2, q[:, :12], k[:, :30], final_assign=False)
+    q_means, _ = sd.cluster_means(q, step.q_labels, 12)
+    k_means, k_sizes = sd.cluster_means(k, step.k_labels, 30)
+    want = sd.svg2_select(q_means.double(), k_means.double(), k_sizes, 16, 0.7, 0.1)
+    assert torch.equal(step.cluster_mask, want)
+    assert torch.equal(step.k_sizes, k_sizes)
+
+
+@pytest.mark.parametrize("final_assign", [True, False])
+def test_svg2_step_bench_pipeline_on_the_cpu(final_assign):
+    """The timed call of ``svg2_step_bench`` (k-means, layouts, selection, slots, work list, the kernel's
+    emulator, back to tokens) against float64 attention over the selected cluster pairs."""
+    from types import SimpleNamespace
+
+    from sparseattn.svg2_step_bench import check_head0, one_call
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 300, 64, generator=g) for _ in range(3))
+    sel = SimpleNamespace(q_clusters=6, k_clusters=15, top_p=0.8, min_fraction=0.1)
+    init = (q[:, :6].clone(), k[:, :15].clone())
+    out, state = one_call(q, k, v, sel, 64, init, "torch", 2, None, final_assign)
+    assert out.shape == q.shape
+    assert check_head0(q, k, v, out, state, samples=64) < 1e-5

@@ -73,8 +73,9 @@ class WanSelection:
         cls, q_clusters=300, k_clusters=1000, top_p=0.9, min_fraction=0.1, iters=3, block_size=128
     ) -> WanSelection:
         """SVG2: per call, k-means of each head's Q and K tokens (``iters`` Lloyd steps, warm-started from
-        the same layer's previous centroids), the top-``top_p`` cluster pairs (at least ``min_fraction``
-        of the K clusters) by cluster-size-weighted centroid scores; clusters padded to ``block_size``."""
+        the same layer's previous centroids; the labels are the last step's assignment, as SVG2's own
+        k-means returns them), the top-``top_p`` cluster pairs (at least ``min_fraction`` of the K
+        clusters) by cluster-size-weighted centroid scores; clusters padded to ``block_size``."""
         spec = (int(q_clusters), int(k_clusters), float(top_p), float(min_fraction), int(iters))
         return cls("svg2", (1, 1, 1), clusters=spec, block_size=block_size)
 
@@ -287,7 +288,17 @@ class WanSparseAttnProcessor:
         if init[0] is None:
             generator = torch.Generator(device=q.device).manual_seed(0)
         step = svg2_partition_step(
-            rows(q), rows(k), qc, kc, self.selection.blocks(), top_p, min_fraction, iters, *init, generator
+            rows(q),
+            rows(k),
+            qc,
+            kc,
+            self.selection.blocks(),
+            top_p,
+            min_fraction,
+            iters,
+            *init,
+            generator,
+            final_assign=False,
         )
         self._centroids[key] = (step.q_centroids, step.k_centroids)
         return step

@@ -146,6 +146,7 @@ def kmeans(
     seed_points: int | None = None,
     chunk_tokens: int | None = None,
     assign: str = "auto",
+    final_assign: bool = True,
 ):
     """Batched k-means of the rows of ``x``: ``(labels int64 [N, tokens], centroids float32 [N, k, d])``.
 
@@ -165,10 +166,34 @@ def kmeans(
             Triton kernel on half-precision ``x``, centroids rounded to its dtype), or ``"auto"`` (fused
             where it can run, else torch).
 
-    The labels are the nearest centroids of the returned centroids (one assignment after the last
-    step), as :func:`sparseattn.builders.kmeans_labels` returns them; unlike it, the Lloyd steps run
-    on every token rather than a subsample (as SVG2 does).
+        final_assign: with True (default) the labels are the nearest centroids of the returned
+            centroids (one assignment after the last step), as :func:`sparseattn.builders.kmeans_labels`
+            returns them; with False they are the last step's assignment and the returned centroids
+            its cluster means (SVG2's own k-means returns this pair; it saves one assignment, and
+            :func:`lloyd` gives the clusters' sums and sizes with it).
+
+    Unlike :func:`~sparseattn.builders.kmeans_labels`, the Lloyd steps run on every token rather than a
+    subsample (as SVG2 does).
     """
+    labels, c, _, _ = lloyd(x, k, iters, init, generator, seed_points, chunk_tokens, assign, final_assign)
+    return labels, c
+
+
+def lloyd(
+    x,
+    k,
+    iters,
+    init=None,
+    generator=None,
+    seed_points=None,
+    chunk_tokens=None,
+    assign="auto",
+    final_assign=True,
+):
+    """:func:`kmeans`, returning ``(labels, centroids, sums float32 [N, k, d], sizes float32 [N, k])``:
+    the float32 sums and sizes of the clusters of the last Lloyd step's assignment (all zeros when
+    ``iters == 0``). With ``final_assign=False`` these are the returned labels' clusters, so their means
+    need no second pass over the tokens."""
     _check_rows("x", x)
     n, t, d = x.shape
     k = _positive("k", k)
@@ -182,14 +207,19 @@ def kmeans(
         if tuple(init.shape) != (n, k, d):
             raise ValueError(f"init must be [N, k, d] = {[n, k, d]}, got {list(init.shape)}")
         c = init.to(device=x.device, dtype=torch.float32)
+    if not final_assign and iters < 1:
+        raise ValueError("final_assign=False needs iters >= 1 (the labels are the last step's)")
     nearest = _assigner(x, assign, chunk_tokens)
     x32 = x.float()
+    sums, counts = x32.new_zeros(n, k, d), x32.new_zeros(n, k)
+    labels = None
     for _ in range(iters):
         labels = nearest(c)
         sums, counts = _cluster_sums(x32, labels, k)
-        counts = counts.unsqueeze(-1)
-        c = torch.where(counts > 0, sums / counts.clamp_min(1.0), c)
-    return nearest(c), c
+        c = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp_min(1.0).unsqueeze(-1), c)
+    if final_assign:
+        labels = nearest(c)
+    return labels, c, sums, counts
 
 
 def _assigner(x: torch.Tensor, assign: str, chunk_tokens: int | None):
@@ -421,12 +451,14 @@ def svg2_partition_step(
     k_init: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     assign: str = "auto",
+    final_assign: bool = True,
 ) -> SVG2Step:
     """SVG2's clustering, partition and selection for ``q`` ``[N, q_tokens, d]`` and ``k``
     ``[N, k_tokens, d]``, as :func:`sparseattn.builders.svg2_graph` does per head on the host.
 
     :func:`kmeans` of each side (``iters`` Lloyd steps from ``q_init`` / ``k_init``, else k-means++
-    seeds from ``generator``, Q first; ``assign`` as there), :func:`partition_slots` of the labels (default
+    seeds from ``generator``, Q first; ``assign`` and ``final_assign`` as there: ``final_assign=False`` is
+    SVG2's own pairing of labels and centroids, one assignment and one pass over the tokens fewer), :func:`partition_slots` of the labels (default
     ``max_slots``), :func:`svg2_select` on the float32 cluster means of the labels (as the host's
     :func:`~sparseattn.builders.group_means`) in float64 with ``head_dim = d``, and
     :func:`cluster_block_mask`.
@@ -435,12 +467,17 @@ def svg2_partition_step(
     _check_rows("k", k)
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} must agree in N and d")
-    q_labels, q_cent = kmeans(q, q_clusters, iters, q_init, generator, assign=assign)
-    k_labels, k_cent = kmeans(k, k_clusters, iters, k_init, generator, assign=assign)
+    fit = dict(assign=assign, final_assign=final_assign)
+    q_labels, q_cent, q_sums, q_sizes = lloyd(q, q_clusters, iters, q_init, generator, **fit)
+    k_labels, k_cent, k_sums, k_sizes = lloyd(k, k_clusters, iters, k_init, generator, **fit)
     q_layout = partition_slots(q_labels, q_clusters, block_size)
     k_layout = partition_slots(k_labels, k_clusters, block_size)
-    q_means, _ = cluster_means(q, q_labels, q_clusters)
-    k_means, k_sizes = cluster_means(k, k_labels, k_clusters)
+    if final_assign:  # the labels moved after the last step: their clusters' means take another pass
+        q_means, _ = cluster_means(q, q_labels, q_clusters)
+        k_means, k_sizes = cluster_means(k, k_labels, k_clusters)
+    else:  # the last step's sums are the labels' clusters (as cluster_means computes them)
+        q_means = q_sums / q_sizes.clamp_min(1).unsqueeze(-1)
+        k_means, k_sizes = k_sums / k_sizes.clamp_min(1).unsqueeze(-1), k_sizes.long()
     mask = svg2_select(q_means.double(), k_means.double(), k_sizes, q.shape[2], top_p, min_fraction)
     blocks = cluster_block_mask(mask, q_layout.block_group, k_layout.block_group)
     return SVG2Step(q_labels, k_labels, q_cent, k_cent, q_layout, k_layout, k_sizes, mask, blocks)

@@ -4,8 +4,9 @@ A call as the Wan processor makes it (warm-started from the previous call's cent
 of K (:func:`sparseattn.svg2_device.kmeans`), the partition layouts and the selection (slots, cluster
 means, top-p, block mask), tokens to slots, the KPage forward's work list
 (:func:`sparseattn.planning.dynamic_layouts.forward_work_list`) and kernel, slots back to tokens, and the
-backward's plan. Each part between CUDA events, median of ``--reps`` calls; the k-means runs once per
-``--assign`` method (float32 torch distances and the fused Triton kernel) in the same run.
+backward's plan. Each part between CUDA events, median of ``--reps`` calls; the call runs once per k-means
+variant of :data:`METHODS` (float32 torch distances, the fused Triton kernel, and the fused kernel with
+SVG2's own pairing of labels and centroids, which the Wan processor runs) in the same run.
 
 Q and K are the workload's synthetic features (:func:`sparseattn.synthetic.synthetic_head_factors`,
 zero-padded to the head dim) in bf16; V is random. The output of head 0 is checked on sampled query
@@ -25,7 +26,11 @@ import numpy as np
 
 PARTS_SELECT = ("kmeans_q", "kmeans_k", "layouts_select")
 PARTS_KPAGE = ("to_slots", "plan_fwd", "kernel_fwd", "from_slots")
-ASSIGNS = ("torch", "fused")
+#: (label, assignment, final_assign) of the k-means variants timed: float32 torch distances and the fused
+#: Triton kernel with the labels re-assigned after the last step (as the host's k-means), and the fused
+#: kernel with the last step's labels (SVG2's own pairing; what the Wan processor runs).
+METHODS = (("torch", "torch", True), ("fused", "fused", True), ("fused_last_step", "fused", False))
+ASSIGNS = tuple(m[0] for m in METHODS)
 
 
 def features(workload, heads: int, device):
@@ -47,15 +52,17 @@ def features(workload, heads: int, device):
     return q, k, v
 
 
-def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None):
+def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None, final_assign=False):
     """One SVG2 call: ``(out [N, tokens, d], step)``; ``marks(name)`` is called after each part."""
+    import torch
+
     from .kernels.forward import torch_dynamic_forward
     from .planning.dynamic_layouts import forward_work_list
     from .svg2_device import (
         cluster_block_mask,
         cluster_means,
         gather_from_slots,
-        kmeans,
+        lloyd,
         partition_slots,
         scatter_to_slots,
         svg2_select,
@@ -63,14 +70,19 @@ def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None):
 
     mark = marks or (lambda name: None)
     qc, kc = sel.q_clusters, sel.k_clusters
-    q_labels, q_cent = kmeans(q, qc, iters, init[0], assign=assign)
+    fit = dict(assign=assign, final_assign=final_assign)
+    q_labels, q_cent, q_sums, q_sizes = lloyd(q, qc, iters, init[0], **fit)
     mark("kmeans_q")
-    k_labels, k_cent = kmeans(k, kc, iters, init[1], assign=assign)
+    k_labels, k_cent, k_sums, k_sizes = lloyd(k, kc, iters, init[1], **fit)
     mark("kmeans_k")
     ql = partition_slots(q_labels, qc, block_size)
     kl = partition_slots(k_labels, kc, block_size)
-    q_means, _ = cluster_means(q, q_labels, qc)
-    k_means, k_sizes = cluster_means(k, k_labels, kc)
+    if final_assign:
+        q_means, _ = cluster_means(q, q_labels, qc)
+        k_means, k_sizes = cluster_means(k, k_labels, kc)
+    else:  # the Wan processor's pairing (SVG2's): the last step's labels and its cluster sums
+        q_means = q_sums / q_sizes.clamp_min(1).unsqueeze(-1)
+        k_means, k_sizes = k_sums / k_sizes.clamp_min(1).unsqueeze(-1), k_sizes.long()
     mask = svg2_select(q_means.double(), k_means.double(), k_sizes, q.shape[2], sel.top_p, sel.min_fraction)
     blocks = cluster_block_mask(mask, ql.block_group, kl.block_group)
     mark("layouts_select")
@@ -80,7 +92,15 @@ def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None):
     mark("to_slots")
     work = forward_work_list(ql.block_rows, kl.block_rows, blocks, block_size, rows_per_chunk=4)
     mark("plan_fwd")
-    o, _ = torch_dynamic_forward(qs[None], ks[None], vs[None], work)
+    if q.is_cuda:
+        o, _ = torch_dynamic_forward(qs[None], ks[None], vs[None], work)
+    else:  # the kernel's numpy emulator on the same work list (small CPU checks of this pipeline)
+        from .emulator import emulate_work_list
+
+        o64, _ = emulate_work_list(
+            work.to_work_list(), *(x[None].double().numpy() for x in (qs, ks, vs)), None
+        )
+        o = torch.from_numpy(o64).nan_to_num(0.0).to(q.dtype)
     mark("kernel_fwd")
     out = gather_from_slots(o[0], ql.token_slot)
     mark("from_slots")
@@ -163,12 +183,12 @@ def measure(workload_name: str, heads: int | None, reps: int, warmup: int, iters
         dict(part=f"seed_{s}", assign="-", time_ms=seed_t[s][0], note="k-means++ seeding, first call only")
         for s in ("q", "k")
     ]
-    for assign in ASSIGNS:
+    for assign, how, final_assign in METHODS:
         times: dict[str, list[float]] = {}
         try:
             for rep in range(warmup + reps):
                 marks = _Marks()
-                out, state = one_call(q, k, v, sel, B, init, assign, iters, marks)
+                out, state = one_call(q, k, v, sel, B, init, how, iters, marks, final_assign)
                 init = state["cent"]
                 if assign == ASSIGNS[-1]:  # the backward's plan of the same call, warmed up like the rest
                     marks("plan_bwd_start")
@@ -196,6 +216,7 @@ def measure(workload_name: str, heads: int | None, reps: int, warmup: int, iters
                 dict(
                     part=name,
                     assign=assign,
+                    final_assign=final_assign,
                     time_ms=statistics.median(ts),
                     reps=len(ts),
                     rel_err_head0=err,
@@ -277,11 +298,11 @@ def profile_table(workload_name, heads, iters, path) -> None:
     q, k, v = features(w, heads or w.heads, torch.device("cuda"))
     init = tuple(kmeans(x, c, 0)[1] for x, c in ((q, w.selection.q_clusters), (k, w.selection.k_clusters)))
     with open(path, "w") as f:
-        for assign in ASSIGNS:
-            one_call(q, k, v, w.selection, w.block_size, init, assign, iters)
+        for assign, how, final_assign in METHODS:
+            one_call(q, k, v, w.selection, w.block_size, init, how, iters, None, final_assign)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                one_call(q, k, v, w.selection, w.block_size, init, assign, iters)
+                one_call(q, k, v, w.selection, w.block_size, init, how, iters, None, final_assign)
                 torch.cuda.synchronize()
             f.write(f"== assign={assign}\n")
             f.write(
