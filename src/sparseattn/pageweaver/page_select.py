@@ -3,8 +3,9 @@ Q and K, and NSA/DSA-like budgets (sink pages + local pages + the top-scoring ot
 
 Quest bounds the attention score of a query ``q`` on a page by ``Σ_d max(q_d · kmax_d, q_d · kmin_d)``,
 ``kmax`` / ``kmin`` the elementwise extremes of the page's keys; that is ``relu(q) · kmax + min(q, 0) ·
-kmin``, two matrix products per head. A query's score of a page is this bound summed over the query heads
-(GQA: query head ``h`` reads KV head ``h // G``), so every head of a query shares its selection, as a
+kmin``. A query's score of a page is this bound summed over the query heads (GQA: query head ``h`` reads
+KV head ``h // G``; being linear in ``relu(q)`` and ``min(q, 0)``, the sum is one matrix product over
+``kv_heads · 2d``), so every head of a query shares its selection, as a
 PageWeaver capture does (:class:`~sparseattn.pageweaver.captures.Capture`: ``pages [Q, k]``, valid ids
 first, ``-1`` padding, no duplicates).
 
@@ -40,9 +41,14 @@ def quest_scores(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor) -> tor
     if hq % hkv:
         raise ValueError(f"q has {hq} heads, not a multiple of the {hkv} KV heads")
     g = hq // hkv
-    qf = q.float().reshape(hkv, g * nq, d)
-    bound = qf.clamp(min=0) @ kmax.transpose(1, 2) + qf.clamp(max=0) @ kmin.transpose(1, 2)
-    return bound.view(hkv * g, nq, -1).sum(0)
+    # The bound is linear in relu(q) and min(q, 0), so the sum over a KV head's G query heads goes in
+    # first, and the sum over KV heads is the inner dimension of one product:
+    # [Q, kv_heads · 2d] @ [kv_heads · 2d, pages], no [heads, Q, pages] intermediate.
+    qf = q.float().reshape(hkv, g, nq, d)
+    a = torch.cat([qf.clamp(min=0).sum(1), qf.clamp(max=0).sum(1)], -1)  # [kv_heads, Q, 2d]
+    b = torch.cat([kmax.float(), kmin.float()], -1)  # [kv_heads, pages, 2d]
+    pages = b.shape[1]
+    return a.permute(1, 0, 2).reshape(nq, hkv * 2 * d) @ b.permute(0, 2, 1).reshape(hkv * 2 * d, pages)
 
 
 def select_pages(
