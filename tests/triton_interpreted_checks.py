@@ -58,8 +58,8 @@ def check_page_streams() -> int:
 
 def check_nearest_centroid() -> int:
     """fp16 (the interpreter has no bf16): labels equal the float32 path's on the rounded centroids."""
-    from sparseattn.nearest_centroid import nearest_centroid_fused
-    from sparseattn.svg2_device import kmeans, nearest_centroid
+    from sparseattn.nearest_centroid import lloyd_step_fused, nearest_centroid_fused
+    from sparseattn.svg2_device import kmeans, lloyd, nearest_centroid
 
     cases = 0
     for n, t, k, d in ((1, 128, 64, 64), (2, 97, 70, 64), (3, 300, 130, 32)):
@@ -72,6 +72,21 @@ def check_nearest_centroid() -> int:
         init = c[:, :16]
         labels, cent = kmeans(x, 16, 2, init, assign="fused")
         assert torch.equal(labels, nearest_centroid(x.float(), cent.half().float()))
+        # one fused Lloyd step: the labels, and each cluster's float32 sum and size
+        labels, sums, sizes = lloyd_step_fused(x, c)
+        assert torch.equal(labels, want)
+        ref_sums = torch.zeros(n, k, d).index_put_(
+            (torch.arange(n)[:, None].expand(n, t), labels), x.float(), accumulate=True
+        )
+        torch.testing.assert_close(sums, ref_sums, rtol=1e-6, atol=1e-5)
+        assert torch.equal(sizes, torch.stack([torch.bincount(r, minlength=k) for r in labels]).float())
+        # the whole k-means, fused (atomics for the sums) against torch on the same rounded values
+        got = lloyd(x, 16, 2, init, assign="fused", final_assign=False)
+        ref = lloyd(x.float(), 16, 2, init, assign="torch", final_assign=False)
+        same = torch.equal(got[0], ref[0])  # fp16-rounded centroids may move a near tie
+        assert same or (got[0] != ref[0]).float().mean() < 0.01
+        if same:
+            torch.testing.assert_close(got[3], ref[3])
         cases += 1
     return cases
 

@@ -57,6 +57,8 @@ if triton is not None:
         c_ptr,
         csq_ptr,
         out_ptr,
+        sums_ptr,
+        counts_ptr,
         tokens,
         k,
         stride_xn,
@@ -66,6 +68,7 @@ if triton is not None:
         D: tl.constexpr,
         BT: tl.constexpr,
         BK: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
     ):
         tb = tl.program_id(0)
         n = tl.program_id(1).to(tl.int64)
@@ -95,6 +98,10 @@ if triton is not None:
             best = tl.where(better, m, best)
             best_i = tl.where(better, i, best_i)
         tl.store(out_ptr + n * tokens + offs_t, best_i.to(tl.int64), mask=t_ok)
+        if ACCUMULATE:  # the Lloyd step's sums and sizes of the clusters just assigned (float32 atomics)
+            row = (n * k + best_i.to(tl.int64))[:, None] * D + offs_d[None, :]
+            tl.atomic_add(sums_ptr + row, x.to(tl.float32), mask=t_ok[:, None])
+            tl.atomic_add(counts_ptr + n * k + best_i, tl.full([BT], 1.0, tl.float32), mask=t_ok)
 
 
 def nearest_centroid_fused(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -104,6 +111,19 @@ def nearest_centroid_fused(x: torch.Tensor, centroids: torch.Tensor) -> torch.Te
         x: bf16 or fp16 ``[N, tokens, d]`` (``d`` a power of two ≥ 16), contiguous in ``d``.
         centroids: float ``[N, k, d]`` on the same device (rounded to ``x``'s dtype for the dot products).
     """
+    return _launch(x, centroids, accumulate=False)[0]
+
+
+def lloyd_step_fused(x: torch.Tensor, centroids: torch.Tensor):
+    """One Lloyd assignment with its cluster statistics, fused: ``(labels int64 [N, tokens], sums float32
+    [N, k, d], sizes float32 [N, k])``, the labels as :func:`nearest_centroid_fused` and each token added
+    into its cluster's float32 sum and size as it is assigned (atomics: the order of the additions, so
+    the last bits of the sums, may change from run to run, as with ``scatter_add_``). Arguments as
+    :func:`nearest_centroid_fused`."""
+    return _launch(x, centroids, accumulate=True)
+
+
+def _launch(x: torch.Tensor, centroids: torch.Tensor, accumulate: bool):
     if not fused_available(x):
         raise ValueError(
             "nearest_centroid_fused needs Triton and a half-precision CUDA tensor with a power-of-two head "
@@ -117,10 +137,26 @@ def nearest_centroid_fused(x: torch.Tensor, centroids: torch.Tensor) -> torch.Te
     c = centroids.to(x.dtype).contiguous()
     csq = c.float().square().sum(-1).contiguous()  # [N, k], of the rounded centroids
     out = torch.empty(n, t, dtype=torch.int64, device=x.device)
-    if n == 0 or t == 0:
-        return out
-    grid = (triton.cdiv(t, BLOCK_T), n)
-    _nearest_kernel[grid](
-        x, c, csq, out, t, k, x.stride(0), x.stride(1), c.stride(0), c.stride(1), D=d, BT=BLOCK_T, BK=BLOCK_K
-    )
-    return out
+    sums = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
+    counts = torch.zeros(n, k, dtype=torch.float32, device=x.device) if accumulate else csq
+    if n and t:
+        grid = (triton.cdiv(t, BLOCK_T), n)
+        _nearest_kernel[grid](
+            x,
+            c,
+            csq,
+            out,
+            sums,
+            counts,
+            t,
+            k,
+            x.stride(0),
+            x.stride(1),
+            c.stride(0),
+            c.stride(1),
+            D=d,
+            BT=BLOCK_T,
+            BK=BLOCK_K,
+            ACCUMULATE=accumulate,
+        )
+    return (out, sums, counts) if accumulate else (out,)

@@ -209,29 +209,37 @@ def lloyd(
         c = init.to(device=x.device, dtype=torch.float32)
     if not final_assign and iters < 1:
         raise ValueError("final_assign=False needs iters >= 1 (the labels are the last step's)")
-    nearest = _assigner(x, assign, chunk_tokens)
-    x32 = x.float()
-    sums, counts = x32.new_zeros(n, k, d), x32.new_zeros(n, k)
+    nearest, step = _assigner(x, k, assign, chunk_tokens)
+    sums, counts = x.new_zeros(n, k, d, dtype=torch.float32), x.new_zeros(n, k, dtype=torch.float32)
     labels = None
     for _ in range(iters):
-        labels = nearest(c)
-        sums, counts = _cluster_sums(x32, labels, k)
+        labels, sums, counts = step(c)
         c = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp_min(1.0).unsqueeze(-1), c)
     if final_assign:
         labels = nearest(c)
     return labels, c, sums, counts
 
 
-def _assigner(x: torch.Tensor, assign: str, chunk_tokens: int | None):
-    """``centroids -> labels`` of ``x`` by the ``assign`` method of :func:`kmeans`."""
-    from .nearest_centroid import fused_available, nearest_centroid_fused
+def _assigner(x: torch.Tensor, k: int, assign: str, chunk_tokens: int | None):
+    """``(nearest, step)`` of ``x`` by the ``assign`` method of :func:`kmeans`: ``nearest(c)`` the labels,
+    ``step(c)`` the labels with their clusters' float32 sums and sizes (one Lloyd assignment; fused into
+    the assignment kernel on the fused path, so ``x`` is never copied to float32 there)."""
+    from .nearest_centroid import fused_available, lloyd_step_fused, nearest_centroid_fused
 
     if assign not in ("auto", "torch", "fused"):
         raise ValueError(f"assign must be 'auto', 'torch' or 'fused', got {assign!r}")
     if assign == "fused" or (assign == "auto" and fused_available(x)):
-        return lambda c: nearest_centroid_fused(x, c)
+        return (lambda c: nearest_centroid_fused(x, c)), (lambda c: lloyd_step_fused(x, c))
     x32 = x.float()
-    return lambda c: nearest_centroid(x32, c, chunk_tokens)
+
+    def nearest(c):
+        return nearest_centroid(x32, c, chunk_tokens)
+
+    def step(c):
+        labels = nearest(c)
+        return (labels, *_cluster_sums(x32, labels, k))
+
+    return nearest, step
 
 
 # --- partition layouts ------------------------------------------------------------------------------

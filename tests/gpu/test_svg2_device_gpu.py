@@ -79,3 +79,17 @@ def test_fused_assignment_is_the_nearest_of_the_rounded_centroids():
         clear = clear_labels(dist, 1e-3 * np.abs(dist).mean())
         assert clear.mean() > 0.99
         np.testing.assert_array_equal(got[r][clear], dist.argmin(1)[clear])
+
+
+def test_fused_lloyd_step_sums_and_sizes():
+    """The fused Lloyd step's float32 cluster sums and sizes equal those of its own labels."""
+    from sparseattn.nearest_centroid import lloyd_step_fused
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(2, 20000, 128, device="cuda", generator=g).bfloat16()
+    c = torch.randn(2, 500, 128, device="cuda", generator=g)
+    labels, sums, sizes = lloyd_step_fused(x, c)
+    want_sums = torch.zeros_like(sums).scatter_add_(1, labels.unsqueeze(-1).expand(-1, -1, 128), x.float())
+    want_sizes = torch.zeros_like(sizes).scatter_add_(1, labels, torch.ones_like(labels, dtype=torch.float32))
+    assert torch.equal(sizes, want_sizes)
+    torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-3)
