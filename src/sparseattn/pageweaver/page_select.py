@@ -86,7 +86,8 @@ def select_pages(
         chosen |= torch.zeros_like(chosen).scatter_(1, best.indices, torch.isfinite(best.values))
     width = sink + local + top
     # the chosen page ids first, ascending; -1 after them
-    key = torch.where(chosen, page, pages + page).sort(1).values[:, : min(width, pages)]
+    key = torch.where(chosen, page, pages + page)  # distinct per row: the smallest are the chosen ids
+    key = key.topk(min(width, pages), dim=1, largest=False, sorted=True).values
     out = torch.where(key < pages, key, -1).to(torch.int32)
     if out.shape[1] < width:
         out = torch.nn.functional.pad(out, (0, width - out.shape[1]), value=-1)
