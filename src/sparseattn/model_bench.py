@@ -540,12 +540,11 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
 
 
 # ---- checks ----------------------------------------------------------------------------------------
-def check_rows(
-    attend, grid, heads: int, head_dim: int, graph=None, rows: int = CHECK_ROWS, device="cuda", seed=0
-):
-    """‖attend − reference‖ / ‖reference‖ on ``rows`` sampled query rows of one layer's attention on random
-    ``[1, tokens, heads, head_dim]`` q, k, v at ``grid`` (bf16 on a GPU, float32 on the CPU). The reference
-    is float32 SDPA under ``graph``'s token mask (None: dense)."""
+def _rows_check(attend_and_mask, grid, heads: int, head_dim: int, rows: int, device, seed: int) -> float:
+    """‖out − reference‖ / ‖reference‖ on ``rows`` sampled query rows of one attention call on random
+    ``[1, tokens, heads, head_dim]`` q, k, v at ``grid`` (bf16 on a GPU, float32 on the CPU).
+    ``attend_and_mask(q, k, v, idx)`` returns the call's output and the bool token mask ``[1, heads, rows,
+    tokens]`` of the sampled rows ``idx`` (None: dense); the reference is float32 SDPA under that mask."""
     import torch
 
     tokens = math.prod(grid)
@@ -554,54 +553,51 @@ def check_rows(
     shape = (1, tokens, heads, head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(3))
     with torch.no_grad():
-        got = attend(q, k, v)
         idx = torch.randperm(tokens, device=device, generator=g)[: min(rows, tokens)].sort().values
+        got, mask = attend_and_mask(q, k, v, idx)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[:, idx].transpose(1, 2).float(),
+            k.transpose(1, 2).float(),
+            v.transpose(1, 2).float(),
+            attn_mask=mask,
+        ).transpose(1, 2)
+        got = got[:, idx].float()
+    return float((got - want).norm() / want.norm())
+
+
+def check_rows(
+    attend, grid, heads: int, head_dim: int, graph=None, rows: int = CHECK_ROWS, device="cuda", seed=0
+):
+    """:func:`_rows_check` of ``attend`` against SDPA under ``graph``'s token mask (None: dense)."""
+    import torch
+
+    def run(q, k, v, idx):
         mask = None
         if graph is not None:
             blocks = torch.as_tensor(graph.block_mask(), device=device)  # [heads, q blocks, k blocks]
             q_block = torch.as_tensor(graph.q.token_slot // graph.q.block_size, device=device)[idx]
             k_block = torch.as_tensor(graph.k.token_slot // graph.k.block_size, device=device)
             mask = blocks[:, q_block][:, :, k_block][None]  # [1, heads, rows, tokens]
-        want = torch.nn.functional.scaled_dot_product_attention(
-            q[:, idx].transpose(1, 2).float(),
-            k.transpose(1, 2).float(),
-            v.transpose(1, 2).float(),
-            attn_mask=mask,
-        ).transpose(1, 2)
-        got = got[:, idx].float()
-    return float((got - want).norm() / want.norm())
+        return attend(q, k, v), mask
+
+    return _rows_check(run, grid, heads, head_dim, rows, device, seed)
 
 
 def check_svg2_rows(
     processor, grid, heads: int, head_dim: int, rows: int = CHECK_ROWS, device="cuda", seed=0
 ):
-    """‖out − reference‖ / ‖reference‖ of one SVG2 call of ``processor`` on random ``[1, tokens, heads, d]``
-    q, k, v at ``grid``, on ``rows`` sampled query rows: the reference is float32 SDPA where query ``i``
-    sees key ``j`` when the call's step selected the pair of their clusters (the same step, so the same
-    k-means labels)."""
-    import torch
+    """:func:`_rows_check` of one SVG2 call of ``processor``: the reference lets query ``i`` see key ``j``
+    when the call's own step selected the pair of their clusters (the same k-means labels)."""
 
-    tokens = math.prod(grid)
-    dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    g = torch.Generator(device=device).manual_seed(seed)
-    shape = (1, tokens, heads, head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(3))
-    with torch.no_grad():
+    def run(q, k, v, idx):
         step = processor.svg2_step(q, k)
         got = processor._svg2_kpage(q, k, v, step) if q.is_cuda else processor._svg2_masked(q, k, v, step)
-        idx = torch.randperm(tokens, device=device, generator=g)[: min(rows, tokens)].sort().values
         cm = step.cluster_mask  # [heads, Cq, Ck] (batch 1)
-        lq = step.q_labels[:, idx]  # [heads, rows]
-        allowed = cm.gather(1, lq.unsqueeze(-1).expand(-1, -1, cm.shape[2]))  # [heads, rows, Ck]
+        allowed = cm.gather(1, step.q_labels[:, idx].unsqueeze(-1).expand(-1, -1, cm.shape[2]))
         mask = allowed.gather(2, step.k_labels.unsqueeze(1).expand(-1, idx.numel(), -1))[None]
-        want = torch.nn.functional.scaled_dot_product_attention(
-            q[:, idx].transpose(1, 2).float(),
-            k.transpose(1, 2).float(),
-            v.transpose(1, 2).float(),
-            attn_mask=mask,
-        ).transpose(1, 2)
-        got = got[:, idx].float()
-    return float((got - want).norm() / want.norm())
+        return got, mask
+
+    return _rows_check(run, grid, heads, head_dim, rows, device, seed)
 
 
 def run_check(impl: str, built: Impl, grid, spec: ModelSpec, args) -> dict:
