@@ -219,3 +219,29 @@ def test_svg2_model_trains_on_masked_sdpa():
     assert grads and all(torch.isfinite(g).all() for g in grads)
     with pytest.raises(ValueError, match="top_p"):
         WanSelection.svg2(top_p=0)
+
+
+def test_svg2_kpage_path_on_the_cpu_equals_masked_sdpa_on_the_same_step():
+    """The KPage path of an SVG2 step (tokens to each row's slots straight from the ``[B, L, heads, d]``
+    layout, per-row plans, the kernels' emulators on the CPU, back to tokens) against masked SDPA of the
+    same clustering: output and gradients within bf16 rounding."""
+    from sparseattn.diffusers_wan import WanSparseAttnProcessor
+
+    sel = WanSelection.svg2(**{**SVG2, "block_size": 64})  # the backward owns 64- or 128-row tiles
+    kpage = WanSparseAttnProcessor(GRID, sel, backend="kpage")
+    g = torch.Generator().manual_seed(4)
+    n = int(np.prod(GRID))
+    q, k, v = (torch.randn(2, n, HEADS, HEAD_DIM, generator=g).bfloat16() for _ in range(3))
+    with torch.no_grad():
+        step = kpage.svg2_step(q, k)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    got = kpage._svg2_kpage(*leaves, step).float()
+    want = kpage._svg2_masked(*ref, step)
+    do = torch.randn_like(want)
+    got.backward(do)
+    want.backward(do)
+    assert got.shape == (2, n, HEADS, HEAD_DIM)
+    assert (got - want).norm() / want.norm() < 2e-2
+    for a, b in zip(leaves, ref):
+        assert (a.grad.float() - b.grad).norm() / b.grad.norm() < 5e-2

@@ -326,20 +326,27 @@ class WanSparseAttnProcessor:
     def _svg2_kpage(self, q, k, v, step):
         """KPage on this call's per-row layouts (:func:`sparseattn.torch.per_row_layout_attention`): tokens
         to each row's cluster-ordered slots, forward and backward planned on the device, back to tokens."""
-        from .svg2_device import gather_from_slots, scatter_to_slots
+        from .svg2_device import scatter_rows, slot_rows
         from .torch import per_row_layout_attention
 
         torch = self._torch()
         b, n, h, d = q.shape
-        rows = lambda x: x.permute(0, 2, 1, 3).reshape(b * h, n, d).to(torch.bfloat16)
         ql, kl = step.q_layout, step.k_layout
-        qs = scatter_to_slots(rows(q), ql.token_slot, ql.max_slots)
-        ks, vs = (scatter_to_slots(rows(x), kl.token_slot, kl.max_slots) for x in (k, v))
+
+        def in_token_order(layout):  # each [B, L, heads] token's row of the flattened [B·H·slots, d]
+            return slot_rows(layout.token_slot, layout.max_slots).view(b, h, n).transpose(1, 2).reshape(-1)
+
+        q_rows, k_rows = in_token_order(ql), in_token_order(kl)
+        flat = lambda x: x.to(torch.bfloat16).reshape(b * n * h, d)  # [B, L, heads, d] as it comes
+        qs = scatter_rows(flat(q), q_rows, b * h * ql.max_slots).view(b * h, ql.max_slots, d)
+        ks, vs = (
+            scatter_rows(flat(x), k_rows, b * h * kl.max_slots).view(b * h, kl.max_slots, d) for x in (k, v)
+        )
         o, _ = per_row_layout_attention(
             qs, ks, vs, ql.block_rows, kl.block_rows, step.block_mask, ql.block_size
         )
-        out = gather_from_slots(o, ql.token_slot)  # [B·H, n, d]
-        return out.view(b, h, n, d).transpose(1, 2).to(q.dtype)
+        out = o.reshape(b * h * ql.max_slots, d).index_select(0, q_rows)  # back to [B, L, heads] order
+        return out.view(b, n, h, d).to(q.dtype)
 
     def _attend_dynamic(self, q, k, v):
         """VSA: the selection from this call's q and k, on their device; KPage plans it on the GPU."""

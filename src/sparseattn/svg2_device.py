@@ -348,17 +348,31 @@ def partition_slots(
     )
 
 
+def slot_rows(token_slot: torch.Tensor, max_slots: int) -> torch.Tensor:
+    """int64 ``[N, tokens]``: each token's row in the slots flattened to ``[N · max_slots, d]``."""
+    n = token_slot.shape[0]
+    return token_slot.long() + torch.arange(n, device=token_slot.device).unsqueeze(1) * max_slots
+
+
+def scatter_rows(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+    """``[total, d]``: the rows of ``x`` ``[R, d]`` copied to rows ``rows`` ``[R]`` (distinct) of zeros.
+    One index per row (``index_copy``), not per element; differentiable in ``x``."""
+    return x.new_zeros(total, x.shape[-1]).index_copy(0, rows, x)
+
+
 def scatter_to_slots(x: torch.Tensor, token_slot: torch.Tensor, max_slots: int) -> torch.Tensor:
     """``[N, max_slots, d]``: token-ordered ``x`` ``[N, tokens, d]`` moved to the slots ``token_slot``
-    ``[N, tokens]``; padding slots are zero. Differentiable (``scatter``)."""
-    n, _, d = x.shape
-    index = token_slot.long().unsqueeze(-1).expand(-1, -1, d)
-    return x.new_zeros(n, max_slots, d).scatter(1, index, x)
+    ``[N, tokens]``; padding slots are zero. Differentiable."""
+    n, t, d = x.shape
+    rows = slot_rows(token_slot, max_slots).reshape(-1)
+    return scatter_rows(x.reshape(n * t, d), rows, n * max_slots).view(n, max_slots, d)
 
 
 def gather_from_slots(y: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
     """``[N, tokens, d]``: slot-ordered ``y`` ``[N, slots, d]`` back in token order (padding dropped)."""
-    return y.gather(1, token_slot.long().unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+    n, s, d = y.shape
+    rows = slot_rows(token_slot, s).reshape(-1)
+    return y.reshape(n * s, d).index_select(0, rows).view(n, token_slot.shape[1], d)
 
 
 # --- selection -------------------------------------------------------------------------------------
