@@ -6,7 +6,8 @@ means, top-p, block mask), tokens to slots, the KPage forward's work list
 (:func:`sparseattn.planning.dynamic_layouts.forward_work_list`) and kernel, slots back to tokens, and the
 backward's plan. Each part between CUDA events, median of ``--reps`` calls; the call runs once per k-means
 variant of :data:`METHODS` (float32 torch distances, the fused Triton kernel, and the fused kernel with
-SVG2's own pairing of labels and centroids, which the Wan processor runs) in the same run.
+SVG2's own pairing of labels and centroids, which the Wan processor runs) in the same run, and the k-means
+parts by flash-kmeans (SVG2's own Triton k-means) when it is installed.
 
 Q and K are the workload's synthetic features (:func:`sparseattn.synthetic.synthetic_head_factors`,
 zero-padded to the head dim) in bf16; V is random. The output of head 0 is checked on sampled query
@@ -229,6 +230,7 @@ def measure(workload_name: str, heads: int | None, reps: int, warmup: int, iters
             + ", ".join(f"{n} {statistics.median(ts):.2f}" for n, ts in times.items())
             + f" ms; head-0 rel_err {err:.2e}; useful pairs {useful:.1%}"
         )
+    records += flash_kmeans_records(q, k, sel, init, iters, reps, warmup, log)
     meta = dict(
         workload=workload_name,
         heads=heads,
@@ -242,6 +244,56 @@ def measure(workload_name: str, heads: int | None, reps: int, warmup: int, iters
         min_fraction=sel.min_fraction,
     )
     return [dict(meta, **r) for r in records]
+
+
+def flash_kmeans_records(q, k, sel, init, iters: int, reps: int, warmup: int, log=print) -> list[dict]:
+    """The k-means parts by flash-kmeans (``flash_kmeans.batch_kmeans_Euclid``, SVG2's own Triton k-means,
+    when installed) from the same warm-start centroids and Lloyd steps: ``kmeans_q`` / ``kmeans_k``
+    records (assign ``flash_kmeans``) with the share of labels equal to ours (``fused_last_step``, the
+    same pairing of labels and centroids; rounding can move near ties). An error record when it is not
+    installed or fails."""
+    import torch
+
+    from .svg2_device import lloyd
+
+    try:
+        from flash_kmeans import batch_kmeans_Euclid
+    except ImportError as exc:
+        return [dict(part="kmeans_q", assign="flash_kmeans", error=f"not installed: {exc}")]
+    out = []
+    for part, x, clusters, c0 in (
+        ("kmeans_q", q, sel.q_clusters, init[0]),
+        ("kmeans_k", k, sel.k_clusters, init[1]),
+    ):
+        try:
+            times = []
+            for rep in range(warmup + reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                # tol < 0: every one of the iters steps runs (its convergence test never stops it)
+                labels, _, _ = batch_kmeans_Euclid(
+                    x, clusters, max_iters=iters, tol=-1.0, init_centroids=c0.to(x.dtype).contiguous()
+                )
+                end.record()
+                torch.cuda.synchronize()
+                if rep >= warmup:
+                    times.append(start.elapsed_time(end))
+            ours = lloyd(x, clusters, iters, c0, assign="auto", final_assign=False)[0]
+            agree = float((labels.long() == ours).float().mean())
+            out.append(
+                dict(
+                    part=part,
+                    assign="flash_kmeans",
+                    time_ms=statistics.median(times),
+                    reps=len(times),
+                    label_agreement=agree,
+                )
+            )
+            log(f"flash_kmeans {part}: {statistics.median(times):.2f} ms; labels equal to ours {agree:.2%}")
+        except Exception as exc:  # noqa: BLE001 (a failing peer is recorded; the run goes on)
+            out.append(dict(part=part, assign="flash_kmeans", error=f"{type(exc).__name__}: {exc}"[:300]))
+            log(f"flash_kmeans {part}: {type(exc).__name__}: {exc}")
+    return out
 
 
 def summary(records) -> list[str]:
