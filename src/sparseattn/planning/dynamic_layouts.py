@@ -398,6 +398,7 @@ def backward_plan(
     q_live = -(-q_rows // PAGE_ROWS)  # [R, nq]
     owned_sel = sel.transpose(1, 2)  # [R, nk, nq]: the Q blocks selecting each K block
     if page_streams.available(sel):
+        owned_sel = owned_sel.contiguous()  # each program then reads its K block's row coalesced
         q_live32 = q_live.int().contiguous()
         no_part = torch.zeros_like(q_live32)
         _, start, total = _offsets(page_streams.stream_lengths(owned_sel, q_live32, no_part))
