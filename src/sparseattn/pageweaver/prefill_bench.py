@@ -13,7 +13,7 @@ context length, one prefill per backend on the same model and tokens:
 Records (``pass`` ``prefill``): ``time_ms`` (median whole prefill), ``tokens_per_s``, ``attn_ms`` (CUDA
 events around every attention call, summed over the layers) and ``parts_ms`` (its split: selection, FP8
 or bf16 cache, grouping, FlashInfer's plan, the attention kernel). ``--captures-out DIR`` also writes each
-layer's page selection of the union run as a PageWeaver capture (``sparseattn pageweaver analyze`` reads
+layer's page selection of the union run as a PageWeaver capture (``sparseattn analyze --captures DIR/*.npz`` reads
 them; the model's weights are random, and the captures say so).
 """
 
