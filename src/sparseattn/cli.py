@@ -594,7 +594,7 @@ def _add_bench_parser(sub, bench) -> None:
     """The ``bench`` subcommand; its arguments come from ``bench.add_arguments`` when it is loaded."""
     help_text = (
         "benchmark the CUDA kernels on a GPU (needs the gpu extra); 'bench pageweaver --help': PageWeaver's "
-        "suite; 'bench model wan --help': whole Wan steps"
+        "suite; 'bench model wan --help': whole Wan steps; 'bench model prefill --help': a Llama prefill"
     )
     if bench is None:
         sub.add_parser("bench", help=help_text, add_help=False)
