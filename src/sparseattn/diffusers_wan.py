@@ -70,24 +70,40 @@ class WanSelection:
 
     @classmethod
     def svg2(
-        cls, q_clusters=300, k_clusters=1000, top_p=0.9, min_fraction=0.1, iters=3, block_size=128
+        cls,
+        q_clusters=300,
+        k_clusters=1000,
+        top_p=0.9,
+        min_fraction=0.1,
+        iters=2,
+        block_size=128,
+        init_iters=50,
     ) -> WanSelection:
-        """SVG2: per call, k-means of each head's Q and K tokens (``iters`` Lloyd steps, warm-started from
-        the same layer's previous centroids; the labels are the last step's assignment, as SVG2's own
-        k-means returns them), the top-``top_p`` cluster pairs (at least ``min_fraction`` of the K
-        clusters) by cluster-size-weighted centroid scores; clusters padded to ``block_size``."""
-        spec = (int(q_clusters), int(k_clusters), float(top_p), float(min_fraction), int(iters))
+        """SVG2: per call, k-means of each head's Q and K tokens (``iters`` Lloyd steps warm-started from
+        the same layer's previous centroids; a layer's first call seeds k-means++ and runs ``init_iters``
+        steps: SVG2's ``kmeans_iter_step`` and ``kmeans_iter_init``, 2 and 50 in its released
+        configurations; the labels are the last step's assignment, as SVG2's own k-means returns them),
+        the top-``top_p`` cluster pairs (at least ``min_fraction`` of the K clusters) by
+        cluster-size-weighted centroid scores; clusters padded to ``block_size``."""
+        spec = (
+            int(q_clusters),
+            int(k_clusters),
+            float(top_p),
+            float(min_fraction),
+            int(iters),
+            int(init_iters),
+        )
         return cls("svg2", (1, 1, 1), clusters=spec, block_size=block_size)
 
     def __post_init__(self):
         if self.kind not in ("sta", "vsa", "full", "svg2"):
             raise ValueError(f"selection kind must be 'sta', 'vsa', 'full' or 'svg2', got {self.kind!r}")
         if self.kind == "svg2":
-            qc, kc, top_p, min_fraction, iters = self.clusters
-            if min(qc, kc, iters) < 1 or not 0 < top_p <= 1 or not 0 <= min_fraction <= 1:
+            qc, kc, top_p, min_fraction, iters, init_iters = self.clusters
+            if min(qc, kc, iters, init_iters) < 1 or not 0 < top_p <= 1 or not 0 <= min_fraction <= 1:
                 raise ValueError(
-                    "an 'svg2' selection needs q_clusters, k_clusters, iters >= 1, 0 < top_p <= 1 and "
-                    f"0 <= min_fraction <= 1, got {self.clusters!r}"
+                    "an 'svg2' selection needs q_clusters, k_clusters, iters, init_iters >= 1, 0 < top_p <= 1 "
+                    f"and 0 <= min_fraction <= 1, got {self.clusters!r}"
                 )
         if self.kind == "sta" and self.window is None:
             raise ValueError("an 'sta' selection needs a window (tiles per axis)")
@@ -277,7 +293,7 @@ class WanSparseAttnProcessor:
         from .svg2_device import svg2_partition_step
 
         torch = self._torch()
-        qc, kc, top_p, min_fraction, iters = self.selection.clusters
+        qc, kc, top_p, min_fraction, iters, init_iters = self.selection.clusters
         b, n, h, d = q.shape
         # the layer's own dtype: bf16 rows take the fused nearest-centroid kernel (distances never leave
         # the chip); k-means sums and cluster means are float32 whatever the input
@@ -285,8 +301,9 @@ class WanSparseAttnProcessor:
         key = (self._layer, b * h)
         init = self._centroids.get(key, (None, None))
         generator = None
-        if init[0] is None:
+        if init[0] is None:  # the layer's first call: k-means++ seeds, then SVG2's longer first fit
             generator = torch.Generator(device=q.device).manual_seed(0)
+            iters = init_iters
         step = svg2_partition_step(
             rows(q),
             rows(k),

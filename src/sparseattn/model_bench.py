@@ -535,7 +535,9 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
         except NotImplementedError:
             raise Skip(SVG2_MISSING) from None
         _prepare(processor, heads)
-        return Impl(processor, processor, dict(selection="svg2", **clusters), check="svg2_rows")
+        iters, init_iters = processor.selection.clusters[4:6]
+        meta = dict(selection="svg2", **clusters, iters=iters, init_iters=init_iters)
+        return Impl(processor, processor, meta, check="svg2_rows")
     raise ValueError(f"impl must be one of {ALL_IMPLS}, got {impl!r}")
 
 
