@@ -234,7 +234,7 @@ def svg2_kpage_against_masked(kpage, q, k, v):
     got.backward(do)
     want.backward(do)
     assert got.shape == q.shape and torch.isfinite(got).all()
-    rel = lambda a, b: float((a.float() - b).norm() / b.norm())
+    rel = lambda a, b: float((a.detach().float() - b.detach()).norm() / b.detach().norm())
     return rel(got, want), [rel(a.grad, b.grad) for a, b in zip(leaves, ref)]
 
 
