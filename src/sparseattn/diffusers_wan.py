@@ -330,11 +330,11 @@ class WanSparseAttnProcessor:
 
     def _svg2_masked(self, q, k, v, step):
         """Masked SDPA of an SVG2 step's cluster pairs, ``[B, L, heads, d]`` in and out."""
+        from .svg2_device import cluster_pair_mask
+
         torch = self._torch()
         b, n, h, _ = q.shape
-        cm = step.cluster_mask  # [B·H, Cq, Ck]
-        rows = cm.gather(1, step.q_labels.unsqueeze(-1).expand(-1, -1, cm.shape[2]))  # [B·H, L, Ck]
-        mask = rows.gather(2, step.k_labels.unsqueeze(1).expand(-1, n, -1)).view(b, h, n, n)
+        mask = cluster_pair_mask(step.cluster_mask, step.q_labels, step.k_labels).view(b, h, n, n)
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
         )

@@ -44,7 +44,8 @@ recomputed forward.
 Checks, before timing: every implementation's attention of one layer on random q, k, v at the step's own
 token grid is compared with SDPA in float32 under the selection's token mask on ``--check-rows`` sampled
 query rows (VSA's per-call selection: at the grid of :data:`sparseattn.wan_bench.CHECK_GRID`, the whole
-output; SVG2's: the cluster pairs of the same call's step, :func:`check_svg2_rows`); ``checked``, ``rel_err``, ``correct`` (``rel_err`` < 2e-2, bf16) in every record of the impl.
+output; SVG2's: the cluster pairs of the same call's step, :func:`check_svg2_rows`); ``checked``,
+``rel_err``, ``correct`` (``rel_err`` < 2e-2, bf16) in every record of the impl.
 A failing implementation (not installed, out of memory) becomes an ``error`` record and the run goes on;
 ``--budget-s`` stops starting new work once the run has taken that long (``skipped`` records).
 ``--ranks N`` runs the sparse processors under Ulysses sequence parallelism instead (:func:`ranks_bench`:
@@ -590,14 +591,13 @@ def check_svg2_rows(
 ):
     """:func:`_rows_check` of one SVG2 call of ``processor``: the reference lets query ``i`` see key ``j``
     when the call's own step selected the pair of their clusters (the same k-means labels)."""
+    from .svg2_device import cluster_pair_mask
 
     def run(q, k, v, idx):
         step = processor.svg2_step(q, k)
         got = processor._svg2_kpage(q, k, v, step) if q.is_cuda else processor._svg2_masked(q, k, v, step)
-        cm = step.cluster_mask  # [heads, Cq, Ck] (batch 1)
-        allowed = cm.gather(1, step.q_labels[:, idx].unsqueeze(-1).expand(-1, -1, cm.shape[2]))
-        mask = allowed.gather(2, step.k_labels.unsqueeze(1).expand(-1, idx.numel(), -1))[None]
-        return got, mask
+        # batch 1: the step's rows are the heads
+        return got, cluster_pair_mask(step.cluster_mask, step.q_labels[:, idx], step.k_labels)[None]
 
     return _rows_check(run, grid, heads, head_dim, rows, device, seed)
 

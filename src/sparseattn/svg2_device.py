@@ -22,7 +22,8 @@ Functions:
   :class:`DeviceLayout` of static shape; :func:`scatter_to_slots` / :func:`gather_from_slots` move
   token-ordered data into slot order and back.
 * :func:`svg2_select` — :func:`~sparseattn.builders.svg2_select` per row, as a bool cluster mask.
-* :func:`cluster_block_mask` — the block pairs of the selected cluster pairs.
+* :func:`cluster_block_mask` — the block pairs of the selected cluster pairs; :func:`cluster_pair_mask`
+  the same for any groups (tokens' labels: the token mask).
 * :func:`svg2_partition_step` — all of it for one attention call (:class:`SVG2Step`).
 """
 
@@ -87,7 +88,11 @@ def cluster_means(x: torch.Tensor, labels: torch.Tensor, k: int):
     """``(means float32 [N, k, d], sizes int64 [N, k])`` of the rows of ``x`` ``[N, tokens, d]`` per
     cluster of ``labels`` ``[N, tokens]``; empty clusters have zero means (as
     :func:`sparseattn.builders.group_means`)."""
-    sums, counts = _cluster_sums(x.float(), labels, k)
+    return _means(*_cluster_sums(x.float(), labels, k))
+
+
+def _means(sums: torch.Tensor, counts: torch.Tensor):
+    """``(means, sizes int64)`` of clusters' float32 sums ``[N, k, d]`` and sizes ``[N, k]`` (empty: 0)."""
     return sums / counts.clamp_min(1).unsqueeze(-1), counts.long()
 
 
@@ -165,7 +170,6 @@ def kmeans(
             distances), ``"fused"`` (:func:`sparseattn.nearest_centroid.nearest_centroid_fused`: one
             Triton kernel on half-precision ``x``, centroids rounded to its dtype), or ``"auto"`` (fused
             where it can run, else torch).
-
         final_assign: with True (default) the labels are the nearest centroids of the returned
             centroids (one assignment after the last step), as :func:`sparseattn.builders.kmeans_labels`
             returns them; with False they are the last step's assignment and the returned centroids
@@ -210,14 +214,13 @@ def lloyd(
     if not final_assign and iters < 1:
         raise ValueError("final_assign=False needs iters >= 1 (the labels are the last step's)")
     nearest, step = _assigner(x, k, assign, chunk_tokens)
-    sums, counts = x.new_zeros(n, k, d, dtype=torch.float32), x.new_zeros(n, k, dtype=torch.float32)
-    labels = None
+    if iters == 0:
+        zeros = x.new_zeros(n, k, d, dtype=torch.float32)
+        return nearest(c), c, zeros, zeros[..., 0]
     for _ in range(iters):
         labels, sums, counts = step(c)
-        c = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp_min(1.0).unsqueeze(-1), c)
-    if final_assign:
-        labels = nearest(c)
-    return labels, c, sums, counts
+        c = torch.where(counts.unsqueeze(-1) > 0, _means(sums, counts)[0], c)
+    return (nearest(c) if final_assign else labels), c, sums, counts
 
 
 def _assigner(x: torch.Tensor, k: int, assign: str, chunk_tokens: int | None):
@@ -425,12 +428,21 @@ def cluster_block_mask(
     their clusters is (``cluster_mask`` bool ``[N, q_clusters, k_clusters]``; ``q_block_group`` /
     ``k_block_group`` int ``[N, max_blocks]`` from :class:`DeviceLayout`). Blocks with group -1 (past a
     row's layout) are never selected; every other block of a partition layout holds a token."""
-    n, _, ck = cluster_mask.shape
     qg, kg = q_block_group.long(), k_block_group.long()
-    nbq, nbk = qg.shape[1], kg.shape[1]
-    rows = cluster_mask.gather(1, qg.clamp_min(0).unsqueeze(-1).expand(n, nbq, ck))  # [N, nbq, Ck]
-    out = rows.gather(2, kg.clamp_min(0).unsqueeze(1).expand(n, nbq, nbk))
+    out = cluster_pair_mask(cluster_mask, qg.clamp_min(0), kg.clamp_min(0))
     return out & (qg >= 0).unsqueeze(-1) & (kg >= 0).unsqueeze(1)
+
+
+def cluster_pair_mask(
+    cluster_mask: torch.Tensor, q_groups: torch.Tensor, k_groups: torch.Tensor
+) -> torch.Tensor:
+    """bool ``[N, A, B]``: whether the pair of clusters of ``q_groups[:, a]`` and ``k_groups[:, b]`` is
+    selected (``cluster_mask`` bool ``[N, q_clusters, k_clusters]``; groups int ``[N, A]`` / ``[N, B]`` in
+    range: tokens' labels, or blocks' groups)."""
+    n, _, ck = cluster_mask.shape
+    a, b = q_groups.shape[1], k_groups.shape[1]
+    rows = cluster_mask.gather(1, q_groups.long().unsqueeze(-1).expand(n, a, ck))  # [N, A, Ck]
+    return rows.gather(2, k_groups.long().unsqueeze(1).expand(n, a, b))
 
 
 # --- one call --------------------------------------------------------------------------------------
@@ -474,32 +486,38 @@ def svg2_partition_step(
     generator: torch.Generator | None = None,
     assign: str = "auto",
     final_assign: bool = True,
+    mark=None,
 ) -> SVG2Step:
     """SVG2's clustering, partition and selection for ``q`` ``[N, q_tokens, d]`` and ``k``
     ``[N, k_tokens, d]``, as :func:`sparseattn.builders.svg2_graph` does per head on the host.
 
     :func:`kmeans` of each side (``iters`` Lloyd steps from ``q_init`` / ``k_init``, else k-means++
-    seeds from ``generator``, Q first; ``assign`` and ``final_assign`` as there: ``final_assign=False`` is
-    SVG2's own pairing of labels and centroids, one assignment and one pass over the tokens fewer), :func:`partition_slots` of the labels (default
-    ``max_slots``), :func:`svg2_select` on the float32 cluster means of the labels (as the host's
-    :func:`~sparseattn.builders.group_means`) in float64 with ``head_dim = d``, and
-    :func:`cluster_block_mask`.
+    seeds from ``generator``, Q first; ``assign`` and ``final_assign`` as there: ``final_assign=False``
+    is SVG2's own pairing of labels and centroids, one assignment and one pass over the tokens fewer),
+    :func:`partition_slots` of the labels (default ``max_slots``), :func:`svg2_select` on the float32
+    cluster means of the labels (as the host's :func:`~sparseattn.builders.group_means`) in float64 with
+    ``head_dim = d``, and :func:`cluster_block_mask`. ``mark(part)``, when given, is called after
+    ``"kmeans_q"``, ``"kmeans_k"`` and ``"layouts_select"`` (timing hooks).
     """
+    mark = mark or (lambda part: None)
     _check_rows("q", q)
     _check_rows("k", k)
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} must agree in N and d")
     fit = dict(assign=assign, final_assign=final_assign)
-    q_labels, q_cent, q_sums, q_sizes = lloyd(q, q_clusters, iters, q_init, generator, **fit)
-    k_labels, k_cent, k_sums, k_sizes = lloyd(k, k_clusters, iters, k_init, generator, **fit)
+    q_labels, q_cent, q_sums, q_counts = lloyd(q, q_clusters, iters, q_init, generator, **fit)
+    mark("kmeans_q")
+    k_labels, k_cent, k_sums, k_counts = lloyd(k, k_clusters, iters, k_init, generator, **fit)
+    mark("kmeans_k")
     q_layout = partition_slots(q_labels, q_clusters, block_size)
     k_layout = partition_slots(k_labels, k_clusters, block_size)
     if final_assign:  # the labels moved after the last step: their clusters' means take another pass
         q_means, _ = cluster_means(q, q_labels, q_clusters)
         k_means, k_sizes = cluster_means(k, k_labels, k_clusters)
-    else:  # the last step's sums are the labels' clusters (as cluster_means computes them)
-        q_means = q_sums / q_sizes.clamp_min(1).unsqueeze(-1)
-        k_means, k_sizes = k_sums / k_sizes.clamp_min(1).unsqueeze(-1), k_sizes.long()
+    else:  # the last step's sums are the labels' clusters
+        q_means, _ = _means(q_sums, q_counts)
+        k_means, k_sizes = _means(k_sums, k_counts)
     mask = svg2_select(q_means.double(), k_means.double(), k_sizes, q.shape[2], top_p, min_fraction)
     blocks = cluster_block_mask(mask, q_layout.block_group, k_layout.block_group)
+    mark("layouts_select")
     return SVG2Step(q_labels, k_labels, q_cent, k_cent, q_layout, k_layout, k_sizes, mask, blocks)

@@ -34,20 +34,22 @@ METHODS = (("torch", "torch", True), ("fused", "fused", True), ("fused_last_step
 ASSIGNS = tuple(m[0] for m in METHODS)
 
 
-def features(workload, heads: int, device):
-    """bf16 ``(q, k, v)`` ``[heads, tokens, d]`` of a built-in workload: its synthetic Q/K features."""
-    import torch
-
+def synthetic_qk(workload, heads: int):
+    """float32 ``(q, k)`` ``[heads, tokens, d]``: a built-in workload's synthetic Q/K features
+    (:func:`sparseattn.synthetic.synthetic_head_factors`), zero-padded to its head dim."""
     from .synthetic import synthetic_head_factors
 
     d = workload.head_dim
-    qs, ks = [], []
-    for h in range(heads):
-        zq, zk = synthetic_head_factors(h, grid=workload.grid, dim=d)
-        qs.append(np.pad(zq, ((0, 0), (0, d - zq.shape[1]))))
-        ks.append(np.pad(zk, ((0, 0), (0, d - zk.shape[1]))))
-    q = torch.from_numpy(np.stack(qs)).to(device, torch.bfloat16)
-    k = torch.from_numpy(np.stack(ks)).to(device, torch.bfloat16)
+    pad = lambda z: np.pad(z, ((0, 0), (0, d - z.shape[1])))
+    pairs = [synthetic_head_factors(h, grid=workload.grid, dim=d) for h in range(heads)]
+    return tuple(np.stack([pad(z[i]) for z in pairs]).astype(np.float32) for i in (0, 1))
+
+
+def features(workload, heads: int, device):
+    """bf16 ``(q, k, v)`` ``[heads, tokens, d]`` of a built-in workload: its synthetic Q/K features, V random."""
+    import torch
+
+    q, k = (torch.from_numpy(x).to(device, torch.bfloat16) for x in synthetic_qk(workload, heads))
     g = torch.Generator(device=device).manual_seed(2)
     v = torch.randn(q.shape, generator=g, device=device, dtype=torch.bfloat16)
     return q, k, v
@@ -55,58 +57,44 @@ def features(workload, heads: int, device):
 
 def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None, final_assign=False):
     """One SVG2 call: ``(out [N, tokens, d], step)``; ``marks(name)`` is called after each part."""
-    import torch
-
-    from .kernels.forward import torch_dynamic_forward
     from .planning.dynamic_layouts import forward_work_list
-    from .svg2_device import (
-        cluster_block_mask,
-        cluster_means,
-        gather_from_slots,
-        lloyd,
-        partition_slots,
-        scatter_to_slots,
-        svg2_select,
-    )
+    from .svg2_device import gather_from_slots, scatter_to_slots, svg2_partition_step
+    from .torch import per_row_forward
 
     mark = marks or (lambda name: None)
-    qc, kc = sel.q_clusters, sel.k_clusters
-    fit = dict(assign=assign, final_assign=final_assign)
-    q_labels, q_cent, q_sums, q_sizes = lloyd(q, qc, iters, init[0], **fit)
-    mark("kmeans_q")
-    k_labels, k_cent, k_sums, k_sizes = lloyd(k, kc, iters, init[1], **fit)
-    mark("kmeans_k")
-    ql = partition_slots(q_labels, qc, block_size)
-    kl = partition_slots(k_labels, kc, block_size)
-    if final_assign:
-        q_means, _ = cluster_means(q, q_labels, qc)
-        k_means, k_sizes = cluster_means(k, k_labels, kc)
-    else:  # the Wan processor's pairing (SVG2's): the last step's labels and its cluster sums
-        q_means = q_sums / q_sizes.clamp_min(1).unsqueeze(-1)
-        k_means, k_sizes = k_sums / k_sizes.clamp_min(1).unsqueeze(-1), k_sizes.long()
-    mask = svg2_select(q_means.double(), k_means.double(), k_sizes, q.shape[2], sel.top_p, sel.min_fraction)
-    blocks = cluster_block_mask(mask, ql.block_group, kl.block_group)
-    mark("layouts_select")
+    step = svg2_partition_step(
+        q,
+        k,
+        sel.q_clusters,
+        sel.k_clusters,
+        block_size,
+        sel.top_p,
+        sel.min_fraction,
+        iters,
+        *init,
+        assign=assign,
+        final_assign=final_assign,
+        mark=mark,
+    )
+    ql, kl, blocks = step.q_layout, step.k_layout, step.block_mask
     qs = scatter_to_slots(q, ql.token_slot, ql.max_slots)
     ks = scatter_to_slots(k, kl.token_slot, kl.max_slots)
     vs = scatter_to_slots(v, kl.token_slot, kl.max_slots)
     mark("to_slots")
     work = forward_work_list(ql.block_rows, kl.block_rows, blocks, block_size, rows_per_chunk=4)
     mark("plan_fwd")
-    if q.is_cuda:
-        o, _ = torch_dynamic_forward(qs[None], ks[None], vs[None], work)
-    else:  # the kernel's numpy emulator on the same work list (small CPU checks of this pipeline)
-        from .emulator import emulate_work_list
-
-        o64, _ = emulate_work_list(
-            work.to_work_list(), *(x[None].double().numpy() for x in (qs, ks, vs)), None
-        )
-        o = torch.from_numpy(o64).nan_to_num(0.0).to(q.dtype)
+    o, _ = per_row_forward(qs, ks, vs, work, 1.0 / q.shape[-1] ** 0.5)  # the emulator on the CPU
     mark("kernel_fwd")
-    out = gather_from_slots(o[0], ql.token_slot)
+    out = gather_from_slots(o, ql.token_slot)
     mark("from_slots")
     return out, dict(
-        q_labels=q_labels, k_labels=k_labels, mask=mask, blocks=blocks, cent=(q_cent, k_cent), ql=ql, kl=kl
+        q_labels=step.q_labels,
+        k_labels=step.k_labels,
+        mask=step.cluster_mask,
+        blocks=blocks,
+        cent=(step.q_centroids, step.k_centroids),
+        ql=ql,
+        kl=kl,
     )
 
 
@@ -115,11 +103,13 @@ def check_head0(q, k, v, out, state, samples: int = 256, seed: int = 0) -> float
     selected cluster pairs."""
     import torch
 
+    from .svg2_device import cluster_pair_mask
+
     rng = np.random.default_rng(seed)
     t = q.shape[1]
     rows = torch.from_numpy(rng.choice(t, size=min(samples, t), replace=False)).to(q.device)
-    lq = state["q_labels"][0, rows]
-    allowed = state["mask"][0][lq][:, state["k_labels"][0]]  # [samples, tokens]
+    labels_q, labels_k = state["q_labels"][:1, rows], state["k_labels"][:1]
+    allowed = cluster_pair_mask(state["mask"][:1], labels_q, labels_k)[0]  # [samples, tokens]
     qq, kk, vv = q[0, rows].double(), k[0].double(), v[0].double()
     s = (qq @ kk.T) / q.shape[2] ** 0.5
     s = s.masked_fill(~allowed, float("-inf"))

@@ -246,29 +246,36 @@ def _slot_valid(block_rows, block_size: int):
     return (slot < block_rows.unsqueeze(-1)).reshape(block_rows.shape[0], -1)
 
 
+def per_row_forward(q, k, v, work, scale):
+    """``(o [R, q_slots, d], lse [R, q_slots])`` of a
+    :class:`~sparseattn.planning.dynamic_layouts.DynamicWorkList` on ``q`` ``[R, q_slots, d]``, ``k``,
+    ``v`` ``[R, k_slots, d]`` (contiguous): the KPage kernel on CUDA tensors, its numpy emulator (float64;
+    small problems) on CPU tensors. Rows no item owns: ``o`` zero, ``lse`` ``-inf``."""
+    if q.is_cuda:
+        from .kernels.forward import torch_dynamic_forward
+
+        o, lse = torch_dynamic_forward(q[None], k[None], v[None], work, scale)
+        return o[0], lse[0]
+    from .emulator import emulate_work_list
+
+    o64, lse64 = emulate_work_list(work.to_work_list(), *(x[None].double().numpy() for x in (q, k, v)), scale)
+    o = torch.from_numpy(o64[0]).nan_to_num(0.0).to(q.dtype)
+    lse = torch.from_numpy(lse64[0]).nan_to_num(float("-inf"), float("-inf"), float("-inf"))
+    return o, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
 class _PerRowLayouts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_rows, k_rows, mask, block_size, scale):
-        from .kernels.forward import torch_dynamic_forward
         from .planning.dynamic_layouts import forward_work_list
 
         q, k, v = (x.contiguous() for x in (q, k, v))
         work = forward_work_list(q_rows, k_rows, mask, block_size, rows_per_chunk=4)
-        if q.is_cuda:
-            o, lse = torch_dynamic_forward(q[None], k[None], v[None], work, scale)
-        else:  # the kernel's numpy emulator on the same work list (float64; small problems)
-            from .emulator import emulate_work_list
-
-            o64, lse64 = emulate_work_list(
-                work.to_work_list(), *(x[None].double().numpy() for x in (q, k, v)), scale
-            )
-            o = torch.from_numpy(o64).nan_to_num(0.0).to(q.dtype)  # rows no item owns: zero, -inf
-            lse = torch.from_numpy(lse64).nan_to_num(float("-inf"), float("-inf"), float("-inf"))
-            lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        o, lse = per_row_forward(q, k, v, work, scale)
         ctx.save_for_backward(q, k, v, o, lse, q_rows, k_rows, mask)
         ctx.block_size, ctx.scale = block_size, scale
         ctx.mark_non_differentiable(lse)
-        return o[0], lse[0]
+        return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):

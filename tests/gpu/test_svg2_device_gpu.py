@@ -23,17 +23,12 @@ def _inertia(x: np.ndarray, labels: np.ndarray, centroids: np.ndarray) -> float:
     return float((diff * diff).sum())
 
 
-def _synthetic(heads: int, tokens: int, d: int = 128) -> np.ndarray:
-    """float32 ``[heads, tokens, d]``: the K features of ``svg2_wan14b_720p`` (first ``tokens``), padded."""
-    from sparseattn.synthetic import synthetic_head_factors
+def _synthetic(heads: int, tokens: int) -> np.ndarray:
+    """float32 ``[heads, tokens, d]``: the K features of ``svg2_wan14b_720p`` (first ``tokens``)."""
+    from sparseattn.svg2_step_bench import synthetic_qk
     from sparseattn.workloads import get_workload
 
-    w = get_workload("svg2_wan14b_720p")
-    out = []
-    for h in range(heads):
-        _, zk = synthetic_head_factors(h, grid=w.grid, dim=d)
-        out.append(np.pad(zk[:tokens], ((0, 0), (0, d - zk.shape[1]))))
-    return np.stack(out).astype(np.float32)
+    return synthetic_qk(get_workload("svg2_wan14b_720p"), heads)[1][:, :tokens]
 
 
 @pytest.mark.parametrize("data", ["blobs", "synthetic"])

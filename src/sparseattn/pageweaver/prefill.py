@@ -45,8 +45,8 @@ PARTS = ("select", "cache", "group", "plan", "kernel")
 class PrefillAttention:
     """One sparse-prefill configuration: the selection's budget and the attention backend.
 
-    ``timed``: ``times`` collects a CUDA-event pair around each attention call and ``parts`` a list of
-    ``(part, event)`` marks per call (the first mark is the call's start). ``keep_selections``:
+    ``timed``: ``parts`` collects a list of ``(part, event)`` CUDA-event marks per call (the first mark is
+    the call's start; :meth:`part_times` sums them). ``keep_selections``:
     ``selections`` collects each call's int32 ``[Q, budget]`` page selection, in call order (one call per
     layer and forward)."""
 
@@ -60,9 +60,9 @@ class PrefillAttention:
     fp8: bool = True
     timed: bool = False
     keep_selections: bool = False
-    times: list = field(default_factory=list)
     parts: list = field(default_factory=list)
     selections: list = field(default_factory=list)
+    _workspace_buffer: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -73,8 +73,8 @@ class PrefillAttention:
         return self.sink + self.local + self.top
 
     def reset(self) -> None:
-        """Forget the recorded times, parts and selections."""
-        self.times, self.parts, self.selections = [], [], []
+        """Forget the recorded parts and selections."""
+        self.parts, self.selections = [], []
 
     def __call__(self, module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
         """A ``transformers`` attention function: ``query`` ``[1, heads, L, d]``, ``key`` / ``value``
@@ -82,11 +82,7 @@ class PrefillAttention:
         if query.shape[0] != 1:
             raise ValueError(f"sparse prefill runs batch 1, got batch {query.shape[0]}")
         scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
-        mark = self._marker(query)
-        out = self.attend(query[0], key[0], value[0], scale, mark)
-        if self.timed and query.is_cuda:
-            marks = self.parts[-1]
-            self.times.append((marks[0][1], marks[-1][1]))
+        out = self.attend(query[0], key[0], value[0], scale, self._marker(query))
         return out.transpose(0, 1).unsqueeze(0), None
 
     def _marker(self, x: torch.Tensor):
@@ -215,10 +211,9 @@ class PrefillAttention:
 
     def _workspace(self, device) -> torch.Tensor:
         """FlashInfer's float workspace, allocated once per configuration and device."""
-        ws = getattr(self, "_ws", None)
+        ws = self._workspace_buffer
         if ws is None or ws.device != torch.device(device):
-            ws = torch.empty(512 << 20, dtype=torch.uint8, device=device)
-            self._ws = ws
+            ws = self._workspace_buffer = torch.empty(512 << 20, dtype=torch.uint8, device=device)
         return ws
 
 

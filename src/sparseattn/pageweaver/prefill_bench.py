@@ -130,7 +130,7 @@ def bench(
                         times.append((time.perf_counter() - t0) * 1e3)
                         if attn is not None and cuda:
                             parts.append(attn.part_times())
-                            attn_ms.append(sum(a.elapsed_time(b) for a, b in attn.times))
+                            attn_ms.append(sum(parts[-1].values()))  # the parts tile each call
                 ms = statistics.median(times)
                 rec.update(time_ms=round(ms, 2), tokens_per_s=round(context / ms * 1e3, 1), times_ms=times)
                 if attn_ms:
@@ -165,14 +165,15 @@ def _write_captures(attn, context: int, layers: int, out_dir) -> list[str]:
     return [str(c.save(out / f"{c.name}.npz")) for c in attn.captures(context, layers)]
 
 
-def _impl(rec: dict) -> str:
+def record_impl(rec: dict) -> str:
+    """A record's implementation under today's name (:data:`LEGACY_IMPLS`)."""
     return LEGACY_IMPLS.get(rec["impl"], rec["impl"])
 
 
 def markdown_table(records: list[dict]) -> str:
     """The README's table: per context, each backend's tokens/s (attention part, ms) and the union's
     throughput over the fastest FlashInfer path and over FlashInfer e4m3."""
-    by = {(r["tokens"], _impl(r)): r for r in records if "time_ms" in r}
+    by = {(r["tokens"], record_impl(r)): r for r in records if "time_ms" in r}
     impls = [i for i in IMPL_OF.values() if any(k[1] == i for k in by)]
     names = {
         "pageweaver_union": "union (FP8 cache)",

@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 from .. import figstyle
 from ..benchdata import is_usable
-from .prefill_bench import LEGACY_IMPLS
+from .prefill_bench import record_impl
 
 IMPL_ORDER = ("sdpa_dense", "pageweaver_union", "flashinfer_e4m3", "flashinfer_bf16")
 IMPL_LABELS = {
@@ -49,10 +49,6 @@ PART_COLORS = {
 }
 
 
-def _impl(record: dict) -> str:
-    return LEGACY_IMPLS.get(record["impl"], record["impl"])
-
-
 def prefill_records(runs) -> tuple[list[dict], list]:
     """``(records, runs used)``: the newest run (``runs`` newest first) with usable ``pageweaver_union``
     prefill records, merged with the other runs of its commit and command (one file per context)."""
@@ -79,7 +75,7 @@ def _contexts(records) -> list[int]:
 def prefill_figure(records: list[dict], source: str) -> Figure:
     """Panel a: tokens/s per context and backend (the union's gain over FlashInfer's FP8 path after its
     bar). Panel b: each sparse backend's attention part per prefill, stacked by part."""
-    index = {(int(r["tokens"]), _impl(r)): r for r in records if is_usable(r)}
+    index = {(int(r["tokens"]), record_impl(r)): r for r in records if is_usable(r)}
     contexts = _contexts(records)
     impls = [i for i in IMPL_ORDER if any(k[1] == i for k in index)]
     sparse = [i for i in impls if i != "sdpa_dense"]
@@ -116,27 +112,21 @@ def prefill_figure(records: list[dict], source: str) -> Figure:
         ax_a.legend(loc="lower right", fontsize=figstyle.MIN_FONT_PT, frameon=False)
         figstyle.panel_title(ax_a, "a", "Whole prefill")
 
-        bar_groups = []
-        for c in contexts:
-            for impl in sparse:
-                bar_groups.append((c, impl))
-        parts_seen = []
-        for c, impl in bar_groups:
-            rec = index.get((c, impl), {})
-            for p in rec.get("parts_ms") or ({"attention": rec["attn_ms"]} if "attn_ms" in rec else {}):
-                if p not in parts_seen:
-                    parts_seen.append(p)
-        order = [p for p in (*PART_LABELS,) if p in parts_seen]
+        bar_groups = [(c, impl) for c in contexts for impl in sparse]
+        # each bar's parts (runs before the split: the whole attention part as one)
+        bar_parts = []
+        for key in bar_groups:
+            rec = index.get(key, {})
+            bar_parts.append(
+                rec.get("parts_ms") or ({"attention": rec["attn_ms"]} if "attn_ms" in rec else {})
+            )
+        order = [p for p in PART_LABELS if any(p in parts for parts in bar_parts)]
         y = np.arange(len(bar_groups))[::-1].astype(float)
         left = np.zeros(len(bar_groups))
         for p in order:
-            widths = []
-            for c, impl in bar_groups:
-                rec = index.get((c, impl), {})
-                parts = rec.get("parts_ms") or ({"attention": rec["attn_ms"]} if "attn_ms" in rec else {})
-                widths.append(parts.get(p, 0.0))
+            widths = np.array([parts.get(p, 0.0) for parts in bar_parts])
             ax_b.barh(y, widths, 0.7, left=left, color=PART_COLORS[p], label=PART_LABELS[p], linewidth=0)
-            left += np.asarray(widths)
+            left += widths
         ax_b.set_yticks(
             y,
             [f"{c // 1024}K, {SHORT_LABELS.get(i, i)}" for c, i in bar_groups],

@@ -138,20 +138,9 @@ def forward_work_list(
     k_full = k_rows // PAGE_ROWS  # [R, nk]
     k_part = (k_rows % PAGE_ROWS > 0).long()
     if page_streams.available(sel):
-        k_full32, k_part32 = k_full.int().contiguous(), k_part.int().contiguous()
-        flat_len, start, total = _offsets(page_streams.stream_lengths(sel, k_full32, k_part32))
-        entries = torch.empty(capacity + 1, 2, dtype=torch.int32, device=dev)
-        page_streams.write_streams(
-            sel,
-            k_full32,
-            k_part32,
-            k_rows.int().contiguous(),
-            start,
-            entries,
-            capacity,
-            pages_per_block,
-            0,
-            split_partial=True,
+        k_full32, k_part32, k_rows32 = (x.int().contiguous() for x in (k_full, k_part, k_rows))
+        flat_len, start, total, entries = page_streams.streams(
+            sel, k_full32, k_part32, k_rows32, capacity, pages_per_block, 0, split_partial=True
         )
         stream_entries = entries[:capacity]
     else:
@@ -400,16 +389,11 @@ def backward_plan(
     if page_streams.available(sel):
         owned_sel = owned_sel.contiguous()  # each program then reads its K block's row coalesced
         q_live32 = q_live.int().contiguous()
-        no_part = torch.zeros_like(q_live32)
-        _, start, total = _offsets(page_streams.stream_lengths(owned_sel, q_live32, no_part))
-        stream = torch.empty(capacity + 1, dtype=torch.int32, device=dev)
-        page_streams.write_streams(
+        _, start, total, stream = page_streams.streams(
             owned_sel,
             q_live32,
-            no_part,
+            torch.zeros_like(q_live32),
             None,
-            start,
-            stream,
             capacity,
             per_block,
             q_per_row,

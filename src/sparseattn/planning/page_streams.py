@@ -197,3 +197,19 @@ def write_streams(
         SPLIT=bool(split_partial),
         BJ=BLOCK_J,
     )
+
+
+def streams(
+    sel, full, part, rows, capacity: int, pages_per_block: int, row_page_stride: int, split_partial: bool
+):
+    """Every item's stream, counted, placed and written: ``(lengths int64 [R · owner], starts int64
+    [R · owner], total int64 [], out)`` with ``out`` int32 ``[capacity + 1, 2]`` (``split_partial``) or
+    ``[capacity + 1]``, uninitialised past the written entries. Arguments as :func:`write_streams`."""
+    lengths = stream_lengths(sel, full, part)
+    starts = lengths.cumsum(0) - lengths
+    shape = (capacity + 1, 2) if split_partial else (capacity + 1,)
+    out = torch.empty(shape, dtype=torch.int32, device=sel.device)
+    write_streams(
+        sel, full, part, rows, starts, out, capacity, pages_per_block, row_page_stride, split_partial
+    )
+    return lengths, starts, lengths.sum(), out
