@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from .captures import BUILTIN_CAPTURES, Capture, load_capture
+from .flashinfer_peer import block_sparse_wrapper
 from .grouping import adjacent_groups
 from .reference import key_index, paged_attention_reference
 
@@ -99,7 +100,7 @@ def _flashinfer_calls(capture: Capture, q_t, k_t, v_t, kv_heads: int, gqa: int, 
     """FlashInfer wrappers (planned, on ``backend``, K/V of ``k_t``'s dtype) and a callable running them;
     None when FlashInfer is missing."""
     try:
-        import flashinfer
+        import flashinfer  # noqa: F401 - imported here only to learn whether the peer can run
         import torch
     except Exception:  # noqa: BLE001 - FlashInfer is an optional peer: any import failure means "not run"
         return None
@@ -114,9 +115,7 @@ def _flashinfer_calls(capture: Capture, q_t, k_t, v_t, kv_heads: int, gqa: int, 
         b = min(nq, a + step)
         ip = (indptr[a : b + 1] - indptr[a]).contiguous()
         ix = indices[int(indptr[a]) : int(indptr[b])].contiguous()
-        w = flashinfer.BlockSparseAttentionWrapper(
-            torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), backend=backend
-        )
+        w = block_sparse_wrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), b - a, backend)
         w.plan(
             ip,
             ix,
@@ -184,8 +183,19 @@ def check_sample(capture, q, k, v, ks, vs, o, gqa, rng) -> dict:
 
 
 def bench_capture(
-    name: str, gqas, kv_heads: int, timer: Timer, impls, rng, log, flashinfer_backends=FLASHINFER_BACKENDS
+    name: str,
+    gqas,
+    kv_heads: int,
+    timer: Timer,
+    impls,
+    rng,
+    log,
+    flashinfer_backends=FLASHINFER_BACKENDS,
+    failed_builds: dict | None = None,
 ) -> list[dict]:
+    """Records of every implementation on capture ``name`` at each GQA size. ``failed_builds`` maps
+    (FlashInfer path, backend) to the error of a JIT build that failed earlier in the run: that pair is
+    recorded as failed again without another build attempt (each costs minutes of nvcc)."""
     import cupy as cp
 
     from ..kernels.pageweaver import (
@@ -334,6 +344,10 @@ def bench_capture(
         for impl in paths:
             kt, vt = flashinfer_cache(k8, v8, ks, vs, P, bf16=impl == "flashinfer_bf16")
             for backend in flashinfer_backends:
+                if failed_builds is not None and (impl, backend) in failed_builds:
+                    message = f"not retried: {failed_builds[impl, backend]}"
+                    records.append(dict(base, impl=impl, backend=backend, error=message))
+                    continue
                 try:
                     t0 = time.perf_counter()
                     run = _flashinfer_calls(cap, qt, kt, vt, kv_heads, gqa, backend)
@@ -356,6 +370,10 @@ def bench_capture(
                     message = f"{type(err).__name__}: {str(err)[:300]}"
                     records.append(dict(base, impl=impl, backend=backend, error=message))
                     log(f"{name} G={gqa} {impl} ({backend}) failed: {message}")
+                    if failed_builds is not None and "build failed" in str(err).lower():
+                        failed_builds[impl, backend] = (
+                            f"its JIT build failed on {name} G={gqa} ({message[:120]})"
+                        )
             del kt, vt
             torch.cuda.empty_cache()
         if paths:
@@ -416,12 +434,23 @@ def main(argv=None, prog: str | None = None) -> int:
     timer = Timer(args.reps)
     rng = np.random.default_rng(args.seed)
     records = []
+    failed_builds: dict = {}
+    command = "sparseattn bench pageweaver " + " ".join(sys.argv[1:] if argv is None else argv)
     for name in args.captures:
         records += bench_capture(
-            name, args.gqa, args.kv_heads, timer, list(args.impl), rng, log, tuple(args.flashinfer_backends)
+            name,
+            args.gqa,
+            args.kv_heads,
+            timer,
+            list(args.impl),
+            rng,
+            log,
+            tuple(args.flashinfer_backends),
+            failed_builds,
         )
-    command = "sparseattn bench pageweaver " + " ".join(sys.argv[1:] if argv is None else argv)
-    log.write(out, "pageweaver_kernels", command, records)
+        log.write(
+            out, "pageweaver_kernels", command, records
+        )  # after every capture: a cut run keeps its records
     return 0 if all(r.get("correct") in (True, None) for r in records) else 1
 
 

@@ -179,14 +179,14 @@ class PrefillAttention:
     def _flashinfer(self, q, kc, vc, pages, scale, mark):
         """FlashInfer's block-sparse wrapper: one row per query, a page per column block, K/V as stored
         (``kc``/``vc`` e4m3 or bf16 ``[kv_heads, pages · page_size, d]``)."""
-        import flashinfer
+        from .flashinfer_peer import block_sparse_wrapper
 
         n = pages.shape[0]
         valid = pages >= 0
         indptr = torch.cat([torch.zeros(1, dtype=torch.int64, device=q.device), valid.sum(1).cumsum(0)])
         indices = pages[valid].to(torch.int32)
         rows = kc.shape[1]
-        wrapper = flashinfer.BlockSparseAttentionWrapper(self._workspace(q.device), backend="fa2")
+        wrapper = block_sparse_wrapper(self._workspace(q.device), n, backend="fa2")
         wrapper.plan(
             indptr.to(torch.int32),
             indices,
