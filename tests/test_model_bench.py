@@ -222,6 +222,8 @@ def test_smoke_run_writes_a_bench_run(smoke):
         rec = by[("kpage_svg2", pass_)]
         assert benchdata.is_usable(rec) and rec["q_clusters"] == 32 and rec["k_clusters"] == 64, rec
         assert rec["checked"] is True and rec["rel_err"] < 1e-5, rec  # the same step's cluster pairs
+        assert 0 < rec["svg2_selected_pairs"] <= 1, rec
+    assert "svg2_selected_pairs" not in by[("dense", "step_fwd")]
 
 
 def test_smoke_run_goes_on_after_a_failing_impl(monkeypatch, tmp_path):

@@ -352,6 +352,17 @@ def test_svg2_partition_step_matches_host_path():
     assert torch.equal(again.q_labels, step.q_labels) and torch.equal(again.k_labels, step.k_labels)
 
 
+def test_selected_pair_fraction_is_the_token_mask_density():
+    q = torch.from_numpy(blobs(22, 2, 300, 16))
+    k = torch.from_numpy(blobs(23, 2, 250, 16))
+    step = sd.svg2_partition_step(q, k, 6, 9, 16, 0.7, 0.1, 2, generator=torch.Generator().manual_seed(1))
+    tokens = sd.cluster_pair_mask(step.cluster_mask, step.q_labels, step.k_labels)  # [2, 300, 250]
+    got = sd.selected_pair_fraction(step)
+    assert got.dtype == torch.float64 and got.shape == (2,)
+    torch.testing.assert_close(got, tokens.double().mean((1, 2)), rtol=0, atol=1e-12)
+    assert 0 < got.min() and got.max() < 1
+
+
 def test_static_shapes_on_meta_tensors():
     """Every step runs on meta tensors (no data): no output shape depends on values, nothing reads
     a value back to the host."""

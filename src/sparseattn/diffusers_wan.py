@@ -174,6 +174,7 @@ class WanSparseAttnProcessor:
             )
         self.selection, self.backend, self.route = selection, backend, route
         self._centroids: dict = {}  # SVG2: (layer, rows) -> the previous call's (Q, K) centroids
+        self.last_svg2_step = None  # SVG2: the last call's SVG2Step (what it selected, for reports)
         self._layer = None
         self._graphs: dict = {}
         self._layout = None
@@ -323,7 +324,7 @@ class WanSparseAttnProcessor:
     def _attend_svg2(self, q, k, v):
         """SVG2: query i attends key j when the pair of their clusters is selected (masked SDPA, or KPage
         on the per-row layouts of this call's clusters)."""
-        step = self.svg2_step(q, k)
+        step = self.last_svg2_step = self.svg2_step(q, k)
         if self.backend == "kpage" and q.is_cuda:  # on the CPU, KPage's graph is computed by masking
             return self._svg2_kpage(q, k, v, step)
         return self._svg2_masked(q, k, v, step)

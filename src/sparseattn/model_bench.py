@@ -625,6 +625,23 @@ def run_check(impl: str, built: Impl, grid, spec: ModelSpec, args) -> dict:
     return dict(checked=True, check=what, rel_err=rel, correct=bool(rel < REL_TOL))
 
 
+def svg2_selection_stats(model) -> dict:
+    """``svg2_selected_pairs``: the mean fraction of (query, key) pairs the SVG2 processors' last calls
+    selected (the last layer's call of the last timed step; {} without an SVG2 processor). Random weights
+    give near-uniform attention scores, so top-p keeps far more pairs than in a trained model."""
+    from .svg2_device import selected_pair_fraction
+
+    steps = {
+        id(p): p.last_svg2_step
+        for p in getattr(model, "attn_processors", {}).values()
+        if getattr(p, "last_svg2_step", None) is not None
+    }
+    if not steps:
+        return {}
+    fractions = [float(selected_pair_fraction(step).mean()) for step in steps.values()]
+    return dict(svg2_selected_pairs=round(sum(fractions) / len(fractions), 4))
+
+
 # ---- timing ----------------------------------------------------------------------------------------
 def time_mode(model, inputs, clock, train: bool, warmup: int, reps: int, device):
     """(step ms per timed step, attention ms per timed step or None, warm-up step ms)."""
@@ -852,6 +869,7 @@ class Run:
             except Exception as exc:  # noqa: BLE001 - recorded, the other modes and impls still run
                 failure = (_error_text(exc), _is_oom(exc))
             if failure is None:
+                extra.update(svg2_selection_stats(model))
                 break
             # out of the except block: the traceback's frames (and the step's tensors) are gone now
             model.zero_grad(set_to_none=True)
@@ -892,6 +910,8 @@ class Run:
             line += f"; {passes[1]}: {attn_ms:.1f} ms"
         if extra.get("grad_checkpointing"):
             line += " (gradient checkpointing)"
+        if "svg2_selected_pairs" in extra:
+            line += f"; SVG2 selected {100 * extra['svg2_selected_pairs']:.1f}% of the pairs"
         self.log(line + f"; warm-up {', '.join(f'{w:.0f}' for w in warm)} ms")
 
 

@@ -445,6 +445,16 @@ def cluster_pair_mask(
     return rows.gather(2, k_groups.long().unsqueeze(1).expand(n, a, b))
 
 
+def selected_pair_fraction(step: SVG2Step) -> torch.Tensor:
+    """float64 ``[N]``: the fraction of each row's (query, key) token pairs whose cluster pair ``step``
+    selected (its useful density: 1.0 is dense attention)."""
+    n, qc, _ = step.cluster_mask.shape
+    q_sizes = torch.zeros(n, qc, dtype=torch.float64, device=step.q_labels.device)
+    q_sizes.scatter_add_(1, step.q_labels, torch.ones_like(step.q_labels, dtype=torch.float64))
+    pairs = torch.einsum("nij,ni,nj->n", step.cluster_mask.double(), q_sizes, step.k_sizes.double())
+    return pairs / (step.q_labels.shape[1] * step.k_labels.shape[1])
+
+
 # --- one call --------------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class SVG2Step:

@@ -31,11 +31,33 @@ def _synthetic(heads: int, tokens: int) -> np.ndarray:
     return synthetic_qk(get_workload("svg2_wan14b_720p"), heads)[1][:, :tokens]
 
 
+def _round_bf16(c: np.ndarray) -> np.ndarray:
+    """float64 values of ``c`` rounded to float32, then to bf16 (as the fused kernel rounds centroids)."""
+    return torch.from_numpy(c.astype(np.float32)).bfloat16().double().numpy()
+
+
+def host_lloyd_bf16(x: np.ndarray, init: np.ndarray, iters: int):
+    """The fused path's Lloyd steps in float64: each assignment to the bf16-rounded centroids, each
+    update the mean of the tokens (an empty cluster keeps its centre), then a last assignment.
+    ``(centroids [k, d], distances to the rounded final centroids [tokens, k])``."""
+    code = init.astype(np.float64)
+    for _ in range(iters):
+        labels = sq_dist(x, _round_bf16(code)).argmin(1)
+        for c in range(code.shape[0]):
+            members = x[labels == c]
+            if len(members):
+                code[c] = members.astype(np.float64).mean(0)
+    return code, sq_dist(x, _round_bf16(code))
+
+
 @pytest.mark.parametrize("data", ["blobs", "synthetic"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_kmeans_agrees_with_the_host(data, dtype):
     """Same seeds (k-means++ on the host), same data: labels equal wherever the nearest centroid is clear,
-    and the inertia of the GPU clustering within 1e-4 (float32) / 1e-3 (bf16 rows) of the host's."""
+    and the inertia of the GPU clustering within 1e-4 (float32) / 1e-3 (bf16 rows) of the host's. The
+    host runs scipy's Lloyd steps for float32 rows and, for bf16 rows, the same steps assigning to
+    bf16-rounded centroids as the fused kernel does (scipy's unrounded steps part ways from it at the
+    first token whose nearest centroid changes under that rounding)."""
     k, iters = 40, 3
     x = blobs(3, 4, 3000, 64) if data == "blobs" else _synthetic(4, 6000)
     if dtype == "bfloat16":  # the host clusters the same (rounded) values
@@ -49,14 +71,18 @@ def test_gpu_kmeans_agrees_with_the_host(data, dtype):
     labels, cent = labels.cpu().numpy(), cent.cpu().numpy()
     tol = 1e-4 if dtype == "float32" else 1e-3
     for r in range(x.shape[0]):
-        code, dist = host_lloyd(x[r], init[r], iters)
+        if dtype == "float32":
+            code, dist = host_lloyd(x[r], init[r], iters)
+        else:
+            code, dist = host_lloyd_bf16(x[r], init[r], iters)
         host_labels = dist.argmin(1)
         got, want = _inertia(x[r], labels[r], cent[r]), _inertia(x[r], host_labels, code)
         assert abs(got - want) <= tol * want, (r, got, want)
-        clear = clear_labels(sq_dist(x[r], cent[r]), 1e-4 * np.abs(dist).mean())
+        mine = cent[r] if dtype == "float32" else _round_bf16(cent[r])
+        clear = clear_labels(sq_dist(x[r], mine), 1e-4 * np.abs(dist).mean())
         assert clear.mean() > 0.95
         same = (labels[r][clear] == host_labels[clear]).mean()
-        assert same > (0.999 if dtype == "float32" else 0.99), (r, same)
+        assert same > 0.999, (r, same)
 
 
 def test_fused_assignment_is_the_nearest_of_the_rounded_centroids():
@@ -71,7 +97,8 @@ def test_fused_assignment_is_the_nearest_of_the_rounded_centroids():
     xs, cs = x.float().cpu().numpy(), c.bfloat16().float().cpu().numpy()
     for r in range(3):
         dist = sq_dist(xs[r], cs[r])
-        clear = clear_labels(dist, 1e-3 * np.abs(dist).mean())
+        # float32 accumulation of 128 products is good to ~1e-5 here; the margin is 2.6e-3 (1e-5 x ~256)
+        clear = clear_labels(dist, 1e-5 * np.abs(dist).mean())
         assert clear.mean() > 0.99
         np.testing.assert_array_equal(got[r][clear], dist.argmin(1)[clear])
 
