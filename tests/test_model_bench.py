@@ -156,7 +156,13 @@ def test_pick_model_run_wants_dense_and_a_peer(tmp_path):
     write("kernels.json", "2026-12-04T00:00:00+00:00", [dict(kernel, **{"pass": "fwd"})])
     run = modelplots.pick_model_run(benchdata.find_runs(tmp_path))
     assert run is not None and run.path.name == "old.json"
-    (tmp_path / "old.json").unlink()
+    narrow = [r for r in _records() if r["impl"] in ("dense", "kpage_sta") and r["pass"] == "step_fwd"]
+    write("narrow.json", "2026-12-05T00:00:00+00:00", narrow)  # newer, but fewer rows: not the figure's
+    assert modelplots.pick_model_run(benchdata.find_runs(tmp_path)).path.name == "old.json"
+    write("again.json", "2026-12-06T00:00:00+00:00", _records())  # as wide and newer: it
+    assert modelplots.pick_model_run(benchdata.find_runs(tmp_path)).path.name == "again.json"
+    for name in ("old.json", "narrow.json", "again.json"):
+        (tmp_path / name).unlink()
     assert modelplots.pick_model_run(benchdata.find_runs(tmp_path)) is None
 
 

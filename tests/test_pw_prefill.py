@@ -110,9 +110,9 @@ def test_prefill_bench_table_reads_the_first_recorded_runs():
     from sparseattn.benchdata import load_run
     from sparseattn.pageweaver.prefill_bench import markdown_table
 
-    bench_dir = Path(__file__).resolve().parents[1] / "data" / "bench"
-    runs = sorted(bench_dir.glob("llama_prefill_*k_h200_*.json"))
-    assert runs
+    history = Path(__file__).resolve().parents[1] / "data" / "bench" / "experiments"
+    runs = sorted(history.glob("llama_prefill_*k_h200_*_d4b036b.json"))
+    assert len(runs) == 2
     records = [r for p in runs for r in load_run(p).records]
     table = markdown_table(records)
     assert "FlashInfer e4m3" in table and "32K" in table

@@ -9,7 +9,7 @@ not, the launch queue fills and the host time is the GPU's).
 Records (bench format, ``--out``): ``impl`` ``torch`` (:mod:`sparseattn.torch`'s entry points, autograd
 included: the ``torch.library`` operators, or for an eager differentiated KPage call the same
 implementations behind a plain ``autograd.Function``; the runs up to
-``host_cost_h200_20261202_1940dad`` called this ``torch_op`` and took the operator throughout) or ``cupy`` (:func:`~sparseattn.kernels.forward.kpage_forward`
+``experiments/host_cost_h200_20261202_1940dad`` called this ``torch_op`` and took the operator throughout) or ``cupy`` (:func:`~sparseattn.kernels.forward.kpage_forward`
 and :func:`~sparseattn.kernels.backward.kpage_backward` on CuPy arrays); ``pass`` ``host_fwd`` or
 ``host_fwdbwd``; ``workload`` ``host_static`` (a cached :class:`~sparseattn.graph.SparseGraph`) or
 ``host_dynamic`` (a top-k selection planned on the device each call: torch only); ``time_us``. The floor

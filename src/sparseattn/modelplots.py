@@ -64,14 +64,25 @@ def is_model_record(record: dict) -> bool:
 
 
 def pick_model_run(runs) -> BenchRun | None:
-    """The newest run (``runs`` newest first, as :func:`benchdata.find_runs` gives them) with usable
-    model-step records of dense and of another implementation in the same pass; None if there is none."""
+    """Of the runs with usable model-step records of dense and of another implementation in the same
+    pass, the widest (most usable (workload, impl, step pass) records: a focused later run of a few rows does not replace
+    the whole comparison), the newest of equally wide ones (``runs`` newest first, as
+    :func:`benchdata.find_runs` gives them); None if there is none."""
+    best, best_width = None, 0
     for run in runs:
-        usable = {(r["impl"], r["pass"]) for r in run.records if is_model_record(r) and is_usable(r)}
-        for pass_ in STEP_PASSES:
-            if ("dense", pass_) in usable and any(p == pass_ and i != "dense" for i, p in usable):
-                return run
-    return None
+        usable = {
+            (r["workload"], r["impl"], r["pass"]) for r in run.records if is_model_record(r) and is_usable(r)
+        }
+        pairs = {(i, p) for _, i, p in usable}
+        if not any(
+            ("dense", pass_) in pairs and any(p == pass_ and i != "dense" for i, p in pairs)
+            for pass_ in STEP_PASSES
+        ):
+            continue
+        width = sum(p in STEP_PASSES for _, _, p in usable)
+        if width > best_width:
+            best, best_width = run, width
+    return best
 
 
 def _workloads(records) -> list[str]:

@@ -107,7 +107,7 @@ def prefill_figure(records: list[dict], source: str) -> Figure:
                         va="center",
                         fontsize=figstyle.MIN_FONT_PT,
                     )
-        ax_a.set_xlim(0, largest * 2.2)
+        ax_a.set_xlim(0, largest * 3.0)  # the legend (lower right) clear of the bars and their labels
         ax_a.set_xlabel("prefill throughput (thousand tokens/s)")
         ax_a.legend(loc="lower right", fontsize=figstyle.MIN_FONT_PT, frameon=False)
         figstyle.panel_title(ax_a, "a", "Whole prefill")
