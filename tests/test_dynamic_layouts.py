@@ -176,3 +176,56 @@ def test_per_row_layout_attention_on_the_cpu_gives_the_reference_gradients():
         g = x.grad.numpy()
         np.testing.assert_allclose(g[ok], want[ok], atol=1e-10, err_msg=name)
         assert not g[~ok].any(), f"{name}: padding slots must be zero"
+
+
+def test_plans_never_read_slots_past_each_rows_blocks():
+    """The GPU path leaves the slots past a row's ``num_slots`` unwritten (``slot_copy``). The reason it may:
+    the blocks there hold no live page and no selected pair, and the plans stream live pages of selected
+    pairs only. Then the end-to-end check (emulators on the same plans): NaN there changes nothing on the
+    valid slots."""
+    from sparseattn.torch import per_row_layout_attention
+
+    block = 64
+    q_lay, k_lay, mask = _problem(6, block=block, tokens=180)
+    q_unused = ~q_lay.used_slots().view(q_lay.valid.shape)
+    k_unused = ~k_lay.used_slots().view(k_lay.valid.shape)
+    assert q_unused.any() and k_unused.any()  # the static bound leaves room past the blocks
+    for lay, side in ((q_lay, 1), (k_lay, 2)):
+        past = torch.arange(lay.block_pages.shape[1]) >= (lay.num_slots // block).unsqueeze(
+            1
+        )  # [rows, blocks]
+        assert past.any() and not lay.block_pages[past].any() and not lay.block_rows[past].any()
+        assert not (mask.any(3 - side) & past).any()  # no selected pair touches them
+    rng = np.random.default_rng(6)
+    rows, d = mask.shape[0], 16
+    q, k, v, do = (
+        torch.tensor(rng.standard_normal((rows, n, d)))
+        for n in (q_lay.max_slots, k_lay.max_slots, k_lay.max_slots, q_lay.max_slots)
+    )
+    q, k, v = (
+        x.masked_fill(~lay.valid.unsqueeze(-1), 0.0) for x, lay in ((q, q_lay), (k, k_lay), (v, k_lay))
+    )
+    runs = []
+    for poison in (False, True):
+        leaves = [x.clone() for x in (q, k, v)]
+        if poison:
+            for x, unused in zip(leaves, (q_unused, k_unused, k_unused)):
+                x[unused] = float("nan")
+        leaves = [x.requires_grad_() for x in leaves]
+        o, _ = per_row_layout_attention(*leaves, q_lay.block_rows, k_lay.block_rows, mask, block)
+        o.backward(do)
+        runs.append((o.detach(), [x.grad for x in leaves]))
+    (o0, g0), (o1, g1) = runs
+    qv, kv = q_lay.valid, k_lay.valid
+    assert torch.isfinite(o1[qv]).all()
+    torch.testing.assert_close(o1[qv], o0[qv], rtol=0, atol=0)
+    for a, b, ok in zip(g0, g1, (qv, kv, kv)):
+        torch.testing.assert_close(b[ok], a[ok], rtol=0, atol=0)
+
+
+def test_used_slots_are_each_rows_first_num_slots():
+    q_lay, _, _ = _problem(7, block=32)
+    used = q_lay.used_slots().view(q_lay.valid.shape)
+    assert torch.equal(used.sum(1), q_lay.num_slots)
+    assert not (q_lay.valid & ~used).any()  # every token's slot is used
+    assert (used[:, :-1] | ~used[:, 1:]).all()  # a prefix

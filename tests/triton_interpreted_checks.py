@@ -2,7 +2,7 @@
 
 Triton's interpreter must be chosen before Triton is imported, so ``test_triton_interpreted.py`` runs
 this file in a fresh process with ``TRITON_INTERPRET=1``: ``python tests/triton_interpreted_checks.py
-page_streams`` (or ``nearest_centroid``). Exit status 0 when every case agrees.
+page_streams`` (or ``nearest_centroid``, ``slot_copy``). Exit status 0 when every case agrees.
 """
 
 from __future__ import annotations
@@ -87,6 +87,51 @@ def check_nearest_centroid() -> int:
         assert same or (got[0] != ref[0]).float().mean() < 0.01
         if same:
             torch.testing.assert_close(got[3], ref[3])
+        cases += 1
+    return cases
+
+
+def check_slot_copy() -> int:
+    """Token rows into slots in one pass: the used rows equal zeros + ``index_copy``'s, rows outside
+    ``used`` untouched; the gradient is the rows' gather."""
+    from sparseattn import slot_copy
+    from sparseattn.svg2_device import scatter_rows
+
+    cases = 0
+    for total, r, d, dtype in (
+        (300, 70, 64, torch.float16),
+        (1000, 333, 96, torch.float32),
+        (64, 0, 32, torch.float16),
+    ):
+        g = torch.Generator().manual_seed(total)
+        used = torch.rand(total, generator=g) < 0.6
+        used_rows = used.nonzero().squeeze(1)
+        rows = used_rows[torch.randperm(used_rows.numel(), generator=g)[:r]]
+        x = torch.randn(r, d, generator=g).to(dtype).requires_grad_()
+        assert slot_copy.available(x), "the interpreter is not on"
+        got = scatter_rows(x, rows, total, used)
+        want = x.detach().new_zeros(total, d).index_copy(0, rows, x.detach())
+        assert torch.equal(got[used], want[used]), (total, r, d)
+        src = slot_copy.slot_sources(rows, total, used)
+        assert torch.equal(src[~used], torch.full_like(src[~used], slot_copy.UNWRITTEN))
+        # the unwritten rows keep what was there: the kernel itself into a NaN-filled buffer
+        out = torch.full((total, d), float("nan"), dtype=dtype)
+        slot_copy._rows_to_slots_kernel[(slot_copy.triton.cdiv(total, slot_copy.BLOCK_ROWS),)](
+            x.detach(),
+            src,
+            out,
+            total,
+            x.stride(0),
+            out.stride(0),
+            D=d,
+            BD=slot_copy.triton.next_power_of_2(d),
+            BR=slot_copy.BLOCK_ROWS,
+        )
+        assert torch.equal(out[used], want[used]) and out[~used].isnan().all()
+        if r:
+            dy = torch.randn(total, d, generator=g).to(dtype)
+            (got * dy).sum().backward()
+            torch.testing.assert_close(x.grad, dy[rows])
         cases += 1
     return cases
 

@@ -356,9 +356,12 @@ class WanSparseAttnProcessor:
 
         q_rows, k_rows = in_token_order(ql), in_token_order(kl)
         flat = lambda x: x.to(torch.bfloat16).reshape(b * n * h, d)  # [B, L, heads, d] as it comes
-        qs = scatter_rows(flat(q), q_rows, b * h * ql.max_slots).view(b * h, ql.max_slots, d)
+        # slots past each row's blocks stay unwritten on the GPU: no plan reads them
+        qs = scatter_rows(flat(q), q_rows, b * h * ql.max_slots, ql.used_slots()).view(b * h, ql.max_slots, d)
+        k_used = kl.used_slots()
         ks, vs = (
-            scatter_rows(flat(x), k_rows, b * h * kl.max_slots).view(b * h, kl.max_slots, d) for x in (k, v)
+            scatter_rows(flat(x), k_rows, b * h * kl.max_slots, k_used).view(b * h, kl.max_slots, d)
+            for x in (k, v)
         )
         o, _ = per_row_layout_attention(
             qs, ks, vs, ql.block_rows, kl.block_rows, step.block_mask, ql.block_size

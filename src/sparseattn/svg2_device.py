@@ -291,6 +291,12 @@ class DeviceLayout:
     def max_slots(self) -> int:
         return self.valid.shape[1]
 
+    def used_slots(self) -> torch.Tensor:
+        """bool ``[N · max_slots]``: the slots of each row's blocks (its first ``num_slots``), flattened as
+        the rows of :func:`scatter_rows`' output; the plans read no others."""
+        slots = torch.arange(self.max_slots, device=self.num_slots.device)
+        return (slots < self.num_slots.unsqueeze(1)).reshape(-1)
+
     @property
     def max_blocks(self) -> int:
         return self.block_group.shape[1]
@@ -357,18 +363,31 @@ def slot_rows(token_slot: torch.Tensor, max_slots: int) -> torch.Tensor:
     return token_slot.long() + torch.arange(n, device=token_slot.device).unsqueeze(1) * max_slots
 
 
-def scatter_rows(x: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+def scatter_rows(
+    x: torch.Tensor, rows: torch.Tensor, total: int, used: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[total, d]``: the rows of ``x`` ``[R, d]`` copied to rows ``rows`` ``[R]`` (distinct) of zeros.
-    One index per row (``index_copy``), not per element; differentiable in ``x``."""
+    One index per row, not per element; differentiable in ``x``.
+
+    With ``used`` (bool ``[total]``, e.g. :meth:`DeviceLayout.used_slots`) and Triton on ``x``'s device,
+    rows outside ``used`` are left unwritten (:func:`sparseattn.slot_copy.rows_to_slots`: one pass, no
+    zero fill of the static bound's unused slots); otherwise every other row is zero (``index_copy``)."""
+    from . import slot_copy
+
+    if used is not None and slot_copy.available(x):
+        return slot_copy.rows_to_slots(x, rows, used)
     return x.new_zeros(total, x.shape[-1]).index_copy(0, rows, x)
 
 
-def scatter_to_slots(x: torch.Tensor, token_slot: torch.Tensor, max_slots: int) -> torch.Tensor:
+def scatter_to_slots(
+    x: torch.Tensor, token_slot: torch.Tensor, max_slots: int, used: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[N, max_slots, d]``: token-ordered ``x`` ``[N, tokens, d]`` moved to the slots ``token_slot``
-    ``[N, tokens]``; padding slots are zero. Differentiable."""
+    ``[N, tokens]``; padding slots are zero, or with ``used`` (bool ``[N · max_slots]``) those outside it
+    may be left unwritten (:func:`scatter_rows`). Differentiable."""
     n, t, d = x.shape
     rows = slot_rows(token_slot, max_slots).reshape(-1)
-    return scatter_rows(x.reshape(n * t, d), rows, n * max_slots).view(n, max_slots, d)
+    return scatter_rows(x.reshape(n * t, d), rows, n * max_slots, used).view(n, max_slots, d)
 
 
 def gather_from_slots(y: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ means, top-p, block mask), tokens to slots, the KPage forward's work list
 backward's plan. Each part between CUDA events, median of ``--reps`` calls; the call runs once per k-means
 variant of :data:`METHODS` (float32 torch distances, the fused Triton kernel, and the fused kernel with
 SVG2's own pairing of labels and centroids, which the Wan processor runs) in the same run, and the k-means
-parts by flash-kmeans (SVG2's own Triton k-means) when it is installed.
+parts by flash-kmeans (SVG2's own Triton k-means) when it is installed. Tokens move to slots as the CPU
+path does (zeros, then ``index_copy``) in the ``torch`` method, and in one Triton pass that leaves unused
+slots unwritten (:mod:`sparseattn.slot_copy`) in the fused ones.
 
 Q and K are the workload's synthetic features (:func:`sparseattn.synthetic.synthetic_head_factors`,
 zero-padded to the head dim) in bf16; V is random. The output of head 0 is checked on sampled query
@@ -77,9 +79,13 @@ def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None, final_as
         mark=mark,
     )
     ql, kl, blocks = step.q_layout, step.k_layout, step.block_mask
-    qs = scatter_to_slots(q, ql.token_slot, ql.max_slots)
-    ks = scatter_to_slots(k, kl.token_slot, kl.max_slots)
-    vs = scatter_to_slots(v, kl.token_slot, kl.max_slots)
+    # the torch method moves tokens as the CPU path does (zeros, then index_copy); the fused ones leave
+    # the slots past each row's blocks unwritten (one Triton pass, as the Wan processor on the GPU)
+    used = (lambda lay: None) if assign == "torch" else (lambda lay: lay.used_slots())
+    qs = scatter_to_slots(q, ql.token_slot, ql.max_slots, used(ql))
+    k_used = used(kl)
+    ks = scatter_to_slots(k, kl.token_slot, kl.max_slots, k_used)
+    vs = scatter_to_slots(v, kl.token_slot, kl.max_slots, k_used)
     mark("to_slots")
     work = forward_work_list(ql.block_rows, kl.block_rows, blocks, block_size, rows_per_chunk=4)
     mark("plan_fwd")

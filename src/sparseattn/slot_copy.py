@@ -1,0 +1,118 @@
+"""Token rows into slot rows in one pass: a Triton gather that writes each used slot row once.
+
+:func:`sparseattn.svg2_device.scatter_rows` (torch) fills a ``[total, d]`` buffer with zeros, then copies
+the token rows in (``index_copy``). The buffers are sized to a static bound: at SVG2's 720p K side (40
+heads, 75,600 tokens, 1,000 clusters of 128-row blocks) that is 202,496 slots per head, 2 GB of zeros
+per tensor, and most of them lie past each head's last block, where no plan ever reads.
+
+:func:`rows_to_slots` gathers instead. Each program takes ``BLOCK_ROWS`` output rows and reads each one's
+source from ``sources``: a token row (``>= 0``), zeros (``-1``: padding inside a used block, which the
+kernels read as masked rows and must find finite) or nothing (``-2``: the row is left as
+``torch.empty`` gave it). :func:`slot_sources` builds ``sources`` from the rows' targets and a mask of
+the used slots (a per-row layout's first ``num_slots`` slots). The backward is the gather of the
+gradient at the same rows (``index_select``), so unwritten rows are never read on either way.
+
+Runs on CUDA tensors (or on the CPU under ``TRITON_INTERPRET=1``, for tests); :func:`available` says
+whether it can run on a tensor. :func:`scatter_rows` of ``svg2_device`` falls back to zeros and
+``index_copy`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton ships with torch's CUDA builds; CPU-only installs may lack it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+#: Output rows per program.
+BLOCK_ROWS = 64
+#: ``sources`` value of a zero row and of a row left unwritten.
+ZERO, UNWRITTEN = -1, -2
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether :func:`rows_to_slots` runs its kernel on ``x``: Triton importable and ``x`` on a CUDA device
+    (or on the CPU under ``TRITON_INTERPRET=1``)."""
+    if triton is None:
+        return False
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return x.is_cuda or (interpreting and x.device.type == "cpu")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rows_to_slots_kernel(
+        x_ptr,
+        src_ptr,
+        out_ptr,
+        total,
+        stride_x,
+        stride_out,
+        D: tl.constexpr,
+        BD: tl.constexpr,
+        BR: tl.constexpr,
+    ):
+        offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        r_ok = offs_r < total
+        src = tl.load(src_ptr + offs_r, mask=r_ok, other=-2).to(tl.int64)
+        offs_d = tl.arange(0, BD)
+        d_ok = offs_d < D
+        take = (src >= 0)[:, None] & d_ok[None, :]
+        rows = tl.load(x_ptr + src[:, None] * stride_x + offs_d[None, :], mask=take, other=0.0)
+        write = (src >= -1)[:, None] & d_ok[None, :]
+        tl.store(out_ptr + offs_r[:, None] * stride_out + offs_d[None, :], rows, mask=write)
+
+
+def slot_sources(rows: torch.Tensor, total: int, used: torch.Tensor) -> torch.Tensor:
+    """int32 ``[total]``: the source of every output row: the index of the input row whose target in
+    ``rows`` (int ``[R]``, distinct) it is, else :data:`ZERO` where ``used`` (bool ``[total]``), else
+    :data:`UNWRITTEN`. Every target must be a used row."""
+    if used.shape != (total,):
+        raise ValueError(f"used must be bool [{total}], got {list(used.shape)}")
+    src = torch.where(used, ZERO, UNWRITTEN).to(torch.int32)
+    return src.index_copy_(0, rows.long(), torch.arange(rows.shape[0], dtype=torch.int32, device=rows.device))
+
+
+class _RowsToSlots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rows, sources):
+        ctx.save_for_backward(rows)
+        total, d = sources.shape[0], x.shape[1]
+        x = x if x.stride(1) == 1 else x.contiguous()
+        out = torch.empty(total, d, dtype=x.dtype, device=x.device)
+        if total:
+            grid = (triton.cdiv(total, BLOCK_ROWS),)
+            _rows_to_slots_kernel[grid](
+                x,
+                sources,
+                out,
+                total,
+                x.stride(0),
+                out.stride(0),
+                D=d,
+                BD=triton.next_power_of_2(d),
+                BR=BLOCK_ROWS,
+            )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows.long()), None, None
+
+
+def rows_to_slots(x: torch.Tensor, rows: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """``[total, d]``: row ``i`` of ``x`` ``[R, d]`` at row ``rows[i]`` (``rows`` int ``[R]``, distinct, each a
+    used row), zeros at the other rows where ``used`` (bool ``[total]``), the rest unwritten.
+    Differentiable in ``x``. Needs :func:`available` ``(x)``."""
+    if not available(x):
+        raise ValueError(f"rows_to_slots needs Triton and a CUDA tensor, got {x.dtype} on {x.device}")
+    if x.ndim != 2 or rows.shape != (x.shape[0],):
+        raise ValueError(f"x must be [R, d] and rows [R], got {list(x.shape)} and {list(rows.shape)}")
+    return _RowsToSlots.apply(x, rows, slot_sources(rows, used.shape[0], used))
