@@ -53,3 +53,34 @@ def test_selection_is_sink_local_and_top_pages_under_causality(budget):
         assert list(row) == sorted(fixed | best), i
     cap = Capture(pages=pages, positions=pos.numpy(), context=n, page_size=ps)  # a valid capture
     assert cap.num_queries == n
+
+
+@pytest.mark.parametrize(
+    "budget", [(1, 2, 13), (3, 1, 40), (0, 0, 4), (20, 3, 0)], ids=lambda b: "s{}l{}t{}".format(*b)
+)
+def test_prefill_chunks_select_what_explicit_positions_select(monkeypatch, budget):
+    """``positions=None`` (query i at i) scores chunks of queries on their causal pages only; the pages are
+    those of the whole-row path with explicit positions, including budgets larger than the pages a query
+    may take and chunk edges inside a page."""
+    from sparseattn.pageweaver import page_select
+
+    monkeypatch.setattr(page_select, "QUERY_CHUNK", 37)
+    g = torch.Generator().manual_seed(2)
+    n, ps = 300, 16
+    q = torch.randn(8, n, 32, generator=g)
+    k = torch.randn(2, n, 32, generator=g)
+    chunked = select_pages(q, k, None, ps, *budget)
+    whole = select_pages(q, k, torch.arange(n), ps, *budget)
+    assert chunked.dtype == torch.int32 and chunked.shape == (n, sum(budget))
+    assert torch.equal(chunked, whole)
+
+
+def test_half_precision_queries_score_as_their_float32_values():
+    """The clamps run in q's dtype (exact) and the head sums in float32: bf16 q scores as q.float() does."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 50, 32, generator=g).bfloat16()
+    k = torch.randn(3, 70, 32, generator=g).bfloat16()
+    kmax, kmin = page_extremes(k, 8)
+    torch.testing.assert_close(
+        quest_scores(q, kmax, kmin), quest_scores(q.float(), kmax, kmin), rtol=1e-6, atol=1e-5
+    )

@@ -114,7 +114,8 @@ class PrefillAttention:
         mark = mark or (lambda part: None)
         n = q.shape[1]
         positions = torch.arange(n, device=q.device)
-        pages = select_pages(q, k, positions, self.page_size, self.sink, self.local, self.top)
+        # None: query i at position i, so the selection scores each chunk of queries on its causal pages only
+        pages = select_pages(q, k, None, self.page_size, self.sink, self.local, self.top)
         if self.keep_selections:
             self.selections.append(pages)
         mark("select")
