@@ -192,6 +192,17 @@ def test_host_cost_floor_operator_allocates_and_differentiates():
     assert x.grad.shape == x.shape
 
 
+def test_host_cost_capture_failure_is_a_recorded_error():
+    """A step that cannot be captured (here: no CUDA) gives a callable raising the capture's error, which
+    the host-cost loop records instead of stopping the run."""
+    from sparseattn.host_cost import _captured
+
+    calls = []
+    replay = _captured(lambda: calls.append(1))
+    with pytest.raises(RuntimeError, match="capture failed"):
+        replay()
+
+
 def test_plain_function_equals_the_operator():
     """``KPageFunction`` (the operator's implementations behind a plain autograd.Function, the host-cost
     comparison) gives the operator's output and gradients."""

@@ -14,7 +14,10 @@ and :func:`~sparseattn.kernels.backward.kpage_backward` on CuPy arrays); ``pass`
 ``host_fwdbwd``; ``workload`` ``host_static`` (a cached :class:`~sparseattn.graph.SparseGraph`) or
 ``host_dynamic`` (a top-k selection planned on the device each call: torch only); ``time_us``. The floor
 of the same machine, workload ``host_floor``: torch's own SDPA at the same sizes (impl ``torch_sdpa``)
-and a Python ``torch.library`` operator that only allocates its output (``torch_noop_op``). Where the
+and a Python ``torch.library`` operator that only allocates its output (``torch_noop_op``). Workload
+``host_graph``: the ``torch`` forward and forward + backward captured once in a CUDA graph, the host time
+of a replay (what a model step captured in a graph pays per call; no target: a replay is not a call
+through the operator). Where the
 time goes, workload ``host_layers``: the operators called directly (``torch_op_direct``, no autograd),
 their implementations (``torch_impl``), forward and backward (pass ``host_bwd``) apart, the operator with
 its autograd (``torch_op_autograd``, what ``torch.compile`` and CUDA graphs run) and the same
@@ -108,6 +111,35 @@ def _loop(call, calls: int, reps: int, warmup: int, profile: Path | None, label:
     return dict(time_us=statistics.median(host), synced_us=statistics.median(synced), calls=calls, reps=reps)
 
 
+def _captured(step, grads=()):
+    """A callable replaying ``step`` captured in a CUDA graph (warmed up on a side stream first, as
+    ``torch.cuda.graph`` asks; ``grads``' tensors get their ``.grad`` made inside the capture, so each
+    replay rewrites them instead of accumulating), or one raising the capture's error when it fails (the
+    loop records it)."""
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        for x in grads:
+            x.grad = None
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            step()
+    except Exception as exc:  # noqa: BLE001 - the record says why; the other cases still run
+        error = RuntimeError(f"capture failed: {type(exc).__name__}: {exc}")
+
+        def failed():
+            raise error
+
+        return failed
+    return captured.replay
+
+
 def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | None = None) -> list[dict]:
     import cupy
     import torch
@@ -194,6 +226,9 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
     def impl_bwd():
         kpage_backward(q, k, v, o, lse, do, graph, scale=scale)
 
+    graph_fwd = _captured(lambda: torch_fwd())
+    graph_fwdbwd = _captured(lambda: torch_fwdbwd(), grads=(qg, kg, vg))
+
     cases = [
         ("host_floor", "torch_sdpa", "host_fwd", sdpa_fwd),
         ("host_floor", "torch_sdpa", "host_fwdbwd", sdpa_fwdbwd),
@@ -212,6 +247,8 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
         ("host_layers", "torch_impl", "host_bwd", impl_bwd),
         ("host_dynamic", "torch", "host_fwd", dynamic_fwd),
         ("host_dynamic", "torch", "host_fwdbwd", dynamic_fwdbwd),
+        ("host_graph", "torch", "host_fwd", graph_fwd),
+        ("host_graph", "torch", "host_fwdbwd", graph_fwdbwd),
     ]
     records = []
     with launch.torch_stream():  # CuPy's calls on torch's stream, like the op's
