@@ -424,3 +424,16 @@ def test_svg2_step_bench_pipeline_on_the_cpu(final_assign):
     out, state = one_call(q, k, v, sel, 64, init, "torch", 2, None, final_assign)
     assert out.shape == q.shape
     assert check_head0(q, k, v, out, state, samples=64) < 1e-5
+
+
+def test_wgmma_assignment_refuses_what_it_cannot_run():
+    """The tensor-core assignment names the argument before any launch (its results: the GPU tests)."""
+    from sparseattn.kernels.kmeans_assign import nearest_centroid_wgmma
+
+    x = torch.randn(2, 40, 64)
+    with pytest.raises(ValueError, match="x must be a bf16 CUDA tensor"):
+        nearest_centroid_wgmma(x, torch.randn(2, 4, 64))
+    with pytest.raises(ValueError, match="x must be a bf16 CUDA tensor"):
+        sd.lloyd(x, 4, 1, x[:, :4], assign="wgmma")
+    with pytest.raises(ValueError, match="assign must be"):
+        sd.lloyd(x, 4, 1, x[:, :4], assign="tensor cores")

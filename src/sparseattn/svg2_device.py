@@ -168,8 +168,9 @@ def kmeans(
             :func:`nearest_centroid`.
         assign: how tokens find their nearest centroid: ``"torch"`` (:func:`nearest_centroid`, float32
             distances), ``"fused"`` (:func:`sparseattn.nearest_centroid.nearest_centroid_fused`: one
-            Triton kernel on half-precision ``x``, centroids rounded to its dtype), or ``"auto"`` (fused
-            where it can run, else torch).
+            Triton kernel on half-precision ``x``, centroids rounded to its dtype), ``"wgmma"``
+            (:func:`sparseattn.kernels.kmeans_assign.nearest_centroid_wgmma`: the same metric on the
+            tensor cores, bf16 CUDA ``x``), or ``"auto"`` (fused where it can run, else torch).
         final_assign: with True (default) the labels are the nearest centroids of the returned
             centroids (one assignment after the last step), as :func:`sparseattn.builders.kmeans_labels`
             returns them; with False they are the last step's assignment and the returned centroids
@@ -229,8 +230,12 @@ def _assigner(x: torch.Tensor, k: int, assign: str, chunk_tokens: int | None):
     the assignment kernel on the fused path, so ``x`` is never copied to float32 there)."""
     from .nearest_centroid import fused_available, lloyd_step_fused, nearest_centroid_fused
 
-    if assign not in ("auto", "torch", "fused"):
-        raise ValueError(f"assign must be 'auto', 'torch' or 'fused', got {assign!r}")
+    if assign not in ("auto", "torch", "fused", "wgmma"):
+        raise ValueError(f"assign must be 'auto', 'torch', 'fused' or 'wgmma', got {assign!r}")
+    if assign == "wgmma":
+        from .kernels.kmeans_assign import lloyd_step_wgmma, nearest_centroid_wgmma
+
+        return (lambda c: nearest_centroid_wgmma(x, c)), (lambda c: lloyd_step_wgmma(x, c))
     if assign == "fused" or (assign == "auto" and fused_available(x)):
         return (lambda c: nearest_centroid_fused(x, c)), (lambda c: lloyd_step_fused(x, c))
     x32 = x.float()

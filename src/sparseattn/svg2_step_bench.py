@@ -31,8 +31,14 @@ PARTS_SELECT = ("kmeans_q", "kmeans_k", "layouts_select")
 PARTS_KPAGE = ("to_slots", "plan_fwd", "kernel_fwd", "from_slots")
 #: (label, assignment, final_assign) of the k-means variants timed: float32 torch distances and the fused
 #: Triton kernel with the labels re-assigned after the last step (as the host's k-means), and the fused
-#: kernel with the last step's labels (SVG2's own pairing; what the Wan processor runs).
-METHODS = (("torch", "torch", True), ("fused", "fused", True), ("fused_last_step", "fused", False))
+#: kernel with the last step's labels (SVG2's own pairing; what the Wan processor runs), and the same on the
+#: wgmma assignment kernel (:mod:`sparseattn.kernels.kmeans_assign`).
+METHODS = (
+    ("torch", "torch", True),
+    ("fused", "fused", True),
+    ("fused_last_step", "fused", False),
+    ("wgmma_last_step", "wgmma", False),
+)
 ASSIGNS = tuple(m[0] for m in METHODS)
 
 
@@ -189,7 +195,9 @@ def measure(
                 marks = _Marks()
                 out, state = one_call(q, k, v, sel, B, init, how, iters, marks, final_assign)
                 init = state["cent"]
-                if assign == ASSIGNS[-1]:  # the backward's plan of the same call, warmed up like the rest
+                if (
+                    assign == "fused_last_step"
+                ):  # the backward's plan of the same call, warmed up like the rest
                     marks("plan_bwd_start")
                     backward_plan(
                         state["ql"].block_rows, state["kl"].block_rows, state["blocks"], B, rows_per_chunk=4

@@ -115,3 +115,59 @@ def test_fused_lloyd_step_sums_and_sizes():
     want_sizes = torch.zeros_like(sizes).scatter_add_(1, labels, torch.ones_like(labels, dtype=torch.float32))
     assert torch.equal(sizes, want_sizes)
     torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "n, tokens, k, d", [(3, 5000, 333, 128), (2, 97, 1000, 128), (2, 300, 1, 64), (1, 1025, 130, 64)]
+)
+def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, d):
+    """The tensor-core assignment (ragged tokens and centroid counts): the float64 nearest of the
+    bf16-rounded centroids wherever the nearest beats the second by more than float32 accumulation
+    error, and the Triton kernel's labels there too."""
+    from sparseattn.kernels.kmeans_assign import nearest_centroid_wgmma
+    from sparseattn.nearest_centroid import nearest_centroid_fused
+
+    g = torch.Generator(device="cuda").manual_seed(tokens + k)
+    x = torch.randn(n, tokens, d, device="cuda", generator=g).bfloat16()
+    c = torch.randn(n, k, d, device="cuda", generator=g)
+    got = nearest_centroid_wgmma(x, c)
+    assert got.dtype == torch.int64 and got.shape == (n, tokens)
+    triton_labels = nearest_centroid_fused(x, c).cpu().numpy()
+    got = got.cpu().numpy()
+    xs, cs = x.float().cpu().numpy(), c.bfloat16().float().cpu().numpy()
+    for r in range(n):
+        dist = sq_dist(xs[r], cs[r])
+        clear = clear_labels(dist, 1e-5 * np.abs(dist).mean()) if k > 1 else np.ones(tokens, bool)
+        assert clear.mean() > 0.99
+        np.testing.assert_array_equal(got[r][clear], dist.argmin(1)[clear])
+        np.testing.assert_array_equal(got[r][clear], triton_labels[r][clear])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_wgmma_lloyd_step_sums_and_sizes(d):
+    """The tensor-core Lloyd step's float32 cluster sums and sizes equal those of its own labels."""
+    from sparseattn.kernels.kmeans_assign import lloyd_step_wgmma
+
+    g = torch.Generator(device="cuda").manual_seed(d)
+    x = torch.randn(2, 20001, d, device="cuda", generator=g).bfloat16()
+    c = torch.randn(2, 500, d, device="cuda", generator=g)
+    labels, sums, sizes = lloyd_step_wgmma(x, c)
+    want_sums = torch.zeros_like(sums).scatter_add_(1, labels.unsqueeze(-1).expand(-1, -1, d), x.float())
+    want_sizes = torch.zeros_like(sizes).scatter_add_(1, labels, torch.ones_like(labels, dtype=torch.float32))
+    assert torch.equal(sizes, want_sizes)
+    torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-3)
+
+
+def test_wgmma_kmeans_matches_the_fused_kmeans():
+    """Whole k-means (2 Lloyd steps, last-step labels) on the wgmma and the Triton assignment from the same
+    centroids: the same labels but for near ties, the same inertia."""
+    x = torch.from_numpy(_synthetic(4, 6000)).cuda().bfloat16()
+    init = x[:, :64].float()
+    got = sd.lloyd(x, 64, 2, init, assign="wgmma", final_assign=False)
+    ref = sd.lloyd(x, 64, 2, init, assign="fused", final_assign=False)
+    assert (got[0] == ref[0]).float().mean() > 0.999
+    xs = x.float().cpu().numpy()
+    for r in range(4):
+        a = _inertia(xs[r], got[0][r].cpu().numpy(), got[1][r].cpu().numpy())
+        b = _inertia(xs[r], ref[0][r].cpu().numpy(), ref[1][r].cpu().numpy())
+        assert abs(a - b) <= 1e-4 * b

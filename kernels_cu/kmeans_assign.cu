@@ -1,0 +1,160 @@
+// k-means assignment on Hopper (sm_90a): the nearest centroid of every token, S = X·Cᵀ on wgmma with a
+// running row-wise argmin of |c|² − 2·x·c in place of attention's softmax (and no P·V).
+//
+// X: bf16 [N, tokens, HEAD_DIM], C: bf16 [N, k, HEAD_DIM] (the centroids rounded to bf16), csq: fp32
+// [N, k] (|c|² of the rounded centroids), labels: int64 [N, tokens]. With ACCUMULATE, each token is also
+// added (fp32) into its cluster's sum, sums fp32 [N, k, HEAD_DIM], and counted, counts fp32 [N, k]
+// (atomics: the order of the additions, so the last bits of the sums, may change from run to run).
+//
+// A CTA takes 128 tokens of one row n (two warpgroups of 64: the wgmma M) and streams the row's centroids
+// in chunks of 128 (wgmma N), double-buffered with cp.async into 128-byte-swizzled tiles: the chunk after
+// next loads while the current one multiplies. Tokens past `tokens` and centroids past `k` are zero-filled
+// (never read from memory); a centroid past k has |c|² = +inf and is never nearest. Ties go to the lower
+// centroid index (as the Triton kernel and torch's argmin). Two CTAs per SM (98 KB of shared memory each
+// at HEAD_DIM 128), so one's loads and argmin run under the other's MMAs.
+#include "hopper_wgmma.cuh"
+
+// Geometry mirrored in sparseattn/kernels/kmeans_assign.py.
+#define KMEANS_THREADS 256
+#define KMEANS_ROWS 128   // tokens per CTA
+#define KMEANS_CHUNK 128  // centroids per step
+#define KMEANS_NBUF 2
+
+namespace {
+
+__device__ __forceinline__ uint32_t rows_mask(int rows_left) {
+    return rows_left >= PAGE_ROWS ? 0xffffu : rows_left > 0 ? (1u << rows_left) - 1u : 0u;
+}
+
+template <int HEAD_DIM>
+struct KmeansSmem {
+    static constexpr int TILE_BYTES = KMEANS_ROWS * HEAD_DIM * 2;  // the X tile and each centroid chunk
+    static constexpr int BYTES = 1024 + TILE_BYTES * (1 + KMEANS_NBUF) + 4 * KMEANS_NBUF * KMEANS_CHUNK;
+    static_assert(KMEANS_ROWS == KMEANS_CHUNK, "X tile and centroid chunks share the tile size");
+};
+
+}  // namespace
+
+template <int HEAD_DIM, bool ACCUMULATE>
+__global__ void __launch_bounds__(KMEANS_THREADS, 2)
+kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
+                     const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
+                     float* __restrict__ counts, int tokens, int k) {
+    static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM 64 or 128");
+    using S = KmeansSmem<HEAD_DIM>;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t raw = paged::smem_u32(smem_raw);
+    const uint32_t xs = (raw + 1023u) & ~1023u;  // the swizzle pattern is anchored at 1024-byte boundaries
+    const uint32_t cs = xs + S::TILE_BYTES;
+    float* csq_s = reinterpret_cast<float*>(smem_raw + (cs + KMEANS_NBUF * S::TILE_BYTES - raw));
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;  // warp w copies page w of every tile (16 rows)
+    const int wg = warp >> 2;   // warpgroup: tokens 64·wg .. 64·wg + 63 of the CTA
+    const int wq = warp & 3;    // rows 16·wq .. 16·wq + 15 of the warpgroup's 64
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int n = blockIdx.y;
+    const int row0 = blockIdx.x * KMEANS_ROWS;
+    const __nv_bfloat16* Xn = X + static_cast<size_t>(n) * tokens * HEAD_DIM;
+    const __nv_bfloat16* Cn = C + static_cast<size_t>(n) * k * HEAD_DIM;
+    const float* csq_n = csq + static_cast<size_t>(n) * k;
+    const int x_pages = (tokens + PAGE_ROWS - 1) / PAGE_ROWS;
+    const int c_pages = (k + PAGE_ROWS - 1) / PAGE_ROWS;
+    const int chunks = (k + KMEANS_CHUNK - 1) / KMEANS_CHUNK;
+
+    {  // the CTA's tokens
+        const int page[1] = {row0 / PAGE_ROWS + warp};
+        const uint32_t mask[1] = {rows_mask(tokens - page[0] * PAGE_ROWS)};
+        hopper::warp_copy_pages<HEAD_DIM, KMEANS_ROWS, 1>(xs, PAGE_ROWS * warp, Xn, x_pages, page, mask);
+    }
+    auto load_chunk = [&](int c) {
+        const int buf = c % KMEANS_NBUF;
+        const int page[1] = {c * (KMEANS_CHUNK / PAGE_ROWS) + warp};
+        const uint32_t mask[1] = {rows_mask(k - page[0] * PAGE_ROWS)};
+        hopper::warp_copy_pages<HEAD_DIM, KMEANS_CHUNK, 1>(cs + buf * S::TILE_BYTES, PAGE_ROWS * warp, Cn, c_pages,
+                                                           page, mask);
+        if (tid < KMEANS_CHUNK) {
+            const int j = c * KMEANS_CHUNK + tid;
+            csq_s[buf * KMEANS_CHUNK + tid] = j < k ? csq_n[j] : INFINITY;
+        }
+    };
+    load_chunk(0);
+    paged::cp_async_commit();
+
+    float best[2] = {INFINITY, INFINITY};
+    int best_i[2] = {0, 0};
+    float s[KMEANS_CHUNK / 2];
+    const uint32_t a_rows = xs + wg * 64 * 128;  // this warpgroup's 64 rows of the X tile
+#pragma unroll 1
+    for (int c = 0; c < chunks; ++c) {
+        const int buf = c % KMEANS_NBUF;
+        if (c + 1 < chunks) load_chunk(c + 1);  // into the buffer the previous step released
+        paged::cp_async_commit();
+        paged::cp_async_wait<1>();  // this thread's copies of X and of chunk c have landed
+        __syncthreads();            // everyone's (and the |c|² stores)
+        hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
+        hopper::wgmma_fence();
+        hopper::issue_qk<HEAD_DIM, KMEANS_CHUNK, KMEANS_ROWS>(s, a_rows, cs + buf * S::TILE_BYTES);
+        hopper::wgmma_commit();
+        hopper::wgmma_wait<0>();
+        const float* cq = csq_s + buf * KMEANS_CHUNK;
+#pragma unroll
+        for (int j = 0; j < KMEANS_CHUNK / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = 8 * j + 2 * t4 + (e & 1);
+                const float d = cq[col] - 2.f * s[4 * j + e];
+                if (d < best[e >> 1]) {  // strict: the lower index keeps a tie
+                    best[e >> 1] = d;
+                    best_i[e >> 1] = c * KMEANS_CHUNK + col;
+                }
+            }
+        }
+        __syncthreads();  // chunk c's tiles are read: the next step may load chunk c + 2 into them
+    }
+    paged::cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // the quad's four column sets: the nearest, the lower index on a tie
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, best[r], off);
+            const int oi = __shfl_xor_sync(0xffffffffu, best_i[r], off);
+            if (ov < best[r] || (ov == best[r] && oi < best_i[r])) {
+                best[r] = ov;
+                best_i[r] = oi;
+            }
+        }
+    }
+    const int warp_row0 = row0 + 64 * wg + 16 * wq;  // the token of this warp's row 0
+    if (t4 == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int t = warp_row0 + g + 8 * r;
+            if (t < tokens) labels[static_cast<size_t>(n) * tokens + t] = best_i[r];
+        }
+    }
+    if constexpr (ACCUMULATE) {  // each of the warp's 16 tokens into its cluster's sum and count
+        constexpr int PER_LANE = HEAD_DIM / 32;  // 4 (HEAD_DIM 128) or 2 (64) contiguous columns a lane
+#pragma unroll 1
+        for (int i = 0; i < PAGE_ROWS; ++i) {
+            const int label = __shfl_sync(0xffffffffu, (i >> 3) ? best_i[1] : best_i[0], 4 * (i & 7));
+            const int t = warp_row0 + i;
+            if (t >= tokens) break;
+            const __nv_bfloat16* x = Xn + static_cast<size_t>(t) * HEAD_DIM + PER_LANE * lane;
+            float* dst = sums + (static_cast<size_t>(n) * k + label) * HEAD_DIM + PER_LANE * lane;
+            if constexpr (PER_LANE == 4) {
+                const uint2 raw4 = *reinterpret_cast<const uint2*>(x);
+                const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw4.x));
+                const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw4.y));
+                atomicAdd(reinterpret_cast<float4*>(dst), make_float4(a.x, a.y, b.x, b.y));
+            } else {
+                const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x));
+                atomicAdd(reinterpret_cast<float2*>(dst), a);
+            }
+            if (lane == 0) atomicAdd(counts + static_cast<size_t>(n) * k + label, 1.f);
+        }
+    }
+}

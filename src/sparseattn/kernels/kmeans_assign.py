@@ -1,0 +1,94 @@
+"""k-means assignment on the tensor cores: ``kernels_cu/kmeans_assign.cu``.
+
+The nearest centroid of every token is a product of rows, ``|c|² − 2·x·c``, and its row-wise argmin:
+attention's S = Q·Kᵀ with a running argmin instead of the softmax. The kernel runs it on wgmma (128 tokens
+a CTA, centroids streamed 128 at a time), where :mod:`sparseattn.nearest_centroid` runs it on Triton's
+``tl.dot``; the metric is the same (bf16 tokens, centroids rounded to bf16, ``|c|²`` of the rounded
+centroids in float32), so the labels differ only where two centroids are within float32 rounding of a tie.
+
+Torch CUDA tensors in and out, on torch's current stream. ``x`` bf16 ``[N, tokens, d]`` (``d`` 64 or 128),
+``centroids`` float ``[N, k, d]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import launch
+
+SOURCE = "kmeans_assign.cu"
+HEAD_DIMS = (64, 128)
+NAME_EXPRESSIONS = tuple(
+    f"kmeans_assign_kernel<{d}, {'true' if acc else 'false'}>" for d in HEAD_DIMS for acc in (False, True)
+)
+# Geometry mirrored from the kernel.
+THREADS = 256
+ROWS = 128  # tokens per CTA
+CHUNK = 128  # centroids per step
+NBUF = 2
+
+
+def smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of one CTA: the X tile, NBUF centroid chunks, their |c|², 1 KB of alignment."""
+    return 1024 + ROWS * head_dim * 2 * (1 + NBUF) + 4 * NBUF * CHUNK
+
+
+def available(x) -> bool:
+    """Whether the kernel can run on ``x``: a bf16 CUDA tensor with head dim 64 or 128 and CuPy importable."""
+    import importlib.util
+
+    return (
+        getattr(x, "is_cuda", False)
+        and str(x.dtype) == "torch.bfloat16"
+        and x.ndim == 3
+        and x.shape[-1] in HEAD_DIMS
+        and importlib.util.find_spec("cupy") is not None
+    )
+
+
+def _run(x, centroids, accumulate: bool):
+    import torch
+
+    if not available(x):
+        raise ValueError(
+            "x must be a bf16 CUDA tensor [N, tokens, d] with d 64 or 128 for the wgmma k-means assignment "
+            f"(CuPy installed); got {x.dtype} on {x.device}, shape {list(x.shape)}"
+        )
+    n, t, d = x.shape
+    if centroids.ndim != 3 or centroids.shape[0] != n or centroids.shape[2] != d:
+        raise ValueError(f"centroids must be [N, k, d] = [{n}, k, {d}], got {list(centroids.shape)}")
+    if centroids.device != x.device:
+        raise ValueError(f"centroids must be on {x.device}, got {centroids.device}")
+    k = centroids.shape[1]
+    if k < 1:
+        raise ValueError("centroids must hold at least one centroid")
+    x = x.contiguous()
+    c = centroids.to(torch.bfloat16).contiguous()
+    csq = c.float().square().sum(-1).contiguous()  # [N, k], of the rounded centroids
+    labels = torch.empty(n, t, dtype=torch.int64, device=x.device)
+    sums = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
+    counts = torch.zeros(n, k, dtype=torch.float32, device=x.device) if accumulate else csq
+    if n and t:
+        name = f"kmeans_assign_kernel<{d}, {'true' if accumulate else 'false'}>"
+        smem = smem_bytes(d)
+        fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS), smem)
+        ptr = lambda a: np.uint64(a.data_ptr())
+        with launch.torch_stream():
+            fn(
+                (-(-t // ROWS), n),
+                (THREADS,),
+                (ptr(x), ptr(c), ptr(csq), ptr(labels), ptr(sums), ptr(counts), np.int32(t), np.int32(k)),
+                shared_mem=smem,
+            )
+    return (labels, sums, counts) if accumulate else (labels,)
+
+
+def nearest_centroid_wgmma(x, centroids):
+    """int64 ``[N, tokens]``: the nearest centroid of each row of ``x`` (ties to the lower index)."""
+    return _run(x, centroids, accumulate=False)[0]
+
+
+def lloyd_step_wgmma(x, centroids):
+    """One Lloyd assignment with its cluster statistics: ``(labels int64 [N, tokens], sums float32 [N, k,
+    d], sizes float32 [N, k])``, as :func:`sparseattn.nearest_centroid.lloyd_step_fused` returns them."""
+    return _run(x, centroids, accumulate=True)
