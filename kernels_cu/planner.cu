@@ -453,18 +453,37 @@ extern "C" __global__ void __launch_bounds__(1024) plan_pair_match(
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) {  // the slots left, two by two in order
-        int prev = -1;
-        for (int s = 0; s < slots; ++s) {
-            if (__ldcg(partner + s) >= 0) continue;
-            if (prev < 0) {
-                prev = s;
-            } else {
-                partner[prev] = s;
-                partner[s] = prev;
-                prev = -1;
-            }
+    // The slots left, two by two in slot order: the r-th unmatched slot (a block-wide scan of the
+    // unmatched flags, 1024 slots a step) pairs with the (r + 1)-th for every even r. `best` is free
+    // now: it holds the unmatched slots in order (order[r] = slot).
+    int* order = reinterpret_cast<int*>(best);
+    __shared__ int warp_sums[32];
+    __shared__ int unmatched;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (threadIdx.x == 0) unmatched = 0;
+    __syncthreads();
+    for (int s0 = 0; s0 < slots; s0 += blockDim.x) {
+        const int s = s0 + threadIdx.x;
+        const int left = (s < slots && __ldcg(partner + s) < 0) ? 1 : 0;
+        const int incl = plan_warp_incl(left, lane);
+        if (lane == 31) warp_sums[warp] = incl;
+        __syncthreads();
+        if (warp == 0) {
+            const int v = lane < nwarps ? warp_sums[lane] : 0;
+            const int w_incl = plan_warp_incl(v, lane);
+            if (lane < nwarps) warp_sums[lane] = w_incl;
         }
+        __syncthreads();
+        const int rank = unmatched + (warp > 0 ? warp_sums[warp - 1] : 0) + incl - left;
+        if (left) order[rank] = s;
+        __syncthreads();  // every thread has read `unmatched` and the warp sums
+        if (threadIdx.x == 0) unmatched += warp_sums[nwarps - 1];
+        __syncthreads();
+    }
+    for (int r = 2 * threadIdx.x; r + 1 < unmatched; r += 2 * blockDim.x) {
+        const int a = __ldcg(order + r), b = __ldcg(order + r + 1);
+        partner[a] = b;
+        partner[b] = a;
     }
     __syncthreads();
     for (int s = threadIdx.x; s < slots; s += blockDim.x) {
