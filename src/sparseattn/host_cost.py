@@ -116,20 +116,15 @@ def _captured(step, grads=()):
     ``torch.cuda.graph`` asks; ``grads``' tensors get their ``.grad`` made inside the capture, so each
     replay rewrites them instead of accumulating), or one raising the capture's error when it fails (the
     loop records it)."""
-    import torch
 
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
+    def reset_grads():
         for x in grads:
             x.grad = None
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            step()
+
+    try:
+        from .torch import capture_cuda_graph
+
+        captured, _ = capture_cuda_graph(step, warmup=3, before_capture=reset_grads)
     except Exception as exc:  # noqa: BLE001 - the record says why; the other cases still run
         error = RuntimeError(f"capture failed: {type(exc).__name__}: {exc}")
 

@@ -18,15 +18,9 @@ Triton; :func:`fused_available` says whether it can run on a tensor.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # Triton ships with torch's CUDA builds; CPU-only installs may lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from .triton_support import runs_on, tl, triton
 
 #: Tokens per program and centroids per step of the fused kernel.
 BLOCK_T = 128
@@ -34,19 +28,15 @@ BLOCK_K = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def fused_available(x: torch.Tensor) -> bool:
     """Whether :func:`nearest_centroid_fused` can run on ``x``: Triton importable, ``x`` half precision
     on a CUDA device (or on the CPU under ``TRITON_INTERPRET=1``), head dim a power of two ≥ 16."""
-    if triton is None or x.dtype not in HALF_DTYPES:
+    if x.dtype not in HALF_DTYPES:
         return False
     d = x.shape[-1]
     if d < 16 or d & (d - 1):
         return False
-    return x.is_cuda or (_interpreting() and x.device.type == "cpu")
+    return runs_on(x)
 
 
 if triton is not None:
@@ -123,6 +113,17 @@ def lloyd_step_fused(x: torch.Tensor, centroids: torch.Tensor):
     return _launch(x, centroids, accumulate=True)
 
 
+def centroid_operands(x: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(c, csq)``: ``centroids`` float ``[N, k, d]`` (checked against ``x`` ``[N, tokens, d]``) rounded to
+    ``x``'s dtype, contiguous, and ``|c|²`` of those rounded centroids, float32 ``[N, k]``: the operands of
+    an assignment kernel's ``|c|² − 2·x·c``."""
+    n, _, d = x.shape
+    if centroids.ndim != 3 or centroids.shape[0] != n or centroids.shape[2] != d:
+        raise ValueError(f"centroids must be [N, k, d] = [{n}, k, {d}], got {list(centroids.shape)}")
+    c = centroids.to(x.dtype).contiguous()
+    return c, c.float().square().sum(-1).contiguous()
+
+
 def _launch(x: torch.Tensor, centroids: torch.Tensor, accumulate: bool):
     if not fused_available(x):
         raise ValueError(
@@ -130,12 +131,9 @@ def _launch(x: torch.Tensor, centroids: torch.Tensor, accumulate: bool):
             f"dim >= 16; got {x.dtype} on {x.device}, shape {list(x.shape)}"
         )
     n, t, d = x.shape
-    if centroids.ndim != 3 or centroids.shape[0] != n or centroids.shape[2] != d:
-        raise ValueError(f"centroids must be [N, k, d] = [{n}, k, {d}], got {list(centroids.shape)}")
-    k = centroids.shape[1]
+    c, csq = centroid_operands(x, centroids)
+    k = c.shape[1]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    c = centroids.to(x.dtype).contiguous()
-    csq = c.float().square().sum(-1).contiguous()  # [N, k], of the rounded centroids
     out = torch.empty(n, t, dtype=torch.int64, device=x.device)
     sums = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
     counts = torch.zeros(n, k, dtype=torch.float32, device=x.device) if accumulate else csq

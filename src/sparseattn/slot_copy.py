@@ -19,15 +19,9 @@ whether it can run on a tensor. :func:`scatter_rows` of ``svg2_device`` falls ba
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # Triton ships with torch's CUDA builds; CPU-only installs may lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from .triton_support import runs_on, tl, triton
 
 #: Output rows per program.
 BLOCK_ROWS = 64
@@ -38,10 +32,7 @@ ZERO, UNWRITTEN = -1, -2
 def available(x: torch.Tensor) -> bool:
     """Whether :func:`rows_to_slots` runs its kernel on ``x``: Triton importable and ``x`` on a CUDA device
     (or on the CPU under ``TRITON_INTERPRET=1``)."""
-    if triton is None:
-        return False
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return x.is_cuda or (interpreting and x.device.type == "cpu")
+    return runs_on(x)
 
 
 if triton is not None:

@@ -240,6 +240,24 @@ def slots_to_tokens(layout, y):
 # ---- per-row layouts made per call (SVG2) ------------------------------------------------------------
 
 
+def capture_cuda_graph(step, warmup: int = 2, before_capture=None):
+    """``(graph, out)``: ``step()`` run ``warmup`` times on a side stream (what ``torch.cuda.graph`` asks
+    before a capture), then ``before_capture()`` when given, then captured once; ``out`` is what the
+    captured call returned, and every ``graph.replay()`` refills it from the tensors ``step`` reads."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def _slot_valid(block_rows, block_size: int):
     """bool ``[R, blocks · block_size]``: slot holds a row (each block's rows are a prefix)."""
     slot = torch.arange(block_size, device=block_rows.device)

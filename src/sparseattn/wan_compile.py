@@ -147,7 +147,7 @@ def captured_training_step(model, static: list):
     Returns ``(graph, loss, grads, eager_step)``: replaying ``graph`` refills the captured ``loss`` and
     ``grads`` (one per parameter that requires grad) from whatever ``static`` holds; ``eager_step()`` runs
     the same step eagerly and returns its loss (the parameters' ``.grad`` then hold its gradients)."""
-    import torch
+    from .torch import capture_cuda_graph
 
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -158,18 +158,8 @@ def captured_training_step(model, static: list):
         loss.backward()
         return loss.detach()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            eager_step()
-    torch.cuda.current_stream().wait_stream(side)
-    for p in params:
-        p.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        loss = model(*static, return_dict=False)[0].float().square().mean()
-        loss.backward()
+    # the captured step sets every .grad to None first, so the capture makes them and replays rewrite them
+    graph, loss = capture_cuda_graph(eager_step, warmup=2)
     return graph, loss, [p.grad for p in params], eager_step
 
 

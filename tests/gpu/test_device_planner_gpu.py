@@ -207,7 +207,7 @@ def test_cuda_graph_replay_with_new_selections_equals_eager(deterministic):
     with new q, k, v (so new selections) copied into the same buffers, it gives the eager results: the same
     bits with ``deterministic`` (dQ summed in a fixed order), else the same output and gradients within the
     atomics' rounding."""
-    from sparseattn.torch import block_sparse_attention, vsa_topk
+    from sparseattn.torch import block_sparse_attention, capture_cuda_graph, vsa_topk
 
     lay, q0, k0, v0, do0, topk = _torch_problem(3, heads=2, batch=2)
     static = [x.clone().requires_grad_(i < 3) for i, x in enumerate((q0, k0, v0, do0))]
@@ -218,15 +218,7 @@ def test_cuda_graph_replay_with_new_selections_equals_eager(deterministic):
         o, _ = block_sparse_attention(q, k, v, lay, idx, num, deterministic=deterministic)
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_cuda_graph(step)
     for seed in (11, 12):
         _, q, k, v, do, _ = _torch_problem(seed, heads=2, batch=2)
         for buf, x in zip(static, (q, k, v, do)):

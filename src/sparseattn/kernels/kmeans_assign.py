@@ -54,17 +54,16 @@ def _run(x, centroids, accumulate: bool):
             "x must be a bf16 CUDA tensor [N, tokens, d] with d 64 or 128 for the wgmma k-means assignment "
             f"(CuPy installed); got {x.dtype} on {x.device}, shape {list(x.shape)}"
         )
+    from ..nearest_centroid import centroid_operands
+
     n, t, d = x.shape
-    if centroids.ndim != 3 or centroids.shape[0] != n or centroids.shape[2] != d:
-        raise ValueError(f"centroids must be [N, k, d] = [{n}, k, {d}], got {list(centroids.shape)}")
+    c, csq = centroid_operands(x, centroids)  # rounded to bf16, and |c|² of the rounded centroids
     if centroids.device != x.device:
         raise ValueError(f"centroids must be on {x.device}, got {centroids.device}")
-    k = centroids.shape[1]
+    k = c.shape[1]
     if k < 1:
         raise ValueError("centroids must hold at least one centroid")
     x = x.contiguous()
-    c = centroids.to(torch.bfloat16).contiguous()
-    csq = c.float().square().sum(-1).contiguous()  # [N, k], of the rounded centroids
     labels = torch.empty(n, t, dtype=torch.int64, device=x.device)
     sums = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
     counts = torch.zeros(n, k, dtype=torch.float32, device=x.device) if accumulate else csq

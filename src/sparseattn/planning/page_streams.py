@@ -21,17 +21,10 @@ tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests); :func:`available` 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..constants import PAGE_ROWS
-
-try:  # Triton ships with torch's CUDA builds; CPU-only installs may lack it.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
+from ..triton_support import runs_on, tl, triton
 
 #: Blocks of the other side read per step of a program.
 BLOCK_J = 256
@@ -40,10 +33,7 @@ FULL_MASK = (1 << PAGE_ROWS) - 1
 
 def available(x: torch.Tensor) -> bool:
     """Whether the Triton stream writers can run on ``x``'s device."""
-    if triton is None:
-        return False
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return x.is_cuda or (interpreting and x.device.type == "cpu")
+    return runs_on(x)
 
 
 if triton is not None:
