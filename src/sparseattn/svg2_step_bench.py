@@ -31,8 +31,8 @@ PARTS_SELECT = ("kmeans_q", "kmeans_k", "layouts_select")
 PARTS_KPAGE = ("to_slots", "plan_fwd", "kernel_fwd", "from_slots")
 #: (label, assignment, final_assign) of the k-means variants timed: float32 torch distances and the fused
 #: Triton kernel with the labels re-assigned after the last step (as the host's k-means), and the fused
-#: kernel with the last step's labels (SVG2's own pairing; what the Wan processor runs), and the same on the
-#: wgmma assignment kernel (:mod:`sparseattn.kernels.kmeans_assign`).
+#: kernel with the last step's labels (SVG2's own pairing), and the same on the wgmma assignment kernel
+#: (:mod:`sparseattn.kernels.kmeans_assign`; what the Wan processor runs on an sm_90 GPU).
 METHODS = (
     ("torch", "torch", True),
     ("fused", "fused", True),

@@ -1,0 +1,67 @@
+"""Where the device planner's GPU time goes, launch by launch (NOTES_device_planner.md), on an H200:
+
+    PYTHONPATH=src OUT=DIR python data/bench/experiments/device_planner_launches.py vsa_wan14b_720p vsa_wan14b_480p
+
+For each workload (full heads, batch 1, the graph's selection as top-k indices on the GPU, as
+``sparseattn bench --pass plan`` gives it): ten planning calls (forward + backward plans) under
+torch.profiler after warm-up; each kernel's mean GPU time per call, largest first. Writes DIR/launches.json.
+"""
+
+import json
+import os
+import sys
+from collections import defaultdict
+
+import cupy
+import torch
+
+from sparseattn import bench
+from sparseattn.kernels import launch
+from sparseattn.planning.device import DevicePlanner
+
+CALLS = 10
+
+
+def profile(name: str) -> dict:
+    graph, _ = bench.workload_graph(name)
+    idx, num = bench.topk_selection(graph, 1)
+    planner = DevicePlanner(graph.q, graph.k)
+    with launch.torch_context():
+        for _ in range(3):
+            planner.plan(idx, num)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        with launch.torch_context():
+            for _ in range(CALLS):
+                planner.plan(idx, num)
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            per[e.name][1] += 1
+    rows = sorted(((n, t / CALLS, c / CALLS) for n, (t, c) in per.items()), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"{name}: {total:.1f} us of GPU time per call in {sum(r[2] for r in rows):.0f} launches")
+    for n, us, c in rows:
+        print(f"  {us:8.1f} us  x{c:4.1f}  {n[:90]}")
+    return {
+        "workload": name,
+        "gpu_us_per_call": total,
+        "launches": [dict(name=n, us=us, per_call=c) for n, us, c in rows],
+    }
+
+
+def main() -> None:
+    names = sys.argv[1:] or ["vsa_wan14b_720p", "vsa_wan14b_480p"]
+    out = [profile(n) for n in names]
+    path = os.path.join(os.environ.get("OUT", "."), "launches.json")
+    with open(path, "w") as f:
+        json.dump(
+            {"gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "runs": out}, f, indent=1
+        )
+
+
+if __name__ == "__main__":
+    main()
