@@ -531,27 +531,31 @@ extern "C" __global__ void __launch_bounds__(1024) plan_pair_match(
 
 // Exclusive scan of the items' stream lengths (cnt[item].x) in position order (item = perm[p], or p):
 // out[p] for p in [0, n], each clamped to cap (a stream past the capacity is cut: overflow).
-// One block of 1024 threads.
+// One block of 1024 threads; warp w owns positions [w * span, (w + 1) * span) and reads them 32 at a
+// time, one per lane (coalesced), first to sum them, then, after the block's scan of the warp sums, to
+// scan and write them.
+__device__ __forceinline__ long long plan_scan_len(const int4* __restrict__ cnt, const int* __restrict__ perm,
+                                                  int p, int n) {
+    return p < n ? cnt[perm != nullptr ? perm[p] : p].x : 0;
+}
+
 extern "C" __global__ void __launch_bounds__(1024) plan_scan(const int4* __restrict__ cnt,
                                                              const int* __restrict__ perm, int n,
                                                              long long cap, int* __restrict__ out,
                                                              int* __restrict__ overflow) {
     __shared__ long long warp_sums[32];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int per = (n + blockDim.x - 1) / blockDim.x;
-    const int lo = min(n, tid * per), hi = min(n, lo + per);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    const int span = ((n + nwarps - 1) / nwarps + 31) & ~31;
+    const int lo = min(n, warp * span), hi = min(n, lo + span);
     long long mine = 0;
-    for (int p = lo; p < hi; ++p) mine += cnt[perm != nullptr ? perm[p] : p].x;
-    long long incl = mine;
+#pragma unroll 4
+    for (int p = lo + lane; p < hi; p += 32) mine += plan_scan_len(cnt, perm, p, hi);
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const long long x = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += x;
-    }
-    if (lane == 31) warp_sums[warp] = incl;
+    for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+    if (lane == 0) warp_sums[warp] = mine;
     __syncthreads();
     if (warp == 0) {
-        long long s = lane < (blockDim.x >> 5) ? warp_sums[lane] : 0;
+        long long s = lane < nwarps ? warp_sums[lane] : 0;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
             const long long x = __shfl_up_sync(0xffffffffu, s, o);
@@ -560,14 +564,22 @@ extern "C" __global__ void __launch_bounds__(1024) plan_scan(const int4* __restr
         warp_sums[lane] = s;  // inclusive over warps
     }
     __syncthreads();
-    long long run = incl - mine + (warp > 0 ? warp_sums[warp - 1] : 0);
-    for (int p = lo; p < hi; ++p) {
-        out[p] = static_cast<int>(min(run, cap));
-        run += cnt[perm != nullptr ? perm[p] : p].x;
+    long long run = warp > 0 ? warp_sums[warp - 1] : 0;  // before this warp's first position
+    for (int p0 = lo; p0 < hi; p0 += 32) {
+        const long long v = plan_scan_len(cnt, perm, p0 + lane, hi);
+        long long incl = v;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long x = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += x;
+        }
+        if (p0 + lane < hi) out[p0 + lane] = static_cast<int>(min(run + incl - v, cap));
+        run += __shfl_sync(0xffffffffu, incl, 31);
     }
-    if (tid == blockDim.x - 1) {
-        out[n] = static_cast<int>(min(run, cap));
-        if (run > cap) atomicAdd(overflow, 1);
+    if (threadIdx.x == blockDim.x - 1) {
+        const long long total = warp_sums[nwarps - 1];
+        out[n] = static_cast<int>(min(total, cap));
+        if (total > cap) atomicAdd(overflow, 1);
     }
 }
 

@@ -41,6 +41,12 @@ def profile(name: str) -> dict:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             per[e.name][1] += 1
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    last = sorted(kernels, key=lambda e: e.time_range.start)[-len(kernels) // CALLS :]
+    sequence = [(e.name, e.time_range.elapsed_us()) for e in last]
+    print(f"{name}: the last call's launches in order")
+    for n, us in sequence:
+        print(f"  {us:8.1f} us  {n[:90]}")
     rows = sorted(((n, t / CALLS, c / CALLS) for n, (t, c) in per.items()), key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     print(f"{name}: {total:.1f} us of GPU time per call in {sum(r[2] for r in rows):.0f} launches")
@@ -49,6 +55,7 @@ def profile(name: str) -> dict:
     return {
         "workload": name,
         "gpu_us_per_call": total,
+        "last_call": [dict(name=n, us=us) for n, us in sequence],
         "launches": [dict(name=n, us=us, per_call=c) for n, us, c in rows],
     }
 
