@@ -333,13 +333,17 @@ __device__ __forceinline__ void plan_item(
     }
 }
 
-// Stream tables of at most this many bytes are staged in shared memory (two blocks per SM).
+// Stream tables of at most this many bytes are staged in shared memory.
 #define PLAN_SMEM_TABLES_MAX (96 * 1024)
+// Blocks of plan_items the launch puts on each SM (its register budget: 65536 / (256 * blocks)).
+#ifndef PLAN_ITEMS_MIN_BLOCKS
+#define PLAN_ITEMS_MIN_BLOCKS 2
+#endif
 
 // Every (head, item): one warp per item, warps striding over the items. With smem_tables the streamed
 // side's tables (t_first, t_nfull, t_pages, t_mask: stream_blocks blocks, stream_list listed pages,
 // stream_pages pages) are read from shared memory, loaded once per block.
-extern "C" __global__ void __launch_bounds__(256, 1) plan_items(
+extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_items(
     const plan_u32* __restrict__ bitmap, int row_blocks, int words, int heads, int items,
     const int4* __restrict__ it_info, const int* __restrict__ it_members, const int* __restrict__ it_bits,
     const int* __restrict__ it_own, const int* __restrict__ t_first, const int* __restrict__ t_pages,

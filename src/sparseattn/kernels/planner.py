@@ -26,10 +26,12 @@ NAME_EXPRESSIONS = (
 #: Stream orders, output formats and sort keys of planner.cu (PLAN_MODE_*, PLAN_OUT_*, PLAN_KEY_*).
 OUT_WORK_LIST, OUT_TILE_PLAN = 0, 1
 KEY_LEN, KEY_COST = 0, 1
-#: Stream tables of at most this many bytes are staged in shared memory (PLAN_SMEM_TABLES_MAX); the item
-#: passes run two blocks per SM, their warps striding over the items.
+#: Stream tables of at most this many bytes are staged in shared memory (PLAN_SMEM_TABLES_MAX).
 SMEM_TABLES_MAX = 96 * 1024
-BLOCKS_PER_SM = 2
+#: The item passes' blocks per SM, their warps striding over the items: the kernel is compiled for it
+#: (PLAN_ITEMS_MIN_BLOCKS, whose default in planner.cu is ITEMS_BLOCKS_DEFAULT).
+ITEMS_BLOCKS_DEFAULT = 2
+ITEMS_BLOCKS_PER_SM = ITEMS_BLOCKS_DEFAULT
 THREADS = 256
 NULL = np.uint64(0)
 
@@ -139,8 +141,10 @@ def items(
     import cupy
 
     smem = tables["smem_bytes"] if tables["smem_bytes"] <= SMEM_TABLES_MAX else 0
-    fn = launch.prepare(_fn("plan_items"), smem)
-    blocks = min(_blocks(n * 32), BLOCKS_PER_SM * launch.sm_count(cupy.cuda.runtime.getDevice()))
+    per_sm = int(ITEMS_BLOCKS_PER_SM)
+    defines = () if per_sm == ITEMS_BLOCKS_DEFAULT else (f"PLAN_ITEMS_MIN_BLOCKS={per_sm}",)
+    fn = launch.prepare(launch.function(SOURCE, "plan_items", NAME_EXPRESSIONS, defines), smem)
+    blocks = min(_blocks(n * 32), per_sm * launch.sm_count(cupy.cuda.runtime.getDevice()))
     fn(
         (blocks,),
         (THREADS,),
