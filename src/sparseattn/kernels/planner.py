@@ -7,6 +7,8 @@ between host and device). Array arguments are CuPy arrays or raw device pointers
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import launch
@@ -30,8 +32,9 @@ KEY_LEN, KEY_COST = 0, 1
 SMEM_TABLES_MAX = 96 * 1024
 #: The item passes' blocks per SM, their warps striding over the items: the kernel is compiled for it
 #: (PLAN_ITEMS_MIN_BLOCKS, whose default in planner.cu is ITEMS_BLOCKS_DEFAULT).
+#: ``SPARSEATTN_PLAN_ITEMS_BLOCKS`` sets it for a process (A/B runs of the bench).
 ITEMS_BLOCKS_DEFAULT = 2
-ITEMS_BLOCKS_PER_SM = ITEMS_BLOCKS_DEFAULT
+ITEMS_BLOCKS_PER_SM = int(os.environ.get("SPARSEATTN_PLAN_ITEMS_BLOCKS") or ITEMS_BLOCKS_DEFAULT)
 THREADS = 256
 NULL = np.uint64(0)
 
