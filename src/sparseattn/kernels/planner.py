@@ -35,6 +35,10 @@ SMEM_TABLES_MAX = 96 * 1024
 #: ``SPARSEATTN_PLAN_ITEMS_BLOCKS`` sets it for a process (A/B runs of the bench).
 ITEMS_BLOCKS_DEFAULT = 2
 ITEMS_BLOCKS_PER_SM = int(os.environ.get("SPARSEATTN_PLAN_ITEMS_BLOCKS") or ITEMS_BLOCKS_DEFAULT)
+#: How the write pass stores a group of 32 selected blocks' pages: "coalesced" (lanes take consecutive
+#: entries of each class's run) or "per_block" (each lane its block's pages: PLAN_WRITE_PER_BLOCK, the
+#: earlier form, kept for A/B runs; ``SPARSEATTN_PLAN_ITEMS_WRITE``).
+ITEMS_WRITE = os.environ.get("SPARSEATTN_PLAN_ITEMS_WRITE") or "coalesced"
 THREADS = 256
 NULL = np.uint64(0)
 
@@ -145,7 +149,10 @@ def items(
 
     smem = tables["smem_bytes"] if tables["smem_bytes"] <= SMEM_TABLES_MAX else 0
     per_sm = int(ITEMS_BLOCKS_PER_SM)
+    if ITEMS_WRITE not in ("coalesced", "per_block"):
+        raise ValueError(f"planner.ITEMS_WRITE must be 'coalesced' or 'per_block', got {ITEMS_WRITE!r}")
     defines = () if per_sm == ITEMS_BLOCKS_DEFAULT else (f"PLAN_ITEMS_MIN_BLOCKS={per_sm}",)
+    defines += ("PLAN_WRITE_PER_BLOCK",) if ITEMS_WRITE == "per_block" else ()
     fn = launch.prepare(launch.function(SOURCE, "plan_items", NAME_EXPRESSIONS, defines), smem)
     blocks = min(_blocks(n * 32), per_sm * launch.sm_count(cupy.cuda.runtime.getDevice()))
     fn(
