@@ -207,6 +207,15 @@ __device__ __forceinline__ void plan_item(
         if (lane == 0 && len < totals.x) atomicAdd(overflow, 1);
     }
     const int na = totals.y, ns = totals.z;
+    // the work list's entries by block (its pair items' interleaved order gains nothing from coalescing),
+    // the tile plans' by class runs (see NOTES_device_planner v8)
+#if defined(PLAN_WRITE_PER_BLOCK)
+    const bool per_block_writes = true;
+#elif defined(PLAN_WRITE_COALESCED)
+    const bool per_block_writes = false;
+#else
+    const bool per_block_writes = out_format == PLAN_OUT_WORK_LIST;
+#endif
     const int runs = mode == PLAN_MODE_INTERLEAVED ? min(na, totals.x - na - ns) / chunk_pages : 0;
 
     int acc_len = 0, acc_c1 = 0, acc_c2 = 0;  // count pass: this lane's sums
@@ -276,108 +285,109 @@ __device__ __forceinline__ void plan_item(
             n[2] = halves && cat == 2 ? pages : 0;
             n[3] = !halves ? full : 0;
             n[4] = !halves ? pages - full : 0;
-#ifdef PLAN_WRITE_PER_BLOCK
-            // each lane writes its own block's pages (positions 32 lanes apart: one sector per store)
-            int before[5];
+            if (per_block_writes) {
+                // each lane writes its own block's pages (positions 32 lanes apart: one sector per store)
+                int before[5];
 #pragma unroll
-            for (int c = 0; c < 5; ++c) {
-                const int incl = plan_warp_incl(n[c], lane);
-                before[c] = carry[c] + incl - n[c];
-                carry[c] += __shfl_sync(0xffffffffu, incl, 31);
-            }
-            if (!valid) continue;
-            for (int e = t_first[j]; e < t_first[j + 1]; ++e) {
-                const int page = t_pages[e];
-                const plan_u32 mask = t_mask[page];
-                int at;
-                if (mode == PLAN_MODE_PLAIN) {
-                    at = before[0]++;
-                } else if (mode == PLAN_MODE_FULL_FIRST) {
-                    at = mask == PLAN_FULL_PAGE ? before[3]++ : totals.y + before[4]++;
-                } else if (mode == PLAN_MODE_HALVES) {
-                    at = cat == 0 ? before[0]++ : (cat == 1 ? na + before[1]++ : na + ns + before[2]++);
-                } else {
-                    const int r = cat == 0 ? before[0]++ : (cat == 1 ? before[1]++ : before[2]++);
-                    at = plan_interleaved(cat, r, na, ns, runs, chunk_pages);
+                for (int c = 0; c < 5; ++c) {
+                    const int incl = plan_warp_incl(n[c], lane);
+                    before[c] = carry[c] + incl - n[c];
+                    carry[c] += __shfl_sync(0xffffffffu, incl, 31);
                 }
-                if (at >= len) continue;  // past the capacity (counted above)
-                const long long out = first + at;
-                if (out_format == PLAN_OUT_WORK_LIST) {
-                    stream_entries[out] = make_int2(page, static_cast<int>(mask | (vis << PLAN_VIS_SHIFT)));
-                } else {
-                    stream_pages[out] = page;
-                    if (pair_pages != nullptr) {  // the page, then the page or -1 as each half sees it
-                        pair_pages[3 * out] = page;
-                        pair_pages[3 * out + 1] = cat != 2 ? page : -1;
-                        pair_pages[3 * out + 2] = cat != 0 ? page : -1;
-                    }
-                }
-            }
-#else
-            // Coalesced: class by class, the lanes take consecutive entries of the class's run for this
-            // group (entry k belongs to the lane whose block holds it: a search over the class's prefix).
-            int excl[5], total[5], base[5];
-#pragma unroll
-            for (int c = 0; c < 5; ++c) {
-                const int incl = plan_warp_incl(n[c], lane);
-                excl[c] = incl - n[c];
-                total[c] = __shfl_sync(0xffffffffu, incl, 31);
-                base[c] = carry[c];
-                carry[c] += total[c];
-            }
-#pragma unroll
-            for (int c = 0; c < 5; ++c) {
-                const bool used = mode == PLAN_MODE_PLAIN ? c == 0 : (mode == PLAN_MODE_FULL_FIRST ? c >= 3 : c <= 2);
-                if (!used) continue;
-                for (int k0 = 0; k0 < total[c]; k0 += 32) {
-                    const int k = k0 + lane;
-                    int o = 0;  // the last lane whose run of this class starts at or before k
-#pragma unroll
-                    for (int step = 16; step > 0; step >>= 1) {
-                        if (__shfl_sync(0xffffffffu, excl[c], o + step) <= k) o += step;
-                    }
-                    const int oj = __shfl_sync(0xffffffffu, j, o);
-                    const int ocat = __shfl_sync(0xffffffffu, cat, o);
-                    const plan_u32 ovis = __shfl_sync(0xffffffffu, vis, o);
-                    const int r = k - __shfl_sync(0xffffffffu, excl[c], o);
-                    if (k >= total[c]) continue;
-                    const int e0 = t_first[oj], e1 = t_first[oj + 1];
-                    int e = e0 + r;
-                    if (c >= 3) {  // the r-th full (3) or partial (4) page of the block, in table order
-                        int seen = 0;
-                        for (e = e0; e < e1; ++e) {
-                            if ((t_mask[t_pages[e]] == PLAN_FULL_PAGE) == (c == 3) && seen++ == r) break;
-                        }
-                    }
-                    if (e >= e1) continue;  // a table that disagrees with its counts: nothing written
+                if (!valid) continue;
+                for (int e = t_first[j]; e < t_first[j + 1]; ++e) {
                     const int page = t_pages[e];
                     const plan_u32 mask = t_mask[page];
-                    const int idx = base[c] + k;
                     int at;
                     if (mode == PLAN_MODE_PLAIN) {
-                        at = idx;
+                        at = before[0]++;
                     } else if (mode == PLAN_MODE_FULL_FIRST) {
-                        at = c == 3 ? idx : totals.y + idx;
+                        at = mask == PLAN_FULL_PAGE ? before[3]++ : totals.y + before[4]++;
                     } else if (mode == PLAN_MODE_HALVES) {
-                        at = c == 0 ? idx : (c == 1 ? na + idx : na + ns + idx);
+                        at = cat == 0 ? before[0]++ : (cat == 1 ? na + before[1]++ : na + ns + before[2]++);
                     } else {
-                        at = plan_interleaved(c, idx, na, ns, runs, chunk_pages);
+                        const int r = cat == 0 ? before[0]++ : (cat == 1 ? before[1]++ : before[2]++);
+                        at = plan_interleaved(cat, r, na, ns, runs, chunk_pages);
                     }
                     if (at >= len) continue;  // past the capacity (counted above)
                     const long long out = first + at;
                     if (out_format == PLAN_OUT_WORK_LIST) {
-                        stream_entries[out] = make_int2(page, static_cast<int>(mask | (ovis << PLAN_VIS_SHIFT)));
+                        stream_entries[out] = make_int2(page, static_cast<int>(mask | (vis << PLAN_VIS_SHIFT)));
                     } else {
                         stream_pages[out] = page;
-                        if (pair_pages != nullptr) {
+                        if (pair_pages != nullptr) {  // the page, then the page or -1 as each half sees it
                             pair_pages[3 * out] = page;
-                            pair_pages[3 * out + 1] = ocat != 2 ? page : -1;
-                            pair_pages[3 * out + 2] = ocat != 0 ? page : -1;
+                            pair_pages[3 * out + 1] = cat != 2 ? page : -1;
+                            pair_pages[3 * out + 2] = cat != 0 ? page : -1;
+                        }
+                    }
+                }
+            } else {
+                // Coalesced: class by class, the lanes take consecutive entries of the class's run for this
+                // group (entry k belongs to the lane whose block holds it: a search over the class's prefix).
+                int excl[5], total[5], base[5];
+#pragma unroll
+                for (int c = 0; c < 5; ++c) {
+                    const int incl = plan_warp_incl(n[c], lane);
+                    excl[c] = incl - n[c];
+                    total[c] = __shfl_sync(0xffffffffu, incl, 31);
+                    base[c] = carry[c];
+                    carry[c] += total[c];
+                }
+#pragma unroll
+                for (int c = 0; c < 5; ++c) {
+                    const bool used =
+                        mode == PLAN_MODE_PLAIN ? c == 0 : (mode == PLAN_MODE_FULL_FIRST ? c >= 3 : c <= 2);
+                    if (!used) continue;
+                    for (int k0 = 0; k0 < total[c]; k0 += 32) {
+                        const int k = k0 + lane;
+                        int o = 0;  // the last lane whose run of this class starts at or before k
+#pragma unroll
+                        for (int step = 16; step > 0; step >>= 1) {
+                            if (__shfl_sync(0xffffffffu, excl[c], o + step) <= k) o += step;
+                        }
+                        const int oj = __shfl_sync(0xffffffffu, j, o);
+                        const int ocat = __shfl_sync(0xffffffffu, cat, o);
+                        const plan_u32 ovis = __shfl_sync(0xffffffffu, vis, o);
+                        const int r = k - __shfl_sync(0xffffffffu, excl[c], o);
+                        if (k >= total[c]) continue;
+                        const int e0 = t_first[oj], e1 = t_first[oj + 1];
+                        int e = e0 + r;
+                        if (c >= 3) {  // the r-th full (3) or partial (4) page of the block, in table order
+                            int seen = 0;
+                            for (e = e0; e < e1; ++e) {
+                                if ((t_mask[t_pages[e]] == PLAN_FULL_PAGE) == (c == 3) && seen++ == r) break;
+                            }
+                        }
+                        if (e >= e1) continue;  // a table that disagrees with its counts: nothing written
+                        const int page = t_pages[e];
+                        const plan_u32 mask = t_mask[page];
+                        const int idx = base[c] + k;
+                        int at;
+                        if (mode == PLAN_MODE_PLAIN) {
+                            at = idx;
+                        } else if (mode == PLAN_MODE_FULL_FIRST) {
+                            at = c == 3 ? idx : totals.y + idx;
+                        } else if (mode == PLAN_MODE_HALVES) {
+                            at = c == 0 ? idx : (c == 1 ? na + idx : na + ns + idx);
+                        } else {
+                            at = plan_interleaved(c, idx, na, ns, runs, chunk_pages);
+                        }
+                        if (at >= len) continue;  // past the capacity (counted above)
+                        const long long out = first + at;
+                        if (out_format == PLAN_OUT_WORK_LIST) {
+                            stream_entries[out] = make_int2(page, static_cast<int>(mask | (ovis << PLAN_VIS_SHIFT)));
+                        } else {
+                            stream_pages[out] = page;
+                            if (pair_pages != nullptr) {
+                                pair_pages[3 * out] = page;
+                                pair_pages[3 * out + 1] = ocat != 2 ? page : -1;
+                                pair_pages[3 * out + 2] = ocat != 0 ? page : -1;
+                            }
                         }
                     }
                 }
             }
-#endif
         }
     }
     if (!write) {
@@ -404,7 +414,7 @@ __device__ __forceinline__ void plan_item(
 #define PLAN_SMEM_TABLES_MAX (96 * 1024)
 // Blocks of plan_items the launch puts on each SM (its register budget: 65536 / (256 * blocks)).
 #ifndef PLAN_ITEMS_MIN_BLOCKS
-#define PLAN_ITEMS_MIN_BLOCKS 2
+#define PLAN_ITEMS_MIN_BLOCKS 4
 #endif
 
 // Every (head, item): one warp per item, warps striding over the items. With smem_tables the streamed

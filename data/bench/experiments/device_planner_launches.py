@@ -1,14 +1,14 @@
 """Where the device planner's GPU time goes, launch by launch (NOTES_device_planner.md), on an H200:
 
     PYTHONPATH=src OUT=DIR python data/bench/experiments/device_planner_launches.py vsa_wan14b_720p vsa_wan14b_480p \
-        [--items-blocks 2:per_block,2,3,4]
+        [--items-blocks 2:per_block,4:per_block,4:coalesced,4]
 
 For each workload (full heads, batch 1, the graph's selection as top-k indices on the GPU, as
 ``sparseattn bench --pass plan`` gives it): ten planning calls (forward + backward plans) under
 torch.profiler after warm-up; the last call's launches in order and each kernel's mean GPU time per call,
 largest first. ``--items-blocks`` runs each workload once per variant ``BLOCKS[:WRITE]`` of ``plan_items``: blocks per SM
 (the kernel compiled for it, ``sparseattn.kernels.planner.ITEMS_BLOCKS_PER_SM``) and the write pass's
-stores (``coalesced`` or ``per_block``, ``planner.ITEMS_WRITE``). Writes DIR/launches.json.
+stores (``auto``, ``coalesced`` or ``per_block``, ``planner.ITEMS_WRITE``). Writes DIR/launches.json.
 """
 
 import json
@@ -77,7 +77,7 @@ def main() -> None:
     for variant in variants:
         blocks, _, write = variant.partition(":")
         planner_kernels.ITEMS_BLOCKS_PER_SM = int(blocks)
-        planner_kernels.ITEMS_WRITE = write or "coalesced"
+        planner_kernels.ITEMS_WRITE = write or "auto"
         print(f"== plan_items at {blocks} blocks per SM, {planner_kernels.ITEMS_WRITE} writes")
         out += [
             dict(profile(n), items_blocks_per_sm=int(blocks), items_write=planner_kernels.ITEMS_WRITE)

@@ -32,13 +32,16 @@ KEY_LEN, KEY_COST = 0, 1
 SMEM_TABLES_MAX = 96 * 1024
 #: The item passes' blocks per SM, their warps striding over the items: the kernel is compiled for it
 #: (PLAN_ITEMS_MIN_BLOCKS, whose default in planner.cu is ITEMS_BLOCKS_DEFAULT).
-#: ``SPARSEATTN_PLAN_ITEMS_BLOCKS`` sets it for a process (A/B runs of the bench).
-ITEMS_BLOCKS_DEFAULT = 2
+#: ``SPARSEATTN_PLAN_ITEMS_BLOCKS`` sets it for a process (A/B runs of the bench). At 4 (64 registers)
+#: planning took 0.85× the time of 2 (96 registers) on the H200 (NOTES_device_planner v7).
+ITEMS_BLOCKS_DEFAULT = 4
 ITEMS_BLOCKS_PER_SM = int(os.environ.get("SPARSEATTN_PLAN_ITEMS_BLOCKS") or ITEMS_BLOCKS_DEFAULT)
 #: How the write pass stores a group of 32 selected blocks' pages: "coalesced" (lanes take consecutive
-#: entries of each class's run) or "per_block" (each lane its block's pages: PLAN_WRITE_PER_BLOCK, the
-#: earlier form, kept for A/B runs; ``SPARSEATTN_PLAN_ITEMS_WRITE``).
-ITEMS_WRITE = os.environ.get("SPARSEATTN_PLAN_ITEMS_WRITE") or "coalesced"
+#: entries of each class's run: PLAN_WRITE_COALESCED), "per_block" (each lane its block's pages:
+#: PLAN_WRITE_PER_BLOCK) or "auto" (per block for the forward's work list, coalesced for the backward's
+#: tile plans: the faster form of each on the H200, NOTES_device_planner v8); ``SPARSEATTN_PLAN_ITEMS_WRITE``.
+ITEMS_WRITES = {"auto": (), "coalesced": ("PLAN_WRITE_COALESCED",), "per_block": ("PLAN_WRITE_PER_BLOCK",)}
+ITEMS_WRITE = os.environ.get("SPARSEATTN_PLAN_ITEMS_WRITE") or "auto"
 THREADS = 256
 NULL = np.uint64(0)
 
@@ -149,10 +152,10 @@ def items(
 
     smem = tables["smem_bytes"] if tables["smem_bytes"] <= SMEM_TABLES_MAX else 0
     per_sm = int(ITEMS_BLOCKS_PER_SM)
-    if ITEMS_WRITE not in ("coalesced", "per_block"):
-        raise ValueError(f"planner.ITEMS_WRITE must be 'coalesced' or 'per_block', got {ITEMS_WRITE!r}")
+    if ITEMS_WRITE not in ITEMS_WRITES:
+        raise ValueError(f"planner.ITEMS_WRITE must be one of {sorted(ITEMS_WRITES)}, got {ITEMS_WRITE!r}")
     defines = () if per_sm == ITEMS_BLOCKS_DEFAULT else (f"PLAN_ITEMS_MIN_BLOCKS={per_sm}",)
-    defines += ("PLAN_WRITE_PER_BLOCK",) if ITEMS_WRITE == "per_block" else ()
+    defines += ITEMS_WRITES[ITEMS_WRITE]
     fn = launch.prepare(launch.function(SOURCE, "plan_items", NAME_EXPRESSIONS, defines), smem)
     blocks = min(_blocks(n * 32), per_sm * launch.sm_count(cupy.cuda.runtime.getDevice()))
     fn(
