@@ -147,6 +147,23 @@ __device__ __forceinline__ int plan_interleaved(int cat, int r, int na, int ns, 
     return 2 * moved + (cat == 0 ? 0 : (na - moved) + ns) + (r - moved);
 }
 
+// One stream entry at position out: the work list's (page, row mask | visibility bits), or the tile
+// plan's page with, for pair plans, the page or -1 as each half sees it (cat: 0 A only, 1 both, 2 B only).
+__device__ __forceinline__ void plan_store(int out_format, long long out, int page, plan_u32 mask, plan_u32 vis,
+                                           int cat, int2* __restrict__ stream_entries,
+                                           int* __restrict__ stream_pages, int* __restrict__ pair_pages) {
+    if (out_format == PLAN_OUT_WORK_LIST) {
+        stream_entries[out] = make_int2(page, static_cast<int>(mask | (vis << PLAN_VIS_SHIFT)));
+        return;
+    }
+    stream_pages[out] = page;
+    if (pair_pages != nullptr) {
+        pair_pages[3 * out] = page;
+        pair_pages[3 * out + 1] = cat != 2 ? page : -1;
+        pair_pages[3 * out + 2] = cat != 0 ? page : -1;
+    }
+}
+
 // One warp per work item. Items: `heads` x `items` (head-major, the template repeated per head); with
 // `perm` the warp at position p handles item perm[p] (the backward's sorted order) and writes its
 // per-item outputs at p.
@@ -310,17 +327,7 @@ __device__ __forceinline__ void plan_item(
                         at = plan_interleaved(cat, r, na, ns, runs, chunk_pages);
                     }
                     if (at >= len) continue;  // past the capacity (counted above)
-                    const long long out = first + at;
-                    if (out_format == PLAN_OUT_WORK_LIST) {
-                        stream_entries[out] = make_int2(page, static_cast<int>(mask | (vis << PLAN_VIS_SHIFT)));
-                    } else {
-                        stream_pages[out] = page;
-                        if (pair_pages != nullptr) {  // the page, then the page or -1 as each half sees it
-                            pair_pages[3 * out] = page;
-                            pair_pages[3 * out + 1] = cat != 2 ? page : -1;
-                            pair_pages[3 * out + 2] = cat != 0 ? page : -1;
-                        }
-                    }
+                    plan_store(out_format, first + at, page, mask, vis, cat, stream_entries, stream_pages, pair_pages);
                 }
             } else {
                 // Coalesced: class by class, the lanes take consecutive entries of the class's run for this
@@ -374,17 +381,8 @@ __device__ __forceinline__ void plan_item(
                             at = plan_interleaved(c, idx, na, ns, runs, chunk_pages);
                         }
                         if (at >= len) continue;  // past the capacity (counted above)
-                        const long long out = first + at;
-                        if (out_format == PLAN_OUT_WORK_LIST) {
-                            stream_entries[out] = make_int2(page, static_cast<int>(mask | (ovis << PLAN_VIS_SHIFT)));
-                        } else {
-                            stream_pages[out] = page;
-                            if (pair_pages != nullptr) {
-                                pair_pages[3 * out] = page;
-                                pair_pages[3 * out + 1] = ocat != 2 ? page : -1;
-                                pair_pages[3 * out + 2] = ocat != 0 ? page : -1;
-                            }
-                        }
+                        plan_store(out_format, first + at, page, mask, ovis, ocat, stream_entries, stream_pages,
+                                   pair_pages);
                     }
                 }
             }
