@@ -83,3 +83,21 @@ def test_rows_to_slots_kernel_compiles_for_sm90(dtype, head_dim):
     bd = 1 << (head_dim - 1).bit_length()
     kernel = _compile(_rows_to_slots_kernel, sig, dict(D=head_dim, BD=bd, BR=BLOCK_ROWS))
     assert kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("group_dtype", ["i32", "i64"])
+def test_block_mask_kernel_compiles_for_sm90(group_dtype):
+    from sparseattn.cluster_blocks import TILE_K, TILE_Q, _block_mask_kernel
+
+    sig = dict(
+        mask_ptr="*u8",
+        qg_ptr=f"*{group_dtype}",
+        kg_ptr=f"*{group_dtype}",
+        out_ptr="*u8",
+        q_blocks="i32",
+        k_blocks="i32",
+        q_clusters="i32",
+        k_clusters="i32",
+    )
+    kernel = _compile(_block_mask_kernel, sig, dict(BQ=TILE_Q, BK=TILE_K))
+    assert kernel.metadata.shared <= 227 * 1024

@@ -2,7 +2,7 @@
 
 Triton's interpreter must be chosen before Triton is imported, so ``test_triton_interpreted.py`` runs
 this file in a fresh process with ``TRITON_INTERPRET=1``: ``python tests/triton_interpreted_checks.py
-page_streams`` (or ``nearest_centroid``, ``slot_copy``). Exit status 0 when every case agrees.
+page_streams`` (or ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``). Exit status 0 when every case agrees.
 """
 
 from __future__ import annotations
@@ -132,6 +132,40 @@ def check_slot_copy() -> int:
             dy = torch.randn(total, d, generator=g).to(dtype)
             (got * dy).sum().backward()
             torch.testing.assert_close(x.grad, dy[rows])
+        cases += 1
+    return cases
+
+
+def svg2_device_available(x) -> bool:
+    from sparseattn.triton_support import runs_on
+
+    return runs_on(x)
+
+
+def check_cluster_blocks() -> int:
+    """SVG2's block mask by one Triton lookup per block pair equals the torch gathers, with -1 groups
+    past each row's layout (and out-of-range groups selecting nothing); ragged tile edges."""
+    from sparseattn import cluster_blocks, svg2_device
+
+    cases = 0
+    for n, cq, ck, a, b in ((2, 5, 7, 19, 300), (3, 1, 1, 16, 256), (1, 30, 40, 45, 513)):
+        g = torch.Generator().manual_seed(a * b)
+        cmask = torch.rand(n, cq, ck, generator=g) < 0.35
+        qg = torch.randint(0, cq, (n, a), generator=g).sort(-1).values
+        kg = torch.randint(0, ck, (n, b), generator=g).sort(-1).values
+        qg[:, a - a // 4 :] = -1  # past the layout
+        kg[0, b // 2 :] = -1
+        assert cluster_blocks.available(cmask), "the interpreter is not on"
+        got = cluster_blocks.block_mask(cmask, qg, kg)
+        cluster_blocks.available = lambda x: False
+        try:
+            want = svg2_device.cluster_block_mask(cmask, qg, kg)
+        finally:
+            cluster_blocks.available = svg2_device_available
+        assert got.dtype == torch.bool and torch.equal(got, want), (n, cq, ck, a, b)
+        wide = qg.clone()
+        wide[:, 0] = cq  # outside the cluster range: nothing selected, nothing read
+        assert not cluster_blocks.block_mask(cmask, wide, kg)[:, 0].any()
         cases += 1
     return cases
 

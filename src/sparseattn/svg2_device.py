@@ -357,7 +357,10 @@ def partition_slots(
     block_end = blocks.cumsum(1)  # [N, G]
     group_start = (block_end - blocks) * b
     first = sizes.cumsum(1) - sizes  # first sorted position of each group
-    sorted_labels, order = torch.sort(labels, dim=1, stable=True)
+    # sorted as 16-bit keys where the groups fit: a radix sort takes a pass per key byte
+    narrow = labels.to(torch.int16 if g <= 2**15 else torch.int32)
+    sorted_narrow, order = torch.sort(narrow, dim=1, stable=True)
+    sorted_labels = sorted_narrow.long()
     rank = torch.arange(t, device=dev).unsqueeze(0) - first.gather(1, sorted_labels)
     token_slot = torch.empty_like(labels).scatter_(1, order, group_start.gather(1, sorted_labels) + rank)
     valid = torch.zeros(n, max_slots, dtype=torch.bool, device=dev).scatter_(1, token_slot, True)
@@ -462,7 +465,14 @@ def cluster_block_mask(
     """bool ``[N, q_max_blocks, k_max_blocks]``: block pair ``(i, j)`` is selected when the pair of
     their clusters is (``cluster_mask`` bool ``[N, q_clusters, k_clusters]``; ``q_block_group`` /
     ``k_block_group`` int ``[N, max_blocks]`` from :class:`DeviceLayout`). Blocks with group -1 (past a
-    row's layout) are never selected; every other block of a partition layout holds a token."""
+    row's layout) are never selected; every other block of a partition layout holds a token.
+
+    On a device Triton runs on, one kernel writes it (:func:`sparseattn.cluster_blocks.block_mask`);
+    elsewhere two gathers over the expanded groups."""
+    from . import cluster_blocks
+
+    if cluster_blocks.available(cluster_mask):
+        return cluster_blocks.block_mask(cluster_mask, q_block_group, k_block_group)
     qg, kg = q_block_group.long(), k_block_group.long()
     out = cluster_pair_mask(cluster_mask, qg.clamp_min(0), kg.clamp_min(0))
     return out & (qg >= 0).unsqueeze(-1) & (kg >= 0).unsqueeze(1)

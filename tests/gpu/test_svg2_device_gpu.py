@@ -171,3 +171,22 @@ def test_wgmma_kmeans_matches_the_fused_kmeans():
         a = _inertia(xs[r], got[0][r].cpu().numpy(), got[1][r].cpu().numpy())
         b = _inertia(xs[r], ref[0][r].cpu().numpy(), ref[1][r].cpu().numpy())
         assert abs(a - b) <= 1e-4 * b
+
+
+@pytest.mark.parametrize("group_dtype", [torch.int64, torch.int32])
+def test_block_mask_kernel_matches_the_torch_gathers(group_dtype):
+    """SVG2's block mask by the Triton lookup at the 720p shape's clusters and blocks (4 rows) equals the
+    torch path's two gathers, -1 groups past each row's layout included."""
+    from sparseattn import cluster_blocks
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    n, cq, ck, a, b = 4, 300, 1000, 888, 1582
+    cmask = torch.rand(n, cq, ck, generator=g, device="cuda") < 0.14
+    qg = torch.randint(0, cq, (n, a), generator=g, device="cuda").sort(-1).values.to(group_dtype)
+    kg = torch.randint(0, ck, (n, b), generator=g, device="cuda").sort(-1).values.to(group_dtype)
+    qg[:, 700:] = -1
+    kg[1:, 1400:] = -1
+    out = cluster_blocks.block_mask(cmask, qg, kg)
+    want = sd.cluster_pair_mask(cmask, qg.long().clamp_min(0), kg.long().clamp_min(0))
+    want &= (qg >= 0).unsqueeze(-1) & (kg >= 0).unsqueeze(1)
+    assert torch.equal(out, want)
