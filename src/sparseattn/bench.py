@@ -538,7 +538,9 @@ def bench_device_plans(case: Case, timer: Timer, check: bool) -> list[dict]:
     planned on its own): pass ``plan`` (impl ``kpage``): the forward and backward plans of one call, timed
     eagerly (``time_ms``: CUDA events around the call, so it includes the GPU's wait for the host's
     launches when those take longer), as a replayed CUDA graph (``gpu_ms``: the GPU's time) and on the host
-    (``host_us``: the call's CPU time), and the forward's alone (``forward_plan_ms``, eager); pass ``fwd``
+    (``host_us``: the call's CPU time), the forward's alone (``forward_plan_ms``, eager) and, as a replayed graph,
+    the same plans with the backward's chain beside the forward's (``gpu_ms_overlap``,
+    ``DevicePlanner(overlap_backward=True)``); pass ``fwd``
     (impl ``kpage_device``): the forward on the device plans, checked like ``kpage``'s."""
     from .kernels.forward import paged_forward
     from .planning.device import DevicePlanner
@@ -560,6 +562,9 @@ def bench_device_plans(case: Case, timer: Timer, check: bool) -> list[dict]:
         planner.plan(idx, num)
     host_us = (time.perf_counter() - t0) / 20 * 1e6
     gpu = _graph_replay_ms(timer, lambda: planner.plan(idx, num))
+    overlapped = DevicePlanner(g.q, g.k, overlap_backward=True)
+    overlapped.plan(idx, num).check()
+    gpu_overlap = _graph_replay_ms(timer, lambda: overlapped.plan(idx, num))
     route = "pair" if planner.forward.has_pairs else "auto"
     bwd_route = "pair" if planner.backward.has_pairs else "auto"
     out.append(
@@ -569,6 +574,7 @@ def bench_device_plans(case: Case, timer: Timer, check: bool) -> list[dict]:
             time_ms=plan_ms,
             forward_plan_ms=fwd_plan_ms,
             gpu_ms=gpu,
+            gpu_ms_overlap=gpu_overlap,
             host_us=round(host_us, 1),
             route=route,
             bwd_route=bwd_route,

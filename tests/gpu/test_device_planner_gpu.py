@@ -232,3 +232,53 @@ def test_cuda_graph_replay_with_new_selections_equals_eager(deterministic):
                 assert torch.equal(r, e), f"{name}: replay differs from eager"
             else:
                 assert ((r.float() - e.float()).norm() / e.float().norm()).item() < 1e-2, name
+
+
+@pytest.mark.parametrize("chunk", range(3), ids=lambda c: f"cases{c * 21}-{c * 21 + 20}")
+def test_overlapped_backward_plans_equal_the_numpy_twin(chunk):
+    """With the backward planned on a side stream beside the forward, the arrays are still the twin's."""
+    rng = np.random.default_rng(7000 + chunk)
+    for index in range(chunk * 21, (chunk + 1) * 21):
+        case = random_case(rng, index)
+        planner = DevicePlanner(case.q, case.k, kind=case.kind, route=case.route, overlap_backward=True)
+        plans = planner.plan(**_device_selection(case))
+        twin = emu.emulate_plans(planner, **case.selection())
+        assert cupy.asnumpy(plans.arena.view("status")).tolist() == [0, 0], case.name
+        _assert_same(
+            plans, "forward", twin["forward"], ["work_info", "work_order", "stream_entries"], case.name
+        )
+        for part in ("backward", "dq"):
+            if twin[part] is not None:
+                names = ["work_head", "own_pages", "stream_indptr", "stream_pages", "order"]
+                _assert_same(plans, part, twin[part], names, f"{case.name} {part}")
+
+
+def test_overlapped_planning_replays_in_a_cuda_graph():
+    """The overlapped planner captured in a CUDA graph and replayed on a new selection in the same buffers
+    writes what an eager planner writes for that selection."""
+    import torch
+
+    from sparseattn.kernels import launch
+
+    rng = np.random.default_rng(71)
+    case = random_case(rng, 3)
+    while case.q2k_idx is None:  # a top-k selection
+        case = random_case(rng, 3)
+    planner = DevicePlanner(case.q, case.k, kind=case.kind, route=case.route, overlap_backward=True)
+    idx = torch.as_tensor(case.q2k_idx, device="cuda")
+    num = torch.as_tensor(case.q2k_num, device="cuda")
+    with launch.torch_context():
+        planner.plan(idx, num)  # uploads the tables, builds the buffers' layout
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), launch.torch_context():
+        plans = planner.plan(idx, num)
+    new_idx = rng.integers(0, case.k.num_blocks, size=case.q2k_idx.shape).astype(np.int32)
+    idx.copy_(torch.as_tensor(new_idx, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    twin = emu.emulate_plans(planner, q2k_idx=new_idx, q2k_num=case.q2k_num)
+    _assert_same(plans, "forward", twin["forward"], ["work_info", "work_order", "stream_entries"], "replay")
+    if twin["backward"] is not None:
+        names = ["work_head", "own_pages", "stream_indptr", "stream_pages", "order"]
+        _assert_same(plans, "backward", twin["backward"], names, "replay backward")

@@ -366,6 +366,10 @@ class DevicePlanner:
             which decides whether pair items run and whether dQ takes the Q-owned pass.
         max_selected: for block masks, the most K blocks one Q block selects (default: all; a top-k selection
             is bounded by its ``k``): sizes the stream buffers.
+        overlap_backward: plan the backward on a side stream beside the forward
+            (:func:`sparseattn.kernels.launch.side_by_side`; both read only the selection's bitmap and write
+            their own buffers), so that small launches of one chain (the forward's per-head pair matching
+            fills 40 of 132 SMs at 40 heads) run beside the other's. The same plans either way.
     """
 
     def __init__(
@@ -379,6 +383,7 @@ class DevicePlanner:
         impl=None,
         deterministic: bool = False,
         max_selected: int | None = None,
+        overlap_backward: bool = False,
     ):
         k_layout = q_layout if k_layout is None else k_layout
         for name, layout in (("q_layout", q_layout), ("k_layout", k_layout)):
@@ -388,6 +393,7 @@ class DevicePlanner:
             raise PlanError(f"max_selected must be a positive integer, got {max_selected!r}")
         self.q, self.k, self.kind, self.route = q_layout, k_layout, kind, route
         self.max_selected = None if max_selected is None else int(max_selected)
+        self.overlap_backward = bool(overlap_backward)
         self.forward = forward_template(q_layout, k_layout, kind, route)
         self.backward = self.dq = None
         self.impl, self.deterministic = impl, bool(deterministic)
@@ -579,16 +585,29 @@ class DevicePlanner:
                     status,
                 )
             overflow = np.uint64(int(status) + 4)
-            forward = self._forward(fwd, arena, bitmap, bh, k, overflow)
-            owned = {"backward": None, "dq": None}
-            if backward:
+            planned = {"forward": None, "backward": None, "dq": None}
+
+            def plan_forward():
+                planned["forward"] = self._forward(fwd, arena, bitmap, bh, k, overflow)
+
+            def plan_backward():
                 bitmap_t = buf("bitmap_t")
                 P.bitmap_transpose(bitmap, bh, nq, nk, wq, wk, bitmap_t)
-                owned["backward"] = self._owned(
+                planned["backward"] = self._owned(
                     "backward", tables["backward"], arena, bitmap_t, nk, wk, bh, k, overflow
                 )
                 if self.dq is not None:
-                    owned["dq"] = self._owned("dq", tables["dq"], arena, bitmap, nq, wq, bh, k, overflow)
+                    planned["dq"] = self._owned("dq", tables["dq"], arena, bitmap, nq, wq, bh, k, overflow)
+
+            if backward and self.overlap_backward:
+                from ..kernels import launch
+
+                launch.side_by_side([plan_backward, plan_forward])  # the backward's chain on the side stream
+            else:
+                plan_forward()
+                if backward:
+                    plan_backward()
+            forward, owned = planned["forward"], planned
         plans = DevicePlans(
             forward, owned["backward"], owned["dq"], batch, heads, self.q.num_slots, self.k.num_slots, arena
         )
