@@ -234,9 +234,9 @@ def _assigner(x: torch.Tensor, k: int, assign: str, chunk_tokens: int | None):
 
     if assign not in ("auto", "torch", "fused", "wgmma"):
         raise ValueError(f"assign must be 'auto', 'torch', 'fused' or 'wgmma', got {assign!r}")
-    if assign == "auto" and _wgmma_available(x):
-        assign = "wgmma"
-    if assign == "wgmma":
+    from .kernels import kmeans_assign
+
+    if assign == "wgmma" or (assign == "auto" and kmeans_assign.available(x)):
         from .kernels.kmeans_assign import lloyd_step_wgmma, nearest_centroid_wgmma
 
         return (lambda c: nearest_centroid_wgmma(x, c)), (lambda c: lloyd_step_wgmma(x, c))
@@ -252,13 +252,6 @@ def _assigner(x: torch.Tensor, k: int, assign: str, chunk_tokens: int | None):
         return (labels, *_cluster_sums(x32, labels, k))
 
     return nearest, step
-
-
-def _wgmma_available(x: torch.Tensor) -> bool:
-    """Whether the wgmma assignment kernel runs on ``x``: bf16 CUDA, head dim 64/128, an sm_90 GPU."""
-    from .kernels.kmeans_assign import available
-
-    return bool(available(x)) and torch.cuda.get_device_capability(x.device) == (9, 0)
 
 
 # --- partition layouts ------------------------------------------------------------------------------
@@ -473,6 +466,12 @@ def cluster_block_mask(
 
     if cluster_blocks.available(cluster_mask):
         return cluster_blocks.block_mask(cluster_mask, q_block_group, k_block_group)
+    return _block_mask_by_gathers(cluster_mask, q_block_group, k_block_group)
+
+
+def _block_mask_by_gathers(cluster_mask, q_block_group, k_block_group):
+    """:func:`cluster_block_mask` in torch: two gathers over the expanded groups (the CPU path and the
+    Triton kernel's reference)."""
     qg, kg = q_block_group.long(), k_block_group.long()
     out = cluster_pair_mask(cluster_mask, qg.clamp_min(0), kg.clamp_min(0))
     return out & (qg >= 0).unsqueeze(-1) & (kg >= 0).unsqueeze(1)

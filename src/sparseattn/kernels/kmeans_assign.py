@@ -34,16 +34,21 @@ def smem_bytes(head_dim: int) -> int:
 
 
 def available(x) -> bool:
-    """Whether the kernel can run on ``x``: a bf16 CUDA tensor with head dim 64 or 128 and CuPy importable."""
+    """Whether the kernel can run on ``x``: a bf16 CUDA tensor with head dim 64 or 128 on an sm_90 GPU (the
+    kernel is built for sm_90a), and CuPy importable."""
     import importlib.util
 
-    return (
+    if not (
         getattr(x, "is_cuda", False)
         and str(x.dtype) == "torch.bfloat16"
         and x.ndim == 3
         and x.shape[-1] in HEAD_DIMS
         and importlib.util.find_spec("cupy") is not None
-    )
+    ):
+        return False
+    import torch
+
+    return torch.cuda.get_device_capability(x.device) == (9, 0)
 
 
 def _run(x, centroids, accumulate: bool):
@@ -51,8 +56,8 @@ def _run(x, centroids, accumulate: bool):
 
     if not available(x):
         raise ValueError(
-            "x must be a bf16 CUDA tensor [N, tokens, d] with d 64 or 128 for the wgmma k-means assignment "
-            f"(CuPy installed); got {x.dtype} on {x.device}, shape {list(x.shape)}"
+            "x must be a bf16 CUDA tensor [N, tokens, d] with d 64 or 128 on an sm_90 GPU for the wgmma k-means "
+            f"assignment (CuPy installed); got {x.dtype} on {x.device}, shape {list(x.shape)}"
         )
     from ..nearest_centroid import centroid_operands
 

@@ -585,19 +585,19 @@ class DevicePlanner:
                     status,
                 )
             overflow = np.uint64(int(status) + 4)
-            planned = {"forward": None, "backward": None, "dq": None}
+            built = {"forward": None, "backward": None, "dq": None}
 
             def plan_forward():
-                planned["forward"] = self._forward(fwd, arena, bitmap, bh, k, overflow)
+                built["forward"] = self._forward(fwd, arena, bitmap, bh, k, overflow)
 
             def plan_backward():
                 bitmap_t = buf("bitmap_t")
                 P.bitmap_transpose(bitmap, bh, nq, nk, wq, wk, bitmap_t)
-                planned["backward"] = self._owned(
+                built["backward"] = self._owned(
                     "backward", tables["backward"], arena, bitmap_t, nk, wk, bh, k, overflow
                 )
                 if self.dq is not None:
-                    planned["dq"] = self._owned("dq", tables["dq"], arena, bitmap, nq, wq, bh, k, overflow)
+                    built["dq"] = self._owned("dq", tables["dq"], arena, bitmap, nq, wq, bh, k, overflow)
 
             if backward and self.overlap_backward:
                 from ..kernels import launch
@@ -607,9 +607,15 @@ class DevicePlanner:
                 plan_forward()
                 if backward:
                     plan_backward()
-            forward, owned = planned["forward"], planned
         plans = DevicePlans(
-            forward, owned["backward"], owned["dq"], batch, heads, self.q.num_slots, self.k.num_slots, arena
+            built["forward"],
+            built["backward"],
+            built["dq"],
+            batch,
+            heads,
+            self.q.num_slots,
+            self.k.num_slots,
+            arena,
         )
         if backward:
             self._prototypes.setdefault((bh, k, True, device), plans.rebased())
