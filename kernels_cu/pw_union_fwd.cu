@@ -1,22 +1,28 @@
 // PageWeaver's ID-aware union attention forward on Hopper (sm_90a): FP8 (e4m3) paged K/V, bf16 Q.
 //
-// A work item is (KV head h, query group g). The group is a CSR slice of query ids (ids[offsets[g] ..
-// offsets[g+1]), at most 8 members); nothing is reordered on the host. A grouping made on the GPU may
-// hold its group count on the device (group_count; groups past it are empty items). Its rows are (query head of h,
-// member): row r = 8·hl + m holds query head h·G + hl of member m (G = q_heads / kv_heads ≤ 16), so the
-// tile has 8·G rows: 64 rows (G ≤ 8, the two consumer warpgroups split the keys) or 128 (G = 16, they
-// split the rows), the routes of the KPage skeleton (paged_fwd.cu), whose consumer loop this kernel runs.
+// A work item is (KV head h, a pack of `pack` consecutive query groups). A group is a CSR slice of query
+// ids (ids[offsets[g] .. offsets[g+1]), at most 8 members); nothing is reordered on the host. A grouping
+// made on the GPU may hold its group count on the device (group_count; groups past it are empty).
 //
-// The producer warpgroup builds the group's union itself: it ORs the members' selected pages into one
-// page bitset per member in shared memory, then compacts the union of the bitsets into an ascending page
-// list with a member bitmask per page (bit m: member m selected it). The union's keys — the pages back
-// to back, PAGE keys each — stream in chunks of 64 keys: cp.async copies the e4m3 rows into a staging
-// ring (PW_NSTAGE chunks in flight, each thread later reads only the bytes it copied itself), and the
-// same thread dequantises them, bf16(float32(e4m3) · scale[h, page]), into the 128-byte-swizzled bf16
-// K/V chunk buffers the wgmma consumers read. Per chunk the producer also publishes, per 16 keys, the
-// key position of the first key (−1: no key) and the member mask; a consumer thread (member m = its
-// lane / 4) keeps key j iff bit m is set, j < context and, causal, j ≤ positions[id]: each member
-// attends exactly to its own pages although the tile computes the union.
+// The item runs as one or more tiles. A tile holds groups [lo, hi) of the pack: its rows are (group,
+// query head of h, member): row r = 8·vh + m with vh = gi·G + hl holds query head h·G + hl of member m of
+// group lo + gi (G = q_heads / kv_heads ≤ 16). 64 rows (8·G·pack ≤ 64: the two consumer warpgroups split
+// the keys) or 128 (G > 8, pack 1: they split the rows), the routes of the KPage skeleton (paged_fwd.cu),
+// whose consumer loop this kernel runs. Packing fills the tile at small G: with pack = 8 / G, the 64 rows
+// hold 8 / G groups that stream the union of their unions once, instead of 8·G live rows each.
+//
+// The producer warpgroup builds the tile's union itself: it ORs the members' selected pages into one page
+// bitset in shared memory, compacts it into an ascending page list, then gives each page a 64-bit member
+// mask (bit 8·gi + m: member m of group gi selected it; the page's position in the list is the rank of
+// its bit). A union longer than the list (PW_MAX_UNION pages) halves the tile's groups until it fits; one
+// group (8 members × 64 pages) always fits. The union's keys — the pages back to back, PAGE keys each —
+// stream in chunks of 64 keys: cp.async copies the e4m3 rows into a staging ring (PW_NSTAGE chunks in
+// flight, each thread later reads only the bytes it copied itself), and the same thread converts them
+// into the 128-byte-swizzled K/V chunk buffers the wgmma consumers read. Per chunk the producer also
+// publishes, per 16 keys, the key position of the first key (−1: no key) and the member mask; a consumer
+// row keeps key j iff its member's bit is set, j < context and, causal, j ≤ positions[id]: each member
+// attends exactly to its own pages although the tile computes the union. Each tile's row map (query id,
+// entry, head, member bit per row) is published with its Q tile.
 //
 // Each query's O row (bf16 [q_heads, num_queries, 128]) and LSE (fp32 [q_heads, num_queries], natural
 // log) are written once, by id, by the CTA that owns its group: no partial outputs. A query without a
@@ -35,6 +41,7 @@
 #define PW_NSTAGE 3          // e4m3 chunks in flight (staging ring)
 #endif
 #define PW_MEMBERS 8         // query ids per group
+#define PW_MAX_PACK 8        // groups per tile (64 rows / 8 rows at G = 1)
 #define PW_MAX_SELECTED 64   // columns of the capture's page table the kernel reads per query
 #define PW_MAX_PAGES 8192    // pages per head the union bitsets cover
 #define PW_PRODUCER_REGS 72
@@ -50,13 +57,16 @@ namespace {
 constexpr int kProducerThreads = 128;
 constexpr int kConsumerWarps = 8;
 constexpr int kWords = PW_MAX_PAGES / 32;                // bitset words per member
-constexpr int kMaxUnion = PW_MEMBERS * PW_MAX_SELECTED;  // union pages per group, at most
+constexpr int kMaxUnion = PW_MEMBERS * PW_MAX_SELECTED;  // union pages per tile: one group always fits
 constexpr int kQBytes = PW_Q_ROWS * PW_HEAD_DIM * 2;
 constexpr int kTileBytes = PW_CHUNK * PW_HEAD_DIM * 2;   // one bf16 K or V chunk
 constexpr int kStageBytes = PW_CHUNK * PW_HEAD_DIM;      // one e4m3 K or V chunk
 constexpr int kSubPages = PW_CHUNK / PAGE_ROWS;          // 16-key parts of a chunk
+constexpr uint32_t kAllKeys = (1u << (PW_CHUNK / 4)) - 1u;  // online_softmax's col_bits: every column
 constexpr int kSmallBytes =
-    8 * (4 * PW_NBUF + 6) + 8 * PW_NBUF * kSubPages + 16 + 2 * 64 * 4 + 32 + 8 * PW_NBUF * kSubPages + 4 * PW_Q_ROWS;
+    8 * (4 * PW_NBUF + 6) + 16 * PW_NBUF * kSubPages + 16 + 2 * 64 * 4 + 32 + 8 * PW_NBUF * kSubPages + 4 * PW_Q_ROWS;
+// union list: member masks (u64), row map (int4), page bitset, its word ranks, pages (int)
+constexpr int kListBytes = 8 * kMaxUnion + 16 * PW_Q_ROWS + 4 * kWords + 4 * kWords + 4 * kMaxUnion;
 #ifdef PW_BF16_OPERANDS
 constexpr bool kF16 = false;
 #else
@@ -64,25 +74,31 @@ constexpr bool kF16 = true;
 #endif
 constexpr int kScaleBytes = PW_NSTAGE * kProducerThreads * 8;  // (k, v) scale of each thread's staged row
 constexpr int kSmemBytes = 1024 + kQBytes + 2 * PW_NBUF * kTileBytes + 2 * PW_NSTAGE * kStageBytes + kScaleBytes +
-                           4 * PW_MEMBERS * kWords + 8 * kMaxUnion + kSmallBytes;
+                           kListBytes + kSmallBytes;
 static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory limit");
 static_assert(64 * PW_HEAD_DIM * 4 <= kQBytes, "the key-split merge staging must fit the Q buffer");
 static_assert(kWords == 2 * kProducerThreads, "the union compaction gives each producer thread two words");
+static_assert(PW_Q_ROWS == kProducerThreads, "each producer thread writes one row of the tile's row map");
+static_assert(PW_MEMBERS * PW_MAX_PACK <= 64, "member masks are 64-bit");
 static_assert(kSubPages == kProducerThreads / 32, "producer warp p publishes the scales of 16-key part p");
 
-// Shared-memory map: [1024-aligned] Q | K ring | V ring | staging | staged scales | bitsets | union list | small
+// Shared-memory map: [1024-aligned] Q | K ring | V ring | staging | staged scales | union list | small
 struct UnionSmem {
     uint32_t q, k, v, stage, scales, bars;
-    unsigned char* base;  // generic pointer of `q`
-    uint32_t* bits;       // [PW_MEMBERS][kWords]
-    int2* list;           // [kMaxUnion] (page, member mask)
-    int2* kinfo;          // [PW_NBUF][kSubPages] (first key position or -1, member mask)
-    volatile int* items;  // [2] item ring
-    float* stats;         // [2][64] max and sum of the key-split merge
-    int* scan;            // [4] warp totals of the compaction
-    volatile int* ulen;   // union length of the item whose Q tile is loaded (guarded by q_full/q_empty)
-    float2* kscale;       // [PW_NBUF][kSubPages] (k, v) scale of each 16-key part (f16 path)
-    float* qinv;          // [PW_Q_ROWS] 1/σ_r of the converted Q rows (f16 path)
+    unsigned char* base;       // generic pointer of `q`
+    unsigned long long* umask; // [kMaxUnion] member mask of each union page
+    int4* rowinfo;             // [PW_Q_ROWS] the tile's rows: (query id or -1, entry, head in group, member bit)
+    uint32_t* bits;            // [kWords] the union's page bitset
+    int* wrank;                // [kWords] list position of each bitset word's first page
+    int* upage;                // [kMaxUnion] union pages, ascending
+    int4* kinfo;               // [PW_NBUF][kSubPages] (first key position or -1, member mask lo, hi, 0)
+    volatile int* items;       // [2] item ring
+    float* stats;              // [2][64] max and sum of the key-split merge
+    int* scan;                 // [4] warp totals of the compaction
+    volatile int* ulen;        // union length of the tile whose Q tile is loaded, -1: no more tiles
+    volatile int* tile_head;   // its KV head (both guarded by q_full/q_empty)
+    float2* kscale;            // [PW_NBUF][kSubPages] (k, v) scale of each 16-key part (f16 path)
+    float* qinv;               // [PW_Q_ROWS] 1/σ_r of the converted Q rows (f16 path)
 
     __device__ __forceinline__ UnionSmem(unsigned char* raw_ptr) {
         const uint32_t raw = paged::smem_u32(raw_ptr);
@@ -92,17 +108,21 @@ struct UnionSmem {
         v = k + PW_NBUF * kTileBytes;
         stage = v + PW_NBUF * kTileBytes;
         scales = stage + 2 * PW_NSTAGE * kStageBytes;
-        const uint32_t bits_addr = scales + kScaleBytes;
-        bits = reinterpret_cast<uint32_t*>(base + (bits_addr - q));
-        list = reinterpret_cast<int2*>(bits + PW_MEMBERS * kWords);
-        bars = bits_addr + 4 * PW_MEMBERS * kWords + 8 * kMaxUnion;
+        unsigned char* list = base + (scales + kScaleBytes - q);
+        umask = reinterpret_cast<unsigned long long*>(list);
+        rowinfo = reinterpret_cast<int4*>(umask + kMaxUnion);
+        bits = reinterpret_cast<uint32_t*>(rowinfo + PW_Q_ROWS);
+        wrank = reinterpret_cast<int*>(bits + kWords);
+        upage = wrank + kWords;
+        bars = scales + kScaleBytes + kListBytes;
         unsigned char* small = base + (bars - q);
-        kinfo = reinterpret_cast<int2*>(small + 8 * (4 * PW_NBUF + 6));
+        kinfo = reinterpret_cast<int4*>(small + 8 * (4 * PW_NBUF + 6));
         items = reinterpret_cast<volatile int*>(kinfo + PW_NBUF * kSubPages);
-        stats = reinterpret_cast<float*>(small + 8 * (4 * PW_NBUF + 6) + 8 * PW_NBUF * kSubPages + 16);
+        stats = reinterpret_cast<float*>(small + 8 * (4 * PW_NBUF + 6) + 16 * PW_NBUF * kSubPages + 16);
         scan = reinterpret_cast<int*>(stats + 2 * 64);
         ulen = scan + 4;
-        kscale = reinterpret_cast<float2*>(small + 8 * (4 * PW_NBUF + 6) + 8 * PW_NBUF * kSubPages + 16 + 2 * 64 * 4 + 32);
+        tile_head = scan + 5;
+        kscale = reinterpret_cast<float2*>(small + 8 * (4 * PW_NBUF + 6) + 16 * PW_NBUF * kSubPages + 16 + 2 * 64 * 4 + 32);
         qinv = reinterpret_cast<float*>(kscale + PW_NBUF * kSubPages);
     }
     __device__ __forceinline__ uint32_t k_full(int i) const { return bars + 8 * i; }
@@ -118,52 +138,55 @@ struct UnionSmem {
     __device__ __forceinline__ uint32_t stage_scale(int s, int t) const { return scales + (s * kProducerThreads + t) * 8; }
 };
 
-// One work item: KV head, group, member range (validated on the host, clamped here).
-struct UnionItem {
-    int head, group, first, size;
-};
-
-__device__ __forceinline__ UnionItem decode_union_item(int item, int num_groups, const int* __restrict__ offsets,
-                                                       const int* __restrict__ group_count, int num_queries) {
-    UnionItem it;
-    it.head = item / num_groups;
-    it.group = item - it.head * num_groups;
-    const int live = group_count ? min(*group_count, num_groups) : num_groups;  // a device grouping's count
+// Group `grp`'s members: ids[first .. first + size) (groups past `live` are empty; clamped to the ids).
+__device__ __forceinline__ void group_span(int grp, int live, const int* __restrict__ offsets, int num_ids,
+                                           int& first, int& size) {
     int a = 0, b = 0;
-    if (it.group < live) {
-        a = offsets[it.group];
-        b = offsets[it.group + 1];
+    if (grp < live) {
+        a = offsets[grp];
+        b = offsets[grp + 1];
     }
-    a = __shfl_sync(0xffffffffu, a, 0);
-    b = __shfl_sync(0xffffffffu, b, 0);
-    it.first = min(max(a, 0), num_queries);
-    it.size = min(max(b - it.first, 0), min(PW_MEMBERS, num_queries - it.first));
-    return it;
+    first = min(max(a, 0), num_ids);
+    size = min(max(b - first, 0), min(PW_MEMBERS, num_ids - first));
 }
 
 // The 16-key part `sub` of chunk c: (position of its first key or -1, member mask, page).
 struct SubPage {
-    int base, mask, page;
+    int base;
+    unsigned long long mask;
+    int page;
 };
 
-__device__ __forceinline__ SubPage sub_page(const int2* list, int union_len, int c, int sub, int log2_page) {
+__device__ __forceinline__ SubPage sub_page(const UnionSmem& sm, int union_len, int c, int sub, int log2_page) {
     const int u0 = c * PW_CHUNK + sub * PAGE_ROWS;
     const int e = u0 >> log2_page;
-    SubPage sp{-1, 0, 0};
+    SubPage sp{-1, 0ull, 0};
     if (e < union_len) {
-        const int2 entry = list[e];
-        sp.page = entry.x;
-        sp.mask = entry.y;
-        sp.base = (entry.x << log2_page) + (u0 & ((1 << log2_page) - 1));
+        sp.page = sm.upage[e];
+        sp.mask = sm.umask[e];
+        sp.base = (sp.page << log2_page) + (u0 & ((1 << log2_page) - 1));
     }
     return sp;
+}
+
+// Keys the two rows of a consumer thread may not see (bit 2j / 2j + 1 of c0, c1: its columns of 8-key
+// group j, as online_softmax reads col_bits) set to -inf.
+template <int KEYS>
+__device__ __forceinline__ void mask_rows(float (&s)[KEYS / 2], uint32_t c0, uint32_t c1) {
+#pragma unroll
+    for (int j = 0; j < KEYS / 8; ++j) {
+        if (!((c0 >> (2 * j)) & 1u)) s[4 * j] = -INFINITY;
+        if (!((c0 >> (2 * j + 1)) & 1u)) s[4 * j + 1] = -INFINITY;
+        if (!((c1 >> (2 * j)) & 1u)) s[4 * j + 2] = -INFINITY;
+        if (!((c1 >> (2 * j + 1)) & 1u)) s[4 * j + 3] = -INFINITY;
+    }
 }
 
 }  // namespace
 
 // The kernel body of both designs. kKvPage = false: the union kernel (pages = the capture's page table,
-// O/LSE bf16/fp32 rows by query id). kKvPage = true: the direct KV-page union, one page per item
-// (pages[item's group] = its page; ids = the entries' query ids, grouped by page), writing each entry's
+// O/LSE bf16/fp32 rows by query id). kKvPage = true: the direct KV-page union, one page per group, pack 1
+// (pages[group] = its page; ids = the entries' query ids, grouped by page), writing each entry's
 // normalised partial O (fp32 [q_heads, num_entries, 128]) and LSE (fp32 [q_heads, num_entries]) at the
 // entry's index; pw_lse_merge_kernel merges the partials of a query by LSE.
 template <bool kKvPage>
@@ -173,17 +196,21 @@ __device__ __forceinline__ void union_attention(
     float* __restrict__ LSE, const int* __restrict__ ids, const int* __restrict__ offsets,
     const int* __restrict__ group_count, const int* __restrict__ pages, const int* __restrict__ positions,
     int* __restrict__ item_counter, int num_groups, int kv_heads, int gqa, int num_queries, int selected,
-    int num_pages, int log2_page, int context, int causal, float scale_log2, int num_entries) {
+    int num_pages, int log2_page, int context, int causal, float scale_log2, int num_entries, int pack) {
     using namespace hopper;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const UnionSmem sm(smem_raw);
     const int tid = threadIdx.x;
     const int lane = tid & 31;
-    const int total_items = num_groups * kv_heads;
+    // groups per tile: 8·G·pack rows must fit the 64-row tile (G > 8: the 128-row tile of one group)
+    pack = (kKvPage || gqa > PW_MAX_PACK) ? 1 : min(max(pack, 1), PW_MAX_PACK / gqa);
+    const int items_per_head = (num_groups + pack - 1) / pack;
+    const int total_items = items_per_head * kv_heads;
     const int kv_rows = num_pages << log2_page;
     const int q_heads = kv_heads * gqa;
-    const int rows = PW_MEMBERS * gqa;
+    const int rows = PW_MEMBERS * gqa * pack;  // rows a tile may use
     const int num_ids = kKvPage ? num_entries : num_queries;  // length of ids
+    const int live = kKvPage || !group_count ? num_groups : min(*group_count, num_groups);  // a device grouping's count
 
     if (tid == 0) {
         for (int i = 0; i < PW_NBUF; ++i) {
@@ -196,7 +223,7 @@ __device__ __forceinline__ void union_attention(
         mbar_init(sm.q_empty(), kConsumerWarps);
         for (int i = 0; i < 2; ++i) {
             mbar_init(sm.item_full(i), 1);
-            mbar_init(sm.item_empty(i), kConsumerWarps + kProducerThreads / 32);
+            mbar_init(sm.item_empty(i), kProducerThreads / 32);
         }
     }
     __syncthreads();
@@ -210,6 +237,52 @@ __device__ __forceinline__ void union_attention(
         const int crow = tid >> 1;  // K/V chunk row this thread copies and dequantises (half `chalf`)
         const int chalf = tid & 1;
         int chunk_count = 0;
+        int tiles = 0;
+
+        // entry e of groups [lo, hi) (group gi of the tile, member m, selected column): its page or -1
+        auto entry_page = [&](int lo, int e, int& gi, int& m) {
+            const int per_group = PW_MEMBERS * selected;
+            gi = e / per_group;
+            const int r = e - gi * per_group;
+            m = r / selected;
+            int first, size;
+            group_span(lo + gi, live, offsets, num_ids, first, size);
+            if (m >= size) return -1;
+            const int id = ids[first + m];
+            if (static_cast<unsigned>(id) >= static_cast<unsigned>(num_queries)) return -1;
+            const int p = pages[static_cast<size_t>(id) * selected + (r - m * selected)];
+            return static_cast<unsigned>(p) < static_cast<unsigned>(num_pages) ? p : -1;
+        };
+        // the union bitset of groups [lo, hi) and each word's list position; returns the union's length
+        auto union_bits = [&](int lo, int hi) {
+            named_sync(3, kProducerThreads);  // every thread is done with the previous list, bitset and scan
+            for (int w = tid; w < words; w += kProducerThreads) sm.bits[w] = 0u;
+            named_sync(3, kProducerThreads);
+            for (int e = tid; e < (hi - lo) * PW_MEMBERS * selected; e += kProducerThreads) {
+                int gi, m;
+                const int p = entry_page(lo, e, gi, m);
+                if (p >= 0) atomicOr(sm.bits + (p >> 5), 1u << (p & 31));
+            }
+            named_sync(3, kProducerThreads);
+            uint32_t uw[2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) uw[j] = 2 * tid + j < words ? sm.bits[2 * tid + j] : 0u;
+            const int count = __popc(uw[0]) + __popc(uw[1]);
+            int incl = count;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int n = __shfl_up_sync(0xffffffffu, incl, d);
+                if (lane >= d) incl += n;
+            }
+            if (lane == 31) sm.scan[pwarp] = incl;
+            named_sync(3, kProducerThreads);
+            int at = incl - count;
+            for (int w = 0; w < pwarp; ++w) at += sm.scan[w];
+            sm.wrank[2 * tid] = at;
+            sm.wrank[2 * tid + 1] = at + __popc(uw[0]);
+            return sm.scan[0] + sm.scan[1] + sm.scan[2] + sm.scan[3];
+        };
+
         for (int k = 0;; ++k) {
             const int islot = k & 1;
             const uint32_t ipar = (k >> 1) & 1;
@@ -224,182 +297,202 @@ __device__ __forceinline__ void union_attention(
             __syncwarp();
             if (lane == 0) mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
-            const UnionItem it = decode_union_item(item, num_groups, offsets, group_count, num_ids);
+            const int head = item / items_per_head;
+            const int g0 = (item - head * items_per_head) * pack;
+            const int g_end = min(g0 + pack, live);
 
-            int union_len;
-            if constexpr (kKvPage) {
-                // ---- the item's one page, selected by every member
-                const int p = pages[it.group];
-                const bool ok = static_cast<unsigned>(p) < static_cast<unsigned>(num_pages) && it.size > 0;
-                union_len = ok ? 1 : 0;
-                named_sync(3, kProducerThreads);  // every thread is done with the previous item's list
-                if (tid == 0) sm.list[0] = make_int2(ok ? p : 0, (1 << it.size) - 1);
-                named_sync(3, kProducerThreads);
-            } else {
-                // ---- the group's union: member bitsets, then the ascending page list with member masks
-                named_sync(3, kProducerThreads);  // every thread is done with the previous item's list
-                for (int i = tid; i < PW_MEMBERS * words; i += kProducerThreads)
-                    sm.bits[(i / words) * kWords + i % words] = 0u;
-                named_sync(3, kProducerThreads);
-                for (int e = tid; e < it.size * selected; e += kProducerThreads) {
-                    const int m = e / selected;
-                    const int id = ids[it.first + m];
-                    if (static_cast<unsigned>(id) >= static_cast<unsigned>(num_queries)) continue;
-                    const int p = pages[static_cast<size_t>(id) * selected + (e - m * selected)];
-                    if (static_cast<unsigned>(p) < static_cast<unsigned>(num_pages))
-                        atomicOr(sm.bits + m * kWords + (p >> 5), 1u << (p & 31));
-                }
-                named_sync(3, kProducerThreads);
-                uint32_t uw[2] = {0u, 0u};
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const int w = 2 * tid + j;
-                    if (w < words) {
-#pragma unroll
-                        for (int m = 0; m < PW_MEMBERS; ++m) uw[j] |= sm.bits[m * kWords + w];
+            for (int lo = g0; lo < g_end; ++tiles) {
+                int hi = g_end;
+                int union_len;
+                if constexpr (kKvPage) {
+                    // ---- the group's one page, selected by every member
+                    hi = lo + 1;
+                    int first, size;
+                    group_span(lo, live, offsets, num_ids, first, size);
+                    const int p = pages[lo];
+                    const bool ok = static_cast<unsigned>(p) < static_cast<unsigned>(num_pages) && size > 0;
+                    union_len = ok ? 1 : 0;
+                    named_sync(3, kProducerThreads);  // every thread is done with the previous list
+                    if (tid == 0) {
+                        sm.upage[0] = ok ? p : 0;
+                        sm.umask[0] = (1ull << size) - 1ull;
                     }
-                }
-                const int count = __popc(uw[0]) + __popc(uw[1]);
-                int incl = count;
+                    named_sync(3, kProducerThreads);
+                } else {
+                    // ---- the tile's union: the bitset (halving the groups until it fits the list), the
+                    // ascending page list, then each page's member mask by the rank of its bit
+                    for (;;) {
+                        union_len = union_bits(lo, hi);
+                        if (union_len <= kMaxUnion || hi - lo == 1) break;
+                        hi = lo + (hi - lo) / 2;
+                    }
+                    union_len = min(union_len, kMaxUnion);
 #pragma unroll
-                for (int d = 1; d < 32; d <<= 1) {
-                    const int n = __shfl_up_sync(0xffffffffu, incl, d);
-                    if (lane >= d) incl += n;
-                }
-                if (lane == 31) sm.scan[pwarp] = incl;
-                named_sync(3, kProducerThreads);
-                int at = incl - count;
-                for (int w = 0; w < pwarp; ++w) at += sm.scan[w];
-                union_len = min(sm.scan[0] + sm.scan[1] + sm.scan[2] + sm.scan[3], kMaxUnion);
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    uint32_t rest = uw[j];
-                    while (rest) {
-                        const int b = __ffs(rest) - 1;
-                        rest &= rest - 1u;
+                    for (int j = 0; j < 2; ++j) {
                         const int w = 2 * tid + j;
-                        int mask = 0;
-#pragma unroll
-                        for (int m = 0; m < PW_MEMBERS; ++m) mask |= ((sm.bits[m * kWords + w] >> b) & 1u) << m;
-                        if (at < kMaxUnion) sm.list[at] = make_int2(32 * w + b, mask);
-                        ++at;
+                        if (w >= words) continue;
+                        uint32_t rest = sm.bits[w];
+                        int at = sm.wrank[w];
+                        while (rest) {
+                            const int b = __ffs(rest) - 1;
+                            rest &= rest - 1u;
+                            if (at < kMaxUnion) {
+                                sm.upage[at] = 32 * w + b;
+                                sm.umask[at] = 0ull;
+                            }
+                            ++at;
+                        }
                     }
+                    named_sync(3, kProducerThreads);
+                    for (int e = tid; e < (hi - lo) * PW_MEMBERS * selected; e += kProducerThreads) {
+                        int gi, m;
+                        const int p = entry_page(lo, e, gi, m);
+                        if (p < 0) continue;
+                        const int w = p >> 5;
+                        const int at = sm.wrank[w] + __popc(sm.bits[w] & ((1u << (p & 31)) - 1u));
+                        if (at < kMaxUnion) atomicOr(sm.umask + at, 1ull << (gi * PW_MEMBERS + m));
+                    }
+                    named_sync(3, kProducerThreads);
+                }
+
+                // ---- the tile's row map, then its Q rows by id: thread t copies 16-byte chunk t % 16 of
+                // rows t / 16 + 8i
+                mbar_wait(sm.q_empty(), (tiles & 1) ^ 1u);
+                {
+                    const int vh = tid >> 3, m = tid & 7;
+                    const int gi = vh / gqa;
+                    int id = -1, entry = -1;
+                    if (tid < rows && gi < hi - lo) {
+                        int first, size;
+                        group_span(lo + gi, live, offsets, num_ids, first, size);
+                        if (m < size) {
+                            entry = first + m;
+                            const int qid = ids[entry];
+                            if (static_cast<unsigned>(qid) < static_cast<unsigned>(num_queries)) id = qid;
+                        }
+                    }
+                    sm.rowinfo[tid] = make_int4(id, entry, vh - gi * gqa, (gi * PW_MEMBERS + m) & 63);
+                }
+                if (tid == 0) {
+                    *sm.ulen = union_len;
+                    *sm.tile_head = head;
                 }
                 named_sync(3, kProducerThreads);
-            }
-
-            // ---- Q rows by id: thread t copies 16-byte chunk t % 16 of rows t / 16 + 8i
-            mbar_wait(sm.q_empty(), (k & 1) ^ 1u);
-            if (tid == 0) *sm.ulen = union_len;
-            {
-                const int ch = tid & 15;
+                {
+                    const int ch = tid & 15;
 #pragma unroll 4
-                for (int i = 0; i < PW_Q_ROWS / 8; ++i) {
-                    const int r = (tid >> 4) + 8 * i;
-                    const int hl = r >> 3, m = r & 7;
-                    const int id = (r < rows && m < it.size) ? ids[it.first + m] : -1;
-                    const bool valid = static_cast<unsigned>(id) < static_cast<unsigned>(num_queries);
-                    const __nv_bfloat16* src =
-                        valid ? Q + ((static_cast<size_t>(it.head) * gqa + hl) * num_queries + id) * PW_HEAD_DIM + ch * 8
-                              : Q;
-                    paged::cp_async_16_zfill(sm.q + tile_offset<PW_Q_ROWS>(r, ch), src, valid);
+                    for (int i = 0; i < PW_Q_ROWS / 8; ++i) {
+                        const int r = (tid >> 4) + 8 * i;
+                        const int4 info = sm.rowinfo[r];
+                        const bool valid = info.x >= 0;
+                        const __nv_bfloat16* src =
+                            valid ? Q + ((static_cast<size_t>(head) * gqa + info.z) * num_queries + info.x) * PW_HEAD_DIM + ch * 8
+                                  : Q;
+                        paged::cp_async_16_zfill(sm.q + tile_offset<PW_Q_ROWS>(r, ch), src, valid);
+                    }
                 }
-            }
-            paged::cp_async_commit();
-            mbar_track_cp_async(sm.q_full());
-            mbar_arrive(sm.q_full());
+                paged::cp_async_commit();
+                mbar_track_cp_async(sm.q_full());
+                mbar_arrive(sm.q_full());
 
-            // ---- K/V chunks through the staging ring
-            const int chunks = ((union_len << log2_page) + PW_CHUNK - 1) / PW_CHUNK;
-            const size_t head_rows = static_cast<size_t>(it.head) * kv_rows;
-            // this thread's key row of chunk c (-1: none) and its page's scale entry
-            auto row_of = [&](int c, int& scale_at) {
-                const SubPage sp = sub_page(sm.list, union_len, c, crow >> 4, log2_page);
-                const int pos = sp.base + (crow & 15);
-                const bool ok = sp.base >= 0 && pos < context && static_cast<unsigned>(sp.page) < static_cast<unsigned>(num_pages);
-                scale_at = it.head * num_pages + (ok ? sp.page : 0);
-                return ok ? pos : -1;
-            };
-            // chunk c's e4m3 row half and its two scales into staging slot c % PW_NSTAGE (read back by this
-            // thread only, once its own cp.async group has completed)
-            auto issue_stage = [&](int c) {
-                int scale_at;
-                const int pos = row_of(c, scale_at);
-                const int s = c % PW_NSTAGE;
+                // ---- K/V chunks through the staging ring
+                const int chunks = ((union_len << log2_page) + PW_CHUNK - 1) / PW_CHUNK;
+                const size_t head_rows = static_cast<size_t>(head) * kv_rows;
+                // this thread's key row of chunk c (-1: none) and its page's scale entry
+                auto row_of = [&](int c, int& scale_at) {
+                    const SubPage sp = sub_page(sm, union_len, c, crow >> 4, log2_page);
+                    const int pos = sp.base + (crow & 15);
+                    const bool ok = sp.base >= 0 && pos < context && static_cast<unsigned>(sp.page) < static_cast<unsigned>(num_pages);
+                    scale_at = head * num_pages + (ok ? sp.page : 0);
+                    return ok ? pos : -1;
+                };
+                // chunk c's e4m3 row half and its two scales into staging slot c % PW_NSTAGE (read back by this
+                // thread only, once its own cp.async group has completed)
+                auto issue_stage = [&](int c) {
+                    int scale_at;
+                    const int pos = row_of(c, scale_at);
+                    const int s = c % PW_NSTAGE;
 #ifndef PW_NO_LOAD
-                const size_t src = (head_rows + static_cast<size_t>(pos < 0 ? 0 : pos)) * PW_HEAD_DIM + chalf * 64;
+                    const size_t src = (head_rows + static_cast<size_t>(pos < 0 ? 0 : pos)) * PW_HEAD_DIM + chalf * 64;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const uint32_t off = crow * 128 + ((((chalf << 2) + i) ^ (crow & 7)) << 4);
-                    paged::cp_async_16_zfill(sm.stage_k(s) + off, K + src + 16 * i, pos >= 0);
-                    paged::cp_async_16_zfill(sm.stage_v(s) + off, V + src + 16 * i, pos >= 0);
-                }
+                    for (int i = 0; i < 4; ++i) {
+                        const uint32_t off = crow * 128 + ((((chalf << 2) + i) ^ (crow & 7)) << 4);
+                        paged::cp_async_16_zfill(sm.stage_k(s) + off, K + src + 16 * i, pos >= 0);
+                        paged::cp_async_16_zfill(sm.stage_v(s) + off, V + src + 16 * i, pos >= 0);
+                    }
 #endif
-                paged::cp_async_4_zfill(sm.stage_scale(s, tid), k_scale + scale_at, pos >= 0);
-                paged::cp_async_4_zfill(sm.stage_scale(s, tid) + 4, v_scale + scale_at, pos >= 0);
-            };
-            auto dequant = [&](int s, uint32_t staged, uint32_t tile, int which) {
+                    paged::cp_async_4_zfill(sm.stage_scale(s, tid), k_scale + scale_at, pos >= 0);
+                    paged::cp_async_4_zfill(sm.stage_scale(s, tid) + 4, v_scale + scale_at, pos >= 0);
+                };
+                auto dequant = [&](int s, uint32_t staged, uint32_t tile, int which) {
 #ifndef PW_NO_DEQUANT
-                float scale;
-                asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(scale) : "r"(sm.stage_scale(s, tid) + 4 * which));
+                    float scale;
+                    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(scale) : "r"(sm.stage_scale(s, tid) + 4 * which));
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const uint32_t off = crow * 128 + ((((chalf << 2) + i) ^ (crow & 7)) << 4);
-                    uint32_t w[4];
-                    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                                 : "r"(staged + off));
-                    uint32_t out[8];
+                    for (int i = 0; i < 4; ++i) {
+                        const uint32_t off = crow * 128 + ((((chalf << 2) + i) ^ (crow & 7)) << 4);
+                        uint32_t w[4];
+                        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                                     : "r"(staged + off));
+                        uint32_t out[8];
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        if constexpr (kF16)
-                            e4m3x4_to_f16(out[2 * j], out[2 * j + 1], w[j]);
-                        else
-                            dequant_e4m3x4(out[2 * j], out[2 * j + 1], w[j], scale);
+                        for (int j = 0; j < 4; ++j) {
+                            if constexpr (kF16)
+                                e4m3x4_to_f16(out[2 * j], out[2 * j + 1], w[j]);
+                            else
+                                dequant_e4m3x4(out[2 * j], out[2 * j + 1], w[j], scale);
+                        }
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const uint32_t dst = tile + tile_offset<PW_CHUNK>(crow, chalf * 8 + 2 * i + h);
+                            asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(out[4 * h]),
+                                         "r"(out[4 * h + 1]), "r"(out[4 * h + 2]), "r"(out[4 * h + 3])
+                                         : "memory");
+                        }
                     }
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const uint32_t dst = tile + tile_offset<PW_CHUNK>(crow, chalf * 8 + 2 * i + h);
-                        asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(out[4 * h]),
-                                     "r"(out[4 * h + 1]), "r"(out[4 * h + 2]), "r"(out[4 * h + 3])
-                                     : "memory");
-                    }
-                }
 #endif
-            };
+                };
 #pragma unroll 1
-            for (int c = 0; c < PW_NSTAGE - 1; ++c) {
-                if (c < chunks) issue_stage(c);
-                paged::cp_async_commit();
-            }
+                for (int c = 0; c < PW_NSTAGE - 1; ++c) {
+                    if (c < chunks) issue_stage(c);
+                    paged::cp_async_commit();
+                }
 #pragma unroll 1
-            for (int c = 0; c < chunks; ++c, ++chunk_count) {
-                if (c + PW_NSTAGE - 1 < chunks) issue_stage(c + PW_NSTAGE - 1);
-                paged::cp_async_commit();
-                paged::cp_async_wait<PW_NSTAGE - 1>();  // this thread's copies of chunk c have landed
-                const int buf = chunk_count % PW_NBUF;
-                const uint32_t par = (chunk_count / PW_NBUF) & 1;
-                mbar_wait(sm.k_empty(buf), par ^ 1u);
-                if (tid < kSubPages) {
-                    const SubPage sp = sub_page(sm.list, union_len, c, tid, log2_page);
-                    sm.kinfo[buf * kSubPages + tid] = make_int2(sp.base, sp.mask);
+                for (int c = 0; c < chunks; ++c, ++chunk_count) {
+                    if (c + PW_NSTAGE - 1 < chunks) issue_stage(c + PW_NSTAGE - 1);
+                    paged::cp_async_commit();
+                    paged::cp_async_wait<PW_NSTAGE - 1>();  // this thread's copies of chunk c have landed
+                    const int buf = chunk_count % PW_NBUF;
+                    const uint32_t par = (chunk_count / PW_NBUF) & 1;
+                    mbar_wait(sm.k_empty(buf), par ^ 1u);
+                    if (tid < kSubPages) {
+                        const SubPage sp = sub_page(sm, union_len, c, tid, log2_page);
+                        sm.kinfo[buf * kSubPages + tid] = make_int4(sp.base, static_cast<int>(sp.mask & 0xffffffffu),
+                                                                    static_cast<int>(sp.mask >> 32), 0);
+                    }
+                    if (kF16 && (tid & 31) == 0) {  // row 16·pwarp, the first of 16-key part pwarp: its staged scales
+                        float2 kv;
+                        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                                     : "=f"(kv.x), "=f"(kv.y)
+                                     : "r"(sm.stage_scale(c % PW_NSTAGE, tid)));
+                        sm.kscale[buf * kSubPages + pwarp] = kv;
+                    }
+                    dequant(c % PW_NSTAGE, sm.stage_k(c % PW_NSTAGE), sm.k + buf * kTileBytes, 0);
+                    fence_async_proxy();
+                    mbar_arrive(sm.k_full(buf));
+                    mbar_wait(sm.v_empty(buf), par ^ 1u);
+                    dequant(c % PW_NSTAGE, sm.stage_v(c % PW_NSTAGE), sm.v + buf * kTileBytes, 1);
+                    fence_async_proxy();
+                    mbar_arrive(sm.v_full(buf));
                 }
-                if (kF16 && (tid & 31) == 0) {  // row 16·pwarp, the first of 16-key part pwarp: its staged scales
-                    float2 kv;
-                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
-                                 : "=f"(kv.x), "=f"(kv.y)
-                                 : "r"(sm.stage_scale(c % PW_NSTAGE, tid)));
-                    sm.kscale[buf * kSubPages + pwarp] = kv;
-                }
-                dequant(c % PW_NSTAGE, sm.stage_k(c % PW_NSTAGE), sm.k + buf * kTileBytes, 0);
-                fence_async_proxy();
-                mbar_arrive(sm.k_full(buf));
-                mbar_wait(sm.v_empty(buf), par ^ 1u);
-                dequant(c % PW_NSTAGE, sm.stage_v(c % PW_NSTAGE), sm.v + buf * kTileBytes, 1);
-                fence_async_proxy();
-                mbar_arrive(sm.v_full(buf));
+                lo = hi;
             }
         }
+        // no more tiles: an empty one with union length -1
+        mbar_wait(sm.q_empty(), (tiles & 1) ^ 1u);
+        if (tid == 0) *sm.ulen = -1;
+        mbar_arrive(sm.q_full());
         paged::cp_async_wait<0>();
     } else {
         // ================================ consumers ================================
@@ -407,28 +500,27 @@ __device__ __forceinline__ void union_attention(
         const int cw = role - 1;
         const int wtid = (tid - kProducerThreads) & 127;
         const int wq = wtid >> 5;
-        const int g = lane >> 2;  // this thread's member slot (rows 16wq + g and + 8 are two heads of it)
+        const int g = lane >> 2;  // rows 16wq + g and + 8 of this warpgroup's 64
         const int t4 = lane & 3;
         const bool row_split = rows > 64;
         const uint32_t release = row_split ? 1u : 2u;
         const uint32_t aQrows = sm.q + (row_split ? cw * 64 * 128 : 0);
+        const int r0 = (row_split ? 64 * cw : 0) + 16 * wq + g;  // this thread's first row of the tile
         int chunk_base = 0;
-        for (int k = 0;; ++k) {
-            const int islot = k & 1;
-            mbar_wait(sm.item_full(islot), (k >> 1) & 1);
-            const int item = __shfl_sync(0xffffffffu, sm.items[islot], 0);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(sm.item_empty(islot));
-            if (item < 0) break;
-            const UnionItem it = decode_union_item(item, num_groups, offsets, group_count, num_ids);
-            const int id = g < it.size ? ids[it.first + g] : -1;
-            const bool member = static_cast<unsigned>(id) < static_cast<unsigned>(num_queries);
-            int limit = member ? context - 1 : -1;  // last key position this member may see
-            if (member && causal) limit = min(limit, positions[id]);
-
-            mbar_wait(sm.q_full(), k & 1);
+        for (int t = 0;; ++t) {
+            mbar_wait(sm.q_full(), t & 1);
             fence_async_proxy();
             const int union_len = __shfl_sync(0xffffffffu, *sm.ulen, 0);  // published with the Q tile
+            if (union_len < 0) break;
+            const int head = __shfl_sync(0xffffffffu, *sm.tile_head, 0);
+            int4 rmap[2];   // (query id or -1, entry, head in group, member bit) of rows r0 and r0 + 8
+            int limit[2];  // the last key position each row's member may see (-1: no member)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                rmap[r] = sm.rowinfo[r0 + 8 * r];
+                limit[r] = rmap[r].x >= 0 ? context - 1 : -1;
+                if (rmap[r].x >= 0 && causal) limit[r] = min(limit[r], positions[rmap[r].x]);
+            }
             float qinv[2] = {1.f, 1.f};  // 1/σ of this thread's rows (f16 path)
             if constexpr (kF16) {
                 // This warpgroup converts its share of the Q rows in place: 32 of the shared 64 (key split)
@@ -470,7 +562,6 @@ __device__ __forceinline__ void union_attention(
                     named_sync(5 + cw, 128);
                 else
                     named_sync(4, 256);
-                const int r0 = (row_split ? 64 * cw : 0) + 16 * wq + g;
                 qinv[0] = sm.qinv[r0];
                 qinv[1] = sm.qinv[r0 + 8];
             }
@@ -493,18 +584,24 @@ __device__ __forceinline__ void union_attention(
                 const uint32_t par = (pos / PW_NBUF) & 1;
                 mbar_wait(sm.k_full(buf), par);
                 if (prev >= 0) mbar_wait(sm.v_full(prev), prev_par);
-                uint32_t col_bits = 0;
+                uint32_t col_bits[2] = {0u, 0u};
                 float2 kvs[kSubPages];
 #pragma unroll
                 for (int p = 0; p < kSubPages; ++p) {
                     if constexpr (kF16) kvs[p] = sm.kscale[buf * kSubPages + p];
-                    const int2 info = sm.kinfo[buf * kSubPages + p];
-                    if (info.x >= 0 && ((info.y >> g) & 1)) {
+                    const int4 info = sm.kinfo[buf * kSubPages + p];
+                    if (info.x >= 0) {
                         const int b0 = info.x + 2 * t4;
-                        col_bits |= (static_cast<uint32_t>(b0 <= limit) | (static_cast<uint32_t>(b0 + 1 <= limit) << 1) |
-                                     (static_cast<uint32_t>(b0 + 8 <= limit) << 2) |
-                                     (static_cast<uint32_t>(b0 + 9 <= limit) << 3))
-                                    << (4 * p);
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const uint32_t word = static_cast<uint32_t>(rmap[r].w < 32 ? info.y : info.z);
+                            if ((word >> (rmap[r].w & 31)) & 1u)
+                                col_bits[r] |= (static_cast<uint32_t>(b0 <= limit[r]) |
+                                                (static_cast<uint32_t>(b0 + 1 <= limit[r]) << 1) |
+                                                (static_cast<uint32_t>(b0 + 8 <= limit[r]) << 2) |
+                                                (static_cast<uint32_t>(b0 + 9 <= limit[r]) << 3))
+                                               << (4 * p);
+                        }
                     }
                 }
                 fence_async_proxy();
@@ -538,7 +635,8 @@ __device__ __forceinline__ void union_attention(
 #pragma unroll
                     for (int p = 0; p < kSubPages; ++p) v_ratio[p] = chunk_ref > 0.f ? kvs[p].y / chunk_ref : 0.f;
                     if (chunk_ref > 0.f) v_ref = chunk_ref;
-                    online_softmax<PW_CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
+                    if ((col_bits[0] & col_bits[1]) != kAllKeys) mask_rows<PW_CHUNK>(s, col_bits[0], col_bits[1]);
+                    online_softmax<PW_CHUNK>(s, kAllKeys, scale_log2, row_max, row_sum, alpha);
                     alpha[0] *= carry;
                     alpha[1] *= carry;
 #pragma unroll
@@ -547,7 +645,8 @@ __device__ __forceinline__ void union_attention(
                         for (int i = 0; i < 8; ++i) s[8 * p + i] *= v_ratio[p];
                     }
                 } else {
-                    online_softmax<PW_CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
+                    if ((col_bits[0] & col_bits[1]) != kAllKeys) mask_rows<PW_CHUNK>(s, col_bits[0], col_bits[1]);
+                    online_softmax<PW_CHUNK>(s, kAllKeys, scale_log2, row_max, row_sum, alpha);
                 }
                 pin_registers(s);
                 wgmma_wait<0>();
@@ -599,19 +698,18 @@ __device__ __forceinline__ void union_attention(
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int row = (row_split ? 64 * cw : 0) + 16 * wq + g + 8 * r;
-                const int hq = it.head * gqa + (row >> 3);
-                if (!member || row >= rows || hq >= q_heads) continue;
+                const int hq = head * gqa + rmap[r].z;
+                if (rmap[r].x < 0 || hq >= q_heads) continue;
                 const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
                 if constexpr (kKvPage) {  // the entry's partial row, fp32
-                    const size_t at = static_cast<size_t>(hq) * num_entries + it.first + g;
+                    const size_t at = static_cast<size_t>(hq) * num_entries + rmap[r].y;
                     float2* dst = reinterpret_cast<float2*>(static_cast<float*>(O_out) + at * PW_HEAD_DIM + 2 * t4);
 #pragma unroll
                     for (int j = 0; j < PW_HEAD_DIM / 8; ++j)
                         dst[4 * j] = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
                     if (t4 == 0) LSE[at] = sum[r] > 0.f ? (m_l2[r] + log2f(sum[r])) * paged::kLn2 : -INFINITY;
                 } else {
-                    const size_t at = static_cast<size_t>(hq) * num_queries + id;
+                    const size_t at = static_cast<size_t>(hq) * num_queries + rmap[r].x;
                     uint32_t* dst =
                         reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(O_out) + at * PW_HEAD_DIM + 2 * t4);
 #pragma unroll
@@ -636,10 +734,10 @@ pw_union_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restri
                     const int* __restrict__ pages, const int* __restrict__ positions,
                     int* __restrict__ item_counter, int num_groups, int kv_heads, int gqa, int num_queries,
                     int selected, int num_pages, int log2_page, int context, int causal, float scale_log2,
-                    int num_entries) {
+                    int num_entries, int pack) {
     union_attention<false>(Q, K, V, k_scale, v_scale, O, LSE, ids, offsets, group_count, pages, positions,
                            item_counter, num_groups, kv_heads, gqa, num_queries, selected, num_pages, log2_page,
-                           context, causal, scale_log2, num_entries);
+                           context, causal, scale_log2, num_entries, pack);
 }
 
 // Direct KV-page union: num_groups items per KV head, item g = page pages[g] with the entries
@@ -652,10 +750,10 @@ pw_kvpage_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const uint8_t* __restr
                      const int* __restrict__ pages, const int* __restrict__ positions,
                      int* __restrict__ item_counter, int num_groups, int kv_heads, int gqa, int num_queries,
                      int selected, int num_pages, int log2_page, int context, int causal, float scale_log2,
-                     int num_entries) {
+                     int num_entries, int pack) {
     union_attention<true>(Q, K, V, k_scale, v_scale, O, LSE, ids, offsets, group_count, pages, positions,
                           item_counter, num_groups, kv_heads, gqa, num_queries, selected, num_pages, log2_page,
-                          context, causal, scale_log2, num_entries);
+                          context, causal, scale_log2, num_entries, pack);
 }
 
 // The KV-page union's reduction: one warp per (query head, query) row merges the row's partials

@@ -22,12 +22,16 @@ def test_per_query_steps_count_the_visible_page_parts(P, causal):
     assert per_query_steps(cap) == expected
 
 
+@pytest.mark.parametrize("pack", [1, 3, 8], ids=lambda n: f"pack{n}")
 @pytest.mark.parametrize("P", PAGE_SIZES, ids=lambda p: f"P{p}")
-def test_union_chunks_count_64_key_chunks_of_each_union(P):
+def test_union_chunks_count_64_key_chunks_of_each_union(P, pack):
+    """Σ over tiles of ⌈|union of the tile's groups| · P / 64⌉, a tile = ``pack`` consecutive groups."""
     cap = random_capture(P, True)
     grouping = adjacent_groups(cap.num_queries, 8)
     expected = 0
-    for a, b in zip(grouping.offsets[:-1], grouping.offsets[1:]):
+    starts = list(range(0, grouping.num_groups, pack))
+    for t in starts:
+        a, b = grouping.offsets[t], grouping.offsets[min(t + pack, grouping.num_groups)]
         union = {int(p) for q in grouping.ids[a:b] for p in cap.pages[q] if p >= 0}
         expected += -(-len(union) * P // 64)
-    assert union_chunks(cap, grouping) == expected
+    assert union_chunks(cap, grouping, pack) == expected

@@ -103,7 +103,7 @@ def pageweaver_sanitize_case() -> int:
         q = float_to_bf16_bits(rng.standard_normal((8, cap.num_queries, 128)))
         args = [cupy.asarray(x) for x in (q, cache.k, cache.v, cache.k_scale, cache.v_scale)]
         union_forward(*args, cap, adjacent_groups(cap.num_queries, 8))
-        union_forward(*args, cap, per_query_groups(cap.num_queries))
+        union_forward(*args, cap, per_query_groups(cap.num_queries), pack=1)
         kv_page_forward(*args, cap)
         per_query_forward(*args, cap)
         cupy.cuda.Device().synchronize()

@@ -98,7 +98,7 @@ def run_case(rng, poisoned, capture: Capture, grouping, kv_heads: int, gqa: int,
     elif isinstance(grouping, str) and grouping == "per_query_mma":
         per_query_forward(*tensors, capture, scale=scale, out=(o, lse))
     else:
-        union_forward(*tensors, capture, grouping, scale=scale, out=(o, lse))
+        union_forward(*tensors, capture, grouping, scale=scale, out=(o, lse), **options)
     cupy.cuda.Device().synchronize()
     qf = bf16_bits_to_float(qb).astype(np.float64)
     k_exact, v_exact = cache.dequantized()
@@ -132,6 +132,7 @@ def run_case(rng, poisoned, capture: Capture, grouping, kv_heads: int, gqa: int,
 
 
 GROUPINGS = ["adjacent", "affinity", "random", "per_query", "kv_page", "per_query_mma"]
+UNION_GROUPINGS = ("adjacent", "affinity", "random", "per_query")
 PAGE_SIZES = [16, 64, 128]
 
 
@@ -151,6 +152,40 @@ def test_union_random(rng, poisoned, page_size, grouping, seed):
     )
 
 
+@pytest.mark.parametrize("seed", range(6), ids=lambda s: f"case{s}")
+@pytest.mark.parametrize("grouping", UNION_GROUPINGS)
+@pytest.mark.parametrize("gqa", [1, 2, 3, 4], ids=lambda g: f"G{g}")
+@pytest.mark.parametrize("pack", ["one", "max", "between"])
+def test_union_packing(rng, poisoned, pack, gqa, grouping, seed):
+    """96 random cases of the union kernel at each number of groups per tile the G allows: one group per
+    tile (the unpacked kernel), the most that fill the 64-row tile (8 // G), and one in between."""
+    capture = random_capture(rng, int(rng.choice(PAGE_SIZES)), bool(rng.random() < 0.7))
+    most = 8 // gqa
+    n = {"one": 1, "max": most, "between": max(1, most // 2 + int(rng.integers(0, 2)))}[pack]
+    groups = random_grouping(rng, capture.num_queries, grouping, capture)
+    run_case(rng, poisoned, capture, groups, int(rng.integers(1, 3)), gqa, pack=min(n, most))
+
+
+@pytest.mark.parametrize("selected", [20, 40, 64])
+@pytest.mark.parametrize("gqa", [1, 2], ids=lambda g: f"G{g}")
+def test_union_packs_whose_union_overflows_split(rng, poisoned, gqa, selected):
+    """Queries that each select many scattered pages of a long context: a pack's union exceeds the tile's
+    list of 512 pages, so the kernel halves its groups until each part fits (one group always fits)."""
+    page_size, num_pages = 16, 4096
+    nq = int(rng.integers(150, 260))
+    pages = np.stack([rng.choice(num_pages, selected, replace=False) for _ in range(nq)]).astype(np.int32)
+    pages[rng.random(nq) < 0.1, selected // 2 :] = -1  # some shorter rows
+    capture = Capture(
+        pages=pages,
+        positions=rng.integers(0, num_pages * page_size, nq),
+        context=num_pages * page_size,
+        page_size=page_size,
+        causal=False,
+    )
+    grouping = random_grouping(rng, nq, "random", capture)
+    run_case(rng, poisoned, capture, grouping, 1, gqa)
+
+
 @pytest.mark.parametrize("design", ["adjacent", "kv_page", "per_query_mma"])
 @pytest.mark.parametrize("gqa", [1, 4, 8, 16], ids=lambda g: f"G{g}")
 def test_union_builtin_sampled(rng, poisoned, gqa, design):
@@ -165,6 +200,28 @@ def test_union_builtin_sampled(rng, poisoned, gqa, design):
     )
     grouping = adjacent_groups(capture.num_queries, 8) if design == "adjacent" else design
     run_case(rng, poisoned, capture, grouping, 2, gqa)
+
+
+@pytest.mark.parametrize("gqa", [1, 4], ids=lambda g: f"G{g}")
+def test_union_reads_only_the_device_group_count(rng, poisoned, gqa):
+    """A grouping made on the GPU holds more group slots than groups (its count on the device): the slots
+    past the count hold garbage offsets, which no tile may read, packed or not."""
+    import types
+
+    import cupy
+
+    capture = random_capture(rng, 64, True)
+    groups = random_grouping(rng, capture.num_queries, "random", capture)
+    spare = 5
+    offsets = np.concatenate([groups.offsets, np.full(spare, 10**6, dtype=np.int32)]).astype(np.int32)
+    device_grouping = types.SimpleNamespace(
+        ids=cupy.asarray(groups.ids),
+        offsets=cupy.asarray(offsets),
+        num_groups=cupy.asarray([groups.num_groups], dtype=cupy.int32),
+        max_groups=groups.num_groups + spare,
+        group_size=8,
+    )
+    run_case(rng, poisoned, capture, device_grouping, 2, gqa)
 
 
 def test_kv_page_head_chunks_and_phase_times(rng, poisoned):
@@ -211,6 +268,9 @@ def test_union_rejects_bad_input(rng):
         union_forward(q[:, :-1].copy(), k, v, ks, vs, capture, good)
     with pytest.raises(KernelValueError, match="head_dim"):
         union_forward(cupy.zeros((4, nq, 64), dtype=cupy.uint16), k, v, ks, vs, capture, good)
+    for pack in (0, 5, 2.0, True):  # G = 2 allows 1..4 groups per tile
+        with pytest.raises(KernelValueError, match="pack"):
+            union_forward(q, k, v, ks, vs, capture, good, pack=pack)
     from sparseattn.kernels.pageweaver import kv_page_forward, per_query_forward
 
     with pytest.raises(KernelValueError, match="k_scale"):

@@ -25,15 +25,6 @@ from sparseattn.pageweaver.captures import BUILTIN_CAPTURES, load_capture
 from sparseattn.pageweaver.grouping import Grouping, affinity_groups, union_sizes
 
 
-def merged(grouping: Grouping, p: int) -> Grouping:
-    """Consecutive runs of ``p`` groups of ``grouping`` as one group each."""
-    starts = grouping.offsets[::p]
-    offsets = np.append(starts, grouping.offsets[-1]) if starts[-1] != grouping.offsets[-1] else starts
-    return Grouping(
-        grouping.ids, offsets.astype(np.int32), grouping.group_size * p, grouping.method + f"x{p}"
-    )
-
-
 def chunks(cap, grouping: Grouping) -> int:
     return int((-(-(union_sizes(cap, grouping) * cap.page_size) // 64)).sum())
 
@@ -46,11 +37,11 @@ def main() -> None:
         groups = affinity_groups(cap, 8, 64)
         now = chunks(cap, groups)
         u = union_sizes(cap, groups)
-        pairs = union_sizes(cap, merged(groups, 2))
+        pairs = union_sizes(cap, groups.packed(2))
         loads_now, loads_pairs = int(u.sum()), int(pairs.sum())
         for gqa in (1, 2, 4):
             p = 64 // (8 * gqa)
-            packed = chunks(cap, merged(groups, p))
+            packed = chunks(cap, groups.packed(p))
             row = dict(
                 capture=name,
                 gqa=gqa,

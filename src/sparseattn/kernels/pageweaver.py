@@ -1,10 +1,12 @@
 """PageWeaver's ID-aware union attention on Hopper: ``kernels_cu/pw_union_fwd.cu``.
 
-:func:`union_forward` runs one CTA work item per (KV head, query group): the group's member ids come
-straight from a :class:`~sparseattn.pageweaver.grouping.Grouping` (CSR ``ids`` / ``offsets``, host or
-device), the kernel builds the union of the members' selected pages itself, loads each union page of
-the FP8 cache once, computes every member against the union with per-member exact masking, and writes
-each query's O/LSE row by id. With singleton groups (:func:`per_query_groups`) the same kernel is the
+:func:`union_forward` runs one CTA work item per (KV head, pack of consecutive query groups): the
+groups' member ids come straight from a :class:`~sparseattn.pageweaver.grouping.Grouping` (CSR ``ids`` /
+``offsets``, host or device), the kernel builds the union of the members' selected pages itself, loads
+each union page of the FP8 cache once, computes every member against the union with per-member exact
+masking, and writes each query's O/LSE row by id. A group fills ``8·G`` rows of the 64-row wgmma tile;
+``pack`` groups share one tile (default ``8 // G``: the tile full at ``G ≤ 4``) and stream the union of
+their unions. With singleton groups (:func:`per_query_groups`) and ``pack=1`` the same kernel is the
 per-query paged design: every query loads its own pages (rows = its ``G`` query heads, padded to the
 64-row wgmma tile).
 
@@ -73,6 +75,7 @@ KERNEL_PARAMS = (
     "num_groups",
     *_SCALAR_PARAMS,
     "num_entries",
+    "pack",
 )
 PER_QUERY_PARAMS = (*_TENSOR_PARAMS, "pages", "positions", *_SCALAR_PARAMS)
 
@@ -84,21 +87,24 @@ CHUNK = 64
 NBUF = 4
 NSTAGE = 3
 MEMBERS = 8
+MAX_PACK = 8  # groups per 64-row tile at G = 1
 MAX_SELECTED = 64
 MAX_PAGES = 8192
 MAX_GQA = Q_ROWS // MEMBERS
 _SUB_PAGES = CHUNK // 16
 SMALL_BYTES = (
-    8 * (4 * NBUF + 6) + 8 * NBUF * _SUB_PAGES + 16 + 2 * 64 * 4 + 32 + 8 * NBUF * _SUB_PAGES + 4 * Q_ROWS
+    8 * (4 * NBUF + 6) + 16 * NBUF * _SUB_PAGES + 16 + 2 * 64 * 4 + 32 + 8 * NBUF * _SUB_PAGES + 4 * Q_ROWS
 )
+MAX_UNION = MEMBERS * MAX_SELECTED  # union pages a tile holds (a pack's union above it is split)
+# union list: member masks (u64), row map (int4 per row), page bitset and its word ranks, pages
+LIST_BYTES = 8 * MAX_UNION + 16 * Q_ROWS + 2 * 4 * (MAX_PAGES // 32) + 4 * MAX_UNION
 SMEM_BYTES = (
     1024
     + Q_ROWS * HEAD_DIM * 2
     + 2 * NBUF * CHUNK * HEAD_DIM * 2
     + 2 * NSTAGE * CHUNK * HEAD_DIM
     + NSTAGE * 128 * 8
-    + 4 * MEMBERS * (MAX_PAGES // 32)
-    + 8 * MEMBERS * MAX_SELECTED
+    + LIST_BYTES
     + SMALL_BYTES
 )
 E4M3_DTYPE_NAMES = ("uint8", "float8_e4m3fn")
@@ -145,6 +151,26 @@ PQ_WARPS = 12
 PQ_STEP_KEYS = 16
 PQ_NSTAGE = 4
 PQ_SMEM_BYTES = PQ_WARPS * PQ_NSTAGE * (2 * PQ_STEP_KEYS * HEAD_DIM + 8)
+
+
+def default_pack(gqa: int) -> int:
+    """Groups per tile that fill the 64-row tile: ``8 // G`` (1 at ``G ≥ 5``); the environment variable
+    ``SPARSEATTN_PW_PACK`` (an integer) overrides it, clamped to what fits (A/B runs)."""
+    limit = max(1, MAX_PACK // gqa) if gqa <= MAX_PACK else 1
+    forced = os.environ.get("SPARSEATTN_PW_PACK")
+    return min(limit, max(1, int(forced))) if forced else limit
+
+
+def check_pack(pack, gqa: int) -> int:
+    """``pack`` (``None``: :func:`default_pack`) after its checks: an integer with ``8·G·pack ≤ 64``."""
+    if pack is None:
+        return default_pack(gqa)
+    limit = max(1, MAX_PACK // gqa) if gqa <= MAX_PACK else 1
+    if isinstance(pack, bool) or not isinstance(pack, (int, np.integer)) or not 1 <= pack <= limit:
+        raise KernelValueError(
+            f"pack must be an integer in [1, {limit}] at G = {gqa} (8·G·pack rows fill at most 64), got {pack!r}"
+        )
+    return int(pack)
 
 
 def per_query_groups(num_queries: int) -> Grouping:
@@ -324,7 +350,9 @@ def _check_inputs(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, scale
     return hq, nq, hkv, device, scale
 
 
-def union_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, grouping, scale=None, out=None):
+def union_forward(
+    q, k_cache, v_cache, k_scale, v_scale, capture: Capture, grouping, scale=None, out=None, pack=None
+):
     """PageWeaver's union attention (see the module docstring for shapes).
 
     Args:
@@ -334,13 +362,16 @@ def union_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, group
             :func:`check_device_grouping` validates the contents on request).
         scale: softmax scale (default ``1/sqrt(128)``).
         out: optional ``(o, lse)`` to write into.
+        pack: consecutive groups per 64-row tile (default :func:`default_pack`: ``8 // G``); 1 runs one
+            group per tile (the per-query design with :func:`per_query_groups`).
     """
     if launch.is_torch_tensor(q):
         return _torch_call(
-            union_forward, q, k_cache, v_cache, k_scale, v_scale, out, capture, grouping, scale
+            union_forward, q, k_cache, v_cache, k_scale, v_scale, out, capture, grouping, scale, pack=pack
         )
     capture = check_capture(capture)
-    device, scale = _check_inputs(q, k_cache, v_cache, k_scale, v_scale, capture, scale)[3:]
+    hq, _, hkv, device, scale = _check_inputs(q, k_cache, v_cache, k_scale, v_scale, capture, scale)
+    pack = check_pack(pack, hq // hkv)
     ids, offsets, num_groups, group_count = _device_grouping(grouping, capture, device)
     o, lse = _outputs(q, out, device)
     cap = _device_capture(capture, device)
@@ -357,6 +388,7 @@ def union_forward(q, k_cache, v_cache, k_scale, v_scale, capture: Capture, group
         capture,
         scale,
         0,
+        pack,
     )
     return o, lse
 
@@ -399,11 +431,11 @@ def _scalar_args(hkv: int, gqa: int, nq: int, capture: Capture, scale: float) ->
 
 
 def _launch(
-    kernel, q, cache, outputs, groups, pages, positions, num_groups, capture, scale, num_entries
+    kernel, q, cache, outputs, groups, pages, positions, num_groups, capture, scale, num_entries, pack=1
 ) -> None:
-    """One persistent launch of ``kernel`` (the union or the KV-page kernel) over ``num_groups · kv_heads``
-    items. ``cache``: (k_cache, v_cache, k_scale, v_scale); ``outputs``: (o, lse) or the partials;
-    ``groups``: (ids, offsets, group_count or None)."""
+    """One persistent launch of ``kernel`` (the union or the KV-page kernel) over ``⌈num_groups / pack⌉ ·
+    kv_heads`` items. ``cache``: (k_cache, v_cache, k_scale, v_scale); ``outputs``: (o, lse) or the
+    partials; ``groups``: (ids, offsets, group_count or None)."""
     import cupy
 
     ids, offsets, group_count = groups
@@ -415,7 +447,7 @@ def _launch(
         counter = _counter(device)
         stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memsetAsync(counter.data.ptr, 0, 4, stream.ptr)
-        items = num_groups * hkv
+        items = -(-num_groups // pack) * hkv
         grid = (max(1, min(launch.sm_count(device), items)),)
         args = (
             q,
@@ -430,6 +462,7 @@ def _launch(
             np.int32(num_groups),
             *_scalar_args(hkv, hq // hkv, nq, capture, scale),
             np.int32(num_entries),
+            np.int32(pack),
         )
         if items:
             fn(grid, (THREADS,), args, shared_mem=SMEM_BYTES)

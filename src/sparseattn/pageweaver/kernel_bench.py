@@ -65,11 +65,12 @@ def useful_pairs(capture: Capture) -> int:
     return total
 
 
-def union_chunks(capture: Capture, grouping) -> int:
-    """64-key chunks the union kernel runs per KV head: Σ_g ⌈|U_g|·P / 64⌉."""
+def union_chunks(capture: Capture, grouping, pack: int = 1) -> int:
+    """64-key chunks the union kernel runs per KV head: Σ_t ⌈|U_t|·P / 64⌉ over its tiles (``pack``
+    consecutive groups each, where their union fits the tile's list)."""
     from .grouping import union_sizes
 
-    sizes = union_sizes(capture, grouping)
+    sizes = union_sizes(capture, grouping.packed(pack) if pack > 1 else grouping)
     return int((-(-(sizes * capture.page_size) // 64)).sum())
 
 
@@ -199,6 +200,7 @@ def bench_capture(
     import cupy as cp
 
     from ..kernels.pageweaver import (
+        default_pack,
         kv_page_forward,
         kv_page_plan,
         per_query_forward,
@@ -232,7 +234,7 @@ def bench_capture(
     pages_dev = cp.asarray(cap.pages)
     adjacent = adjacent_groups(nq, 8)
     per_query = per_query_groups(nq)
-    chunks = {"adjacent8": union_chunks(cap, adjacent)}
+    chunks = {}
     if "union_singleton" in impls:
         chunks["per_query"] = union_chunks(cap, per_query)
     steps = per_query_steps(cap) if "per_query" in impls else 0
@@ -246,6 +248,7 @@ def bench_capture(
         o = cp.empty((hq, nq, 128), dtype=cp.uint16)
         lse = cp.empty((hq, nq), dtype=cp.float32)
         tile_rows = 64 if 8 * gqa <= 64 else 128
+        pack = default_pack(gqa)  # groups per tile of the union kernel
         base = {
             "workload": name,
             "variant": ",".join(variant()) or "default",
@@ -279,8 +282,9 @@ def bench_capture(
             measure(
                 "pageweaver_union",
                 lambda: union_forward(q, k8, v8, ks, vs, cap, adjacent, out=(o, lse)),
-                tile_rows * 64 * chunks["adjacent8"] * kv_heads,
+                tile_rows * 64 * union_chunks(cap, adjacent, pack) * kv_heads,
                 grouping="adjacent8",
+                pack=pack,
             )
 
             def affinity_call():
@@ -292,14 +296,15 @@ def bench_capture(
             measure(
                 "pageweaver_union",
                 affinity_call,
-                tile_rows * 64 * union_chunks(cap, host_groups) * kv_heads,
+                tile_rows * 64 * union_chunks(cap, host_groups, pack) * kv_heads,
                 grouping="affinity",
+                pack=pack,
                 grouping_ms=gms,
             )
         if "union_singleton" in impls:
             measure(
                 "union_singleton",
-                lambda: union_forward(q, k8, v8, ks, vs, cap, per_query, out=(o, lse)),
+                lambda: union_forward(q, k8, v8, ks, vs, cap, per_query, out=(o, lse), pack=1),
                 tile_rows * 64 * chunks["per_query"] * kv_heads,
                 grouping="single",
             )
