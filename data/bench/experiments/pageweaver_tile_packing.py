@@ -19,8 +19,6 @@ per-chunk cost dominates, as it does at G ≤ 4), and the loads the two-CTA desi
 import json
 import sys
 
-import numpy as np
-
 from sparseattn.pageweaver.captures import BUILTIN_CAPTURES, load_capture
 from sparseattn.pageweaver.grouping import Grouping, affinity_groups, union_sizes
 

@@ -96,7 +96,9 @@ class Grouping:
         (where each run's union fits the tile's list, as on the built-in captures)."""
         starts = self.offsets[:: int(pack)]
         offsets = starts if starts[-1] == self.offsets[-1] else np.append(starts, self.offsets[-1])
-        return Grouping(self.ids, offsets.astype(np.int32), self.group_size * int(pack), f"{self.method}x{pack}")
+        return Grouping(
+            self.ids, offsets.astype(np.int32), self.group_size * int(pack), f"{self.method}x{pack}"
+        )
 
     def __repr__(self) -> str:
         return f"Grouping({self.method!r}, queries={self.num_queries}, groups={self.num_groups})"
