@@ -9,6 +9,9 @@
   ``SPARSEATTN_KERNEL_WARMUP=0`` skips it. The report header says what it took.
 * ``rng``: a numpy Generator with a fresh seed per test (printed; set ``SPARSEATTN_SEED`` to replay).
 * ``poisoned``: allocates NaN-filled CuPy output buffers (bf16 as uint16 bits, or float dtypes).
+* pytest-xdist workers run numpy and torch on one CPU thread each (``OMP_NUM_THREADS`` and the BLAS
+  variables default to 1 there): fifteen workers with a thread per core each oversubscribe the CPU
+  many times over, and the float64 references then crawl.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ import importlib.util
 import os
 import secrets
 import time
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before numpy (and torch) size their thread pools
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
 
 import numpy as np
 import pytest
