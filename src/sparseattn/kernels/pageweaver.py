@@ -153,19 +153,23 @@ PQ_NSTAGE = 4
 PQ_SMEM_BYTES = PQ_WARPS * PQ_NSTAGE * (2 * PQ_STEP_KEYS * HEAD_DIM + 8)
 
 
+def pack_limit(gqa: int) -> int:
+    """The most groups a 64-row tile holds at ``G = gqa``: ``8 // G`` (1 at ``G > 8``, the 128-row tile)."""
+    return max(1, MAX_PACK // gqa) if gqa <= MAX_PACK else 1
+
+
 def default_pack(gqa: int) -> int:
-    """Groups per tile that fill the 64-row tile: ``8 // G`` (1 at ``G ≥ 5``); the environment variable
+    """Groups per tile that fill the 64-row tile: :func:`pack_limit`; the environment variable
     ``SPARSEATTN_PW_PACK`` (an integer) overrides it, clamped to what fits (A/B runs)."""
-    limit = max(1, MAX_PACK // gqa) if gqa <= MAX_PACK else 1
     forced = os.environ.get("SPARSEATTN_PW_PACK")
-    return min(limit, max(1, int(forced))) if forced else limit
+    return min(pack_limit(gqa), max(1, int(forced))) if forced else pack_limit(gqa)
 
 
 def check_pack(pack, gqa: int) -> int:
     """``pack`` (``None``: :func:`default_pack`) after its checks: an integer with ``8·G·pack ≤ 64``."""
     if pack is None:
         return default_pack(gqa)
-    limit = max(1, MAX_PACK // gqa) if gqa <= MAX_PACK else 1
+    limit = pack_limit(gqa)
     if isinstance(pack, bool) or not isinstance(pack, (int, np.integer)) or not 1 <= pack <= limit:
         raise KernelValueError(
             f"pack must be an integer in [1, {limit}] at G = {gqa} (8·G·pack rows fill at most 64), got {pack!r}"

@@ -193,16 +193,19 @@ def bench_capture(
     log,
     flashinfer_backends=FLASHINFER_BACKENDS,
     failed_builds: dict | None = None,
+    pack: int | None = None,
 ) -> list[dict]:
     """Records of every implementation on capture ``name`` at each GQA size. ``failed_builds`` maps
     (FlashInfer path, backend) to the error of a JIT build that failed earlier in the run: that pair is
-    recorded as failed again without another build attempt (each costs minutes of nvcc)."""
+    recorded as failed again without another build attempt (each costs minutes of nvcc). ``pack``: groups
+    per tile of the union kernel, capped at what each G allows (default ``8 // G``)."""
     import cupy as cp
 
     from ..kernels.pageweaver import (
         default_pack,
         kv_page_forward,
         kv_page_plan,
+        pack_limit,
         per_query_forward,
         per_query_groups,
         union_forward,
@@ -248,7 +251,7 @@ def bench_capture(
         o = cp.empty((hq, nq, 128), dtype=cp.uint16)
         lse = cp.empty((hq, nq), dtype=cp.float32)
         tile_rows = 64 if 8 * gqa <= 64 else 128
-        pack = default_pack(gqa)  # groups per tile of the union kernel
+        tile_pack = default_pack(gqa) if pack is None else min(int(pack), pack_limit(gqa))
         base = {
             "workload": name,
             "variant": ",".join(variant()) or "default",
@@ -281,24 +284,24 @@ def bench_capture(
         if "pageweaver_union" in impls:
             measure(
                 "pageweaver_union",
-                lambda: union_forward(q, k8, v8, ks, vs, cap, adjacent, out=(o, lse)),
-                tile_rows * 64 * union_chunks(cap, adjacent, pack) * kv_heads,
+                lambda: union_forward(q, k8, v8, ks, vs, cap, adjacent, out=(o, lse), pack=tile_pack),
+                tile_rows * 64 * union_chunks(cap, adjacent, tile_pack) * kv_heads,
                 grouping="adjacent8",
-                pack=pack,
+                pack=tile_pack,
             )
 
             def affinity_call():
                 g = affinity_groups_device(pages_dev, cap.num_pages, 8, 64)
-                union_forward(q, k8, v8, ks, vs, cap, g, out=(o, lse))
+                union_forward(q, k8, v8, ks, vs, cap, g, out=(o, lse), pack=tile_pack)
 
             gms = timer(lambda: affinity_groups_device(pages_dev, cap.num_pages, 8, 64))
             host_groups = affinity_groups_device(pages_dev, cap.num_pages, 8, 64).to_host()
             measure(
                 "pageweaver_union",
                 affinity_call,
-                tile_rows * 64 * union_chunks(cap, host_groups, pack) * kv_heads,
+                tile_rows * 64 * union_chunks(cap, host_groups, tile_pack) * kv_heads,
                 grouping="affinity",
-                pack=pack,
+                pack=tile_pack,
                 grouping_ms=gms,
             )
         if "union_singleton" in impls:
@@ -409,6 +412,12 @@ def main(argv=None, prog: str | None = None) -> int:
         default=list(FLASHINFER_BACKENDS),
         help="FlashInfer backends each FlashInfer path runs on (a failing one is an error record)",
     )
+    ap.add_argument(
+        "--pack",
+        type=int,
+        default=None,
+        help="groups per 64-row tile of the union kernel, capped at 8 // G (default: 8 // G; 1: one group a tile)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--variant",
@@ -417,6 +426,8 @@ def main(argv=None, prog: str | None = None) -> int:
         help="compile-time variant of the union / KV-page kernels (sparseattn.kernels.pageweaver.VARIANTS)",
     )
     args = ap.parse_args(argv)
+    if args.pack is not None and args.pack < 1:
+        ap.error(f"--pack must be at least 1, got {args.pack}")
     try:
         import cupy  # noqa: F401 - the suite needs it; say so plainly when it is missing
     except ImportError:
@@ -452,6 +463,7 @@ def main(argv=None, prog: str | None = None) -> int:
             log,
             tuple(args.flashinfer_backends),
             failed_builds,
+            args.pack,
         )
         log.write(
             out, "pageweaver_kernels", command, records
