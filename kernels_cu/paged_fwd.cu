@@ -144,6 +144,22 @@ __device__ __forceinline__ WorkItem decode_item(int item, int num_work, const in
     return it;
 }
 
+// An item with no stream entry and no owned page (on device plans, the slot of a block that joined its
+// neighbour's pair item) computes and stores nothing. With PAGED_FWD_SKIP_VOID both roles pass it by
+// without the Q buffer's hand-off, which otherwise costs a round trip between the warpgroups per item.
+// Warp-uniform; every lane of the warp calls it.
+__device__ __forceinline__ bool void_item(const WorkItem& it, const int2* __restrict__ own_pages, int q_pages,
+                                          int lane) {
+#ifdef PAGED_FWD_SKIP_VOID
+    if (it.len > 0) return false;
+    int page = -1;
+    if (it.ok && lane < PAGED_FWD_Q_PAGES) page = own_pages[it.w * PAGED_FWD_Q_PAGES + lane].x;
+    return !__any_sync(0xffffffffu, static_cast<unsigned>(page) < static_cast<unsigned>(q_pages));
+#else
+    return false;
+#endif
+}
+
 }  // namespace
 
 template <int HEAD_DIM, int CHUNK, bool PAIR = false>
@@ -188,6 +204,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         hopper::regs_release<PAGED_FWD_PRODUCER_REGS>();
         const int pwarp = tid >> 5;
         int chunk_count = 0;  // chunks issued so far (ring position)
+        int q_items = 0;      // items through the Q buffer so far (void items skip it)
         for (int k = 0;; ++k) {
             const int islot = k & 1;
             const uint32_t ipar = (k >> 1) & 1;
@@ -203,12 +220,13 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             if (lane == 0) hopper::mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
             const WorkItem it = decode_item<PAGES>(item, num_work, work_info, work_order, heads, stream_total);
+            if (void_item(it, own_pages, q_pages, lane)) continue;
             const size_t bh = static_cast<size_t>(it.batch) * heads + (it.ok ? it.head : 0);
             const __nv_bfloat16* Kh = K + bh * k_slots * HEAD_DIM;
             const __nv_bfloat16* Vh = V + bh * k_slots * HEAD_DIM;
 
             // Q: warp pw gathers own pages 2pw, 2pw + 1 (rows 32pw .. 32pw + 31)
-            hopper::mbar_wait(sm.q_empty(), (k & 1) ^ 1u);
+            hopper::mbar_wait(sm.q_empty(), (q_items & 1) ^ 1u);
             if (2 * pwarp < it.rows / PAGE_ROWS) {
                 int qp = -1;
                 uint32_t qm = 0u;
@@ -224,6 +242,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             }
             hopper::mbar_track_cp_async(sm.q_full());
             hopper::mbar_arrive(sm.q_full());
+            ++q_items;
 
             // K/V chunks: warp pw gathers pages pw·PPW .. of each chunk; lanes < PPW hold the entries of
             // the next chunk (loaded while this chunk's copies are issued)
@@ -272,6 +291,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         const int g = lane >> 2;
         const int t4 = lane & 3;
         int chunk_base = 0;  // ring position of the current item's chunk 0
+        int q_items = 0;     // items through the Q buffer so far (void items skip it)
         for (int k = 0;; ++k) {
             const int islot = k & 1;
             hopper::mbar_wait(sm.item_full(islot), (k >> 1) & 1);
@@ -280,11 +300,13 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             if (lane == 0) hopper::mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
             const WorkItem it = decode_item<PAGES>(item, num_work, work_info, work_order, heads, stream_total);
+            if (void_item(it, own_pages, q_pages, lane)) continue;
             const bool row_split = it.rows > 64;
             const uint32_t release = row_split ? 1u : 2u;  // arrivals per warp on an empty barrier
             const uint32_t aQrows = sm.q + (row_split ? cw * 64 * 128 : 0);
 
-            hopper::mbar_wait(sm.q_full(), k & 1);
+            hopper::mbar_wait(sm.q_full(), q_items & 1);
+            ++q_items;
             hopper::fence_async_proxy();
             float o[C::OREG];
 #pragma unroll

@@ -275,6 +275,33 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
 
 
+@pytest.mark.parametrize("variant", ["PAGED_FWD_SKIP_VOID"])
+def test_forward_variants_compile_without_spills(variant, reports):
+    """The KPage forward's compile-time variants (sparseattn.kernels.forward.VARIANTS) build too."""
+    from sparseattn.kernels import forward
+
+    assert variant in forward.VARIANTS
+    nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
+    options = compile_check.compile_options(compile_check.find_cuda_include()) + (f"-D{variant}",)
+    source = forward.SOURCE
+    ok, log, _, lowered = nvrtc.compile(runtime.preprocess(source), source, options, forward.NAME_EXPRESSIONS)
+    assert ok, log
+    kernels = compile_check.parse_ptxas_log(source, log, lowered)
+    assert len(kernels) >= len(forward.NAME_EXPRESSIONS)
+    assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
+
+
+def test_forward_variant_from_the_environment(monkeypatch):
+    from sparseattn.kernels import forward
+    from sparseattn.kernels.validate import KernelValueError
+
+    monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_SKIP_VOID")
+    assert forward._variant_from_env() == ("PAGED_FWD_SKIP_VOID",)
+    monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_NOPE")
+    with pytest.raises(KernelValueError, match="SPARSEATTN_FWD_VARIANT"):
+        forward._variant_from_env()
+
+
 def test_wgmma_backward_mirrors_match_the_kernel(reports):
     """kernels.bsa_backward's wgmma shared-memory and thread formulas equal paged_bwd.cu's Config, and the wgmma
     kernel takes the mma.sync kernel's parameters plus the fixed-point bound (the wrapper passes one

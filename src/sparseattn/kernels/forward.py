@@ -22,6 +22,7 @@ from a :class:`~sparseattn.graph.HeadStack` (or a list of per-head graphs).
 from __future__ import annotations
 
 import math
+import os
 import weakref
 
 import numpy as np
@@ -58,6 +59,26 @@ SMALL_BYTES = 1280
 ALIGN_SLACK = 1024
 MAX_NBUF = 8
 MAX_BATCH = 1 << 15
+#: Compile-time variants of ``paged_fwd.cu`` (A/B runs): ``PAGED_FWD_SKIP_VOID`` passes items with no stream
+#: entry and no owned page by without the Q buffer's hand-off (device plans hold one per block that joined
+#: its neighbour's pair item). ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
+VARIANTS = ("PAGED_FWD_SKIP_VOID",)
+
+
+def _variant_from_env() -> tuple[str, ...]:
+    names = tuple(sorted({n for n in os.environ.get("SPARSEATTN_FWD_VARIANT", "").split(",") if n}))
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        raise KernelValueError(f"SPARSEATTN_FWD_VARIANT: unknown variant {bad[0]!r}; choose from {VARIANTS}")
+    return names
+
+
+DEFINES = _variant_from_env()
+
+
+def kernel_defines(source: str) -> tuple[str, ...]:
+    """The macros ``source`` is compiled with now (:data:`DEFINES`): what :mod:`.warmup` compiles."""
+    return DEFINES if source == SOURCE else ()
 
 
 def kernel_name(head_dim: int, chunk: int, pair: bool = False) -> str:
@@ -360,7 +381,7 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             return None
         smem = smem_bytes(d, wl.chunk)
         name = kernel_name(d, wl.chunk, pair=wl.has_visibility())
-        fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS), smem)
+        fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS, DEFINES), smem)
         if on_device:
             counter = arrays["counter"]
         else:
