@@ -255,6 +255,15 @@ def test_pageweaver_shared_memory_formulas_match_the_kernels(reports):
         assert ok, log
 
 
+def _compile_variant(source: str, names, variant: str):
+    """NVRTC-compile ``names`` of ``source`` with ``-D<variant>`` (asserting success); the ptxas reports."""
+    nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
+    options = compile_check.compile_options(compile_check.find_cuda_include()) + (f"-D{variant}",)
+    ok, log, _, lowered = nvrtc.compile(runtime.preprocess(source), source, options, names)
+    assert ok, log
+    return compile_check.parse_ptxas_log(source, log, lowered)
+
+
 @pytest.mark.parametrize("variant", ["PW_BF16_OPERANDS", "PQ_BF16_OPERANDS"])
 def test_pageweaver_variants_compile_without_spills(variant, reports):
     """The PageWeaver kernels' compile-time variants (sparseattn.kernels.pageweaver.set_variant) build too."""
@@ -266,11 +275,7 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
         if variant.startswith("PQ_")
         else (pageweaver.SOURCE, pageweaver.NAME_EXPRESSIONS)
     )
-    nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
-    options = compile_check.compile_options(compile_check.find_cuda_include()) + (f"-D{variant}",)
-    ok, log, _, lowered = nvrtc.compile(runtime.preprocess(source), source, options, names)
-    assert ok, log
-    kernels = compile_check.parse_ptxas_log(source, log, lowered)
+    kernels = _compile_variant(source, names, variant)
     assert {k.kernel for k in kernels} >= set(names)
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
 
@@ -281,12 +286,7 @@ def test_forward_variants_compile_without_spills(variant, reports):
     from sparseattn.kernels import forward
 
     assert variant in forward.VARIANTS
-    nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
-    options = compile_check.compile_options(compile_check.find_cuda_include()) + (f"-D{variant}",)
-    source = forward.SOURCE
-    ok, log, _, lowered = nvrtc.compile(runtime.preprocess(source), source, options, forward.NAME_EXPRESSIONS)
-    assert ok, log
-    kernels = compile_check.parse_ptxas_log(source, log, lowered)
+    kernels = _compile_variant(forward.SOURCE, forward.NAME_EXPRESSIONS, variant)
     assert len(kernels) >= len(forward.NAME_EXPRESSIONS)
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
 

@@ -495,7 +495,12 @@ def bench_kpage(case: Case, timer: Timer, passes, check: bool, bwd_impls=((None,
 
 
 def topk_selection(graph: SparseGraph, batch: int):
-    """The graph's selection as the VSA kernel's arguments on the GPU: int32 ``q2k_idx [batch, heads,
+    """The graph's selection as the VSA kernel's arguments on the GPU: :func:`topk_arrays` as CuPy arrays."""
+    return tuple(cupy.asarray(x) for x in topk_arrays(graph, batch))
+
+
+def topk_arrays(graph: SparseGraph, batch: int):
+    """The graph's selection as the VSA kernel's arguments (numpy): int32 ``q2k_idx [batch, heads,
     q_blocks, k]`` (each row's K blocks, k = the longest row, padded with 0) and ``q2k_num [batch, heads,
     q_blocks]``, every batch entry alike."""
     counts = np.diff(graph.indptr).astype(np.int64)
@@ -506,7 +511,7 @@ def topk_selection(graph: SparseGraph, batch: int):
     shape = (graph.heads, graph.q.num_blocks)
     idx = np.broadcast_to(idx.reshape(*shape, k), (batch, *shape, k))
     num = np.broadcast_to(counts.reshape(shape).astype(np.int32), (batch, *shape))
-    return cupy.asarray(np.ascontiguousarray(idx)), cupy.asarray(np.ascontiguousarray(num))
+    return np.ascontiguousarray(idx), np.ascontiguousarray(num)
 
 
 def _graph_replay_ms(timer: Timer, call):

@@ -12,22 +12,11 @@ stream), streamed pages, 16-row-page chunks of the kernel and the longest item.
 
 import sys
 
-import numpy as np
-
+from sparseattn.bench import topk_arrays
 from sparseattn.planning import device_emulation as emu
 from sparseattn.planning.device import DevicePlanner
 from sparseattn.planning.pair_forward import pair_work_list
 from sparseattn.workloads import get_workload
-
-
-def topk_arrays(graph):
-    """The graph's selection as ``(q2k_idx [1, heads, q_blocks, k], q2k_num [1, heads, q_blocks])`` (numpy)."""
-    counts = np.diff(graph.indptr).astype(np.int64)
-    k = int(counts.max(initial=1))
-    idx = np.zeros((graph.num_rows, k), dtype=np.int32)
-    idx[graph.row_of_nnz, np.arange(graph.nnz) - np.repeat(graph.indptr[:-1], counts)] = graph.indices
-    shape = (1, graph.heads, graph.q.num_blocks)
-    return idx.reshape(*shape, k), counts.reshape(shape).astype(np.int32)
 
 
 def counts(work) -> dict:
@@ -46,7 +35,7 @@ def main() -> None:
     for name in sys.argv[1:] or ["vsa_wan14b_480p"]:
         graph = get_workload(name).build()
         planner = DevicePlanner(graph.q, graph.k)
-        out = emu.emulate_plans(planner, *topk_arrays(graph))
+        out = emu.emulate_plans(planner, *topk_arrays(graph, 1))
         lists = {
             "host, shared pages": pair_work_list(graph),
             "host, layout neighbours": pair_work_list(graph, partners="layout"),

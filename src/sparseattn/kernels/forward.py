@@ -22,7 +22,6 @@ from a :class:`~sparseattn.graph.HeadStack` (or a list of per-head graphs).
 from __future__ import annotations
 
 import math
-import os
 import weakref
 
 import numpy as np
@@ -66,11 +65,7 @@ VARIANTS = ("PAGED_FWD_SKIP_VOID",)
 
 
 def _variant_from_env() -> tuple[str, ...]:
-    names = tuple(sorted({n for n in os.environ.get("SPARSEATTN_FWD_VARIANT", "").split(",") if n}))
-    bad = [n for n in names if n not in VARIANTS]
-    if bad:
-        raise KernelValueError(f"SPARSEATTN_FWD_VARIANT: unknown variant {bad[0]!r}; choose from {VARIANTS}")
-    return names
+    return launch.variants_from_env("SPARSEATTN_FWD_VARIANT", VARIANTS)
 
 
 DEFINES = _variant_from_env()

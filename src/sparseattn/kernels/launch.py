@@ -21,6 +21,20 @@ _SM_COUNT: dict = {}
 _DEVICE_ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def variants_from_env(variable: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """The compile-time variants an environment variable selects for a process (comma-separated names
+    of ``allowed``), sorted; an unknown name raises, naming the variable."""
+    import os
+
+    from .validate import KernelValueError
+
+    names = tuple(sorted({n for n in os.environ.get(variable, "").split(",") if n}))
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise KernelValueError(f"{variable}: unknown variant {bad[0]!r}; choose from {allowed}")
+    return names
+
+
 def function(source: str, name: str, name_expressions: tuple[str, ...], defines: tuple[str, ...] = ()):
     """The compiled kernel ``name`` of ``kernels_cu/<source>`` (compiled once per process); ``defines``
     are preprocessor macros (``"NAME"`` or ``"NAME=VALUE"``) for a kernel's compile-time variants."""

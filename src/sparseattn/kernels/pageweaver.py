@@ -145,7 +145,7 @@ def variant() -> tuple[str, ...]:
     return _variant
 
 
-set_variant(*[n for n in os.environ.get("SPARSEATTN_PW_VARIANT", "").split(",") if n])
+set_variant(*launch.variants_from_env("SPARSEATTN_PW_VARIANT", VARIANTS))
 # Mirrors of the per-query kernel's geometry (PQ_* in pw_per_query_fwd.cu).
 PQ_WARPS = 12
 PQ_STEP_KEYS = 16
@@ -158,11 +158,15 @@ def pack_limit(gqa: int) -> int:
     return max(1, MAX_PACK // gqa) if gqa <= MAX_PACK else 1
 
 
+#: ``SPARSEATTN_PW_PACK`` (an integer, read once): the groups per tile a process forces (A/B runs).
+_FORCED_PACK = int(os.environ["SPARSEATTN_PW_PACK"]) if os.environ.get("SPARSEATTN_PW_PACK") else None
+
+
 def default_pack(gqa: int) -> int:
     """Groups per tile that fill the 64-row tile: :func:`pack_limit`; the environment variable
-    ``SPARSEATTN_PW_PACK`` (an integer) overrides it, clamped to what fits (A/B runs)."""
-    forced = os.environ.get("SPARSEATTN_PW_PACK")
-    return min(pack_limit(gqa), max(1, int(forced))) if forced else pack_limit(gqa)
+    ``SPARSEATTN_PW_PACK`` overrides it, clamped to what fits (A/B runs)."""
+    limit = pack_limit(gqa)
+    return limit if _FORCED_PACK is None else min(limit, max(1, _FORCED_PACK))
 
 
 def check_pack(pack, gqa: int) -> int:

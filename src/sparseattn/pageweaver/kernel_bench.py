@@ -70,7 +70,7 @@ def union_chunks(capture: Capture, grouping, pack: int = 1) -> int:
     consecutive groups each, where their union fits the tile's list)."""
     from .grouping import union_sizes
 
-    sizes = union_sizes(capture, grouping.packed(pack) if pack > 1 else grouping)
+    sizes = union_sizes(capture, grouping.packed(pack))
     return int((-(-(sizes * capture.page_size) // 64)).sum())
 
 
@@ -237,9 +237,13 @@ def bench_capture(
     pages_dev = cp.asarray(cap.pages)
     adjacent = adjacent_groups(nq, 8)
     per_query = per_query_groups(nq)
-    chunks = {}
-    if "union_singleton" in impls:
-        chunks["per_query"] = union_chunks(cap, per_query)
+    chunks = {}  # (grouping, pack) -> union_chunks, host work shared by the GQA sizes
+
+    def chunks_of(label, grouping, tile_pack):
+        if (label, tile_pack) not in chunks:
+            chunks[label, tile_pack] = union_chunks(cap, grouping, tile_pack)
+        return chunks[label, tile_pack]
+
     steps = per_query_steps(cap) if "per_query" in impls else 0
     records = []
 
@@ -285,7 +289,7 @@ def bench_capture(
             measure(
                 "pageweaver_union",
                 lambda: union_forward(q, k8, v8, ks, vs, cap, adjacent, out=(o, lse), pack=tile_pack),
-                tile_rows * 64 * union_chunks(cap, adjacent, tile_pack) * kv_heads,
+                tile_rows * 64 * chunks_of("adjacent8", adjacent, tile_pack) * kv_heads,
                 grouping="adjacent8",
                 pack=tile_pack,
             )
@@ -299,7 +303,7 @@ def bench_capture(
             measure(
                 "pageweaver_union",
                 affinity_call,
-                tile_rows * 64 * union_chunks(cap, host_groups, tile_pack) * kv_heads,
+                tile_rows * 64 * chunks_of("affinity", host_groups, tile_pack) * kv_heads,
                 grouping="affinity",
                 pack=tile_pack,
                 grouping_ms=gms,
@@ -308,7 +312,7 @@ def bench_capture(
             measure(
                 "union_singleton",
                 lambda: union_forward(q, k8, v8, ks, vs, cap, per_query, out=(o, lse), pack=1),
-                tile_rows * 64 * chunks["per_query"] * kv_heads,
+                tile_rows * 64 * chunks_of("single", per_query, 1) * kv_heads,
                 grouping="single",
             )
         if "per_query" in impls:
