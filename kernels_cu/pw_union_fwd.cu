@@ -220,7 +220,7 @@ __device__ __forceinline__ void union_attention(
             mbar_init(sm.v_empty(i), kConsumerWarps);
         }
         mbar_init(sm.q_full(), kProducerThreads);
-        mbar_init(sm.q_empty(), kConsumerWarps);
+        mbar_init(sm.q_empty(), 32 * kConsumerWarps);  // every consumer lane, once per tile
         for (int i = 0; i < 2; ++i) {
             mbar_init(sm.item_full(i), 1);
             mbar_init(sm.item_empty(i), kProducerThreads / 32);
@@ -657,10 +657,7 @@ __device__ __forceinline__ void union_attention(
                 prev = buf;
                 prev_par = par;
             }
-            if (row_split) {
-                __syncwarp();
-                if (lane == 0) mbar_arrive(sm.q_empty(), 1u);
-            }
+            if (row_split) mbar_arrive(sm.q_empty(), 1u);
             if (prev >= 0) {
                 mbar_wait(sm.v_full(prev), prev_par);
                 fence_async_proxy();
@@ -689,6 +686,9 @@ __device__ __forceinline__ void union_attention(
                 named_sync(1, 256);
                 park_softmax_state(staging, sm.stats, o, m_l2, sum, wtid, wq, g, t4);
                 named_sync(2, 256);  // bar.sync on both sides: racecheck flagged the bar.arrive hand-off
+                // Every lane releases the Q buffer for its own reads (ulen, rowinfo, Q); the phase also
+                // needs the other warpgroup's arrivals, after its merge has read the staging (= the Q tile).
+                mbar_arrive(sm.q_empty(), 1u);
                 continue;
             }
             if (!row_split) {
@@ -718,10 +718,7 @@ __device__ __forceinline__ void union_attention(
                     if (t4 == 0) LSE[at] = sum[r] > 0.f ? (m_l2[r] + log2f(sum[r])) * paged::kLn2 : -INFINITY;
                 }
             }
-            if (!row_split) {
-                __syncwarp();
-                if (lane == 0) mbar_arrive(sm.q_empty(), 2u);
-            }
+            if (!row_split) mbar_arrive(sm.q_empty(), 1u);
         }
     }
 }
