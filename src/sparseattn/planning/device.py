@@ -383,7 +383,7 @@ class DevicePlanner:
         impl=None,
         deterministic: bool = False,
         max_selected: int | None = None,
-        overlap_backward: bool = False,
+        overlap_backward: bool = True,
     ):
         k_layout = q_layout if k_layout is None else k_layout
         for name, layout in (("q_layout", q_layout), ("k_layout", k_layout)):
