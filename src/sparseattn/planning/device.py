@@ -369,7 +369,8 @@ class DevicePlanner:
         overlap_backward: plan the backward on a side stream beside the forward
             (:func:`sparseattn.kernels.launch.side_by_side`; both read only the selection's bitmap and write
             their own buffers), so that small launches of one chain (the forward's per-head pair matching
-            fills 40 of 132 SMs at 40 heads) run beside the other's. The same plans either way.
+            fills 40 of 132 SMs at 40 heads) run beside the other's (the default; ``False``: one after
+            the other). The same plans either way.
     """
 
     def __init__(
