@@ -158,7 +158,7 @@ __device__ __forceinline__ void regs_claim() {
 // (RS = 32 / CPR); a row's swizzled chunk position is (chunk ^ (l / CPR)) ^ (i·RS % 8), so each copy
 // costs a few integer operations on per-page bases (few live registers: the producer runs lean).
 // Requires num_pages · 16 · HEAD_DIM < 2^31 (checked by the host).
-template <int HEAD_DIM, int TILE_ROWS, int PPW>
+template <int HEAD_DIM, int TILE_ROWS, int PPW, bool SKIP_FULL = false>
 __device__ __forceinline__ void warp_copy_pages(uint32_t tile, int row0, const __nv_bfloat16* __restrict__ matrix,
                                                 int num_pages, const int (&page)[PPW], const uint32_t (&mask)[PPW]) {
     constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
@@ -172,6 +172,7 @@ __device__ __forceinline__ void warp_copy_pages(uint32_t tile, int row0, const _
 #pragma unroll
     for (int p = 0; p < PPW; ++p) {
         const bool in_range = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
+        if (SKIP_FULL && in_range && (mask[p] & 0xffffu) == 0xffffu) continue;  // loaded by warp_tma_pages
         const uint32_t rows = in_range ? (mask[p] >> r0) : 0u;  // bit i·RS: row r0 + i·RS is valid
         const __nv_bfloat16* src =
             matrix + (static_cast<uint32_t>(in_range ? page[p] : 0) * PAGE_ROWS + static_cast<uint32_t>(r0)) * HEAD_DIM +
@@ -185,6 +186,67 @@ __device__ __forceinline__ void warp_copy_pages(uint32_t tile, int row0, const _
             paged::cp_async_16_zfill(dst + ri * 128 + ((pos ^ static_cast<uint32_t>(ri & 7)) << 4), src + ri * HEAD_DIM,
                                      valid);
         }
+    }
+}
+
+// ---- page loads by the tensor-memory accelerator (PAGED_FWD_TMA) ---------------------------------
+
+// The 128 bytes of a CUtensorMap, passed by value as a __grid_constant__ kernel parameter
+// (sparseattn/kernels/tensor_map.py encodes it: a row-major bf16 [rows, HEAD_DIM] matrix, [16 × 64] boxes,
+// 128-byte swizzle).
+struct alignas(64) TmaMap {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void tma_prefetch(const TmaMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Announce `bytes` more of asynchronous copies on the barrier's current phase (no arrival).
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// One box of the map at element column x, row y into shared memory at dst, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaMap* map, int x, int y, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+            dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+
+// warp_copy_pages' pages by TMA: lane 0 announces the bytes on `bar` (no arrival: the caller's arrivals
+// close the phase, so the announcement precedes them) and issues one [16 × 64] box per page and 64-column
+// block. With the 128-byte swizzle a box written at a 1024-byte-aligned tile + (row0 + 16p)·128 lands
+// exactly where tile_offset puts the rows (64-column blocks of TILE_ROWS × 128 B). Pages outside
+// [0, num_pages) are not loaded (their columns are masked, or, FULL_ONLY, warp_copy_pages zero-fills
+// them), nor with FULL_ONLY pages with an invalid row (their stale or NaN rows must be zeros for P·V).
+// map_row0: the map row of page 0 (the (batch, head)'s first slot).
+template <int HEAD_DIM, int TILE_ROWS, int PPW, bool FULL_ONLY>
+__device__ __forceinline__ void warp_tma_pages(uint32_t tile, int row0, const TmaMap* map, int map_row0,
+                                               int num_pages, const int (&page)[PPW], const uint32_t (&mask)[PPW],
+                                               uint32_t bar) {
+    constexpr uint32_t kPageBytes = PAGE_ROWS * HEAD_DIM * 2;
+    if ((threadIdx.x & 31) != 0) return;
+    uint32_t bytes = 0;
+    bool load[PPW];
+#pragma unroll
+    for (int p = 0; p < PPW; ++p) {
+        load[p] = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages) &&
+                  (!FULL_ONLY || (mask[p] & 0xffffu) == 0xffffu);
+        bytes += load[p] ? kPageBytes : 0u;
+    }
+    if (bytes == 0) return;
+    fence_async_proxy();  // earlier generic-proxy writes of this buffer (cp.async) before the async-proxy ones
+    mbar_expect_tx(bar, bytes);
+#pragma unroll
+    for (int p = 0; p < PPW; ++p) {
+        if (!load[p]) continue;
+#pragma unroll
+        for (int cb = 0; cb < HEAD_DIM / 64; ++cb)
+            tma_load_2d(tile + static_cast<uint32_t>(cb * (TILE_ROWS * 128) + (row0 + p * PAGE_ROWS) * 128), map,
+                        cb * 64, map_row0 + page[p] * PAGE_ROWS, bar);
     }
 }
 

@@ -30,7 +30,18 @@
 // Outputs: O bf16 [batch, heads, q_slots, HEAD_DIM] and LSE fp32 [batch, heads, q_slots] (natural log)
 // for the valid rows of each owned page; a valid row without any valid key gets O = 0, LSE = -inf.
 // Invalid query rows are never stored. Every page id is range-checked before use.
+// PAGED_FWD_TMA (opt-in variant): K pages, and V pages whose 16 rows are all valid, are loaded by the
+// tensor-memory accelerator (one [16 × 64] box per page and 64 columns, lane 0 of each producer warp,
+// tensor maps tmK / tmV over [batch · heads · k_slots, HEAD_DIM]); partial and empty V pages keep the
+// zero-filling cp.async; K columns of invalid rows are masked, so their stale rows are never used.
 #include "hopper_wgmma.cuh"
+
+#ifdef PAGED_FWD_TMA
+#define PAGED_FWD_TMA_PARAMS \
+    , const __grid_constant__ hopper::TmaMap tmK, const __grid_constant__ hopper::TmaMap tmV
+#else
+#define PAGED_FWD_TMA_PARAMS
+#endif
 
 // Geometry mirrored in sparseattn/kernels/forward.py.
 #define PAGED_FWD_THREADS 384
@@ -169,7 +180,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                  const int4* __restrict__ work_info, const int* __restrict__ work_order,
                  const int2* __restrict__ own_pages, const int2* __restrict__ stream_pages,
                  int* __restrict__ item_counter, int num_work, int batch, int heads, int q_slots, int k_slots,
-                 int stream_total, float scale_log2) {
+                 int stream_total, float scale_log2 PAGED_FWD_TMA_PARAMS) {
     using C = FwdConfig<HEAD_DIM, CHUNK>;
     constexpr int PAGES = C::PAGES;
     constexpr int NBUF = C::NBUF;
@@ -203,6 +214,12 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         // ================================ producer ================================
         hopper::regs_release<PAGED_FWD_PRODUCER_REGS>();
         const int pwarp = tid >> 5;
+#ifdef PAGED_FWD_TMA
+        if (tid == 0) {
+            hopper::tma_prefetch(&tmK);
+            hopper::tma_prefetch(&tmV);
+        }
+#endif
         int chunk_count = 0;  // chunks issued so far (ring position)
         int q_items = 0;      // items through the Q buffer so far (void items skip it)
         for (int k = 0;; ++k) {
@@ -224,6 +241,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             const size_t bh = static_cast<size_t>(it.batch) * heads + (it.ok ? it.head : 0);
             const __nv_bfloat16* Kh = K + bh * k_slots * HEAD_DIM;
             const __nv_bfloat16* Vh = V + bh * k_slots * HEAD_DIM;
+#ifdef PAGED_FWD_TMA
+            const int map_row0 = static_cast<int>(bh) * k_slots;  // < 2^31 (checked by the host)
+            (void)Kh;  // K comes through tmK
+#endif
 
             // Q: warp pw gathers own pages 2pw, 2pw + 1 (rows 32pw .. 32pw + 31)
             hopper::mbar_wait(sm.q_empty(), (q_items & 1) ^ 1u);
@@ -267,8 +288,23 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     mask[p] = __shfl_sync(0xffffffffu, next_mask, p);
                 }
                 const uint32_t my_mask = next_mask;
+#ifdef PAGED_FWD_TMA
+                // a page the TMA does not load keeps stale rows: its columns must be masked
+                const bool my_in_range = static_cast<unsigned>(next_page) < static_cast<unsigned>(k_pages);
+#endif
                 entry(c + 1, next_page, next_mask);
                 hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
+#ifdef PAGED_FWD_TMA
+                if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_in_range ? my_mask : 0u;
+                hopper::warp_tma_pages<HEAD_DIM, CHUNK, C::PPW, false>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
+                                                                     &tmK, map_row0, k_pages, page, mask, sm.k_full(buf));
+                hopper::mbar_arrive(sm.k_full(buf));
+                hopper::mbar_wait(sm.v_empty(buf), par ^ 1u);
+                hopper::warp_tma_pages<HEAD_DIM, CHUNK, C::PPW, true>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
+                                                                    &tmV, map_row0, k_pages, page, mask, sm.v_full(buf));
+                hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW, true>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
+                                                                     Vh, k_pages, page, mask);
+#else
                 if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
                 hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
                                                                Kh, k_pages, page, mask);
@@ -277,6 +313,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 hopper::mbar_wait(sm.v_empty(buf), par ^ 1u);
                 hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
                                                                Vh, k_pages, page, mask);
+#endif
                 hopper::mbar_track_cp_async(sm.v_full(buf));
                 hopper::mbar_arrive(sm.v_full(buf));
             }

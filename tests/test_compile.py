@@ -196,13 +196,16 @@ def test_forward_wrapper_shared_memory_formula_matches_the_kernel(reports):
 
 
 def test_paged_forward_launch_matches_the_kernel_signature():
-    """The wrapper passes KERNEL_PARAMS in order: the names equal the kernel's parameters."""
+    """The wrapper passes KERNEL_PARAMS in order (TMA_PARAMS after them in the PAGED_FWD_TMA build): the names
+    equal the kernel's parameters."""
     from sparseattn.kernels import forward
 
     text = (runtime.kernel_dir() / forward.SOURCE).read_text()
     sig = re.search(r"paged_fwd_kernel\((.*?)\)\s*\{", text, re.DOTALL).group(1)
-    names = tuple(re.findall(r"(\w+)\s*(?:,|$)", " ".join(sig.split())))
-    assert names == forward.KERNEL_PARAMS
+    tma = re.search(r"#define PAGED_FWD_TMA_PARAMS \\\n(.*?)\n", text).group(1)
+    for extra, params in (("", forward.KERNEL_PARAMS), (tma, forward.KERNEL_PARAMS + forward.TMA_PARAMS)):
+        expanded = sig.replace("PAGED_FWD_TMA_PARAMS", extra)
+        assert tuple(re.findall(r"(\w+)\s*(?:,|$)", " ".join(expanded.split()))) == params
 
 
 def test_paged_forward_shared_memory_formula_matches_the_kernel(reports):
@@ -280,7 +283,7 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
 
 
-@pytest.mark.parametrize("variant", ["PAGED_FWD_SKIP_VOID"])
+@pytest.mark.parametrize("variant", ["PAGED_FWD_SKIP_VOID", "PAGED_FWD_TMA"])
 def test_forward_variants_compile_without_spills(variant, reports):
     """The KPage forward's compile-time variants (sparseattn.kernels.forward.VARIANTS) build too."""
     from sparseattn.kernels import forward

@@ -201,3 +201,57 @@ def test_pair_route_scattered_and_per_head(rng, poisoned, head_dim, seed):
     graph = builders.random_graph(layout, layout, heads=2, density=0.4, seed=int(rng.integers(1 << 30)))
     run_case(rng, poisoned, graph, "kpage", "pair", batch=int(rng.integers(1, 3)), head_dim=head_dim)
     run_case(rng, poisoned, cluster_stack(rng), "kpage", "pair", batch=2, head_dim=head_dim)
+
+
+@pytest.fixture
+def tma_build(monkeypatch):
+    """The forward compiled with PAGED_FWD_TMA for this test (K and full V pages by the tensor-memory
+    accelerator); launches prepared with other macros are not reused (they are cached per macro set)."""
+    from sparseattn.kernels import forward
+
+    monkeypatch.setattr(forward, "DEFINES", tuple(sorted({*forward.DEFINES, "PAGED_FWD_TMA"})))
+
+
+@pytest.mark.parametrize("part", range(2), ids=lambda p: f"part{p}")
+@routes
+def test_tma_variant_random_ragged_cases(seed, poisoned, tma_build, kind, route, part):
+    """PAGED_FWD_TMA on 20 random ragged graphs per route and part, head dims 64 and 128, batch 1-2: NaN in
+    every padding slot, so a V page the TMA loaded with an invalid row, or a K page's unmasked stale rows,
+    would show up."""
+    rng = np.random.default_rng([seed, part, 31])
+    for case in range(10):
+        graph = random_ragged_graph(rng)
+        for d in (64, 128):
+            run_case(rng, poisoned, graph, kind, route, batch=int(rng.integers(1, 3)), head_dim=d)
+
+
+@routes
+@head_dims
+def test_tma_variant_video_tiles_rings_and_per_head_layouts(rng, poisoned, tma_build, kind, route, head_dim):
+    """PAGED_FWD_TMA on partial video tiles, long streams through the K/V rings (full pages by TMA) and a
+    HeadStack of cluster layouts (mostly partial pages through cp.async), pair route included."""
+    layout = video_layout((5, 7, 9), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.3, seed=int(rng.integers(1 << 30)))
+    run_case(rng, poisoned, graph, kind, route, batch=2, head_dim=head_dim)
+    q = contiguous_layout(128 * 3 - 50, 128)
+    k = contiguous_layout(128 * 40 - 37, 128)
+    dense = SparseGraph.from_block_mask(q, k, np.ones((1, q.num_blocks, k.num_blocks), dtype=bool))
+    run_case(rng, poisoned, dense, kind, route, batch=1, head_dim=head_dim)
+    run_case(rng, poisoned, cluster_stack(rng), kind, route, batch=2, head_dim=head_dim)
+
+
+def test_tma_variant_rejects_an_unaligned_k_before_launch(rng, tma_build):
+    """The tensor maps need 16-byte aligned K and V: a view that starts 2 bytes in is refused by name."""
+    import cupy
+
+    from sparseattn.kernels.forward import paged_forward
+    from sparseattn.kernels.validate import KernelValueError
+
+    graph = random_ragged_graph(rng)
+    qb, kb, vb = random_inputs(rng, graph, 1, 64)
+    q, v = cupy.asarray(qb), cupy.asarray(vb)
+    flat = cupy.zeros(kb.size + 1, dtype=kb.dtype)
+    k = flat[1:].reshape(kb.shape)
+    k[...] = cupy.asarray(kb)
+    with pytest.raises(KernelValueError, match="k: .*16-byte aligned"):
+        paged_forward(q, k, v, graph, kind="kpage")

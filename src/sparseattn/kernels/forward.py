@@ -33,6 +33,7 @@ from ..planning.device import DevicePlans, DeviceWorkList
 from ..planning.tile_plan import TilePlan, kpage_route_of_block, row_work
 from ..planning.work_list import CHUNKS, OWN_PAGES, WorkList, work_list
 from . import launch
+from .tensor_map import TensorMap
 from .validate import (
     BF16_DTYPE_NAMES,
     CUPY_TYPES,
@@ -60,8 +61,12 @@ MAX_NBUF = 8
 MAX_BATCH = 1 << 15
 #: Compile-time variants of ``paged_fwd.cu`` (A/B runs): ``PAGED_FWD_SKIP_VOID`` passes items with no stream
 #: entry and no owned page by without the Q buffer's hand-off (device plans hold one per block that joined
-#: its neighbour's pair item). ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
-VARIANTS = ("PAGED_FWD_SKIP_VOID",)
+#: its neighbour's pair item); ``PAGED_FWD_TMA`` loads K pages and full V pages with the tensor-memory
+#: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters).
+#: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
+VARIANTS = ("PAGED_FWD_SKIP_VOID", "PAGED_FWD_TMA")
+#: The TMA variant's extra parameters: tensor maps of K and V (:class:`.tensor_map.TensorMap`).
+TMA_PARAMS = ("tmK", "tmV")
 
 
 def _variant_from_env() -> tuple[str, ...]:
@@ -360,7 +365,8 @@ def _check_tensors(q, k, v, out):
 
 
 def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device: int):
-    """``(packed launch, counter pointer)`` of one launch (the five tensors its first arguments),
+    """``(packed launch, counter pointer, tensor maps)`` of one launch (the five tensors its first arguments;
+    tensor maps of K and V in the ``PAGED_FWD_TMA`` build, else none),
     prepared once per (work list, device, tensor sizes, scale) and reused; None when there is no work (a
     device planner's work list is new per call: its arrays are on the device already, and its streams
     end at the planner's capacity). ``sizes``: (batch, heads, q_slots, k_slots, d)."""
@@ -369,7 +375,7 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
     b, h, sq, sk, d = sizes
     on_device = isinstance(wl, DeviceWorkList)
     arrays = wl.arrays if on_device else launch.device_arrays(wl, device, wl.device_arrays)
-    key = (sizes, scale)
+    key = (sizes, scale, DEFINES)
     ready = arrays.get(key)
     if ready is None:
         if wl.num_work * b == 0:
@@ -398,9 +404,12 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             scale_log2=np.float32(scale * math.log2(math.e)),
         )
         rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
+        maps = ()
+        if "PAGED_FWD_TMA" in DEFINES:  # pointed at each call's K and V by _launch
+            maps = (TensorMap(b * h * sk, d, "k"), TensorMap(b * h * sk, d, "v"))
         grid = (min(launch.sm_count(device), wl.num_work * b),)
-        packed = launch.PackedLaunch(fn, grid, (THREADS,), (np.uint64(0),) * 5 + rest, smem)
-        ready = arrays[key] = (packed, int(counter))
+        packed = launch.PackedLaunch(fn, grid, (THREADS,), (np.uint64(0),) * 5 + rest + maps, smem)
+        ready = arrays[key] = (packed, int(counter), maps)
     return ready
 
 
@@ -422,7 +431,10 @@ def _launch(
     ready = _prepared(wl, sizes, scale, device)
     if ready is None:
         return
-    packed, counter = ready
+    packed, counter, maps = ready
+    if maps:
+        maps[0].point_at(_pointer(k))
+        maps[1].point_at(_pointer(v))
     stream = cupy.cuda.get_current_stream().ptr if stream is None else stream
     cupy.cuda.runtime.memsetAsync(counter, 0, 4, stream)
     packed(stream, *(_pointer(x) for x in (q, k, v, o, lse)))

@@ -86,11 +86,16 @@ _CTYPES = {
 
 def pack_arguments(args) -> tuple[list, object, list]:
     """``(slots, params, held)``: one ctypes value per kernel argument (numpy scalars of int32, uint32,
-    int64, uint64 (pointers) or float32; arrays with a ``data.ptr`` (CuPy) pass their pointer), the
+    int64, uint64 (pointers) or float32; arrays with a ``data.ptr`` (CuPy) pass their pointer; objects with
+    a ``kernel_argument()`` (:class:`.tensor_map.TensorMap`) pass the bytes of its ctypes value), the
     ``void*[]`` of their addresses that ``cuLaunchKernel`` reads, and the arrays whose memory the pointers
     name (kept alive)."""
     slots, held = [], []
     for i, a in enumerate(args):
+        if hasattr(a, "kernel_argument"):  # a by-value struct (a tensor map): its ctypes bytes
+            slots.append(a.kernel_argument())
+            held.append(a)
+            continue
         data = getattr(a, "data", None)
         if hasattr(data, "ptr"):
             slots.append(ctypes.c_uint64(int(data.ptr)))

@@ -35,7 +35,7 @@ from . import runtime
 #: Modules outside ``sparseattn.kernels`` that launch kernels of their own (``SOURCE`` + ``NAME_EXPRESSIONS``).
 EXTRA_MODULES = ("sparseattn.pageweaver.grouping_gpu",)
 #: Modules of ``sparseattn.kernels`` that declare no kernel.
-_NOT_WRAPPERS = ("compile_check", "launch", "runtime", "validate", "warmup")
+_NOT_WRAPPERS = ("compile_check", "launch", "runtime", "tensor_map", "validate", "warmup")
 #: Environment variable that switches the pytest warm-up off (``0``).
 ENV_SWITCH = "SPARSEATTN_KERNEL_WARMUP"
 
