@@ -247,7 +247,9 @@ def test_tma_variant_rejects_an_unaligned_k_before_launch(rng, tma_build):
     from sparseattn.kernels.forward import paged_forward
     from sparseattn.kernels.validate import KernelValueError
 
-    graph = random_ragged_graph(rng)
+    q_layout, k_layout = contiguous_layout(200, 64), contiguous_layout(300, 64)
+    mask = np.ones((2, q_layout.num_blocks, k_layout.num_blocks), dtype=bool)
+    graph = SparseGraph.from_block_mask(q_layout, k_layout, mask)
     qb, kb, vb = random_inputs(rng, graph, 1, 64)
     q, v = cupy.asarray(qb), cupy.asarray(vb)
     flat = cupy.zeros(kb.size + 1, dtype=kb.dtype)
