@@ -151,6 +151,9 @@ __device__ __forceinline__ void regs_claim() {
 
 // ---- page gathers ---------------------------------------------------------------------------------
 
+// All 16 rows of a page valid (bits 0-15 of its mask; higher bits are the pair route's slot visibility).
+__device__ __forceinline__ bool page_is_full(uint32_t mask) { return (mask & 0xffffu) == 0xffffu; }
+
 // One warp copies PPW 16-row pages of a [slots, HEAD_DIM] bf16 matrix (page ids `page`, 16-bit row
 // masks `mask`, identical in every lane) into rows row0 .. row0 + 16·PPW − 1 of a TILE_ROWS-row
 // swizzled tile, with 16-byte cp.async. Invalid rows, and every row of an id outside [0, num_pages),
@@ -172,7 +175,7 @@ __device__ __forceinline__ void warp_copy_pages(uint32_t tile, int row0, const _
 #pragma unroll
     for (int p = 0; p < PPW; ++p) {
         const bool in_range = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
-        if (SKIP_FULL && in_range && (mask[p] & 0xffffu) == 0xffffu) continue;  // loaded by warp_tma_pages
+        if (SKIP_FULL && in_range && page_is_full(mask[p])) continue;  // loaded by warp_tma_pages
         const uint32_t rows = in_range ? (mask[p] >> r0) : 0u;  // bit i·RS: row r0 + i·RS is valid
         const __nv_bfloat16* src =
             matrix + (static_cast<uint32_t>(in_range ? page[p] : 0) * PAGE_ROWS + static_cast<uint32_t>(r0)) * HEAD_DIM +
@@ -234,7 +237,7 @@ __device__ __forceinline__ void warp_tma_pages(uint32_t tile, int row0, const Tm
 #pragma unroll
     for (int p = 0; p < PPW; ++p) {
         load[p] = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages) &&
-                  (!FULL_ONLY || (mask[p] & 0xffffu) == 0xffffu);
+                  (!FULL_ONLY || page_is_full(mask[p]));
         bytes += load[p] ? kPageBytes : 0u;
     }
     if (bytes == 0) return;

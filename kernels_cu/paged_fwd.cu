@@ -239,11 +239,11 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             const WorkItem it = decode_item<PAGES>(item, num_work, work_info, work_order, heads, stream_total);
             if (void_item(it, own_pages, q_pages, lane)) continue;
             const size_t bh = static_cast<size_t>(it.batch) * heads + (it.ok ? it.head : 0);
-            const __nv_bfloat16* Kh = K + bh * k_slots * HEAD_DIM;
             const __nv_bfloat16* Vh = V + bh * k_slots * HEAD_DIM;
 #ifdef PAGED_FWD_TMA
-            const int map_row0 = static_cast<int>(bh) * k_slots;  // < 2^31 (checked by the host)
-            (void)Kh;  // K comes through tmK
+            const int map_row0 = static_cast<int>(bh) * k_slots;  // K through tmK; < 2^31 (checked by the host)
+#else
+            const __nv_bfloat16* Kh = K + bh * k_slots * HEAD_DIM;
 #endif
 
             // Q: warp pw gathers own pages 2pw, 2pw + 1 (rows 32pw .. 32pw + 31)

@@ -432,12 +432,12 @@ def _launch(
     if ready is None:
         return
     packed, counter, maps = ready
-    if maps:
-        maps[0].point_at(_pointer(k))
-        maps[1].point_at(_pointer(v))
+    pointers = [_pointer(x) for x in (q, k, v, o, lse)]
+    for tensor_map, pointer in zip(maps, pointers[1:3]):  # K and V (TMA build)
+        tensor_map.point_at(pointer)
     stream = cupy.cuda.get_current_stream().ptr if stream is None else stream
     cupy.cuda.runtime.memsetAsync(counter, 0, 4, stream)
-    packed(stream, *(_pointer(x) for x in (q, k, v, o, lse)))
+    packed(stream, *pointers)
 
 
 def _device_plans_forward(q, k, v, plans: DevicePlans, scale, out):

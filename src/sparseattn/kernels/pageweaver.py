@@ -162,11 +162,12 @@ def pack_limit(gqa: int) -> int:
 _FORCED_PACK = int(os.environ["SPARSEATTN_PW_PACK"]) if os.environ.get("SPARSEATTN_PW_PACK") else None
 
 
-def default_pack(gqa: int) -> int:
-    """Groups per tile that fill the 64-row tile: :func:`pack_limit`; the environment variable
-    ``SPARSEATTN_PW_PACK`` overrides it, clamped to what fits (A/B runs)."""
+def default_pack(gqa: int, requested: int | None = None) -> int:
+    """Groups per tile that fill the 64-row tile: :func:`pack_limit`; ``requested`` (else the environment
+    variable ``SPARSEATTN_PW_PACK``) overrides it, clamped to what fits (A/B runs)."""
     limit = pack_limit(gqa)
-    return limit if _FORCED_PACK is None else min(limit, max(1, _FORCED_PACK))
+    forced = _FORCED_PACK if requested is None else requested
+    return limit if forced is None else min(limit, max(1, int(forced)))
 
 
 def check_pack(pack, gqa: int) -> int:

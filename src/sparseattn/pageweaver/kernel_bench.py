@@ -205,7 +205,6 @@ def bench_capture(
         default_pack,
         kv_page_forward,
         kv_page_plan,
-        pack_limit,
         per_query_forward,
         per_query_groups,
         union_forward,
@@ -255,7 +254,7 @@ def bench_capture(
         o = cp.empty((hq, nq, 128), dtype=cp.uint16)
         lse = cp.empty((hq, nq), dtype=cp.float32)
         tile_rows = 64 if 8 * gqa <= 64 else 128
-        tile_pack = default_pack(gqa) if pack is None else min(int(pack), pack_limit(gqa))
+        tile_pack = default_pack(gqa, pack)
         base = {
             "workload": name,
             "variant": ",".join(variant()) or "default",
