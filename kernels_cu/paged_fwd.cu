@@ -57,6 +57,9 @@ namespace {
 
 constexpr int kProducerThreads = 128;
 constexpr int kConsumerWarps = 8;
+// Lanes of a consumer warp that read a chunk's page masks (lane t4 computes the column bits of quad
+// position t4) and arrive on its K buffer's empty barrier: an arrival releases only its own lane's reads.
+constexpr int kMaskReaders = 4;
 
 template <int HEAD_DIM, int CHUNK>
 struct FwdConfig {
@@ -197,7 +200,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         for (int i = 0; i < NBUF; ++i) {
             hopper::mbar_init(sm.k_full(i), kProducerThreads);
             hopper::mbar_init(sm.v_full(i), kProducerThreads);
-            hopper::mbar_init(sm.k_empty(i), kConsumerWarps);
+            hopper::mbar_init(sm.k_empty(i), kConsumerWarps * kMaskReaders);
             hopper::mbar_init(sm.v_empty(i), kConsumerWarps);
         }
         hopper::mbar_init(sm.q_full(), kProducerThreads);
@@ -287,15 +290,21 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     page[p] = __shfl_sync(0xffffffffu, next_page, p);
                     mask[p] = __shfl_sync(0xffffffffu, next_mask, p);
                 }
+#ifndef PAGED_FWD_TMA
                 const uint32_t my_mask = next_mask;
-#ifdef PAGED_FWD_TMA
-                // a page the TMA does not load keeps stale rows: its columns must be masked
-                const bool my_in_range = static_cast<unsigned>(next_page) < static_cast<unsigned>(k_pages);
 #endif
                 entry(c + 1, next_page, next_mask);
                 hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
 #ifdef PAGED_FWD_TMA
-                if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_in_range ? my_mask : 0u;
+                // The lane that issues the warp's boxes writes its masks too (the phase may complete by
+                // those boxes' bytes; racecheck then orders only that lane's writes before the waiters'
+                // reads). A page the TMA does not load keeps stale rows: its columns are masked.
+                if (lane == 0) {
+#pragma unroll
+                    for (int p = 0; p < C::PPW; ++p)
+                        sm.kmask[buf * PAGES + pwarp * C::PPW + p] =
+                            static_cast<unsigned>(page[p]) < static_cast<unsigned>(k_pages) ? mask[p] : 0u;
+                }
                 hopper::warp_tma_pages<HEAD_DIM, CHUNK, C::PPW, false>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
                                                                      &tmK, map_row0, k_pages, page, mask, sm.k_full(buf));
                 hopper::mbar_arrive(sm.k_full(buf));
@@ -368,11 +377,12 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     // bit 16 + s of a page's mask: owned page slot s sees it (none set: every slot does);
                     // this warpgroup's slots are 4·cw .. 4·cw + 3 (0..3 on a key split), this warp's is one.
                     // Branch-free: this decode sits between the chunk's arrival and its S = Q·Kᵀ issue.
-                    static_assert(PAGES % 4 == 0, "pair chunks read their page masks 16 bytes at a time");
+                    // lanes 0..3 read them (see kMaskReaders); the warp-uniform page sets come from lane 0
+                    static_assert(PAGES % 4 == 0 && PAGES <= 16, "pair chunks read their page masks 16 bytes at a time");
                     const uint4* words = reinterpret_cast<const uint4*>(sm.kmask + buf * PAGES);
 #pragma unroll
                     for (int w = 0; w < PAGES / 4; ++w) {
-                        const uint4 q4 = words[w];
+                        const uint4 q4 = lane < kMaskReaders ? words[w] : make_uint4(0u, 0u, 0u, 0u);
                         page_mask[4 * w] = q4.x;
                         page_mask[4 * w + 1] = q4.y;
                         page_mask[4 * w + 2] = q4.z;
@@ -389,6 +399,9 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                         seen |= (sees & group_slots) ? 1u << p : 0u;
                         warp_seen |= (sees & warp_slot) ? 1u << p : 0u;
                     }
+                    const uint32_t sets = __shfl_sync(0xffffffffu, seen | (warp_seen << 16), 0);
+                    seen = sets & 0xffffu;
+                    warp_seen = sets >> 16;
                     if (seen == 0u) {  // nothing for these rows: release the chunk once it has landed
                         // The pending P·V stays pending (it runs behind this warpgroup's next S) unless
                         // the skipped chunk's load needs its V buffer, which the producer frees in ring
@@ -399,10 +412,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                         }
                         hopper::mbar_wait(sm.v_full(buf), par);
                         __syncwarp();
-                        if (lane == 0) {
-                            hopper::mbar_arrive(sm.k_empty(buf), release);
-                            hopper::mbar_arrive(sm.v_empty(buf), release);
-                        }
+                        if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
+                        if (lane == 0) hopper::mbar_arrive(sm.v_empty(buf), release);
                         continue;
                     }
                     seen_cols = 0u;
@@ -426,13 +437,15 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 }
                 // the column mask, off the path to the S issue (PAIR: from the masks read above; else from
                 // shared memory, before this warp releases the K buffer the masks belong to)
+                uint32_t quad_bits = 0u;  // lane t4 < 4: the column bits of quad position t4
                 if constexpr (PAIR) {
-                    col_bits = hopper::column_bits<CHUNK>(page_mask, t4) & seen_cols;
+                    quad_bits = hopper::column_bits<CHUNK>(page_mask, lane & 3);
                 } else {
-                    col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4);
+                    if (lane < kMaskReaders) quad_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, lane);
                 }
+                col_bits = __shfl_sync(0xffffffffu, quad_bits, t4) & seen_cols;
                 hopper::pin_registers(s);
-                if (lane == 0) hopper::mbar_arrive(sm.k_empty(buf), release);
+                if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
                 hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
                 hopper::pin_registers(s);  // the softmax is computed before the wait below, under the P·V
                 hopper::wgmma_wait<0>();
