@@ -60,6 +60,16 @@ constexpr int kConsumerWarps = 8;
 // Lanes of a consumer warp that read a chunk's page masks (lane t4 computes the column bits of quad
 // position t4) and arrive on its K buffer's empty barrier: an arrival releases only its own lane's reads.
 constexpr int kMaskReaders = 4;
+#ifdef PAGED_FWD_PINGPONG
+// The consumer warpgroups issue their GEMMs in turns (named barrier kTurnBarrier + cw: this warpgroup's
+// turn), so one's softmax runs under the other's GEMMs. Every chunk iteration takes a turn, skipped pair
+// chunks included, and on a key split the warpgroup with one chunk fewer takes an empty turn: both take the
+// same number per item, which keeps the alternation across items.
+constexpr bool kPingPong = true;
+#else
+constexpr bool kPingPong = false;
+#endif
+constexpr int kTurnBarrier = 3;
 
 template <int HEAD_DIM, int CHUNK>
 struct FwdConfig {
@@ -332,6 +342,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         // ================================ consumers ================================
         hopper::regs_claim<PAGED_FWD_CONSUMER_REGS>();
         const int cw = role - 1;                       // consumer warpgroup 0 or 1
+        if (kPingPong && cw == 1) hopper::named_arrive(kTurnBarrier, 256);  // warpgroup 0 goes first
         const int wtid = (tid - kProducerThreads) & 127;
         const int wq = wtid >> 5;                      // warp inside the warpgroup: rows 16wq .. 16wq + 15
         const int g = lane >> 2;
@@ -411,6 +422,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                             prev = -1;
                         }
                         hopper::mbar_wait(sm.v_full(buf), par);
+                        if (kPingPong) {
+                            hopper::named_sync(kTurnBarrier + cw, 256);
+                            hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256);
+                        }
                         __syncwarp();
                         if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
                         if (lane == 0) hopper::mbar_arrive(sm.v_empty(buf), release);
@@ -423,6 +438,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 if (prev >= 0) hopper::mbar_wait(sm.v_full(prev), prev_par);  // (nearly always landed long ago)
                 uint32_t col_bits;
                 hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
+                if (kPingPong) hopper::named_sync(kTurnBarrier + cw, 256);
                 // S = Q·Kᵀ of this chunk, then O += P·V of the previous one right behind it: no control
                 // flow between the two issues, so the tensor cores run them back to back
                 hopper::wgmma_fence();
@@ -431,8 +447,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 if (prev >= 0) {
                     hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
                     hopper::wgmma_commit();
+                    if (kPingPong) hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256);
                     hopper::wgmma_wait<1>();  // S landed; the previous chunk's P·V may still run
                 } else {
+                    if (kPingPong) hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256);
                     hopper::wgmma_wait<0>();
                 }
                 // the column mask, off the path to the S issue (PAIR: from the masks read above; else from
@@ -456,6 +474,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 prev = buf;
                 prev_par = par;
                 prev_pos = pos;
+            }
+            if (kPingPong && !row_split && cw == 1 && (it.chunks & 1)) {  // the empty turn (see kPingPong)
+                hopper::named_sync(kTurnBarrier + cw, 256);
+                hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256);
             }
             if (row_split) {  // Q is no longer read: the producer may load the next item's
                 __syncwarp();

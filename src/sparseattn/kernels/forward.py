@@ -62,9 +62,10 @@ MAX_BATCH = 1 << 15
 #: Compile-time variants of ``paged_fwd.cu`` (A/B runs): ``PAGED_FWD_SKIP_VOID`` passes items with no stream
 #: entry and no owned page by without the Q buffer's hand-off (device plans hold one per block that joined
 #: its neighbour's pair item); ``PAGED_FWD_TMA`` loads K pages and full V pages with the tensor-memory
-#: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters).
+#: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters); ``PAGED_FWD_PINGPONG``
+#: makes the two consumer warpgroups issue their GEMMs in turns.
 #: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
-VARIANTS = ("PAGED_FWD_SKIP_VOID", "PAGED_FWD_TMA")
+VARIANTS = ("PAGED_FWD_SKIP_VOID", "PAGED_FWD_TMA", "PAGED_FWD_PINGPONG")
 #: The TMA variant's extra parameters: tensor maps of K and V (:class:`.tensor_map.TensorMap`).
 TMA_PARAMS = ("tmK", "tmV")
 
