@@ -34,6 +34,8 @@
 // tensor-memory accelerator (one [16 × 64] box per page and 64 columns, lane 0 of each producer warp,
 // tensor maps tmK / tmV over [batch · heads · k_slots, HEAD_DIM]); partial and empty V pages keep the
 // zero-filling cp.async; K columns of invalid rows are masked, so their stale rows are never used.
+// PAGED_FWD_PINGPONG (opt-in): the consumer warpgroups issue their GEMMs in turns (kPingPong).
+// PAGED_FWD_MASK_READERS (opt-in): four lanes per consumer warp read the page masks (kMaskReaders).
 #include "hopper_wgmma.cuh"
 
 #ifdef PAGED_FWD_TMA
@@ -57,9 +59,19 @@ namespace {
 
 constexpr int kProducerThreads = 128;
 constexpr int kConsumerWarps = 8;
+#ifdef PAGED_FWD_MASK_READERS
 // Lanes of a consumer warp that read a chunk's page masks (lane t4 computes the column bits of quad
-// position t4) and arrive on its K buffer's empty barrier: an arrival releases only its own lane's reads.
+// position t4) and arrive on its K buffer's empty barrier: an arrival releases only its own lane's reads,
+// so racecheck finds every read ordered before the producer's next store to the slot.
 constexpr int kMaskReaders = 4;
+#else
+// Default: every lane reads the masks in the same instruction and lane 0 releases the buffer. racecheck
+// reports the other lanes' reads against the producer's next store (an arrival releases only its own
+// thread's accesses); the four-reader build above is clean but costs the pair kernel ~7% (its page sets
+// then reach the S issue through a shuffle).
+constexpr int kMaskReaders = 32;
+#endif
+constexpr int kReleaseLanes = kMaskReaders == 32 ? 1 : kMaskReaders;  // arrivals per warp on k_empty
 #ifdef PAGED_FWD_PINGPONG
 // The consumer warpgroups issue their GEMMs in turns (named barrier kTurnBarrier + cw: this warpgroup's
 // turn), so one's softmax runs under the other's GEMMs. Every chunk iteration takes a turn, skipped pair
@@ -210,7 +222,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         for (int i = 0; i < NBUF; ++i) {
             hopper::mbar_init(sm.k_full(i), kProducerThreads);
             hopper::mbar_init(sm.v_full(i), kProducerThreads);
-            hopper::mbar_init(sm.k_empty(i), kConsumerWarps * kMaskReaders);
+            hopper::mbar_init(sm.k_empty(i), kConsumerWarps * kReleaseLanes);
             hopper::mbar_init(sm.v_empty(i), kConsumerWarps);
         }
         hopper::mbar_init(sm.q_full(), kProducerThreads);
@@ -388,7 +400,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     // bit 16 + s of a page's mask: owned page slot s sees it (none set: every slot does);
                     // this warpgroup's slots are 4·cw .. 4·cw + 3 (0..3 on a key split), this warp's is one.
                     // Branch-free: this decode sits between the chunk's arrival and its S = Q·Kᵀ issue.
-                    // lanes 0..3 read them (see kMaskReaders); the warp-uniform page sets come from lane 0
+                    // (kMaskReaders < 32: the readers' warp-uniform page sets reach the others from lane 0)
                     static_assert(PAGES % 4 == 0 && PAGES <= 16, "pair chunks read their page masks 16 bytes at a time");
                     const uint4* words = reinterpret_cast<const uint4*>(sm.kmask + buf * PAGES);
 #pragma unroll
@@ -410,9 +422,11 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                         seen |= (sees & group_slots) ? 1u << p : 0u;
                         warp_seen |= (sees & warp_slot) ? 1u << p : 0u;
                     }
-                    const uint32_t sets = __shfl_sync(0xffffffffu, seen | (warp_seen << 16), 0);
-                    seen = sets & 0xffffu;
-                    warp_seen = sets >> 16;
+                    if (kMaskReaders < 32) {
+                        const uint32_t sets = __shfl_sync(0xffffffffu, seen | (warp_seen << 16), 0);
+                        seen = sets & 0xffffu;
+                        warp_seen = sets >> 16;
+                    }
                     if (seen == 0u) {  // nothing for these rows: release the chunk once it has landed
                         // The pending P·V stays pending (it runs behind this warpgroup's next S) unless
                         // the skipped chunk's load needs its V buffer, which the producer frees in ring
@@ -427,7 +441,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                             hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256);
                         }
                         __syncwarp();
-                        if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
+                        if (lane < kReleaseLanes) hopper::mbar_arrive(sm.k_empty(buf), release);
                         if (lane == 0) hopper::mbar_arrive(sm.v_empty(buf), release);
                         continue;
                     }
@@ -455,15 +469,23 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 }
                 // the column mask, off the path to the S issue (PAIR: from the masks read above; else from
                 // shared memory, before this warp releases the K buffer the masks belong to)
-                uint32_t quad_bits = 0u;  // lane t4 < 4: the column bits of quad position t4
-                if constexpr (PAIR) {
-                    quad_bits = hopper::column_bits<CHUNK>(page_mask, lane & 3);
+                if constexpr (kMaskReaders == 32) {
+                    if constexpr (PAIR) {
+                        col_bits = hopper::column_bits<CHUNK>(page_mask, t4) & seen_cols;
+                    } else {
+                        col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4);
+                    }
                 } else {
-                    if (lane < kMaskReaders) quad_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, lane);
+                    uint32_t quad_bits = 0u;  // lane t4 < 4: the column bits of quad position t4
+                    if constexpr (PAIR) {
+                        quad_bits = hopper::column_bits<CHUNK>(page_mask, lane & 3);
+                    } else {
+                        if (lane < kMaskReaders) quad_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, lane);
+                    }
+                    col_bits = __shfl_sync(0xffffffffu, quad_bits, t4) & seen_cols;
                 }
-                col_bits = __shfl_sync(0xffffffffu, quad_bits, t4) & seen_cols;
                 hopper::pin_registers(s);
-                if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
+                if (lane < kReleaseLanes) hopper::mbar_arrive(sm.k_empty(buf), release);
                 hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
                 hopper::pin_registers(s);  // the softmax is computed before the wait below, under the P·V
                 hopper::wgmma_wait<0>();
