@@ -67,8 +67,8 @@ constexpr int kMaskReaders = 4;
 #else
 // Default: every lane reads the masks in the same instruction and lane 0 releases the buffer. racecheck
 // reports the other lanes' reads against the producer's next store (an arrival releases only its own
-// thread's accesses); the four-reader build above is clean but costs the pair kernel ~7% (its page sets
-// then reach the S issue through a shuffle).
+// thread's accesses); the four-reader build above is clean (its first form, whose page sets reached the
+// S issue through a shuffle, cost the pair kernel 7.5%; the skip decision is now a warp vote).
 constexpr int kMaskReaders = 32;
 #endif
 constexpr int kReleaseLanes = kMaskReaders == 32 ? 1 : kMaskReaders;  // arrivals per warp on k_empty
@@ -400,7 +400,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     // bit 16 + s of a page's mask: owned page slot s sees it (none set: every slot does);
                     // this warpgroup's slots are 4·cw .. 4·cw + 3 (0..3 on a key split), this warp's is one.
                     // Branch-free: this decode sits between the chunk's arrival and its S = Q·Kᵀ issue.
-                    // (kMaskReaders < 32: the readers' warp-uniform page sets reach the others from lane 0)
+                    // (kMaskReaders < 32: the other lanes hold zeros; the skip decision is a warp vote, and
+                    // the readers fold the page sets into the column bits they hand out after the S issue)
                     static_assert(PAGES % 4 == 0 && PAGES <= 16, "pair chunks read their page masks 16 bytes at a time");
                     const uint4* words = reinterpret_cast<const uint4*>(sm.kmask + buf * PAGES);
 #pragma unroll
@@ -422,12 +423,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                         seen |= (sees & group_slots) ? 1u << p : 0u;
                         warp_seen |= (sees & warp_slot) ? 1u << p : 0u;
                     }
-                    if (kMaskReaders < 32) {
-                        const uint32_t sets = __shfl_sync(0xffffffffu, seen | (warp_seen << 16), 0);
-                        seen = sets & 0xffffu;
-                        warp_seen = sets >> 16;
-                    }
-                    if (seen == 0u) {  // nothing for these rows: release the chunk once it has landed
+                    const bool skip = kMaskReaders < 32 ? !__any_sync(0xffffffffu, seen != 0u) : seen == 0u;
+                    if (skip) {  // nothing for these rows: release the chunk once it has landed
                         // The pending P·V stays pending (it runs behind this warpgroup's next S) unless
                         // the skipped chunk's load needs its V buffer, which the producer frees in ring
                         // order: finishing it then keeps the wait below from waiting on ourselves.
@@ -478,11 +475,11 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 } else {
                     uint32_t quad_bits = 0u;  // lane t4 < 4: the column bits of quad position t4
                     if constexpr (PAIR) {
-                        quad_bits = hopper::column_bits<CHUNK>(page_mask, lane & 3);
+                        quad_bits = hopper::column_bits<CHUNK>(page_mask, lane & 3) & seen_cols;
                     } else {
                         if (lane < kMaskReaders) quad_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, lane);
                     }
-                    col_bits = __shfl_sync(0xffffffffu, quad_bits, t4) & seen_cols;
+                    col_bits = __shfl_sync(0xffffffffu, quad_bits, t4);
                 }
                 hopper::pin_registers(s);
                 if (lane < kReleaseLanes) hopper::mbar_arrive(sm.k_empty(buf), release);

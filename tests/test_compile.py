@@ -283,7 +283,9 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
 
 
-@pytest.mark.parametrize("variant", ["PAGED_FWD_SKIP_VOID", "PAGED_FWD_TMA", "PAGED_FWD_PINGPONG", "PAGED_FWD_MASK_READERS"])
+@pytest.mark.parametrize(
+    "variant", ["PAGED_FWD_SKIP_VOID", "PAGED_FWD_TMA", "PAGED_FWD_PINGPONG", "PAGED_FWD_MASK_READERS"]
+)
 def test_forward_variants_compile_without_spills(variant, reports):
     """The KPage forward's compile-time variants (sparseattn.kernels.forward.VARIANTS) build too."""
     from sparseattn.kernels import forward

@@ -386,6 +386,7 @@ def bench_paged(
     names its kernel. A ``bwd`` record's ``physical_pairs`` are the backward plan's (its kernel's step)."""
     from .kernels.backward import backward_executed_pairs, backward_route, paged_backward
     from .kernels.bsa_backward import default_impl
+    from .kernels.forward import DEFINES as fwd_defines
     from .kernels.forward import executed_pairs, forward_route, paged_forward
 
     g = case.graph
@@ -413,6 +414,7 @@ def bench_paged(
                 rel_err_o=rel,
                 correct=None if rel is None else bool(rel < O_REL_TOL),
                 route=fwd_route,
+                **({"fwd_variant": ",".join(fwd_defines)} if fwd_defines else {}),
             )
         )
     for impl, deterministic in bwd_impls:

@@ -594,7 +594,8 @@ def _add_bench_parser(sub, bench) -> None:
     """The ``bench`` subcommand; its arguments come from ``bench.add_arguments`` when it is loaded."""
     help_text = (
         "benchmark the CUDA kernels on a GPU (needs the gpu extra); 'bench pageweaver --help': PageWeaver's "
-        "suite; 'bench model wan --help': whole Wan steps; 'bench model prefill --help': a Llama prefill"
+        "suite; 'bench model wan --help': whole Wan steps; 'bench model prefill --help': a Llama prefill; "
+        "'bench variants --help': an interleaved A/B of the KPage forward's builds"
     )
     if bench is None:
         sub.add_parser("bench", help=help_text, add_help=False)
@@ -714,6 +715,13 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as err:
             return _error(err, EXIT_UNAVAILABLE)
         return kernel_bench.main(argv[2:], prog=f"{PROG} bench pageweaver")
+    if argv[:2] == ["bench", "variants"]:  # an interleaved A/B of the KPage forward's compile-time builds
+        from . import variant_ab
+
+        try:
+            return variant_ab.main(argv[2:], prog=f"{PROG} bench variants")
+        except ImportError as err:
+            return _error(err, EXIT_UNAVAILABLE)
     if argv[:3] == ["bench", "model", "prefill"]:  # a Llama-like prefill with PageWeaver's attention
         try:
             import torch  # noqa: F401 - the bench needs torch and transformers; say so plainly
