@@ -163,10 +163,11 @@ def sanitize_case(paged_only: bool = False, backward_only: bool = False) -> int:
     import numpy as np
 
     from .builders import random_graph
+    from .graph import SparseGraph
     from .kernels.bsa_mma_forward import bsa_mma_forward
     from .kernels.forward import paged_forward
     from .kernels.validate import float_to_bf16_bits
-    from .layouts import slot_layout, video_layout
+    from .layouts import contiguous_layout, slot_layout, video_layout
 
     rng = np.random.default_rng(0)
     cases = [
@@ -178,11 +179,21 @@ def sanitize_case(paged_only: bool = False, backward_only: bool = False) -> int:
     cases.append(slot_layout(valid, 64))
     if paged_only:
         cases = cases[:2]
-    for layout in cases:
-        graph = random_graph(layout, layout, heads=2, density=0.5, seed=1)
+    graphs = [random_graph(layout, layout, heads=2, density=0.5, seed=1) for layout in cases]
+    # a long stream through the K/V rings (each buffer reused many times per item): the consumers' reads
+    # of a chunk's page masks against the producer's next store to the same slot
+    ring_q, ring_k = contiguous_layout(128 * 3 - 50, 128), contiguous_layout(128 * 40 - 37, 128)
+    graphs.append(
+        SparseGraph.from_block_mask(
+            ring_q, ring_k, np.ones((2, ring_q.num_blocks, ring_k.num_blocks), dtype=bool)
+        )
+    )
+    for graph in graphs:
         for d in (64, 128):
-            shape = (1, 2, layout.num_slots, d)
-            q, k, v, do = (cupy.asarray(float_to_bf16_bits(rng.standard_normal(shape))) for _ in range(4))
+            q, k, v, do = (
+                cupy.asarray(float_to_bf16_bits(rng.standard_normal((1, 2, n, d))))
+                for n in (graph.q.num_slots, graph.k.num_slots, graph.k.num_slots, graph.q.num_slots)
+            )
             forwards = (("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("bsa", "auto"))
             for kind, route in () if backward_only else forwards:
                 paged_forward(q, k, v, graph, kind=kind, route=route)
