@@ -36,6 +36,7 @@
 // zero-filling cp.async; K columns of invalid rows are masked, so their stale rows are never used.
 // PAGED_FWD_PINGPONG (opt-in): the consumer warpgroups issue their GEMMs in turns (kPingPong).
 // PAGED_FWD_MASK_READERS (opt-in): four lanes per consumer warp read the page masks (kMaskReaders).
+// PAGED_FWD_LAZY_RESCALE (opt-in): O is rescaled only when a row's running max moves by more than 2^8.
 #include "hopper_wgmma.cuh"
 
 #ifdef PAGED_FWD_TMA
@@ -82,6 +83,13 @@ constexpr bool kPingPong = true;
 constexpr bool kPingPong = false;
 #endif
 constexpr int kTurnBarrier = 3;
+#ifdef PAGED_FWD_LAZY_RESCALE
+// A row's running max moves only when a tile's exceeds it by more than 2^8 (hopper::online_softmax's
+// LAZY), and a warp rescales O only when one of its rows' max moved (a vote).
+constexpr bool kLazyRescale = true;
+#else
+constexpr bool kLazyRescale = false;
+#endif
 
 template <int HEAD_DIM, int CHUNK>
 struct FwdConfig {
@@ -483,12 +491,13 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 }
                 hopper::pin_registers(s);
                 if (lane < kReleaseLanes) hopper::mbar_arrive(sm.k_empty(buf), release);
-                hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
+                hopper::online_softmax<CHUNK, kLazyRescale>(s, col_bits, scale_log2, row_max, row_sum, alpha);
                 hopper::pin_registers(s);  // the softmax is computed before the wait below, under the P·V
                 hopper::wgmma_wait<0>();
                 hopper::pin_registers(o);
                 if (prev >= 0 && lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
-                hopper::rescale_rows(o, alpha);
+                if (!kLazyRescale || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f))
+                    hopper::rescale_rows(o, alpha);
                 hopper::pack_p<CHUNK>(pa, s);
                 prev = buf;
                 prev_par = par;

@@ -64,9 +64,16 @@ MAX_BATCH = 1 << 15
 #: its neighbour's pair item); ``PAGED_FWD_TMA`` loads K pages and full V pages with the tensor-memory
 #: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters); ``PAGED_FWD_PINGPONG``
 #: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_MASK_READERS`` has four lanes
-#: per consumer warp read a chunk's page masks and release its K buffer (racecheck-clean; the pair kernel
-#: ~7% slower). ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
-VARIANTS = ("PAGED_FWD_SKIP_VOID", "PAGED_FWD_TMA", "PAGED_FWD_PINGPONG", "PAGED_FWD_MASK_READERS")
+#: per consumer warp read a chunk's page masks and release its K buffer (racecheck-clean);
+#: ``PAGED_FWD_LAZY_RESCALE`` rescales O only when a row's running max moves by more than 2^8.
+#: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
+VARIANTS = (
+    "PAGED_FWD_SKIP_VOID",
+    "PAGED_FWD_TMA",
+    "PAGED_FWD_PINGPONG",
+    "PAGED_FWD_MASK_READERS",
+    "PAGED_FWD_LAZY_RESCALE",
+)
 #: The TMA variant's extra parameters: tensor maps of K and V (:class:`.tensor_map.TensorMap`).
 TMA_PARAMS = ("tmK", "tmV")
 
