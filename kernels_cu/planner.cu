@@ -489,30 +489,62 @@ extern "C" __global__ void plan_pair_weights(const plan_u32* __restrict__ bitmap
 // largest key at both its free ends, which gives the sequential greedy's matching), the slots left two
 // by two in order, then each slot's item: the pair of its block and its partner's (the lower slot), nothing
 // (the higher) or its block alone. slot_own: [slots][8] the blocks' owned pages (4 live pages).
-extern "C" __global__ void __launch_bounds__(1024) plan_pair_match(
-    const plan_u64* __restrict__ keys, const int2* __restrict__ edges, int n_edges, int slots,
-    const int* __restrict__ slot_block, const int* __restrict__ slot_own, int* __restrict__ partner,
-    plan_u64* __restrict__ best, int4* __restrict__ m_info, int* __restrict__ m_members, int* __restrict__ m_bits,
-    int* __restrict__ m_own) {
-    // partner and best live in global memory (any number of slots), read past L1 (__ldcg): the atomics
-    // update them in L2
+// SMEM: the head's keys and edges (edge ends as 16-bit slots), partners and best keys in shared memory
+// (plan_pair_match_smem, when they fit: PLAN_MATCH_SMEM_BYTES); otherwise partner and best live in
+// global memory (any number of slots), read past L1 (__ldcg), and the atomics update them in L2. The two
+// forms run the same rounds on the same keys: the same matching.
+#define PLAN_MATCH_SMEM_BYTES(slots, n_edges) (12ll * (n_edges) + 12ll * (slots) + 16)
+
+template <bool SMEM>
+__device__ __forceinline__ void plan_pair_match_body(
+    const plan_u64* __restrict__ keys_g, const int2* __restrict__ edges_g, int n_edges, int slots,
+    const int* __restrict__ slot_block, const int* __restrict__ slot_own, int* partner, plan_u64* best,
+    int4* __restrict__ m_info, int* __restrict__ m_members, int* __restrict__ m_bits, int* __restrict__ m_own,
+    int* __restrict__ partner_out) {
+    extern __shared__ __align__(16) unsigned char plan_match_smem[];
     __shared__ int any;
     const long long bh = blockIdx.x;
-    keys += bh * n_edges;
-    partner += bh * slots;
-    best += bh * slots;
+    keys_g += bh * n_edges;
+    const plan_u64* keys = keys_g;
+    const plan_u32* ends = nullptr;  // SMEM: edge e's slots, a | b << 16
+    if constexpr (SMEM) {
+        plan_u64* k_s = reinterpret_cast<plan_u64*>(plan_match_smem);
+        best = k_s + n_edges;
+        plan_u32* e_s = reinterpret_cast<plan_u32*>(best + slots);
+        partner = reinterpret_cast<int*>(e_s + n_edges);
+        for (int e = threadIdx.x; e < n_edges; e += blockDim.x) {
+            k_s[e] = keys_g[e];
+            const int2 ed = edges_g[e];
+            e_s[e] = static_cast<plan_u32>(ed.x) | (static_cast<plan_u32>(ed.y) << 16);
+        }
+        keys = k_s;
+        ends = e_s;
+    } else {
+        partner += bh * slots;
+        best += bh * slots;
+    }
+    auto ld_partner = [&](int i) { return SMEM ? partner[i] : __ldcg(partner + i); };
+    auto ld_best = [&](int i) { return SMEM ? best[i] : __ldcg(best + i); };
+    auto edge = [&](int e) {
+        if constexpr (SMEM) {
+            const plan_u32 v = ends[e];
+            return make_int2(static_cast<int>(v & 0xFFFFu), static_cast<int>(v >> 16));
+        } else {
+            return edges_g[e];
+        }
+    };
     for (int s = threadIdx.x; s < slots; s += blockDim.x) partner[s] = -1;
     __syncthreads();
     while (true) {
         for (int s = threadIdx.x; s < slots; s += blockDim.x) {
-            if (__ldcg(partner + s) < 0) best[s] = 0ull;
+            if (ld_partner(s) < 0) best[s] = 0ull;
         }
         if (threadIdx.x == 0) any = 0;
         __syncthreads();
         for (int e = threadIdx.x; e < n_edges; e += blockDim.x) {
             const plan_u64 key = keys[e];
-            const int2 ed = edges[e];
-            if (key && __ldcg(partner + ed.x) < 0 && __ldcg(partner + ed.y) < 0) {
+            const int2 ed = edge(e);
+            if (key && ld_partner(ed.x) < 0 && ld_partner(ed.y) < 0) {
                 atomicMax(best + ed.x, key);
                 atomicMax(best + ed.y, key);
                 any = 1;
@@ -522,10 +554,10 @@ extern "C" __global__ void __launch_bounds__(1024) plan_pair_match(
         if (!any) break;
         for (int e = threadIdx.x; e < n_edges; e += blockDim.x) {
             const plan_u64 key = keys[e];
-            const int2 ed = edges[e];
+            const int2 ed = edge(e);
             // the edge is the largest at both ends: no other edge touching them joins in this round
-            if (key && __ldcg(partner + ed.x) < 0 && __ldcg(partner + ed.y) < 0 && __ldcg(best + ed.x) == key &&
-                __ldcg(best + ed.y) == key) {
+            if (key && ld_partner(ed.x) < 0 && ld_partner(ed.y) < 0 && ld_best(ed.x) == key &&
+                ld_best(ed.y) == key) {
                 partner[ed.x] = ed.y;
                 partner[ed.y] = ed.x;
             }
@@ -543,7 +575,7 @@ extern "C" __global__ void __launch_bounds__(1024) plan_pair_match(
     __syncthreads();
     for (int s0 = 0; s0 < slots; s0 += blockDim.x) {
         const int s = s0 + threadIdx.x;
-        const int left = (s < slots && __ldcg(partner + s) < 0) ? 1 : 0;
+        const int left = (s < slots && ld_partner(s) < 0) ? 1 : 0;
         const int incl = plan_warp_incl(left, lane);
         if (lane == 31) warp_sums[warp] = incl;
         __syncthreads();
@@ -560,14 +592,15 @@ extern "C" __global__ void __launch_bounds__(1024) plan_pair_match(
         __syncthreads();
     }
     for (int r = 2 * threadIdx.x; r + 1 < unmatched; r += 2 * blockDim.x) {
-        const int a = __ldcg(order + r), b = __ldcg(order + r + 1);
+        const int a = SMEM ? order[r] : __ldcg(order + r), b = SMEM ? order[r + 1] : __ldcg(order + r + 1);
         partner[a] = b;
         partner[b] = a;
     }
     __syncthreads();
     for (int s = threadIdx.x; s < slots; s += blockDim.x) {
-        const int p = __ldcg(partner + s);
+        const int p = ld_partner(s);
         const long long at = bh * slots + s;
+        if constexpr (SMEM) partner_out[at] = p;  // the global form's partner array, for the tests
         int4 info;
         int members[PLAN_SLOTS], bits[PLAN_SLOTS], own[PLAN_SLOTS];
 #pragma unroll
@@ -604,6 +637,26 @@ extern "C" __global__ void __launch_bounds__(1024) plan_pair_match(
             m_own[at * PLAN_SLOTS + i] = own[i];
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) plan_pair_match(
+    const plan_u64* __restrict__ keys, const int2* __restrict__ edges, int n_edges, int slots,
+    const int* __restrict__ slot_block, const int* __restrict__ slot_own, int* __restrict__ partner,
+    plan_u64* __restrict__ best, int4* __restrict__ m_info, int* __restrict__ m_members, int* __restrict__ m_bits,
+    int* __restrict__ m_own) {
+    plan_pair_match_body<false>(keys, edges, n_edges, slots, slot_block, slot_own, partner, best, m_info, m_members,
+                                m_bits, m_own, nullptr);
+}
+
+// The same, everything of the head in shared memory (PLAN_MATCH_SMEM_BYTES of dynamic shared memory;
+// slots < 65,536): the rounds' loads and atomics stay on the SM instead of going to L2. The partners
+// are written to `partner` ([heads, slots]) at the end, as the global form leaves them.
+extern "C" __global__ void __launch_bounds__(1024) plan_pair_match_smem(
+    const plan_u64* __restrict__ keys, const int2* __restrict__ edges, int n_edges, int slots,
+    const int* __restrict__ slot_block, const int* __restrict__ slot_own, int* __restrict__ partner,
+    int4* __restrict__ m_info, int* __restrict__ m_members, int* __restrict__ m_bits, int* __restrict__ m_own) {
+    plan_pair_match_body<true>(keys, edges, n_edges, slots, slot_block, slot_own, nullptr, nullptr, m_info,
+                               m_members, m_bits, m_own, partner);
 }
 
 // ---- 3. offsets and order --------------------------------------------------------------------------

@@ -166,3 +166,21 @@ def test_bad_planner_arguments_name_them():
         DevicePlanner(lay, kind="bsa", route="pair")
     with pytest.raises(PlanError, match="max_selected"):
         DevicePlanner(lay, max_selected=0)
+
+
+def test_the_pair_matching_takes_shared_memory_where_it_fits(monkeypatch):
+    """planner.pair_match_form: shared memory for layouts whose keys, edges and partners fit (VSA 720p:
+    1,100 slots, ~14,300 edges), the L2 form past that or when asked; 'smem' that cannot fit is refused."""
+    from sparseattn.kernels import planner
+
+    monkeypatch.setattr(planner, "PAIR_MATCH", "auto")
+    assert planner.pair_match_form(1100, 14300) == "smem"
+    assert planner.pair_match_form(20000, 260000) == "global"
+    monkeypatch.setattr(planner, "PAIR_MATCH", "global")
+    assert planner.pair_match_form(1100, 14300) == "global"
+    monkeypatch.setattr(planner, "PAIR_MATCH", "smem")
+    with pytest.raises(ValueError, match="PAIR_MATCH='smem'"):
+        planner.pair_match_form(20000, 260000)
+    monkeypatch.setattr(planner, "PAIR_MATCH", "fast")
+    with pytest.raises(ValueError, match="must be one of"):
+        planner.pair_match_form(10, 10)

@@ -63,6 +63,29 @@ def test_device_arrays_equal_the_numpy_twin(chunk):
             _assert_same(plans, part, twin[part], names, f"{case.name} {part}")
 
 
+@pytest.mark.parametrize("form", ["smem", "global"])
+def test_both_pair_matching_forms_equal_the_numpy_twin(form, monkeypatch):
+    """The full blocks' pair matching with a head's keys, edges and partners in shared memory and with them
+    in L2 (planner.PAIR_MATCH) both give the twin's partners and work list, on the random selections of
+    42 cases that have matched slots (9 of them)."""
+    from sparseattn.kernels import planner as launchers
+
+    monkeypatch.setattr(launchers, "PAIR_MATCH", form)
+    rng = np.random.default_rng(7000)
+    matched = 0
+    for index in range(42):
+        case = random_case(rng, index)
+        planner = _planner(case)
+        twin = emu.emulate_plans(planner, **case.selection())
+        if twin["forward"]["partner"] is None:
+            continue
+        matched += 1
+        plans = planner.plan(**_device_selection(case))
+        names = ["work_info", "work_order", "own_entries", "stream_entries", "partner"]
+        _assert_same(plans, "forward", twin["forward"], names, f"{case.name} forward ({form})")
+    assert matched == 9
+
+
 def _bf16(rng, shape):
     from sparseattn.kernels.validate import bf16_bits_to_float, float_to_bf16_bits
 

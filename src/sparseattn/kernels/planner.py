@@ -20,6 +20,7 @@ NAME_EXPRESSIONS = (
     "plan_bitmap_transpose",
     "plan_pair_weights",
     "plan_pair_match",
+    "plan_pair_match_smem",
     "plan_items",
     "plan_scan",
     "plan_segment_sort",
@@ -42,6 +43,13 @@ ITEMS_BLOCKS_PER_SM = int(os.environ.get("SPARSEATTN_PLAN_ITEMS_BLOCKS") or ITEM
 #: tile plans: the faster form of each on the H200, NOTES_device_planner v8); ``SPARSEATTN_PLAN_ITEMS_WRITE``.
 ITEMS_WRITES = {"auto": (), "coalesced": ("PLAN_WRITE_COALESCED",), "per_block": ("PLAN_WRITE_PER_BLOCK",)}
 ITEMS_WRITE = os.environ.get("SPARSEATTN_PLAN_ITEMS_WRITE") or "auto"
+#: Where the pair matching keeps a head's keys, edges, partners and best keys: "smem" (shared memory,
+#: plan_pair_match_smem), "global" (partners and best keys in L2, plan_pair_match: any size) or "auto"
+#: (shared memory where they fit in PAIR_MATCH_SMEM_MAX bytes, which 480p and 720p VSA layouts do);
+#: ``SPARSEATTN_PLAN_PAIR_MATCH``. Both run the same rounds: the same matching.
+PAIR_MATCH_FORMS = ("auto", "smem", "global")
+PAIR_MATCH = os.environ.get("SPARSEATTN_PLAN_PAIR_MATCH") or "auto"
+PAIR_MATCH_SMEM_MAX = 200 * 1024
 THREADS = 256
 NULL = np.uint64(0)
 
@@ -222,11 +230,41 @@ def pair_weights(bitmap, row_blocks: int, words: int, heads: int, edges, n_edges
     )
 
 
+def pair_match_smem_bytes(slots: int, n_edges: int) -> int:
+    """Dynamic shared memory of plan_pair_match_smem (PLAN_MATCH_SMEM_BYTES in planner.cu)."""
+    return 12 * int(n_edges) + 12 * int(slots) + 16
+
+
+def pair_match_form(slots: int, n_edges: int) -> str:
+    """``"smem"`` or ``"global"``: which kernel :func:`pair_match` launches (see :data:`PAIR_MATCH`)."""
+    if PAIR_MATCH not in PAIR_MATCH_FORMS:
+        raise ValueError(f"planner.PAIR_MATCH must be one of {PAIR_MATCH_FORMS}, got {PAIR_MATCH!r}")
+    fits = slots < 1 << 16 and pair_match_smem_bytes(slots, n_edges) <= PAIR_MATCH_SMEM_MAX
+    if PAIR_MATCH == "smem" and not fits:
+        raise ValueError(
+            f"planner.PAIR_MATCH='smem': {slots} slots and {n_edges} edges need "
+            f"{pair_match_smem_bytes(slots, n_edges)} bytes of shared memory (at most {PAIR_MATCH_SMEM_MAX})"
+        )
+    return "global" if PAIR_MATCH == "global" or not fits else "smem"
+
+
 def pair_match(
     keys, edges, n_edges: int, slots: int, heads: int, slot_block, slot_own, partner, best, matched
 ):
-    """Every head's greedy matching of its slots, and the slots' items into ``matched``'s arrays."""
+    """Every head's greedy matching of its slots into ``partner`` ``[heads, slots]``, and the slots' items
+    into ``matched``'s arrays (``best``: scratch of the global form, ``[heads, slots]``)."""
     if heads == 0 or slots == 0:
+        return
+    outputs = tuple(matched[n] for n in ("info", "members", "bits", "own"))
+    if pair_match_form(slots, n_edges) == "smem":
+        smem = pair_match_smem_bytes(slots, n_edges)
+        fn = launch.prepare(_fn("plan_pair_match_smem"), smem)
+        fn(
+            (heads,),
+            (1024,),
+            (keys, edges, np.int32(n_edges), np.int32(slots), slot_block, slot_own, partner, *outputs),
+            shared_mem=smem,
+        )
         return
     _fn("plan_pair_match")(
         (heads,),
@@ -240,7 +278,7 @@ def pair_match(
             slot_own,
             partner,
             best,
-            *(matched[n] for n in ("info", "members", "bits", "own")),
+            *outputs,
         ),
     )
 
