@@ -37,6 +37,7 @@
 // PAGED_FWD_PINGPONG (opt-in): the consumer warpgroups issue their GEMMs in turns (kPingPong).
 // PAGED_FWD_MASK_READERS (opt-in): four lanes per consumer warp read the page masks (kMaskReaders).
 // PAGED_FWD_LAZY_RESCALE (opt-in): O is rescaled only when a row's running max moves by more than 2^8.
+// PAGED_FWD_REGS_232 (opt-in, with PAGED_FWD_TMA): 40 registers for the producer, 232 for the consumers.
 #include "hopper_wgmma.cuh"
 
 #ifdef PAGED_FWD_TMA
@@ -50,8 +51,20 @@
 #define PAGED_FWD_THREADS 384
 #define PAGED_FWD_Q_ROWS 128          // Q tile rows (the largest route's M)
 #define PAGED_FWD_Q_PAGES 8           // own_pages columns the kernel reads per work item
+#ifdef PAGED_FWD_REGS_232
+// (opt-in) the consumers' code uses up to R222 at 224: 232 for them, 40 for the producer, which only the
+// TMA build's producer fits without spills
+#ifndef PAGED_FWD_TMA
+#error "PAGED_FWD_REGS_232 needs PAGED_FWD_TMA (the cp.async producer spills at 40 registers)"
+#endif
+#define PAGED_FWD_PRODUCER_REGS 40
+#define PAGED_FWD_CONSUMER_REGS 232
+#else
 #define PAGED_FWD_PRODUCER_REGS 56
 #define PAGED_FWD_CONSUMER_REGS 224
+#endif
+static_assert(PAGED_FWD_PRODUCER_REGS * 128 + PAGED_FWD_CONSUMER_REGS * 256 <= 168 * PAGED_FWD_THREADS,
+              "the register split must fit the CTA's launch allocation (168 registers x 384 threads)");
 #define PAGED_FWD_SMEM_LIMIT (227 * 1024)
 #define PAGED_FWD_SMALL_BYTES 1280    // barriers, chunk page masks, item ring, merge statistics
 #define PAGED_FWD_MAX_NBUF 8

@@ -259,9 +259,12 @@ def test_pageweaver_shared_memory_formulas_match_the_kernels(reports):
 
 
 def _compile_variant(source: str, names, variant: str):
-    """NVRTC-compile ``names`` of ``source`` with ``-D<variant>`` (asserting success); the ptxas reports."""
+    """NVRTC-compile ``names`` of ``source`` with ``-D<variant>`` for each comma-joined variant (asserting
+    success); the ptxas reports."""
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
-    options = compile_check.compile_options(compile_check.find_cuda_include()) + (f"-D{variant}",)
+    options = compile_check.compile_options(compile_check.find_cuda_include()) + tuple(
+        f"-D{v}" for v in variant.split(",")
+    )
     ok, log, _, lowered = nvrtc.compile(runtime.preprocess(source), source, options, names)
     assert ok, log
     return compile_check.parse_ptxas_log(source, log, lowered)
@@ -286,7 +289,8 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
 @pytest.mark.parametrize("variant", forward.VARIANTS)
 def test_forward_variants_compile_without_spills(variant, reports):
     """The KPage forward's compile-time variants (sparseattn.kernels.forward.VARIANTS) build too."""
-    kernels = _compile_variant(forward.SOURCE, forward.NAME_EXPRESSIONS, variant)
+    build = ",".join((variant, *forward.VARIANT_NEEDS.get(variant, ())))
+    kernels = _compile_variant(forward.SOURCE, forward.NAME_EXPRESSIONS, build)
     assert len(kernels) >= len(forward.NAME_EXPRESSIONS)
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
 
@@ -300,6 +304,13 @@ def test_forward_variant_from_the_environment(monkeypatch):
     monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_NOPE")
     with pytest.raises(KernelValueError, match="SPARSEATTN_FWD_VARIANT"):
         forward._variant_from_env()
+    monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_REGS_232")
+    with pytest.raises(
+        KernelValueError, match="SPARSEATTN_FWD_VARIANT: PAGED_FWD_REGS_232 needs PAGED_FWD_TMA"
+    ):
+        forward._variant_from_env()
+    monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_TMA,PAGED_FWD_REGS_232")
+    assert forward._variant_from_env() == ("PAGED_FWD_REGS_232", "PAGED_FWD_TMA")
 
 
 def test_wgmma_backward_mirrors_match_the_kernel(reports):

@@ -20,7 +20,11 @@ def test_builds_are_named_by_their_macros():
 
 
 def test_builds_default_to_each_macro_and_need_two():
-    assert variant_ab.parse_builds(None) == [(), *((v,) for v in VARIANTS)]
+    builds = variant_ab.parse_builds(None)
+    assert builds[0] == () and len(builds) == len(VARIANTS) + 1
+    assert ("PAGED_FWD_REGS_232", "PAGED_FWD_TMA") in builds  # with the variant it needs
+    with pytest.raises(ValueError, match="PAGED_FWD_REGS_232 needs PAGED_FWD_TMA"):
+        variant_ab.parse_variant("PAGED_FWD_REGS_232")
     assert variant_ab.parse_builds(["default", "PAGED_FWD_TMA", "default"]) == [(), ("PAGED_FWD_TMA",)]
     with pytest.raises(ValueError, match="at least two"):
         variant_ab.parse_builds(["PAGED_FWD_TMA", "PAGED_FWD_TMA"])

@@ -33,7 +33,7 @@ CUDNN = "cudnn_dense"
 def parse_variant(text: str) -> tuple[str, ...]:
     """``"default"`` -> ``()``; ``"A,B"`` -> ``("A", "B")`` sorted; unknown macros raise ``ValueError``
     naming ``--variant``."""
-    from .kernels.forward import VARIANTS
+    from .kernels.forward import VARIANTS, check_variants
 
     text = text.strip()
     if text == DEFAULT:
@@ -44,7 +44,7 @@ def parse_variant(text: str) -> tuple[str, ...]:
         raise ValueError(
             f"--variant {text!r}: expected {DEFAULT!r} or comma-joined names of {', '.join(VARIANTS)}"
         )
-    return names
+    return check_variants(names, f"--variant {text!r}")
 
 
 def variant_name(defines: tuple[str, ...]) -> str:
@@ -200,9 +200,13 @@ def workload_names() -> list[str]:
 
 def parse_builds(texts: list[str] | None) -> list[tuple[str, ...]]:
     """The builds of ``--variant`` in order, without repeats (default: the default build and each macro)."""
-    from .kernels.forward import VARIANTS
+    from .kernels.forward import VARIANT_NEEDS, VARIANTS
 
-    builds = [parse_variant(t) for t in texts] if texts else [(), *((v,) for v in VARIANTS)]
+    builds = (
+        [parse_variant(t) for t in texts]
+        if texts
+        else [(), *(tuple(sorted((v, *VARIANT_NEEDS.get(v, ())))) for v in VARIANTS)]
+    )
     unique = list(dict.fromkeys(builds))
     if len(unique) < 2:
         raise ValueError("--variant: an A/B needs at least two different builds")

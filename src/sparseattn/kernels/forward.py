@@ -65,21 +65,35 @@ MAX_BATCH = 1 << 15
 #: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters); ``PAGED_FWD_PINGPONG``
 #: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_MASK_READERS`` has four lanes
 #: per consumer warp read a chunk's page masks and release its K buffer (racecheck-clean);
-#: ``PAGED_FWD_LAZY_RESCALE`` rescales O only when a row's running max moves by more than 2^8.
-#: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
+#: ``PAGED_FWD_LAZY_RESCALE`` rescales O only when a row's running max moves by more than 2^8;
+#: ``PAGED_FWD_REGS_232`` gives the consumers 232 registers and the producer 40 (with ``PAGED_FWD_TMA``:
+#: :data:`VARIANT_NEEDS`). ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
 VARIANTS = (
     "PAGED_FWD_SKIP_VOID",
     "PAGED_FWD_TMA",
     "PAGED_FWD_PINGPONG",
     "PAGED_FWD_MASK_READERS",
     "PAGED_FWD_LAZY_RESCALE",
+    "PAGED_FWD_REGS_232",
 )
+#: Variants that compile only together with others.
+VARIANT_NEEDS = {"PAGED_FWD_REGS_232": ("PAGED_FWD_TMA",)}
 #: The TMA variant's extra parameters: tensor maps of K and V (:class:`.tensor_map.TensorMap`).
 TMA_PARAMS = ("tmK", "tmV")
 
 
+def check_variants(defines: tuple[str, ...], source: str = "SPARSEATTN_FWD_VARIANT") -> tuple[str, ...]:
+    """``defines`` if every variant's companions (:data:`VARIANT_NEEDS`) are there; else a KernelValueError
+    naming ``source``."""
+    for name in defines:
+        missing = [n for n in VARIANT_NEEDS.get(name, ()) if n not in defines]
+        if missing:
+            raise KernelValueError(f"{source}: {name} needs {', '.join(missing)} in the same build")
+    return defines
+
+
 def _variant_from_env() -> tuple[str, ...]:
-    return launch.variants_from_env("SPARSEATTN_FWD_VARIANT", VARIANTS)
+    return check_variants(launch.variants_from_env("SPARSEATTN_FWD_VARIANT", VARIANTS))
 
 
 DEFINES = _variant_from_env()
