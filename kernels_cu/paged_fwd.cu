@@ -453,11 +453,13 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                             finish_pv(sm, o, pa, prev, prev_par, release, lane);
                             prev = -1;
                         }
-                        hopper::mbar_wait(sm.v_full(buf), par);
+                        // (kPingPong: the turn before the wait: this V buffer may be freed by the other
+                        // warpgroup's next GEMM issue, which waits for this turn)
                         if (kPingPong) {
                             hopper::named_sync(kTurnBarrier + cw, 256);
                             hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256);
                         }
+                        hopper::mbar_wait(sm.v_full(buf), par);
                         __syncwarp();
                         if (lane < kReleaseLanes) hopper::mbar_arrive(sm.k_empty(buf), release);
                         if (lane == 0) hopper::mbar_arrive(sm.v_empty(buf), release);
