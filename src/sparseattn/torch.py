@@ -36,17 +36,22 @@ def kpage_attention(q, k, v, graph, route="auto", scale=None, deterministic=Fals
     ``torch.compile`` traces it without a graph break and CUDA graphs capture it. An eager call that
     will be differentiated runs the same implementations behind a plain ``autograd.Function``
     (:class:`~sparseattn.torch_ops.KPageFunction`), whose backward costs the host about 250 µs less than
-    the operator's autograd wrapper (``python -m sparseattn.host_cost``, ``host_layers`` records).
+    the operator's autograd wrapper (``python -m sparseattn.host_cost``, ``host_layers`` records). An
+    eager call without gradients on CUDA tensors runs the CUDA implementation itself (the operator's
+    autograd wrapper alone costs the host more than a whole no-op operator).
     """
     from .graph import SparseGraph
-    from .torch_ops import OPS, KPageFunction, default_scale, handle
+    from .torch_ops import OPS, KPageFunction, _kpage_fwd_cuda, default_scale, handle
 
     if not isinstance(graph, (SparseGraph, int)):
         raise TypeError(f"graph must be a SparseGraph (or its handle), got {type(graph).__name__}")
     h = graph if isinstance(graph, int) else handle(graph)
     scale = default_scale(scale, q.shape[-1])
-    if _needs_grad(q, k, v) and not torch.compiler.is_compiling():
-        return KPageFunction.apply(q, k, v, h, str(route), scale, deterministic)
+    if not torch.compiler.is_compiling():
+        if _needs_grad(q, k, v):
+            return KPageFunction.apply(q, k, v, h, str(route), scale, deterministic)
+        if q.is_cuda:  # no gradient: the implementation itself, without the dispatcher's autograd wrapper
+            return _kpage_fwd_cuda(q, k, v, h, str(route), scale, deterministic)[0]
     return OPS.kpage_fwd.default(q, k, v, h, str(route), scale, deterministic)[0]
 
 
@@ -140,10 +145,11 @@ def block_sparse_attention_mask(
 
 
 def _dynamic(q, k, v, planner, q2k_idx, q2k_num, mask, scale):
-    """The ``dynamic_fwd`` operator: plans on the device (the backward's too when gradients are needed)."""
-    from .torch_ops import OPS, default_scale, handle
+    """The ``dynamic_fwd`` operator: plans on the device (the backward's too when gradients are needed); an
+    eager call without gradients on CUDA tensors runs its CUDA implementation directly."""
+    from .torch_ops import OPS, _dynamic_fwd_cuda, default_scale, handle
 
-    o, lse, _plans = OPS.dynamic_fwd.default(
+    args = (
         q,
         k,
         v,
@@ -152,8 +158,12 @@ def _dynamic(q, k, v, planner, q2k_idx, q2k_num, mask, scale):
         mask,
         planner if isinstance(planner, int) else handle(planner),
         default_scale(scale, q.shape[-1]),
-        _needs_grad(q, k, v),
     )
+    needs_grad = _needs_grad(q, k, v)
+    if not needs_grad and q.is_cuda and not torch.compiler.is_compiling():
+        o, lse, _plans = _dynamic_fwd_cuda(*args, False)
+    else:
+        o, lse, _plans = OPS.dynamic_fwd.default(*args, needs_grad)
     return o, lse
 
 

@@ -68,6 +68,29 @@ def test_ops_pass_opcheck_on_cuda():
     torch.library.opcheck(OPS.dynamic_fwd, (*dyn, 0.125, True), test_utils=checks)
 
 
+def test_eager_calls_without_gradients_equal_the_operators():
+    """kpage_attention and block_sparse_attention without gradients run the CUDA implementations directly
+    (no dispatcher): the same outputs as the operators, bit for bit."""
+    import sparseattn.torch as st
+    from sparseattn.layouts import video_layout
+
+    graph = random_ragged_graph(np.random.default_rng(7))
+    q, k, v, _ = _bf16_inputs(graph, 2, 128, 7)
+    with torch.no_grad():
+        direct = st.kpage_attention(q, k, v, graph)
+        through_op = OPS.kpage_fwd.default(q, k, v, handle(graph), "auto", 128**-0.5, False)[0]
+    assert torch.equal(direct, through_op)
+    lay = video_layout((4, 8, 8), (2, 4, 4), 64)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, 2, lay.num_slots, 64, device="cuda", generator=g).bfloat16() for _ in range(3))
+    idx, num = st.vsa_topk(q, k, lay, 2)
+    planner = st.planner_for(lay)
+    with torch.no_grad():
+        direct, _ = st.block_sparse_attention(q, k, v, planner, idx, num)
+        through_op = OPS.dynamic_fwd.default(q, k, v, idx, num, None, handle(planner), 0.125, False)[0]
+    assert torch.equal(direct, through_op)
+
+
 def test_tokens_slots_cuda_equals_cpu():
     import sparseattn.torch as st
     from sparseattn.layouts import video_layout
