@@ -463,6 +463,17 @@ def _launch(
     packed(stream, *pointers)
 
 
+def _fresh_outputs(q, lse_shape: tuple, device: int):
+    """``o`` zeros like ``q`` and ``lse`` float32 ``-inf`` of ``lse_shape`` on the current stream (``-inf``
+    by one copy from a constant buffer, where ``cupy.full`` would launch a kernel)."""
+    import cupy
+
+    o = cupy.zeros(q.shape, dtype=q.dtype)
+    lse = cupy.empty(lse_shape, dtype=cupy.float32)
+    launch.fill_neg_inf(lse.data.ptr, lse.size, cupy.cuda.get_current_stream().ptr, device)
+    return o, lse
+
+
 def _device_plans_forward(q, k, v, plans: DevicePlans, scale, out):
     """The forward of a device planner's plans: the tensors ``[batch, heads, slots, d]`` run as one batch
     of ``batch · heads`` heads (every batch entry has its own selection)."""
@@ -481,11 +492,7 @@ def _device_plans_forward(q, k, v, plans: DevicePlans, scale, out):
     import cupy
 
     with cupy.cuda.Device(device):
-        if out is None:
-            o = cupy.zeros(q.shape, dtype=q.dtype)
-            lse = cupy.full((b, h, sq), -np.inf, dtype=cupy.float32)
-        else:
-            o, lse = out
+        o, lse = _fresh_outputs(q, (b, h, sq), device) if out is None else out
         one = lambda x: x.reshape(1, b * h, *x.shape[2:])
         _launch(one(q), one(k), one(v), plans.forward, scale, one(o), one(lse), device)
     return o, lse
@@ -526,8 +533,7 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
 
     if out is None:
         with cupy.cuda.Device(device):
-            o = cupy.zeros(q.shape, dtype=q.dtype)
-            lse = cupy.full((b, h, sq), -np.inf, dtype=cupy.float32)
+            o, lse = _fresh_outputs(q, (b, h, sq), device)
     else:
         o, lse = out
     if cupy.cuda.runtime.getDevice() == device:
