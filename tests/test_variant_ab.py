@@ -64,3 +64,48 @@ def test_bad_arguments_are_named_before_any_gpu_work(argv, message, capsys):
         cli.main(["bench", "variants", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _recorded_run(tmp_path):
+    """A run file as `bench variants` writes it: two workloads, three builds and cuDNN."""
+    import json
+
+    records = []
+    for workload in ("dense_32768", "vsa_wan14b_480p"):
+        times = {
+            "default": [10.0, 10.4, 10.9],
+            "PAGED_FWD_TMA": [9.7, 10.1, 10.5],
+            "cudnn_dense": [9.0, 9.3, 9.9],
+        }
+        times["PAGED_FWD_PINGPONG"] = [9.9, 10.2, 10.6]
+        for name, s in variant_ab.summarize(times, "default").items():
+            impl = "cudnn_dense" if name == "cudnn_dense" else "kpage"
+            records.append(
+                dict(
+                    workload=workload,
+                    impl=impl,
+                    fwd_variant=None if impl != "kpage" else name,
+                    baseline="default",
+                    **s,
+                )
+            )
+    path = tmp_path / "ab.json"
+    path.write_text(json.dumps({"records": records}))
+    return path
+
+
+def test_a_recorded_run_is_drawn_without_a_gpu(tmp_path):
+    run = _recorded_run(tmp_path)
+    out = tmp_path / "ab.png"
+    assert cli.main(["bench", "variants", "--from-json", str(run), "--plot", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    from sparseattn.speedplots import variant_ratio_figure
+
+    fig = variant_ratio_figure([])  # nothing to draw: a figure that says so
+    assert "no kpage records" in " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
+
+
+def test_the_plot_path_is_checked_first(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "variants", "--from-json", "x.json", "--plot", str(tmp_path / "no" / "ab.png")])
+    assert "--plot" in capsys.readouterr().err

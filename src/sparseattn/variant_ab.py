@@ -168,9 +168,7 @@ def _cudnn_call(case):
 
 def build_parser(prog: str = "sparseattn bench variants") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--workload", action="append", required=True, metavar="NAME", help="built-in workload"
-    )
+    parser.add_argument("--workload", action="append", metavar="NAME", help="built-in workload (repeatable)")
     parser.add_argument(
         "--variant",
         action="append",
@@ -187,7 +185,29 @@ def build_parser(prog: str = "sparseattn bench variants") -> argparse.ArgumentPa
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-check", action="store_true", help="skip the float64 reference check (head 0)")
     parser.add_argument("--out", metavar="PATH", help="JSON result file (the bench format)")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="also draw the paired ratios (.png, .pdf or .svg; speedplots.variant_ratio_figure)",
+    )
+    parser.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="draw --plot from a recorded run instead of running (no GPU needed)",
+    )
     return parser
+
+
+def plot_run(json_path, plot_path) -> int:
+    """Draw a recorded ``bench variants`` run's paired ratios to ``plot_path``."""
+    import json
+
+    from .speedplots import variant_ratio_figure
+
+    records = json.loads(Path(json_path).read_text())["records"]
+    variant_ratio_figure(records, plot_path)
+    print(f"wrote {plot_path}")
+    return 0
 
 
 def workload_names() -> list[str]:
@@ -216,6 +236,16 @@ def parse_builds(texts: list[str] | None) -> list[tuple[str, ...]]:
 def main(argv=None, prog: str = "sparseattn bench variants") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.plot:
+        plot = Path(args.plot)
+        if plot.suffix.lower() not in (".png", ".pdf", ".svg") or not plot.parent.is_dir():
+            parser.error(f"--plot {args.plot!r}: a .png, .pdf or .svg path in an existing folder")
+    if args.from_json:
+        if not args.plot:
+            parser.error("--from-json draws a figure: give --plot PATH")
+        return plot_run(args.from_json, args.plot)
+    if not args.workload:
+        parser.error("--workload is required (or --from-json FILE --plot PATH)")
     try:
         builds = parse_builds(args.variant)
     except ValueError as err:
@@ -245,6 +275,11 @@ def main(argv=None, prog: str = "sparseattn bench variants") -> int:
         )
     if args.out:
         print(f"wrote {args.out}")
+    if args.plot:
+        from .speedplots import variant_ratio_figure
+
+        variant_ratio_figure(records, args.plot)
+        print(f"wrote {args.plot}")
     return 1 if any(r.get("correct") is False for r in records) else 0
 
 
