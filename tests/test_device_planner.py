@@ -184,3 +184,52 @@ def test_the_pair_matching_takes_shared_memory_where_it_fits(monkeypatch):
     monkeypatch.setattr(planner, "PAIR_MATCH", "fast")
     with pytest.raises(ValueError, match="must be one of"):
         planner.pair_match_form(10, 10)
+
+
+def test_partial_blocks_group_by_proximity_in_video_layouts():
+    """forward_layout_groups on a video layout: every partial 64-row block in exactly one half, halves of at
+    most 4 pages, at most 8 member blocks an item, as many items as block order would make or fewer, the
+    same halves on every call; a layout without a tile grid keeps block order."""
+    from sparseattn.layouts import contiguous_layout
+    from sparseattn.planning import layout_pairs as lp
+
+    layout = video_layout((9, 13, 11), (4, 4, 4), block_size=64)  # ragged borders: 1-3-page blocks
+    live = layout.live_pages.astype(np.int64)
+    partial = np.flatnonzero(lp.small_blocks(layout) & (live < lp.HALF_PAGES))
+    assert partial.size > 20
+    halves_a, halves_b = lp.forward_layout_groups(layout)
+    members = np.concatenate([*halves_a, *halves_b])
+    assert np.array_equal(np.sort(members), partial)
+    assert all(live[h].sum() <= lp.HALF_PAGES for h in (*halves_a, *halves_b))
+    assert all(a.size + b.size <= 8 and a.size > 0 for a, b in zip(halves_a, halves_b))
+    in_order = lp.packed_in_order(partial, live)
+    assert len(halves_a) <= -(-len(in_order) // 2)
+    again = lp.forward_layout_groups(layout)
+    assert all(np.array_equal(x, y) for x, y in zip(halves_a + halves_b, again[0] + again[1]))
+    flat = contiguous_layout(64 * 7 - 30, 64)
+    groups = lp.packed_in_order(
+        np.flatnonzero(lp.small_blocks(flat) & (flat.live_pages < lp.HALF_PAGES)),
+        flat.live_pages.astype(np.int64),
+    )
+    assert [g.tolist() for g in lp.forward_layout_groups(flat)[0]] == [g.tolist() for g in groups[0::2]]
+
+
+def test_proximity_groups_stream_fewer_pages_than_block_order_on_vsa():
+    """On VSA 480p's layout and selection (8 heads), the partial blocks' items stream fewer K pages than
+    block order's (counted as the twin streams them: the union of the members' selected pages)."""
+    from sparseattn.planning import layout_pairs as lp
+
+    graph = get_workload("vsa_wan14b_480p").build()
+    live = graph.q.live_pages.astype(np.int64)
+    kp = graph.k.live_pages.astype(np.int64)
+    partial = np.flatnonzero(lp.small_blocks(graph.q) & (live < lp.HALF_PAGES))
+    sel = graph.block_mask()[:8]
+
+    def pages(items):
+        return sum(int(kp[s[np.asarray(m)].any(axis=0)].sum()) for s in sel for m in items)
+
+    near = [np.concatenate([a, b]) for a, b in zip(*lp.forward_layout_groups(graph.q))]
+    groups = lp.packed_in_order(partial, live)
+    ordered = [np.concatenate([a, *b]) for a, b in zip(groups[0::2], [[g] for g in groups[1::2]] + [[]])]
+    assert len(near) == len(ordered)
+    assert pages(near) < 0.95 * pages(ordered)

@@ -8,15 +8,18 @@ that a head's matching is a few passes over a short, fixed edge list:
   blocks they both select, over the edges of :func:`candidate_edges` (a video layout's 26 spatial
   neighbours, else the next blocks in order), heaviest first; the blocks left are paired two by two in
   block order (:func:`forward_matched_pairs`);
-* forward, partial 64-row Q blocks (1–3 live pages): packed in block order into halves of at most four
-  pages (a half closes when the next block does not fit), the halves two by two
+* forward, partial 64-row Q blocks (1–3 live pages): grouped by proximity into halves of at most four
+  pages and items of two halves on a video layout (:func:`neighbourhood_groups`), else packed in block
+  order (a half closes when the next block does not fit), the halves two by two
   (:func:`forward_layout_groups`), the same in every head;
 * backward (:func:`backward_layout_pairs`): 64-row K/V blocks (1–4 live pages) as neighbours (2i, 2i + 1)
   first, then the others two by two in block order, the same in every head.
 
 Counted on VSA 480p (8 heads): the forward pair list with neighbour candidates streams 1.015x the chunks
 of the host's matching over all pairs (1.09x with fixed neighbour pairs), and 1.03x with the packed halves
-in block order.
+in block order. With the partial blocks grouped by proximity, the device's forward list streams 1.001x
+(480p) and 1.010x (720p) the host's pages over all 40 heads
+(``data/bench/experiments/device_planner_work_counts_proximity.txt``).
 """
 
 from __future__ import annotations
@@ -78,11 +81,109 @@ def full_blocks(layout) -> np.ndarray:
 
 def forward_layout_groups(layout) -> tuple[list, list]:
     """The forward's packed halves of a Q layout: ``(halves_a, halves_b)``, lists of int64 block arrays of
-    its partial 64-row blocks (the last B half empty when the halves are odd)."""
+    its partial 64-row blocks (an item's B half empty where it has one half only). A video layout groups
+    them by proximity (:func:`neighbourhood_groups`), any other packs them in block order, halves two by
+    two."""
     live = layout.live_pages.astype(np.int64)
-    partial = small_blocks(layout) & (live < HALF_PAGES)
-    groups = packed_in_order(np.flatnonzero(partial), live)
+    blocks = np.flatnonzero(small_blocks(layout) & (live < HALF_PAGES))
+    if layout.tile_grid is not None and 1 < blocks.size <= NEIGHBOURHOOD_GROUPING_MAX:
+        return neighbourhood_groups(layout, blocks)
+    groups = packed_in_order(blocks, live)
     return groups[0::2], groups[1::2] + [np.zeros(0, np.int64)] * (len(groups) % 2)
+
+
+#: Chebyshev radius (in tiles) of the neighbourhood :func:`neighbourhood_groups` compares.
+NEIGHBOURHOOD_RADIUS = 1
+#: Above this many partial blocks a layout keeps block order (the grouping's pair weights grow with n²).
+NEIGHBOURHOOD_GROUPING_MAX = 8192
+
+
+def neighbourhood_groups(layout, blocks: np.ndarray) -> tuple[list, list]:
+    """Partial blocks of a video layout (``tile_grid``) grouped by proximity, the same in every head:
+    ``(halves_a, halves_b)`` as :func:`forward_layout_groups`.
+
+    Three levels of greedy matching merge units (one block each to start) into units of at most 2, then 4
+    pages (a half), then two halves (an item); a pair's weight is how many tiles within
+    :data:`NEIGHBOURHOOD_RADIUS` of the two units' tiles coincide (nearby blocks select nearly the same K
+    blocks, so an item of neighbours streams few pages its members do not all need); the units a level
+    leaves are paired in order where they fit. Counted on VSA (every head): the partial blocks stream
+    0.90x the K pages of block order at 480p and 720p, fewer than the host's packing by selection
+    (0.92x / 0.94x), with as many items (``data/bench/experiments/NOTES_device_planner.md``, v13).
+    """
+    from scipy import sparse
+
+    blocks = np.asarray(blocks, dtype=np.int64)
+    live = layout.live_pages.astype(np.int64)
+    nt, nh, nw, per_tile = layout.tile_grid
+    grid = np.asarray((nt, nh, nw))
+    coords = np.stack(np.unravel_index(blocks // per_tile, (nt, nh, nw)), axis=1)
+    steps = np.asarray(
+        list(itertools.product(range(-NEIGHBOURHOOD_RADIUS, NEIGHBOURHOOD_RADIUS + 1), repeat=3))
+    )
+    near = coords[:, None, :] + steps[None, :, :]  # [blocks, steps, 3]
+    inside = ((near >= 0) & (near < grid)).all(axis=2)
+    rows = np.broadcast_to(np.arange(blocks.size)[:, None], inside.shape)[inside]
+    cols = np.ravel_multi_index(near[inside].T, (nt, nh, nw))
+    features = sparse.csr_matrix(
+        (np.ones(rows.size, np.float32), (rows, cols)), shape=(blocks.size, nt * nh * nw)
+    )
+    units = [np.asarray([b]) for b in blocks]
+    for cap in (2, HALF_PAGES):  # units of at most 2 pages, then halves of at most 4
+        first, second = _merge_level(features, live, units, cap)
+        partner = _partner_of(first, second, len(units))
+        taken = np.zeros(len(units), dtype=bool)
+        taken[second] = True
+        groups = [[i] if partner[i] < 0 else [i, int(partner[i])] for i in range(len(units)) if not taken[i]]
+        rows = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+        merge = sparse.csr_matrix(
+            (np.ones(rows.size, np.float32), (rows, np.concatenate(groups))), shape=(len(groups), len(units))
+        )
+        features = ((merge @ features) > 0).astype(np.float32)
+        units = [np.sort(np.concatenate([units[i] for i in g])) for g in groups]
+    first, second = _merge_level(features, live, units, 2 * HALF_PAGES)  # the halves two by two: items
+    partner = _partner_of(first, second, len(units))
+    taken = np.zeros(len(units), dtype=bool)
+    taken[second] = True
+    empty = np.zeros(0, np.int64)
+    items = [
+        (units[i], units[partner[i]] if partner[i] >= 0 else empty) for i in range(len(units)) if not taken[i]
+    ]
+    items.sort(key=lambda item: int(item[0].min()))
+    return [a for a, _ in items], [b for _, b in items]
+
+
+def _partner_of(first: np.ndarray, second: np.ndarray, n: int) -> np.ndarray:
+    """int64 ``[n]``: each unit's partner of the pairs ``(first, second)`` (first < second), -1 if none."""
+    partner = np.full(n, -1, dtype=np.int64)
+    partner[first] = second
+    return partner
+
+
+def _merge_level(features, live: np.ndarray, units: list, cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """One level of :func:`neighbourhood_groups`: int64 ``(first, second)`` (first < second), the greedy
+    matching of the units (block arrays, ``features`` their neighbourhood tiles) by shared tiles among
+    pairs whose live pages fit ``cap``, then the units left paired in block order where they fit."""
+    n = len(units)
+    pages = np.asarray([int(live[u].sum()) for u in units], dtype=np.int64)
+    order_key = np.asarray([int(u.min()) for u in units], dtype=np.int64)
+    shared = (features @ features.T).tocoo()
+    a, b, w = shared.row.astype(np.int64), shared.col.astype(np.int64), shared.data
+    keep = (a < b) & (w > 0) & (pages[a] + pages[b] <= cap)
+    a, b, w = a[keep], b[keep], w[keep]
+    chosen = greedy_matching(a, b, w, n)
+    first, second = list(a[chosen]), list(b[chosen])
+    free = np.ones(n, dtype=bool)
+    free[a[chosen]] = free[b[chosen]] = False
+    rest = [int(i) for i in np.argsort(order_key, kind="stable") if free[i]]
+    k = 0
+    while k + 1 < len(rest):
+        if pages[rest[k]] + pages[rest[k + 1]] <= cap:
+            first.append(min(rest[k], rest[k + 1]))
+            second.append(max(rest[k], rest[k + 1]))
+            k += 2
+        else:
+            k += 1
+    return np.asarray(first, dtype=np.int64), np.asarray(second, dtype=np.int64)
 
 
 #: Tile steps (t, h, w) to a neighbour a pair may join: half of the 26-neighbourhood (the other half gives
