@@ -376,6 +376,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         hopper::regs_claim<PAGED_FWD_CONSUMER_REGS>();
         const int cw = role - 1;                       // consumer warpgroup 0 or 1
         if (kPingPong && cw == 1) hopper::named_arrive(kTurnBarrier, 256);  // warpgroup 0 goes first
+        auto wait_turn = [&] { hopper::named_sync(kTurnBarrier + cw, 256); };
+        auto pass_turn = [&] { hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256); };
         const int wtid = (tid - kProducerThreads) & 127;
         const int wq = wtid >> 5;                      // warp inside the warpgroup: rows 16wq .. 16wq + 15
         const int g = lane >> 2;
@@ -456,8 +458,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                         // (kPingPong: the turn before the wait: this V buffer may be freed by the other
                         // warpgroup's next GEMM issue, which waits for this turn)
                         if (kPingPong) {
-                            hopper::named_sync(kTurnBarrier + cw, 256);
-                            hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256);
+                            wait_turn();
+                            pass_turn();
                         }
                         hopper::mbar_wait(sm.v_full(buf), par);
                         __syncwarp();
@@ -472,7 +474,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 if (prev >= 0) hopper::mbar_wait(sm.v_full(prev), prev_par);  // (nearly always landed long ago)
                 uint32_t col_bits;
                 hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
-                if (kPingPong) hopper::named_sync(kTurnBarrier + cw, 256);
+                if (kPingPong) wait_turn();
                 // S = Q·Kᵀ of this chunk, then O += P·V of the previous one right behind it: no control
                 // flow between the two issues, so the tensor cores run them back to back
                 hopper::wgmma_fence();
@@ -481,10 +483,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 if (prev >= 0) {
                     hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
                     hopper::wgmma_commit();
-                    if (kPingPong) hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256);
+                    if (kPingPong) pass_turn();
                     hopper::wgmma_wait<1>();  // S landed; the previous chunk's P·V may still run
                 } else {
-                    if (kPingPong) hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256);
+                    if (kPingPong) pass_turn();
                     hopper::wgmma_wait<0>();
                 }
                 // the column mask, off the path to the S issue (PAIR: from the masks read above; else from
@@ -519,8 +521,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 prev_pos = pos;
             }
             if (kPingPong && !row_split && cw == 1 && (it.chunks & 1)) {  // the empty turn (see kPingPong)
-                hopper::named_sync(kTurnBarrier + cw, 256);
-                hopper::named_arrive(kTurnBarrier + (cw ^ 1), 256);
+                wait_turn();
+                pass_turn();
             }
             if (row_split) {  // Q is no longer read: the producer may load the next item's
                 __syncwarp();

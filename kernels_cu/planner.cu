@@ -490,10 +490,9 @@ extern "C" __global__ void plan_pair_weights(const plan_u32* __restrict__ bitmap
 // by two in order, then each slot's item: the pair of its block and its partner's (the lower slot), nothing
 // (the higher) or its block alone. slot_own: [slots][8] the blocks' owned pages (4 live pages).
 // SMEM: the head's keys and edges (edge ends as 16-bit slots), partners and best keys in shared memory
-// (plan_pair_match_smem, when they fit: PLAN_MATCH_SMEM_BYTES); otherwise partner and best live in
-// global memory (any number of slots), read past L1 (__ldcg), and the atomics update them in L2. The two
-// forms run the same rounds on the same keys: the same matching.
-#define PLAN_MATCH_SMEM_BYTES(slots, n_edges) (12ll * (n_edges) + 12ll * (slots) + 16)
+// (plan_pair_match_smem, where they fit: kernels/planner.py's pair_match_smem_bytes); otherwise partner
+// and best live in global memory (any number of slots), read past L1 (__ldcg), and the atomics update them
+// in L2. The two forms run the same rounds on the same keys: the same matching.
 
 template <bool SMEM>
 __device__ __forceinline__ void plan_pair_match_body(
@@ -648,7 +647,7 @@ extern "C" __global__ void __launch_bounds__(1024) plan_pair_match(
                                 m_bits, m_own, nullptr);
 }
 
-// The same, everything of the head in shared memory (PLAN_MATCH_SMEM_BYTES of dynamic shared memory;
+// The same, everything of the head in shared memory (12 bytes per edge and per slot of dynamic shared memory;
 // slots < 65,536): the rounds' loads and atomics stay on the SM instead of going to L2. The partners
 // are written to `partner` ([heads, slots]) at the end, as the global form leaves them.
 extern "C" __global__ void __launch_bounds__(1024) plan_pair_match_smem(

@@ -103,14 +103,14 @@ def run_workload(name: str, builds: list[tuple[str, ...]], args, timer) -> list[
     try:
         for defines in builds:
             label = variant_name(defines)
+            calls[label] = call_with(defines)
             _poison(o)
-            call_with(defines)()
+            calls[label]()
             cupy.cuda.Device().synchronize()
             rel = None
             if not args.no_check:
                 rel = case.rel_err_head0(bench.bf16_bits_to_float(cupy.asnumpy(o[:, 0])).astype(np.float64))
             checks[label] = rel
-            calls[label] = call_with(defines)
         if args.cudnn:
             calls[CUDNN] = _cudnn_call(case)
         names = list(calls)

@@ -232,7 +232,8 @@ def pair_weights(bitmap, row_blocks: int, words: int, heads: int, edges, n_edges
 
 
 def pair_match_smem_bytes(slots: int, n_edges: int) -> int:
-    """Dynamic shared memory of plan_pair_match_smem (PLAN_MATCH_SMEM_BYTES in planner.cu)."""
+    """Dynamic shared memory of plan_pair_match_smem: keys (8 bytes) and both ends (4) per edge, best key
+    (8) and partner (4) per slot, as planner.cu lays them out, and alignment slack."""
     return 12 * int(n_edges) + 12 * int(slots) + 16
 
 

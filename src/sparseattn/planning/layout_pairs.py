@@ -107,7 +107,7 @@ def neighbourhood_groups(layout, blocks: np.ndarray) -> tuple[list, list]:
     :data:`NEIGHBOURHOOD_RADIUS` of the two units' tiles coincide (nearby blocks select nearly the same K
     blocks, so an item of neighbours streams few pages its members do not all need); the units a level
     leaves are paired in order where they fit. Counted on VSA (every head): the partial blocks stream
-    0.90x the K pages of block order at 480p and 720p, fewer than the host's packing by selection
+    0.84x (480p) and 0.87x (720p) the K pages of block order, fewer than the host's packing by selection
     (0.92x / 0.94x), with as many items (``data/bench/experiments/NOTES_device_planner.md``, v13).
     """
     from scipy import sparse
@@ -129,61 +129,45 @@ def neighbourhood_groups(layout, blocks: np.ndarray) -> tuple[list, list]:
     )
     units = [np.asarray([b]) for b in blocks]
     for cap in (2, HALF_PAGES):  # units of at most 2 pages, then halves of at most 4
-        first, second = _merge_level(features, live, units, cap)
-        partner = _partner_of(first, second, len(units))
-        taken = np.zeros(len(units), dtype=bool)
-        taken[second] = True
-        groups = [[i] if partner[i] < 0 else [i, int(partner[i])] for i in range(len(units)) if not taken[i]]
+        groups = _merge_level(features, live, units, cap)
         rows = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
         merge = sparse.csr_matrix(
             (np.ones(rows.size, np.float32), (rows, np.concatenate(groups))), shape=(len(groups), len(units))
         )
         features = ((merge @ features) > 0).astype(np.float32)
         units = [np.sort(np.concatenate([units[i] for i in g])) for g in groups]
-    first, second = _merge_level(features, live, units, 2 * HALF_PAGES)  # the halves two by two: items
-    partner = _partner_of(first, second, len(units))
-    taken = np.zeros(len(units), dtype=bool)
-    taken[second] = True
     empty = np.zeros(0, np.int64)
-    items = [
-        (units[i], units[partner[i]] if partner[i] >= 0 else empty) for i in range(len(units)) if not taken[i]
+    items = [  # the halves two by two
+        (units[g[0]], units[g[1]] if len(g) > 1 else empty)
+        for g in _merge_level(features, live, units, 2 * HALF_PAGES)
     ]
     items.sort(key=lambda item: int(item[0].min()))
     return [a for a, _ in items], [b for _, b in items]
 
 
-def _partner_of(first: np.ndarray, second: np.ndarray, n: int) -> np.ndarray:
-    """int64 ``[n]``: each unit's partner of the pairs ``(first, second)`` (first < second), -1 if none."""
-    partner = np.full(n, -1, dtype=np.int64)
-    partner[first] = second
-    return partner
-
-
-def _merge_level(features, live: np.ndarray, units: list, cap: int) -> tuple[np.ndarray, np.ndarray]:
-    """One level of :func:`neighbourhood_groups`: int64 ``(first, second)`` (first < second), the greedy
-    matching of the units (block arrays, ``features`` their neighbourhood tiles) by shared tiles among
-    pairs whose live pages fit ``cap``, then the units left paired in block order where they fit."""
+def _merge_level(features, live: np.ndarray, units: list, cap: int) -> list[list[int]]:
+    """One level of :func:`neighbourhood_groups`: the units (block arrays, ``features`` their neighbourhood
+    tiles) as groups of one unit or two (lower index first, groups in the order of it): the greedy
+    matching by shared tiles among pairs whose live pages fit ``cap``, then the units left paired in
+    block order where they fit."""
     n = len(units)
     pages = np.asarray([int(live[u].sum()) for u in units], dtype=np.int64)
-    order_key = np.asarray([int(u.min()) for u in units], dtype=np.int64)
     shared = (features @ features.T).tocoo()
     a, b, w = shared.row.astype(np.int64), shared.col.astype(np.int64), shared.data
     keep = (a < b) & (w > 0) & (pages[a] + pages[b] <= cap)
     a, b, w = a[keep], b[keep], w[keep]
     chosen = greedy_matching(a, b, w, n)
-    first, second = list(a[chosen]), list(b[chosen])
-    free = np.ones(n, dtype=bool)
-    free[a[chosen]] = free[b[chosen]] = False
-    rest = [int(i) for i in np.argsort(order_key, kind="stable") if free[i]]
+    partner = np.full(n, -1, dtype=np.int64)
+    partner[a[chosen]], partner[b[chosen]] = b[chosen], a[chosen]
+    rest = [i for i in np.argsort([int(u.min()) for u in units], kind="stable").tolist() if partner[i] < 0]
     k = 0
     while k + 1 < len(rest):
         if pages[rest[k]] + pages[rest[k + 1]] <= cap:
-            first.append(min(rest[k], rest[k + 1]))
-            second.append(max(rest[k], rest[k + 1]))
+            partner[rest[k]], partner[rest[k + 1]] = rest[k + 1], rest[k]
             k += 2
         else:
             k += 1
-    return np.asarray(first, dtype=np.int64), np.asarray(second, dtype=np.int64)
+    return [[i] if partner[i] < 0 else [i, int(partner[i])] for i in range(n) if not 0 <= partner[i] < i]
 
 
 #: Tile steps (t, h, w) to a neighbour a pair may join: half of the 26-neighbourhood (the other half gives
