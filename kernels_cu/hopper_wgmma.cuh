@@ -356,11 +356,8 @@ __device__ __forceinline__ uint32_t column_bits(const uint32_t* page_masks, int 
 // warp's 16): invalid key columns -> -inf; running max (quad-reduced) and this lane's partial sums
 // updated; S replaced by exp2(S·scale_log2 − max·scale_log2); alpha[r] rescales O. A tile whose columns
 // are all valid for this thread (full pages) skips the masking selects (about a quarter of the
-// softmax's instructions). LAZY: a row keeps its running max while the tile's exceeds it by at most
-// kLazyRescaleLog2 (exp2 units), so P ≤ 2^kLazyRescaleLog2 and alpha stays exactly 1 (no O rescale); the
-// final O / sum and LSE use the same max, so the result is unchanged up to rounding.
-constexpr float kLazyRescaleLog2 = 8.f;
-template <int KEYS, bool LAZY = false>
+// softmax's instructions).
+template <int KEYS>
 __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], uint32_t col_bits, float scale_log2,
                                                float (&row_max)[2], float (&row_sum)[2], float (&alpha)[2]) {
     constexpr uint32_t kAllColumns = KEYS / 4 >= 32 ? 0xffffffffu : (1u << (KEYS / 4)) - 1u;
@@ -381,11 +378,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], uint32_t co
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float new_max = fmaxf(row_max[r], paged::quad_max(tile_max[r]));
-        if (LAZY && row_max[r] != -INFINITY && (new_max - row_max[r]) * scale_log2 <= kLazyRescaleLog2)
-            new_max = row_max[r];
         base_l2[r] = new_max == -INFINITY ? 0.f : new_max * scale_log2;
         alpha[r] = exp2f(row_max[r] * scale_log2 - base_l2[r]);  // 0 when row_max was -inf
-        if (LAZY && new_max == row_max[r]) alpha[r] = 1.f;       // exactly (the FFMA above may round)
         row_max[r] = new_max;
         row_sum[r] *= alpha[r];
     }

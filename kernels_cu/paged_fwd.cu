@@ -35,8 +35,6 @@
 // tensor maps tmK / tmV over [batch · heads · k_slots, HEAD_DIM]); partial and empty V pages keep the
 // zero-filling cp.async; K columns of invalid rows are masked, so their stale rows are never used.
 // PAGED_FWD_PINGPONG (opt-in): the consumer warpgroups issue their GEMMs in turns (kPingPong).
-// PAGED_FWD_MASK_READERS (opt-in): four lanes per consumer warp read the page masks (kMaskReaders).
-// PAGED_FWD_LAZY_RESCALE (opt-in): O is rescaled only when a row's running max moves by more than 2^8.
 // PAGED_FWD_REGS_232 (opt-in, with PAGED_FWD_TMA): 40 registers for the producer, 232 for the consumers.
 #include "hopper_wgmma.cuh"
 
@@ -73,19 +71,11 @@ namespace {
 
 constexpr int kProducerThreads = 128;
 constexpr int kConsumerWarps = 8;
-#ifdef PAGED_FWD_MASK_READERS
 // Lanes of a consumer warp that read a chunk's page masks (lane t4 computes the column bits of quad
 // position t4) and arrive on its K buffer's empty barrier: an arrival releases only its own lane's reads,
-// so racecheck finds every read ordered before the producer's next store to the slot.
+// so every read is ordered before the producer's next store to the slot (racecheck-clean; the form where
+// all 32 lanes read the masks and lane 0 released the buffer was not).
 constexpr int kMaskReaders = 4;
-#else
-// Default: every lane reads the masks in the same instruction and lane 0 releases the buffer. racecheck
-// reports the other lanes' reads against the producer's next store (an arrival releases only its own
-// thread's accesses); the four-reader build above is clean (its first form, whose page sets reached the
-// S issue through a shuffle, cost the pair kernel 7.5%; the skip decision is now a warp vote).
-constexpr int kMaskReaders = 32;
-#endif
-constexpr int kReleaseLanes = kMaskReaders == 32 ? 1 : kMaskReaders;  // arrivals per warp on k_empty
 #ifdef PAGED_FWD_PINGPONG
 // The consumer warpgroups issue their GEMMs in turns (named barrier kTurnBarrier + cw: this warpgroup's
 // turn), so one's softmax runs under the other's GEMMs. Every chunk iteration takes a turn, skipped pair
@@ -96,13 +86,6 @@ constexpr bool kPingPong = true;
 constexpr bool kPingPong = false;
 #endif
 constexpr int kTurnBarrier = 3;
-#ifdef PAGED_FWD_LAZY_RESCALE
-// A row's running max moves only when a tile's exceeds it by more than 2^8 (hopper::online_softmax's
-// LAZY), and a warp rescales O only when one of its rows' max moved (a vote).
-constexpr bool kLazyRescale = true;
-#else
-constexpr bool kLazyRescale = false;
-#endif
 
 template <int HEAD_DIM, int CHUNK>
 struct FwdConfig {
@@ -243,7 +226,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         for (int i = 0; i < NBUF; ++i) {
             hopper::mbar_init(sm.k_full(i), kProducerThreads);
             hopper::mbar_init(sm.v_full(i), kProducerThreads);
-            hopper::mbar_init(sm.k_empty(i), kConsumerWarps * kReleaseLanes);
+            hopper::mbar_init(sm.k_empty(i), kConsumerWarps * kMaskReaders);
             hopper::mbar_init(sm.v_empty(i), kConsumerWarps);
         }
         hopper::mbar_init(sm.q_full(), kProducerThreads);
@@ -423,8 +406,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     // bit 16 + s of a page's mask: owned page slot s sees it (none set: every slot does);
                     // this warpgroup's slots are 4·cw .. 4·cw + 3 (0..3 on a key split), this warp's is one.
                     // Branch-free: this decode sits between the chunk's arrival and its S = Q·Kᵀ issue.
-                    // (kMaskReaders < 32: the other lanes hold zeros; the skip decision is a warp vote, and
-                    // the readers fold the page sets into the column bits they hand out after the S issue)
+                    // (only the kMaskReaders lanes read them, the others hold zeros: the skip decision is a
+                    // warp vote, and the readers fold the page sets into the column bits they hand out)
                     static_assert(PAGES % 4 == 0 && PAGES <= 16, "pair chunks read their page masks 16 bytes at a time");
                     const uint4* words = reinterpret_cast<const uint4*>(sm.kmask + buf * PAGES);
 #pragma unroll
@@ -446,7 +429,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                         seen |= (sees & group_slots) ? 1u << p : 0u;
                         warp_seen |= (sees & warp_slot) ? 1u << p : 0u;
                     }
-                    const bool skip = kMaskReaders < 32 ? !__any_sync(0xffffffffu, seen != 0u) : seen == 0u;
+                    const bool skip = !__any_sync(0xffffffffu, seen != 0u);
                     if (skip) {  // nothing for these rows: release the chunk once it has landed
                         // The pending P·V stays pending (it runs behind this warpgroup's next S) unless
                         // the skipped chunk's load needs its V buffer, which the producer frees in ring
@@ -463,7 +446,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                         }
                         hopper::mbar_wait(sm.v_full(buf), par);
                         __syncwarp();
-                        if (lane < kReleaseLanes) hopper::mbar_arrive(sm.k_empty(buf), release);
+                        if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
                         if (lane == 0) hopper::mbar_arrive(sm.v_empty(buf), release);
                         continue;
                     }
@@ -491,30 +474,21 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 }
                 // the column mask, off the path to the S issue (PAIR: from the masks read above; else from
                 // shared memory, before this warp releases the K buffer the masks belong to)
-                if constexpr (kMaskReaders == 32) {
-                    if constexpr (PAIR) {
-                        col_bits = hopper::column_bits<CHUNK>(page_mask, t4) & seen_cols;
-                    } else {
-                        col_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, t4);
-                    }
+                uint32_t quad_bits = 0u;  // lane t4 < 4: the column bits of quad position t4
+                if constexpr (PAIR) {
+                    quad_bits = hopper::column_bits<CHUNK>(page_mask, lane & 3) & seen_cols;
                 } else {
-                    uint32_t quad_bits = 0u;  // lane t4 < 4: the column bits of quad position t4
-                    if constexpr (PAIR) {
-                        quad_bits = hopper::column_bits<CHUNK>(page_mask, lane & 3) & seen_cols;
-                    } else {
-                        if (lane < kMaskReaders) quad_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, lane);
-                    }
-                    col_bits = __shfl_sync(0xffffffffu, quad_bits, t4);
+                    if (lane < kMaskReaders) quad_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, lane);
                 }
+                col_bits = __shfl_sync(0xffffffffu, quad_bits, t4);
                 hopper::pin_registers(s);
-                if (lane < kReleaseLanes) hopper::mbar_arrive(sm.k_empty(buf), release);
-                hopper::online_softmax<CHUNK, kLazyRescale>(s, col_bits, scale_log2, row_max, row_sum, alpha);
+                if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
+                hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
                 hopper::pin_registers(s);  // the softmax is computed before the wait below, under the P·V
                 hopper::wgmma_wait<0>();
                 hopper::pin_registers(o);
                 if (prev >= 0 && lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
-                if (!kLazyRescale || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f))
-                    hopper::rescale_rows(o, alpha);
+                hopper::rescale_rows(o, alpha);
                 hopper::pack_p<CHUNK>(pa, s);
                 prev = buf;
                 prev_par = par;

@@ -368,7 +368,8 @@ def variant_ratio_figure(records: list[dict], path=None) -> Figure:
     palette = [c for name, c in figstyle.OKABE_ITO.items() if name not in ("grey",)]
     with figstyle.style():
         fig = figstyle.figure(
-            width=figstyle.TWO_COLUMN, height=1.2 + 0.3 * len(workloads) * max(1.0, len(builds) / 3)
+            width=figstyle.TWO_COLUMN,
+            height=1.6 + 0.3 * len(workloads) * max(1.0, len(builds) / 3) + 0.12 * len(builds),
         )
         ax = fig.add_subplot()
         step = 0.8 / max(1, len(builds))
@@ -384,11 +385,12 @@ def variant_ratio_figure(records: list[dict], path=None) -> Figure:
                 lo.append(rec["paired_ratio"] - q1)
                 hi.append(q3 - rec["paired_ratio"])
             color = palette[b % len(palette)]
-            ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", ms=3.5, color=color, elinewidth=1.0, label=build)
+            label = " + ".join(part.removeprefix("PAGED_FWD_") for part in build.split(","))
+            ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", ms=3.5, color=color, elinewidth=1.0, label=label)
         ax.axvline(1.0, color=figstyle.OKABE_ITO["grey"], lw=0.8, zorder=0)
         ax.set_yticks(range(len(workloads)), [figstyle.workload_label(w) for w in workloads])
         ax.invert_yaxis()
         ax.set_xlabel(f"time ÷ {baseline}'s in the same round (median over rounds; bar: quartiles)")
         ax.set_title("KPage forward builds alternated in one process")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize="small", frameon=False)
     return _write(fig, path)

@@ -63,17 +63,13 @@ MAX_BATCH = 1 << 15
 #: entry and no owned page by without the Q buffer's hand-off (device plans hold one per block that joined
 #: its neighbour's pair item); ``PAGED_FWD_TMA`` loads K pages and full V pages with the tensor-memory
 #: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters); ``PAGED_FWD_PINGPONG``
-#: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_MASK_READERS`` has four lanes
-#: per consumer warp read a chunk's page masks and release its K buffer (racecheck-clean);
-#: ``PAGED_FWD_LAZY_RESCALE`` rescales O only when a row's running max moves by more than 2^8;
-#: ``PAGED_FWD_REGS_232`` gives the consumers 232 registers and the producer 40 (with ``PAGED_FWD_TMA``:
-#: :data:`VARIANT_NEEDS`). ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
+#: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_REGS_232`` gives the consumers
+#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`).
+#: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
 VARIANTS = (
     "PAGED_FWD_SKIP_VOID",
     "PAGED_FWD_TMA",
     "PAGED_FWD_PINGPONG",
-    "PAGED_FWD_MASK_READERS",
-    "PAGED_FWD_LAZY_RESCALE",
     "PAGED_FWD_REGS_232",
 )
 #: Variants that compile only together with others.

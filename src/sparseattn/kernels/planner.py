@@ -46,10 +46,9 @@ ITEMS_WRITE = os.environ.get("SPARSEATTN_PLAN_ITEMS_WRITE") or "auto"
 #: Where the pair matching keeps a head's keys, edges, partners and best keys: "smem" (shared memory,
 #: plan_pair_match_smem), "global" (partners and best keys in L2, plan_pair_match: any size) or "auto"
 #: (shared memory where they fit in PAIR_MATCH_SMEM_MAX bytes, which 480p and 720p VSA layouts do);
-#: ``SPARSEATTN_PLAN_PAIR_MATCH``. Both run the same rounds: the same matching. The default stays
-#: "global" until the shared-memory form has passed its GPU tests (NOTES_device_planner v12).
+#: ``SPARSEATTN_PLAN_PAIR_MATCH``. Both run the same rounds: the same matching; "auto" is the default.
 PAIR_MATCH_FORMS = ("auto", "smem", "global")
-PAIR_MATCH = os.environ.get("SPARSEATTN_PLAN_PAIR_MATCH") or "global"
+PAIR_MATCH = os.environ.get("SPARSEATTN_PLAN_PAIR_MATCH") or "auto"
 PAIR_MATCH_SMEM_MAX = 200 * 1024
 THREADS = 256
 NULL = np.uint64(0)
