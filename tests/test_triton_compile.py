@@ -101,3 +101,21 @@ def test_block_mask_kernel_compiles_for_sm90(group_dtype):
     )
     kernel = _compile(_block_mask_kernel, sig, dict(BQ=TILE_Q, BK=TILE_K))
     assert kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("block", [64, 1024, 4096])
+def test_cluster_select_kernel_compiles_for_sm90(block):
+    from sparseattn.cluster_select import _select_kernel
+
+    sig = dict(
+        dots_ptr="*fp64",
+        bias_ptr="*fp64",
+        params_ptr="*fp64",
+        alive_ptr="*i64",
+        least_ptr="*i64",
+        out_ptr="*u8",
+        q_clusters="i32",
+        k_clusters="i32",
+    )
+    kernel = _compile(_select_kernel, sig, dict(BLOCK=block))
+    assert kernel.metadata.shared <= 227 * 1024

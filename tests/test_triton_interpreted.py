@@ -1,7 +1,7 @@
 """The Triton kernels (the SVG2 planner's page streams, the fused nearest centroid, tokens to slots, the
-block mask of the cluster pairs) under Triton's interpreter on the CPU, against their torch references
-(``triton_interpreted_checks.py``, in a fresh process: the interpreter is chosen when Triton is
-imported). The GPU tests run them compiled."""
+block mask and the top-p selection of the cluster pairs) under Triton's interpreter on the CPU, against
+their torch references (``triton_interpreted_checks.py``, in a fresh process: the interpreter is chosen
+when Triton is imported). The GPU tests run them compiled."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
 CHECKS = Path(__file__).with_name("triton_interpreted_checks.py")
 
 
-@pytest.mark.parametrize("kernel", ["page_streams", "nearest_centroid", "slot_copy", "cluster_blocks"])
+@pytest.mark.parametrize(
+    "kernel", ["page_streams", "nearest_centroid", "slot_copy", "cluster_blocks", "cluster_select"]
+)
 def test_triton_kernel_under_the_interpreter_equals_torch(kernel):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(

@@ -2,7 +2,7 @@
 
 Triton's interpreter must be chosen before Triton is imported, so ``test_triton_interpreted.py`` runs
 this file in a fresh process with ``TRITON_INTERPRET=1``: ``python tests/triton_interpreted_checks.py
-page_streams`` (or ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``). Exit status 0 when every case agrees.
+page_streams`` (or ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``, ``cluster_select``). Exit status 0 when every case agrees.
 """
 
 from __future__ import annotations
@@ -157,6 +157,57 @@ def check_cluster_blocks() -> int:
         wide[:, 0] = cq  # outside the cluster range: nothing selected, nothing read
         assert not cluster_blocks.block_mask(cmask, wide, kg)[:, 0].any()
         cases += 1
+    return cases
+
+
+def check_cluster_select() -> int:
+    """SVG2's top-p selection by one Triton program per Q cluster equals the torch sort (and the host's
+    numpy rule): random scores, bit-equal ties, a row without live K clusters, underflowing scores, K
+    cluster counts that are not powers of two."""
+    import numpy as np
+
+    from sparseattn import builders, cluster_select, svg2_device
+
+    cases = 0
+    g = torch.Generator().manual_seed(5)
+    shapes = ((3, 6, 40, 8, 1.0), (2, 4, 1000, 16, 1.0), (3, 5, 24, 4, 0.0), (1, 3, 17, 2, 300.0))
+    for n, cq, ck, d, scale in shapes:
+        if scale:  # random centroids (the last shape: scores that underflow)
+            qc = torch.randn(n, cq, d, generator=g, dtype=torch.float64) * scale**0.5
+            kc = torch.randn(n, ck, d, generator=g, dtype=torch.float64) * scale**0.5
+        else:  # small integers: equal scores are bit-equal
+            qc = torch.randint(-1, 2, (n, cq, d), generator=g).double()
+            kc = torch.randint(-1, 2, (n, ck, d), generator=g).double()
+        sizes = torch.randint(0, 4 if not scale else 30, (n, ck), generator=g)
+        sizes[:, ::5] = 0
+        if n > 1:
+            sizes[1] = 0  # no live K cluster: nothing selected
+        for top_p, min_fraction in ((0.9, 0.1), (0.3, 0.0), (1.0, 0.0), (0.2, 1.0)):
+            assert cluster_select.available(qc), "the interpreter is not on"
+            got = svg2_device.svg2_select(qc, kc, sizes, d, top_p, min_fraction)
+            alive = (sizes > 0).sum(-1, keepdim=True)
+            least = torch.ceil(min_fraction * alive.double() - 1e-9).long().minimum(alive)
+            dots = torch.bmm(qc, kc.transpose(1, 2))
+            want = svg2_device._select_by_sort(dots, sizes, d, top_p, least)
+            assert got.dtype == torch.bool and torch.equal(got, want), (
+                n,
+                cq,
+                ck,
+                d,
+                scale,
+                top_p,
+                min_fraction,
+            )
+            for r in range(n):
+                host = np.zeros((cq, ck), bool)
+                with np.errstate(invalid="ignore"):
+                    i, j = builders.svg2_select(
+                        qc[r].numpy(), kc[r].numpy(), sizes[r].numpy(), d, top_p, min_fraction
+                    )
+                host[i, j] = True
+                host &= sizes[r].numpy()[None, :] > 0  # the host counts empty clusters among underflowed ties
+                assert np.array_equal(got[r].numpy(), host) or scale > 100, (r, n, cq, ck, top_p)
+            cases += 1
     return cases
 
 

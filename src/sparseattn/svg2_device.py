@@ -427,14 +427,30 @@ def svg2_select(
     Empty K clusters are never selected (nor is anything in a row without non-empty K clusters).
 
     ``q_centroids`` ``[N, q_clusters, d]``, ``k_centroids`` ``[N, k_clusters, d]``, ``k_sizes`` int
-    ``[N, k_clusters]``. Computed in float64 when ``q_centroids`` is float64, else in float32.
+    ``[N, k_clusters]``. Computed in float64 when ``q_centroids`` is float64 (on a device Triton runs on,
+    by :func:`sparseattn.cluster_select.select_mask`, one program per Q cluster), else in float32.
     """
+    from . import cluster_select
+
     dtype = torch.float64 if q_centroids.dtype == torch.float64 else torch.float32
     qc, kc = q_centroids.to(dtype), k_centroids.to(dtype)
     alive = k_sizes > 0  # [N, Ck]
     n_alive = alive.sum(-1, keepdim=True)  # [N, 1]
-    logits = torch.bmm(qc, kc.transpose(1, 2)) / math.sqrt(head_dim)
-    logits = logits + k_sizes.to(dtype).clamp_min(1).log().unsqueeze(1)
+    least = torch.ceil(min_fraction * n_alive.to(torch.float64) - 1e-9).long().minimum(n_alive)
+    dots = torch.bmm(qc, kc.transpose(1, 2))
+    if dtype == torch.float64 and cluster_select.available(dots):  # one program per Q cluster
+        bias = k_sizes.to(dtype).clamp_min(1).log().masked_fill(~alive, -math.inf)
+        return cluster_select.select_mask(dots, bias, head_dim, top_p, least.squeeze(-1))
+    return _select_by_sort(dots, k_sizes, head_dim, top_p, least)
+
+
+def _select_by_sort(dots, k_sizes, head_dim: int, top_p: float, least):
+    """:func:`svg2_select` in torch from ``dots`` ``[N, Cq, Ck]`` (centroid dot products) and ``least``
+    ``[N, 1]``: a sort of every row's probabilities (the CPU path and the Triton kernel's reference)."""
+    alive = k_sizes > 0
+    n_alive = alive.sum(-1, keepdim=True)
+    logits = dots / math.sqrt(head_dim)
+    logits = logits + k_sizes.to(dots.dtype).clamp_min(1).log().unsqueeze(1)
     logits = logits.masked_fill(~alive.unsqueeze(1), -math.inf)
     top = logits.amax(-1, keepdim=True)
     p = (logits - torch.where(torch.isfinite(top), top, 0.0)).exp()
@@ -442,7 +458,6 @@ def svg2_select(
     descending = p.sort(-1, descending=True).values
     cum = descending.cumsum(-1)
     keep = ((cum < top_p * (1 - 1e-12)).sum(-1) + 1).minimum(n_alive)  # [N, Cq]
-    least = torch.ceil(min_fraction * n_alive.to(torch.float64) - 1e-9).long().minimum(n_alive)
     keep = keep.maximum(least)
     last = descending.gather(-1, (keep - 1).clamp_min(0).unsqueeze(-1))
     above = (p > last) & alive.unsqueeze(1)

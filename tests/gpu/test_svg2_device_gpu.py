@@ -189,3 +189,28 @@ def test_block_mask_kernel_matches_the_torch_gathers(group_dtype):
     out = cluster_blocks.block_mask(cmask, qg, kg)
     want = sd._block_mask_by_gathers(cmask, qg, kg)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("top_p, min_fraction", [(0.9, 0.1), (0.5, 0.0), (0.95, 0.3)])
+def test_select_kernel_matches_the_torch_sort(top_p, min_fraction):
+    """SVG2's top-p selection by the Triton kernel (one program per Q cluster) at the 720p shape's clusters
+    (8 rows of 300 × 1,000, float64) equals the torch sort's, empty K clusters and a row without live
+    ones included."""
+    from sparseattn import cluster_select
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    n, cq, ck, d = 8, 300, 1000, 128
+    qc = torch.randn(n, cq, d, generator=g, device="cuda", dtype=torch.float64) * 0.4
+    kc = torch.randn(n, ck, d, generator=g, device="cuda", dtype=torch.float64) * 0.4
+    sizes = torch.randint(0, 160, (n, ck), generator=g, device="cuda")
+    sizes[:, ::9] = 0
+    sizes[3] = 0
+    assert cluster_select.available(qc)
+    got = sd.svg2_select(qc, kc, sizes, d, top_p, min_fraction)
+    alive = (sizes > 0).sum(-1, keepdim=True)
+    least = torch.ceil(min_fraction * alive.double() - 1e-9).long().minimum(alive)
+    want = sd._select_by_sort(torch.bmm(qc, kc.transpose(1, 2)), sizes, d, top_p, least)
+    assert torch.equal(got, want)
+    assert not got[3].any() and got[:, :, ::9].sum() == 0
+    live_rows = torch.arange(n, device="cuda") != 3
+    assert (got[live_rows].sum(-1) >= 1).all()  # every Q cluster of a live row keeps at least one

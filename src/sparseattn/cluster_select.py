@@ -1,0 +1,112 @@
+"""SVG2's top-p selection of cluster pairs, one Triton program per Q cluster.
+
+:func:`sparseattn.svg2_device.svg2_select` in torch runs about twenty passes over its ``[N, q_clusters,
+k_clusters]`` float64 tensors (softmax, a float64 sort for the descending order, cumulative sums, the tie
+rule): 2.5 ms of SVG2's 720p call (40 heads, 300 × 1,000 clusters, H100). Here one program holds a row of
+``k_clusters`` scores in registers: it takes the softmax, sorts the probabilities (``tl.sort``, values only:
+the rule needs the ``keep``-th largest value, not the order), and writes the row's mask once. Same rule,
+same precision (float64 or float32, as the scores); sums are taken in a different order than torch's, so
+a score within rounding of the top-p boundary may fall the other way.
+
+Runs on CUDA tensors (or on the CPU under ``TRITON_INTERPRET=1``, for tests); :func:`available` says
+whether it can run on a tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .triton_support import runs_on, tl, triton
+
+#: The largest ``k_clusters`` one program holds (a row of scores in registers).
+MAX_K_CLUSTERS = 4096
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether :func:`select_mask` runs its kernel on ``x``'s device and size: Triton importable, a CUDA
+    device (or the CPU under ``TRITON_INTERPRET=1``) and at most :data:`MAX_K_CLUSTERS` K clusters."""
+    return runs_on(x) and x.shape[-1] <= MAX_K_CLUSTERS
+
+
+if triton is not None:
+
+    @triton.jit
+    def _select_kernel(
+        dots_ptr,  # [N, CQ, CK]: qc_i · kc_j
+        bias_ptr,  # [N, CK]: log(max(size, 1)) of a live cluster, -inf of an empty one
+        params_ptr,  # [3] in the scores' dtype: sqrt(head_dim), top_p · (1 − 1e-12), unused
+        alive_ptr,  # int64 [N]: live K clusters per row
+        least_ptr,  # int64 [N]: the fewest clusters a Q cluster keeps
+        out_ptr,  # bool (uint8) [N, CQ, CK]
+        q_clusters,
+        k_clusters,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)  # n · CQ + i
+        n = row // q_clusters
+        j = tl.arange(0, BLOCK)
+        in_row = j < k_clusters
+        bias = tl.load(bias_ptr + n * k_clusters + j, mask=in_row, other=float("-inf"))
+        live = in_row & (bias > float("-inf"))
+        dot = tl.load(dots_ptr + row * k_clusters + j, mask=in_row, other=0.0)
+        root = tl.load(params_ptr)
+        top_p = tl.load(params_ptr + 1)
+        logits = tl.where(live, dot / root + bias, float("-inf"))
+        top = tl.max(logits, 0)
+        n_alive = tl.load(alive_ptr + n)
+        shift = tl.where(n_alive > 0, top, 0.0)
+        e = tl.where(live, tl.exp(logits - shift), 0.0)
+        p = e / tl.sum(e, 0)
+        descending = tl.sort(p, 0, descending=True)
+        cum = tl.cumsum(descending, 0)
+        keep = tl.minimum(tl.sum((cum < top_p).to(tl.int64), 0) + 1, n_alive)
+        keep = tl.maximum(keep, tl.load(least_ptr + n))
+        last = tl.sum(tl.where(j == keep - 1, descending, 0.0), 0)
+        above = live & (p > last)
+        tied = live & (p == last)
+        tied_needed = keep - tl.sum(above.to(tl.int64), 0)
+        chosen = above | (tied & (tl.cumsum(tied.to(tl.int64), 0) <= tied_needed))
+        chosen = chosen & (keep > 0)
+        tl.store(out_ptr + row * k_clusters + j, chosen.to(tl.uint8), mask=in_row)
+
+
+def select_mask(dots: torch.Tensor, bias: torch.Tensor, head_dim: int, top_p: float, least: torch.Tensor):
+    """bool ``[N, q_clusters, k_clusters]``: SVG2's rule (:func:`sparseattn.svg2_device.svg2_select`) from
+    ``dots`` ``[N, q_clusters, k_clusters]`` (centroid dot products, float64 or float32), ``bias``
+    ``[N, k_clusters]`` of the same dtype (``log(max(size, 1))`` of a live K cluster, ``-inf`` of an empty
+    one) and ``least`` int64 ``[N]`` (the fewest clusters a Q cluster keeps). Needs :func:`available`."""
+    if not available(dots):
+        raise ValueError(
+            f"select_mask needs Triton, a CUDA tensor and at most {MAX_K_CLUSTERS} K clusters, got "
+            f"{list(dots.shape)} on {dots.device}"
+        )
+    if dots.ndim != 3 or dots.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"dots must be float32/float64 [N, q_clusters, k_clusters], got {dots.dtype} {list(dots.shape)}"
+        )
+    n, cq, ck = dots.shape
+    if bias.shape != (n, ck) or bias.dtype != dots.dtype:
+        raise ValueError(f"bias must be {dots.dtype} [{n}, {ck}], got {bias.dtype} {list(bias.shape)}")
+    dots, bias = dots.contiguous(), bias.contiguous()
+    alive = torch.isfinite(bias).sum(-1)
+    params = torch.tensor(
+        [math.sqrt(head_dim), top_p * (1 - 1e-12), 0.0], dtype=dots.dtype, device=dots.device
+    )
+    out = torch.empty(n, cq, ck, dtype=torch.bool, device=dots.device)
+    if out.numel():
+        block = max(16, triton.next_power_of_2(ck))
+        _select_kernel[(n * cq,)](
+            dots,
+            bias,
+            params,
+            alive,
+            least.to(torch.int64).contiguous(),
+            out.view(torch.uint8),
+            cq,
+            ck,
+            BLOCK=block,
+            num_warps=4 if block <= 1024 else 8,
+        )
+    return out
