@@ -103,8 +103,9 @@ def test_block_mask_kernel_compiles_for_sm90(group_dtype):
     assert kernel.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("bisect", [False, True], ids=["sort", "bisect"])
 @pytest.mark.parametrize("block", [64, 1024, 4096])
-def test_cluster_select_kernel_compiles_for_sm90(block):
+def test_cluster_select_kernel_compiles_for_sm90(block, bisect):
     from sparseattn.cluster_select import _select_kernel
 
     sig = dict(
@@ -117,5 +118,5 @@ def test_cluster_select_kernel_compiles_for_sm90(block):
         q_clusters="i32",
         k_clusters="i32",
     )
-    kernel = _compile(_select_kernel, sig, dict(BLOCK=block))
+    kernel = _compile(_select_kernel, sig, dict(BLOCK=block, BISECT=bisect))
     assert kernel.metadata.shared <= 227 * 1024

@@ -161,9 +161,9 @@ def check_cluster_blocks() -> int:
 
 
 def check_cluster_select() -> int:
-    """SVG2's top-p selection by one Triton program per Q cluster equals the torch sort (and the host's
-    numpy rule): random scores, bit-equal ties, a row without live K clusters, underflowing scores, K
-    cluster counts that are not powers of two."""
+    """SVG2's top-p selection by one Triton program per Q cluster, sorting and bisecting, equals the torch
+    sort (and the host's numpy rule): random scores, bit-equal ties, a row without live K clusters,
+    underflowing scores, K cluster counts that are not powers of two."""
     import numpy as np
 
     from sparseattn import builders, cluster_select, svg2_device
@@ -198,6 +198,9 @@ def check_cluster_select() -> int:
                 top_p,
                 min_fraction,
             )
+            bias = sizes.double().clamp_min(1).log().masked_fill(sizes == 0, float("-inf"))
+            bisected = cluster_select.select_mask(dots, bias, d, top_p, least.squeeze(-1), method="bisect")
+            assert torch.equal(bisected, want), ("bisect", n, cq, ck, d, scale, top_p, min_fraction)
             for r in range(n):
                 host = np.zeros((cq, ck), bool)
                 with np.errstate(invalid="ignore"):

@@ -191,13 +191,15 @@ def test_block_mask_kernel_matches_the_torch_gathers(group_dtype):
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("method", ["sort", "bisect"])
 @pytest.mark.parametrize("top_p, min_fraction", [(0.9, 0.1), (0.5, 0.0), (0.95, 0.3)])
-def test_select_kernel_matches_the_torch_sort(top_p, min_fraction):
-    """SVG2's top-p selection by the Triton kernel (one program per Q cluster) at the 720p shape's clusters
-    (8 rows of 300 × 1,000, float64) equals the torch sort's, empty K clusters and a row without live
+def test_select_kernel_matches_the_torch_sort(top_p, min_fraction, method, monkeypatch):
+    """SVG2's top-p selection by the Triton kernel (one program per Q cluster, sorting or bisecting) at the
+    720p shape's clusters (8 rows of 300 × 1,000, float64) equals the torch sort's, empty K clusters and a row without live
     ones included."""
     from sparseattn import cluster_select
 
+    monkeypatch.setattr(cluster_select, "METHOD", method)
     g = torch.Generator(device="cuda").manual_seed(11)
     n, cq, ck, d = 8, 300, 1000, 128
     qc = torch.randn(n, cq, d, generator=g, device="cuda", dtype=torch.float64) * 0.4
