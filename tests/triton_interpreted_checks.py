@@ -185,10 +185,8 @@ def check_cluster_select() -> int:
         for top_p, min_fraction in ((0.9, 0.1), (0.3, 0.0), (1.0, 0.0), (0.2, 1.0)):
             assert cluster_select.available(qc), "the interpreter is not on"
             got = svg2_device.svg2_select(qc, kc, sizes, d, top_p, min_fraction)
-            alive = (sizes > 0).sum(-1, keepdim=True)
-            least = torch.ceil(min_fraction * alive.double() - 1e-9).long().minimum(alive)
-            dots = torch.bmm(qc, kc.transpose(1, 2))
-            want = svg2_device._select_by_sort(dots, sizes, d, top_p, least)
+            dots, bias, least = svg2_device.selection_inputs(qc, kc, sizes, min_fraction)
+            want = svg2_device._select_by_sort(dots, bias, d, top_p, least)
             assert got.dtype == torch.bool and torch.equal(got, want), (
                 n,
                 cq,
@@ -198,8 +196,7 @@ def check_cluster_select() -> int:
                 top_p,
                 min_fraction,
             )
-            bias = sizes.double().clamp_min(1).log().masked_fill(sizes == 0, float("-inf"))
-            bisected = cluster_select.select_mask(dots, bias, d, top_p, least.squeeze(-1), method="bisect")
+            bisected = cluster_select.select_mask(dots, bias, d, top_p, least, method="bisect")
             assert torch.equal(bisected, want), ("bisect", n, cq, ck, d, scale, top_p, min_fraction)
             for r in range(n):
                 host = np.zeros((cq, ck), bool)

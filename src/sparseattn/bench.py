@@ -726,15 +726,22 @@ def bench_flex(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     return out
 
 
+def cudnn_dense_inputs(case: Case):
+    """Random bf16 ``q, k, v`` ``[batch, heads, tokens, d]`` of the workload's compact (unpadded) token
+    count, heads and head dim: what ``cudnn_dense`` attends over."""
+    torch = _torch()
+    n = head_graph(case.graph, 0).q.num_tokens
+    q = torch.randn(case.b, case.graph.heads, n, case.d, dtype=torch.bfloat16, device="cuda")
+    return q, torch.randn_like(q), torch.randn_like(q)
+
+
 def bench_cudnn_dense(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     torch = _torch()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    g = case.graph
-    n = head_graph(g, 0).q.num_tokens
-    h, d, b = g.heads, case.d, case.b
-    q = torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda")
-    k, v, do = torch.randn_like(q), torch.randn_like(q), torch.randn_like(q)
+    q, k, v = cudnn_dense_inputs(case)
+    do = torch.randn_like(q)
+    b, h, n, _ = q.shape
     physical = n * n * h * b
     out = []
     sdpa = torch.nn.functional.scaled_dot_product_attention

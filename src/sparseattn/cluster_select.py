@@ -46,7 +46,7 @@ if triton is not None:
     def _select_kernel(
         dots_ptr,  # [N, CQ, CK]: qc_i · kc_j
         bias_ptr,  # [N, CK]: log(max(size, 1)) of a live cluster, -inf of an empty one
-        params_ptr,  # [3] in the scores' dtype: sqrt(head_dim), top_p · (1 − 1e-12), unused
+        params_ptr,  # [2] in the scores' dtype: sqrt(head_dim), top_p · (1 − 1e-12)
         alive_ptr,  # int64 [N]: live K clusters per row
         least_ptr,  # int64 [N]: the fewest clusters a Q cluster keeps
         out_ptr,  # bool (uint8) [N, CQ, CK]
@@ -150,9 +150,7 @@ def select_mask(
         raise ValueError(f"method='bisect' bisects float64 bit patterns; dots are {dots.dtype}")
     dots, bias = dots.contiguous(), bias.contiguous()
     alive = torch.isfinite(bias).sum(-1)
-    params = torch.tensor(
-        [math.sqrt(head_dim), top_p * (1 - 1e-12), 0.0], dtype=dots.dtype, device=dots.device
-    )
+    params = torch.tensor([math.sqrt(head_dim), top_p * (1 - 1e-12)], dtype=dots.dtype, device=dots.device)
     out = torch.empty(n, cq, ck, dtype=torch.bool, device=dots.device)
     if out.numel():
         block = max(16, triton.next_power_of_2(ck))

@@ -432,25 +432,33 @@ def svg2_select(
     """
     from . import cluster_select
 
+    dots, bias, least = selection_inputs(q_centroids, k_centroids, k_sizes, min_fraction)
+    if dots.dtype == torch.float64 and cluster_select.available(dots):  # one program per Q cluster
+        return cluster_select.select_mask(dots, bias, head_dim, top_p, least)
+    return _select_by_sort(dots, bias, head_dim, top_p, least)
+
+
+def selection_inputs(q_centroids, k_centroids, k_sizes, min_fraction: float):
+    """What both forms of :func:`svg2_select` start from: ``dots`` ``[N, Cq, Ck]`` (the centroids' dot
+    products, float64 when ``q_centroids`` is, else float32), ``bias`` ``[N, Ck]`` (``log(max(size, 1))``
+    of a live K cluster, ``-inf`` of an empty one) and ``least`` int64 ``[N]`` (the fewest clusters a Q
+    cluster keeps: ``ceil(min_fraction · live K clusters)``)."""
     dtype = torch.float64 if q_centroids.dtype == torch.float64 else torch.float32
     qc, kc = q_centroids.to(dtype), k_centroids.to(dtype)
     alive = k_sizes > 0  # [N, Ck]
-    n_alive = alive.sum(-1, keepdim=True)  # [N, 1]
+    n_alive = alive.sum(-1)  # [N]
     least = torch.ceil(min_fraction * n_alive.to(torch.float64) - 1e-9).long().minimum(n_alive)
-    dots = torch.bmm(qc, kc.transpose(1, 2))
-    if dtype == torch.float64 and cluster_select.available(dots):  # one program per Q cluster
-        bias = k_sizes.to(dtype).clamp_min(1).log().masked_fill(~alive, -math.inf)
-        return cluster_select.select_mask(dots, bias, head_dim, top_p, least.squeeze(-1))
-    return _select_by_sort(dots, k_sizes, head_dim, top_p, least)
+    bias = k_sizes.to(dtype).clamp_min(1).log().masked_fill(~alive, -math.inf)
+    return torch.bmm(qc, kc.transpose(1, 2)), bias, least
 
 
-def _select_by_sort(dots, k_sizes, head_dim: int, top_p: float, least):
-    """:func:`svg2_select` in torch from ``dots`` ``[N, Cq, Ck]`` (centroid dot products) and ``least``
-    ``[N, 1]``: a sort of every row's probabilities (the CPU path and the Triton kernel's reference)."""
-    alive = k_sizes > 0
-    n_alive = alive.sum(-1, keepdim=True)
-    logits = dots / math.sqrt(head_dim)
-    logits = logits + k_sizes.to(dots.dtype).clamp_min(1).log().unsqueeze(1)
+def _select_by_sort(dots, bias, head_dim: int, top_p: float, least):
+    """:func:`svg2_select` in torch from :func:`selection_inputs`: a sort of every row's probabilities (the
+    CPU path and the Triton kernel's reference)."""
+    alive = torch.isfinite(bias)  # [N, Ck]
+    n_alive = alive.sum(-1, keepdim=True)  # [N, 1]
+    least = least.unsqueeze(-1)
+    logits = dots / math.sqrt(head_dim) + bias.unsqueeze(1)
     logits = logits.masked_fill(~alive.unsqueeze(1), -math.inf)
     top = logits.amax(-1, keepdim=True)
     p = (logits - torch.where(torch.isfinite(top), top, 0.0)).exp()

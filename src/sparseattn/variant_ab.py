@@ -153,11 +153,9 @@ def _cudnn_call(case):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .bench import head_graph
+    from .bench import cudnn_dense_inputs
 
-    n = head_graph(case.graph, 0).q.num_tokens
-    q = torch.randn(case.b, case.graph.heads, n, case.d, dtype=torch.bfloat16, device="cuda")
-    k, v = torch.randn_like(q), torch.randn_like(q)
+    q, k, v = cudnn_dense_inputs(case)
 
     def call():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

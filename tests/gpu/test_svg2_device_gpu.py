@@ -195,8 +195,8 @@ def test_block_mask_kernel_matches_the_torch_gathers(group_dtype):
 @pytest.mark.parametrize("top_p, min_fraction", [(0.9, 0.1), (0.5, 0.0), (0.95, 0.3)])
 def test_select_kernel_matches_the_torch_sort(top_p, min_fraction, method, monkeypatch):
     """SVG2's top-p selection by the Triton kernel (one program per Q cluster, sorting or bisecting) at the
-    720p shape's clusters (8 rows of 300 × 1,000, float64) equals the torch sort's, empty K clusters and a row without live
-    ones included."""
+    720p shape's clusters (8 rows of 300 × 1,000, float64) equals the torch sort's, empty K clusters and a
+    row without live ones included."""
     from sparseattn import cluster_select
 
     monkeypatch.setattr(cluster_select, "METHOD", method)
@@ -209,9 +209,8 @@ def test_select_kernel_matches_the_torch_sort(top_p, min_fraction, method, monke
     sizes[3] = 0
     assert cluster_select.available(qc)
     got = sd.svg2_select(qc, kc, sizes, d, top_p, min_fraction)
-    alive = (sizes > 0).sum(-1, keepdim=True)
-    least = torch.ceil(min_fraction * alive.double() - 1e-9).long().minimum(alive)
-    want = sd._select_by_sort(torch.bmm(qc, kc.transpose(1, 2)), sizes, d, top_p, least)
+    dots, bias, least = sd.selection_inputs(qc, kc, sizes, min_fraction)
+    want = sd._select_by_sort(dots, bias, d, top_p, least)
     assert torch.equal(got, want)
     assert not got[3].any() and got[:, :, ::9].sum() == 0
     live_rows = torch.arange(n, device="cuda") != 3

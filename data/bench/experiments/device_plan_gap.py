@@ -25,24 +25,17 @@ import sys
 import numpy as np
 
 
-def device_list_on_host(plans, WorkList):
-    """The device forward list as a host :class:`WorkList` (same items, same order)."""
+def device_list_on_host(plans):
+    """The device forward list as a host :class:`WorkList` (same items, same order, the streams' used
+    entries only)."""
+    from sparseattn.planning.device_emulation import as_work_list
+
     f = plans.forward
-    info = plans.view("forward", "work_info").get().reshape(-1, 4)
-    order = plans.view("forward", "work_order").get().reshape(-1)
-    own = plans.view("forward", "own_entries").get().reshape(info.shape[0], -1, 2)
+    arrays = {name: plans.view("forward", name).get() for name in ("work_info", "work_order", "own_entries")}
+    info = arrays["work_info"].reshape(-1, 4)
     used = int((info[:, 1].astype(np.int64) + info[:, 2]).max()) if len(info) else 0
-    stream = plans.view("forward", "stream_entries").get().reshape(-1, 2)[:used]
-    return WorkList(
-        work_info=info.astype(np.int32),
-        work_order=order.astype(np.int32),
-        own_pages=own[:, :, 0].astype(np.int32),
-        own_mask=own[:, :, 1].astype(np.uint32),
-        stream_pages=stream[:, 0].astype(np.int32),
-        stream_mask=stream[:, 1].astype(np.uint32),
-        heads=f.heads,
-        chunk=f.chunk,
-    )
+    arrays["stream_entries"] = plans.view("forward", "stream_entries").get().reshape(-1, 2)[:used]
+    return as_work_list(f, arrays, f.heads)  # the forward list stands in for its template (its chunk)
 
 
 def without_empty(wl, WorkList, work_order):
@@ -97,7 +90,7 @@ def main(argv=None) -> int:
         "host_shared": pair_work_list(graph),
         "host_layout": pair_work_list(graph, partners="layout"),
     }
-    copied = device_list_on_host(plans, WorkList)
+    copied = device_list_on_host(plans)
     lists["device_copied"] = copied
     lists["device_no_empty"] = without_empty(copied, WorkList, work_order)
     runs = {name: (lambda wl=wl: wl) for name, wl in lists.items()}
