@@ -249,8 +249,16 @@ def measure(
         block_size=B,
         top_p=sel.top_p,
         min_fraction=sel.min_fraction,
+        select_method=_select_method(),
     )
     return [dict(meta, **r) for r in records]
+
+
+def _select_method() -> str:
+    """The top-p selection's form on float64 scores (``sparseattn.cluster_select.METHOD``, else the default)."""
+    from . import cluster_select
+
+    return cluster_select.METHOD or "bisect"
 
 
 def flash_kmeans_records(q, k, sel, init, iters: int, reps: int, warmup: int, log=print) -> list[dict]:
