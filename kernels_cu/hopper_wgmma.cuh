@@ -23,9 +23,18 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
 // (a k-step stays inside one 128-byte row), the stride offset is the distance between 8-row groups
 // (1024 B). MN-major (transposed) operands: the leading offset is the distance between 64-element
 // column blocks, the stride offset the distance between 8-row (k) groups.
+// The low word holds the start address and the leading offset, the high word the stride offset and the
+// swizzle mode. Inside one tile a descriptor steps by adding (bytes >> 4) to its low word: shared-memory
+// addresses stay below 2^18, so the 14-bit address field never carries into the leading offset.
+__device__ __forceinline__ uint32_t smem_desc_lo(uint32_t addr, uint32_t lead_bytes) {
+    return ((addr & 0x3FFFFu) >> 4) | ((lead_bytes >> 4) << 16);
+}
+__host__ __device__ constexpr uint32_t smem_desc_hi(uint32_t stride_bytes) { return (stride_bytes >> 4) | (1u << 30); }
+__device__ __forceinline__ uint64_t desc_words(uint32_t lo, uint32_t hi) {
+    return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+}
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
-    return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lead_bytes >> 4) << 16) |
-           (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (1ull << 62);
+    return desc_words(smem_desc_lo(addr, lead_bytes), smem_desc_hi(stride_bytes));
 }
 
 // ---- wgmma (bf16 inputs, fp32 accumulators; the accumulator layout of m64nN: thread t of the warpgroup
@@ -264,11 +273,14 @@ __device__ __forceinline__ void warp_tma_pages(uint32_t tile, int row0, const Tm
 // (bf16 operands, or f16 with F16).
 template <int HEAD_DIM, int CHUNK, int Q_ROWS, bool F16 = false>
 __device__ __forceinline__ void issue_qk(float (&s)[CHUNK / 2], uint32_t aQrows, uint32_t tK) {
+    // the tiles' descriptors once, then constant steps (tile_offset's column blocks, 32-byte k-steps)
+    const uint32_t a_lo = smem_desc_lo(aQrows, 16), b_lo = smem_desc_lo(tK, 16);
+    constexpr uint32_t hi = smem_desc_hi(1024);
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const uint32_t col = static_cast<uint32_t>(kk & 3) * 32u;  // k-step inside a 128-byte column block
-        const uint64_t da = smem_desc(aQrows + (kk >> 2) * (Q_ROWS * 128) + col, 16, 1024);
-        const uint64_t db = smem_desc(tK + (kk >> 2) * (CHUNK * 128) + col, 16, 1024);
+        const uint64_t da = desc_words(a_lo + (((kk >> 2) * (Q_ROWS * 128) + col) >> 4), hi);
+        const uint64_t db = desc_words(b_lo + (((kk >> 2) * (CHUNK * 128) + col) >> 4), hi);
         if constexpr (F16)
             wgmma_ss_f16<CHUNK>(s, da, db, kk > 0);
         else
@@ -280,9 +292,10 @@ __device__ __forceinline__ void issue_qk(float (&s)[CHUNK / 2], uint32_t aQrows,
 template <int HEAD_DIM, int CHUNK, bool F16 = false>
 __device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const uint32_t (&pa)[CHUNK / PAGE_ROWS][4],
                                          uint32_t tV) {
+    const uint32_t b_lo = smem_desc_lo(tV, CHUNK * 128);
 #pragma unroll
     for (int p = 0; p < CHUNK / PAGE_ROWS; ++p) {
-        const uint64_t db = smem_desc(tV + p * (PAGE_ROWS * 128), CHUNK * 128, 1024);
+        const uint64_t db = desc_words(b_lo + ((p * (PAGE_ROWS * 128)) >> 4), smem_desc_hi(1024));
         if constexpr (F16)
             wgmma_rs_tb_f16<HEAD_DIM>(o, pa[p], db);
         else
@@ -336,6 +349,20 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 }
 
 // ---- masked online softmax on the wgmma accumulator layout ----------------------------------------
+
+// 16 bytes of shared memory at `addr` where `pred` holds, else zeros: a predicated load, no branch (code
+// between a wgmma commit and its wait must not branch, or ptxas serializes the wgmma chain). Volatile with
+// a memory clobber, so it stays after the mbarrier wait that made the bytes visible.
+__device__ __forceinline__ uint4 ld_shared_v4_if(bool pred, uint32_t addr) {
+    uint4 v;
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.u32 p, %4, 0;\nmov.b32 %0, 0;\nmov.b32 %1, 0;\nmov.b32 %2, 0;\nmov.b32 %3, 0;\n"
+        "@p ld.shared.v4.u32 {%0, %1, %2, %3}, [%5];\n}"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "r"(static_cast<uint32_t>(pred)), "r"(addr)
+        : "memory");
+    return v;
+}
 
 // Valid-key bits of one thread for a KEYS-wide key tile: bit 2j (2j + 1) = column 8j + 2·t4 (+1), from
 // the 16-bit row masks of the tile's KEYS/16 pages.
