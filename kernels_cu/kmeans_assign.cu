@@ -3,9 +3,9 @@
 //
 // X: bf16 [N, tokens, HEAD_DIM], C: bf16 [N, k, HEAD_DIM] (the centroids rounded to bf16), csq: fp32
 // [N, k] (|c|² of the rounded centroids), labels: int64 [N, tokens]. With ACCUMULATE, each token is also
-// added (fp32) into its cluster's sum, sums fp32 [N, k, HEAD_DIM], and counted, counts fp32 [N, k]: a
-// CTA sums each cluster's tokens among its own first, then adds one partial sum per cluster by atomics
-// (their order, so the last bits of the sums, may change from run to run).
+// added (fp32) into its cluster's sum, sums fp32 [N, k, HEAD_DIM], and counted, counts fp32 [N, k], by
+// atomics (their order, so the last bits of the sums, may change from run to run); with `presum` a CTA
+// first sums each cluster's tokens among its own and adds one partial sum per cluster.
 //
 // A CTA takes 128 tokens of one row n (two warpgroups of 64: the wgmma M) and streams the row's centroids
 // in chunks of 128 (wgmma N), double-buffered with cp.async into 128-byte-swizzled tiles: the chunk after
@@ -40,7 +40,7 @@ template <int HEAD_DIM, bool ACCUMULATE>
 __global__ void __launch_bounds__(KMEANS_THREADS, 2)
 kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
                      const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
-                     float* __restrict__ counts, int tokens, int k) {
+                     float* __restrict__ counts, int tokens, int k, int presum) {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM 64 or 128");
     using S = KmeansSmem<HEAD_DIM>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -138,74 +138,95 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         }
     }
     if constexpr (ACCUMULATE) {
-        // Each cluster's tokens of this CTA summed here first (a third to a half of a CTA's 128 tokens share
-        // a cluster with an earlier one on video features), so one float4 atomic per lane goes out per
-        // cluster present, not per token. The token with the lowest index of a cluster (its leader) owns
-        // the sum: its warp finds the members by four ballots over the CTA's labels and adds their rows
-        // from the X tile in index order.
-        int* lab_s = reinterpret_cast<int*>(csq_s);  // [KMEANS_ROWS]; the |c|² buffers are free after the loop
-        if (t4 == 0) {
+        if (presum) {
+            // Each cluster's tokens of this CTA summed here first, so one float4 atomic per lane goes out per
+            // cluster present, not per token (the host asks for it with few clusters, whose atomics collide).
+            // The token with the lowest index of a cluster (its leader) owns the sum: its warp finds the
+            // members by four ballots over the CTA's labels and adds their rows from the X tile in index order.
+            int* lab_s = reinterpret_cast<int*>(csq_s);  // [KMEANS_ROWS]; the |c|² buffers are free after the loop
+            if (t4 == 0) {
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = 64 * wg + 16 * wq + g + 8 * r;
-                lab_s[row] = row0 + row < tokens ? best_i[r] : -1;
-            }
-        }
-        __syncthreads();
-        constexpr int PER_LANE = HEAD_DIM / 32;  // 4 (HEAD_DIM 128) or 2 (64) contiguous columns a lane
-        static_assert(KMEANS_ROWS == 128, "four ballots of 32 labels cover the CTA's tokens");
-        const unsigned char* x_tile = smem_raw + (xs - raw);
-        int mine[4];  // labels of tokens lane, 32 + lane, 64 + lane, 96 + lane: ballot w is member word w
-#pragma unroll
-        for (int w = 0; w < 4; ++w) mine[w] = lab_s[32 * w + lane];
-        const uint32_t col_byte = static_cast<uint32_t>(PER_LANE * 2 * lane);  // this lane's first column, bytes
-#pragma unroll 1
-        for (int i = 0; i < PAGE_ROWS; ++i) {
-            const int row = 16 * warp + i;
-            const int label = lab_s[row];
-            if (label < 0) continue;  // past `tokens` (warp-uniform)
-            uint32_t member[4];  // bit b of word w: token 32·w + b has this label
-#pragma unroll
-            for (int w = 0; w < 4; ++w) member[w] = __ballot_sync(0xffffffffu, mine[w] == label);
-            const int first = member[0] ? __ffs(member[0]) - 1
-                              : member[1] ? 32 + __ffs(member[1]) - 1
-                              : member[2] ? 64 + __ffs(member[2]) - 1
-                                          : 96 + __ffs(member[3]) - 1;
-            if (first != row) continue;  // an earlier token leads this cluster
-            float acc[PER_LANE];
-#pragma unroll
-            for (int e = 0; e < PER_LANE; ++e) acc[e] = 0.f;
-            int size = 0;
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                uint32_t bits = member[w];
-                size += __popc(bits);
-                while (bits) {
-                    const int j = 32 * w + __ffs(bits) - 1;
-                    bits &= bits - 1u;
-                    const uint32_t off = hopper::tile_offset<KMEANS_ROWS>(j, col_byte >> 4) + (col_byte & 15u);
-                    if constexpr (PER_LANE == 4) {
-                        const uint2 raw4 = *reinterpret_cast<const uint2*>(x_tile + off);
-                        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw4.x));
-                        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw4.y));
-                        acc[0] += a.x;
-                        acc[1] += a.y;
-                        acc[2] += b.x;
-                        acc[3] += b.y;
-                    } else {
-                        const uint32_t raw2 = *reinterpret_cast<const uint32_t*>(x_tile + off);
-                        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw2));
-                        acc[0] += a.x;
-                        acc[1] += a.y;
-                    }
+                for (int r = 0; r < 2; ++r) {
+                    const int row = 64 * wg + 16 * wq + g + 8 * r;
+                    lab_s[row] = row0 + row < tokens ? best_i[r] : -1;
                 }
             }
-            float* dst = sums + (static_cast<size_t>(n) * k + label) * HEAD_DIM + PER_LANE * lane;
-            if constexpr (PER_LANE == 4)
-                atomicAdd(reinterpret_cast<float4*>(dst), make_float4(acc[0], acc[1], acc[2], acc[3]));
-            else
-                atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc[0], acc[1]));
-            if (lane == 0) atomicAdd(counts + static_cast<size_t>(n) * k + label, static_cast<float>(size));
+            __syncthreads();
+            constexpr int PER_LANE = HEAD_DIM / 32;  // 4 (HEAD_DIM 128) or 2 (64) contiguous columns a lane
+            static_assert(KMEANS_ROWS == 128, "four ballots of 32 labels cover the CTA's tokens");
+            const unsigned char* x_tile = smem_raw + (xs - raw);
+            int mine[4];  // labels of tokens lane, 32 + lane, 64 + lane, 96 + lane: ballot w is member word w
+#pragma unroll
+            for (int w = 0; w < 4; ++w) mine[w] = lab_s[32 * w + lane];
+            const uint32_t col_byte = static_cast<uint32_t>(PER_LANE * 2 * lane);  // this lane's first column, bytes
+#pragma unroll 1
+            for (int i = 0; i < PAGE_ROWS; ++i) {
+                const int row = 16 * warp + i;
+                const int label = lab_s[row];
+                if (label < 0) continue;  // past `tokens` (warp-uniform)
+                uint32_t member[4];  // bit b of word w: token 32·w + b has this label
+#pragma unroll
+                for (int w = 0; w < 4; ++w) member[w] = __ballot_sync(0xffffffffu, mine[w] == label);
+                const int first = member[0] ? __ffs(member[0]) - 1
+                                  : member[1] ? 32 + __ffs(member[1]) - 1
+                                  : member[2] ? 64 + __ffs(member[2]) - 1
+                                              : 96 + __ffs(member[3]) - 1;
+                if (first != row) continue;  // an earlier token leads this cluster
+                float acc[PER_LANE];
+#pragma unroll
+                for (int e = 0; e < PER_LANE; ++e) acc[e] = 0.f;
+                int size = 0;
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    uint32_t bits = member[w];
+                    size += __popc(bits);
+                    while (bits) {
+                        const int j = 32 * w + __ffs(bits) - 1;
+                        bits &= bits - 1u;
+                        const uint32_t off = hopper::tile_offset<KMEANS_ROWS>(j, col_byte >> 4) + (col_byte & 15u);
+                        if constexpr (PER_LANE == 4) {
+                            const uint2 raw4 = *reinterpret_cast<const uint2*>(x_tile + off);
+                            const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw4.x));
+                            const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw4.y));
+                            acc[0] += a.x;
+                            acc[1] += a.y;
+                            acc[2] += b.x;
+                            acc[3] += b.y;
+                        } else {
+                            const uint32_t raw2 = *reinterpret_cast<const uint32_t*>(x_tile + off);
+                            const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw2));
+                            acc[0] += a.x;
+                            acc[1] += a.y;
+                        }
+                    }
+                }
+                float* dst = sums + (static_cast<size_t>(n) * k + label) * HEAD_DIM + PER_LANE * lane;
+                if constexpr (PER_LANE == 4)
+                    atomicAdd(reinterpret_cast<float4*>(dst), make_float4(acc[0], acc[1], acc[2], acc[3]));
+                else
+                    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc[0], acc[1]));
+                if (lane == 0) atomicAdd(counts + static_cast<size_t>(n) * k + label, static_cast<float>(size));
+            }
+        } else {  // each of the warp's 16 tokens into its cluster's sum and count
+            constexpr int PER_LANE = HEAD_DIM / 32;  // 4 (HEAD_DIM 128) or 2 (64) contiguous columns a lane
+#pragma unroll 1
+            for (int i = 0; i < PAGE_ROWS; ++i) {
+                const int label = __shfl_sync(0xffffffffu, (i >> 3) ? best_i[1] : best_i[0], 4 * (i & 7));
+                const int t = warp_row0 + i;
+                if (t >= tokens) break;
+                const __nv_bfloat16* x = Xn + static_cast<size_t>(t) * HEAD_DIM + PER_LANE * lane;
+                float* dst = sums + (static_cast<size_t>(n) * k + label) * HEAD_DIM + PER_LANE * lane;
+                if constexpr (PER_LANE == 4) {
+                    const uint2 raw4 = *reinterpret_cast<const uint2*>(x);
+                    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw4.x));
+                    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw4.y));
+                    atomicAdd(reinterpret_cast<float4*>(dst), make_float4(a.x, a.y, b.x, b.y));
+                } else {
+                    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x));
+                    atomicAdd(reinterpret_cast<float2*>(dst), a);
+                }
+                if (lane == 0) atomicAdd(counts + static_cast<size_t>(n) * k + label, 1.f);
+            }
         }
     }
 }

@@ -143,18 +143,19 @@ def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, 
         np.testing.assert_array_equal(got[r][clear], triton_labels[r][clear])
 
 
+@pytest.mark.parametrize("presum", [False, True], ids=["atomics", "presum"])
 @pytest.mark.parametrize("k", [500, 3], ids=["k500", "k3"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_wgmma_lloyd_step_sums_and_sizes(d, k):
-    """The tensor-core Lloyd step's float32 cluster sums and sizes equal those of its own labels (the kernel
-    sums each cluster's tokens of a CTA before its atomics: 3 clusters put dozens of tokens in each; 20,001
-    tokens leave the last CTA partial)."""
+def test_wgmma_lloyd_step_sums_and_sizes(d, k, presum):
+    """The tensor-core Lloyd step's float32 cluster sums and sizes equal those of its own labels, with each
+    token's atomics and with each cluster's tokens of a CTA summed first (3 clusters put dozens of tokens
+    in each; 20,001 tokens leave the last CTA partial)."""
     from sparseattn.kernels.kmeans_assign import lloyd_step_wgmma
 
     g = torch.Generator(device="cuda").manual_seed(d + k)
     x = torch.randn(2, 20001, d, device="cuda", generator=g).bfloat16()
     c = torch.randn(2, k, d, device="cuda", generator=g)
-    labels, sums, sizes = lloyd_step_wgmma(x, c)
+    labels, sums, sizes = lloyd_step_wgmma(x, c, presum=presum)
     index = labels.unsqueeze(-1).expand(-1, -1, d)
     want_sums = torch.zeros_like(sums, dtype=torch.float64).scatter_add_(1, index, x.double())
     want_sizes = torch.zeros_like(sizes).scatter_add_(1, labels, torch.ones_like(labels, dtype=torch.float32))
