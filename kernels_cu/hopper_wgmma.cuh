@@ -350,22 +350,6 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 
 // ---- masked online softmax on the wgmma accumulator layout ----------------------------------------
 
-// 16 bytes of shared memory at `addr` where `pred` holds, else zeros: a predicated load, no branch (code
-// between a wgmma commit and its wait must not branch, or ptxas serializes the wgmma chain). Volatile with
-// a memory clobber, so it stays after the mbarrier wait that made the bytes visible.
-__device__ __forceinline__ uint4 ld_shared_v4_if(bool pred, uint32_t addr) {
-    uint4 v;
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.u32 p, %4, 0;\nmov.b32 %0, 0;\nmov.b32 %1, 0;\nmov.b32 %2, 0;\nmov.b32 %3, 0;\n"
-        "@p ld.shared.v4.u32 {%0, %1, %2, %3}, [%5];\n}"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "r"(static_cast<uint32_t>(pred)), "r"(addr)
-        : "memory");
-    return v;
-}
-
-// Valid-key bits of one thread for a KEYS-wide key tile: bit 2j (2j + 1) = column 8j + 2·t4 (+1), from
-// the 16-bit row masks of the tile's KEYS/16 pages.
 template <int KEYS>
 __device__ __forceinline__ uint32_t column_bits(const uint32_t* page_masks, int t4) {
     static_assert(KEYS <= 128, "32 column-pair bits hold at most 128 keys");

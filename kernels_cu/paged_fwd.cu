@@ -460,32 +460,6 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 if (kPingPong) wait_turn();
                 // S = Q·Kᵀ of this chunk, then O += P·V of the previous one right behind it: no control
                 // flow between the two issues, so the tensor cores run them back to back
-                // the column mask while S runs, off the paths to the S issue and from the S wait (PAIR: from
-                // the masks read above; else from shared memory, before this warp releases the K buffer the
-                // masks belong to). Branch-free: ptxas serializes the wgmma chain around a branch.
-                auto column_mask = [&]() {
-                    uint32_t quad_bits = 0u;  // lane t4 < 4: the column bits of quad position t4
-                    if constexpr (PAIR) {
-                        quad_bits = hopper::column_bits<CHUNK>(page_mask, lane & 3) & seen_cols;
-                    } else {
-                        uint32_t words[PAGES];  // zeros outside the kMaskReaders lanes
-                        const uint32_t at = paged::smem_u32(sm.kmask + buf * PAGES);
-#pragma unroll
-                        for (int w = 0; w < PAGES / 4; ++w) {
-                            const uint4 q4 = hopper::ld_shared_v4_if(lane < kMaskReaders, at + 16 * w);
-                            words[4 * w] = q4.x;
-                            words[4 * w + 1] = q4.y;
-                            words[4 * w + 2] = q4.z;
-                            words[4 * w + 3] = q4.w;
-                        }
-                        quad_bits = hopper::column_bits<CHUNK>(words, lane & 3);
-                    }
-                    uint32_t bits = __shfl_sync(0xffffffffu, quad_bits, t4);
-                    asm volatile("" : "+r"(bits)::"memory");  // computed before the S wait below
-                    return bits;
-                };
-                // S = Q·Kᵀ of this chunk, then O += P·V of the previous one right behind it: no control
-                // flow between the two issues, so the tensor cores run them back to back
                 hopper::wgmma_fence();
                 hopper::issue_qk<HEAD_DIM, CHUNK, PAGED_FWD_Q_ROWS>(s, aQrows, sm.k + buf * C::KV_BYTES);
                 hopper::wgmma_commit();
@@ -493,13 +467,20 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
                     hopper::wgmma_commit();
                     if (kPingPong) pass_turn();
-                    col_bits = column_mask();
                     hopper::wgmma_wait<1>();  // S landed; the previous chunk's P·V may still run
                 } else {
                     if (kPingPong) pass_turn();
-                    col_bits = column_mask();
                     hopper::wgmma_wait<0>();
                 }
+                // the column mask, off the path to the S issue (PAIR: from the masks read above; else from
+                // shared memory, before this warp releases the K buffer the masks belong to)
+                uint32_t quad_bits = 0u;  // lane t4 < 4: the column bits of quad position t4
+                if constexpr (PAIR) {
+                    quad_bits = hopper::column_bits<CHUNK>(page_mask, lane & 3) & seen_cols;
+                } else {
+                    if (lane < kMaskReaders) quad_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, lane);
+                }
+                col_bits = __shfl_sync(0xffffffffu, quad_bits, t4);
                 hopper::pin_registers(s);
                 if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
                 hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
