@@ -64,27 +64,35 @@ MAX_BATCH = 1 << 15
 #: its neighbour's pair item); ``PAGED_FWD_TMA`` loads K pages and full V pages with the tensor-memory
 #: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters); ``PAGED_FWD_PINGPONG``
 #: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_REGS_232`` gives the consumers
-#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`).
-#: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
+#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`); ``PAGED_FWD_SPLIT_KV``
+#: has two producer warps load Q and K and the other two V, each pair on its own barriers (the cp.async
+#: producer only: :data:`VARIANT_CONFLICTS`). ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them
+#: for a process.
 VARIANTS = (
     "PAGED_FWD_SKIP_VOID",
     "PAGED_FWD_TMA",
     "PAGED_FWD_PINGPONG",
     "PAGED_FWD_REGS_232",
+    "PAGED_FWD_SPLIT_KV",
 )
 #: Variants that compile only together with others.
 VARIANT_NEEDS = {"PAGED_FWD_REGS_232": ("PAGED_FWD_TMA",)}
+#: Variants that do not compile together.
+VARIANT_CONFLICTS = {"PAGED_FWD_SPLIT_KV": ("PAGED_FWD_TMA",)}
 #: The TMA variant's extra parameters: tensor maps of K and V (:class:`.tensor_map.TensorMap`).
 TMA_PARAMS = ("tmK", "tmV")
 
 
 def check_variants(defines: tuple[str, ...], source: str = "SPARSEATTN_FWD_VARIANT") -> tuple[str, ...]:
-    """``defines`` if every variant's companions (:data:`VARIANT_NEEDS`) are there; else a KernelValueError
-    naming ``source``."""
+    """``defines`` if every variant's companions (:data:`VARIANT_NEEDS`) are there and none of its
+    conflicts (:data:`VARIANT_CONFLICTS`); else a KernelValueError naming ``source``."""
     for name in defines:
         missing = [n for n in VARIANT_NEEDS.get(name, ()) if n not in defines]
         if missing:
             raise KernelValueError(f"{source}: {name} needs {', '.join(missing)} in the same build")
+        clash = [n for n in VARIANT_CONFLICTS.get(name, ()) if n in defines]
+        if clash:
+            raise KernelValueError(f"{source}: {name} does not build with {', '.join(clash)}")
     return defines
 
 
