@@ -36,6 +36,7 @@
 // zero-filling cp.async; K columns of invalid rows are masked, so their stale rows are never used.
 // PAGED_FWD_PINGPONG (opt-in): the consumer warpgroups issue their GEMMs in turns (kPingPong).
 // PAGED_FWD_SPLIT_KV (opt-in, cp.async producer): warps 0-1 load Q and K, warps 2-3 load V (kSplitKV).
+// PAGED_FWD_TREE_MAX (opt-in): the softmax's tile maxima as a pairwise tree (hopper::online_softmax).
 // PAGED_FWD_REGS_232 (opt-in, with PAGED_FWD_TMA): 40 registers for the producer, 232 for the consumers.
 #include "hopper_wgmma.cuh"
 

@@ -66,14 +66,16 @@ MAX_BATCH = 1 << 15
 #: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_REGS_232`` gives the consumers
 #: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`); ``PAGED_FWD_SPLIT_KV``
 #: has two producer warps load Q and K and the other two V, each pair on its own barriers (the cp.async
-#: producer only: :data:`VARIANT_CONFLICTS`). ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them
-#: for a process.
+#: producer only: :data:`VARIANT_CONFLICTS`); ``PAGED_FWD_TREE_MAX`` takes each tile's row maxima as a
+#: pairwise tree instead of a chain (the same values). ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects
+#: them for a process.
 VARIANTS = (
     "PAGED_FWD_SKIP_VOID",
     "PAGED_FWD_TMA",
     "PAGED_FWD_PINGPONG",
     "PAGED_FWD_REGS_232",
     "PAGED_FWD_SPLIT_KV",
+    "PAGED_FWD_TREE_MAX",
 )
 #: Variants that compile only together with others.
 VARIANT_NEEDS = {"PAGED_FWD_REGS_232": ("PAGED_FWD_TMA",)}
