@@ -293,9 +293,10 @@ template <int HEAD_DIM, int CHUNK, bool F16 = false>
 __device__ __forceinline__ void issue_pv(float (&o)[HEAD_DIM / 2], const uint32_t (&pa)[CHUNK / PAGE_ROWS][4],
                                          uint32_t tV) {
     const uint32_t b_lo = smem_desc_lo(tV, CHUNK * 128);
+    constexpr uint32_t hi = smem_desc_hi(1024);
 #pragma unroll
     for (int p = 0; p < CHUNK / PAGE_ROWS; ++p) {
-        const uint64_t db = desc_words(b_lo + ((p * (PAGE_ROWS * 128)) >> 4), smem_desc_hi(1024));
+        const uint64_t db = desc_words(b_lo + ((p * (PAGE_ROWS * 128)) >> 4), hi);
         if constexpr (F16)
             wgmma_rs_tb_f16<HEAD_DIM>(o, pa[p], db);
         else

@@ -138,6 +138,7 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         }
     }
     if constexpr (ACCUMULATE) {
+        constexpr int PER_LANE = HEAD_DIM / 32;  // 4 (HEAD_DIM 128) or 2 (64) contiguous columns a lane
         if (presum) {
             // Each cluster's tokens of this CTA summed here first, so one float4 atomic per lane goes out per
             // cluster present, not per token (the host asks for it with few clusters, whose atomics collide).
@@ -152,7 +153,6 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
                 }
             }
             __syncthreads();
-            constexpr int PER_LANE = HEAD_DIM / 32;  // 4 (HEAD_DIM 128) or 2 (64) contiguous columns a lane
             static_assert(KMEANS_ROWS == 128, "four ballots of 32 labels cover the CTA's tokens");
             const unsigned char* x_tile = smem_raw + (xs - raw);
             int mine[4];  // labels of tokens lane, 32 + lane, 64 + lane, 96 + lane: ballot w is member word w
@@ -208,7 +208,6 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
                 if (lane == 0) atomicAdd(counts + static_cast<size_t>(n) * k + label, static_cast<float>(size));
             }
         } else {  // each of the warp's 16 tokens into its cluster's sum and count
-            constexpr int PER_LANE = HEAD_DIM / 32;  // 4 (HEAD_DIM 128) or 2 (64) contiguous columns a lane
 #pragma unroll 1
             for (int i = 0; i < PAGE_ROWS; ++i) {
                 const int label = __shfl_sync(0xffffffffu, (i >> 3) ? best_i[1] : best_i[0], 4 * (i & 7));

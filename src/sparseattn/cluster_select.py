@@ -32,8 +32,14 @@ from .triton_support import runs_on, tl, triton
 MAX_K_CLUSTERS = 4096
 #: How a program finds the keep-th largest probability: "sort" (``tl.sort``) or "bisect" (float64 only).
 METHODS = ("sort", "bisect")
-#: The method :func:`select_mask` takes when not told; None: "bisect" for float64 scores, else "sort".
+#: The method :func:`select_mask` takes when not told; None: :func:`method_for` the scores' dtype.
 METHOD = os.environ.get("SPARSEATTN_SVG2_SELECT") or None
+
+
+def method_for(dtype: torch.dtype) -> str:
+    """The method :func:`select_mask` takes on scores of ``dtype`` when not told: :data:`METHOD` if set,
+    else "bisect" for float64 and "sort" for float32."""
+    return METHOD or ("bisect" if dtype == torch.float64 else "sort")
 
 
 def available(x: torch.Tensor) -> bool:
@@ -132,11 +138,9 @@ def select_mask(
     ``dots`` ``[N, q_clusters, k_clusters]`` (centroid dot products, float64 or float32), ``bias``
     ``[N, k_clusters]`` of the same dtype (``log(max(size, 1))`` of a live K cluster, ``-inf`` of an empty
     one) and ``least`` int64 ``[N]`` (the fewest clusters a Q cluster keeps); ``method``: one of
-    :data:`METHODS` (default :data:`METHOD`, else ``"bisect"`` for float64 and ``"sort"`` for float32;
-    ``"bisect"`` needs float64). Needs :func:`available`."""
-    method = METHOD if method is None else method
-    if method is None:
-        method = "bisect" if dots.dtype == torch.float64 else "sort"
+    :data:`METHODS` (default :func:`method_for` the dtype; ``"bisect"`` needs float64). Needs
+    :func:`available`."""
+    method = method_for(dots.dtype) if method is None else method
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r} (SPARSEATTN_SVG2_SELECT?)")
     if not available(dots):

@@ -255,10 +255,12 @@ def measure(
 
 
 def _select_method() -> str:
-    """The top-p selection's form on float64 scores (``sparseattn.cluster_select.METHOD``, else the default)."""
+    """The top-p selection's form on the float64 scores the call selects from."""
+    import torch
+
     from . import cluster_select
 
-    return cluster_select.METHOD or "bisect"
+    return cluster_select.method_for(torch.float64)
 
 
 def flash_kmeans_records(q, k, sel, init, iters: int, reps: int, warmup: int, log=print) -> list[dict]:

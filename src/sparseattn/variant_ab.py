@@ -196,15 +196,19 @@ def build_parser(prog: str = "sparseattn bench variants") -> argparse.ArgumentPa
     return parser
 
 
+def plot_records(records: list[dict], plot_path) -> None:
+    """Draw ``bench variants`` records' paired ratios to ``plot_path``."""
+    from .speedplots import variant_ratio_figure
+
+    variant_ratio_figure(records, plot_path)
+    print(f"wrote {plot_path}")
+
+
 def plot_run(json_path, plot_path) -> int:
     """Draw a recorded ``bench variants`` run's paired ratios to ``plot_path``."""
     import json
 
-    from .speedplots import variant_ratio_figure
-
-    records = json.loads(Path(json_path).read_text())["records"]
-    variant_ratio_figure(records, plot_path)
-    print(f"wrote {plot_path}")
+    plot_records(json.loads(Path(json_path).read_text())["records"], plot_path)
     return 0
 
 
@@ -274,10 +278,7 @@ def main(argv=None, prog: str = "sparseattn bench variants") -> int:
     if args.out:
         print(f"wrote {args.out}")
     if args.plot:
-        from .speedplots import variant_ratio_figure
-
-        variant_ratio_figure(records, args.plot)
-        print(f"wrote {args.plot}")
+        plot_records(records, args.plot)
     return 1 if any(r.get("correct") is False for r in records) else 0
 
 

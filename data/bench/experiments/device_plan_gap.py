@@ -38,8 +38,13 @@ def device_list_on_host(plans):
     return as_work_list(f, arrays, f.heads)  # the forward list stands in for its template (its chunk)
 
 
+def empty_items(wl) -> np.ndarray:
+    """bool [items]: the items with no stream entry and no owned page."""
+    return (wl.work_info[:, 2] == 0) & ~(wl.own_pages >= 0).any(axis=1)
+
+
 def without_empty(wl, WorkList, work_order):
-    keep = (wl.work_info[:, 2] > 0) | (wl.own_pages >= 0).any(axis=1)
+    keep = ~empty_items(wl)
     info = wl.work_info[keep]
     return WorkList(
         work_info=info,
@@ -54,10 +59,9 @@ def without_empty(wl, WorkList, work_order):
 
 
 def counts(wl) -> dict:
-    empty = (wl.work_info[:, 2] == 0) & ~(wl.own_pages >= 0).any(axis=1)
     return dict(
         items=int(wl.num_work),
-        empty_items=int(empty.sum()),
+        empty_items=int(empty_items(wl).sum()),
         pages=int(wl.work_info[:, 2].sum()),
         chunks=int(wl.chunks_per_item().sum()),
         pair_items=int((wl.work_info[:, 3] == 128).sum()),
