@@ -380,34 +380,12 @@ __device__ __forceinline__ void online_softmax(float (&s)[KEYS / 2], uint32_t co
             if (!((col_bits >> (2 * j + 1)) & 1u)) { s[4 * j + 1] = -INFINITY; s[4 * j + 3] = -INFINITY; }
         }
     }
-#ifdef PAGED_FWD_TREE_MAX
-    // (opt-in) a pairwise tree over the tile's columns: log2(KEYS / 4) dependent maxima per row instead of
-    // KEYS / 8; the same value (a maximum is exact in any order), so the same outputs
-    float m[2][KEYS / 8];
-#pragma unroll
-    for (int j = 0; j < KEYS / 8; ++j) {
-        m[0][j] = fmaxf(s[4 * j], s[4 * j + 1]);
-        m[1][j] = fmaxf(s[4 * j + 2], s[4 * j + 3]);
-    }
-    constexpr int kLevels = KEYS / 8 == 16 ? 4 : KEYS / 8 == 8 ? 3 : KEYS / 8 == 4 ? 2 : 1;
-    static_assert((1 << kLevels) == KEYS / 8, "a power-of-two tile width");
-#pragma unroll
-    for (int l = 0; l < kLevels; ++l) {
-#pragma unroll
-        for (int j = 0; j < KEYS / 8; j += 2 << l) {
-            m[0][j] = fmaxf(m[0][j], m[0][j + (1 << l)]);
-            m[1][j] = fmaxf(m[1][j], m[1][j + (1 << l)]);
-        }
-    }
-    const float tile_max[2] = {m[0][0], m[1][0]};
-#else
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < KEYS / 8; ++j) {
         tile_max[0] = fmaxf(tile_max[0], fmaxf(s[4 * j], s[4 * j + 1]));
         tile_max[1] = fmaxf(tile_max[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
     }
-#endif
     float base_l2[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -35,8 +35,6 @@
 // tensor maps tmK / tmV over [batch · heads · k_slots, HEAD_DIM]); partial and empty V pages keep the
 // zero-filling cp.async; K columns of invalid rows are masked, so their stale rows are never used.
 // PAGED_FWD_PINGPONG (opt-in): the consumer warpgroups issue their GEMMs in turns (kPingPong).
-// PAGED_FWD_SPLIT_KV (opt-in, cp.async producer): warps 0-1 load Q and K, warps 2-3 load V (kSplitKV).
-// PAGED_FWD_TREE_MAX (opt-in): the softmax's tile maxima as a pairwise tree (hopper::online_softmax).
 // PAGED_FWD_REGS_232 (opt-in, with PAGED_FWD_TMA): 40 registers for the producer, 232 for the consumers.
 #include "hopper_wgmma.cuh"
 
@@ -88,23 +86,11 @@ constexpr bool kPingPong = true;
 constexpr bool kPingPong = false;
 #endif
 constexpr int kTurnBarrier = 3;
-#ifdef PAGED_FWD_SPLIT_KV
-#ifdef PAGED_FWD_TMA
-#error "PAGED_FWD_SPLIT_KV splits the cp.async producer (not with PAGED_FWD_TMA)"
-#endif
-// Producer warps 0-1 load Q and K, warps 2-3 load V, each pair on its own buffer barriers, so a K load
-// never waits behind the release of a V buffer (which comes a whole chunk later, after its P·V).
-constexpr bool kSplitKV = true;
-#else
-constexpr bool kSplitKV = false;
-#endif
-constexpr int kKVWarps = kSplitKV ? 2 : 4;                        // producer warps loading each K (and V) chunk
-constexpr int kLoaderThreads = 32 * kKVWarps;                     // arrivals completing a Q, K or V buffer
 
 template <int HEAD_DIM, int CHUNK>
 struct FwdConfig {
     static constexpr int PAGES = CHUNK / PAGE_ROWS;  // pages per key chunk
-    static constexpr int PPW = PAGES / kKVWarps;     // pages per producer warp of a K or V chunk
+    static constexpr int PPW = PAGES / 4;            // pages per producer warp
     static constexpr int Q_BYTES = PAGED_FWD_Q_ROWS * HEAD_DIM * 2;
     static constexpr int KV_BYTES = CHUNK * HEAD_DIM * 2;
     static constexpr int NBUF_FIT = (PAGED_FWD_SMEM_LIMIT - 1024 - PAGED_FWD_SMALL_BYTES - Q_BYTES) / (2 * KV_BYTES);
@@ -238,12 +224,12 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
 
     if (tid == 0) {
         for (int i = 0; i < NBUF; ++i) {
-            hopper::mbar_init(sm.k_full(i), kLoaderThreads);
-            hopper::mbar_init(sm.v_full(i), kLoaderThreads);
+            hopper::mbar_init(sm.k_full(i), kProducerThreads);
+            hopper::mbar_init(sm.v_full(i), kProducerThreads);
             hopper::mbar_init(sm.k_empty(i), kConsumerWarps * kMaskReaders);
             hopper::mbar_init(sm.v_empty(i), kConsumerWarps);
         }
-        hopper::mbar_init(sm.q_full(), kLoaderThreads);
+        hopper::mbar_init(sm.q_full(), kProducerThreads);
         hopper::mbar_init(sm.q_empty(), kConsumerWarps);
         for (int i = 0; i < 2; ++i) {
             hopper::mbar_init(sm.item_full(i), 1);
@@ -257,9 +243,6 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         // ================================ producer ================================
         hopper::regs_release<PAGED_FWD_PRODUCER_REGS>();
         const int pwarp = tid >> 5;
-        const bool loads_k = !kSplitKV || pwarp < 2;  // (and Q)
-        const bool loads_v = !kSplitKV || pwarp >= 2;
-        const int kvw = kSplitKV ? (pwarp & 1) : pwarp;  // this warp's share of a chunk's pages
 #ifdef PAGED_FWD_TMA
         if (tid == 0) {
             hopper::tma_prefetch(&tmK);
@@ -292,58 +275,29 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             const __nv_bfloat16* Kh = K + bh * k_slots * HEAD_DIM;
 #endif
 
-            if constexpr (!kSplitKV) {
-                // Q: warp pw gathers own pages 2pw, 2pw + 1 (rows 32pw .. 32pw + 31)
-                hopper::mbar_wait(sm.q_empty(), (q_items & 1) ^ 1u);
-                if (2 * pwarp < it.rows / PAGE_ROWS) {
-                    int qp = -1;
-                    uint32_t qm = 0u;
-                    if (lane < 2 && it.ok) {
-                        const int2 e = own_pages[it.w * PAGED_FWD_Q_PAGES + 2 * pwarp + lane];
-                        qp = e.x;
-                        qm = static_cast<uint32_t>(e.y);
-                    }
-                    const int page[2] = {__shfl_sync(0xffffffffu, qp, 0), __shfl_sync(0xffffffffu, qp, 1)};
-                    const uint32_t mask[2] = {__shfl_sync(0xffffffffu, qm, 0), __shfl_sync(0xffffffffu, qm, 1)};
-                    hopper::warp_copy_pages<HEAD_DIM, PAGED_FWD_Q_ROWS, 2>(sm.q, 32 * pwarp, Q + bh * q_slots * HEAD_DIM,
-                                                                         q_pages, page, mask);
+            // Q: warp pw gathers own pages 2pw, 2pw + 1 (rows 32pw .. 32pw + 31)
+            hopper::mbar_wait(sm.q_empty(), (q_items & 1) ^ 1u);
+            if (2 * pwarp < it.rows / PAGE_ROWS) {
+                int qp = -1;
+                uint32_t qm = 0u;
+                if (lane < 2 && it.ok) {
+                    const int2 e = own_pages[it.w * PAGED_FWD_Q_PAGES + 2 * pwarp + lane];
+                    qp = e.x;
+                    qm = static_cast<uint32_t>(e.y);
                 }
-                hopper::mbar_track_cp_async(sm.q_full());
-                hopper::mbar_arrive(sm.q_full());
-                ++q_items;
-            } else {
-                // Q: loader warp w (of kKVWarps) gathers own pages QPW·w .. QPW·w + QPW − 1
-                if (loads_k) {
-                    constexpr int QPW = PAGED_FWD_Q_PAGES / kKVWarps;
-                    hopper::mbar_wait(sm.q_empty(), (q_items & 1) ^ 1u);
-                    if (QPW * kvw < it.rows / PAGE_ROWS) {
-                        int qp = -1;
-                        uint32_t qm = 0u;
-                        if (lane < QPW && it.ok) {
-                            const int2 e = own_pages[it.w * PAGED_FWD_Q_PAGES + QPW * kvw + lane];
-                            qp = e.x;
-                            qm = static_cast<uint32_t>(e.y);
-                        }
-                        int page[QPW];
-                        uint32_t mask[QPW];
-#pragma unroll
-                        for (int p = 0; p < QPW; ++p) {
-                            page[p] = __shfl_sync(0xffffffffu, qp, p);
-                            mask[p] = __shfl_sync(0xffffffffu, qm, p);
-                        }
-                        hopper::warp_copy_pages<HEAD_DIM, PAGED_FWD_Q_ROWS, QPW>(
-                            sm.q, QPW * PAGE_ROWS * kvw, Q + bh * q_slots * HEAD_DIM, q_pages, page, mask);
-                    }
-                    hopper::mbar_track_cp_async(sm.q_full());
-                    hopper::mbar_arrive(sm.q_full());
-                    ++q_items;
-                }
+                const int page[2] = {__shfl_sync(0xffffffffu, qp, 0), __shfl_sync(0xffffffffu, qp, 1)};
+                const uint32_t mask[2] = {__shfl_sync(0xffffffffu, qm, 0), __shfl_sync(0xffffffffu, qm, 1)};
+                hopper::warp_copy_pages<HEAD_DIM, PAGED_FWD_Q_ROWS, 2>(sm.q, 32 * pwarp, Q + bh * q_slots * HEAD_DIM,
+                                                                     q_pages, page, mask);
             }
+            hopper::mbar_track_cp_async(sm.q_full());
+            hopper::mbar_arrive(sm.q_full());
+            ++q_items;
 
-            // K/V chunks: warp pw (kSplitKV: loader warp kvw of K or V) gathers pages pw·PPW .. of each chunk;
-            // lanes < PPW hold the entries of the next chunk (loaded while this chunk's copies are issued)
+            // K/V chunks: warp pw gathers pages pw·PPW .. of each chunk; lanes < PPW hold the entries of
+            // the next chunk (loaded while this chunk's copies are issued)
             auto entry = [&](int c, int& page, uint32_t& mask) {
-                const int e = c * PAGES + (kSplitKV ? kvw : pwarp) * C::PPW + lane;
+                const int e = c * PAGES + pwarp * C::PPW + lane;
                 int2 entry = make_int2(-1, 0);
                 if (lane < C::PPW && e < it.len) entry = stream_pages[it.begin + e];
                 page = entry.x;
@@ -366,8 +320,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 const uint32_t my_mask = next_mask;
 #endif
                 entry(c + 1, next_page, next_mask);
-#ifdef PAGED_FWD_TMA
                 hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
+#ifdef PAGED_FWD_TMA
                 // The lane that issues the warp's boxes writes its masks too (the phase may complete by
                 // those boxes' bytes; racecheck then orders only that lane's writes before the waiters'
                 // reads). A page the TMA does not load keeps stale rows: its columns are masked.
@@ -385,38 +339,18 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                                                                     &tmV, map_row0, k_pages, page, mask, sm.v_full(buf));
                 hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW, true>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
                                                                      Vh, k_pages, page, mask);
+#else
+                if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
+                hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
+                                                               Kh, k_pages, page, mask);
+                hopper::mbar_track_cp_async(sm.k_full(buf));
+                hopper::mbar_arrive(sm.k_full(buf));
+                hopper::mbar_wait(sm.v_empty(buf), par ^ 1u);
+                hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
+                                                               Vh, k_pages, page, mask);
+#endif
                 hopper::mbar_track_cp_async(sm.v_full(buf));
                 hopper::mbar_arrive(sm.v_full(buf));
-#else
-                if constexpr (!kSplitKV) {
-                    hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
-                    if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
-                    hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
-                                                                   Kh, k_pages, page, mask);
-                    hopper::mbar_track_cp_async(sm.k_full(buf));
-                    hopper::mbar_arrive(sm.k_full(buf));
-                    hopper::mbar_wait(sm.v_empty(buf), par ^ 1u);
-                    hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
-                                                                   Vh, k_pages, page, mask);
-                    hopper::mbar_track_cp_async(sm.v_full(buf));
-                    hopper::mbar_arrive(sm.v_full(buf));
-                } else {
-                    const int row0 = kvw * C::PPW * PAGE_ROWS;
-                    if (loads_k) {
-                        hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
-                        if (lane < C::PPW) sm.kmask[buf * PAGES + kvw * C::PPW + lane] = my_mask;
-                        hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, row0, Kh, k_pages, page, mask);
-                        hopper::mbar_track_cp_async(sm.k_full(buf));
-                        hopper::mbar_arrive(sm.k_full(buf));
-                    }
-                    if (loads_v) {
-                        hopper::mbar_wait(sm.v_empty(buf), par ^ 1u);
-                        hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.v + buf * C::KV_BYTES, row0, Vh, k_pages, page, mask);
-                        hopper::mbar_track_cp_async(sm.v_full(buf));
-                        hopper::mbar_arrive(sm.v_full(buf));
-                    }
-                }
-#endif
             }
         }
         paged::cp_async_wait<0>();

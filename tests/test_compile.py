@@ -311,19 +311,6 @@ def test_forward_variant_from_the_environment(monkeypatch):
         forward._variant_from_env()
     monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_TMA,PAGED_FWD_REGS_232")
     assert forward._variant_from_env() == ("PAGED_FWD_REGS_232", "PAGED_FWD_TMA")
-    monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_SPLIT_KV,PAGED_FWD_TMA")
-    with pytest.raises(KernelValueError, match="PAGED_FWD_SPLIT_KV does not build with PAGED_FWD_TMA"):
-        forward._variant_from_env()
-
-
-def test_the_split_producer_does_not_build_with_tma(reports):
-    """paged_fwd.cu refuses PAGED_FWD_SPLIT_KV with PAGED_FWD_TMA at compile time too (VARIANT_CONFLICTS
-    mirrors it)."""
-    from sparseattn.kernels import forward
-
-    assert "PAGED_FWD_TMA" in forward.VARIANT_CONFLICTS["PAGED_FWD_SPLIT_KV"]
-    with pytest.raises(AssertionError, match="PAGED_FWD_SPLIT_KV splits the cp.async producer"):
-        _compile_variant(forward.SOURCE, forward.NAME_EXPRESSIONS, "PAGED_FWD_SPLIT_KV,PAGED_FWD_TMA")
 
 
 def test_wgmma_backward_mirrors_match_the_kernel(reports):

@@ -120,3 +120,21 @@ def test_cluster_select_kernel_compiles_for_sm90(block, bisect):
     )
     kernel = _compile(_select_kernel, sig, dict(BLOCK=block, BISECT=bisect))
     assert kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("block", [16, 1024, 2048, 8192])
+def test_vsa_select_kernel_compiles_for_sm90(block):
+    from sparseattn.vsa_select import _row_topk_kernel
+
+    sig = dict(scores_ptr="*fp32", live_ptr="*u8", out_ptr="*i32", cols="i32", kept="i32")
+    kernel = _compile(_row_topk_kernel, sig, dict(BLOCK=block))
+    assert kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_zero_rows_kernel_compiles_for_sm90(d):
+    from sparseattn.slot_copy import BLOCK_ROWS, _zero_rows_kernel
+
+    sig = dict(y_ptr="*bf16", rows_ptr="*i64", n_rows="i32", slots="i32")
+    kernel = _compile(_zero_rows_kernel, sig, dict(D=d, BR=BLOCK_ROWS))
+    assert kernel.metadata.shared <= 227 * 1024

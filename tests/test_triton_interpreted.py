@@ -1,5 +1,5 @@
 """The Triton kernels (the SVG2 planner's page streams, the fused nearest centroid, tokens to slots, the
-block mask and the top-p selection of the cluster pairs) under Triton's interpreter on the CPU, against
+block mask, the top-p selection of the cluster pairs and VSA's per-block top-k) under Triton's interpreter on the CPU, against
 their torch references (``triton_interpreted_checks.py``, in a fresh process: the interpreter is chosen
 when Triton is imported). The GPU tests run them compiled."""
 
@@ -25,7 +25,8 @@ CHECKS = Path(__file__).with_name("triton_interpreted_checks.py")
 
 
 @pytest.mark.parametrize(
-    "kernel", ["page_streams", "nearest_centroid", "slot_copy", "cluster_blocks", "cluster_select"]
+    "kernel",
+    ["page_streams", "nearest_centroid", "slot_copy", "cluster_blocks", "cluster_select", "vsa_select"],
 )
 def test_triton_kernel_under_the_interpreter_equals_torch(kernel):
     env = {**os.environ, "TRITON_INTERPRET": "1"}

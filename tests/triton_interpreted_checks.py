@@ -2,7 +2,8 @@
 
 Triton's interpreter must be chosen before Triton is imported, so ``test_triton_interpreted.py`` runs
 this file in a fresh process with ``TRITON_INTERPRET=1``: ``python tests/triton_interpreted_checks.py
-page_streams`` (or ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``, ``cluster_select``). Exit status 0 when every case agrees.
+page_streams`` (or ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``, ``cluster_select``,
+``vsa_select``). Exit status 0 when every case agrees.
 """
 
 from __future__ import annotations
@@ -133,6 +134,14 @@ def check_slot_copy() -> int:
             (got * dy).sum().backward()
             torch.testing.assert_close(x.grad, dy[rows])
         cases += 1
+    for shape, n in (((2, 3, 100, 64), 37), ((1, 70, 128), 70), ((4, 5, 16), 0)):
+        y = torch.full(shape, float("nan")).to(torch.bfloat16)
+        rows = torch.randperm(shape[-2], generator=g)[:n]
+        slot_copy.zero_rows(y, rows)
+        zeroed = torch.zeros(shape[-2], dtype=torch.bool)
+        zeroed[rows] = True
+        assert (y[..., zeroed, :] == 0).all() and y[..., ~zeroed, :].isnan().all(), (shape, n)
+        cases += 1
     return cases
 
 
@@ -209,6 +218,60 @@ def check_cluster_select() -> int:
                 assert np.array_equal(got[r].numpy(), host) or scale > 100, (r, n, cq, ck, top_p)
             cases += 1
     return cases
+
+
+def vsa_topk_agrees(scores, live, kept, got) -> None:
+    """``got`` (int32 ``[..., kept]``, :func:`sparseattn.vsa_select.row_topk`) picks, per row, distinct live
+    columns in ascending order whose values are the ``kept`` largest live values (``torch.topk``'s)."""
+    want = scores.masked_fill(~live, float("-inf")).topk(kept, dim=-1).values
+    assert got.shape == (*scores.shape[:-1], kept) and got.dtype == torch.int32
+    idx = got.long()
+    if kept > 1:
+        assert bool((idx[..., 1:] > idx[..., :-1]).all()), "indices not ascending (or repeated)"
+    assert bool(live[idx].all()), "a column that may not be chosen was chosen"
+    picked = scores.gather(-1, idx).sort(-1, descending=True).values
+    assert torch.equal(picked, want), "the chosen values are not the k largest"
+
+
+def check_vsa_select() -> int:
+    """VSA's per-row top-k by bisection equals ``torch.topk``'s values: random, negative and bit-equal
+    scores (ties at the boundary), signed zeros, columns that may not be chosen, ``kept`` from 1 to every
+    live column, column counts that are not powers of two; ``vsa_topk`` on a ragged layout."""
+    from sparseattn import vsa_select
+
+    cases = 0
+    g = torch.Generator().manual_seed(11)
+    for rows, cols in ((5, 17), (4, 100), (3, 624), (2, 1440)):
+        live = torch.rand(cols, generator=g) > 0.2
+        live[0] = True
+        n_live = int(live.sum())
+        for kind in ("normal", "ties", "zeros"):
+            if kind == "normal":
+                scores = torch.randn(rows, cols, generator=g) * 10
+            elif kind == "ties":
+                scores = torch.randint(-3, 4, (rows, cols), generator=g).float()
+            else:
+                signs = torch.randint(0, 2, (rows, cols), generator=g).bool()
+                scores = torch.where(signs, torch.tensor(-0.0), torch.tensor(0.0))
+                scores[:, ::3] = -1.0
+            for kept in sorted({1, min(7, n_live), n_live // 2 or 1, n_live}):
+                assert vsa_select.available(scores), "the interpreter is not on"
+                got = vsa_select.row_topk(scores, live, kept)
+                vsa_topk_agrees(scores, live, kept, got)
+                cases += 1
+    # vsa_topk end to end on a ragged video layout: its choice is the top-k of its scores
+    from sparseattn.layouts import video_layout
+    from sparseattn.torch import _block_weights, _layout_handle, tokens_to_slots, vsa_topk
+
+    lay = video_layout((5, 6, 7), (2, 4, 4), 32)
+    q, k = (torch.randn(2, lay.num_tokens, 3, 64, generator=g).bfloat16() for _ in range(2))
+    qs, ks = tokens_to_slots(lay, q, k)
+    idx, num = vsa_topk(qs, ks, lay, 4)
+    weight, alive = _block_weights(_layout_handle(lay), qs.device)
+    qm, km = (x.reshape(2, 3, lay.num_blocks, 32, 64).sum(3, dtype=torch.float32) * weight for x in (qs, ks))
+    vsa_topk_agrees(qm @ km.transpose(-1, -2), alive, 4, idx)
+    assert torch.equal(num, torch.full_like(num, 4))
+    return cases + 1
 
 
 if __name__ == "__main__":

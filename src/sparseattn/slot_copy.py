@@ -12,6 +12,9 @@ kernels read as masked rows and must find finite) or nothing (``-2``: the row is
 the used slots (a per-row layout's first ``num_slots`` slots). The backward is the gather of the
 gradient at the same rows (``index_select``), so unwritten rows are never read on either way.
 
+:func:`zero_rows` writes zeros into listed rows only (the padding slots of a dynamic forward's output,
+which no work item writes).
+
 Runs on CUDA tensors (or on the CPU under ``TRITON_INTERPRET=1``, for tests); :func:`available` says
 whether it can run on a tensor. :func:`scatter_rows` of ``svg2_device`` falls back to zeros and
 ``index_copy`` elsewhere.
@@ -96,6 +99,34 @@ class _RowsToSlots(torch.autograd.Function):
     def backward(ctx, grad):
         (rows,) = ctx.saved_tensors
         return grad.index_select(0, rows.long()), None, None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _zero_rows_kernel(y_ptr, rows_ptr, n_rows, slots, D: tl.constexpr, BR: tl.constexpr):
+        offs_r = tl.program_id(1).to(tl.int64) * BR + tl.arange(0, BR)
+        r_ok = offs_r < n_rows
+        rows = tl.load(rows_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
+        base = tl.program_id(0).to(tl.int64) * slots
+        offs_d = tl.arange(0, D)
+        zeros = tl.zeros((BR, D), dtype=y_ptr.dtype.element_ty)
+        tl.store(y_ptr + (base + rows)[:, None] * D + offs_d[None, :], zeros, mask=r_ok[:, None])
+
+
+def zero_rows(y: torch.Tensor, rows: torch.Tensor) -> None:
+    """Zeros into rows ``rows`` (int64 ``[n]``) of every ``[slots, d]`` matrix of contiguous ``y``
+    ``[..., slots, d]``, in place, in one launch that writes only those rows (a memset of all of ``y``
+    writes every row). ``d`` a power of two. Needs :func:`available` ``(y)``."""
+    if not available(y) or not y.is_contiguous():
+        raise ValueError(f"zero_rows needs Triton and a contiguous CUDA tensor, got {y.dtype} on {y.device}")
+    slots, d = y.shape[-2], y.shape[-1]
+    if d & (d - 1) or rows.ndim != 1:
+        raise ValueError(f"zero_rows needs d a power of two and rows [n], got d={d}, rows {list(rows.shape)}")
+    matrices = y.numel() // max(slots * d, 1)
+    if rows.numel() and matrices:
+        grid = (matrices, triton.cdiv(rows.numel(), BLOCK_ROWS))
+        _zero_rows_kernel[grid](y, rows, rows.numel(), slots, D=d, BR=BLOCK_ROWS)
 
 
 def rows_to_slots(x: torch.Tensor, rows: torch.Tensor, used: torch.Tensor) -> torch.Tensor:

@@ -211,8 +211,13 @@ def vsa_topk(q, k, layout, topk: int):
 
     Returns:
         int32 ``q2k_idx [batch, heads, q_blocks, topk']`` and ``q2k_num [batch, heads, q_blocks]``, with
-        ``topk' = min(topk, blocks with valid rows)``.
+        ``topk' = min(topk, blocks with valid rows)``. A row's blocks come in ascending order from the
+        Triton top-k (:mod:`sparseattn.vsa_select`, on CUDA tensors) and by descending score from
+        ``torch.topk`` (elsewhere, and under ``torch.compile``); the sets are the same but for equal
+        scores at the boundary. The scores are float32 under autocast too.
     """
+    from . import vsa_select
+
     b, h, slots, d = q.shape
     lh = _layout_handle(layout)
     nb, bs, num_slots, alive_blocks = _layout_sizes(lh)
@@ -221,9 +226,14 @@ def vsa_topk(q, k, layout, topk: int):
     weight, alive = _block_weights(lh, q.device)
     qm = q.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32) * weight  # fp32 sums, no fp32 copy of q
     km = k.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32) * weight
-    scores = (qm @ km.transpose(-1, -2)).masked_fill(~alive, float("-inf"))
+    with torch.autocast(q.device.type, enabled=False):  # float32 scores under autocast too
+        scores = qm @ km.transpose(-1, -2)
     kept = min(int(topk), alive_blocks)
-    idx = scores.topk(kept, dim=-1).indices.to(torch.int32)
+    # (a torch.compile trace takes torch.topk)
+    if vsa_select.available(scores) and not torch.compiler.is_compiling():
+        idx = vsa_select.row_topk(scores, alive, kept)
+    else:
+        idx = scores.masked_fill(~alive, float("-inf")).topk(kept, dim=-1).indices.to(torch.int32)
     num = torch.full((b, h, nb), kept, dtype=torch.int32, device=q.device)
     return idx.contiguous(), num
 

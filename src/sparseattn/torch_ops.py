@@ -195,9 +195,17 @@ def _dynamic_fwd_fake(q, k, v, q2k_idx, q2k_num, mask, planner, scale, plan_back
     return o, lse, q.new_empty((n,), dtype=torch.uint8)
 
 
+def _padding_rows(layout, device):
+    """int64 ``[padding slots]`` on ``device``: the slots of ``layout`` that hold no token (cached)."""
+    from .planning.cache import cached
+
+    build = lambda: torch.as_tensor(np.flatnonzero(~layout.valid), dtype=torch.int64, device=device)
+    return cached(layout, ("padding rows", str(device)), build)
+
+
 def _dynamic_fwd_cuda(q, k, v, q2k_idx, q2k_num, mask, planner, scale, plan_backward):
     from .kernels import launch
-    from .kernels.forward import kpage_forward
+    from .kernels.forward import _torch_fast_forward, kpage_forward
 
     p = resolve(planner)
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -205,7 +213,9 @@ def _dynamic_fwd_cuda(q, k, v, q2k_idx, q2k_num, mask, planner, scale, plan_back
     memory = torch.empty((n,), dtype=torch.uint8, device=q.device)
     with launch.torch_stream():
         plans = p.plan(q2k_idx, q2k_num, mask=mask, backward=plan_backward, memory=memory)
-    o, lse = kpage_forward(q, k, v, plans, scale=scale)
+    # a device plan writes every valid row of its Q layout: only the padding slots of o need zeros
+    fast = _torch_fast_forward(q, k, v, plans, "auto", scale, None, zero_rows=_padding_rows(p.q, q.device))
+    o, lse = fast if fast is not None else kpage_forward(q, k, v, plans, scale=scale)
     return o, lse, memory
 
 

@@ -198,6 +198,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--train", action="append", choices=sorted(LATENTS), help="training steps at (default 480p)"
     )
+    parser.add_argument(
+        "--no-train",
+        action="store_true",
+        help="forward steps only (a 480p training step of all 30 layers does not fit 80 GB)",
+    )
     parser.add_argument("--impl", action="append", choices=IMPLS, help="default: all")
     parser.add_argument("--layers", type=int, default=WAN_1_3B["num_layers"])
     parser.add_argument("--warmup", type=int, default=1)
@@ -205,7 +210,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="JSON path (default data/bench/wan_steps_<date>.json)")
     args = parser.parse_args(argv)
     args.resolution = args.resolution or ["480p", "720p"]
-    args.train = args.train or ["480p"]
+    args.train = [] if args.no_train else args.train or ["480p"]
     args.impl = args.impl or list(IMPLS)
     from .bench import run_path, write_run
 

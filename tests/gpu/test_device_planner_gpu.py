@@ -207,6 +207,7 @@ def test_torch_block_sparse_attention_with_autograd():
     valid = lay.valid
     got = o.detach().double().cpu().numpy().reshape(o_ref.shape)
     assert rel_err(got[:, :, valid], o_ref[:, :, valid]) < 1e-2
+    assert (got[:, :, ~valid] == 0).all(), "padding rows of o must be zero"
     for x, r in zip((q, k, v), grads_ref):
         g = x.grad.double().cpu().numpy().reshape(r.shape)
         assert rel_err(g[:, :, valid], r[:, :, valid]) < 1e-2

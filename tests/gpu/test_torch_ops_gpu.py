@@ -170,3 +170,32 @@ def test_cuda_graph_training_step_replays_like_eager(kind):
         eager = torch.cat([p.grad.float().flatten() for p in params])
         assert torch.allclose(replayed_loss, eager_loss, rtol=1e-3), (replayed_loss, eager_loss)
         assert (replayed - eager).norm() / eager.norm() < 1e-2
+
+
+@pytest.mark.parametrize(
+    "grid", [(21, 30, 52), (21, 45, 80), (5, 6, 7)], ids=["wan480p", "wan720p", "ragged"]
+)
+def test_vsa_topk_by_bisection_picks_torch_topks_values(grid):
+    """vsa_topk's Triton top-k (bisection, ascending indices) chooses the values torch.topk chooses from the
+    same scores, on Wan-sized layouts and a ragged one (partial and empty cubes), and on all-equal scores."""
+    from triton_interpreted_checks import vsa_topk_agrees
+
+    import sparseattn.torch as st
+    from sparseattn.layouts import video_layout
+
+    lay = video_layout(grid, (4, 4, 4), 64)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k = (torch.randn(2, lay.num_tokens, 3, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
+    topk = -(-lay.num_blocks // 10)
+    for scale in (1.0, 0.0):  # 0: every score equal, the whole row tied
+        qs, ks = st.tokens_to_slots(lay, q * scale, k * scale)
+        idx, num = st.vsa_topk(qs, ks, lay, topk)
+        weight, alive = st._block_weights(st._layout_handle(lay), qs.device)
+        b, h, _, d = qs.shape
+        means = [
+            x.reshape(b, h, lay.num_blocks, 64, d).sum(3, dtype=torch.float32) * weight for x in (qs, ks)
+        ]
+        scores = means[0] @ means[1].transpose(-1, -2)
+        kept = min(topk, int(alive.sum()))
+        assert torch.equal(num, torch.full_like(num, kept))
+        vsa_topk_agrees(scores, alive, kept, idx)

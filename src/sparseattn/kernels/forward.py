@@ -64,37 +64,27 @@ MAX_BATCH = 1 << 15
 #: its neighbour's pair item); ``PAGED_FWD_TMA`` loads K pages and full V pages with the tensor-memory
 #: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters); ``PAGED_FWD_PINGPONG``
 #: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_REGS_232`` gives the consumers
-#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`); ``PAGED_FWD_SPLIT_KV``
-#: has two producer warps load Q and K and the other two V, each pair on its own barriers (the cp.async
-#: producer only: :data:`VARIANT_CONFLICTS`); ``PAGED_FWD_TREE_MAX`` takes each tile's row maxima as a
-#: pairwise tree instead of a chain (the same values). ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects
-#: them for a process.
+#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`).
+#: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
 VARIANTS = (
     "PAGED_FWD_SKIP_VOID",
     "PAGED_FWD_TMA",
     "PAGED_FWD_PINGPONG",
     "PAGED_FWD_REGS_232",
-    "PAGED_FWD_SPLIT_KV",
-    "PAGED_FWD_TREE_MAX",
 )
 #: Variants that compile only together with others.
 VARIANT_NEEDS = {"PAGED_FWD_REGS_232": ("PAGED_FWD_TMA",)}
-#: Variants that do not compile together.
-VARIANT_CONFLICTS = {"PAGED_FWD_SPLIT_KV": ("PAGED_FWD_TMA",)}
 #: The TMA variant's extra parameters: tensor maps of K and V (:class:`.tensor_map.TensorMap`).
 TMA_PARAMS = ("tmK", "tmV")
 
 
 def check_variants(defines: tuple[str, ...], source: str = "SPARSEATTN_FWD_VARIANT") -> tuple[str, ...]:
-    """``defines`` if every variant's companions (:data:`VARIANT_NEEDS`) are there and none of its
-    conflicts (:data:`VARIANT_CONFLICTS`); else a KernelValueError naming ``source``."""
+    """``defines`` if every variant's companions (:data:`VARIANT_NEEDS`) are there; else a KernelValueError
+    naming ``source``."""
     for name in defines:
         missing = [n for n in VARIANT_NEEDS.get(name, ()) if n not in defines]
         if missing:
             raise KernelValueError(f"{source}: {name} needs {', '.join(missing)} in the same build")
-        clash = [n for n in VARIANT_CONFLICTS.get(name, ()) if n in defines]
-        if clash:
-            raise KernelValueError(f"{source}: {name} does not build with {', '.join(clash)}")
     return defines
 
 
@@ -550,10 +540,10 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
     return o, lse
 
 
-def _torch_fast_forward(q, k, v, graph_or_plans, route, scale, out):
+def _torch_fast_forward(q, k, v, graph_or_plans, route, scale, out, zero_rows=None):
     """The forward of device plans or a cached graph on torch tensors in a few attribute reads and one
     launch (raw pointers, no DLPack views); None when anything is unusual (the general path then names
-    what is wrong)."""
+    what is wrong). ``zero_rows``: see :func:`_torch_launch` (device plans only)."""
     import torch
 
     try:
@@ -582,15 +572,22 @@ def _torch_fast_forward(q, k, v, graph_or_plans, route, scale, out):
             return None
         wl, sizes = plans.forward, (1, b * h, sq, sk, d)
     elif isinstance(graph_or_plans, SparseGraph) and b <= MAX_BATCH:
-        wl, sizes = resolve_work(graph_or_plans, "kpage", route, h, sq, sk), (b, h, sq, sk, d)
+        wl, sizes, zero_rows = (
+            resolve_work(graph_or_plans, "kpage", route, h, sq, sk),
+            (b, h, sq, sk, d),
+            None,
+        )
     else:
         return None
-    return _torch_launch(q, k, v, wl, check_scale(scale, d), sizes)
+    return _torch_launch(q, k, v, wl, check_scale(scale, d), sizes, zero_rows)
 
 
-def _torch_launch(q, k, v, wl, scale: float, sizes):
+def _torch_launch(q, k, v, wl, scale: float, sizes, zero_rows=None):
     """``(o, lse)`` of one launch on torch tensors (raw pointers, torch's current stream): fresh outputs,
-    ``o`` zeroed and ``lse`` ``-inf`` where no item writes. ``sizes`` as :func:`_launch` takes them."""
+    ``o`` zeroed and ``lse`` ``-inf`` where no item writes. ``sizes`` as :func:`_launch` takes them.
+    ``zero_rows`` (int64 CUDA tensor of slot indices): the only rows of ``o`` no item writes (a device
+    plan writes every valid row of its Q layout; these are its padding slots), zeroed instead of all of
+    ``o``."""
     import cupy
     import torch
 
@@ -598,7 +595,12 @@ def _torch_launch(q, k, v, wl, scale: float, sizes):
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=dev)
     stream = launch.torch_stream_ptr(dev.index)
-    cupy.cuda.runtime.memsetAsync(o.data_ptr(), 0, o.numel() * 2, stream)
+    from .. import slot_copy
+
+    if zero_rows is None or not slot_copy.available(o):
+        cupy.cuda.runtime.memsetAsync(o.data_ptr(), 0, o.numel() * 2, stream)
+    else:
+        slot_copy.zero_rows(o, zero_rows)
     launch.fill_neg_inf(lse.data_ptr(), lse.numel(), stream, dev.index)
     ptr = lambda x: x.data_ptr()
     _launch(ptr(q), ptr(k), ptr(v), wl, scale, ptr(o), ptr(lse), dev.index, sizes, stream)

@@ -1,0 +1,136 @@
+"""Where one Wan VSA processor call spends its GPU time (lab script; needs a GPU, torch, fastvideo-kernel).
+
+One self-attention call of a Wan2.1-1.3B-shaped layer (12 heads of 128, bf16, batch 1) at 480p and 720p
+(81 frames), VSA top 10% of the 4x4x4 cubes selected on the GPU, split into the processor's steps, each
+timed alone with CUDA events (median of ``--reps`` after a warm-up; inputs of 100-230 MB each, above L2):
+
+* ``to_slots``: q, k, v to the layout's slot order (one fused launch);
+* ``cube_sums``: the per-cube sums of q and k (``vsa_topk``'s first half), ``scores_topk`` the rest;
+* ``vsa_topk``: the whole selection;
+* ``kpage_plan_attn``: ``block_sparse_attention`` (the device planner and the KPage forward);
+* ``vsa_attn``: the VSA system's kernel (``block_sparse_attn_from_indices``) on the same selection;
+* ``to_tokens``: the output back to token order;
+* ``kpage_call`` / ``vsa_call``: the whole processor call (what the model bench's attention part sums).
+
+Also a torch.profiler table of one whole KPage call per resolution (the kernels behind each step).
+
+    python data/bench/experiments/wan_vsa_processor_parts.py --out parts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+
+def timed(fn, reps: int, warmup: int = 3) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def parts(resolution: str, reps: int, profile: bool) -> dict:
+    import torch
+
+    from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
+    from sparseattn.torch import block_sparse_attention, slots_to_tokens, tokens_to_slots, vsa_topk
+    from sparseattn.wan_bench import LATENTS, TOPK_FRACTION
+
+    frames, height, width = LATENTS[resolution]
+    grid = (frames, height // 2, width // 2)
+    blocks = math.prod(-(-g // 4) for g in grid)
+    selection = WanSelection.vsa((4, 4, 4), topk=math.ceil(TOPK_FRACTION * blocks))
+    proc = WanSparseAttnProcessor(grid, selection, backend="kpage")
+    layout, planner = proc._handles("dynamic")
+    lay = proc.layout
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, math.prod(grid), 12, 128)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    out: dict = dict(resolution=resolution, tokens=shape[1], heads=12, blocks=blocks, topk=selection.topk)
+    with torch.no_grad():
+        qs, ks, vs = tokens_to_slots(layout, q, k, v)
+        idx, num = vsa_topk(qs, ks, layout, selection.topk)
+        attn, _ = block_sparse_attention(qs, ks, vs, planner, idx, num)
+        b, h, _, d = qs.shape
+        nb, bs = lay.num_blocks, lay.block_size
+
+        def cube_sums():
+            qs.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32)
+            ks.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32)
+
+        qm = qs.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32)
+        km = ks.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32)
+
+        def scores_topk():
+            s = qm @ km.transpose(-1, -2)
+            s.topk(selection.topk, dim=-1)
+
+        steps = {
+            "to_slots": lambda: tokens_to_slots(layout, q, k, v),
+            "cube_sums": cube_sums,
+            "scores_topk": scores_topk,
+            "vsa_topk": lambda: vsa_topk(qs, ks, layout, selection.topk),
+            "kpage_plan_attn": lambda: block_sparse_attention(qs, ks, vs, planner, idx, num),
+            "to_tokens": lambda: slots_to_tokens(layout, attn),
+            "kpage_call": lambda: proc.attend(q, k, v),
+        }
+        try:
+            os.environ.setdefault("FASTVIDEO_VSA_TRITON", "1")
+            from fastvideo_kernel.block_sparse_attn import block_sparse_attn_from_indices
+
+            from sparseattn.wan_bench import processors
+
+            sizes = torch.tensor(lay.valid_rows.astype("int32"), device="cuda")
+            vsa_proc = processors(grid, "vsa_kernel")
+            steps["vsa_attn"] = lambda: block_sparse_attn_from_indices(qs, ks, vs, idx, num, sizes)
+            steps["vsa_call"] = lambda: vsa_proc.attend(q, k, v)
+        except ImportError as exc:
+            out["vsa_error"] = str(exc)
+        out["ms"] = {name: round(timed(fn, reps), 4) for name, fn in steps.items()}
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    proc.attend(q, k, v)
+                torch.cuda.synchronize()
+            out["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--resolution", action="append", choices=("480p", "720p"))
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    results = [parts(r, args.reps, not args.no_profile) for r in args.resolution or ("480p", "720p")]
+    for res in results:
+        print(f"== {res['resolution']}: {res['tokens']} tokens, {res['blocks']} cubes, top {res['topk']}")
+        print(res.get("profile", ""))
+    for res in results:
+        print(res["resolution"], "  ".join(f"{k} {v:.3f}" for k, v in res["ms"].items()))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(command=" ".join(sys.argv), results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
