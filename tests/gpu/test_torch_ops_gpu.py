@@ -101,6 +101,19 @@ def test_tokens_slots_cuda_equals_cpu():
     (cpu,) = st.tokens_to_slots(lay, x.cpu())
     assert torch.equal(gpu.cpu(), cpu)
     assert torch.equal(st.slots_to_tokens(lay, gpu).cpu(), st.slots_to_tokens(lay, cpu))
+    # three tensors in one launch, d = 128
+    xs = [torch.randn(2, lay.num_tokens, 3, 128, device="cuda").bfloat16() for _ in range(3)]
+    for gpu, cpu in zip(st.tokens_to_slots(lay, *xs), st.tokens_to_slots(lay, *(x.cpu() for x in xs))):
+        assert torch.equal(gpu.cpu(), cpu)
+        assert torch.equal(st.slots_to_tokens(lay, gpu).cpu(), st.slots_to_tokens(lay, cpu))
+    # more (batch, head) matrices / batch entries than a grid's second dimension holds (65,535)
+    tiny = video_layout((1, 4, 6), (1, 4, 4), 16)
+    for b, h in ((1, 70_000), (70_000, 1)):
+        x = torch.randn(b, tiny.num_tokens, h, 8, device="cuda").bfloat16()
+        (gpu,) = st.tokens_to_slots(tiny, x)
+        (cpu,) = st.tokens_to_slots(tiny, x.cpu())
+        assert torch.equal(gpu.cpu(), cpu), (b, h)
+        assert torch.equal(st.slots_to_tokens(tiny, gpu).cpu(), st.slots_to_tokens(tiny, cpu)), (b, h)
 
 
 # ---- a Wan transformer: torch.compile and CUDA graphs -----------------------------------------------------

@@ -15,17 +15,28 @@ THREADS = 256
 NULL = np.uint64(0)
 
 
+#: The most grid rows (CUDA's limit on ``gridDim.y``); the kernels stride over more matrices.
+MAX_GRID_Y = 65535
+#: The most 16-byte chunks one grid row covers (the kernels' index arithmetic is 32-bit).
+MAX_CHUNKS = 2**31 - 1
+
+
 def _launch(
     name: str, sources, targets, index, batch: int, tokens: int, heads: int, slots: int, d: int, rows: int
 ):
+    """``rows``: the rows one grid row covers (slots of one (batch, head) matrix, or tokens · heads of one
+    batch entry); the grid's second dimension runs over the matrices or batch entries."""
     n = len(sources)
     chunks = d // 8
-    total = rows * chunks
-    if total == 0:
+    per_row = rows * chunks
+    matrices = batch * heads if name == "slots_from_tokens" else batch
+    if per_row == 0 or matrices == 0:
         return
+    if per_row > MAX_CHUNKS:
+        raise ValueError(f"{name}: {per_row} chunks of 16 bytes per grid row exceed {MAX_CHUNKS}")
     pad = lambda xs: tuple(xs) + (NULL,) * (3 - n)
     launch.function(SOURCE, name, NAME_EXPRESSIONS)(
-        (-(-total // THREADS),),
+        (-(-per_row // THREADS), min(matrices, MAX_GRID_Y)),
         (THREADS,),
         (
             *pad(sources),
@@ -53,7 +64,7 @@ def slots_from_tokens(sources, targets, slot_token, batch: int, tokens: int, hea
         heads,
         slots,
         d,
-        batch * heads * slots,
+        slots,
     )
 
 
@@ -69,5 +80,5 @@ def tokens_from_slots(sources, targets, token_slot, batch: int, tokens: int, hea
         heads,
         slots,
         d,
-        batch * tokens * heads,
+        tokens * heads,
     )
