@@ -7,7 +7,9 @@ For a built-in workload's graph as a top-k selection, the device planner's forwa
 :mod:`sparseattn.planning.device_emulation`) against the host's pair work lists: pair items matched by the
 K pages the two blocks share (``partners="shared"``, the host's default) and neighbours paired by the
 layout (``partners="layout"``). Prints items, empty items (a matched-away slot stays in the list with no
-stream), streamed pages, 16-row-page chunks of the kernel and the longest item.
+stream), streamed pages, 16-row-page chunks of the kernel and the longest item. Then the backward's
+K/V-owned plans: the host's (pairs by shared Q pages, and by layout neighbours) against the device's twin,
+items and streamed Q pages.
 """
 
 import sys
@@ -15,6 +17,7 @@ import sys
 from sparseattn.bench import topk_arrays
 from sparseattn.planning import device_emulation as emu
 from sparseattn.planning.device import DevicePlanner
+from sparseattn.planning.pair_backward import pair_backward_plan
 from sparseattn.planning.pair_forward import pair_work_list
 from sparseattn.workloads import get_workload
 
@@ -47,6 +50,20 @@ def main() -> None:
             print(
                 f"{name} {label:24s} items {c['items']:6d} (empty {c['empty']:6d})  pages {c['pages']:9d} "
                 f"({c['pages'] / base['pages']:.3f}x)  chunks {c['chunks']:8d}  longest {c['longest']} chunks"
+            )
+        backward = {
+            "host, shared pages": pair_backward_plan(graph),
+            "host, layout neighbours": pair_backward_plan(graph, partners="layout"),
+        }
+        pages = {label: int(plan.stream_lengths().sum()) for label, plan in backward.items()}
+        items = {label: int(plan.num_work) for label, plan in backward.items()}
+        twin = out["backward"]
+        pages["device (twin)"] = int(twin["stream_indptr"][-1])
+        items["device (twin)"] = int(twin["order"].size)
+        for label, n_pages in pages.items():
+            print(
+                f"{name} backward {label:24s} items {items[label]:6d}  Q pages {n_pages:9d} "
+                f"({n_pages / pages['host, shared pages']:.3f}x)"
             )
 
 
