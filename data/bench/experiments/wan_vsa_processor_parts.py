@@ -13,8 +13,12 @@ timed alone with CUDA events (median of ``--reps`` after a warm-up; inputs of 10
 * ``kpage_call`` / ``vsa_call``: the whole processor call (what the model bench's attention part sums).
 
 Also a torch.profiler table of one whole KPage call per resolution (the kernels behind each step).
+With ``--train``, the backward of each differentiable step too, timed alone after its forward (events
+around ``backward`` only): ``to_slots_bwd`` (the gradients back to token order), ``kpage_attn_bwd`` /
+``vsa_attn_bwd`` (the attention's backward on the same selection), ``to_tokens_bwd``, and the whole
+call's forward + backward (``kpage_train_call`` / ``vsa_train_call``).
 
-    python data/bench/experiments/wan_vsa_processor_parts.py --out parts.json
+    python data/bench/experiments/wan_vsa_processor_parts.py --out parts.json [--train]
 """
 
 from __future__ import annotations
@@ -43,7 +47,69 @@ def timed(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def parts(resolution: str, reps: int, profile: bool) -> dict:
+def timed_backward(forward, reps: int, warmup: int = 2) -> float:
+    """Median ms of ``torch.autograd.backward(out, grad)`` alone, for ``(out, grad) = forward()`` run before
+    each timing (``out``, ``grad``: tensors or sequences of them)."""
+    import torch
+
+    times = []
+    for rep in range(warmup + reps):
+        out, grad = forward()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.autograd.backward(out, grad)
+        end.record()
+        end.synchronize()
+        if rep >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def train_parts(proc, vsa_proc, q, k, v, idx, num, reps: int) -> dict:
+    """The backward of each differentiable step of a processor call (see the module docstring)."""
+    import torch
+
+    from sparseattn.torch import block_sparse_attention, slots_to_tokens, tokens_to_slots
+
+    layout, planner = proc._handles("dynamic")
+    leaves = lambda *xs: [x.detach().clone().requires_grad_() for x in xs]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    grad_tokens = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=g)
+    qs, ks, vs = (x.detach() for x in tokens_to_slots(layout, q, k, v))
+    grad_slots = torch.randn(qs.shape, device="cuda", dtype=qs.dtype, generator=g)
+
+    def to_slots():
+        return list(tokens_to_slots(layout, *leaves(q, k, v))), [grad_slots] * 3
+
+    def kpage_attn():
+        o, _ = block_sparse_attention(*leaves(qs, ks, vs), planner, idx, num)
+        return o, grad_slots
+
+    def to_tokens():
+        return slots_to_tokens(layout, *leaves(qs)), grad_tokens
+
+    def call(p):
+        return lambda: (p.attend(*leaves(q, k, v)), grad_tokens)
+
+    steps = {"to_slots_bwd": to_slots, "kpage_attn_bwd": kpage_attn, "to_tokens_bwd": to_tokens}
+    if vsa_proc is not None:
+        from fastvideo_kernel.block_sparse_attn import block_sparse_attn_from_indices
+
+        sizes = torch.tensor(proc.layout.valid_rows.astype("int32"), device="cuda")
+
+        def vsa_attn():
+            o, _ = block_sparse_attn_from_indices(*leaves(qs, ks, vs), idx, num, sizes)
+            return o, grad_slots
+
+        steps["vsa_attn_bwd"] = vsa_attn
+    out = {name: round(timed_backward(fn, reps), 4) for name, fn in steps.items()}
+    for name, p in (("kpage", proc), ("vsa", vsa_proc)):
+        if p is not None:
+            out[f"{name}_train_call"] = round(timed(lambda p=p: call(p)()[0].backward(grad_tokens), reps), 4)
+    return out
+
+
+def parts(resolution: str, reps: int, profile: bool, train: bool = False) -> dict:
     import torch
 
     from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
@@ -88,6 +154,7 @@ def parts(resolution: str, reps: int, profile: bool) -> dict:
             "to_tokens": lambda: slots_to_tokens(layout, attn),
             "kpage_call": lambda: proc.attend(q, k, v),
         }
+        vsa_proc = None
         try:
             os.environ.setdefault("FASTVIDEO_VSA_TRITON", "1")
             from fastvideo_kernel.block_sparse_attn import block_sparse_attn_from_indices
@@ -101,6 +168,9 @@ def parts(resolution: str, reps: int, profile: bool) -> dict:
         except ImportError as exc:
             out["vsa_error"] = str(exc)
         out["ms"] = {name: round(timed(fn, reps), 4) for name, fn in steps.items()}
+    if train:
+        out["train_ms"] = train_parts(proc, vsa_proc, q, k, v, idx, num, reps)
+    with torch.no_grad():
         if profile:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -118,14 +188,19 @@ def main(argv=None) -> int:
     parser.add_argument("--resolution", action="append", choices=("480p", "720p"))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--train", action="store_true", help="also the backward of each step")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    results = [parts(r, args.reps, not args.no_profile) for r in args.resolution or ("480p", "720p")]
+    results = [
+        parts(r, args.reps, not args.no_profile, args.train) for r in args.resolution or ("480p", "720p")
+    ]
     for res in results:
         print(f"== {res['resolution']}: {res['tokens']} tokens, {res['blocks']} cubes, top {res['topk']}")
         print(res.get("profile", ""))
     for res in results:
         print(res["resolution"], "  ".join(f"{k} {v:.3f}" for k, v in res["ms"].items()))
+        if "train_ms" in res:
+            print(res["resolution"], "  ".join(f"{k} {v:.3f}" for k, v in res["train_ms"].items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(command=" ".join(sys.argv), results=results), f, indent=1)
