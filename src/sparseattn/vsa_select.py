@@ -76,8 +76,9 @@ if triton is not None:
 def row_topk(scores: torch.Tensor, live: torch.Tensor, kept: int) -> torch.Tensor:
     """int32 ``[..., kept]``: per row of float32 ``scores [..., cols]``, the indices of its ``kept``
     largest values among the columns where bool ``live [cols]`` holds, in ascending index order (of equal
-    values at the boundary, the lowest indices). ``kept`` must not exceed the live columns. Needs
-    :func:`available`."""
+    values at the boundary, the lowest indices). ``kept`` must not exceed the live columns (not checked:
+    counting them would synchronise; a row's entries past its live columns are left unwritten).
+    Needs :func:`available`."""
     if not available(scores):
         raise ValueError(
             f"row_topk needs Triton, a CUDA tensor and at most {MAX_BLOCKS} columns, got "
