@@ -124,6 +124,8 @@ def zero_rows(y: torch.Tensor, rows: torch.Tensor) -> None:
     if d & (d - 1) or rows.ndim != 1:
         raise ValueError(f"zero_rows needs d a power of two and rows [n], got d={d}, rows {list(rows.shape)}")
     matrices = y.numel() // max(slots * d, 1)
+    if triton.cdiv(rows.numel(), BLOCK_ROWS) > 65535:
+        raise ValueError(f"zero_rows takes at most {65535 * BLOCK_ROWS} rows, got {rows.numel()}")
     if rows.numel() and matrices:
         grid = (matrices, triton.cdiv(rows.numel(), BLOCK_ROWS))
         _zero_rows_kernel[grid](y, rows, rows.numel(), slots, D=d, BR=BLOCK_ROWS)

@@ -572,11 +572,8 @@ def _torch_fast_forward(q, k, v, graph_or_plans, route, scale, out, zero_rows=No
             return None
         wl, sizes = plans.forward, (1, b * h, sq, sk, d)
     elif isinstance(graph_or_plans, SparseGraph) and b <= MAX_BATCH:
-        wl, sizes, zero_rows = (
-            resolve_work(graph_or_plans, "kpage", route, h, sq, sk),
-            (b, h, sq, sk, d),
-            None,
-        )
+        wl, sizes = resolve_work(graph_or_plans, "kpage", route, h, sq, sk), (b, h, sq, sk, d)
+        zero_rows = None  # a host plan may leave valid rows unowned: o is zeroed whole
     else:
         return None
     return _torch_launch(q, k, v, wl, check_scale(scale, d), sizes, zero_rows)
