@@ -18,7 +18,8 @@ around ``backward`` only): ``to_slots_bwd`` (the gradients back to token order),
 ``vsa_attn_bwd`` (the attention's backward on the same selection), ``to_tokens_bwd``, and the whole
 call's forward + backward (``kpage_train_call`` / ``vsa_train_call``).
 
-    python data/bench/experiments/wan_vsa_processor_parts.py --out parts.json [--train]
+    python data/bench/experiments/wan_vsa_processor_parts.py --out parts.json [--train] [--plot parts.png]
+    python data/bench/experiments/wan_vsa_processor_parts.py --from-json parts.json --plot parts.png  # no GPU
 """
 
 from __future__ import annotations
@@ -183,6 +184,48 @@ def parts(resolution: str, reps: int, profile: bool, train: bool = False) -> dic
     return out
 
 
+#: The parts of each path's call as stacked bars: (label, the KPage path's step, the VSA kernel path's).
+BAR_PARTS = (
+    ("tokens to slots", "to_slots", "to_slots"),
+    ("selection", "vsa_topk", "vsa_topk"),
+    ("attention (KPage: with planning)", "kpage_plan_attn", "vsa_attn"),
+    ("back to tokens", "to_tokens", "to_tokens"),
+)
+PATHS = (("KPage", "kpage_call", 1), ("VSA kernel", "vsa_call", 2))
+
+
+def plot(results: list[dict], path: str, source: str) -> None:
+    """Per resolution, a processor call's parts stacked for the KPage path and the VSA kernel's path, each
+    step timed alone; a bar marks the whole call timed as one (host and GPU work overlap across its steps,
+    so it can be shorter than the sum)."""
+    from sparseattn import figstyle
+
+    with figstyle.style():
+        fig = figstyle.sourced_figure(source, width=figstyle.TWO_COLUMN, height=2.8)
+        axes = fig.subplots(1, len(results), squeeze=False)[0]
+        colors = ("#9ecae1", "#fdae6b", "#3182bd", "#c6dbef")
+        for ax, res in zip(axes, results):
+            ms = res["ms"]
+            for x, (_, call, column) in enumerate(PATHS):
+                bottom = 0.0
+                for part, color in zip(BAR_PARTS, colors):
+                    value = ms.get(part[column], float("nan"))
+                    ax.bar(x, value, bottom=bottom, color=color, width=0.6, label=part[0] if x == 0 else None)
+                    bottom += value
+                whole = ms.get(call, float("nan"))
+                ax.plot(
+                    x, whole, marker="_", markersize=18, color="black", label="whole call" if x == 0 else None
+                )
+            ax.set_xticks(range(len(PATHS)), [name for name, _, _ in PATHS])
+            ax.set_title(
+                f"{res['resolution']}: {res['heads']} heads, top {res['topk']} of {res['blocks']} cubes"
+            )
+        axes[0].set_ylabel("ms per call")
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside right center", fontsize="small")
+        fig.savefig(path, metadata=figstyle.METADATA.get(path.rsplit(".", 1)[-1]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--resolution", action="append", choices=("480p", "720p"))
@@ -190,7 +233,14 @@ def main(argv=None) -> int:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--train", action="store_true", help="also the backward of each step")
     parser.add_argument("--out")
+    parser.add_argument("--from-json", help="draw a recorded run (no GPU)")
+    parser.add_argument("--plot", help="PNG of the parts per call (see plot())")
     args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            recorded = json.load(f)
+        plot(recorded["results"], args.plot, f"{args.from_json}: {recorded['command']}")
+        return 0
     results = [
         parts(r, args.reps, not args.no_profile, args.train) for r in args.resolution or ("480p", "720p")
     ]
@@ -204,6 +254,8 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(command=" ".join(sys.argv), results=results), f, indent=1)
+    if args.plot:
+        plot(results, args.plot, " ".join(sys.argv))
     return 0
 
 
