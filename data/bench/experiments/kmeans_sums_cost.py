@@ -12,29 +12,15 @@ is this checkout's ``kernels_cu/`` or ``$SPARSEATTN_KERNEL_DIR``.
 """
 
 import os
-import statistics
 
 import torch
 
 from sparseattn import svg2_device as sd
 from sparseattn.kernels.kmeans_assign import lloyd_step_wgmma, nearest_centroid_wgmma
 from sparseattn.nearest_centroid import centroid_operands
+from sparseattn.pageweaver.gpu_bench import time_device
 from sparseattn.svg2_step_bench import features
 from sparseattn.workloads import get_workload
-
-
-def median_ms(fn, n=10):
-    for _ in range(2):
-        fn()
-    ts = []
-    for _ in range(n):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
 
 
 def side(name, x, kk, g):
@@ -42,11 +28,15 @@ def side(name, x, kk, g):
     c0 = x[:, idx].float()
     c = sd.lloyd(x, kk, 3, init=c0, assign="wgmma", final_assign=False)[1]  # warm centroids
     n = x.shape[0]
-    tn = median_ms(lambda: nearest_centroid_wgmma(x, c))
-    ts = median_ms(lambda: lloyd_step_wgmma(x, c))
-    to = median_ms(lambda: centroid_operands(x, c))
-    tz = median_ms(lambda: (torch.zeros(n, kk, 128, device="cuda"), torch.zeros(n, kk, device="cuda")))
-    tl = median_ms(lambda: sd.lloyd(x, kk, 2, init=c, assign="wgmma", final_assign=False))
+    tn = time_device(lambda: nearest_centroid_wgmma(x, c), reps=10, warmup=2)
+    ts = time_device(lambda: lloyd_step_wgmma(x, c), reps=10, warmup=2)
+    to = time_device(lambda: centroid_operands(x, c), reps=10, warmup=2)
+    tz = time_device(
+        lambda: (torch.zeros(n, kk, 128, device="cuda"), torch.zeros(n, kk, device="cuda")), reps=10, warmup=2
+    )
+    tl = time_device(
+        lambda: sd.lloyd(x, kk, 2, init=c, assign="wgmma", final_assign=False), reps=10, warmup=2
+    )
     lab = nearest_centroid_wgmma(x, c)
     whole = (lab.shape[1] // 128) * 128
     srt = lab[:, :whole].reshape(n, -1, 128).sort(-1).values

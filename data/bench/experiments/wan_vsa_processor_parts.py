@@ -33,19 +33,10 @@ import sys
 
 
 def timed(fn, reps: int, warmup: int = 3) -> float:
-    import torch
+    """Median ms of ``fn()`` between CUDA events (the project's :func:`~sparseattn.pageweaver.gpu_bench.time_device`)."""
+    from sparseattn.pageweaver.gpu_bench import time_device
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_device(fn, reps=reps, warmup=warmup)
 
 
 def timed_backward(forward, reps: int, warmup: int = 2) -> float:

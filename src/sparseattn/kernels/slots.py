@@ -22,14 +22,23 @@ MAX_CHUNKS = 2**31 - 1
 
 
 def _launch(
-    name: str, sources, targets, index, batch: int, tokens: int, heads: int, slots: int, d: int, rows: int
+    name: str,
+    sources,
+    targets,
+    index,
+    batch: int,
+    tokens: int,
+    heads: int,
+    slots: int,
+    d: int,
+    rows: int,
+    matrices: int,
 ):
     """``rows``: the rows one grid row covers (slots of one (batch, head) matrix, or tokens · heads of one
-    batch entry); the grid's second dimension runs over the matrices or batch entries."""
+    batch entry); ``matrices``: how many such units the grid's second dimension runs over."""
     n = len(sources)
     chunks = d // 8
     per_row = rows * chunks
-    matrices = batch * heads if name == "slots_from_tokens" else batch
     if per_row == 0 or matrices == 0:
         return
     if per_row > MAX_CHUNKS:
@@ -65,6 +74,7 @@ def slots_from_tokens(sources, targets, slot_token, batch: int, tokens: int, hea
         slots,
         d,
         slots,
+        batch * heads,
     )
 
 
@@ -81,4 +91,5 @@ def tokens_from_slots(sources, targets, token_slot, batch: int, tokens: int, hea
         slots,
         d,
         tokens * heads,
+        batch,
     )
