@@ -12,7 +12,8 @@ timed alone with CUDA events (median of ``--reps`` after a warm-up; inputs of 10
 * ``to_tokens``: the output back to token order;
 * ``kpage_call`` / ``vsa_call``: the whole processor call (what the model bench's attention part sums).
 
-Also a torch.profiler table of one whole KPage call per resolution (the kernels behind each step).
+Also a torch.profiler table of one whole KPage call per resolution (the kernels behind each step), and
+with ``--train`` one per path of five forward + backward calls.
 With ``--train``, the backward of each differentiable step too, timed alone after its forward (events
 around ``backward`` only): ``to_slots_bwd`` (the gradients back to token order), ``kpage_attn_bwd`` /
 ``vsa_attn_bwd`` (the attention's backward on the same selection), ``to_tokens_bwd``, and the whole
@@ -172,7 +173,31 @@ def parts(resolution: str, reps: int, profile: bool, train: bool = False) -> dic
                     proc.attend(q, k, v)
                 torch.cuda.synchronize()
             out["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    if train and profile:
+        out["train_profile"] = train_profiles(proc, vsa_proc, q, k, v)
     return out
+
+
+def train_profiles(proc, vsa_proc, q, k, v) -> dict:
+    """A torch.profiler table (CUDA kernels) of five forward + backward calls per path."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    tables = {}
+    grad = torch.randn_like(q)
+    for name, p in (("kpage", proc), ("vsa", vsa_proc)):
+        if p is None:
+            continue
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        p.attend(*leaves).backward(grad)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                p.attend(*leaves).backward(grad)
+            torch.cuda.synchronize()
+        tables[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    return tables
 
 
 #: The parts of each path's call as stacked bars: (label, the KPage path's step, the VSA kernel path's).
@@ -238,6 +263,9 @@ def main(argv=None) -> int:
     for res in results:
         print(f"== {res['resolution']}: {res['tokens']} tokens, {res['blocks']} cubes, top {res['topk']}")
         print(res.get("profile", ""))
+        for name, table in res.get("train_profile", {}).items():
+            print(f"-- {name}: five forward + backward calls")
+            print(table)
     for res in results:
         print(res["resolution"], "  ".join(f"{k} {v:.3f}" for k, v in res["ms"].items()))
         if "train_ms" in res:
