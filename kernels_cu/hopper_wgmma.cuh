@@ -206,6 +206,53 @@ __device__ __forceinline__ void warp_copy_pages(uint32_t tile, int row0, const _
     }
 }
 
+// ---- pages gathered by token (PAGED_FWD_TOKENS) ---------------------------------------------------
+
+// tok[p] of lane l: the token of row l % 16 of page page[p] (map: the row's slot -> token map; -1 where
+// the page is outside [0, num_pages)). One load per lane and page, issued together.
+template <int PPW>
+__device__ __forceinline__ void page_tokens(int (&tok)[PPW], const int* __restrict__ map, int num_pages,
+                                            const int (&page)[PPW]) {
+    const int r = threadIdx.x & 15;
+#pragma unroll
+    for (int p = 0; p < PPW; ++p)
+        tok[p] = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages) ? __ldg(map + page[p] * PAGE_ROWS + r)
+                                                                                   : -1;
+}
+
+// warp_copy_pages with each row read from its token: row r of page p is token tok[p] of lane r (see
+// page_tokens) at rows + token · stride. A row is copied when its mask bit is set and its token lies in
+// [0, num_tokens); any other row is zero-filled.
+template <int HEAD_DIM, int TILE_ROWS, int PPW>
+__device__ __forceinline__ void warp_copy_token_pages(uint32_t tile, int row0, const __nv_bfloat16* __restrict__ rows,
+                                                      uint32_t stride, int num_tokens, int num_pages,
+                                                      const int (&tok)[PPW], const int (&page)[PPW],
+                                                      const uint32_t (&mask)[PPW]) {
+    constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int RS = 32 / CPR;       // rows per step
+    static_assert(32 % CPR == 0 && PAGE_ROWS % RS == 0 && 8 % RS == 0, "warp_copy_token_pages: HEAD_DIM 64 or 128");
+    const int lane = threadIdx.x & 31;
+    const int chunk = lane % CPR;
+    const int r0 = lane / CPR;
+    uint32_t pos = static_cast<uint32_t>((chunk & 7) ^ r0);
+    asm volatile("" : "+r"(pos));
+#pragma unroll
+    for (int p = 0; p < PPW; ++p) {
+        const bool in_range = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
+        const uint32_t valid_rows = in_range ? (mask[p] >> r0) : 0u;
+        const uint32_t dst = tile + static_cast<uint32_t>((chunk >> 3) * (TILE_ROWS * 128) +
+                                                          (row0 + p * PAGE_ROWS + r0) * 128);
+#pragma unroll
+        for (int i = 0; i < PAGE_ROWS / RS; ++i) {
+            const int ri = i * RS;
+            const int t = __shfl_sync(0xffffffffu, tok[p], r0 + ri);
+            const bool valid = ((valid_rows >> ri) & 1u) && static_cast<unsigned>(t) < static_cast<unsigned>(num_tokens);
+            const __nv_bfloat16* src = rows + (valid ? static_cast<uint32_t>(t) * stride : 0u) + chunk * 8;
+            paged::cp_async_16_zfill(dst + ri * 128 + ((pos ^ static_cast<uint32_t>(ri & 7)) << 4), src, valid);
+        }
+    }
+}
+
 // ---- page loads by the tensor-memory accelerator (PAGED_FWD_TMA) ---------------------------------
 
 // The 128 bytes of a CUtensorMap, passed by value as a __grid_constant__ kernel parameter
@@ -496,6 +543,32 @@ __device__ __forceinline__ void store_o_page(__nv_bfloat16* __restrict__ o_page,
 #pragma unroll
         for (int j = 0; j < HEAD_DIM / 8; ++j)
             dst[4 * j] = paged::pack_bf16x2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+        if (t4 == 0) lse_page[row] = lse[r];
+    }
+}
+
+// store_o_page with each row written to its token: row r of the page is token map[r] at rows + token ·
+// stride (a token outside [0, num_tokens) is not stored); LSE stays in slot order. (A separate copy of
+// store_o_page's loop: folding the two into one changed the slot-order build's code.)
+template <int HEAD_DIM>
+__device__ __forceinline__ void store_o_token_page(__nv_bfloat16* __restrict__ rows, uint32_t stride, int num_tokens,
+                                                   const int* __restrict__ map, float* __restrict__ lse_page,
+                                                   uint32_t mask, const float (&o)[HEAD_DIM / 2], const float (&inv)[2],
+                                                   const float (&lse)[2]) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        if (!paged::page_row_valid(mask, row)) continue;
+        const int t = map[row];
+        if (static_cast<unsigned>(t) < static_cast<unsigned>(num_tokens)) {
+            uint32_t* dst = reinterpret_cast<uint32_t*>(rows + static_cast<uint32_t>(t) * stride + 2 * t4);
+#pragma unroll
+            for (int j = 0; j < HEAD_DIM / 8; ++j)
+                dst[4 * j] = paged::pack_bf16x2(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+        }
         if (t4 == 0) lse_page[row] = lse[r];
     }
 }

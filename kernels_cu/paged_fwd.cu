@@ -36,6 +36,12 @@
 // zero-filling cp.async; K columns of invalid rows are masked, so their stale rows are never used.
 // PAGED_FWD_PINGPONG (opt-in): the consumer warpgroups issue their GEMMs in turns (kPingPong).
 // PAGED_FWD_REGS_232 (opt-in, with PAGED_FWD_TMA): 40 registers for the producer, 232 for the consumers.
+// PAGED_FWD_TOKENS (the token-order build): Q, K, V and O stay in token order, [batch, tokens, tok_heads,
+// HEAD_DIM] (the layout a model's projections produce), and slot s of (batch · head) row bh is token
+// q_map / k_map[map row + s] (-1: a padding slot, a zero row) of batch bh / tok_heads, head bh % tok_heads;
+// the map row is bh · slots when maps_per_row, else 0 (one layout for every row). The producer loads each
+// page's 16 tokens once per chunk (before it waits for the buffer) and gathers their rows; the epilogue
+// stores O rows to their tokens. LSE stays in slot order. No tensor moves into or out of slot order.
 #include "hopper_wgmma.cuh"
 
 #ifdef PAGED_FWD_TMA
@@ -43,6 +49,17 @@
     , const __grid_constant__ hopper::TmaMap tmK, const __grid_constant__ hopper::TmaMap tmV
 #else
 #define PAGED_FWD_TMA_PARAMS
+#endif
+
+#ifdef PAGED_FWD_TOKENS
+#ifdef PAGED_FWD_TMA
+#error "PAGED_FWD_TOKENS gathers rows by token: the TMA build's tensor maps are over slot-ordered rows"
+#endif
+#define PAGED_FWD_TOKEN_PARAMS                                                                               \
+    , const int* __restrict__ q_map, const int* __restrict__ k_map, int q_tokens, int k_tokens, int tok_heads, \
+        int maps_per_row
+#else
+#define PAGED_FWD_TOKEN_PARAMS
 #endif
 
 // Geometry mirrored in sparseattn/kernels/forward.py.
@@ -200,6 +217,21 @@ __device__ __forceinline__ bool void_item(const WorkItem& it, const int2* __rest
 #endif
 }
 
+#ifdef PAGED_FWD_TOKENS
+// Where (batch · head) row bh's tokens are in a [batch, tokens, tok_heads, d] tensor: element offset of
+// token 0, and between consecutive tokens (tokens · tok_heads · d < 2^31, checked by the host).
+struct TokenRows {
+    size_t base;
+    uint32_t stride;
+};
+
+__device__ __forceinline__ TokenRows token_rows(size_t bh, int tok_heads, int tokens, int head_dim) {
+    const size_t b = bh / static_cast<size_t>(tok_heads);
+    const size_t h = bh - b * static_cast<size_t>(tok_heads);
+    return {(b * static_cast<size_t>(tokens) * tok_heads + h) * head_dim, static_cast<uint32_t>(tok_heads * head_dim)};
+}
+#endif
+
 }  // namespace
 
 template <int HEAD_DIM, int CHUNK, bool PAIR = false>
@@ -209,7 +241,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                  const int4* __restrict__ work_info, const int* __restrict__ work_order,
                  const int2* __restrict__ own_pages, const int2* __restrict__ stream_pages,
                  int* __restrict__ item_counter, int num_work, int batch, int heads, int q_slots, int k_slots,
-                 int stream_total, float scale_log2 PAGED_FWD_TMA_PARAMS) {
+                 int stream_total, float scale_log2 PAGED_FWD_TMA_PARAMS PAGED_FWD_TOKEN_PARAMS) {
     using C = FwdConfig<HEAD_DIM, CHUNK>;
     constexpr int PAGES = C::PAGES;
     constexpr int NBUF = C::NBUF;
@@ -268,10 +300,17 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             const WorkItem it = decode_item<PAGES>(item, num_work, work_info, work_order, heads, stream_total);
             if (void_item(it, own_pages, q_pages, lane)) continue;
             const size_t bh = static_cast<size_t>(it.batch) * heads + (it.ok ? it.head : 0);
+#ifdef PAGED_FWD_TOKENS
+            const TokenRows tq = token_rows(bh, tok_heads, q_tokens, HEAD_DIM);
+            const TokenRows tk = token_rows(bh, tok_heads, k_tokens, HEAD_DIM);
+            const int* qmap = q_map + (maps_per_row ? bh * q_slots : 0);
+            const int* kmap = k_map + (maps_per_row ? bh * k_slots : 0);
+#else
             const __nv_bfloat16* Vh = V + bh * k_slots * HEAD_DIM;
+#endif
 #ifdef PAGED_FWD_TMA
             const int map_row0 = static_cast<int>(bh) * k_slots;  // K through tmK; < 2^31 (checked by the host)
-#else
+#elif !defined(PAGED_FWD_TOKENS)
             const __nv_bfloat16* Kh = K + bh * k_slots * HEAD_DIM;
 #endif
 
@@ -287,8 +326,15 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 }
                 const int page[2] = {__shfl_sync(0xffffffffu, qp, 0), __shfl_sync(0xffffffffu, qp, 1)};
                 const uint32_t mask[2] = {__shfl_sync(0xffffffffu, qm, 0), __shfl_sync(0xffffffffu, qm, 1)};
+#ifdef PAGED_FWD_TOKENS
+                int tok[2];
+                hopper::page_tokens<2>(tok, qmap, q_pages, page);
+                hopper::warp_copy_token_pages<HEAD_DIM, PAGED_FWD_Q_ROWS, 2>(sm.q, 32 * pwarp, Q + tq.base, tq.stride,
+                                                                           q_tokens, q_pages, tok, page, mask);
+#else
                 hopper::warp_copy_pages<HEAD_DIM, PAGED_FWD_Q_ROWS, 2>(sm.q, 32 * pwarp, Q + bh * q_slots * HEAD_DIM,
                                                                      q_pages, page, mask);
+#endif
             }
             hopper::mbar_track_cp_async(sm.q_full());
             hopper::mbar_arrive(sm.q_full());
@@ -319,6 +365,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
 #ifndef PAGED_FWD_TMA
                 const uint32_t my_mask = next_mask;
 #endif
+#ifdef PAGED_FWD_TOKENS
+                int tok[C::PPW];  // lane l: the token of row l % 16 of each page (loaded before the waits)
+                hopper::page_tokens<C::PPW>(tok, kmap, k_pages, page);
+#endif
                 entry(c + 1, next_page, next_mask);
                 hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
 #ifdef PAGED_FWD_TMA
@@ -339,6 +389,17 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                                                                     &tmV, map_row0, k_pages, page, mask, sm.v_full(buf));
                 hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW, true>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
                                                                      Vh, k_pages, page, mask);
+#elif defined(PAGED_FWD_TOKENS)
+                if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
+                hopper::warp_copy_token_pages<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
+                                                                     K + tk.base, tk.stride, k_tokens, k_pages, tok,
+                                                                     page, mask);
+                hopper::mbar_track_cp_async(sm.k_full(buf));
+                hopper::mbar_arrive(sm.k_full(buf));
+                hopper::mbar_wait(sm.v_empty(buf), par ^ 1u);
+                hopper::warp_copy_token_pages<HEAD_DIM, CHUNK, C::PPW>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
+                                                                     V + tk.base, tk.stride, k_tokens, k_pages, tok,
+                                                                     page, mask);
 #else
                 if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
                 hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
@@ -535,9 +596,16 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             const int page = own.x;
             if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages)) {
                 const uint32_t mask = static_cast<uint32_t>(own.y);
-                const size_t row0 = (static_cast<size_t>(it.batch) * heads + it.head) * q_slots +
-                                    static_cast<size_t>(page) * PAGE_ROWS;
+                const size_t bh = static_cast<size_t>(it.batch) * heads + it.head;
+                const size_t row0 = bh * q_slots + static_cast<size_t>(page) * PAGE_ROWS;
+#ifdef PAGED_FWD_TOKENS
+                const TokenRows tq = token_rows(bh, tok_heads, q_tokens, HEAD_DIM);
+                const int* qmap = q_map + (maps_per_row ? bh * q_slots : 0) + static_cast<size_t>(page) * PAGE_ROWS;
+                hopper::store_o_token_page<HEAD_DIM>(O + tq.base, tq.stride, q_tokens, qmap, LSE + row0, mask, o, inv,
+                                                     lse);
+#else
                 hopper::store_o_page<HEAD_DIM>(O + row0 * HEAD_DIM, LSE + row0, mask, o, inv, lse);
+#endif
             }
             if (!row_split) {  // the staging (Q buffer) is read: release it for both warpgroups
                 __syncwarp();

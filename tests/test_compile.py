@@ -196,15 +196,22 @@ def test_forward_wrapper_shared_memory_formula_matches_the_kernel(reports):
 
 
 def test_paged_forward_launch_matches_the_kernel_signature():
-    """The wrapper passes KERNEL_PARAMS in order (TMA_PARAMS after them in the PAGED_FWD_TMA build): the names
-    equal the kernel's parameters."""
+    """The wrapper passes KERNEL_PARAMS in order (TMA_PARAMS after them in the PAGED_FWD_TMA build,
+    TOKEN_PARAMS in the token-order build): the names equal the kernel's parameters."""
     from sparseattn.kernels import forward
 
     text = (runtime.kernel_dir() / forward.SOURCE).read_text()
     sig = re.search(r"paged_fwd_kernel\((.*?)\)\s*\{", text, re.DOTALL).group(1)
     tma = re.search(r"#define PAGED_FWD_TMA_PARAMS \\\n(.*?)\n", text).group(1)
-    for extra, params in (("", forward.KERNEL_PARAMS), (tma, forward.KERNEL_PARAMS + forward.TMA_PARAMS)):
-        expanded = sig.replace("PAGED_FWD_TMA_PARAMS", extra)
+    tokens = re.search(r"#define PAGED_FWD_TOKEN_PARAMS\s*\\\n(.*?)\n#else", text, re.DOTALL).group(1)
+    tokens = tokens.replace("\\", " ")
+    builds = (
+        ("", "", forward.KERNEL_PARAMS),
+        (tma, "", forward.KERNEL_PARAMS + forward.TMA_PARAMS),
+        ("", tokens, forward.KERNEL_PARAMS + forward.TOKEN_PARAMS),
+    )
+    for extra, token_extra, params in builds:
+        expanded = sig.replace("PAGED_FWD_TMA_PARAMS", extra).replace("PAGED_FWD_TOKEN_PARAMS", token_extra)
         assert tuple(re.findall(r"(\w+)\s*(?:,|$)", " ".join(expanded.split()))) == params
 
 
@@ -286,9 +293,10 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
 
 
-@pytest.mark.parametrize("variant", forward.VARIANTS)
+@pytest.mark.parametrize("variant", (*forward.VARIANTS, forward.TOKEN_DEFINE))
 def test_forward_variants_compile_without_spills(variant, reports):
-    """The KPage forward's compile-time variants (sparseattn.kernels.forward.VARIANTS) build too."""
+    """The KPage forward's compile-time variants (sparseattn.kernels.forward.VARIANTS) and its token-order
+    build build too."""
     build = ",".join((variant, *forward.VARIANT_NEEDS.get(variant, ())))
     kernels = _compile_variant(forward.SOURCE, forward.NAME_EXPRESSIONS, build)
     assert len(kernels) >= len(forward.NAME_EXPRESSIONS)

@@ -144,6 +144,19 @@ def test_bad_arguments():
         install_sparse_attention(object(), GRID, WanSelection.full())
 
 
+def test_token_order_forward_is_opt_in(monkeypatch):
+    """The token-order forward runs only where asked (``token_order=True`` or ``SPARSEATTN_TOKEN_ORDER=1``)
+    and never on CPU tensors (its kernel is CUDA's)."""
+    monkeypatch.delenv("SPARSEATTN_TOKEN_ORDER", raising=False)
+    assert not WanSparseAttnProcessor(GRID, WanSelection.sta((2, 2, 2), (1, 1, 1))).token_order
+    monkeypatch.setenv("SPARSEATTN_TOKEN_ORDER", "1")
+    proc = WanSparseAttnProcessor(GRID, WanSelection.sta((2, 2, 2), (1, 1, 1)))
+    assert proc.token_order
+    assert not WanSparseAttnProcessor(GRID, WanSelection.full(), token_order=False).token_order
+    x = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    assert not proc._token_order_call(x, x, x)
+
+
 def test_training_script_runs_a_few_steps_on_cpu(tmp_path):
     import json
 

@@ -117,6 +117,57 @@ def test_dynamic_op_passes_opcheck():
     torch.library.opcheck(OPS.dynamic_fwd, (*args, 0.25, True))
 
 
+def test_token_order_attention_on_the_cpu_equals_moving_to_slots():
+    """Off CUDA (and with gradients) ``token_order_attention`` moves to slots, attends and moves back: the
+    same output as those steps by hand, static graph and top-k selection alike, with gradients."""
+    import sparseattn.torch as st
+    from sparseattn.graph import SparseGraph
+
+    layout, qs, ks, vs, idx, num = _dynamic_problem(seed=5)
+    to_tokens = lambda x: st.slots_to_tokens(layout, x.bfloat16()).float().requires_grad_()
+    q, k, v = (to_tokens(x) for x in (qs, ks, vs))
+    planner = st.planner_for(layout)
+    o = st.token_order_attention(q, k, v, planner, idx, num)
+    want, _ = st.block_sparse_attention(*st.tokens_to_slots(layout, q, k, v), layout, idx, num)
+    torch.testing.assert_close(o, st.slots_to_tokens(layout, want).float())
+    o.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+    mask = np.random.default_rng(0).random((3, layout.num_blocks, layout.num_blocks)) < 0.3
+    graph = SparseGraph.from_block_mask(layout, layout, mask)
+    with torch.no_grad():
+        o = st.token_order_attention(q, k, v, graph)
+        want = st.kpage_attention(*st.tokens_to_slots(layout, q, k, v), graph)
+    torch.testing.assert_close(o, st.slots_to_tokens(layout, want).float())
+
+
+def test_token_order_attention_refuses_a_mixed_up_selection():
+    import sparseattn.torch as st
+    from sparseattn.graph import SparseGraph
+
+    layout, *_, idx, num = _dynamic_problem(seed=6)
+    q = k = v = torch.zeros(2, layout.num_tokens, 3, 32)
+    graph = SparseGraph.from_block_mask(
+        layout, layout, np.ones((3, layout.num_blocks, layout.num_blocks), bool)
+    )
+    with pytest.raises(ValueError, match="a SparseGraph is the selection"):
+        st.token_order_attention(q, k, v, graph, idx, num)
+    with pytest.raises(ValueError, match="needs one selection"):
+        st.token_order_attention(q, k, v, st.planner_for(layout))
+    with pytest.raises(TypeError, match="graph_or_planner must be"):
+        st.token_order_attention(q, k, v, layout)
+
+
+def test_token_forward_refuses_cpu_tensors_before_any_launch():
+    from sparseattn.kernels.forward import torch_token_forward
+    from sparseattn.kernels.validate import KernelTypeError
+
+    layout, *_ = _dynamic_problem()
+    x = torch.zeros(1, layout.num_tokens, 2, 64, dtype=torch.bfloat16)
+    slot_map = torch.zeros(layout.num_slots, dtype=torch.int32)
+    with pytest.raises(KernelTypeError, match="q must be a bf16 CUDA tensor"):
+        torch_token_forward(x, x, x, None, slot_map, slot_map)
+
+
 def test_handle_of_a_freed_object_is_a_clear_error():
     from sparseattn.layouts import video_layout
 

@@ -1,5 +1,6 @@
 """The Triton kernels (the SVG2 planner's page streams, the fused nearest centroid, tokens to slots, the
-block mask, the top-p selection of the cluster pairs and VSA's per-block top-k) under Triton's interpreter on the CPU, against
+block mask, the top-p selection of the cluster pairs, VSA's per-block top-k and per-block sums of
+token-ordered rows) under Triton's interpreter on the CPU, against
 their torch references (``triton_interpreted_checks.py``, in a fresh process: the interpreter is chosen
 when Triton is imported). The GPU tests run them compiled."""
 
@@ -26,7 +27,15 @@ CHECKS = Path(__file__).with_name("triton_interpreted_checks.py")
 
 @pytest.mark.parametrize(
     "kernel",
-    ["page_streams", "nearest_centroid", "slot_copy", "cluster_blocks", "cluster_select", "vsa_select"],
+    [
+        "page_streams",
+        "nearest_centroid",
+        "slot_copy",
+        "cluster_blocks",
+        "cluster_select",
+        "vsa_select",
+        "token_block_sums",
+    ],
 )
 def test_triton_kernel_under_the_interpreter_equals_torch(kernel):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -49,3 +58,12 @@ def test_fused_nearest_centroid_refuses_what_it_cannot_run():
 
     with pytest.raises(ValueError, match="nearest_centroid_fused"):
         nearest_centroid_fused(torch.randn(1, 8, 64), torch.randn(1, 2, 64))  # float32
+
+
+def test_token_block_sums_refuses_what_it_cannot_run():
+    import torch
+
+    from sparseattn.vsa_select import token_block_sums
+
+    with pytest.raises(ValueError, match="token_block_sums needs Triton and a CUDA tensor"):
+        token_block_sums(torch.zeros(1, 4, 2, 64), torch.zeros(64, dtype=torch.int32), 64)

@@ -274,6 +274,34 @@ def check_vsa_select() -> int:
     return cases + 1
 
 
+def check_token_block_sums() -> int:
+    """Per-block sums gathered from token order equal the slot-order sums (ragged layouts, padding slots,
+    head dims 64 and 128, batch 2); ``vsa_topk_tokens`` picks the top-k of the scores of those sums."""
+    from sparseattn import vsa_select
+    from sparseattn.layouts import video_layout
+    from sparseattn.torch import _block_weights, _layout_handle, tokens_to_slots, vsa_topk_tokens
+    from sparseattn.torch_ops import _slot_indices
+
+    cases = 0
+    g = torch.Generator().manual_seed(5)
+    for grid, tile, bs, d in (((5, 6, 7), (2, 4, 4), 32, 64), ((3, 5, 9), (2, 2, 4), 16, 128)):
+        lay = video_layout(grid, tile, bs)
+        x = torch.randn(2, lay.num_tokens, 3, d, generator=g).bfloat16()
+        got = vsa_select.token_block_sums(x, _slot_indices(lay, x.device)[0], bs)
+        want = tokens_to_slots(lay, x)[0].reshape(2, 3, lay.num_blocks, bs, d).sum(3, dtype=torch.float32)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        cases += 1
+    lay = video_layout((5, 6, 7), (2, 4, 4), 32)
+    q, k = (torch.randn(2, lay.num_tokens, 3, 64, generator=g).bfloat16() for _ in range(2))
+    idx, num = vsa_topk_tokens(q, k, lay, 4)
+    slot_token = _slot_indices(lay, q.device)[0]
+    weight, alive = _block_weights(_layout_handle(lay), q.device)
+    qm, km = (vsa_select.token_block_sums(x, slot_token, 32) * weight for x in (q, k))
+    vsa_topk_agrees(qm @ km.transpose(-1, -2), alive, 4, idx)
+    assert torch.equal(num, torch.full_like(num, 4))
+    return cases + 1
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     name = sys.argv[1]

@@ -33,6 +33,7 @@ Needs ``torch`` and ``diffusers`` (``pip install -e '.[diffusers]'``), both impo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,11 +159,22 @@ def apply_rotary(x, freqs_cos, freqs_sin):
     return out.type_as(x)
 
 
+def token_order_default() -> bool:
+    """``SPARSEATTN_TOKEN_ORDER=1``: KPage processors built without ``token_order`` run the token-order
+    forward (opt-in until its GPU tests have passed on the H200)."""
+    return os.environ.get("SPARSEATTN_TOKEN_ORDER", "0") == "1"
+
+
 class WanSparseAttnProcessor:
     """A diffusers attention processor for Wan's self-attention: exact block-sparse attention of a
-    :class:`WanSelection` over a token ``grid`` (cross-attention and masked calls go to diffusers')."""
+    :class:`WanSelection` over a token ``grid`` (cross-attention and masked calls go to diffusers').
 
-    def __init__(self, grid, selection: WanSelection, backend: str = "kpage", route="auto"):
+    ``token_order`` (KPage, STA / SSTA / VSA selections): calls without gradients run
+    :func:`sparseattn.torch.token_order_attention` and VSA's :func:`~sparseattn.torch.vsa_topk_tokens` on
+    the model's token-ordered q, k, v, with no move into or out of slot order; calls with gradients move
+    as before. Default: :func:`token_order_default`."""
+
+    def __init__(self, grid, selection: WanSelection, backend: str = "kpage", route="auto", token_order=None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not isinstance(selection, WanSelection):
@@ -173,6 +185,7 @@ class WanSparseAttnProcessor:
                 f"grid must be three positive token counts (frames, height, width), got {grid!r}"
             )
         self.selection, self.backend, self.route = selection, backend, route
+        self.token_order = token_order_default() if token_order is None else bool(token_order)
         self._centroids: dict = {}  # SVG2: (layer, rows) -> the previous call's (Q, K) centroids
         self.last_svg2_step = None  # SVG2: the last call's SVG2Step (what it selected, for reports)
         self._layer = None
@@ -388,6 +401,12 @@ class WanSparseAttnProcessor:
         from .torch import block_sparse_attention, slots_to_tokens, tokens_to_slots, vsa_topk
 
         layout, planner = self._handles("dynamic")
+        if self._token_order_call(q, k, v):
+            from .torch import token_order_attention, vsa_topk_tokens
+
+            with torch.no_grad():
+                idx, num = vsa_topk_tokens(q, k, layout, self.selection.topk)
+                return token_order_attention(q, k, v, self.planner(), idx, num).to(q.dtype)
         qs, ks, vs = tokens_to_slots(layout, q, k, v)
         with torch.no_grad():
             idx, num = vsa_topk(qs, ks, layout, self.selection.topk)
@@ -414,9 +433,26 @@ class WanSparseAttnProcessor:
         """KPage of a static graph named by handles: ``[B, L, heads, d]`` q, k, v to slots, attention, back."""
         from .torch import kpage_attention, slots_to_tokens, tokens_to_slots
 
+        if self._token_order_call(q, k, v):
+            from .torch import token_order_attention
+            from .torch_ops import resolve
+
+            return token_order_attention(q, k, v, resolve(graph), route=self.route).to(q.dtype)
         qs, ks, vs = tokens_to_slots(layout, q, k, v)
         out = kpage_attention(qs, ks, vs, graph, route=self.route)
         return slots_to_tokens(layout, out).to(q.dtype)
+
+    def _token_order_call(self, q, k, v) -> bool:
+        """Whether this call runs the token-order forward (see the class): bf16 CUDA q, k, v, no gradients,
+        not traced by ``torch.compile``."""
+        torch = self._torch()
+        return (
+            self.token_order
+            and q.is_cuda
+            and q.dtype == k.dtype == v.dtype == torch.bfloat16
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and not torch.compiler.is_compiling()
+        )
 
     def _diffusers_processor(self):
         if self._dense is None:

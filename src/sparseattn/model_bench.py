@@ -124,7 +124,7 @@ DEFAULT_MODELS = ("1.3b", "14b")
 RESOLUTIONS = {**LATENTS, "tiny": (4, 8, 16)}
 DEFAULT_RES = ("480p", "720p")
 IMPLS = ("dense", "kpage_sta", "flex_sta", "kpage_vsa", "vsa_kernel", "kpage_svg2")
-OPT_IN_IMPLS = ("dense_diffusers", "masked_sta")
+OPT_IN_IMPLS = ("dense_diffusers", "masked_sta", "kpage_sta_tokens", "kpage_vsa_tokens")
 ALL_IMPLS = IMPLS + OPT_IN_IMPLS
 MODES = ("fwd", "train")
 PASSES = ("step_fwd", "attn_fwd", "step_train", "attn_train")
@@ -503,20 +503,22 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
         from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
         return Impl(WanAttnProcessor(), None, dict(selection="dense"), check="none")
-    if impl in ("kpage_sta", "masked_sta", "flex_sta"):
+    if impl in ("kpage_sta", "masked_sta", "flex_sta", "kpage_sta_tokens"):
         selection = sta_selection(args)
         if impl == "flex_sta":
             processor = flex_processor(grid, selection)
         else:
-            backend = "kpage" if impl == "kpage_sta" else "masked_sdpa"
-            processor = WanSparseAttnProcessor(grid, selection, backend=backend)
+            backend = "masked_sdpa" if impl == "masked_sta" else "kpage"
+            processor = WanSparseAttnProcessor(
+                grid, selection, backend=backend, token_order=impl == "kpage_sta_tokens"
+            )
         _prepare(processor, heads)
         return Impl(processor, processor, _sta_meta(selection), graph=processor.graph_for(heads))
-    if impl in ("kpage_vsa", "vsa_kernel"):
+    if impl in ("kpage_vsa", "vsa_kernel", "kpage_vsa_tokens"):
         from .wan_bench import TOPK_FRACTION, processors
 
         processor = processors(grid, impl)
-        if impl == "kpage_vsa":  # the VSA kernel's processor only borrows the layout
+        if impl != "vsa_kernel":  # the VSA kernel's processor only borrows the layout
             _prepare(processor, heads)
         meta = dict(
             selection="vsa",

@@ -167,6 +167,69 @@ def _dynamic(q, k, v, planner, q2k_idx, q2k_num, mask, scale):
     return o, lse
 
 
+def token_order_attention(
+    q, k, v, graph_or_planner, q2k_idx=None, q2k_num=None, *, mask=None, route="auto", scale=None
+):
+    """Sparse attention of token-ordered q, k, v (a model's ``[batch, tokens, heads, d]``): ``o`` of the same
+    shape, as :func:`tokens_to_slots`, :func:`kpage_attention` (or :func:`block_sparse_attention`) and
+    :func:`slots_to_tokens` give it.
+
+    Args:
+        q, k, v: bf16 ``[batch, tokens, heads, d]`` in token order (k, v may hold another token count).
+        graph_or_planner: a :class:`~sparseattn.graph.SparseGraph` (a static selection; its layouts
+            ``graph.q`` / ``graph.k`` place the tokens), or a
+            :class:`~sparseattn.planning.device.DevicePlanner` (:func:`planner_for`) with the selection
+            ``q2k_idx`` / ``q2k_num`` or ``mask``, as :func:`block_sparse_attention` /
+            :func:`block_sparse_attention_mask` take them.
+        route, scale: as :func:`kpage_attention` (``route`` for a graph; a planner has its own).
+
+    On CUDA without gradients, outside ``torch.compile``, the KPage forward's token-order build runs: it
+    gathers each slot's row from its token and stores each output row to its token, so nothing is moved
+    into or out of slot order (:func:`sparseattn.kernels.forward.torch_token_forward`). Otherwise (gradients,
+    a trace, the CPU) the three steps above run, with autograd.
+    """
+    from .graph import SparseGraph
+    from .planning.device import DevicePlanner
+
+    static = isinstance(graph_or_planner, SparseGraph)
+    if not static and not isinstance(graph_or_planner, DevicePlanner):
+        raise TypeError(
+            f"graph_or_planner must be a SparseGraph or a DevicePlanner, got {type(graph_or_planner).__name__}"
+        )
+    if static and (q2k_idx is not None or q2k_num is not None or mask is not None):
+        raise ValueError("a SparseGraph is the selection: pass no q2k_idx, q2k_num or mask with it")
+    if not static and (q2k_idx is None) == (mask is None):
+        raise ValueError("a DevicePlanner needs one selection: q2k_idx with q2k_num, or mask")
+    q_layout, k_layout = graph_or_planner.q, graph_or_planner.k
+    if q.is_cuda and not _needs_grad(q, k, v) and not torch.compiler.is_compiling():
+        return _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale)
+    qs = tokens_to_slots(q_layout, q)[0]
+    ks, vs = tokens_to_slots(k_layout, k, v)
+    if static:
+        o = kpage_attention(qs, ks, vs, graph_or_planner, route=route, scale=scale)
+    else:
+        o, _ = _dynamic(qs, ks, vs, graph_or_planner, q2k_idx, q2k_num, mask, scale)
+    return slots_to_tokens(q_layout, o).to(q.dtype)
+
+
+def _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale):
+    from .kernels import launch
+    from .kernels.forward import torch_token_forward
+    from .planning.device import DevicePlanner
+    from .torch_ops import _slot_indices, plans_bytes, selection_width
+
+    q_map = _slot_indices(graph_or_planner.q, q.device)[0]
+    k_map = _slot_indices(graph_or_planner.k, q.device)[0]
+    if isinstance(graph_or_planner, DevicePlanner):
+        p = graph_or_planner
+        n = plans_bytes(p, q.shape[0], q.shape[2], selection_width(p, q2k_idx, mask), False)
+        memory = torch.empty((n,), dtype=torch.uint8, device=q.device)
+        with launch.torch_stream():
+            plans = p.plan(q2k_idx, q2k_num, mask=mask, backward=False, memory=memory)
+        return torch_token_forward(q, k, v, plans, q_map, k_map, scale=scale)[0]
+    return torch_token_forward(q, k, v, graph_or_planner, q_map, k_map, route=route, scale=scale)[0]
+
+
 def _layout_handle(layout) -> int:
     from .torch_ops import handle
 
@@ -216,17 +279,56 @@ def vsa_topk(q, k, layout, topk: int):
         ``torch.topk`` (elsewhere, and under ``torch.compile``); the sets are the same but for equal
         scores at the boundary. The scores are float32 under autocast too.
     """
-    from . import vsa_select
-
     b, h, slots, d = q.shape
     lh = _layout_handle(layout)
-    nb, bs, num_slots, alive_blocks = _layout_sizes(lh)
+    nb, bs, num_slots, _ = _layout_sizes(lh)
     if slots != num_slots or k.shape[2] != num_slots:
         raise ValueError(f"q and k must have the layout's {num_slots} slots, got {slots} and {k.shape[2]}")
-    weight, alive = _block_weights(lh, q.device)
-    qm = q.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32) * weight  # fp32 sums, no fp32 copy of q
-    km = k.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32) * weight
-    with torch.autocast(q.device.type, enabled=False):  # float32 scores under autocast too
+    qm = q.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32)  # fp32 sums, no fp32 copy of q
+    km = k.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32)
+    return _topk_of_block_sums(qm, km, lh, topk)
+
+
+def vsa_topk_tokens(q, k, layout, topk: int):
+    """:func:`vsa_topk` of token-ordered ``[batch, tokens, heads, d]`` q and k (a model's layout): each
+    block's sums gathered from its tokens (:func:`sparseattn.vsa_select.token_block_sums`, on CUDA
+    tensors) instead of moving q and k into slot order first. The sums are the same up to float32
+    rounding (another summation order), so near-tied scores may pick other blocks than :func:`vsa_topk`."""
+    from . import vsa_select
+    from .torch_ops import _slot_indices, resolve
+
+    lh = _layout_handle(layout)
+    nb, bs, _, _ = _layout_sizes(lh)
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(
+            f"q and k must be [batch, tokens, heads, d] alike, got {list(q.shape)} and {list(k.shape)}"
+        )
+    lay = resolve(lh)
+    if q.shape[1] != lay.num_tokens or k.shape[1] != lay.num_tokens:
+        raise ValueError(
+            f"q and k must have the layout's {lay.num_tokens} tokens, got {q.shape[1]} and {k.shape[1]}"
+        )
+    if vsa_select.runs_on(q) and not torch.compiler.is_compiling():
+        slot_token = _slot_indices(lay, q.device)[0]
+        qm = vsa_select.token_block_sums(q, slot_token, bs)
+        km = vsa_select.token_block_sums(k, slot_token, bs)
+    else:
+        qs, ks = tokens_to_slots(lh, q, k)
+        b, h, _, d = qs.shape
+        qm = qs.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32)
+        km = ks.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32)
+    return _topk_of_block_sums(qm, km, lh, topk)
+
+
+def _topk_of_block_sums(qm, km, layout_handle: int, topk: int):
+    """VSA's top-k of per-block float32 sums ``[batch, heads, blocks, d]`` (see :func:`vsa_topk`)."""
+    from . import vsa_select
+
+    b, h, nb, _ = qm.shape
+    _, _, _, alive_blocks = _layout_sizes(layout_handle)
+    weight, alive = _block_weights(layout_handle, qm.device)
+    qm, km = qm * weight, km * weight  # means over each block's valid tokens
+    with torch.autocast(qm.device.type, enabled=False):  # float32 scores under autocast too
         scores = qm @ km.transpose(-1, -2)
     kept = min(int(topk), alive_blocks)
     # (a torch.compile trace takes torch.topk)
@@ -234,7 +336,7 @@ def vsa_topk(q, k, layout, topk: int):
         idx = vsa_select.row_topk(scores, alive, kept)
     else:
         idx = scores.masked_fill(~alive, float("-inf")).topk(kept, dim=-1).indices.to(torch.int32)
-    num = torch.full((b, h, nb), kept, dtype=torch.int32, device=q.device)
+    num = torch.full((b, h, nb), kept, dtype=torch.int32, device=qm.device)
     return idx.contiguous(), num
 
 

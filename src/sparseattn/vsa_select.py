@@ -100,3 +100,57 @@ def row_topk(scores: torch.Tensor, live: torch.Tensor, kept: int) -> torch.Tenso
             scores, live.view(torch.uint8), out, cols, kept, BLOCK=block, num_warps=max(1, block // 1024)
         )
     return out
+
+
+# ---- per-block sums of token-ordered rows (the selection without moving q and k into slot order) ----------
+
+if triton is not None:
+
+    @triton.jit
+    def _token_block_sums_kernel(
+        x_ptr,  # [batch, tokens, heads, D] (any float dtype)
+        map_ptr,  # int32 [blocks * BS]: the token of each slot, -1 for padding
+        out_ptr,  # float32 [batch, heads, blocks, D]
+        tokens,
+        heads,
+        blocks,
+        D: tl.constexpr,
+        BS: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)  # (batch, head, block), block fastest
+        blk = pid % blocks
+        bh = pid // blocks
+        h = bh % heads
+        b = bh // heads
+        tok = tl.load(map_ptr + blk * BS + tl.arange(0, BS)).to(tl.int64)
+        cols = tl.arange(0, D)
+        rows = (b * tokens + tok) * heads + h
+        x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=(tok >= 0)[:, None], other=0.0)
+        tl.store(out_ptr + pid * D + cols, tl.sum(x.to(tl.float32), 0))
+
+
+def token_block_sums(x: torch.Tensor, slot_token: torch.Tensor, block_size: int) -> torch.Tensor:
+    """float32 ``[batch, heads, blocks, d]``: per block of a layout, the sum of its valid tokens' rows of
+    token-ordered ``x [batch, tokens, heads, d]``; ``slot_token``: int32 ``[blocks · block_size]``, the token
+    of each slot (-1 for padding: ``BlockLayout.slot_token``). ``block_size`` and ``d`` powers of two. What
+    ``x`` moved into slot order and summed per block gives, without the move (sums in another order: equal
+    to float32 rounding). Needs :func:`sparseattn.triton_support.runs_on` ``(x)``."""
+    if not runs_on(x):
+        raise ValueError(f"token_block_sums needs Triton and a CUDA tensor, got one on {x.device}")
+    if x.dim() != 4:
+        raise ValueError(f"x must be [batch, tokens, heads, d], got {list(x.shape)}")
+    b, n, h, d = x.shape
+    slots = slot_token.numel()
+    if slot_token.dtype != torch.int32 or slot_token.dim() != 1 or slots % block_size:
+        raise ValueError(
+            f"slot_token must be int32 [blocks * {block_size}], got {slot_token.dtype} {list(slot_token.shape)}"
+        )
+    for name, value in (("block_size", block_size), ("d", d)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    blocks = slots // block_size
+    x, slot_token = x.contiguous(), slot_token.contiguous()
+    out = torch.empty(b, h, blocks, d, dtype=torch.float32, device=x.device)
+    if out.numel():
+        _token_block_sums_kernel[(b * h * blocks,)](x, slot_token, out, n, h, blocks, D=d, BS=block_size)
+    return out

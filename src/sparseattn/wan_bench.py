@@ -9,6 +9,9 @@ and backward of a squared-error loss, no optimizer). Self-attention runs, in eve
 * ``kpage_vsa``: VSA's selection on the GPU every call (cube means of q and k, each Q cube's top 10% of the
   cubes; :func:`sparseattn.torch.vsa_topk`), planned on the GPU and run by the KPage kernels
   (:func:`sparseattn.torch.block_sparse_attention`);
+* ``kpage_vsa_tokens`` (opt-in, ``--impl``): ``kpage_vsa`` with the token-order forward (no moves into or out of slot order,
+  the selection's cube sums gathered from the tokens; :func:`sparseattn.torch.token_order_attention`);
+  a training step runs ``kpage_vsa``'s path (the token-order build has no backward yet);
 * ``vsa_kernel``: the same selection, run by the VSA system's kernel (``fastvideo-kernel`` 0.3.4, its
   Triton path, ``block_sparse_attn_from_indices``), when installed.
 
@@ -50,6 +53,8 @@ WAN_1_3B = dict(
 #: Latent (frames, height, width) of 81 frames: 480p and 720p.
 LATENTS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}
 IMPLS = ("dense", "kpage_vsa", "vsa_kernel")
+#: Run only when named (``--impl``).
+OPT_IN_IMPLS = ("kpage_vsa_tokens",)
 TOPK_FRACTION = 0.1
 
 
@@ -61,8 +66,10 @@ def processors(grid, impl: str):
 
     blocks = math.prod(-(-g // t) for g, t in zip(grid, (4, 4, 4)))
     selection = WanSelection.vsa((4, 4, 4), topk=math.ceil(TOPK_FRACTION * blocks))
-    if impl == "kpage_vsa":
-        return WanSparseAttnProcessor(grid, selection, backend="kpage")
+    if impl in ("kpage_vsa", "kpage_vsa_tokens"):
+        return WanSparseAttnProcessor(
+            grid, selection, backend="kpage", token_order=impl == "kpage_vsa_tokens"
+        )
     if impl == "dense":
         processor = WanSparseAttnProcessor(grid, WanSelection.full((4, 4, 4)), backend="masked_sdpa")
 
@@ -98,7 +105,7 @@ def processors(grid, impl: str):
 
         processor.attend = vsa_kernel
         return processor
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    raise ValueError(f"impl must be one of {IMPLS + OPT_IN_IMPLS}, got {impl!r}")
 
 
 #: Token grid of the one-layer check (masked SDPA holds a [heads, tokens, tokens] mask).
@@ -203,7 +210,9 @@ def main(argv=None) -> int:
         action="store_true",
         help="forward steps only (a 480p training step of all 30 layers does not fit 80 GB)",
     )
-    parser.add_argument("--impl", action="append", choices=IMPLS, help="default: all")
+    parser.add_argument(
+        "--impl", action="append", choices=IMPLS + OPT_IN_IMPLS, help=f"default: {', '.join(IMPLS)}"
+    )
     parser.add_argument("--layers", type=int, default=WAN_1_3B["num_layers"])
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)

@@ -10,7 +10,10 @@ timed alone with CUDA events (median of ``--reps`` after a warm-up; inputs of 10
 * ``kpage_plan_attn``: ``block_sparse_attention`` (the device planner and the KPage forward);
 * ``vsa_attn``: the VSA system's kernel (``block_sparse_attn_from_indices``) on the same selection;
 * ``to_tokens``: the output back to token order;
-* ``kpage_call`` / ``vsa_call``: the whole processor call (what the model bench's attention part sums).
+* ``kpage_call`` / ``vsa_call``: the whole processor call (what the model bench's attention part sums);
+* the token-order forward (no moves into or out of slot order): ``vsa_topk_tokens`` (the selection from
+  token-ordered q, k), ``kpage_token_plan_attn`` (planning and the token-order build) and
+  ``kpage_tokens_call`` (the whole call of a processor with ``token_order=True``).
 
 Also a torch.profiler table of one whole KPage call per resolution (the kernels behind each step), and
 with ``--train`` one per path of five forward + backward calls.
@@ -106,14 +109,22 @@ def parts(resolution: str, reps: int, profile: bool, train: bool = False) -> dic
     import torch
 
     from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
-    from sparseattn.torch import block_sparse_attention, slots_to_tokens, tokens_to_slots, vsa_topk
+    from sparseattn.torch import (
+        block_sparse_attention,
+        slots_to_tokens,
+        token_order_attention,
+        tokens_to_slots,
+        vsa_topk,
+        vsa_topk_tokens,
+    )
     from sparseattn.wan_bench import LATENTS, TOPK_FRACTION
 
     frames, height, width = LATENTS[resolution]
     grid = (frames, height // 2, width // 2)
     blocks = math.prod(-(-g // 4) for g in grid)
     selection = WanSelection.vsa((4, 4, 4), topk=math.ceil(TOPK_FRACTION * blocks))
-    proc = WanSparseAttnProcessor(grid, selection, backend="kpage")
+    proc = WanSparseAttnProcessor(grid, selection, backend="kpage", token_order=False)
+    proc_tokens = WanSparseAttnProcessor(grid, selection, backend="kpage", token_order=True)
     layout, planner = proc._handles("dynamic")
     lay = proc.layout
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -146,6 +157,10 @@ def parts(resolution: str, reps: int, profile: bool, train: bool = False) -> dic
             "kpage_plan_attn": lambda: block_sparse_attention(qs, ks, vs, planner, idx, num),
             "to_tokens": lambda: slots_to_tokens(layout, attn),
             "kpage_call": lambda: proc.attend(q, k, v),
+            # the token-order forward: no moves into or out of slot order
+            "vsa_topk_tokens": lambda: vsa_topk_tokens(q, k, layout, selection.topk),
+            "kpage_token_plan_attn": lambda: token_order_attention(q, k, v, proc.planner(), idx, num),
+            "kpage_tokens_call": lambda: proc_tokens.attend(q, k, v),
         }
         vsa_proc = None
         try:
@@ -201,13 +216,18 @@ def train_profiles(proc, vsa_proc, q, k, v) -> dict:
 
 
 #: The parts of each path's call as stacked bars: (label, the KPage path's step, the VSA kernel path's).
+#: (None: the path has no such step.)
 BAR_PARTS = (
-    ("tokens to slots", "to_slots", "to_slots"),
-    ("selection", "vsa_topk", "vsa_topk"),
-    ("attention (KPage: with planning)", "kpage_plan_attn", "vsa_attn"),
-    ("back to tokens", "to_tokens", "to_tokens"),
+    ("tokens to slots", "to_slots", "to_slots", None),
+    ("selection", "vsa_topk", "vsa_topk", "vsa_topk_tokens"),
+    ("attention (KPage: with planning)", "kpage_plan_attn", "vsa_attn", "kpage_token_plan_attn"),
+    ("back to tokens", "to_tokens", "to_tokens", None),
 )
-PATHS = (("KPage", "kpage_call", 1), ("VSA kernel", "vsa_call", 2))
+PATHS = (
+    ("KPage", "kpage_call", 1),
+    ("VSA kernel", "vsa_call", 2),
+    ("KPage, token order", "kpage_tokens_call", 3),
+)
 
 
 def plot(results: list[dict], path: str, source: str) -> None:
@@ -222,17 +242,18 @@ def plot(results: list[dict], path: str, source: str) -> None:
         colors = ("#9ecae1", "#fdae6b", "#3182bd", "#c6dbef")
         for ax, res in zip(axes, results):
             ms = res["ms"]
-            for x, (_, call, column) in enumerate(PATHS):
+            paths = [p for p in PATHS if p[1] in ms]  # (runs before the token-order path have two)
+            for x, (_, call, column) in enumerate(paths):
                 bottom = 0.0
                 for part, color in zip(BAR_PARTS, colors):
-                    value = ms.get(part[column], float("nan"))
+                    value = 0.0 if part[column] is None else ms.get(part[column], float("nan"))
                     ax.bar(x, value, bottom=bottom, color=color, width=0.6, label=part[0] if x == 0 else None)
                     bottom += value
                 whole = ms.get(call, float("nan"))
                 ax.plot(
                     x, whole, marker="_", markersize=18, color="black", label="whole call" if x == 0 else None
                 )
-            ax.set_xticks(range(len(PATHS)), [name for name, _, _ in PATHS])
+            ax.set_xticks(range(len(paths)), [name for name, _, _ in paths])
             ax.set_title(
                 f"{res['resolution']}: {res['heads']} heads, top {res['topk']} of {res['blocks']} cubes"
             )

@@ -76,6 +76,12 @@ VARIANTS = (
 VARIANT_NEEDS = {"PAGED_FWD_REGS_232": ("PAGED_FWD_TMA",)}
 #: The TMA variant's extra parameters: tensor maps of K and V (:class:`.tensor_map.TensorMap`).
 TMA_PARAMS = ("tmK", "tmV")
+#: The token-order build (:func:`torch_token_forward`): q, k, v and o stay ``[batch, tokens, heads, d]`` and
+#: the kernel gathers (stores) each slot's row by the layouts' slot -> token maps. Compiled beside the
+#: slot-order build, without the TMA variants (their tensor maps are over slot-ordered rows).
+TOKEN_DEFINE = "PAGED_FWD_TOKENS"
+#: The token-order build's extra parameters, after :data:`KERNEL_PARAMS`.
+TOKEN_PARAMS = ("q_map", "k_map", "q_tokens", "k_tokens", "tok_heads", "maps_per_row")
 
 
 def check_variants(defines: tuple[str, ...], source: str = "SPARSEATTN_FWD_VARIANT") -> tuple[str, ...]:
@@ -93,6 +99,17 @@ def _variant_from_env() -> tuple[str, ...]:
 
 
 DEFINES = _variant_from_env()
+
+
+def token_defines() -> tuple[str, ...]:
+    """The token-order build's macros: :data:`DEFINES` without the TMA variants, plus :data:`TOKEN_DEFINE`."""
+    tma = ("PAGED_FWD_TMA", "PAGED_FWD_REGS_232")
+    return tuple(d for d in DEFINES if d not in tma) + (TOKEN_DEFINE,)
+
+
+def extra_builds() -> tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]:
+    """The token-order build, for :mod:`.warmup`: ``((source, name expressions, defines),)``."""
+    return ((SOURCE, NAME_EXPRESSIONS, token_defines()),)
 
 
 def kernel_defines(source: str) -> tuple[str, ...]:
@@ -383,25 +400,28 @@ def _check_tensors(q, k, v, out):
     return b, h, sq, k.shape[2], d, device
 
 
-def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device: int):
+def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device: int, tokens=None):
     """``(packed launch, counter pointer, tensor maps)`` of one launch (the five tensors its first arguments;
     tensor maps of K and V in the ``PAGED_FWD_TMA`` build, else none),
     prepared once per (work list, device, tensor sizes, scale) and reused; None when there is no work (a
     device planner's work list is new per call: its arrays are on the device already, and its streams
-    end at the planner's capacity). ``sizes``: (batch, heads, q_slots, k_slots, d)."""
+    end at the planner's capacity). ``sizes``: (batch, heads, q_slots, k_slots, d). ``tokens``: the
+    token-order build's ``(q_tokens, k_tokens, tok_heads, maps_per_row)`` (its two map pointers are then
+    set per call after the five tensors)."""
     import cupy
 
     b, h, sq, sk, d = sizes
     on_device = isinstance(wl, DeviceWorkList)
     arrays = wl.arrays if on_device else launch.device_arrays(wl, device, wl.device_arrays)
-    key = (sizes, scale, DEFINES)
+    defines = DEFINES if tokens is None else token_defines()
+    key = (sizes, scale, defines, tokens)
     ready = arrays.get(key)
     if ready is None:
         if wl.num_work * b == 0:
             return None
         smem = smem_bytes(d, wl.chunk)
         name = kernel_name(d, wl.chunk, pair=wl.has_visibility())
-        fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS, DEFINES), smem)
+        fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS, defines), smem)
         if on_device:
             counter = arrays["counter"]
         else:
@@ -423,11 +443,14 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             scale_log2=np.float32(scale * math.log2(math.e)),
         )
         rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
-        maps = ()
-        if "PAGED_FWD_TMA" in DEFINES:  # pointed at each call's K and V by _launch
+        maps, bound = (), None
+        if tokens is not None:
+            rest += (np.uint64(0), np.uint64(0)) + tuple(np.int32(x) for x in tokens)
+            bound = (*range(5), len(KERNEL_PARAMS), len(KERNEL_PARAMS) + 1)
+        elif "PAGED_FWD_TMA" in DEFINES:  # pointed at each call's K and V by _launch
             maps = (TensorMap(b * h * sk, d, "k"), TensorMap(b * h * sk, d, "v"))
         grid = (min(launch.sm_count(device), wl.num_work * b),)
-        packed = launch.PackedLaunch(fn, grid, (THREADS,), (np.uint64(0),) * 5 + rest + maps, smem)
+        packed = launch.PackedLaunch(fn, grid, (THREADS,), (np.uint64(0),) * 5 + rest + maps, smem, bound)
         ready = arrays[key] = (packed, int(counter), maps)
     return ready
 
@@ -438,20 +461,32 @@ def _pointer(x) -> int:
 
 
 def _launch(
-    q, k, v, wl: WorkList | DeviceWorkList, scale: float, o, lse, device: int, sizes=None, stream=None
+    q,
+    k,
+    v,
+    wl: WorkList | DeviceWorkList,
+    scale: float,
+    o,
+    lse,
+    device: int,
+    sizes=None,
+    stream=None,
+    tokens=None,
+    token_maps=(),
 ):
     """One launch of the persistent kernel on ``stream`` (default: CuPy's current stream); the tensors are
-    CuPy arrays, or raw pointers with their ``sizes`` (batch, heads, q_slots, k_slots, d)."""
+    CuPy arrays, or raw pointers with their ``sizes`` (batch, heads, q_slots, k_slots, d). The token-order
+    build: ``tokens`` as :func:`_prepared` takes them and ``token_maps`` the two maps' pointers."""
     import cupy
 
     if sizes is None:
         b, h, sq, d = q.shape
         sizes = (b, h, sq, k.shape[2], d)
-    ready = _prepared(wl, sizes, scale, device)
+    ready = _prepared(wl, sizes, scale, device, tokens)
     if ready is None:
         return
     packed, counter, maps = ready
-    pointers = [_pointer(x) for x in (q, k, v, o, lse)]
+    pointers = [_pointer(x) for x in (q, k, v, o, lse)] + [int(p) for p in token_maps]
     for tensor_map, pointer in zip(maps, pointers[1:3]):  # K and V (TMA build)
         tensor_map.point_at(pointer)
     stream = cupy.cuda.get_current_stream().ptr if stream is None else stream
@@ -601,6 +636,89 @@ def _torch_launch(q, k, v, wl, scale: float, sizes, zero_rows=None):
     launch.fill_neg_inf(lse.data_ptr(), lse.numel(), stream, dev.index)
     ptr = lambda x: x.data_ptr()
     _launch(ptr(q), ptr(k), ptr(v), wl, scale, ptr(o), ptr(lse), dev.index, sizes, stream)
+    return o, lse
+
+
+def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", scale=None):
+    """KPage forward on token-ordered torch tensors, with no tensor moved into or out of slot order (the
+    ``PAGED_FWD_TOKENS`` build gathers each slot's row from its token and stores O rows to theirs).
+
+    Args:
+        q: bf16 CUDA ``[batch, q_tokens, heads, d]`` (a model's layout), contiguous; ``d`` 64 or 128.
+        k, v: ``[batch, k_tokens, heads, d]`` like ``q``.
+        graph_or_plans: a :class:`SparseGraph` of ``heads`` heads (its plans cached; ``route`` as
+            :func:`paged_forward`) or a device planner's :class:`DevicePlans` of ``batch x heads``.
+        q_map, k_map: int32 CUDA ``[q_slots]`` / ``[k_slots]``: the token each slot of the Q / K layout holds,
+            -1 for padding slots (``BlockLayout.slot_token``); every token in exactly one slot.
+        scale: softmax scale (default ``1/sqrt(d)``).
+
+    Returns:
+        ``o`` bf16 ``[batch, q_tokens, heads, d]`` (tokens whose Q block selects nothing: zeros) and ``lse``
+        float32 ``[batch, heads, q_slots]`` in slot order (padding slots ``-inf``).
+    """
+    import torch
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or not x.is_cuda or x.dim() != 4:
+            raise KernelTypeError(f"{name} must be a bf16 CUDA tensor [batch, tokens, heads, d]")
+    b, nq, h, d = q.shape
+    nk = k.shape[1]
+    dev = q.device
+    check_head_dim("q", d, HEAD_DIMS)
+    if k.shape != (b, nk, h, d) or v.shape != k.shape:
+        raise KernelValueError(
+            f"k and v must be [{b}, k_tokens, {h}, {d}] like q; got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.device != dev or v.device != dev:
+        raise KernelValueError("q, k and v must be on one device")
+    for name, m in (("q_map", q_map), ("k_map", k_map)):
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.int32 or m.dim() != 1 or m.device != dev:
+            raise KernelTypeError(f"{name} must be an int32 tensor [slots] on q's device")
+    sq, sk = q_map.numel(), k_map.numel()
+    if max(nq, nk) * h * d >= 2**31:
+        raise KernelValueError("a batch entry's tokens x heads x d is too large for 32-bit offsets")
+    q, k, v, q_map, k_map = (x.contiguous() for x in (q, k, v, q_map, k_map))
+    if isinstance(graph_or_plans, DevicePlans):
+        plans = graph_or_plans
+        if (b, h, sq, sk) != (plans.batch, plans.heads, plans.q_slots, plans.k_slots):
+            raise KernelValueError(
+                f"the plans are for batch {plans.batch} x {plans.heads} heads over {plans.q_slots} Q / "
+                f"{plans.k_slots} K slots; the tensors and maps give {b} x {h} over {sq} / {sk}"
+            )
+        wl, sizes, whole = plans.forward, (1, b * h, sq, sk, d), False  # every valid row is written
+    elif isinstance(graph_or_plans, SparseGraph):
+        if b > MAX_BATCH:
+            raise KernelValueError(f"q has batch {b}; at most {MAX_BATCH}")
+        wl, sizes = resolve_work(graph_or_plans, "kpage", route, h, sq, sk), (b, h, sq, sk, d)
+        whole = True  # a host plan may leave valid rows unowned
+    else:
+        raise KernelTypeError(
+            f"graph_or_plans must be a SparseGraph or DevicePlans, got {type(graph_or_plans).__name__}"
+        )
+    scale = check_scale(scale, d)
+    import cupy
+
+    o = torch.zeros_like(q) if whole else torch.empty_like(q)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=dev)
+    stream = launch.torch_stream_ptr(dev.index)
+    launch.fill_neg_inf(lse.data_ptr(), lse.numel(), stream, dev.index)
+    ptr = lambda x: x.data_ptr()
+    tokens = (nq, nk, h, 0)
+    with cupy.cuda.Device(dev.index):
+        _launch(
+            ptr(q),
+            ptr(k),
+            ptr(v),
+            wl,
+            scale,
+            ptr(o),
+            ptr(lse),
+            dev.index,
+            sizes,
+            stream,
+            tokens,
+            (ptr(q_map), ptr(k_map)),
+        )
     return o, lse
 
 

@@ -9,7 +9,8 @@ pytest-xdist workers would compile every module itself; after :func:`warm_up` th
 
 :func:`warm_up` compiles the :func:`builds` — each wrapper module's ``SOURCE`` + ``NAME_EXPRESSIONS``
 and ``KERNEL_SOURCES``, exactly the tuples its launches pass to :func:`.launch.function`, with the
-compile-time variants in force (``kernel_defines``) — each in its own process, all at once (the
+compile-time variants in force (``kernel_defines``), and the other builds it launches (``extra_builds()``:
+``(source, name expressions, defines)``, e.g. the forward's token-order build) — each in its own process, all at once (the
 longest first). ``tests/conftest.py`` calls it once in the pytest controller before the xdist workers
 start (``pytest -m gpu``; ``SPARSEATTN_KERNEL_WARMUP=0`` skips it) and ``python -m
 sparseattn.gpucheck`` runs it as its first step. From the shell::
@@ -87,6 +88,11 @@ def builds() -> list[Build]:
             defines = tuple(defines_of(source)) if defines_of is not None else ()
             build = Build(source, tuple(exprs), defines, name)
             found.setdefault((source, tuple(sorted(exprs)), defines), build)
+        for source, exprs, defines in getattr(mod, "extra_builds", tuple)():  # other builds of a source
+            found.setdefault(
+                (source, tuple(sorted(exprs)), tuple(defines)),
+                Build(source, tuple(exprs), tuple(defines), name),
+            )
     return sorted(found.values(), key=lambda b: (-len(b.name_expressions), b.source))
 
 

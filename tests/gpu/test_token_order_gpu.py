@@ -1,0 +1,171 @@
+"""The KPage forward's token-order build (``PAGED_FWD_TOKENS``: q, k, v and o stay ``[batch, tokens, heads,
+d]``, each slot's row gathered from its token and each output row stored to its token) against the
+slot-order build on the same plans: the output moved to tokens and the LSE equal bit for bit. Static graphs
+on ragged layouts whose tokens are randomly permuted (every route, d = 64 and 128, batch 2), device plans
+of random selections (batch entries with their own), output memory poisoned with NaN first; the float64
+reference on some; the per-block sums of token rows; the Wan processor with ``token_order`` on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from device_plan_cases import random_case
+from small_cases import random_ragged_graph, rel_err
+
+from sparseattn import reference
+from sparseattn.graph import SparseGraph
+
+pytestmark = pytest.mark.gpu
+
+
+def _permuted(layout, rng):
+    """``layout`` with its tokens placed in a random order (the same slots hold tokens)."""
+    return dataclasses.replace(layout, token_slot=rng.permutation(layout.token_slot))
+
+
+def _tokens(q_layout, k_layout, batch, heads, d, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda n: torch.randn(batch, n, heads, d, device="cuda", generator=g).bfloat16()
+    return make(q_layout.num_tokens), make(k_layout.num_tokens), make(k_layout.num_tokens)
+
+
+def _maps(q_layout, k_layout):
+    from sparseattn.torch_ops import _slot_indices
+
+    return _slot_indices(q_layout, torch.device("cuda"))[0], _slot_indices(k_layout, torch.device("cuda"))[0]
+
+
+def _poison_next(like):
+    """Free a NaN-filled block of ``like``'s size: the caching allocator then likely hands it to the next
+    allocation of that size on this stream, so rows a kernel leaves unwritten show up as NaN."""
+    torch.full_like(like, float("nan"))
+
+
+def _assert_equal(o_tok, lse_tok, o_slot_tokens, lse_slot, label):
+    assert not torch.isnan(o_tok).any(), f"{label}: an output row was not written"
+    assert torch.equal(o_tok, o_slot_tokens), f"{label}: outputs differ from the slot-order build"
+    assert torch.equal(lse_tok, lse_slot), f"{label}: LSE differs from the slot-order build"
+
+
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"ragged{s}")
+def test_static_graphs_equal_the_slot_order_build(seed):
+    import sparseattn.torch as st
+    from sparseattn.kernels.forward import torch_graph_forward, torch_token_forward
+
+    rng = np.random.default_rng(500 + seed)
+    base = random_ragged_graph(rng)
+    q_lay, k_lay = _permuted(base.q, rng), _permuted(base.k, rng)
+    graph = SparseGraph.from_block_mask(q_lay, k_lay, base.block_mask())
+    d = 128 if seed % 2 else 64
+    q, k, v = _tokens(q_lay, k_lay, 2, graph.heads, d, seed)
+    q_map, k_map = _maps(q_lay, k_lay)
+    routes = ["auto", 0, 1] + (["pair"] if q_lay.block_size == 64 else [])
+    for route in routes:
+        _poison_next(q)
+        o, lse = torch_token_forward(q, k, v, graph, q_map, k_map, route=route)
+        qs = st.tokens_to_slots(q_lay, q)[0]
+        ks, vs = st.tokens_to_slots(k_lay, k, v)
+        o_s, lse_s = torch_graph_forward(qs, ks, vs, graph, route=route)
+        _assert_equal(o, lse, st.slots_to_tokens(q_lay, o_s), lse_s, f"seed {seed} route {route}")
+    # and the float64 reference (slot order) for the last route
+    args = [
+        st.tokens_to_slots(lay, x)[0].double().cpu().numpy()
+        for lay, x in ((q_lay, q), (k_lay, k), (k_lay, v))
+    ]
+    o_ref, _ = reference.attention_forward(*args, graph)
+    want = o_ref[:, :, q_lay.token_slot].transpose(0, 2, 1, 3)  # [batch, tokens, heads, d]
+    assert rel_err(o.double().cpu().numpy(), want) < 1e-2
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_device_plans_equal_the_slot_order_build(seed):
+    """Random selections planned on the device (top-k and mask forms, batch entries with their own
+    selections, 64- and 128-row and single-page blocks), tokens in a random order."""
+    import sparseattn.torch as st
+    from sparseattn.kernels.forward import torch_graph_forward, torch_token_forward
+    from sparseattn.planning.device import DevicePlanner
+
+    rng = np.random.default_rng(7000 + seed)
+    case = random_case(rng, seed)
+    q_lay, k_lay = _permuted(case.q, rng), _permuted(case.k, rng)
+    route = case.route if case.kind == "kpage" else "auto"
+    planner = DevicePlanner(q_lay, k_lay, kind=case.kind, route=route)
+    selection = {name: torch.as_tensor(x, device="cuda") for name, x in case.selection().items()}
+    plans = planner.plan(**selection)
+    d = 64 if seed % 2 else 128
+    q, k, v = _tokens(q_lay, k_lay, case.batch, case.heads, d, seed)
+    q_map, k_map = _maps(q_lay, k_lay)
+    _poison_next(q)
+    o, lse = torch_token_forward(q, k, v, plans, q_map, k_map)
+    qs = st.tokens_to_slots(q_lay, q)[0]
+    ks, vs = st.tokens_to_slots(k_lay, k, v)
+    o_s, lse_s = torch_graph_forward(qs, ks, vs, plans)
+    _assert_equal(o, lse, st.slots_to_tokens(q_lay, o_s), lse_s, case.name)
+
+
+def test_token_order_attention_with_a_planner_equals_block_sparse_attention():
+    import sparseattn.torch as st
+    from sparseattn.layouts import video_layout
+
+    lay = video_layout((6, 10, 12), (2, 4, 4), 64)
+    q, k, v = _tokens(lay, lay, 2, 3, 128, 3)
+    with torch.no_grad():
+        idx, num = st.vsa_topk_tokens(q, k, lay, 5)
+        o = st.token_order_attention(q, k, v, st.planner_for(lay), idx, num)
+        want, _ = st.block_sparse_attention(*st.tokens_to_slots(lay, q, k, v), lay, idx, num)
+    assert torch.equal(o, st.slots_to_tokens(lay, want))
+
+
+def test_token_block_sums_and_selection_match_the_slot_order_path():
+    import sparseattn.torch as st
+    from sparseattn import vsa_select
+    from sparseattn.layouts import video_layout
+
+    lay = video_layout((21, 30, 52), (4, 4, 4), 64)  # Wan 480p's cubes, ragged borders
+    q, k, _ = _tokens(lay, lay, 1, 12, 128, 4)
+    q_map, _ = _maps(lay, lay)
+    qs, ks = st.tokens_to_slots(lay, q, k)
+    sums = vsa_select.token_block_sums(q, q_map, 64)
+    want = qs.reshape(1, 12, lay.num_blocks, 64, 128).sum(3, dtype=torch.float32)
+    torch.testing.assert_close(sums, want, rtol=1e-5, atol=1e-4)
+    idx_t, _ = st.vsa_topk_tokens(q, k, lay, 63)
+    idx_s, _ = st.vsa_topk(qs, ks, lay, 63)
+    same = (idx_t == idx_s).float().mean().item()
+    assert same > 0.99, f"only {same:.4f} of the chosen blocks agree"
+
+
+@pytest.mark.parametrize("kind", ["sta", "vsa"])
+def test_wan_processor_token_order_equals_the_slot_order_path(kind):
+    from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
+
+    grid = (6, 12, 16)
+    selection = (
+        WanSelection.sta((2, 4, 4), (3, 3, 3)) if kind == "sta" else WanSelection.vsa((2, 4, 4), topk=6)
+    )
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(1, 6 * 12 * 16, 4, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
+    with torch.no_grad():
+        got = WanSparseAttnProcessor(grid, selection, token_order=True).attend(q, k, v)
+        want = WanSparseAttnProcessor(grid, selection, token_order=False).attend(q, k, v)
+    if kind == "sta":
+        assert torch.equal(got, want)
+    else:  # the cube sums in another order: near-tied scores may pick other cubes
+        assert rel_err(got.double().cpu().numpy(), want.double().cpu().numpy()) < 1e-2
+
+
+def test_bad_maps_are_refused_before_any_launch():
+    from sparseattn.kernels.forward import torch_token_forward
+    from sparseattn.kernels.validate import KernelTypeError, KernelValueError
+
+    base = random_ragged_graph(np.random.default_rng(3))
+    q, k, v = _tokens(base.q, base.k, 1, base.heads, 64, 0)
+    q_map, k_map = _maps(base.q, base.k)
+    with pytest.raises(KernelTypeError, match="q_map must be an int32"):
+        torch_token_forward(q, k, v, base, q_map.long(), k_map)
+    with pytest.raises(KernelValueError, match="k and v must be"):
+        torch_token_forward(q, k[:, :, :1], v, base, q_map, k_map)
