@@ -499,3 +499,25 @@ def test_per_block_stream_pages_count_the_auto_list(case, seed):
         work = _work_of(obj, "kpage", "auto")
         pages = work.work_info[:, 2].astype(np.int64)
         assert per_block_stream_pages(obj) == (int(pages.sum()), int(pages[work.work_info[:, 3] == 64].sum()))
+
+
+@pytest.mark.parametrize("route", ["auto", 0, 1, "pair"], ids=lambda r: f"route={r}")
+def test_writes_every_valid_row_sees_an_unowned_page(route):
+    import dataclasses
+
+    from sparseattn.kernels.forward import work_of
+    from sparseattn.planning.work_list import writes_every_valid_row
+
+    lay = video_layout((5, 6, 7), (2, 4, 4), 64)
+    mask = np.random.default_rng(4).random((2, lay.num_blocks, lay.num_blocks)) < 0.3
+    mask[1, 3] = False  # a Q block that selects nothing is still owned (its rows get o = 0)
+    wl = work_of(SparseGraph.from_block_mask(lay, lay, mask), "kpage", route)
+    assert writes_every_valid_row(wl, lay)
+    own = wl.own_pages.copy()
+    item, slot = np.argwhere(own >= 0)[-1]
+    own[item, slot] = -1  # one page no item owns
+    assert not writes_every_valid_row(dataclasses.replace(wl, own_pages=own), lay)
+    own_mask = wl.own_mask.copy()
+    own_mask[item, slot] &= 0xFFFE if own_mask[item, slot] & 1 else 0xFFFF
+    if own_mask[item, slot] != wl.own_mask[item, slot]:  # one valid row of a page left out
+        assert not writes_every_valid_row(dataclasses.replace(wl, own_mask=own_mask), lay)

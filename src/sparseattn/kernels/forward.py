@@ -31,7 +31,7 @@ from ..graph import HeadStack, SparseGraph
 from ..planning.cache import cached, check_graph_matches, pair_work_of, plan_of
 from ..planning.device import DevicePlans, DeviceWorkList
 from ..planning.tile_plan import TilePlan, kpage_route_of_block, row_work
-from ..planning.work_list import CHUNKS, OWN_PAGES, WorkList, work_list
+from ..planning.work_list import CHUNKS, OWN_PAGES, WorkList, work_list, writes_every_valid_row
 from . import launch
 from .tensor_map import TensorMap
 from .validate import (
@@ -653,8 +653,10 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
         scale: softmax scale (default ``1/sqrt(d)``).
 
     Returns:
-        ``o`` bf16 ``[batch, q_tokens, heads, d]`` (tokens whose Q block selects nothing: zeros) and ``lse``
-        float32 ``[batch, heads, q_slots]`` in slot order (padding slots ``-inf``).
+        ``o`` bf16 ``[batch, q_tokens, heads, d]`` (tokens whose Q block selects nothing: zeros; ``o`` is
+        zeroed first only where a plan leaves such rows unowned,
+        :func:`~sparseattn.planning.work_list.writes_every_valid_row`) and ``lse`` float32
+        ``[batch, heads, q_slots]`` in slot order (padding slots ``-inf``).
     """
     import torch
 
@@ -690,7 +692,7 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
         if b > MAX_BATCH:
             raise KernelValueError(f"q has batch {b}; at most {MAX_BATCH}")
         wl, sizes = resolve_work(graph_or_plans, "kpage", route, h, sq, sk), (b, h, sq, sk, d)
-        whole = True  # a host plan may leave valid rows unowned
+        whole = not writes_every_valid_row(wl, graph_or_plans.q)  # else a Q block selecting nothing
     else:
         raise KernelTypeError(
             f"graph_or_plans must be a SparseGraph or DevicePlans, got {type(graph_or_plans).__name__}"

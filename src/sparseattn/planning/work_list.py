@@ -267,3 +267,21 @@ def _flatten(plans: list[TilePlan], heads_of, chunk: int, order: str) -> WorkLis
         heads=int(head_base.max()) + 1 if len(plans) > 1 else int(plans[0].heads),
         chunk=chunk,
     )
+
+
+def writes_every_valid_row(wl: WorkList, q_layout) -> bool:
+    """Whether ``wl``'s items own every valid row of ``q_layout`` in every head (the owned pages' row masks
+    together cover each page's valid rows): then a forward writes every valid row of ``o`` and only the
+    padding slots need zeros. Counted once per list and layout."""
+    from .cache import cached
+
+    def count() -> bool:
+        covered = np.zeros((wl.heads, q_layout.num_pages), dtype=np.uint32)
+        pages = wl.own_pages.astype(np.int64)
+        used = pages >= 0
+        heads = np.broadcast_to(wl.work_info[:, :1].astype(np.int64), pages.shape)
+        np.bitwise_or.at(covered, (heads[used], pages[used]), wl.own_mask[used].astype(np.uint32) & 0xFFFF)
+        want = q_layout.page_mask.astype(np.uint32)[None, :]
+        return bool(((covered & want) == want).all())
+
+    return cached(wl, ("writes every valid row", id(q_layout)), count)
