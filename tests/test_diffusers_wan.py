@@ -157,6 +157,18 @@ def test_token_order_forward_is_opt_in(monkeypatch):
     assert not proc._token_order_call(x, x, x)
 
 
+def test_slot_tokens_inverts_each_rows_token_slots():
+    from sparseattn.diffusers_wan import slot_tokens
+
+    g = torch.Generator().manual_seed(0)
+    token_slot = torch.stack([torch.randperm(12, generator=g)[:7] for _ in range(3)])  # 7 tokens, 12 slots
+    got = slot_tokens(token_slot, 12)
+    assert got.dtype == torch.int32 and got.shape == (3, 12)
+    for r in range(3):
+        assert torch.equal(got[r, token_slot[r]], torch.arange(7, dtype=torch.int32))
+        assert int((got[r] == -1).sum()) == 5
+
+
 def test_training_script_runs_a_few_steps_on_cpu(tmp_path):
     import json
 

@@ -165,14 +165,26 @@ def token_order_default() -> bool:
     return os.environ.get("SPARSEATTN_TOKEN_ORDER", "0") == "1"
 
 
+def slot_tokens(token_slot, slots: int):
+    """int32 ``[rows, slots]``: the token each slot of each row holds, -1 where none does; ``token_slot``:
+    int ``[rows, tokens]``, each token's slot in its row (a device layout's ``token_slot``)."""
+    import torch
+
+    rows, n = token_slot.shape
+    out = torch.full((rows, slots), -1, dtype=torch.int32, device=token_slot.device)
+    tokens = torch.arange(n, dtype=torch.int32, device=token_slot.device).expand(rows, n)
+    return out.scatter_(1, token_slot.long(), tokens)
+
+
 class WanSparseAttnProcessor:
     """A diffusers attention processor for Wan's self-attention: exact block-sparse attention of a
     :class:`WanSelection` over a token ``grid`` (cross-attention and masked calls go to diffusers').
 
-    ``token_order`` (KPage, STA / SSTA / VSA selections): calls without gradients run
-    :func:`sparseattn.torch.token_order_attention` and VSA's :func:`~sparseattn.torch.vsa_topk_tokens` on
-    the model's token-ordered q, k, v, with no move into or out of slot order; calls with gradients move
-    as before. Default: :func:`token_order_default`."""
+    ``token_order`` (KPage): calls without gradients run the KPage forward's token-order build on the
+    model's token-ordered q, k, v, with no move into or out of slot order
+    (:func:`sparseattn.torch.token_order_attention` and VSA's :func:`~sparseattn.torch.vsa_topk_tokens`;
+    SVG2 with a map per (batch, head) row of its per-call layouts); calls with gradients move as before.
+    Default: :func:`token_order_default`."""
 
     def __init__(self, grid, selection: WanSelection, backend: str = "kpage", route="auto", token_order=None):
         if backend not in BACKENDS:
@@ -363,6 +375,15 @@ class WanSparseAttnProcessor:
         torch = self._torch()
         b, n, h, d = q.shape
         ql, kl = step.q_layout, step.k_layout
+        if self._token_order_call(q, k, v):  # no moves: the token-order build with a map per row
+            from .kernels.forward import torch_token_forward
+            from .planning.dynamic_layouts import forward_work_list
+
+            work = forward_work_list(
+                ql.block_rows, kl.block_rows, step.block_mask, ql.block_size, rows_per_chunk=4
+            )
+            maps = [slot_tokens(lay.token_slot, lay.max_slots) for lay in (ql, kl)]
+            return torch_token_forward(q, k, v, work, *maps)[0]
 
         def in_token_order(layout):  # each [B, L, heads] token's row of the flattened [B·H·slots, d]
             return slot_rows(layout.token_slot, layout.max_slots).view(b, h, n).transpose(1, 2).reshape(-1)

@@ -158,6 +158,24 @@ def test_wan_processor_token_order_equals_the_slot_order_path(kind):
         assert rel_err(got.double().cpu().numpy(), want.double().cpu().numpy()) < 1e-2
 
 
+def test_svg2_per_row_maps_equal_the_slot_order_path():
+    """SVG2's per-call per-row layouts: the token-order build with a map per (batch, head) row against the
+    processor's slot-order path on the same step, bit for bit."""
+    from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
+
+    grid = (4, 8, 12)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = (torch.randn(2, 4 * 8 * 12, 3, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
+    proc = WanSparseAttnProcessor(grid, WanSelection.svg2(q_clusters=12, k_clusters=24), token_order=True)
+    with torch.no_grad():
+        step = proc.svg2_step(q, k)
+        got = proc._svg2_kpage(q, k, v, step)
+        proc.token_order = False
+        want = proc._svg2_kpage(q, k, v, step)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+
+
 def test_bad_maps_are_refused_before_any_launch():
     from sparseattn.kernels.forward import torch_token_forward
     from sparseattn.kernels.validate import KernelTypeError, KernelValueError

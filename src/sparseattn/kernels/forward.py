@@ -647,18 +647,24 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
         q: bf16 CUDA ``[batch, q_tokens, heads, d]`` (a model's layout), contiguous; ``d`` 64 or 128.
         k, v: ``[batch, k_tokens, heads, d]`` like ``q``.
         graph_or_plans: a :class:`SparseGraph` of ``heads`` heads (its plans cached; ``route`` as
-            :func:`paged_forward`) or a device planner's :class:`DevicePlans` of ``batch x heads``.
-        q_map, k_map: int32 CUDA ``[q_slots]`` / ``[k_slots]``: the token each slot of the Q / K layout holds,
-            -1 for padding slots (``BlockLayout.slot_token``); every token in exactly one slot.
+            :func:`paged_forward`), a device planner's :class:`DevicePlans` of ``batch x heads``, or a
+            :class:`~sparseattn.planning.dynamic_layouts.DynamicWorkList` of ``batch · heads`` rows (per-row
+            layouts made per call: SVG2).
+        q_map, k_map: int32 CUDA: the token each slot of the Q / K layout holds, -1 for padding slots
+            (``BlockLayout.slot_token``), every token in exactly one slot: ``[q_slots]`` / ``[k_slots]``
+            for one layout of every row, or ``[batch · heads, q_slots]`` / ``[batch · heads, k_slots]`` for a
+            layout per (batch, head) row, batch-major.
         scale: softmax scale (default ``1/sqrt(d)``).
 
     Returns:
         ``o`` bf16 ``[batch, q_tokens, heads, d]`` (tokens whose Q block selects nothing: zeros; ``o`` is
-        zeroed first only where a plan leaves such rows unowned,
+        zeroed first only where a plan may leave such rows unowned,
         :func:`~sparseattn.planning.work_list.writes_every_valid_row`) and ``lse`` float32
         ``[batch, heads, q_slots]`` in slot order (padding slots ``-inf``).
     """
     import torch
+
+    from ..planning.dynamic_layouts import DynamicWorkList
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or not x.is_cuda or x.dim() != 4:
@@ -674,9 +680,19 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
     if k.device != dev or v.device != dev:
         raise KernelValueError("q, k and v must be on one device")
     for name, m in (("q_map", q_map), ("k_map", k_map)):
-        if not isinstance(m, torch.Tensor) or m.dtype != torch.int32 or m.dim() != 1 or m.device != dev:
-            raise KernelTypeError(f"{name} must be an int32 tensor [slots] on q's device")
-    sq, sk = q_map.numel(), k_map.numel()
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.int32 or m.device != dev:
+            raise KernelTypeError(f"{name} must be an int32 tensor on q's device")
+    per_row = q_map.dim() == 2
+    if (
+        q_map.dim() not in (1, 2)
+        or k_map.dim() != q_map.dim()
+        or (per_row and (q_map.shape[0], k_map.shape[0]) != (b * h,) * 2)
+    ):
+        raise KernelValueError(
+            f"q_map and k_map must both be [slots], or both [batch x heads = {b * h}, slots]; got "
+            f"{tuple(q_map.shape)} and {tuple(k_map.shape)}"
+        )
+    sq, sk = q_map.shape[-1], k_map.shape[-1]
     if max(nq, nk) * h * d >= 2**31:
         raise KernelValueError("a batch entry's tokens x heads x d is too large for 32-bit offsets")
     q, k, v, q_map, k_map = (x.contiguous() for x in (q, k, v, q_map, k_map))
@@ -688,6 +704,10 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
                 f"{plans.k_slots} K slots; the tensors and maps give {b} x {h} over {sq} / {sk}"
             )
         wl, sizes, whole = plans.forward, (1, b * h, sq, sk, d), False  # every valid row is written
+    elif isinstance(graph_or_plans, DynamicWorkList):
+        if graph_or_plans.rows != b * h:
+            raise KernelValueError(f"the work list has {graph_or_plans.rows} rows; q has {b} x {h}")
+        wl, sizes, whole = graph_or_plans.device_work_list(), (1, b * h, sq, sk, d), True
     elif isinstance(graph_or_plans, SparseGraph):
         if b > MAX_BATCH:
             raise KernelValueError(f"q has batch {b}; at most {MAX_BATCH}")
@@ -695,7 +715,8 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
         whole = not writes_every_valid_row(wl, graph_or_plans.q)  # else a Q block selecting nothing
     else:
         raise KernelTypeError(
-            f"graph_or_plans must be a SparseGraph or DevicePlans, got {type(graph_or_plans).__name__}"
+            "graph_or_plans must be a SparseGraph, DevicePlans or a DynamicWorkList, got "
+            f"{type(graph_or_plans).__name__}"
         )
     scale = check_scale(scale, d)
     import cupy
@@ -705,7 +726,7 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
     stream = launch.torch_stream_ptr(dev.index)
     launch.fill_neg_inf(lse.data_ptr(), lse.numel(), stream, dev.index)
     ptr = lambda x: x.data_ptr()
-    tokens = (nq, nk, h, 0)
+    tokens = (nq, nk, h, int(per_row))
     with cupy.cuda.Device(dev.index):
         _launch(
             ptr(q),
