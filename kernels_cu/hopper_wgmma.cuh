@@ -206,7 +206,20 @@ __device__ __forceinline__ void warp_copy_pages(uint32_t tile, int row0, const _
     }
 }
 
-// ---- pages gathered by token (PAGED_FWD_TOKENS) ---------------------------------------------------
+// ---- pages gathered by token (the token-order builds: PAGED_FWD_TOKENS, PAGED_BWD_TOKENS) -----------
+
+// Where (batch · head) row bh's tokens are in a [batch, tokens, tok_heads, d] tensor: element offset of
+// token 0, and between consecutive tokens (tokens · tok_heads · d < 2^31, checked by the host).
+struct TokenRows {
+    size_t base;
+    uint32_t stride;
+};
+
+__device__ __forceinline__ TokenRows token_rows(size_t bh, int tok_heads, int tokens, int head_dim) {
+    const size_t b = bh / static_cast<size_t>(tok_heads);
+    const size_t h = bh - b * static_cast<size_t>(tok_heads);
+    return {(b * static_cast<size_t>(tokens) * tok_heads + h) * head_dim, static_cast<uint32_t>(tok_heads * head_dim)};
+}
 
 // tok[p] of lane l: the token of row l % 16 of page page[p] (map: the row's slot -> token map; -1 where
 // the page is outside [0, num_pages)). One load per lane and page, issued together.
@@ -220,37 +233,44 @@ __device__ __forceinline__ void page_tokens(int (&tok)[PPW], const int* __restri
                                                                                    : -1;
 }
 
-// warp_copy_pages with each row read from its token: row r of page p is token tok[p] of lane r (see
-// page_tokens) at rows + token · stride. A row is copied when its mask bit is set and its token lies in
+// warp_copy_pages of one page with each row read from its token: row r of the page is token `tok` of lane
+// src_lane0 + r, at rows + token · stride. A row is copied when its mask bit is set and its token lies in
 // [0, num_tokens); any other row is zero-filled.
-template <int HEAD_DIM, int TILE_ROWS, int PPW>
-__device__ __forceinline__ void warp_copy_token_pages(uint32_t tile, int row0, const __nv_bfloat16* __restrict__ rows,
-                                                      uint32_t stride, int num_tokens, int num_pages,
-                                                      const int (&tok)[PPW], const int (&page)[PPW],
-                                                      const uint32_t (&mask)[PPW]) {
+template <int HEAD_DIM, int TILE_ROWS>
+__device__ __forceinline__ void warp_copy_token_page(uint32_t tile, int row0, const __nv_bfloat16* __restrict__ rows,
+                                                     uint32_t stride, int num_tokens, int num_pages, int tok,
+                                                     int src_lane0, int page, uint32_t mask) {
     constexpr int CPR = HEAD_DIM / 8;  // 16-byte chunks per row
     constexpr int RS = 32 / CPR;       // rows per step
-    static_assert(32 % CPR == 0 && PAGE_ROWS % RS == 0 && 8 % RS == 0, "warp_copy_token_pages: HEAD_DIM 64 or 128");
+    static_assert(32 % CPR == 0 && PAGE_ROWS % RS == 0 && 8 % RS == 0, "warp_copy_token_page: HEAD_DIM 64 or 128");
     const int lane = threadIdx.x & 31;
     const int chunk = lane % CPR;
     const int r0 = lane / CPR;
     uint32_t pos = static_cast<uint32_t>((chunk & 7) ^ r0);
     asm volatile("" : "+r"(pos));
+    const bool in_range = static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);
+    const uint32_t valid_rows = in_range ? (mask >> r0) : 0u;
+    const uint32_t dst = tile + static_cast<uint32_t>((chunk >> 3) * (TILE_ROWS * 128) + (row0 + r0) * 128);
 #pragma unroll
-    for (int p = 0; p < PPW; ++p) {
-        const bool in_range = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
-        const uint32_t valid_rows = in_range ? (mask[p] >> r0) : 0u;
-        const uint32_t dst = tile + static_cast<uint32_t>((chunk >> 3) * (TILE_ROWS * 128) +
-                                                          (row0 + p * PAGE_ROWS + r0) * 128);
-#pragma unroll
-        for (int i = 0; i < PAGE_ROWS / RS; ++i) {
-            const int ri = i * RS;
-            const int t = __shfl_sync(0xffffffffu, tok[p], r0 + ri);
-            const bool valid = ((valid_rows >> ri) & 1u) && static_cast<unsigned>(t) < static_cast<unsigned>(num_tokens);
-            const __nv_bfloat16* src = rows + (valid ? static_cast<uint32_t>(t) * stride : 0u) + chunk * 8;
-            paged::cp_async_16_zfill(dst + ri * 128 + ((pos ^ static_cast<uint32_t>(ri & 7)) << 4), src, valid);
-        }
+    for (int i = 0; i < PAGE_ROWS / RS; ++i) {
+        const int ri = i * RS;
+        const int t = __shfl_sync(0xffffffffu, tok, src_lane0 + r0 + ri);
+        const bool valid = ((valid_rows >> ri) & 1u) && static_cast<unsigned>(t) < static_cast<unsigned>(num_tokens);
+        const __nv_bfloat16* src = rows + (valid ? static_cast<uint32_t>(t) * stride : 0u) + chunk * 8;
+        paged::cp_async_16_zfill(dst + ri * 128 + ((pos ^ static_cast<uint32_t>(ri & 7)) << 4), src, valid);
     }
+}
+
+// warp_copy_pages with each row read from its token (tok: page_tokens' registers).
+template <int HEAD_DIM, int TILE_ROWS, int PPW>
+__device__ __forceinline__ void warp_copy_token_pages(uint32_t tile, int row0, const __nv_bfloat16* __restrict__ rows,
+                                                      uint32_t stride, int num_tokens, int num_pages,
+                                                      const int (&tok)[PPW], const int (&page)[PPW],
+                                                      const uint32_t (&mask)[PPW]) {
+#pragma unroll
+    for (int p = 0; p < PPW; ++p)
+        warp_copy_token_page<HEAD_DIM, TILE_ROWS>(tile, row0 + p * PAGE_ROWS, rows, stride, num_tokens, num_pages,
+                                                  tok[p], 0, page[p], mask[p]);
 }
 
 // ---- page loads by the tensor-memory accelerator (PAGED_FWD_TMA) ---------------------------------

@@ -38,9 +38,26 @@
 //     (maxima over valid rows, Σ_j P_ij = 1), scaled to stay under 2^60;
 //   3 (DQ_NONE): no dQ at all (no dSᵀ store, no dQ GEMM): paged_bwd_dq_kernel computes dQ in a Q-owned
 //     pass of its own, with no atomics.
+//
+// PAGED_BWD_TOKENS (the token-order build, beside the slot-order one): q, k, v, dO, dK and dV are
+// [batch, tokens, tok_heads, HEAD_DIM] and slot s of (batch · head) row bh is token q_map / k_map[map row
+// + s] (-1: padding) of batch bh / tok_heads, head bh % tok_heads (the forward's PAGED_FWD_TOKENS maps;
+// map row bh · slots when maps_per_row, else 0). paged_bwd_kernel and paged_bwd_ws_kernel gather their
+// pages by token and store each valid dK / dV row to its token; LSE, Δ and dq_accum stay in slot order;
+// tokens_bwd_preprocess / tokens_bwd_postprocess read O and dO / write dQ by token.
 #include "hopper_wgmma.cuh"
 
 #define PB_Q_ROWS 64  // streamed Q rows per warpgroup and step
+
+#ifdef PAGED_BWD_TOKENS
+#define PAGED_BWD_TOKEN_PARAMS                                                                               \
+    , const int* __restrict__ q_map, const int* __restrict__ k_map, int q_tokens, int k_tokens, int tok_heads, \
+        int maps_per_row
+#define PAGED_BWD_TOKEN_TYPES , const int*, const int*, int, int, int, int
+#else
+#define PAGED_BWD_TOKEN_PARAMS
+#define PAGED_BWD_TOKEN_TYPES
+#endif
 
 namespace paged_bwd {
 
@@ -279,6 +296,54 @@ __device__ __forceinline__ void store_dk_dv(uint32_t tK, uint32_t tV, const int*
     }
 }
 
+#ifdef PAGED_BWD_TOKENS
+// load_owned_pages with each row read from its token (rows: where the (batch, head)'s tokens start).
+template <int HEAD_DIM, int ROWS, int WARPS>
+__device__ __forceinline__ void load_owned_token_pages(uint32_t tA, uint32_t tB, const __nv_bfloat16* a,
+                                                       const __nv_bfloat16* b, hopper::TokenRows rows, int num_tokens,
+                                                       const int* __restrict__ map, const int* own,
+                                                       const uint16_t* __restrict__ page_mask, int num_pages, int warp) {
+    constexpr int kOwnPages = ROWS / PAGE_ROWS;
+    for (int i = warp; i < 2 * kOwnPages; i += WARPS) {
+        const int p = i % kOwnPages;
+        const int page[1] = {own[p]};
+        const uint32_t mask[1] = {paged::load_page_mask(page_mask, page[0], num_pages)};
+        int tok[1];
+        hopper::page_tokens<1>(tok, map, num_pages, page);
+        hopper::warp_copy_token_pages<HEAD_DIM, ROWS, 1>(i < kOwnPages ? tA : tB, p * PAGE_ROWS,
+                                                         (i < kOwnPages ? a : b) + rows.base, rows.stride, num_tokens,
+                                                         num_pages, tok, page, mask);
+    }
+}
+
+// store_dk_dv to tokens: each owned row whose slot holds a token (map) goes to it; padding rows are not
+// stored.
+template <int HEAD_DIM, int BLOCK_K, int THREADS>
+__device__ __forceinline__ void store_dk_dv_tokens(uint32_t tK, uint32_t tV, const int* own, int k_pages,
+                                                   const int* __restrict__ map, int num_tokens, __nv_bfloat16* dk_rows,
+                                                   __nv_bfloat16* dv_rows, uint32_t stride, int ctid) {
+    constexpr int kChunksPerRow = HEAD_DIM / 8;
+#pragma unroll 4
+    for (int c = ctid; c < BLOCK_K * kChunksPerRow; c += THREADS) {
+        const int row = c / kChunksPerRow;
+        const int chunk = c % kChunksPerRow;
+        const int page = own[row / PAGE_ROWS];
+        if (static_cast<unsigned>(page) >= static_cast<unsigned>(k_pages)) continue;
+        const int t = map[page * PAGE_ROWS + row % PAGE_ROWS];
+        if (static_cast<unsigned>(t) >= static_cast<unsigned>(num_tokens)) continue;
+        const uint32_t dst = static_cast<uint32_t>(t) * stride + chunk * 8;
+        const uint32_t off = hopper::tile_offset<BLOCK_K>(row, chunk);
+        uint4 kk, vv;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(kk.x), "=r"(kk.y), "=r"(kk.z), "=r"(kk.w) : "r"(tK + off));
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(vv.x), "=r"(vv.y), "=r"(vv.z), "=r"(vv.w) : "r"(tV + off));
+        *reinterpret_cast<uint4*>(dk_rows + dst) = kk;
+        *reinterpret_cast<uint4*>(dv_rows + dst) = vv;
+    }
+}
+#endif
+
 }  // namespace paged_bwd
 
 // Grid (work items [work_offset, work_offset + gridDim.x) of one route, batch), block Config::kThreads,
@@ -293,7 +358,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
                  const int* __restrict__ own_pages, int max_own, const int* __restrict__ stream_indptr,
                  const int* __restrict__ stream_pages, const uint16_t* __restrict__ k_page_mask,
                  const uint16_t* __restrict__ q_page_mask, int work_offset, int heads, int q_slots, int k_slots,
-                 float scale, float scale_log2, const unsigned int* __restrict__ dq_absmax) {
+                 float scale, float scale_log2, const unsigned int* __restrict__ dq_absmax PAGED_BWD_TOKEN_PARAMS) {
     using namespace hopper;
     using namespace paged_bwd;
     using Cfg = Config<HEAD_DIM, BLOCK_K, Q_SPLIT, DQ_MODE>;
@@ -338,6 +403,13 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     const int stream_len = stream_indptr[work + 1] - stream_begin;
     const int num_tiles = (stream_len + Cfg::kStreamPages - 1) / Cfg::kStreamPages;
 
+#ifdef PAGED_BWD_TOKENS
+    const TokenRows tq = token_rows(bh, tok_heads, q_tokens, D);
+    const TokenRows tk = token_rows(bh, tok_heads, k_tokens, D);
+    const int* qmap = q_map + (maps_per_row ? bh * q_slots : 0);
+    const int* kmap = k_map + (maps_per_row ? bh * k_slots : 0);
+    load_owned_token_pages<D, BLOCK_K, Cfg::kWarps>(tK, tV, k, v, tk, k_tokens, kmap, own, k_page_mask, k_pages, warp);
+#else
     // owned K and V pages (load_owned_pages, written out: this kernel's code is the H200-verified one)
     for (int i = warp; i < 2 * Cfg::kOwnPages; i += Cfg::kWarps) {
         const int p = i % Cfg::kOwnPages;
@@ -346,6 +418,7 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
         warp_copy_pages<D, BLOCK_K, 1>(i < Cfg::kOwnPages ? tK : tV, p * PAGE_ROWS,
                                        (i < Cfg::kOwnPages ? k : v) + bh * k_slots * D, k_pages, page, mask);
     }
+#endif
     const uint32_t own_mask = paged::load_page_mask(k_page_mask, own[kvp * 4 + wq], k_pages);
     const bool kvalid_lo = paged::page_row_valid(own_mask, g);
     const bool kvalid_hi = paged::page_row_valid(own_mask, g + 8);
@@ -358,8 +431,15 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
             const int page[1] = {p < npages ? pages[p] : -1};
             const uint32_t mask[1] = {paged::load_page_mask(q_page_mask, page[0], q_pages)};
             const bool is_q = i < Cfg::kStreamPages;
+#ifdef PAGED_BWD_TOKENS
+            int tok[1];
+            page_tokens<1>(tok, qmap, q_pages, page);
+            warp_copy_token_pages<D, QS, 1>((is_q ? tQ0 : tdO0) + buf * Cfg::kQBytes, p * PAGE_ROWS,
+                                            (is_q ? q : dout) + tq.base, tq.stride, q_tokens, q_pages, tok, page, mask);
+#else
             warp_copy_pages<D, QS, 1>((is_q ? tQ0 : tdO0) + buf * Cfg::kQBytes, p * PAGE_ROWS,
                                       is_q ? q_bh : do_bh, q_pages, page, mask);
+#endif
         }
         for (int row = tid; row < QS; row += Cfg::kThreads) {
             const int p = row / PAGE_ROWS;
@@ -531,8 +611,15 @@ paged_bwd_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __res
     const int* own_out = DQ_MODE == DQ_BULK ? own_pages + static_cast<size_t>(blockIdx.x + work_offset) * max_own : own;
     const size_t bh_out =
         DQ_MODE == DQ_BULK ? static_cast<size_t>(blockIdx.y) * heads + work_head[blockIdx.x + work_offset] : bh;
+#ifdef PAGED_BWD_TOKENS
+    const TokenRows tk_out = token_rows(bh_out, tok_heads, k_tokens, D);
+    store_dk_dv_tokens<D, BLOCK_K, Cfg::kThreads>(tK, tV, own_out, k_pages,
+                                                  k_map + (maps_per_row ? bh_out * k_slots : 0), k_tokens,
+                                                  dk + tk_out.base, dv + tk_out.base, tk_out.stride, tid);
+#else
     store_dk_dv<D, BLOCK_K, Cfg::kThreads>(tK, tV, own_out, k_pages, dk + bh_out * k_slots * D,
                                            dv + bh_out * k_slots * D, tid);
+#endif
 }
 
 // ---- warp-specialized variant for 128-row owned tiles (v4 candidate) -------------------------------------
@@ -605,7 +692,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                     const int* __restrict__ own_pages, int max_own, const int* __restrict__ stream_indptr,
                     const int* __restrict__ stream_pages, const uint16_t* __restrict__ k_page_mask,
                     const uint16_t* __restrict__ q_page_mask, int work_offset, int heads, int q_slots, int k_slots,
-                    float scale, float scale_log2, const unsigned int* __restrict__ pair_pages) {
+                    float scale, float scale_log2, const unsigned int* __restrict__ pair_pages PAGED_BWD_TOKEN_PARAMS) {
     using namespace hopper;
     using namespace paged_bwd_ws;
     using Cfg = Config<HEAD_DIM, PAIR>;
@@ -654,8 +741,14 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         mbar_init(dq_full, kConsumerWarps);
         mbar_init(dq_empty, 1);
     }
+#ifdef PAGED_BWD_TOKENS
+    paged_bwd::load_owned_token_pages<D, BK, kThreads / 32>(tK, tV, k, v, token_rows(bh, tok_heads, k_tokens, D),
+                                                            k_tokens, k_map + (maps_per_row ? bh * k_slots : 0), own,
+                                                            k_page_mask, k_pages, warp);
+#else
     paged_bwd::load_owned_pages<D, BK, kThreads / 32>(tK, tV, k, v, bh * k_slots * D, own, k_page_mask, k_pages,
                                                       warp);
+#endif
     paged::cp_async_commit();
     paged::cp_async_wait<0>();
     fence_async_proxy();
@@ -667,6 +760,10 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         // ================================ producer ================================
         regs_release<PAIR ? kPairProducerRegs : kProducerRegs>();
         if (warp < 2) {  // Q (warp 0) or dO (warp 1): each step's 4 pages
+#ifdef PAGED_BWD_TOKENS
+            const TokenRows tq = token_rows(bh, tok_heads, q_tokens, D);
+            const int* qmap = q_map + (maps_per_row ? bh * q_slots : 0);
+#endif
             // Lane p < SP holds page p of the coming steps, its two dependent loads a step apart: in step t
             // the mask of step t + 1 (page known) and the page id of step t + 2, so a step's copies issue
             // as soon as its buffer is free instead of after two global-load round trips.
@@ -686,13 +783,29 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 page1 = page2;
                 mask1 = paged::load_page_mask(q_page_mask, page2, q_pages);  // first used in step t + 1
                 page2 = page_id(t + 2);                                       // first used in step t + 1
+#ifdef PAGED_BWD_TOKENS
+                // the step's 4 pages' tokens in two registers, loaded before the wait: lane l holds row l % 16
+                // of page l / 16 (tok_lo) and of page l / 16 + 2 (tok_hi)
+                const int pg_lo = __shfl_sync(0xffffffffu, cur_page, lane >> 4);
+                const int pg_hi = __shfl_sync(0xffffffffu, cur_page, (lane >> 4) + 2);
+                const int tok_lo = static_cast<unsigned>(pg_lo) < static_cast<unsigned>(q_pages)
+                                       ? __ldg(qmap + pg_lo * PAGE_ROWS + (lane & 15)) : -1;
+                const int tok_hi = static_cast<unsigned>(pg_hi) < static_cast<unsigned>(q_pages)
+                                       ? __ldg(qmap + pg_hi * PAGE_ROWS + (lane & 15)) : -1;
+#endif
                 mbar_wait(q_empty(st), par ^ 1u);
 #pragma unroll
                 for (int p = 0; p < SP; ++p) {  // page by page: two live registers, the producer runs at 24
                     const int page[1] = {__shfl_sync(0xffffffffu, cur_page, p)};
                     const uint32_t mask[1] = {__shfl_sync(0xffffffffu, cur_mask, p)};
+#ifdef PAGED_BWD_TOKENS
+                    warp_copy_token_page<D, QS>((warp == 0 ? tQ0 : tdO0) + st * Cfg::kQBytes, p * PAGE_ROWS,
+                                                (warp == 0 ? q : dout) + tq.base, tq.stride, q_tokens, q_pages,
+                                                p < 2 ? tok_lo : tok_hi, (p & 1) * 16, page[0], mask[0]);
+#else
                     warp_copy_pages<D, QS, 1>((warp == 0 ? tQ0 : tdO0) + st * Cfg::kQBytes, p * PAGE_ROWS,
                                               (warp == 0 ? q : dout) + bh * q_slots * D, q_pages, page, mask);
+#endif
                 }
                 mbar_track_cp_async(q_full(st));
                 mbar_arrive(q_full(st));
@@ -880,14 +993,21 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     named_sync(1, 256);
     paged_bwd::stage_dk_dv<D, BK>(tK, tV, acc_dk, acc_dv, scale, kvp, wq, g, t4);
     named_sync(1, 256);
+#ifdef PAGED_BWD_TOKENS
+    const TokenRows tk = token_rows(bh, tok_heads, k_tokens, D);
+    paged_bwd::store_dk_dv_tokens<D, BK, 256>(tK, tV, own, k_pages, k_map + (maps_per_row ? bh * k_slots : 0), k_tokens,
+                                              dk + tk.base, dv + tk.base, tk.stride, ctid);
+#else
     paged_bwd::store_dk_dv<D, BK, 256>(tK, tV, own, k_pages, dk + bh * k_slots * D, dv + bh * k_slots * D, ctid);
+#endif
 }
 
 #define PAGED_BWD_WS_INSTANTIATE(D, PAIR)                                                                   \
     template __global__ void paged_bwd_ws_kernel<D, PAIR>(                                                  \
         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const float*, \
         const float*, float*, __nv_bfloat16*, __nv_bfloat16*, const int*, const int*, int, const int*,        \
-        const int*, const uint16_t*, const uint16_t*, int, int, int, int, float, float, const unsigned int*);
+        const int*, const uint16_t*, const uint16_t*, int, int, int, int, float, float,                       \
+        const unsigned int* PAGED_BWD_TOKEN_TYPES);
 PAGED_BWD_WS_INSTANTIATE(64, false)
 PAGED_BWD_WS_INSTANTIATE(128, false)
 PAGED_BWD_WS_INSTANTIATE(64, true)
@@ -1123,7 +1243,7 @@ __global__ void __launch_bounds__(256) bwd_fixed_postprocess(const long long* __
         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,        \
         const float*, const float*, float*, __nv_bfloat16*, __nv_bfloat16*, const int*, const int*, int, \
         const int*, const int*, const uint16_t*, const uint16_t*, int, int, int, int, float, float,     \
-        const unsigned int*);
+        const unsigned int* PAGED_BWD_TOKEN_TYPES);
 PAGED_BWD_INSTANTIATE(64, 64, 1, 0)
 PAGED_BWD_INSTANTIATE(64, 128, 1, 0)
 PAGED_BWD_INSTANTIATE(128, 64, 1, 0)
@@ -1146,3 +1266,75 @@ PAGED_BWD_INSTANTIATE(64, 64, 1, 3)
 PAGED_BWD_INSTANTIATE(64, 128, 1, 3)
 PAGED_BWD_INSTANTIATE(128, 64, 1, 3)
 PAGED_BWD_INSTANTIATE(128, 128, 1, 3)
+
+#ifdef PAGED_BWD_TOKENS
+// The token-order build's preprocess: Δ[row] = rowsum(dO ∘ O) of the token slot row holds (0 for a padding
+// slot), rows = batch · heads · q_slots in slot order; O and dO [batch, q_tokens, tok_heads, HEAD_DIM].
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(256) tokens_bwd_preprocess(const __nv_bfloat16* __restrict__ out,
+                                                             const __nv_bfloat16* __restrict__ dout,
+                                                             float* __restrict__ delta, long long rows, int q_slots,
+                                                             const int* __restrict__ q_map, int q_tokens, int tok_heads,
+                                                             int maps_per_row) {
+    constexpr int kLanesPerRow = HEAD_DIM / 8;
+    const long long gid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long row = gid / kLanesPerRow;
+    const int part = static_cast<int>(gid % kLanesPerRow);
+    float acc = 0.f;
+    if (row < rows) {
+        const long long bh = row / q_slots;
+        const int slot = static_cast<int>(row - bh * q_slots);
+        const int t = q_map[(maps_per_row ? bh * q_slots : 0) + slot];
+        if (static_cast<unsigned>(t) < static_cast<unsigned>(q_tokens)) {
+            const hopper::TokenRows tr = hopper::token_rows(static_cast<size_t>(bh), tok_heads, q_tokens, HEAD_DIM);
+            const size_t at = tr.base + static_cast<size_t>(static_cast<uint32_t>(t) * tr.stride) + part * 8;
+            const uint4 o = *reinterpret_cast<const uint4*>(out + at);
+            const uint4 d = *reinterpret_cast<const uint4*>(dout + at);
+            const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
+            const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 of = __bfloat1622float2(o2[i]);
+                const float2 df = __bfloat1622float2(d2[i]);
+                acc = fmaf(of.x, df.x, fmaf(of.y, df.y, acc));
+            }
+        }
+    }
+#pragma unroll
+    for (int off = kLanesPerRow / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (row < rows && part == 0) delta[row] = acc;
+}
+
+// The token-order build's postprocess: each slot row's dQ = bf16(scale · dq_accum) to the token it holds
+// (padding slots: nothing), 4 elements per thread; dq [batch, q_tokens, tok_heads, HEAD_DIM].
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(256) tokens_bwd_postprocess(const float* __restrict__ dq_accum,
+                                                              __nv_bfloat16* __restrict__ dq, float scale, long long n4,
+                                                              int q_slots, const int* __restrict__ q_map, int q_tokens,
+                                                              int tok_heads, int maps_per_row) {
+    constexpr int kQuadsPerRow = HEAD_DIM / 4;
+    const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n4) return;
+    const long long row = i / kQuadsPerRow;
+    const int part = static_cast<int>(i - row * kQuadsPerRow);
+    const long long bh = row / q_slots;
+    const int slot = static_cast<int>(row - bh * q_slots);
+    const int t = q_map[(maps_per_row ? bh * q_slots : 0) + slot];
+    if (static_cast<unsigned>(t) >= static_cast<unsigned>(q_tokens)) return;
+    const float4 a = reinterpret_cast<const float4*>(dq_accum)[i];
+    uint2 packed;
+    packed.x = paged::pack_bf16x2(a.x * scale, a.y * scale);
+    packed.y = paged::pack_bf16x2(a.z * scale, a.w * scale);
+    const hopper::TokenRows tr = hopper::token_rows(static_cast<size_t>(bh), tok_heads, q_tokens, HEAD_DIM);
+    *reinterpret_cast<uint2*>(dq + tr.base + static_cast<size_t>(static_cast<uint32_t>(t) * tr.stride) + part * 4) = packed;
+}
+
+template __global__ void tokens_bwd_preprocess<64>(const __nv_bfloat16*, const __nv_bfloat16*, float*, long long, int,
+                                                   const int*, int, int, int);
+template __global__ void tokens_bwd_preprocess<128>(const __nv_bfloat16*, const __nv_bfloat16*, float*, long long, int,
+                                                    const int*, int, int, int);
+template __global__ void tokens_bwd_postprocess<64>(const float*, __nv_bfloat16*, float, long long, int, const int*, int,
+                                                    int, int);
+template __global__ void tokens_bwd_postprocess<128>(const float*, __nv_bfloat16*, float, long long, int, const int*,
+                                                     int, int, int);
+#endif

@@ -217,20 +217,6 @@ __device__ __forceinline__ bool void_item(const WorkItem& it, const int2* __rest
 #endif
 }
 
-#ifdef PAGED_FWD_TOKENS
-// Where (batch · head) row bh's tokens are in a [batch, tokens, tok_heads, d] tensor: element offset of
-// token 0, and between consecutive tokens (tokens · tok_heads · d < 2^31, checked by the host).
-struct TokenRows {
-    size_t base;
-    uint32_t stride;
-};
-
-__device__ __forceinline__ TokenRows token_rows(size_t bh, int tok_heads, int tokens, int head_dim) {
-    const size_t b = bh / static_cast<size_t>(tok_heads);
-    const size_t h = bh - b * static_cast<size_t>(tok_heads);
-    return {(b * static_cast<size_t>(tokens) * tok_heads + h) * head_dim, static_cast<uint32_t>(tok_heads * head_dim)};
-}
-#endif
 
 }  // namespace
 
@@ -301,8 +287,8 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             if (void_item(it, own_pages, q_pages, lane)) continue;
             const size_t bh = static_cast<size_t>(it.batch) * heads + (it.ok ? it.head : 0);
 #ifdef PAGED_FWD_TOKENS
-            const TokenRows tq = token_rows(bh, tok_heads, q_tokens, HEAD_DIM);
-            const TokenRows tk = token_rows(bh, tok_heads, k_tokens, HEAD_DIM);
+            const hopper::TokenRows tq = hopper::token_rows(bh, tok_heads, q_tokens, HEAD_DIM);
+            const hopper::TokenRows tk = hopper::token_rows(bh, tok_heads, k_tokens, HEAD_DIM);
             const int* qmap = q_map + (maps_per_row ? bh * q_slots : 0);
             const int* kmap = k_map + (maps_per_row ? bh * k_slots : 0);
 #else
@@ -599,7 +585,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 const size_t bh = static_cast<size_t>(it.batch) * heads + it.head;
                 const size_t row0 = bh * q_slots + static_cast<size_t>(page) * PAGE_ROWS;
 #ifdef PAGED_FWD_TOKENS
-                const TokenRows tq = token_rows(bh, tok_heads, q_tokens, HEAD_DIM);
+                const hopper::TokenRows tq = hopper::token_rows(bh, tok_heads, q_tokens, HEAD_DIM);
                 const int* qmap = q_map + (maps_per_row ? bh * q_slots : 0) + static_cast<size_t>(page) * PAGE_ROWS;
                 hopper::store_o_token_page<HEAD_DIM>(O + tq.base, tq.stride, q_tokens, qmap, LSE + row0, mask, o, inv,
                                                      lse);

@@ -303,6 +303,35 @@ def test_forward_variants_compile_without_spills(variant, reports):
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
 
 
+#: The token-order backward build's pair kernel: its producer warpgroup runs at 24 registers (as the slot-order
+#: build's, which compile_check.ACCEPTED_SPILLS accepts at 20/24 bytes) and holds two more words per step
+#: here (the page tokens loaded before its buffer wait).
+TOKEN_BWD_ACCEPTED_SPILLS = {
+    "paged_bwd_ws_kernel<128, true>": (56, 64),
+    "paged_bwd_ws_kernel<64, true>": (44, 48),
+}
+
+
+def test_backward_token_build_compiles(reports):
+    """paged_bwd.cu's token-order build (bsa_backward.TOKEN_DEFINE) compiles every kernel it declares, spill
+    free but for the pair kernel's producer (TOKEN_BWD_ACCEPTED_SPILLS), and its main kernels take the
+    slot-order build's parameters plus bsa_backward.TOKEN_PARAMS."""
+    from sparseattn.kernels import bsa_backward as bb
+
+    kernels = _compile_variant(bb.WGMMA_SOURCE, bb.TOKEN_NAME_EXPRESSIONS, bb.TOKEN_DEFINE)
+    assert {k.kernel for k in kernels} >= set(bb.TOKEN_NAME_EXPRESSIONS)
+    for k in kernels:
+        stores, loads = TOKEN_BWD_ACCEPTED_SPILLS.get(k.kernel, (0, 0))
+        assert k.spill_stores <= stores and k.spill_loads <= loads, (k.kernel, k.spill_stores, k.spill_loads)
+    text = (runtime.kernel_dir() / bb.WGMMA_SOURCE).read_text()
+    macro = re.search(r"#define PAGED_BWD_TOKEN_PARAMS\s*\\\n(.*?)\n#define", text, re.DOTALL).group(1)
+    names = tuple(re.findall(r"(\w+)\s*(?:,|$)", " ".join(macro.replace("\\", " ").split())))
+    assert names == bb.TOKEN_PARAMS
+    for kernel in ("paged_bwd_kernel", "paged_bwd_ws_kernel"):
+        sig = re.search(rf"\n{kernel}\((.*?)\)\s*\{{", text, re.DOTALL).group(1)
+        assert sig.rstrip().endswith("PAGED_BWD_TOKEN_PARAMS"), kernel
+
+
 def test_forward_variant_from_the_environment(monkeypatch):
     from sparseattn.kernels import forward
     from sparseattn.kernels.validate import KernelValueError

@@ -183,8 +183,9 @@ class WanSparseAttnProcessor:
     ``token_order`` (KPage): calls without gradients run the KPage forward's token-order build on the
     model's token-ordered q, k, v, with no move into or out of slot order
     (:func:`sparseattn.torch.token_order_attention` and VSA's :func:`~sparseattn.torch.vsa_topk_tokens`;
-    SVG2 with a map per (batch, head) row of its per-call layouts); calls with gradients move as before.
-    Default: :func:`token_order_default`."""
+    SVG2 with a map per (batch, head) row of its per-call layouts); STA and VSA calls with gradients too
+    where the token-order backward is opted in (:func:`sparseattn.torch.token_backward_enabled`), else they
+    move as before. Default: :func:`token_order_default`."""
 
     def __init__(self, grid, selection: WanSelection, backend: str = "kpage", route="auto", token_order=None):
         if backend not in BACKENDS:
@@ -422,12 +423,12 @@ class WanSparseAttnProcessor:
         from .torch import block_sparse_attention, slots_to_tokens, tokens_to_slots, vsa_topk
 
         layout, planner = self._handles("dynamic")
-        if self._token_order_call(q, k, v):
+        if self._token_order_call(q, k, v, differentiable=True):
             from .torch import token_order_attention, vsa_topk_tokens
 
             with torch.no_grad():
                 idx, num = vsa_topk_tokens(q, k, layout, self.selection.topk)
-                return token_order_attention(q, k, v, self.planner(), idx, num).to(q.dtype)
+            return token_order_attention(q, k, v, self.planner(), idx, num).to(q.dtype)
         qs, ks, vs = tokens_to_slots(layout, q, k, v)
         with torch.no_grad():
             idx, num = vsa_topk(qs, ks, layout, self.selection.topk)
@@ -454,7 +455,7 @@ class WanSparseAttnProcessor:
         """KPage of a static graph named by handles: ``[B, L, heads, d]`` q, k, v to slots, attention, back."""
         from .torch import kpage_attention, slots_to_tokens, tokens_to_slots
 
-        if self._token_order_call(q, k, v):
+        if self._token_order_call(q, k, v, differentiable=True):
             from .torch import token_order_attention
             from .torch_ops import resolve
 
@@ -463,15 +464,19 @@ class WanSparseAttnProcessor:
         out = kpage_attention(qs, ks, vs, graph, route=self.route)
         return slots_to_tokens(layout, out).to(q.dtype)
 
-    def _token_order_call(self, q, k, v) -> bool:
-        """Whether this call runs the token-order forward (see the class): bf16 CUDA q, k, v, no gradients,
-        not traced by ``torch.compile``."""
+    def _token_order_call(self, q, k, v, differentiable: bool = False) -> bool:
+        """Whether this call runs in token order (see the class): bf16 CUDA q, k, v, not traced by
+        ``torch.compile``, and no gradients, or (``differentiable`` paths) the token-order backward opted in
+        (:func:`sparseattn.torch.token_backward_enabled`)."""
+        from .torch import token_backward_enabled
+
         torch = self._torch()
+        grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         return (
             self.token_order
             and q.is_cuda
             and q.dtype == k.dtype == v.dtype == torch.bfloat16
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and (not grads or (differentiable and token_backward_enabled()))
             and not torch.compiler.is_compiling()
         )
 

@@ -185,8 +185,10 @@ def token_order_attention(
 
     On CUDA without gradients, outside ``torch.compile``, the KPage forward's token-order build runs: it
     gathers each slot's row from its token and stores each output row to its token, so nothing is moved
-    into or out of slot order (:func:`sparseattn.kernels.forward.torch_token_forward`). Otherwise (gradients,
-    a trace, the CPU) the three steps above run, with autograd.
+    into or out of slot order (:func:`sparseattn.kernels.forward.torch_token_forward`). With gradients and
+    :func:`token_backward_enabled` (opt-in until its GPU tests pass), the backward's token-order build too
+    (:func:`sparseattn.kernels.backward.torch_token_backward`; where it does not run the plan, the slot-order
+    backward behind moves). Otherwise (gradients, a trace, the CPU) the three steps above run, with autograd.
     """
     from .graph import SparseGraph
     from .planning.device import DevicePlanner
@@ -201,8 +203,11 @@ def token_order_attention(
     if not static and (q2k_idx is None) == (mask is None):
         raise ValueError("a DevicePlanner needs one selection: q2k_idx with q2k_num, or mask")
     q_layout, k_layout = graph_or_planner.q, graph_or_planner.k
-    if q.is_cuda and not _needs_grad(q, k, v) and not torch.compiler.is_compiling():
+    eager_cuda = q.is_cuda and not torch.compiler.is_compiling()
+    if eager_cuda and not _needs_grad(q, k, v):
         return _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale)
+    if eager_cuda and token_backward_enabled() and q.dtype == k.dtype == v.dtype == torch.bfloat16:
+        return _TokenOrderFunction.apply(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale)
     qs = tokens_to_slots(q_layout, q)[0]
     ks, vs = tokens_to_slots(k_layout, k, v)
     if static:
@@ -210,6 +215,73 @@ def token_order_attention(
     else:
         o, _ = _dynamic(qs, ks, vs, graph_or_planner, q2k_idx, q2k_num, mask, scale)
     return slots_to_tokens(q_layout, o).to(q.dtype)
+
+
+def token_backward_enabled() -> bool:
+    """``SPARSEATTN_TOKEN_BACKWARD=1``: differentiated :func:`token_order_attention` calls run the token-order
+    backward build (opt-in until its GPU tests have passed on the H200)."""
+    import os
+
+    return os.environ.get("SPARSEATTN_TOKEN_BACKWARD", "0") == "1"
+
+
+def _token_maps(graph_or_planner, device):
+    from .torch_ops import _slot_indices
+
+    return _slot_indices(graph_or_planner.q, device)[0], _slot_indices(graph_or_planner.k, device)[0]
+
+
+class _TokenOrderFunction(torch.autograd.Function):
+    """:func:`token_order_attention` with gradients: both passes in token order (the forward's plans, and
+    for a planner the backward's, made in the forward and kept for the backward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale):
+        from .kernels import launch
+        from .kernels.forward import torch_token_forward
+        from .planning.device import DevicePlanner
+        from .torch_ops import default_scale, plans_bytes, selection_width
+
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        scale = default_scale(scale, q.shape[-1])
+        target, ctx.memory = graph_or_planner, None
+        if isinstance(graph_or_planner, DevicePlanner):
+            p = graph_or_planner
+            n = plans_bytes(p, q.shape[0], q.shape[2], selection_width(p, q2k_idx, mask), True)
+            ctx.memory = torch.empty(
+                (n,), dtype=torch.uint8, device=q.device
+            )  # the plans, until the backward
+            with launch.torch_stream():
+                target = p.plan(q2k_idx, q2k_num, mask=mask, backward=True, memory=ctx.memory)
+        maps = _token_maps(graph_or_planner, q.device)
+        o, lse = torch_token_forward(q, k, v, target, *maps, route=route, scale=scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.target, ctx.maps, ctx.route, ctx.scale = target, maps, route, scale
+        ctx.layouts = (graph_or_planner.q, graph_or_planner.k)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from .kernels.backward import kpage_backward, torch_token_backward
+
+        q, k, v, o, lse = ctx.saved_tensors
+        do = do.contiguous()
+        grads = torch_token_backward(
+            q, k, v, o, lse, do, ctx.target, *ctx.maps, route=ctx.route, scale=ctx.scale
+        )
+        if grads is None:  # the token-order build does not run this plan: the slot-order one behind moves
+            q_layout, k_layout = ctx.layouts
+            qs, os_, dos = tokens_to_slots(q_layout, q, o, do)
+            ks, vs = tokens_to_slots(k_layout, k, v)
+            dqs, dks, dvs = kpage_backward(
+                qs, ks, vs, os_, lse, dos, ctx.target, route=ctx.route, scale=ctx.scale
+            )
+            grads = (
+                slots_to_tokens(q_layout, dqs),
+                slots_to_tokens(k_layout, dks),
+                slots_to_tokens(k_layout, dvs),
+            )
+        return (*grads, None, None, None, None, None, None)
 
 
 def _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale):

@@ -3,7 +3,10 @@ d]``, each slot's row gathered from its token and each output row stored to its 
 slot-order build on the same plans: the output moved to tokens and the LSE equal bit for bit. Static graphs
 on ragged layouts whose tokens are randomly permuted (every route, d = 64 and 128, batch 2), device plans
 of random selections (batch entries with their own), output memory poisoned with NaN first; the float64
-reference on some; the per-block sums of token rows; the Wan processor with ``token_order`` on."""
+reference on some; the per-block sums of token rows; the Wan processor with ``token_order`` on. The
+backward's token-order build (``PAGED_BWD_TOKENS``) against the slot-order backward on the same plans:
+dK and dV bit for bit, dQ (added by reductions in any order) within float32 rounding, and autograd through
+``token_order_attention`` with ``SPARSEATTN_TOKEN_BACKWARD=1``."""
 
 from __future__ import annotations
 
@@ -174,6 +177,97 @@ def test_svg2_per_row_maps_equal_the_slot_order_path():
         want = proc._svg2_kpage(q, k, v, step)
     assert not torch.isnan(got).any()
     assert torch.equal(got, want)
+
+
+def _slot_backward_in_tokens(q_lay, k_lay, q, k, v, o, lse, do, target, route="auto"):
+    """The slot-order backward on ``target``'s plans (``route`` for a graph), its gradients moved to tokens."""
+    import sparseattn.torch as st
+    from sparseattn.kernels.backward import kpage_backward
+
+    qs, os_, dos = st.tokens_to_slots(q_lay, q, o, do)
+    ks, vs = st.tokens_to_slots(k_lay, k, v)
+    dq, dk, dv = kpage_backward(qs, ks, vs, os_, lse, dos, target, route=route)
+    return st.slots_to_tokens(q_lay, dq), st.slots_to_tokens(k_lay, dk), st.slots_to_tokens(k_lay, dv)
+
+
+def _assert_grads(got, want, label):
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert not torch.isnan(g).any(), f"{label}: {name} has rows never written"
+        if name == "dq":  # fp32 reductions in any order: equal to rounding
+            assert rel_err(g.double().cpu().numpy(), w.double().cpu().numpy()) < 2e-3, f"{label}: {name}"
+        else:
+            assert torch.equal(g, w), f"{label}: {name} differs from the slot-order build"
+
+
+@pytest.mark.parametrize("seed", range(10), ids=lambda s: f"ragged{s}")
+def test_static_backward_equals_the_slot_order_build(seed):
+    from sparseattn.kernels.backward import torch_token_backward
+    from sparseattn.kernels.forward import torch_token_forward
+
+    rng = np.random.default_rng(800 + seed)
+    base = random_ragged_graph(rng)
+    q_lay, k_lay = _permuted(base.q, rng), _permuted(base.k, rng)
+    graph = SparseGraph.from_block_mask(q_lay, k_lay, base.block_mask())
+    d = 128 if seed % 2 else 64
+    q, k, v = _tokens(q_lay, k_lay, 2, graph.heads, d, seed)
+    do = torch.randn_like(q)
+    q_map, k_map = _maps(q_lay, k_lay)
+    for route in ["auto", 0, 1] + (["pair"] if k_lay.block_size == 64 and q_lay.block_size == 64 else []):
+        o, lse = torch_token_forward(q, k, v, graph, q_map, k_map, route=route)
+        _poison_next(q)
+        grads = torch_token_backward(q, k, v, o, lse, do, graph, q_map, k_map, route=route)
+        assert grads is not None, f"the token-order backward refused route {route}"
+        want = _slot_backward_in_tokens(q_lay, k_lay, q, k, v, o, lse, do, graph, route)
+        _assert_grads(grads, want, f"seed {seed} route {route}")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_device_plan_backward_equals_the_slot_order_build(seed):
+    from sparseattn.kernels.backward import torch_token_backward
+    from sparseattn.kernels.forward import torch_token_forward
+    from sparseattn.planning.device import DevicePlanner
+
+    rng = np.random.default_rng(9100 + seed)
+    case = random_case(rng, seed)
+    if case.kind != "kpage":
+        pytest.skip("the token-order backward runs KPage's plans")
+    q_lay, k_lay = _permuted(case.q, rng), _permuted(case.k, rng)
+    planner = DevicePlanner(q_lay, k_lay, kind="kpage", route=case.route)
+    plans = planner.plan(**{name: torch.as_tensor(x, device="cuda") for name, x in case.selection().items()})
+    d = 64 if seed % 2 else 128
+    q, k, v = _tokens(q_lay, k_lay, case.batch, case.heads, d, seed)
+    do = torch.randn_like(q)
+    q_map, k_map = _maps(q_lay, k_lay)
+    o, lse = torch_token_forward(q, k, v, plans, q_map, k_map)
+    grads = torch_token_backward(q, k, v, o, lse, do, plans, q_map, k_map)
+    assert grads is not None, case.name
+    _assert_grads(grads, _slot_backward_in_tokens(q_lay, k_lay, q, k, v, o, lse, do, plans), case.name)
+
+
+@pytest.mark.parametrize("kind", ["graph", "planner"])
+def test_autograd_in_token_order_matches_the_moves(kind, monkeypatch):
+    import sparseattn.torch as st
+    from sparseattn.layouts import video_layout
+
+    lay = _permuted(video_layout((6, 10, 12), (2, 4, 4), 64), np.random.default_rng(2))
+    q, k, v = _tokens(lay, lay, 2, 3, 128, 21)
+    do = torch.randn_like(q)
+    if kind == "graph":
+        mask = np.random.default_rng(3).random((3, lay.num_blocks, lay.num_blocks)) < 0.3
+        target, sel = SparseGraph.from_block_mask(lay, lay, mask), {}
+    else:
+        target = st.planner_for(lay)
+        idx, num = st.vsa_topk_tokens(q, k, lay, 5)
+        sel = dict(q2k_idx=idx, q2k_num=num)
+    results = {}
+    for flag in ("1", "0"):  # token order in both passes, then the moves
+        monkeypatch.setenv("SPARSEATTN_TOKEN_BACKWARD", flag)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o = st.token_order_attention(*leaves, target, **sel)
+        o.backward(do)
+        results[flag] = (o.detach(), *(x.grad for x in leaves))
+    assert torch.equal(results["1"][0], results["0"][0])
+    _assert_grads(results["1"][1:], results["0"][1:], kind)
 
 
 def test_bad_maps_are_refused_before_any_launch():

@@ -427,3 +427,52 @@ def _pair_executed_pairs(plan, step_rows: int) -> int:
     seen = np.zeros(int(steps_per_item.sum()), dtype=np.int64)
     np.bitwise_or.at(seen, key, vis)
     return int(((seen & 1) + (seen >> 1 & 1)).sum()) * 64 * step_rows
+
+
+def torch_token_backward(q, k, v, o, lse, do, graph_or_plans, q_map, k_map, route="auto", scale=None):
+    """KPage's backward on token-ordered torch tensors (``PAGED_BWD_TOKENS``: each page gathered by token,
+    dK / dV / dQ rows stored to their tokens): ``(dq, dk, dv)`` like ``q``, ``k``, ``v``, or None where the
+    token-order build does not run this plan (the caller then moves to slot order).
+
+    Args:
+        q, o, do: bf16 CUDA ``[batch, q_tokens, heads, d]``; k, v: ``[batch, k_tokens, heads, d]``;
+        lse: float32 ``[batch, heads, q_slots]`` (the token-order forward's, slot order).
+        graph_or_plans: the forward's :class:`SparseGraph` (its K/V-owned plan, ``route`` as
+            :func:`kpage_backward`; never the Q-owned dQ pass) or :class:`DevicePlans` made with the backward.
+        q_map, k_map, scale: as :func:`sparseattn.kernels.forward.torch_token_forward` took them.
+    """
+    import torch
+
+    from .bsa_backward import default_impl, torch_token_plan_backward
+    from .forward import check_token_tensors
+    from .validate import check_scale
+
+    b, nq, h, d, nk, sq, sk, per_row = check_token_tensors(q, k, v, q_map, k_map, (("o", o), ("do", do)))
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != (b, h, sq):
+        raise KernelValueError(f"lse must be float32 [{b}, {h}, {sq}] (the token-order forward's)")
+    impl = default_impl()
+    if isinstance(graph_or_plans, DevicePlans):
+        plans = graph_or_plans
+        if plans.backward is None:
+            raise KernelValueError("graph_or_plans: these device plans were made without the backward")
+        if (b, h, sq, sk) != (plans.batch, plans.heads, plans.q_slots, plans.k_slots):
+            raise KernelValueError(
+                f"the plans are for batch {plans.batch} x {plans.heads} heads over {plans.q_slots} Q / "
+                f"{plans.k_slots} K slots; the tensors and maps give {b} x {h} over {sq} / {sk}"
+            )
+        plan, sizes = plans.backward, (1, b * h, sq, sk, d)
+    elif isinstance(graph_or_plans, SparseGraph):
+        check_graph_matches(graph_or_plans, h, sq, sk)
+        plan = plan_of(
+            graph_or_plans, "kpage", backward_route(graph_or_plans, "kpage", route, impl), owner="kv"
+        )
+        sizes = (b, h, sq, sk, d)
+    else:
+        raise KernelTypeError(
+            f"graph_or_plans must be a SparseGraph or DevicePlans, got {type(graph_or_plans).__name__}"
+        )
+    q, k, v, o, lse, do, q_map, k_map = (x.contiguous() for x in (q, k, v, o, lse, do, q_map, k_map))
+    tokens = (nq, nk, h, int(per_row))
+    return torch_token_plan_backward(
+        q, k, v, o, lse, do, plan, q_map, k_map, sizes, tokens, check_scale(scale, d), impl
+    )

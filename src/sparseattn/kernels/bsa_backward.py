@@ -217,6 +217,19 @@ WGMMA_NAME_EXPRESSIONS = (
 )
 #: Other sources this module launches (for the CPU compile check).
 KERNEL_SOURCES = {WGMMA_SOURCE: WGMMA_NAME_EXPRESSIONS}
+#: The token-order build of paged_bwd.cu (:func:`torch_token_plan_backward`): q, k, v, dO, dK, dV in token
+#: order, the main kernels' pages gathered and stored by the layouts' slot -> token maps (their extra
+#: parameters :data:`TOKEN_PARAMS`), and its own preprocess / postprocess.
+TOKEN_DEFINE = "PAGED_BWD_TOKENS"
+TOKEN_PARAMS = ("q_map", "k_map", "q_tokens", "k_tokens", "tok_heads", "maps_per_row")
+TOKEN_NAME_EXPRESSIONS = WGMMA_NAME_EXPRESSIONS + tuple(
+    f"tokens_bwd_{kind}<{d}>" for kind in ("preprocess", "postprocess") for d in HEAD_DIMS
+)
+
+
+def extra_builds() -> tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]:
+    """The token-order build, for :mod:`.warmup`: ``((source, name expressions, defines),)``."""
+    return ((WGMMA_SOURCE, TOKEN_NAME_EXPRESSIONS, (TOKEN_DEFINE,)),)
 
 
 def wgmma_threads_per_cta(owned_rows: int, split: int = 1) -> int:
@@ -362,6 +375,7 @@ class BackwardRecipe:
     def __init__(self):
         self.steps: list = []
         self.temporaries: dict = {}
+        self.zeroed: tuple = ()  # outputs the caller allocates as zeros (the token-order recipe)
         self._events = None
 
     def add(self, fn, grid, block, args: tuple, smem: int = 0):
@@ -404,11 +418,14 @@ class BackwardRecipe:
                 rt.streamWaitEvent(stream, joined, 0)
 
 
-def _route_steps(recipe, plan, arrays: dict, kernel_of, tensors: tuple, sizes, scale, extra=()) -> tuple:
+def _route_steps(
+    recipe, plan, arrays: dict, kernel_of, tensors: tuple, sizes, scale, extra=(), tail=()
+) -> tuple:
     """One launch per non-empty route of ``plan`` (two where pair items start inside a route), to run side
     by side, the one streaming the most pages last: ``kernel_of(owned_rows, pair)`` gives ``(fn, smem,
     threads)`` (and optionally its own ``extra``); arguments: ``tensors`` (names), the plan's device arrays,
-    the launch's first item, heads, slots, scales, ``extra``. ``sizes``: (batch, heads, q_slots, k_slots)."""
+    the launch's first item, heads, slots, scales, ``extra``, then ``tail`` (the token-order build's
+    parameters). ``sizes``: (batch, heads, q_slots, k_slots)."""
     b, h, sq, sk = sizes
     own_stride = np.int32(plan.own_stride if isinstance(plan, DeviceOwnedPlan) else plan.own_pages.shape[1])
     scale_log2 = np.float32(scale * math.log2(math.e))
@@ -431,6 +448,7 @@ def _route_steps(recipe, plan, arrays: dict, kernel_of, tensors: tuple, sizes, s
             np.float32(scale),
             scale_log2,
             *(own_extra[0] if own_extra else extra),
+            *tail,
         )
         steps.append(recipe.add(fn, (stop - start, b), (threads,), args, smem))
     return ("side", steps)
@@ -472,17 +490,37 @@ def _uncovered_steps(recipe, names, arrays: dict, plan, sizes) -> list:
     ]
 
 
-def backward_recipe(plan, arrays, impl: str, deterministic: bool, dq_plan, sizes, scale, device: int):
+def _may_leave_pages(plan, arrays: dict) -> bool:
+    """Whether a K/V-owned plan may own no item of some page (:func:`_uncovered_steps` zeroes them)."""
+    if isinstance(plan, DeviceOwnedPlan):
+        return plan.uncovered is not None and int(plan.uncovered_count) > 0
+    return arrays["uncovered"] is not None
+
+
+def backward_recipe(
+    plan, arrays, impl: str, deterministic: bool, dq_plan, sizes, scale, device: int, tokens=None
+):
     """The :class:`BackwardRecipe` of a checked plan (``arrays``: its device arrays) for tensors of ``sizes``
-    (batch, heads, q_slots, k_slots, d); cached with a host plan's arrays."""
+    (batch, heads, q_slots, k_slots, d); cached with a host plan's arrays. ``tokens``: the token-order
+    build's ``(q_tokens, k_tokens, tok_heads, maps_per_row)`` (the maps are the tensors ``q_map`` and
+    ``k_map``; no dQ pass, no fixed point, no ``mma``): its recipe leaves the gradient rows of pages no item
+    owns unwritten and names them in ``zeroed``, which the caller allocates as zeros."""
     b, h, sq, sk, d = sizes
-    key = ("recipe", impl, bool(deterministic), id(dq_plan), sizes, scale)
+    key = ("recipe", impl, bool(deterministic), id(dq_plan), sizes, scale, tokens)
     cached_recipe = arrays.get(key)
     if cached_recipe is not None:
         return cached_recipe
     q_pages, k_pages = sq // PAGE_ROWS, sk // PAGE_ROWS
     dq_pass = uses_dq_pass(impl)
     fixed = deterministic and not dq_pass
+    if tokens is not None and (dq_pass or fixed or impl == "mma"):
+        raise KernelValueError(
+            f"the token-order backward runs no dQ pass, fixed-point dQ or mma kernel (impl={impl!r}, "
+            f"deterministic={deterministic})"
+        )
+    token_tail = ()
+    if tokens is not None:
+        token_tail = ("q_map", "k_map", *(np.int32(x) for x in tokens))
     r = BackwardRecipe()
     r.temporaries["delta"] = ((b, h, sq), np.float32)
     if not dq_pass:
@@ -506,15 +544,22 @@ def backward_recipe(plan, arrays, impl: str, deterministic: bool, dq_plan, sizes
             r.steps.append(step)
 
     rows = b * h * sq
-    pre = launch.function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
     lanes = rows * (d // 8)
-    r.steps.append(
-        r.add(
-            pre,
-            (-(-lanes // ELEMENTWISE_THREADS),),
-            (ELEMENTWISE_THREADS,),
-            ("o", "do", "delta", np.int64(rows)),
+    if tokens is None:
+        pre = launch.function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
+        pre_args = ("o", "do", "delta", np.int64(rows))
+    else:
+        pre = launch.function(
+            WGMMA_SOURCE, f"tokens_bwd_preprocess<{d}>", TOKEN_NAME_EXPRESSIONS, (TOKEN_DEFINE,)
         )
+        pre_args = ("o", "do", "delta", np.int64(rows), np.int32(sq), "q_map") + tuple(
+            np.int32(x) for x in (tokens[0], tokens[2], tokens[3])
+        )
+    r.steps.append(r.add(pre, (-(-lanes // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), pre_args))
+    function = (
+        (lambda name: launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS))
+        if tokens is None
+        else (lambda name: launch.function(WGMMA_SOURCE, name, TOKEN_NAME_EXPRESSIONS, (TOKEN_DEFINE,)))
     )
 
     def main_kernel(owned_rows, pair=False):
@@ -524,19 +569,20 @@ def backward_recipe(plan, arrays, impl: str, deterministic: bool, dq_plan, sizes
         split, dq_mode = wgmma_variant(impl, owned_rows, deterministic)
         if split == WS_SPLIT:
             return (
-                launch.function(WGMMA_SOURCE, ws_kernel_name(d, pair), WGMMA_NAME_EXPRESSIONS),
+                function(ws_kernel_name(d, pair)),
                 ws_smem_bytes(d, pair),
                 WS_THREADS,
                 (arrays["pair_pages"],) if pair else extra,
             )
-        name = wgmma_kernel_name(d, owned_rows, split, dq_mode)
-        fn = launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS)
+        fn = function(wgmma_kernel_name(d, owned_rows, split, dq_mode))
         return fn, wgmma_smem_bytes(d, owned_rows, split), wgmma_threads_per_cta(owned_rows, split)
 
     extra = () if impl == "mma" else ("absmax",) if fixed else (np.uint64(0),)
     dq_accum = "dq_accum" if not dq_pass else np.uint64(0)
     tensors = ("q", "k", "v", "do", "lse", "delta", dq_accum, "dk", "dv")
-    r.steps.append(_route_steps(r, plan, arrays, main_kernel, tensors, (b, h, sq, sk), scale, extra))
+    r.steps.append(
+        _route_steps(r, plan, arrays, main_kernel, tensors, (b, h, sq, sk), scale, extra, token_tail)
+    )
 
     if dq_pass:
         dq_arrays = _device_plan(dq_plan, q_pages, k_pages, h, device)
@@ -553,12 +599,24 @@ def backward_recipe(plan, arrays, impl: str, deterministic: bool, dq_plan, sizes
         n2 = b * h * sq * d // 2
         args = ("dq_accum", "dq", np.float32(scale), "absmax", np.int32(d), np.int64(n2))
         r.steps.append(r.add(post, (-(-n2 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args))
-    else:
+    elif tokens is None:
         post = launch.function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
         n4 = b * h * sq * d // 4
         args = ("dq_accum", "dq", np.float32(scale), np.int64(n4))
         r.steps.append(r.add(post, (-(-n4 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args))
-    r.steps.extend(_uncovered_steps(r, ("dk", "dv"), arrays, plan, (b, h, k_pages, d)))
+    else:
+        post = launch.function(
+            WGMMA_SOURCE, f"tokens_bwd_postprocess<{d}>", TOKEN_NAME_EXPRESSIONS, (TOKEN_DEFINE,)
+        )
+        n4 = b * h * sq * d // 4
+        args = ("dq_accum", "dq", np.float32(scale), np.int64(n4), np.int32(sq), "q_map") + tuple(
+            np.int32(x) for x in (tokens[0], tokens[2], tokens[3])
+        )
+        r.steps.append(r.add(post, (-(-n4 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args))
+    if tokens is None:
+        r.steps.extend(_uncovered_steps(r, ("dk", "dv"), arrays, plan, (b, h, k_pages, d)))
+    elif _may_leave_pages(plan, arrays):
+        r.zeroed = ("dk", "dv")  # pages no item owns: their token rows start as zeros
     if not isinstance(plan, DeviceOwnedPlan):
         arrays[key] = r
     return r
@@ -755,6 +813,47 @@ def torch_plan_backward(q, k, v, o, lse, do, plan, scale=None, impl=None, determ
     recipe = _recipe_of(plan, dq_plan, None, impl, deterministic, (b, h, sq, sk, d), scale, dev.index)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     tensors = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv)
+    for name, (shape, dtype) in recipe.temporaries.items():
+        tensors[name] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=dev)
+    pointers = {name: x.data_ptr() for name, x in tensors.items()}
+    recipe.run(launch.torch_stream_ptr(dev.index), dev.index, pointers)
+    return dq, dk, dv
+
+
+def torch_token_plan_backward(q, k, v, o, lse, do, plan, q_map, k_map, sizes, tokens, scale, impl=None):
+    """The token-order backward (``PAGED_BWD_TOKENS``) of a checked K/V-owned ``plan`` (or device plan) on
+    torch CUDA tensors: ``(dq, dk, dv)`` like ``q``, ``k``, ``v``, or None where the token-order build does
+    not run the plan's recipe (the Q-owned dQ pass, pair items off the warp-specialized kernel).
+
+    ``q``, ``o``, ``do``: bf16 ``[batch, q_tokens, tok_heads, d]``; ``k``, ``v``: ``[batch, k_tokens,
+    tok_heads, d]``; ``lse``: float32 in slot order; ``q_map`` / ``k_map``: int32 slot -> token maps (see
+    :func:`sparseattn.kernels.forward.torch_token_forward`); ``sizes``: the recipe's (batch, heads, q_slots,
+    k_slots, d), heads being batch · heads for device plans; ``tokens``: ``(q_tokens, k_tokens, tok_heads,
+    maps_per_row)``."""
+    import torch
+
+    impl = default_impl() if impl is None else impl
+    if impl == "mma" or uses_dq_pass(impl):
+        return None
+    _, h, sq, sk, _ = sizes
+    q_pages, k_pages = sq // PAGE_ROWS, sk // PAGE_ROWS
+    dev = q.device
+    if isinstance(plan, TilePlan):
+        _PLANS.checked(plan, q_pages, k_pages, h)
+    elif plan.heads != h:
+        return None
+    arrays = _device_plan(plan, q_pages, k_pages, h, dev.index)
+    if arrays["pair"] and impl not in ("wgmma", "wgmma_ws"):
+        return None
+    recipe = backward_recipe(
+        plan, arrays, impl, False, None, sizes, scale, dev.index, tuple(int(x) for x in tokens)
+    )
+    dq = torch.empty_like(q)
+    dk, dv = (
+        torch.zeros_like(x) if name in recipe.zeroed else torch.empty_like(x)
+        for name, x in (("dk", k), ("dv", v))
+    )
+    tensors = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv, q_map=q_map, k_map=k_map)
     for name, (shape, dtype) in recipe.temporaries.items():
         tensors[name] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=dev)
     pointers = {name: x.data_ptr() for name, x in tensors.items()}

@@ -639,34 +639,13 @@ def _torch_launch(q, k, v, wl, scale: float, sizes, zero_rows=None):
     return o, lse
 
 
-def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", scale=None):
-    """KPage forward on token-ordered torch tensors, with no tensor moved into or out of slot order (the
-    ``PAGED_FWD_TOKENS`` build gathers each slot's row from its token and stores O rows to theirs).
-
-    Args:
-        q: bf16 CUDA ``[batch, q_tokens, heads, d]`` (a model's layout), contiguous; ``d`` 64 or 128.
-        k, v: ``[batch, k_tokens, heads, d]`` like ``q``.
-        graph_or_plans: a :class:`SparseGraph` of ``heads`` heads (its plans cached; ``route`` as
-            :func:`paged_forward`), a device planner's :class:`DevicePlans` of ``batch x heads``, or a
-            :class:`~sparseattn.planning.dynamic_layouts.DynamicWorkList` of ``batch · heads`` rows (per-row
-            layouts made per call: SVG2).
-        q_map, k_map: int32 CUDA: the token each slot of the Q / K layout holds, -1 for padding slots
-            (``BlockLayout.slot_token``), every token in exactly one slot: ``[q_slots]`` / ``[k_slots]``
-            for one layout of every row, or ``[batch · heads, q_slots]`` / ``[batch · heads, k_slots]`` for a
-            layout per (batch, head) row, batch-major.
-        scale: softmax scale (default ``1/sqrt(d)``).
-
-    Returns:
-        ``o`` bf16 ``[batch, q_tokens, heads, d]`` (tokens whose Q block selects nothing: zeros; ``o`` is
-        zeroed first only where a plan may leave such rows unowned,
-        :func:`~sparseattn.planning.work_list.writes_every_valid_row`) and ``lse`` float32
-        ``[batch, heads, q_slots]`` in slot order (padding slots ``-inf``).
-    """
+def check_token_tensors(q, k, v, q_map, k_map, others=()):
+    """The sizes ``(batch, q_tokens, heads, d, k_tokens, q_slots, k_slots, maps_per_row)`` of a token-order
+    call (:func:`torch_token_forward`'s arguments; ``others``: more ``(name, tensor)`` shaped like ``q``,
+    e.g. the backward's o and do), or a KernelTypeError / KernelValueError naming the argument."""
     import torch
 
-    from ..planning.dynamic_layouts import DynamicWorkList
-
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in (("q", q), ("k", k), ("v", v), *others):
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or not x.is_cuda or x.dim() != 4:
             raise KernelTypeError(f"{name} must be a bf16 CUDA tensor [batch, tokens, heads, d]")
     b, nq, h, d = q.shape
@@ -695,6 +674,41 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
     sq, sk = q_map.shape[-1], k_map.shape[-1]
     if max(nq, nk) * h * d >= 2**31:
         raise KernelValueError("a batch entry's tokens x heads x d is too large for 32-bit offsets")
+    for name, x in others:
+        if x.shape != q.shape or x.device != dev:
+            raise KernelValueError(f"{name} must be like q: {tuple(q.shape)} on {dev}, got {tuple(x.shape)}")
+    return b, nq, h, d, nk, sq, sk, per_row
+
+
+def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", scale=None):
+    """KPage forward on token-ordered torch tensors, with no tensor moved into or out of slot order (the
+    ``PAGED_FWD_TOKENS`` build gathers each slot's row from its token and stores O rows to theirs).
+
+    Args:
+        q: bf16 CUDA ``[batch, q_tokens, heads, d]`` (a model's layout), contiguous; ``d`` 64 or 128.
+        k, v: ``[batch, k_tokens, heads, d]`` like ``q``.
+        graph_or_plans: a :class:`SparseGraph` of ``heads`` heads (its plans cached; ``route`` as
+            :func:`paged_forward`), a device planner's :class:`DevicePlans` of ``batch x heads``, or a
+            :class:`~sparseattn.planning.dynamic_layouts.DynamicWorkList` of ``batch · heads`` rows (per-row
+            layouts made per call: SVG2).
+        q_map, k_map: int32 CUDA: the token each slot of the Q / K layout holds, -1 for padding slots
+            (``BlockLayout.slot_token``), every token in exactly one slot: ``[q_slots]`` / ``[k_slots]``
+            for one layout of every row, or ``[batch · heads, q_slots]`` / ``[batch · heads, k_slots]`` for a
+            layout per (batch, head) row, batch-major.
+        scale: softmax scale (default ``1/sqrt(d)``).
+
+    Returns:
+        ``o`` bf16 ``[batch, q_tokens, heads, d]`` (tokens whose Q block selects nothing: zeros; ``o`` is
+        zeroed first only where a plan may leave such rows unowned,
+        :func:`~sparseattn.planning.work_list.writes_every_valid_row`) and ``lse`` float32
+        ``[batch, heads, q_slots]`` in slot order (padding slots ``-inf``).
+    """
+    import torch
+
+    from ..planning.dynamic_layouts import DynamicWorkList
+
+    b, nq, h, d, nk, sq, sk, per_row = check_token_tensors(q, k, v, q_map, k_map)
+    dev = q.device
     q, k, v, q_map, k_map = (x.contiguous() for x in (q, k, v, q_map, k_map))
     if isinstance(graph_or_plans, DevicePlans):
         plans = graph_or_plans
