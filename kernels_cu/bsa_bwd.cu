@@ -124,18 +124,7 @@ __global__ void __launch_bounds__(256) bsa_bwd_preprocess(const __nv_bfloat16* _
     const long long row = gid / kLanesPerRow;
     const int part = static_cast<int>(gid % kLanesPerRow);
     float acc = 0.f;
-    if (row < rows) {
-        const uint4 o = *reinterpret_cast<const uint4*>(out + row * HEAD_DIM + part * 8);
-        const uint4 d = *reinterpret_cast<const uint4*>(dout + row * HEAD_DIM + part * 8);
-        const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
-        const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 of = __bfloat1622float2(o2[i]);
-            const float2 df = __bfloat1622float2(d2[i]);
-            acc = fmaf(of.x, df.x, fmaf(of.y, df.y, acc));
-        }
-    }
+    if (row < rows) acc = paged::dot8_bf16(out + row * HEAD_DIM + part * 8, dout + row * HEAD_DIM + part * 8, acc);
 #pragma unroll
     for (int off = kLanesPerRow / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (row < rows && part == 0) delta[row] = acc;

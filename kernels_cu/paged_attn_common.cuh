@@ -247,6 +247,22 @@ __device__ __forceinline__ void mma_f16_16816(float (&c)[4], const uint32_t (&a)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// acc + Σ of the products of 8 bf16 pairs (16 bytes of each row at a and b), in fp32: one lane's share of a
+// row's dot product (the backward's Δ = rowsum(dO ∘ O)).
+__device__ __forceinline__ float dot8_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, float acc) {
+    const uint4 x = *reinterpret_cast<const uint4*>(a);
+    const uint4 y = *reinterpret_cast<const uint4*>(b);
+    const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&x);
+    const __nv_bfloat162* y2 = reinterpret_cast<const __nv_bfloat162*>(&y);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 xf = __bfloat1622float2(x2[i]);
+        const float2 yf = __bfloat1622float2(y2[i]);
+        acc = fmaf(xf.x, yf.x, fmaf(xf.y, yf.y, acc));
+    }
+    return acc;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);

@@ -1288,16 +1288,7 @@ __global__ void __launch_bounds__(256) tokens_bwd_preprocess(const __nv_bfloat16
         if (static_cast<unsigned>(t) < static_cast<unsigned>(q_tokens)) {
             const hopper::TokenRows tr = hopper::token_rows(static_cast<size_t>(bh), tok_heads, q_tokens, HEAD_DIM);
             const size_t at = tr.base + static_cast<size_t>(static_cast<uint32_t>(t) * tr.stride) + part * 8;
-            const uint4 o = *reinterpret_cast<const uint4*>(out + at);
-            const uint4 d = *reinterpret_cast<const uint4*>(dout + at);
-            const __nv_bfloat162* o2 = reinterpret_cast<const __nv_bfloat162*>(&o);
-            const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&d);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float2 of = __bfloat1622float2(o2[i]);
-                const float2 df = __bfloat1622float2(d2[i]);
-                acc = fmaf(of.x, df.x, fmaf(of.y, df.y, acc));
-            }
+            acc = paged::dot8_bf16(out + at, dout + at, acc);
         }
     }
 #pragma unroll

@@ -43,6 +43,16 @@ def _maps(q_layout, k_layout):
     return _slot_indices(q_layout, torch.device("cuda"))[0], _slot_indices(k_layout, torch.device("cuda"))[0]
 
 
+def _static_case(seed: int, d: int):
+    """A ragged random graph on layouts whose tokens are randomly permuted, batch-2 token-ordered q, k, v
+    and the layouts' maps: ``(q_layout, k_layout, graph, (q, k, v), (q_map, k_map))``."""
+    rng = np.random.default_rng(seed)
+    base = random_ragged_graph(rng)
+    q_lay, k_lay = _permuted(base.q, rng), _permuted(base.k, rng)
+    graph = SparseGraph.from_block_mask(q_lay, k_lay, base.block_mask())
+    return q_lay, k_lay, graph, _tokens(q_lay, k_lay, 2, graph.heads, d, seed), _maps(q_lay, k_lay)
+
+
 def _poison_next(like):
     """Free a NaN-filled block of ``like``'s size: the caching allocator then likely hands it to the next
     allocation of that size on this stream, so rows a kernel leaves unwritten show up as NaN."""
@@ -60,13 +70,7 @@ def test_static_graphs_equal_the_slot_order_build(seed):
     import sparseattn.torch as st
     from sparseattn.kernels.forward import torch_graph_forward, torch_token_forward
 
-    rng = np.random.default_rng(500 + seed)
-    base = random_ragged_graph(rng)
-    q_lay, k_lay = _permuted(base.q, rng), _permuted(base.k, rng)
-    graph = SparseGraph.from_block_mask(q_lay, k_lay, base.block_mask())
-    d = 128 if seed % 2 else 64
-    q, k, v = _tokens(q_lay, k_lay, 2, graph.heads, d, seed)
-    q_map, k_map = _maps(q_lay, k_lay)
+    q_lay, k_lay, graph, (q, k, v), (q_map, k_map) = _static_case(500 + seed, 128 if seed % 2 else 64)
     routes = ["auto", 0, 1] + (["pair"] if q_lay.block_size == 64 else [])
     for route in routes:
         _poison_next(q)
@@ -204,14 +208,8 @@ def test_static_backward_equals_the_slot_order_build(seed):
     from sparseattn.kernels.backward import torch_token_backward
     from sparseattn.kernels.forward import torch_token_forward
 
-    rng = np.random.default_rng(800 + seed)
-    base = random_ragged_graph(rng)
-    q_lay, k_lay = _permuted(base.q, rng), _permuted(base.k, rng)
-    graph = SparseGraph.from_block_mask(q_lay, k_lay, base.block_mask())
-    d = 128 if seed % 2 else 64
-    q, k, v = _tokens(q_lay, k_lay, 2, graph.heads, d, seed)
+    q_lay, k_lay, graph, (q, k, v), (q_map, k_map) = _static_case(800 + seed, 128 if seed % 2 else 64)
     do = torch.randn_like(q)
-    q_map, k_map = _maps(q_lay, k_lay)
     for route in ["auto", 0, 1] + (["pair"] if k_lay.block_size == 64 and q_lay.block_size == 64 else []):
         o, lse = torch_token_forward(q, k, v, graph, q_map, k_map, route=route)
         _poison_next(q)
