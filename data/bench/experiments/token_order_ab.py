@@ -50,7 +50,9 @@ def run_workload(name: str, rounds: int, reps: int, device: bool) -> dict:
         "tokens": lambda: torch_token_forward(q, k, v, graph, q_map, k_map),
         "slot_moved": lambda: st.slots_to_tokens(
             graph.q,
-            torch_graph_forward(*st.tokens_to_slots(graph.q, q), *st.tokens_to_slots(graph.k, k, v))[0],
+            torch_graph_forward(*st.tokens_to_slots(graph.q, q), *st.tokens_to_slots(graph.k, k, v), graph)[
+                0
+            ],
         ),
     }
     pairs = [("slot", "tokens")]
