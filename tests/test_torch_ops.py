@@ -166,6 +166,11 @@ def test_token_forward_refuses_cpu_tensors_before_any_launch():
     slot_map = torch.zeros(layout.num_slots, dtype=torch.int32)
     with pytest.raises(KernelTypeError, match="q must be a bf16 CUDA tensor"):
         torch_token_forward(x, x, x, None, slot_map, slot_map)
+    from sparseattn.kernels.backward import torch_token_backward
+
+    lse = torch.zeros(1, 2, layout.num_slots)
+    with pytest.raises(KernelTypeError, match="q must be a bf16 CUDA tensor"):
+        torch_token_backward(x, x, x, x, lse, x, None, slot_map, slot_map)
 
 
 def test_handle_of_a_freed_object_is_a_clear_error():

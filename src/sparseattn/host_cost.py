@@ -10,7 +10,9 @@ Records (bench format, ``--out``): ``impl`` ``torch`` (:mod:`sparseattn.torch`'s
 included: the ``torch.library`` operators, or for an eager differentiated KPage call the same
 implementations behind a plain ``autograd.Function``; the runs up to
 ``experiments/host_cost_h200_20261202_1940dad`` called this ``torch_op`` and took the operator throughout) or ``cupy`` (:func:`~sparseattn.kernels.forward.kpage_forward`
-and :func:`~sparseattn.kernels.backward.kpage_backward` on CuPy arrays); ``pass`` ``host_fwd`` or
+and :func:`~sparseattn.kernels.backward.kpage_backward` on CuPy arrays) or ``torch_tokens``
+(:func:`sparseattn.torch.token_order_attention` on token-ordered tensors: the forward's token-order build,
+and both passes in token order for the forward + backward); ``pass`` ``host_fwd`` or
 ``host_fwdbwd``; ``workload`` ``host_static`` (a cached :class:`~sparseattn.graph.SparseGraph`) or
 ``host_dynamic`` (a top-k selection planned on the device each call: torch only); ``time_us``. The floor
 of the same machine, workload ``host_floor``: torch's own SDPA at the same sizes (impl ``torch_sdpa``)
@@ -173,6 +175,19 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
     def dynamic_fwdbwd():
         st.block_sparse_attention(qg, kg, vg, layout, idx, num)[0].backward(do)
 
+    # the token-order builds on [1, tokens, heads, d] tensors (token_order_attention)
+    qt, kt, vt, dot = (
+        torch.randn(1, layout.num_tokens, 2, 128, device="cuda", generator=g).bfloat16() for _ in range(4)
+    )
+    qtg, ktg, vtg = (x.clone().requires_grad_() for x in (qt, kt, vt))
+
+    def tokens_fwd():
+        with torch.no_grad():
+            st.token_order_attention(qt, kt, vt, graph)
+
+    def tokens_fwdbwd():  # both passes in token order (what SPARSEATTN_TOKEN_BACKWARD=1 selects)
+        st._TokenOrderFunction.apply(qtg, ktg, vtg, graph, None, None, None, "auto", None).backward(dot)
+
     noop = _noop_operator()
 
     def sdpa_fwd():
@@ -231,6 +246,8 @@ def measure(calls: int = 200, reps: int = 7, warmup: int = 50, profile: Path | N
         ("host_floor", "torch_noop_op", "host_fwdbwd", noop_fwdbwd),
         ("host_static", "torch", "host_fwd", torch_fwd),
         ("host_static", "torch", "host_fwdbwd", torch_fwdbwd),
+        ("host_static", "torch_tokens", "host_fwd", tokens_fwd),
+        ("host_static", "torch_tokens", "host_fwdbwd", tokens_fwdbwd),
         ("host_static", "cupy", "host_fwd", cupy_fwd),
         ("host_static", "cupy", "host_fwdbwd", cupy_fwdbwd),
         ("host_layers", "torch_function", "host_fwd", function_fwd),
