@@ -762,6 +762,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         if (warp < 2) {  // Q (warp 0) or dO (warp 1): each step's 4 pages
 #ifdef PAGED_BWD_TOKENS
             const TokenRows tq = token_rows(bh, tok_heads, q_tokens, D);
+            const __nv_bfloat16* rows = (warp == 0 ? q : dout) + tq.base;  // this warp's matrix, token 0
             const int* qmap = q_map + (maps_per_row ? bh * q_slots : 0);
 #endif
             // Lane p < SP holds page p of the coming steps, its two dependent loads a step apart: in step t
@@ -788,10 +789,13 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 // of page l / 16 (tok_lo) and of page l / 16 + 2 (tok_hi)
                 const int pg_lo = __shfl_sync(0xffffffffu, cur_page, lane >> 4);
                 const int pg_hi = __shfl_sync(0xffffffffu, cur_page, (lane >> 4) + 2);
-                const int tok_lo = static_cast<unsigned>(pg_lo) < static_cast<unsigned>(q_pages)
-                                       ? __ldg(qmap + pg_lo * PAGE_ROWS + (lane & 15)) : -1;
-                const int tok_hi = static_cast<unsigned>(pg_hi) < static_cast<unsigned>(q_pages)
-                                       ? __ldg(qmap + pg_hi * PAGE_ROWS + (lane & 15)) : -1;
+                // (range-checked here, so the copies below only test the sign: one register less there)
+                int tok_lo = static_cast<unsigned>(pg_lo) < static_cast<unsigned>(q_pages)
+                                 ? __ldg(qmap + pg_lo * PAGE_ROWS + (lane & 15)) : -1;
+                int tok_hi = static_cast<unsigned>(pg_hi) < static_cast<unsigned>(q_pages)
+                                 ? __ldg(qmap + pg_hi * PAGE_ROWS + (lane & 15)) : -1;
+                tok_lo = static_cast<unsigned>(tok_lo) < static_cast<unsigned>(q_tokens) ? tok_lo : -1;
+                tok_hi = static_cast<unsigned>(tok_hi) < static_cast<unsigned>(q_tokens) ? tok_hi : -1;
 #endif
                 mbar_wait(q_empty(st), par ^ 1u);
 #pragma unroll
@@ -799,9 +803,9 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                     const int page[1] = {__shfl_sync(0xffffffffu, cur_page, p)};
                     const uint32_t mask[1] = {__shfl_sync(0xffffffffu, cur_mask, p)};
 #ifdef PAGED_BWD_TOKENS
-                    warp_copy_token_page<D, QS>((warp == 0 ? tQ0 : tdO0) + st * Cfg::kQBytes, p * PAGE_ROWS,
-                                                (warp == 0 ? q : dout) + tq.base, tq.stride, q_tokens, q_pages,
-                                                p < 2 ? tok_lo : tok_hi, (p & 1) * 16, page[0], mask[0]);
+                    warp_copy_token_page<D, QS>((warp == 0 ? tQ0 : tdO0) + st * Cfg::kQBytes, p * PAGE_ROWS, rows,
+                                                tq.stride, 0x7fffffff, q_pages, p < 2 ? tok_lo : tok_hi, (p & 1) * 16,
+                                                page[0], mask[0]);
 #else
                     warp_copy_pages<D, QS, 1>((warp == 0 ? tQ0 : tdO0) + st * Cfg::kQBytes, p * PAGE_ROWS,
                                               (warp == 0 ? q : dout) + bh * q_slots * D, q_pages, page, mask);
