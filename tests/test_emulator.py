@@ -352,3 +352,68 @@ def test_bsa_backward_takes_a_head_stack_like_kpage_backward(monkeypatch):
     grads = sparseattn.bsa_backward(*inputs, stack, out=out)
     assert len(plans) == 1 and plans[0].kind == "bsa" and plans[0].owner == "kv"
     assert_head_stack_gradients(grads, graphs, refs)
+
+
+# ---- the token-order builds' addressing (the numpy twin of PAGED_FWD_TOKENS) -------------------------------
+
+
+def _permuted(layout, rng):
+    return dataclasses.replace(layout, token_slot=rng.permutation(layout.token_slot))
+
+
+def _slot_order(layout, x):
+    """Token-ordered ``[batch, tokens, heads, d]`` -> ``[batch, heads, slots, d]`` (padding zeros)."""
+    return layout.to_slots(np.asarray(x, dtype=np.float64).transpose(0, 2, 1, 3))
+
+
+@pytest.mark.parametrize("route", ["auto", 0, 1, "pair"], ids=lambda r: f"route={r}")
+@pytest.mark.parametrize("seed", range(3), ids=lambda s: f"ragged{s}")
+def test_token_order_twin_equals_moving_to_slots(seed, route):
+    """Rows gathered through the slot -> token maps and stored back by token give the slot path's output:
+    tokens in a random order, batch 2, every route."""
+    from small_cases import random_ragged_graph
+
+    from sparseattn.emulator import emulate_token_work_list, emulate_work_list
+    from sparseattn.kernels.forward import work_of
+
+    rng = np.random.default_rng(40 + seed)
+    base = random_ragged_graph(rng)
+    if route == "pair" and base.q.block_size != 64:
+        pytest.skip("pair items join 64-row Q blocks")
+    q_lay, k_lay = _permuted(base.q, rng), _permuted(base.k, rng)
+    graph = SparseGraph.from_block_mask(q_lay, k_lay, base.block_mask())
+    wl = work_of(graph, "kpage", route)
+    h = graph.heads
+    q = rng.standard_normal((2, q_lay.num_tokens, h, 16))
+    k, v = (rng.standard_normal((2, k_lay.num_tokens, h, 16)) for _ in range(2))
+    o_tok, lse = emulate_token_work_list(wl, q, k, v, q_lay.slot_token, k_lay.slot_token)
+    o_s, lse_s = emulate_work_list(wl, _slot_order(q_lay, q), _slot_order(k_lay, k), _slot_order(k_lay, v))
+    want = q_lay.from_slots(o_s).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(o_tok, want)
+    np.testing.assert_array_equal(lse, lse_s)
+
+
+def test_token_order_twin_with_a_map_per_row():
+    """SVG2's form: one slot layout, each (batch, head) row with its own token order (maps from
+    ``diffusers_wan.slot_tokens`` of the rows' token -> slot tables, batch-major rows), on a work list whose
+    heads are the rows: the same output as each row moved to slots by its own layout."""
+    torch = pytest.importorskip("torch")
+    from sparseattn.diffusers_wan import slot_tokens
+    from sparseattn.emulator import emulate_token_work_list, emulate_work_list
+    from sparseattn.kernels.forward import work_of
+    from sparseattn.layouts import video_layout
+
+    rng = np.random.default_rng(7)
+    base = video_layout((3, 6, 7), (2, 4, 4), 64)
+    b, h = 2, 3
+    layouts = [_permuted(base, rng) for _ in range(b * h)]
+    mask = rng.random((b * h, base.num_blocks, base.num_blocks)) < 0.4
+    wl = work_of(SparseGraph.from_block_mask(base, base, mask), "kpage", "auto")
+    table = torch.tensor(np.stack([lay.token_slot for lay in layouts]))
+    maps = slot_tokens(table, base.num_slots).numpy()
+    q, k, v = (rng.standard_normal((b, base.num_tokens, h, 16)) for _ in range(3))
+    o_tok, _ = emulate_token_work_list(wl, q, k, v, maps, maps, folded=True)
+    rows = lambda x: np.stack([lay.to_slots(x[r // h, :, r % h], axis=0) for r, lay in enumerate(layouts)])
+    o_s, _ = emulate_work_list(wl, rows(q)[None], rows(k)[None], rows(v)[None])
+    want = np.stack([lay.from_slots(o_s[0, r], axis=0) for r, lay in enumerate(layouts)])  # [R, tokens, d]
+    np.testing.assert_array_equal(o_tok, want.reshape(b, h, base.num_tokens, 16).transpose(0, 2, 1, 3))

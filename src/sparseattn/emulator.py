@@ -15,6 +15,10 @@ does, in float64:
 Zero-filling invalid rows on gather (as predicated / zero-size loads do) makes padding contents
 irrelevant; a kernel that loads dead rows verbatim must still never let them reach valid outputs.
 
+:func:`emulate_token_work_list` runs a work list as the forward's token-order build addresses memory
+(rows gathered from token-ordered tensors through slot -> token maps, outputs stored by token;
+:func:`token_rows` / :func:`rows_to_tokens`), the twin its GPU tests compare the kernel with.
+
 :func:`covered_pairs` lists the (head, q slot, k slot) pairs a plan computes, and
 :func:`graph_slot_pairs` the pairs a graph asks for, so tests can check exactly-once coverage.
 """
@@ -517,3 +521,56 @@ def emulate_backward_work_list(work, q, k, v, o, lse, do, scale=None):
         dk_acc, dv_acc = _backward_item(tensors, head, own, col_ok, steps, dq, scale)
         _store_owned((dk, dv), (dk_acc, dv_acc), written, head, own, col_ok, "work list")
     return dq, dk, dv
+
+
+# ---- the token-order builds (PAGED_FWD_TOKENS): rows read and written by token ---------------------------
+
+
+def token_rows(x, slot_token) -> np.ndarray:
+    """float64 ``[R, slots, d]``: the slot rows a token-order kernel reads from token-ordered ``x`` ``[batch,
+    tokens, heads, d]``. Row ``r`` is (batch ``r // heads``, head ``r % heads``); ``slot_token``: int ``[slots]``
+    (one layout for every row) or ``[R, slots]``, the token each slot holds; a slot whose token is -1 or out
+    of range reads as zeros, as the kernels zero-fill it."""
+    x = np.asarray(x, dtype=np.float64)
+    b, n, h, d = x.shape
+    rows = b * h
+    maps = np.broadcast_to(np.asarray(slot_token, dtype=np.int64), (rows, np.shape(slot_token)[-1]))
+    ok = (maps >= 0) & (maps < n)
+    r = np.broadcast_to(np.arange(rows)[:, None], maps.shape)
+    out = np.zeros((rows, maps.shape[1], d))
+    out[ok] = x[r[ok] // h, maps[ok], r[ok] % h]
+    return out
+
+
+def rows_to_tokens(rows, slot_token, shape: tuple) -> np.ndarray:
+    """:func:`token_rows`' inverse for an output: ``rows`` ``[R, slots, d]`` stored to the tokens their slots
+    hold, in ``[batch, tokens, heads, d]`` (``shape``); tokens no row is stored to stay NaN, NaN rows (not
+    written by a work list) are not stored, and a token stored twice raises :class:`EmulationError`."""
+    _, n, h, d = shape
+    maps = np.broadcast_to(np.asarray(slot_token, dtype=np.int64), rows.shape[:2])
+    written = ~np.isnan(rows).all(axis=-1)
+    ok = (maps >= 0) & (maps < n) & written
+    r = np.broadcast_to(np.arange(rows.shape[0])[:, None], maps.shape)
+    out = np.full(shape, np.nan)
+    flat = (r[ok] // h * n + maps[ok]) * h + r[ok] % h
+    if np.unique(flat).size != flat.size:
+        raise EmulationError("two slots store to the same token")
+    out.reshape(-1, d)[flat] = rows[ok]
+    return out
+
+
+def emulate_token_work_list(work, q, k, v, q_map, k_map, scale=None, folded: bool = False):
+    """:func:`emulate_work_list` of the forward's token-order build: ``q`` ``[batch, q_tokens, heads, d]``,
+    ``k``, ``v`` ``[batch, k_tokens, heads, d]`` in token order, read through the slot -> token maps ``q_map`` /
+    ``k_map`` (``[slots]`` or ``[batch · heads, slots]``, see :func:`token_rows`). ``folded``: the list's heads
+    are the batch · heads rows (device plans, per-row layouts) rather than the heads of each batch entry.
+    Returns ``(o [batch, q_tokens, heads, d], lse [batch, heads, q_slots])`` float64 (o NaN where no item
+    writes, lse NaN likewise)."""
+    b, _, h, d = np.shape(q)
+    qs, ks, vs = (token_rows(x, m) for x, m in ((q, q_map), (k, k_map), (v, k_map)))
+    shape = (
+        (lambda x: x.reshape(1, b * h, *x.shape[1:])) if folded else (lambda x: x.reshape(b, h, *x.shape[1:]))
+    )
+    o, lse = emulate_work_list(work, shape(qs), shape(ks), shape(vs), scale)
+    o_tok = rows_to_tokens(o.reshape(b * h, -1, d), q_map, (b, np.shape(q)[1], h, d))
+    return o_tok, lse.reshape(b, h, -1)
