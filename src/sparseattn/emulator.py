@@ -17,7 +17,8 @@ irrelevant; a kernel that loads dead rows verbatim must still never let them rea
 
 :func:`emulate_token_work_list` runs a work list as the forward's token-order build addresses memory
 (rows gathered from token-ordered tensors through slot -> token maps, outputs stored by token;
-:func:`token_rows` / :func:`rows_to_tokens`), the twin its GPU tests compare the kernel with.
+:func:`token_rows` / :func:`rows_to_tokens`): a numpy twin of that addressing, which the CPU tests hold to
+moving the tensors to slots (the GPU tests compare the kernel with its slot-order build).
 
 :func:`covered_pairs` lists the (head, q slot, k slot) pairs a plan computes, and
 :func:`graph_slot_pairs` the pairs a graph asks for, so tests can check exactly-once coverage.
