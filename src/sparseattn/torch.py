@@ -237,22 +237,13 @@ class _TokenOrderFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale):
-        from .kernels import launch
         from .kernels.forward import torch_token_forward
-        from .planning.device import DevicePlanner
-        from .torch_ops import default_scale, plans_bytes, selection_width
+        from .torch_ops import default_scale
 
         q, k, v = (x.contiguous() for x in (q, k, v))
         scale = default_scale(scale, q.shape[-1])
-        target, ctx.memory = graph_or_planner, None
-        if isinstance(graph_or_planner, DevicePlanner):
-            p = graph_or_planner
-            n = plans_bytes(p, q.shape[0], q.shape[2], selection_width(p, q2k_idx, mask), True)
-            ctx.memory = torch.empty(
-                (n,), dtype=torch.uint8, device=q.device
-            )  # the plans, until the backward
-            with launch.torch_stream():
-                target = p.plan(q2k_idx, q2k_num, mask=mask, backward=True, memory=ctx.memory)
+        # (a planner's plans, backward included, and their memory, kept until the backward)
+        target, ctx.memory = _token_target(graph_or_planner, q, q2k_idx, q2k_num, mask, backward=True)
         maps = _token_maps(graph_or_planner, q.device)
         o, lse = torch_token_forward(q, k, v, target, *maps, route=route, scale=scale)
         ctx.save_for_backward(q, k, v, o, lse)
@@ -284,22 +275,25 @@ class _TokenOrderFunction(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale):
-    from .kernels import launch
-    from .kernels.forward import torch_token_forward
+def _token_target(graph_or_planner, q, q2k_idx, q2k_num, mask, backward: bool):
+    """``(what the token-order kernels run, memory)``: a graph as it is, or a planner's plans of the
+    selection (for token-ordered ``q`` ``[batch, tokens, heads, d]``) with the device memory holding them."""
     from .planning.device import DevicePlanner
-    from .torch_ops import _slot_indices, plans_bytes, selection_width
+    from .torch_ops import plan_selection
 
-    q_map = _slot_indices(graph_or_planner.q, q.device)[0]
-    k_map = _slot_indices(graph_or_planner.k, q.device)[0]
-    if isinstance(graph_or_planner, DevicePlanner):
-        p = graph_or_planner
-        n = plans_bytes(p, q.shape[0], q.shape[2], selection_width(p, q2k_idx, mask), False)
-        memory = torch.empty((n,), dtype=torch.uint8, device=q.device)
-        with launch.torch_stream():
-            plans = p.plan(q2k_idx, q2k_num, mask=mask, backward=False, memory=memory)
-        return torch_token_forward(q, k, v, plans, q_map, k_map, scale=scale)[0]
-    return torch_token_forward(q, k, v, graph_or_planner, q_map, k_map, route=route, scale=scale)[0]
+    if not isinstance(graph_or_planner, DevicePlanner):
+        return graph_or_planner, None
+    return plan_selection(
+        graph_or_planner, q.shape[0], q.shape[2], q2k_idx, q2k_num, mask, backward, q.device
+    )
+
+
+def _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale):
+    from .kernels.forward import torch_token_forward
+
+    target, _memory = _token_target(graph_or_planner, q, q2k_idx, q2k_num, mask, backward=False)
+    maps = _token_maps(graph_or_planner, q.device)
+    return torch_token_forward(q, k, v, target, *maps, route=route, scale=scale)[0]
 
 
 def _layout_handle(layout) -> int:
@@ -370,7 +364,7 @@ def vsa_topk_tokens(q, k, layout, topk: int):
     from .torch_ops import _slot_indices, resolve
 
     lh = _layout_handle(layout)
-    nb, bs, _, _ = _layout_sizes(lh)
+    bs = _layout_sizes(lh)[1]
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(
             f"q and k must be [batch, tokens, heads, d] alike, got {list(q.shape)} and {list(k.shape)}"
@@ -384,11 +378,8 @@ def vsa_topk_tokens(q, k, layout, topk: int):
         slot_token = _slot_indices(lay, q.device)[0]
         qm = vsa_select.token_block_sums(q, slot_token, bs)
         km = vsa_select.token_block_sums(k, slot_token, bs)
-    else:
-        qs, ks = tokens_to_slots(lh, q, k)
-        b, h, _, d = qs.shape
-        qm = qs.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32)
-        km = ks.reshape(b, h, nb, bs, d).sum(3, dtype=torch.float32)
+    else:  # (CPU, or a trace) moved to slots first
+        return vsa_topk(*tokens_to_slots(lh, q, k), lh, topk)
     return _topk_of_block_sums(qm, km, lh, topk)
 
 

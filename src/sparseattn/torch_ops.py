@@ -203,16 +203,24 @@ def _padding_rows(layout, device):
     return cached(layout, ("padding rows", str(device)), build)
 
 
-def _dynamic_fwd_cuda(q, k, v, q2k_idx, q2k_num, mask, planner, scale, plan_backward):
+def plan_selection(planner, batch: int, heads: int, q2k_idx, q2k_num, mask, backward: bool, device):
+    """``(plans, memory)``: ``planner``'s plans of one selection, made on torch's current stream in one new
+    uint8 device tensor (``memory``: keep it as long as the plans are used)."""
     from .kernels import launch
+
+    n = plans_bytes(planner, batch, heads, selection_width(planner, q2k_idx, mask), backward)
+    memory = torch.empty((n,), dtype=torch.uint8, device=device)
+    with launch.torch_stream():
+        plans = planner.plan(q2k_idx, q2k_num, mask=mask, backward=backward, memory=memory)
+    return plans, memory
+
+
+def _dynamic_fwd_cuda(q, k, v, q2k_idx, q2k_num, mask, planner, scale, plan_backward):
     from .kernels.forward import _torch_fast_forward, kpage_forward
 
     p = resolve(planner)
     q, k, v = (x.contiguous() for x in (q, k, v))
-    n = plans_bytes(p, q.shape[0], q.shape[1], selection_width(p, q2k_idx, mask), plan_backward)
-    memory = torch.empty((n,), dtype=torch.uint8, device=q.device)
-    with launch.torch_stream():
-        plans = p.plan(q2k_idx, q2k_num, mask=mask, backward=plan_backward, memory=memory)
+    plans, memory = plan_selection(p, q.shape[0], q.shape[1], q2k_idx, q2k_num, mask, plan_backward, q.device)
     # a device plan writes every valid row of its Q layout: only the padding slots of o need zeros
     fast = _torch_fast_forward(q, k, v, plans, "auto", scale, None, zero_rows=_padding_rows(p.q, q.device))
     o, lse = fast if fast is not None else kpage_forward(q, k, v, plans, scale=scale)

@@ -11,7 +11,8 @@ and backward of a squared-error loss, no optimizer). Self-attention runs, in eve
   (:func:`sparseattn.torch.block_sparse_attention`);
 * ``kpage_vsa_tokens`` (opt-in, ``--impl``): ``kpage_vsa`` with the token-order forward (no moves into or out of slot order,
   the selection's cube sums gathered from the tokens; :func:`sparseattn.torch.token_order_attention`);
-  a training step runs ``kpage_vsa``'s path (the token-order build has no backward yet);
+  a training step runs ``kpage_vsa``'s path unless ``SPARSEATTN_TOKEN_BACKWARD=1`` asks for the backward's
+  token-order build too;
 * ``vsa_kernel``: the same selection, run by the VSA system's kernel (``fastvideo-kernel`` 0.3.4, its
   Triton path, ``block_sparse_attn_from_indices``), when installed.
 

@@ -460,13 +460,11 @@ def _uncovered_steps(recipe, names, arrays: dict, plan, sizes) -> list:
     from . import planner
 
     b, h, pages, d = sizes
+    if not _may_leave_pages(plan, arrays):
+        return []
     if isinstance(plan, DeviceOwnedPlan):
-        if plan.uncovered is None:
-            return []
         heads, head_elems, list_, n = b * h, pages * PAGE_ROWS * d, plan.uncovered, plan.uncovered_count
     else:
-        if arrays["uncovered"] is None:
-            return []
         if "uncovered flat" not in arrays:  # (head, page) pairs as pages of one head of h * pages pages
             import cupy
 
@@ -491,7 +489,8 @@ def _uncovered_steps(recipe, names, arrays: dict, plan, sizes) -> list:
 
 
 def _may_leave_pages(plan, arrays: dict) -> bool:
-    """Whether a K/V-owned plan may own no item of some page (:func:`_uncovered_steps` zeroes them)."""
+    """Whether some owner page of a plan (K/V- or Q-owned) may have no item (:func:`_uncovered_steps`
+    zeroes their gradient rows)."""
     if isinstance(plan, DeviceOwnedPlan):
         return plan.uncovered is not None and int(plan.uncovered_count) > 0
     return arrays["uncovered"] is not None
@@ -518,9 +517,11 @@ def backward_recipe(
             f"the token-order backward runs no dQ pass, fixed-point dQ or mma kernel (impl={impl!r}, "
             f"deterministic={deterministic})"
         )
-    token_tail = ()
+    token_tail = token_scalars = ()
     if tokens is not None:
         token_tail = ("q_map", "k_map", *(np.int32(x) for x in tokens))
+        # the preprocess / postprocess: q_slots, q_map, q_tokens, tok_heads, maps_per_row
+        token_scalars = (np.int32(sq), "q_map", *(np.int32(x) for x in (tokens[0], tokens[2], tokens[3])))
     r = BackwardRecipe()
     r.temporaries["delta"] = ((b, h, sq), np.float32)
     if not dq_pass:
@@ -543,24 +544,19 @@ def backward_recipe(
             )
             r.steps.append(step)
 
-    rows = b * h * sq
-    lanes = rows * (d // 8)
-    if tokens is None:
-        pre = launch.function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
-        pre_args = ("o", "do", "delta", np.int64(rows))
-    else:
-        pre = launch.function(
-            WGMMA_SOURCE, f"tokens_bwd_preprocess<{d}>", TOKEN_NAME_EXPRESSIONS, (TOKEN_DEFINE,)
-        )
-        pre_args = ("o", "do", "delta", np.int64(rows), np.int32(sq), "q_map") + tuple(
-            np.int32(x) for x in (tokens[0], tokens[2], tokens[3])
-        )
-    r.steps.append(r.add(pre, (-(-lanes // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), pre_args))
     function = (
         (lambda name: launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS))
         if tokens is None
         else (lambda name: launch.function(WGMMA_SOURCE, name, TOKEN_NAME_EXPRESSIONS, (TOKEN_DEFINE,)))
     )
+    rows = b * h * sq
+    lanes = rows * (d // 8)
+    if tokens is None:
+        pre = launch.function(SOURCE, preprocess_name(d), NAME_EXPRESSIONS)
+    else:
+        pre = function(f"tokens_bwd_preprocess<{d}>")
+    pre_args = ("o", "do", "delta", np.int64(rows), *token_scalars)
+    r.steps.append(r.add(pre, (-(-lanes // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), pre_args))
 
     def main_kernel(owned_rows, pair=False):
         if impl == "mma":
@@ -599,19 +595,13 @@ def backward_recipe(
         n2 = b * h * sq * d // 2
         args = ("dq_accum", "dq", np.float32(scale), "absmax", np.int32(d), np.int64(n2))
         r.steps.append(r.add(post, (-(-n2 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args))
-    elif tokens is None:
-        post = launch.function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
-        n4 = b * h * sq * d // 4
-        args = ("dq_accum", "dq", np.float32(scale), np.int64(n4))
-        r.steps.append(r.add(post, (-(-n4 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args))
     else:
-        post = launch.function(
-            WGMMA_SOURCE, f"tokens_bwd_postprocess<{d}>", TOKEN_NAME_EXPRESSIONS, (TOKEN_DEFINE,)
-        )
+        if tokens is None:
+            post = launch.function(SOURCE, POSTPROCESS_NAME, NAME_EXPRESSIONS)
+        else:
+            post = function(f"tokens_bwd_postprocess<{d}>")
         n4 = b * h * sq * d // 4
-        args = ("dq_accum", "dq", np.float32(scale), np.int64(n4), np.int32(sq), "q_map") + tuple(
-            np.int32(x) for x in (tokens[0], tokens[2], tokens[3])
-        )
+        args = ("dq_accum", "dq", np.float32(scale), np.int64(n4), *token_scalars)
         r.steps.append(r.add(post, (-(-n4 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args))
     if tokens is None:
         r.steps.extend(_uncovered_steps(r, ("dk", "dv"), arrays, plan, (b, h, k_pages, d)))
@@ -811,13 +801,23 @@ def torch_plan_backward(q, k, v, o, lse, do, plan, scale=None, impl=None, determ
         return None
     scale = check_scale(scale, d)
     recipe = _recipe_of(plan, dq_plan, None, impl, deterministic, (b, h, sq, sk, d), scale, dev.index)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    tensors = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv)
+    return _run_torch(recipe, dict(q=q, k=k, v=v, o=o, lse=lse, do=do))
+
+
+def _run_torch(recipe: BackwardRecipe, tensors: dict):
+    """``(dq, dk, dv)`` of ``recipe`` on torch tensors (``tensors``: its inputs by name): fresh gradients like
+    q, k and v (zeros where ``recipe.zeroed`` says), its temporaries, torch's current stream."""
+    import torch
+
+    dev = tensors["q"].device
+    for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
+        make = torch.zeros_like if name in recipe.zeroed else torch.empty_like
+        tensors[name] = make(tensors[like])
     for name, (shape, dtype) in recipe.temporaries.items():
         tensors[name] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=dev)
     pointers = {name: x.data_ptr() for name, x in tensors.items()}
     recipe.run(launch.torch_stream_ptr(dev.index), dev.index, pointers)
-    return dq, dk, dv
+    return tensors["dq"], tensors["dk"], tensors["dv"]
 
 
 def torch_token_plan_backward(q, k, v, o, lse, do, plan, q_map, k_map, sizes, tokens, scale, impl=None):
@@ -830,7 +830,6 @@ def torch_token_plan_backward(q, k, v, o, lse, do, plan, q_map, k_map, sizes, to
     :func:`sparseattn.kernels.forward.torch_token_forward`); ``sizes``: the recipe's (batch, heads, q_slots,
     k_slots, d), heads being batch · heads for device plans; ``tokens``: ``(q_tokens, k_tokens, tok_heads,
     maps_per_row)``."""
-    import torch
 
     impl = default_impl() if impl is None else impl
     if impl == "mma" or uses_dq_pass(impl):
@@ -848,14 +847,4 @@ def torch_token_plan_backward(q, k, v, o, lse, do, plan, q_map, k_map, sizes, to
     recipe = backward_recipe(
         plan, arrays, impl, False, None, sizes, scale, dev.index, tuple(int(x) for x in tokens)
     )
-    dq = torch.empty_like(q)
-    dk, dv = (
-        torch.zeros_like(x) if name in recipe.zeroed else torch.empty_like(x)
-        for name, x in (("dk", k), ("dv", v))
-    )
-    tensors = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv, q_map=q_map, k_map=k_map)
-    for name, (shape, dtype) in recipe.temporaries.items():
-        tensors[name] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=dev)
-    pointers = {name: x.data_ptr() for name, x in tensors.items()}
-    recipe.run(launch.torch_stream_ptr(dev.index), dev.index, pointers)
-    return dq, dk, dv
+    return _run_torch(recipe, dict(q=q, k=k, v=v, o=o, lse=lse, do=do, q_map=q_map, k_map=k_map))

@@ -614,28 +614,34 @@ def _torch_fast_forward(q, k, v, graph_or_plans, route, scale, out, zero_rows=No
     return _torch_launch(q, k, v, wl, check_scale(scale, d), sizes, zero_rows)
 
 
-def _torch_launch(q, k, v, wl, scale: float, sizes, zero_rows=None):
+def _torch_launch(
+    q, k, v, wl, scale: float, sizes, zero_rows=None, *, lse_shape=None, tokens=None, token_maps=()
+):
     """``(o, lse)`` of one launch on torch tensors (raw pointers, torch's current stream): fresh outputs,
     ``o`` zeroed and ``lse`` ``-inf`` where no item writes. ``sizes`` as :func:`_launch` takes them.
     ``zero_rows`` (int64 CUDA tensor of slot indices): the only rows of ``o`` no item writes (a device
     plan writes every valid row of its Q layout; these are its padding slots), zeroed instead of all of
-    ``o``."""
+    ``o``; False: no row needs zeros. ``lse_shape``: default ``q.shape[:3]``; ``tokens`` / ``token_maps``:
+    the token-order build's, as :func:`_launch` takes them."""
     import cupy
     import torch
 
     dev = q.device
     o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=dev)
+    lse = torch.empty(q.shape[:3] if lse_shape is None else lse_shape, dtype=torch.float32, device=dev)
     stream = launch.torch_stream_ptr(dev.index)
     from .. import slot_copy
 
-    if zero_rows is None or not slot_copy.available(o):
+    if zero_rows is False:
+        pass
+    elif zero_rows is None or not slot_copy.available(o):
         cupy.cuda.runtime.memsetAsync(o.data_ptr(), 0, o.numel() * 2, stream)
     else:
         slot_copy.zero_rows(o, zero_rows)
     launch.fill_neg_inf(lse.data_ptr(), lse.numel(), stream, dev.index)
     ptr = lambda x: x.data_ptr()
-    _launch(ptr(q), ptr(k), ptr(v), wl, scale, ptr(o), ptr(lse), dev.index, sizes, stream)
+    maps = tuple(ptr(m) for m in token_maps)
+    _launch(ptr(q), ptr(k), ptr(v), wl, scale, ptr(o), ptr(lse), dev.index, sizes, stream, tokens, maps)
     return o, lse
 
 
@@ -703,12 +709,9 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
         :func:`~sparseattn.planning.work_list.writes_every_valid_row`) and ``lse`` float32
         ``[batch, heads, q_slots]`` in slot order (padding slots ``-inf``).
     """
-    import torch
-
     from ..planning.dynamic_layouts import DynamicWorkList
 
     b, nq, h, d, nk, sq, sk, per_row = check_token_tensors(q, k, v, q_map, k_map)
-    dev = q.device
     q, k, v, q_map, k_map = (x.contiguous() for x in (q, k, v, q_map, k_map))
     if isinstance(graph_or_plans, DevicePlans):
         plans = graph_or_plans
@@ -732,31 +735,18 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
             "graph_or_plans must be a SparseGraph, DevicePlans or a DynamicWorkList, got "
             f"{type(graph_or_plans).__name__}"
         )
-    scale = check_scale(scale, d)
-    import cupy
-
-    o = torch.zeros_like(q) if whole else torch.empty_like(q)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=dev)
-    stream = launch.torch_stream_ptr(dev.index)
-    launch.fill_neg_inf(lse.data_ptr(), lse.numel(), stream, dev.index)
-    ptr = lambda x: x.data_ptr()
-    tokens = (nq, nk, h, int(per_row))
-    with cupy.cuda.Device(dev.index):
-        _launch(
-            ptr(q),
-            ptr(k),
-            ptr(v),
-            wl,
-            scale,
-            ptr(o),
-            ptr(lse),
-            dev.index,
-            sizes,
-            stream,
-            tokens,
-            (ptr(q_map), ptr(k_map)),
-        )
-    return o, lse
+    return _torch_launch(
+        q,
+        k,
+        v,
+        wl,
+        check_scale(scale, d),
+        sizes,
+        None if whole else False,
+        lse_shape=(b, h, sq),
+        tokens=(nq, nk, h, int(per_row)),
+        token_maps=(q_map, k_map),
+    )
 
 
 def torch_dynamic_forward(q, k, v, work, scale=None):
