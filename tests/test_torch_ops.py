@@ -155,6 +155,8 @@ def test_token_order_attention_refuses_a_mixed_up_selection():
         st.token_order_attention(q, k, v, st.planner_for(layout))
     with pytest.raises(TypeError, match="graph_or_planner must be"):
         st.token_order_attention(q, k, v, layout)
+    with pytest.raises(ValueError, match=f"k must be \\[batch, {layout.num_tokens} tokens"):
+        st.token_order_attention(q, k[:, :-1], v, graph)  # a token count other than the layout's
 
 
 def test_token_forward_refuses_cpu_tensors_before_any_launch():

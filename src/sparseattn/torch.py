@@ -183,7 +183,7 @@ def token_order_attention(
             :func:`block_sparse_attention_mask` take them.
         route, scale: as :func:`kpage_attention` (``route`` for a graph; a planner has its own).
 
-    On CUDA without gradients, outside ``torch.compile``, the KPage forward's token-order build runs: it
+    On CUDA, in bf16, without gradients, outside ``torch.compile``, the KPage forward's token-order build runs: it
     gathers each slot's row from its token and stores each output row to its token, so nothing is moved
     into or out of slot order (:func:`sparseattn.kernels.forward.torch_token_forward`). With gradients and
     :func:`token_backward_enabled` (opt-in until its GPU tests pass), the backward's token-order build too
@@ -203,10 +203,17 @@ def token_order_attention(
     if not static and (q2k_idx is None) == (mask is None):
         raise ValueError("a DevicePlanner needs one selection: q2k_idx with q2k_num, or mask")
     q_layout, k_layout = graph_or_planner.q, graph_or_planner.k
+    for name, x, layout in (("q", q, q_layout), ("k", k, k_layout), ("v", v, k_layout)):
+        if x.dim() != 4 or x.shape[1] != layout.num_tokens:
+            raise ValueError(
+                f"{name} must be [batch, {layout.num_tokens} tokens (its layout's), heads, d], got "
+                f"{tuple(x.shape)}"
+            )
     eager_cuda = q.is_cuda and not torch.compiler.is_compiling()
-    if eager_cuda and not _needs_grad(q, k, v):
+    token_build = eager_cuda and q.dtype == k.dtype == v.dtype == torch.bfloat16
+    if token_build and not _needs_grad(q, k, v):
         return _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale)
-    if eager_cuda and token_backward_enabled() and q.dtype == k.dtype == v.dtype == torch.bfloat16:
+    if token_build and token_backward_enabled():
         return _TokenOrderFunction.apply(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale)
     qs = tokens_to_slots(q_layout, q)[0]
     ks, vs = tokens_to_slots(k_layout, k, v)

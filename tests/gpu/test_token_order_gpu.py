@@ -1,12 +1,12 @@
 """The KPage forward's token-order build (``PAGED_FWD_TOKENS``: q, k, v and o stay ``[batch, tokens, heads,
 d]``, each slot's row gathered from its token and each output row stored to its token) against the
 slot-order build on the same plans: the output moved to tokens and the LSE equal bit for bit. Static graphs
-on ragged layouts whose tokens are randomly permuted (every route, d = 64 and 128, batch 2), device plans
-of random selections (batch entries with their own), output memory poisoned with NaN first; the float64
-reference on some; the per-block sums of token rows; the Wan processor with ``token_order`` on. The
-backward's token-order build (``PAGED_BWD_TOKENS``) against the slot-order backward on the same plans
-(gradients equal to rounding), and autograd through ``token_order_attention`` with
-``SPARSEATTN_TOKEN_BACKWARD=1``."""
+on ragged layouts whose tokens are randomly permuted (every route, d = 64 and 128, batch 2; a map per row
+too), device plans of random selections (batch entries with their own), outputs and gradients allocated as
+NaN; the float64 reference on some; the per-block sums of token rows; the Wan processor with
+``token_order`` on. The backward's token-order build (``PAGED_BWD_TOKENS``) against the slot-order backward
+on the same plans (gradients equal to rounding; every main-kernel variant with a token form), and autograd
+through ``token_order_attention`` with ``SPARSEATTN_TOKEN_BACKWARD=1``."""
 
 from __future__ import annotations
 
@@ -53,10 +53,17 @@ def _static_case(seed: int, d: int):
     return q_lay, k_lay, graph, _tokens(q_lay, k_lay, 2, graph.heads, d, seed), _maps(q_lay, k_lay)
 
 
-def _poison_next(like):
-    """Free a NaN-filled block of ``like``'s size: the caching allocator then likely hands it to the next
-    allocation of that size on this stream, so rows a kernel leaves unwritten show up as NaN."""
-    torch.full_like(like, float("nan"))
+@pytest.fixture(autouse=True)
+def nan_empty_like(monkeypatch):
+    """Every float tensor made by ``torch.empty_like`` (the wrappers' o, dq, dk and dv) starts as NaN, so rows
+    a kernel leaves unwritten show up."""
+    real = torch.empty_like
+
+    def poisoned(x, *args, **kwargs):
+        out = real(x, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty_like", poisoned)
 
 
 def _assert_equal(o_tok, lse_tok, o_slot_tokens, lse_slot, label):
@@ -73,7 +80,6 @@ def test_static_graphs_equal_the_slot_order_build(seed):
     q_lay, k_lay, graph, (q, k, v), (q_map, k_map) = _static_case(500 + seed, 128 if seed % 2 else 64)
     routes = ["auto", 0, 1] + (["pair"] if q_lay.block_size == 64 else [])
     for route in routes:
-        _poison_next(q)
         o, lse = torch_token_forward(q, k, v, graph, q_map, k_map, route=route)
         qs = st.tokens_to_slots(q_lay, q)[0]
         ks, vs = st.tokens_to_slots(k_lay, k, v)
@@ -107,7 +113,6 @@ def test_device_plans_equal_the_slot_order_build(seed):
     d = 64 if seed % 2 else 128
     q, k, v = _tokens(q_lay, k_lay, case.batch, case.heads, d, seed)
     q_map, k_map = _maps(q_lay, k_lay)
-    _poison_next(q)
     o, lse = torch_token_forward(q, k, v, plans, q_map, k_map)
     qs = st.tokens_to_slots(q_lay, q)[0]
     ks, vs = st.tokens_to_slots(k_lay, k, v)
@@ -212,7 +217,6 @@ def test_static_backward_equals_the_slot_order_build(seed):
     do = torch.randn_like(q)
     for route in ["auto", 0, 1] + (["pair"] if k_lay.block_size == 64 and q_lay.block_size == 64 else []):
         o, lse = torch_token_forward(q, k, v, graph, q_map, k_map, route=route)
-        _poison_next(q)
         grads = torch_token_backward(q, k, v, o, lse, do, graph, q_map, k_map, route=route)
         assert grads is not None, f"the token-order backward refused route {route}"
         want = _slot_backward_in_tokens(q_lay, k_lay, q, k, v, o, lse, do, graph, route)
@@ -257,6 +261,16 @@ def test_autograd_in_token_order_matches_the_moves(kind, monkeypatch):
         target = st.planner_for(lay)
         idx, num = st.vsa_topk_tokens(q, k, lay, 5)
         sel = dict(q2k_idx=idx, q2k_num=num)
+    import sparseattn.kernels.backward as backward_module
+
+    real, ran = backward_module.torch_token_backward, []
+
+    def recorded(*args, **kwargs):
+        grads = real(*args, **kwargs)
+        ran.append(grads is not None)
+        return grads
+
+    monkeypatch.setattr(backward_module, "torch_token_backward", recorded)
     results = {}
     for flag in ("1", "0"):  # token order in both passes, then the moves
         monkeypatch.setenv("SPARSEATTN_TOKEN_BACKWARD", flag)
@@ -264,8 +278,86 @@ def test_autograd_in_token_order_matches_the_moves(kind, monkeypatch):
         o = st.token_order_attention(*leaves, target, **sel)
         o.backward(do)
         results[flag] = (o.detach(), *(x.grad for x in leaves))
+    assert ran == [True], f"the token-order backward ran {ran} (expected once, with flag 1)"
     assert torch.equal(results["1"][0], results["0"][0])
     _assert_grads(results["1"][1:], results["0"][1:], kind)
+
+
+@pytest.mark.parametrize("impl", ["wgmma_sync", "wgmma_atomic", "wgmma_bulk", "wgmma_qsplit", "wgmma_ws"])
+def test_every_token_form_of_the_main_kernels(impl, monkeypatch):
+    """The token-order backward under each main-kernel variant with a token form (both paths take
+    ``SPARSEATTN_BWD_IMPL``), routes 64 x 256 and 128 x 128, d = 64 and 128."""
+    from sparseattn.kernels.backward import torch_token_backward
+    from sparseattn.kernels.forward import torch_token_forward
+
+    monkeypatch.setenv("SPARSEATTN_BWD_IMPL", impl)
+    for seed, d in ((41, 64), (42, 128), (43, 128)):
+        q_lay, k_lay, graph, (q, k, v), (q_map, k_map) = _static_case(seed, d)
+        do = torch.randn_like(q)
+        for route in (0, 1):
+            o, lse = torch_token_forward(q, k, v, graph, q_map, k_map, route=route)
+            grads = torch_token_backward(q, k, v, o, lse, do, graph, q_map, k_map, route=route)
+            assert grads is not None, f"{impl} route {route}"
+            want = _slot_backward_in_tokens(q_lay, k_lay, q, k, v, o, lse, do, graph, route)
+            _assert_grads(grads, want, f"{impl} seed {seed} route {route}")
+
+
+def _row_maps(layout, rows: int, rng):
+    """int32 CUDA ``[rows, slots]``: the layout's slot -> token map with each row's tokens renamed by a
+    permutation of its own (the same slots hold tokens)."""
+    base = np.asarray(layout.slot_token)
+    maps = np.full((rows, base.size), -1, dtype=np.int32)
+    for r in range(rows):
+        perm = rng.permutation(layout.num_tokens)
+        maps[r, base >= 0] = perm[base[base >= 0]]
+    return torch.as_tensor(maps, device="cuda")
+
+
+def _rows_in_slots(x, maps):
+    """``[batch, heads, slots, d]`` from token-ordered ``x`` through per-row ``maps`` (zeros for -1)."""
+    b, _, h, d = x.shape
+    out = x.new_zeros(b, h, maps.shape[1], d)
+    for r in range(b * h):
+        ok = maps[r] >= 0
+        out[r // h, r % h, ok] = x[r // h, maps[r][ok].long(), r % h]
+    return out
+
+
+def _slots_in_tokens(xs, maps, tokens: int):
+    b, h, _, d = xs.shape
+    out = xs.new_full((b, tokens, h, d), float("nan"))
+    for r in range(b * h):
+        ok = maps[r] >= 0
+        out[r // h, maps[r][ok].long(), r % h] = xs[r // h, r % h, ok]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"ragged{s}")
+def test_a_map_per_row_on_a_static_graph(seed):
+    """Maps ``[batch · heads, slots]`` (``maps_per_row``) on a static graph, both passes, against the
+    slot-order builds on each row's own move to slots."""
+    from sparseattn.kernels.backward import kpage_backward, torch_token_backward
+    from sparseattn.kernels.forward import torch_graph_forward, torch_token_forward
+
+    rng = np.random.default_rng(1700 + seed)
+    q_lay, k_lay, graph, (q, k, v), _ = _static_case(1700 + seed, 128 if seed % 2 else 64)
+    rows = q.shape[0] * q.shape[2]
+    q_map, k_map = _row_maps(q_lay, rows, rng), _row_maps(k_lay, rows, rng)
+    do = torch.randn_like(q)
+    o, lse = torch_token_forward(q, k, v, graph, q_map, k_map)
+    qs, dos = _rows_in_slots(q, q_map), _rows_in_slots(do, q_map)
+    ks, vs = _rows_in_slots(k, k_map), _rows_in_slots(v, k_map)
+    o_s, lse_s = torch_graph_forward(qs, ks, vs, graph)
+    _assert_equal(o, lse, _slots_in_tokens(o_s, q_map, q.shape[1]), lse_s, f"seed {seed} forward")
+    grads = torch_token_backward(q, k, v, o, lse, do, graph, q_map, k_map)
+    assert grads is not None
+    dq, dk, dv = kpage_backward(qs, ks, vs, o_s, lse_s, dos, graph)
+    want = (
+        _slots_in_tokens(dq, q_map, q.shape[1]),
+        _slots_in_tokens(dk, k_map, k.shape[1]),
+        _slots_in_tokens(dv, k_map, k.shape[1]),
+    )
+    _assert_grads(grads, want, f"seed {seed} backward")
 
 
 def test_bad_maps_are_refused_before_any_launch():
@@ -278,4 +370,4 @@ def test_bad_maps_are_refused_before_any_launch():
     with pytest.raises(KernelTypeError, match="q_map must be an int32"):
         torch_token_forward(q, k, v, base, q_map.long(), k_map)
     with pytest.raises(KernelValueError, match="k and v must be"):
-        torch_token_forward(q, k[:, :, :1], v, base, q_map, k_map)
+        torch_token_forward(q, k[:, :-1], v, base, q_map, k_map)  # k and v with different token counts

@@ -448,8 +448,15 @@ def torch_token_backward(q, k, v, o, lse, do, graph_or_plans, q_map, k_map, rout
     from .validate import check_scale
 
     b, nq, h, d, nk, sq, sk, per_row = check_token_tensors(q, k, v, q_map, k_map, (("o", o), ("do", do)))
-    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != (b, h, sq):
-        raise KernelValueError(f"lse must be float32 [{b}, {h}, {sq}] (the token-order forward's)")
+    if (
+        not isinstance(lse, torch.Tensor)
+        or lse.dtype != torch.float32
+        or lse.shape != (b, h, sq)
+        or lse.device != q.device
+    ):
+        raise KernelValueError(
+            f"lse must be float32 [{b}, {h}, {sq}] on q's device (the token-order forward's)"
+        )
     impl = default_impl()
     if isinstance(graph_or_plans, DevicePlans):
         plans = graph_or_plans

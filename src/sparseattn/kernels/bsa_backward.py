@@ -291,6 +291,14 @@ def uncovered_k_pages(plan: TilePlan, k_pages: int) -> tuple[np.ndarray, np.ndar
     return np.nonzero(~covered)
 
 
+def uncovered_rows_valid(plan: TilePlan, pages: np.ndarray) -> bool:
+    """Whether any of the owner-side ``pages`` (:func:`uncovered_k_pages`' second array) holds a valid row;
+    pages past the plan's page masks are padding."""
+    mask = plan.own_page_mask
+    pages = np.asarray(pages)
+    return bool(np.any(mask[pages[pages < mask.size]] != 0))
+
+
 def _device_plan(
     plan: TilePlan | DeviceOwnedPlan, q_pages: int, k_pages: int, heads: int, device: int
 ) -> dict:
@@ -314,6 +322,7 @@ def _device_plan(
             arrays = {name: cupy.asarray(arr) for name, arr in plan.device_arrays().items()}
             uh, up = uncovered_k_pages(plan, q_pages if plan.owner == "q" else k_pages)
             arrays["uncovered"] = (cupy.asarray(uh), cupy.asarray(up)) if uh.size else None
+            arrays["uncovered valid"] = uncovered_rows_valid(plan, up)
             # pair items: some entries hidden from one half (only the pair kernel may run them); the kernel
             # reads int32 [entries][3]: the page, then the page or -1 as each owned half sees it
             arrays["pair"] = plan.stream_vis is not None and bool(np.any(plan.stream_vis != 3))
@@ -376,6 +385,7 @@ class BackwardRecipe:
         self.steps: list = []
         self.temporaries: dict = {}
         self.zeroed: tuple = ()  # outputs the caller allocates as zeros (the token-order recipe)
+        self.dq_plan = None  # a cached recipe's host dQ plan, kept alive: the cache key holds its id()
         self._events = None
 
     def add(self, fn, grid, block, args: tuple, smem: int = 0):
@@ -496,6 +506,14 @@ def _may_leave_pages(plan, arrays: dict) -> bool:
     return arrays["uncovered"] is not None
 
 
+def _may_leave_valid_rows(plan, arrays: dict) -> bool:
+    """Whether an owner page no item owns holds a valid row (a page :func:`_may_leave_pages` counts that is
+    not all padding): the token-order build has no padding rows to clear, only tokens."""
+    if isinstance(plan, DeviceOwnedPlan):
+        return _may_leave_pages(plan, arrays) and plan.uncovered_valid
+    return _may_leave_pages(plan, arrays) and arrays.get("uncovered valid", True)
+
+
 def backward_recipe(
     plan, arrays, impl: str, deterministic: bool, dq_plan, sizes, scale, device: int, tokens=None
 ):
@@ -605,9 +623,11 @@ def backward_recipe(
         r.steps.append(r.add(post, (-(-n4 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args))
     if tokens is None:
         r.steps.extend(_uncovered_steps(r, ("dk", "dv"), arrays, plan, (b, h, k_pages, d)))
-    elif _may_leave_pages(plan, arrays):
-        r.zeroed = ("dk", "dv")  # pages no item owns: their token rows start as zeros
-    if not isinstance(plan, DeviceOwnedPlan):
+    elif _may_leave_valid_rows(plan, arrays):
+        r.zeroed = ("dk", "dv")  # valid rows of pages no item owns: their tokens' rows start as zeros
+    # cached with a host plan's arrays; never with a device dQ plan (new memory each call, its id reused)
+    if not isinstance(plan, DeviceOwnedPlan) and not isinstance(dq_plan, DeviceOwnedPlan):
+        r.dq_plan = dq_plan
         arrays[key] = r
     return r
 

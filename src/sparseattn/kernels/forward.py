@@ -424,10 +424,10 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
         fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS, defines), smem)
         if on_device:
             counter = arrays["counter"]
-        else:
+        else:  # one counter per launch key, kept as long as its packed launch (which holds its pointer only)
             with cupy.cuda.Device(device):
-                arrays["counter array"] = cupy.zeros(1, dtype=cupy.int32)
-            counter = np.uint64(arrays["counter array"].data.ptr)
+                arrays[("counter", key)] = cupy.zeros(1, dtype=cupy.int32)
+            counter = np.uint64(arrays[("counter", key)].data.ptr)
         values = dict(
             work_info=arrays["work_info"],
             work_order=arrays["work_order"],

@@ -69,6 +69,7 @@ class DeviceTemplate:
     uncovered: object
     uncovered_count: int
     segments: dict = field(default_factory=dict)
+    uncovered_valid: bool = True  # whether an owner page no item owns holds a valid row
 
     @classmethod
     def upload(cls, template: ItemTemplate) -> DeviceTemplate:
@@ -106,6 +107,7 @@ class DeviceTemplate:
             stream_alive=cupy.asarray(_alive_words(st.alive)),
             uncovered=cupy.asarray(uncovered) if uncovered.size else None,
             uncovered_count=int(uncovered.size),
+            uncovered_valid=template.uncovered_rows_valid(),
         )
 
     def head_segments(self, heads: int):
@@ -255,6 +257,7 @@ class DeviceOwnedPlan:
     uncovered: object
     uncovered_count: int
     arena: Arena
+    uncovered_valid: bool = True  # whether an owner page no item owns holds a valid row
 
     def route_ranges(self) -> list[tuple[int, int]]:
         """``(start, stop)`` of each route's items (keys are route-major, so each route is contiguous)."""
@@ -763,4 +766,5 @@ class DevicePlanner:
             uncovered=dev.uncovered,
             uncovered_count=dev.uncovered_count,
             arena=arena,
+            uncovered_valid=dev.uncovered_valid,
         )

@@ -188,6 +188,11 @@ class ItemTemplate:
         covered[own] = True
         return np.flatnonzero(~covered)
 
+    def uncovered_rows_valid(self) -> bool:
+        """Whether a page no item owns holds a valid row (else those pages are all padding)."""
+        pages = self.uncovered_pages(self.owner_mask.size)
+        return bool(np.any(self.owner_mask[pages] != 0))
+
     def stream_capacity(self, heads: int, row_selections: int) -> int:
         """Stream entries the plans of ``heads`` heads can need at most when every Q block selects at
         most ``row_selections`` K blocks (the top-k's k; a mask: every block)."""

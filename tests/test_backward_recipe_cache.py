@@ -1,0 +1,89 @@
+"""The backward's recipe cache (``kernels.bsa_backward.backward_recipe``; CPU, on a stand-in for CuPy): a
+recipe whose dQ pass runs a device planner's dQ plan (raw pointers into that call's memory) is never
+reused for another call's plan, even when CPython gives the new plan the freed one's ``id()``; a host dQ
+plan's cached recipe keeps that plan alive."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+from small_cases import make_graph, small_layouts
+
+from sparseattn.kernels import bsa_backward, launch
+from sparseattn.planning.cache import plan_of
+from sparseattn.planning.device import DeviceOwnedPlan
+
+
+class _Uploaded(np.ndarray):
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=0x10000000 + (self.__array_interface__["data"][0] & 0xFFFFFF))
+
+
+class _Device:
+    def __init__(self, device):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    cupy = types.ModuleType("cupy")
+    cupy.asarray = lambda a: np.asarray(a).view(_Uploaded)
+    cupy.int32 = np.int32
+    cupy.cuda = types.SimpleNamespace(Device=_Device)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    fn = types.SimpleNamespace(ptr=1, max_dynamic_shared_size_bytes=0)
+    monkeypatch.setattr(launch, "function", lambda *args, **kwargs: fn)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+
+
+def _device_dq_plan(base: int, heads: int) -> DeviceOwnedPlan:
+    """A Q-owned plan as the device planner returns it: raw pointers into an arena at ``base``."""
+    names = ("work_head", "own_pages", "stream_indptr", "stream_pages", "order")
+    arrays = {n: np.uint64(base + 256 * i) for i, n in enumerate(names)}
+    arrays.update(
+        pair_pages=None, own_page_mask=np.uint64(base + 4096), stream_page_mask=np.uint64(base + 8192)
+    )
+    return DeviceOwnedPlan(arrays, "q", ((64, 64),), ((0, 0, 4, False),), heads, 4, 8, None, 0, object())
+
+
+def _packed_values(recipe) -> set:
+    out = set()
+    for step in recipe.steps:
+        launches = step[1] if step[0] == "side" else [step] if step[0] == "launch" else []
+        for _, packed, _ in launches:
+            out |= {getattr(slot, "value", None) for slot in packed.slots}
+    return out
+
+
+def test_a_device_dq_plan_is_never_served_a_cached_recipe(fake_cupy):
+    q_layout, k_layout = small_layouts("video-5x7x9-tile2x4x4-B64-inplace")
+    graph = make_graph(q_layout, k_layout, 2, 0.4, 0)
+    kv_plan = plan_of(graph, "kpage", "auto", owner="kv")
+    sizes = (1, graph.heads, q_layout.num_slots, k_layout.num_slots, 128)
+    for step in range(12):  # a training loop: a new device dQ plan per step, the previous one dropped
+        base = 0xA0000000 + step * 0x100000
+        dq_plan = _device_dq_plan(base, graph.heads)
+        recipe = bsa_backward._recipe_of(kv_plan, dq_plan, None, "wgmma_dq_pass", False, sizes, 0.088, 0)
+        assert base in _packed_values(recipe), f"step {step} ran a recipe of an earlier, freed dQ plan"
+        del dq_plan, recipe
+
+
+def test_a_cached_recipe_keeps_its_host_dq_plan(fake_cupy):
+    q_layout, k_layout = small_layouts("video-5x7x9-tile2x4x4-B64-inplace")
+    graph = make_graph(q_layout, k_layout, 2, 0.4, 0)
+    kv_plan = plan_of(graph, "kpage", "auto", owner="kv")
+    dq_plan = plan_of(graph, "kpage", "auto", owner="q")
+    sizes = (1, graph.heads, q_layout.num_slots, k_layout.num_slots, 128)
+    first = bsa_backward._recipe_of(kv_plan, dq_plan, None, "wgmma_dq_pass", False, sizes, 0.088, 0)
+    assert first.dq_plan is dq_plan
+    assert bsa_backward._recipe_of(kv_plan, dq_plan, None, "wgmma_dq_pass", False, sizes, 0.088, 0) is first

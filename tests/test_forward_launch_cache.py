@@ -1,0 +1,76 @@
+"""The forward's cached launches (``kernels.forward._prepared``, CPU, on a stand-in for CuPy): each launch key
+of one work list (tensor sizes, scale, build) gets an item counter of its own, alive as long as the work
+list's arrays, so preparing a second key (e.g. the token-order build beside the slot-order one) never frees
+the counter the first key's packed launch points at."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+from small_cases import random_ragged_graph
+
+from sparseattn.kernels import forward, launch
+
+_FREED: list[int] = []  # pointers of collected _DeviceArrays
+
+
+class _DeviceArray:
+    """A CuPy array stand-in: a fresh fake device pointer, logged in _FREED when collected."""
+
+    next_ptr = 0x1000
+
+    def __init__(self, *_, **__):
+        _DeviceArray.next_ptr += 512
+        self.data = types.SimpleNamespace(ptr=_DeviceArray.next_ptr)
+
+    def __del__(self):
+        _FREED.append(self.data.ptr)
+
+
+class _Device:
+    def __init__(self, device):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _PackedLaunch:
+    def __init__(self, fn, grid, block, args, smem, bound=None):
+        self.args = args
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    cupy = types.ModuleType("cupy")
+    cupy.zeros = cupy.asarray = _DeviceArray
+    cupy.int32 = np.int32
+    cupy.cuda = types.SimpleNamespace(Device=_Device)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(launch, "function", lambda *args, **kwargs: None)
+    monkeypatch.setattr(launch, "prepare", lambda fn, smem: fn)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "PackedLaunch", _PackedLaunch)
+    monkeypatch.setattr(launch, "_DEVICE_ARRAYS", {})
+    _FREED.clear()
+
+
+def test_each_launch_key_keeps_its_own_counter(fake_cupy):
+    graph = random_ragged_graph(np.random.default_rng(0))
+    h, sq, sk = graph.heads, graph.q.num_slots, graph.k.num_slots
+    wl = forward.resolve_work(graph, "kpage", "auto", h, sq, sk)
+    sizes = (2, h, sq, sk, 128)
+    slot_order = forward._prepared(wl, sizes, 0.088, 0)
+    tokens = (graph.q.num_tokens, graph.k.num_tokens, h, 0)
+    token_order = forward._prepared(wl, sizes, 0.088, 0, tokens=tokens)
+    other_batch = forward._prepared(wl, (1, *sizes[1:]), 0.088, 0)
+    counters = [ready[1] for ready in (slot_order, token_order, other_batch)]
+    assert len(set(counters)) == 3, "two launch keys share an item counter"
+    assert not set(counters) & set(_FREED), "a cached launch points at a freed counter"
+    assert forward._prepared(wl, sizes, 0.088, 0) is slot_order  # still cached, its counter alive
