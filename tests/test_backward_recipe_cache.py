@@ -5,14 +5,14 @@ plan's cached recipe keeps that plan alive."""
 
 from __future__ import annotations
 
-import sys
 import types
 
+import cupy_stand_in
 import numpy as np
 import pytest
 from small_cases import make_graph, small_layouts
 
-from sparseattn.kernels import bsa_backward, launch
+from sparseattn.kernels import bsa_backward
 from sparseattn.planning.cache import plan_of
 from sparseattn.planning.device import DeviceOwnedPlan
 
@@ -23,27 +23,9 @@ class _Uploaded(np.ndarray):
         return types.SimpleNamespace(ptr=0x10000000 + (self.__array_interface__["data"][0] & 0xFFFFFF))
 
 
-class _Device:
-    def __init__(self, device):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    cupy = types.ModuleType("cupy")
-    cupy.asarray = lambda a: np.asarray(a).view(_Uploaded)
-    cupy.int32 = np.int32
-    cupy.cuda = types.SimpleNamespace(Device=_Device)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    fn = types.SimpleNamespace(ptr=1, max_dynamic_shared_size_bytes=0)
-    monkeypatch.setattr(launch, "function", lambda *args, **kwargs: fn)
-    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    cupy_stand_in.install(monkeypatch, asarray=lambda a: np.asarray(a).view(_Uploaded))
 
 
 def _device_dq_plan(base: int, heads: int) -> DeviceOwnedPlan:

@@ -5,9 +5,9 @@ the counter the first key's packed launch points at."""
 
 from __future__ import annotations
 
-import sys
 import types
 
+import cupy_stand_in
 import numpy as np
 import pytest
 from small_cases import random_ragged_graph
@@ -30,17 +30,6 @@ class _DeviceArray:
         _FREED.append(self.data.ptr)
 
 
-class _Device:
-    def __init__(self, device):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 class _PackedLaunch:
     def __init__(self, fn, grid, block, args, smem, bound=None):
         self.args = args
@@ -48,14 +37,8 @@ class _PackedLaunch:
 
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    cupy = types.ModuleType("cupy")
-    cupy.zeros = cupy.asarray = _DeviceArray
-    cupy.int32 = np.int32
-    cupy.cuda = types.SimpleNamespace(Device=_Device)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(launch, "function", lambda *args, **kwargs: None)
+    cupy_stand_in.install(monkeypatch, zeros=_DeviceArray, asarray=_DeviceArray)
     monkeypatch.setattr(launch, "prepare", lambda fn, smem: fn)
-    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
     monkeypatch.setattr(launch, "PackedLaunch", _PackedLaunch)
     monkeypatch.setattr(launch, "_DEVICE_ARRAYS", {})
     _FREED.clear()

@@ -183,8 +183,8 @@ def token_order_attention(
             :func:`block_sparse_attention_mask` take them.
         route, scale: as :func:`kpage_attention` (``route`` for a graph; a planner has its own).
 
-    On CUDA, in bf16, without gradients, outside ``torch.compile``, the KPage forward's token-order build runs: it
-    gathers each slot's row from its token and stores each output row to its token, so nothing is moved
+    On CUDA, in bf16, without gradients, outside ``torch.compile``, the KPage forward's token-order build
+    runs: it gathers each slot's row from its token and stores each output row to its token, so nothing is moved
     into or out of slot order (:func:`sparseattn.kernels.forward.torch_token_forward`). With gradients and
     :func:`token_backward_enabled` (opt-in until its GPU tests pass), the backward's token-order build too
     (:func:`sparseattn.kernels.backward.torch_token_backward`; where it does not run the plan, the slot-order

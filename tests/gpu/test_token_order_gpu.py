@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from device_plan_cases import random_case
 from small_cases import random_ragged_graph, rel_err
 
-from sparseattn import reference
+from sparseattn import emulator, reference
 from sparseattn.graph import SparseGraph
 
 pytestmark = pytest.mark.gpu
@@ -314,22 +314,20 @@ def _row_maps(layout, rows: int, rng):
 
 
 def _rows_in_slots(x, maps):
-    """``[batch, heads, slots, d]`` from token-ordered ``x`` through per-row ``maps`` (zeros for -1)."""
+    """``[batch, heads, slots, d]`` from token-ordered ``x`` through per-row ``maps`` (zeros for -1), by the
+    emulator's numpy twin of the kernels' gather (``emulator.token_rows``; bf16 values pass through float64
+    exactly)."""
     b, _, h, d = x.shape
-    out = x.new_zeros(b, h, maps.shape[1], d)
-    for r in range(b * h):
-        ok = maps[r] >= 0
-        out[r // h, r % h, ok] = x[r // h, maps[r][ok].long(), r % h]
-    return out
+    rows = emulator.token_rows(x.double().cpu().numpy(), maps.cpu().numpy())
+    return torch.from_numpy(rows.reshape(b, h, -1, d)).to(x.dtype).cuda()
 
 
 def _slots_in_tokens(xs, maps, tokens: int):
-    b, h, _, d = xs.shape
-    out = xs.new_full((b, tokens, h, d), float("nan"))
-    for r in range(b * h):
-        ok = maps[r] >= 0
-        out[r // h, maps[r][ok].long(), r % h] = xs[r // h, r % h, ok]
-    return out
+    """:func:`_rows_in_slots`' inverse (``emulator.rows_to_tokens``): ``[batch, tokens, heads, d]``."""
+    b, h, slots, d = xs.shape
+    rows = xs.double().cpu().numpy().reshape(b * h, slots, d)
+    out = emulator.rows_to_tokens(rows, maps.cpu().numpy(), (b, tokens, h, d))
+    return torch.from_numpy(out).to(xs.dtype).cuda()
 
 
 @pytest.mark.parametrize("seed", range(4), ids=lambda s: f"ragged{s}")

@@ -54,7 +54,7 @@ import numpy as np
 from ..constants import PAGE_ROWS
 from ..planning.cache import PlanCache
 from ..planning.device import DeviceOwnedPlan
-from ..planning.tile_plan import TilePlan, first_pair_items
+from ..planning.tile_plan import TilePlan, first_pair_items, pages_hold_rows
 from . import launch
 from .validate import (
     BF16_DTYPE_NAMES,
@@ -292,11 +292,8 @@ def uncovered_k_pages(plan: TilePlan, k_pages: int) -> tuple[np.ndarray, np.ndar
 
 
 def uncovered_rows_valid(plan: TilePlan, pages: np.ndarray) -> bool:
-    """Whether any of the owner-side ``pages`` (:func:`uncovered_k_pages`' second array) holds a valid row;
-    pages past the plan's page masks are padding."""
-    mask = plan.own_page_mask
-    pages = np.asarray(pages)
-    return bool(np.any(mask[pages[pages < mask.size]] != 0))
+    """Whether any of the owner-side ``pages`` (:func:`uncovered_k_pages`' second array) holds a valid row."""
+    return pages_hold_rows(plan.own_page_mask, pages)
 
 
 def _device_plan(
@@ -511,7 +508,7 @@ def _may_leave_valid_rows(plan, arrays: dict) -> bool:
     not all padding): the token-order build has no padding rows to clear, only tokens."""
     if isinstance(plan, DeviceOwnedPlan):
         return _may_leave_pages(plan, arrays) and plan.uncovered_valid
-    return _may_leave_pages(plan, arrays) and arrays.get("uncovered valid", True)
+    return _may_leave_pages(plan, arrays) and arrays["uncovered valid"]
 
 
 def backward_recipe(

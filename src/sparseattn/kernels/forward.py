@@ -426,8 +426,8 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             counter = arrays["counter"]
         else:  # one counter per launch key, kept as long as its packed launch (which holds its pointer only)
             with cupy.cuda.Device(device):
-                arrays[("counter", key)] = cupy.zeros(1, dtype=cupy.int32)
-            counter = np.uint64(arrays[("counter", key)].data.ptr)
+                counter_array = arrays[("counter", key)] = cupy.zeros(1, dtype=cupy.int32)
+            counter = np.uint64(counter_array.data.ptr)
         values = dict(
             work_info=arrays["work_info"],
             work_order=arrays["work_order"],

@@ -35,7 +35,7 @@ from .layout_pairs import (
     forward_pairs_pay,
     full_blocks,
 )
-from .tile_plan import PlanError, kpage_route_of_block
+from .tile_plan import PlanError, kpage_route_of_block, pages_hold_rows
 from .work_list import OWN_PAGES
 
 #: Stream orders of an item (``kernels_cu/planner.cu``'s PLAN_MODE_*): the selected stream blocks' pages in
@@ -190,8 +190,7 @@ class ItemTemplate:
 
     def uncovered_rows_valid(self) -> bool:
         """Whether a page no item owns holds a valid row (else those pages are all padding)."""
-        pages = self.uncovered_pages(self.owner_mask.size)
-        return bool(np.any(self.owner_mask[pages] != 0))
+        return pages_hold_rows(self.owner_mask, self.uncovered_pages(self.owner_mask.size))
 
     def stream_capacity(self, heads: int, row_selections: int) -> int:
         """Stream entries the plans of ``heads`` heads can need at most when every Q block selects at

@@ -108,6 +108,13 @@ def items_hiding_an_entry(stream_vis: np.ndarray, starts: np.ndarray, stops: np.
     return hidden[stops] > hidden[starts]
 
 
+def pages_hold_rows(page_mask: np.ndarray, pages: np.ndarray) -> bool:
+    """Whether any of ``pages`` has a valid row in ``page_mask`` (uint16 row masks per page; pages past its
+    end are padding)."""
+    pages = np.asarray(pages)
+    return bool(np.any(page_mask[pages[pages < page_mask.size]] != 0))
+
+
 def first_pair_items(plan: TilePlan) -> np.ndarray:
     """int64 ``[routes]``: per route, the first work item with an entry hidden from one half (a pair
     item; the route's end if none). Items before it run on the plain kernel, the rest on the pair
