@@ -188,7 +188,7 @@ __device__ __forceinline__ void plan_item(
     int4* __restrict__ cnt, const int* __restrict__ base, const int* __restrict__ perm, long long cap,
     int4* __restrict__ work_info, int2* __restrict__ own_entries, int2* __restrict__ stream_entries,
     int* __restrict__ work_head, int* __restrict__ own_pages, int* __restrict__ stream_pages,
-    int* __restrict__ pair_pages, int* __restrict__ overflow) {
+    int* __restrict__ pair_pages, int* __restrict__ overflow, int* __restrict__ void_counts) {
     const int item = perm != nullptr ? perm[pos] : static_cast<int>(pos);
     const int bh = item / items;
     const int it = item - bh * items;
@@ -392,7 +392,15 @@ __device__ __forceinline__ void plan_item(
         acc_len = plan_warp_sum(acc_len);
         acc_c1 = plan_warp_sum(acc_c1);
         acc_c2 = plan_warp_sum(acc_c2);
-        if (lane == 0) cnt[item] = make_int4(acc_len, acc_c1, acc_c2, info.y);
+        // a void item (no stream entry, no owned page: the slot of a block that joined its neighbour's pair
+        // item) is marked by M = -1 and counted per head, for plan_segment_sort to put it before every
+        // live item (the launch then starts the kernel's item counter past them)
+        const int owns = lane < PLAN_SLOTS ? own_of[at8 + lane] : -1;
+        const bool is_void = void_counts != nullptr && acc_len == 0 && !__any_sync(0xffffffffu, owns >= 0);
+        if (lane == 0) {
+            cnt[item] = make_int4(acc_len, acc_c1, acc_c2, is_void ? -1 : info.y);
+            if (is_void) atomicAdd(void_counts + bh, 1);
+        }
         return;
     }
     // the item's own outputs, at its position
@@ -429,7 +437,8 @@ extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_it
     int* __restrict__ work_head, int* __restrict__ own_pages, int* __restrict__ stream_pages,
     int* __restrict__ pair_pages, int* __restrict__ overflow, int stream_blocks, int stream_list,
     int stream_page_count, int smem_tables, int matched, const int4* __restrict__ m_info,
-    const int* __restrict__ m_members, const int* __restrict__ m_bits, const int* __restrict__ m_own) {
+    const int* __restrict__ m_members, const int* __restrict__ m_bits, const int* __restrict__ m_own,
+    int* __restrict__ void_counts) {
     extern __shared__ __align__(16) int plan_tables[];
     const int* first = t_first;
     const int* full = t_nfull;
@@ -457,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_it
         plan_item(pos, threadIdx.x & 31, bitmap, row_blocks, words, items, it_info, it_members, it_bits, it_own,
                   matched, m_info, m_members, m_bits, m_own, first, listed, full, masks, o_mask, chunk_pages, write, out_format, cnt, base, perm, cap,
                   work_info, own_entries, stream_entries, work_head, own_pages, stream_pages, pair_pages,
-                  overflow);
+                  overflow, void_counts);
     }
 }
 
@@ -718,13 +727,41 @@ extern "C" __global__ void __launch_bounds__(1024) plan_scan(const int4* __restr
 // indirect[src + l]) for l < n; they are sorted by key (PLAN_KEY_LEN: stream length, PLAN_KEY_COST:
 // rows M x chunks of chunk_pages, from the count pass's cnt, both largest first), ties in segment order,
 // and written to out[dst + r].
+// With void_counts (the forward work list: one segment per head, void_counts[s] its void items, marked
+// M = -1 by the count pass), the order is global instead: every segment's void items first (segment by
+// segment, in segment order), then every segment's live items (segment by segment, sorted); dst is
+// ignored, and block 0 writes the number of void items to *first_live, where the kernel's item counter
+// starts.
 // Dynamic shared memory: 8 * (n rounded up to a power of two) bytes.
 extern "C" __global__ void __launch_bounds__(1024) plan_segment_sort(
     const int4* __restrict__ segs, const int4* __restrict__ cnt, const int* __restrict__ indirect, int key_kind,
-    int chunk_pages, int* __restrict__ out) {
+    int chunk_pages, int* __restrict__ out, const int* __restrict__ void_counts, int* __restrict__ first_live) {
     extern __shared__ plan_u64 keys[];
+    __shared__ long long before[2];  // void items before this segment; live items before it
+    __shared__ long long all_voids, all_items;
     const int4 seg = segs[blockIdx.x];
     const int n = min(seg.z, PLAN_SORT_MAX);
+    constexpr plan_u64 kVoidKey = 0xFFFFFFFEull << 32;  // after every live key (<= 0x7FFFFFFF << 32 | l)
+    if (void_counts != nullptr) {
+        if (threadIdx.x == 0) {
+            before[0] = before[1] = all_voids = all_items = 0;
+        }
+        __syncthreads();
+        long long v_before = 0, l_before = 0, v_all = 0, n_all = 0;
+        for (int s = threadIdx.x; s < gridDim.x; s += blockDim.x) {
+            const int v = void_counts[s];
+            v_all += v;
+            n_all += min(segs[s].z, PLAN_SORT_MAX);
+            if (s < blockIdx.x) {
+                v_before += v;
+                l_before += min(segs[s].z, PLAN_SORT_MAX) - v;
+            }
+        }
+        if (v_before) atomicAdd(reinterpret_cast<unsigned long long*>(&before[0]), v_before);
+        if (l_before) atomicAdd(reinterpret_cast<unsigned long long*>(&before[1]), l_before);
+        if (v_all) atomicAdd(reinterpret_cast<unsigned long long*>(&all_voids), v_all);
+        if (n_all) atomicAdd(reinterpret_cast<unsigned long long*>(&all_items), n_all);
+    }
     int size = 1;
     while (size < n) size <<= 1;
     for (int l = threadIdx.x; l < size; l += blockDim.x) {
@@ -737,6 +774,7 @@ extern "C" __global__ void __launch_bounds__(1024) plan_segment_sort(
                 metric = static_cast<long long>(c.w) * ((c.x + chunk_pages - 1) / chunk_pages);
             }
             key = (static_cast<plan_u64>(0x7FFFFFFFll - min(metric, 0x7FFFFFFFll)) << 32) | static_cast<plan_u32>(l);
+            if (void_counts != nullptr && c.w < 0) key = kVoidKey | static_cast<plan_u32>(l);
         }
         keys[l] = key;
     }
@@ -756,10 +794,21 @@ extern "C" __global__ void __launch_bounds__(1024) plan_segment_sort(
             __syncthreads();
         }
     }
+    if (void_counts == nullptr) {
+        for (int r = threadIdx.x; r < n; r += blockDim.x) {
+            const int l = static_cast<int>(keys[r] & 0xFFFFFFFFull);
+            out[seg.y + r] = indirect != nullptr ? indirect[seg.x + l] : seg.x + l;
+        }
+        return;
+    }
+    // live keys sort first within the segment: rank r < live is live item r, the rest void item r - live
+    const int live = n - min(max(void_counts[blockIdx.x], 0), n);
     for (int r = threadIdx.x; r < n; r += blockDim.x) {
         const int l = static_cast<int>(keys[r] & 0xFFFFFFFFull);
-        out[seg.y + r] = indirect != nullptr ? indirect[seg.x + l] : seg.x + l;
+        const long long at = r < live ? all_voids + before[1] + r : before[0] + (r - live);
+        if (at < all_items) out[at] = indirect != nullptr ? indirect[seg.x + l] : seg.x + l;
     }
+    if (blockIdx.x == 0 && threadIdx.x == 0) *first_live = static_cast<int>(all_voids);
 }
 
 // ---- outputs no item owns ---------------------------------------------------------------------------

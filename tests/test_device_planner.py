@@ -92,6 +92,42 @@ def test_device_plans_compute_the_graph(seed):
         assert rel_err(g[:, :, lay.valid], r[:, :, lay.valid]) < 1e-10, f"{case.name}: {name}"
 
 
+@pytest.mark.parametrize("chunk", range(4), ids=lambda c: f"cases{c * 15}-{c * 15 + 14}")
+def test_forward_order_lists_void_items_first_and_the_rest_computes_the_graph(chunk):
+    """The forward's order: every void item (no stream entry, no owned page) first, ``first_live`` of them,
+    then the live items head by head, largest M · chunks first; the items from ``first_live`` on (where a
+    launch starts the item counter) give the float64 reference's O and LSE on every valid row."""
+    import dataclasses
+
+    rng = np.random.default_rng(3000 + chunk)
+    voids = 0
+    for index in range(chunk * 15, (chunk + 1) * 15):
+        case = random_case(rng, index)
+        planner = _planner(case)
+        out = emu.emulate_plans(planner, **case.selection())
+        fwd, heads = out["forward"], out["heads"]
+        order, info, own = fwd["work_order"], fwd["work_info"], fwd["own_entries"][..., 0]
+        first = int(fwd["first_live"][0])
+        assert np.array_equal(np.sort(order), np.arange(info.shape[0])), case.name
+        void = (info[:, 2] == 0) & np.all(own < 0, axis=1)
+        assert void[order[:first]].all() and not void[order[first:]].any(), case.name
+        live = order[first:]
+        assert np.all(np.diff(info[live, 0]) >= 0), f"{case.name}: live items head by head"
+        cost = info[:, 3].astype(np.int64) * -(-info[:, 2] // (planner.forward.chunk // 16))
+        for h in range(heads):
+            assert np.all(np.diff(cost[live[info[live, 0] == h]]) <= 0), f"{case.name}: head {h} order"
+        voids += first
+        work = dataclasses.replace(emu.as_work_list(planner.forward, fwd, heads), work_order=live)
+        graph = graph_of(out["rows"], case.q, case.k)
+        q, k, v = (rng.standard_normal((1, heads, lay.num_slots, 16)) for lay in (case.q, case.k, case.k))
+        o_ref, lse_ref = attention_forward(q, k, v, graph)
+        o, lse = emulate_work_list(work, q, k, v)
+        valid = case.q.valid
+        assert rel_err(o[:, :, valid], o_ref[:, :, valid]) < 1e-12, case.name
+        assert np.array_equal(np.isinf(lse[:, :, valid]), np.isinf(lse_ref[:, :, valid])), case.name
+    assert voids > 0, "no case had a void item: the test would not see the order's split"
+
+
 def test_mask_and_topk_selections_plan_alike():
     """A top-k selection and the block mask of the same pairs give the same plans."""
     rng = np.random.default_rng(3)

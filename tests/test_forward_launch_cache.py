@@ -57,3 +57,38 @@ def test_each_launch_key_keeps_its_own_counter(fake_cupy):
     assert len(set(counters)) == 3, "two launch keys share an item counter"
     assert not set(counters) & set(_FREED), "a cached launch points at a freed counter"
     assert forward._prepared(wl, sizes, 0.088, 0) is slot_order  # still cached, its counter alive
+
+
+def _recording_runtime(cupy, calls: list):
+    cupy.cuda.runtime = types.SimpleNamespace(
+        memcpyDeviceToDevice=3,
+        memsetAsync=lambda *args: calls.append(("memset", *args)),
+        memcpyAsync=lambda *args: calls.append(("memcpy", *args)),
+    )
+    cupy.cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=77)
+
+
+def test_a_device_work_list_starts_its_counter_past_the_void_items(fake_cupy, monkeypatch):
+    """A device planner's list lists its void items first: each launch copies ``first_live`` into the item
+    counter (on the launch's stream) instead of zeroing it; a host list's counter is zeroed."""
+    import sys
+
+    from sparseattn.planning.device import DeviceWorkList
+
+    calls: list = []
+    _recording_runtime(sys.modules["cupy"], calls)
+    monkeypatch.setattr(_PackedLaunch, "__call__", lambda self, stream, *pointers: calls.append(("launch",)))
+    names = ("work_info", "work_order", "own_entries", "stream_entries", "counter", "first_live")
+    arrays = {name: np.uint64(0x9000 + 256 * i) for i, name in enumerate(names)}
+    wl = DeviceWorkList(arrays, num_work=40, heads=4, chunk=128, pair=False, stream_total=100, arena=None)
+    sizes = (1, 4, 256, 256, 128)
+    forward._launch(1, 2, 3, wl, 0.088, 4, 5, 0, sizes=sizes)
+    assert calls == [("memcpy", 0x9000 + 256 * 4, 0x9000 + 256 * 5, 4, 3, 77), ("launch",)]
+
+    calls.clear()
+    graph = random_ragged_graph(np.random.default_rng(1))
+    h, sq, sk = graph.heads, graph.q.num_slots, graph.k.num_slots
+    host = forward.resolve_work(graph, "kpage", "auto", h, sq, sk)
+    forward._launch(1, 2, 3, host, 0.088, 4, 5, 0, sizes=(1, h, sq, sk, 128))
+    counter = forward._prepared(host, (1, h, sq, sk, 128), 0.088, 0)[1]
+    assert calls == [("memset", counter, 0, 4, 77), ("launch",)]

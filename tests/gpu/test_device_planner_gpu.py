@@ -49,7 +49,7 @@ def test_device_arrays_equal_the_numpy_twin(chunk):
         plans = planner.plan(**_device_selection(case))
         twin = emu.emulate_plans(planner, **case.selection())
         assert cupy.asnumpy(plans.arena.view("status")).tolist() == [0, 0], case.name
-        forward = ["work_info", "work_order", "own_entries", "stream_entries"]
+        forward = ["work_info", "work_order", "first_live", "own_entries", "stream_entries"]
         if twin["forward"]["partner"] is not None:  # the matched pairs of the full 64-row blocks
             forward.append("partner")
         _assert_same(plans, "forward", twin["forward"], forward, f"{case.name} forward")
@@ -81,7 +81,7 @@ def test_both_pair_matching_forms_equal_the_numpy_twin(form, monkeypatch):
             continue
         matched += 1
         plans = planner.plan(**_device_selection(case))
-        names = ["work_info", "work_order", "own_entries", "stream_entries", "partner"]
+        names = ["work_info", "work_order", "first_live", "own_entries", "stream_entries", "partner"]
         _assert_same(plans, "forward", twin["forward"], names, f"{case.name} forward ({form})")
     assert matched == 9
 
@@ -269,7 +269,11 @@ def test_overlapped_backward_plans_equal_the_numpy_twin(chunk):
         twin = emu.emulate_plans(planner, **case.selection())
         assert cupy.asnumpy(plans.arena.view("status")).tolist() == [0, 0], case.name
         _assert_same(
-            plans, "forward", twin["forward"], ["work_info", "work_order", "stream_entries"], case.name
+            plans,
+            "forward",
+            twin["forward"],
+            ["work_info", "work_order", "first_live", "stream_entries"],
+            case.name,
         )
         for part in ("backward", "dq"):
             if twin[part] is not None:
@@ -302,7 +306,13 @@ def test_overlapped_planning_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     twin = emu.emulate_plans(planner, q2k_idx=new_idx, q2k_num=case.q2k_num)
-    _assert_same(plans, "forward", twin["forward"], ["work_info", "work_order", "stream_entries"], "replay")
+    _assert_same(
+        plans,
+        "forward",
+        twin["forward"],
+        ["work_info", "work_order", "first_live", "stream_entries"],
+        "replay",
+    )
     if twin["backward"] is not None:
         names = ["work_head", "own_pages", "stream_indptr", "stream_pages", "order"]
         _assert_same(plans, "backward", twin["backward"], names, "replay backward")

@@ -7,7 +7,9 @@ events, median of ``--reps`` per round, paired ratio to the host list's time in 
 - ``host_layout``: the host's pair list with the device planner's partners (``partners="layout"``);
 - ``device``: the device planner's plans, launched as ``kpage_device`` launches them;
 - ``device_copied``: the device list copied to the host and launched as a WorkList (should equal ``device``);
-- ``device_no_empty``: that copy without its empty items (no stream entry, no owned page).
+- ``device_no_empty``: that copy without its empty items (no stream entry, no owned page);
+- ``device_from_zero``: the device plans with the item counter started at 0 (before v14 of the device
+  planner's notes: the void items the order lists first are fetched and passed by).
 
 Every list's output is compared with ``host_shared``'s (same inputs, NaN-poisoned buffers). If
 ``host_layout`` runs like ``device``, the partners cost the time; if like ``host_shared``, the device
@@ -99,15 +101,21 @@ def main(argv=None) -> int:
     lists["device_no_empty"] = without_empty(copied, WorkList, work_order)
     runs = {name: (lambda wl=wl: wl) for name, wl in lists.items()}
     runs["device"] = lambda: plans
+    runs["device_from_zero"] = lambda: plans
 
     o, lse = forward.paged_forward(case.q, case.k, case.v, lists["host_shared"], scale=case.scale)
     cupy.cuda.Device().synchronize()
     ref = cupy.asnumpy(o).view(np.uint16).copy()
     buffers = (o, lse)
     record = dict(workload=args.workload, heads=graph.heads, lists={}, rounds=args.rounds, reps=args.reps)
+
+    def launch(name, wl):
+        forward.START_PAST_VOIDS = name != "device_from_zero"
+        forward.paged_forward(case.q, case.k, case.v, wl, scale=case.scale, out=buffers)
+
     for name, get in runs.items():
         o.fill(0x7FC0)
-        forward.paged_forward(case.q, case.k, case.v, get(), scale=case.scale, out=buffers)
+        launch(name, get())
         cupy.cuda.Device().synchronize()
         got = bench.bf16_bits_to_float(cupy.asnumpy(o)).astype(np.float64)
         want = bench.bf16_bits_to_float(ref).astype(np.float64)
@@ -126,10 +134,9 @@ def main(argv=None) -> int:
         for n in rotation(names, r):
             get = runs[n]
             wl = get()
-            ms, _ = timer(
-                lambda wl=wl: forward.paged_forward(case.q, case.k, case.v, wl, scale=case.scale, out=buffers)
-            )
+            ms, _ = timer(lambda n=n, wl=wl: launch(n, wl))
             times[n].append(ms)
+    forward.START_PAST_VOIDS = True
     summary = summarize(times, "host_shared")
     for n in names:
         record["lists"][n].update(summary[n])

@@ -400,9 +400,15 @@ def _check_tensors(q, k, v, out):
     return b, h, sq, k.shape[2], d, device
 
 
+#: Whether a device planner's list starts the item counter past its void items (False: from 0, the void
+#: items fetched and passed by; an A/B knob, ``data/bench/experiments/device_plan_gap.py``).
+START_PAST_VOIDS = True
+
+
 def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device: int, tokens=None):
-    """``(packed launch, counter pointer, tensor maps)`` of one launch (the five tensors its first arguments;
-    tensor maps of K and V in the ``PAGED_FWD_TMA`` build, else none),
+    """``(packed launch, counter pointer, tensor maps, first item)`` of one launch (the five tensors its first
+    arguments; tensor maps of K and V in the ``PAGED_FWD_TMA`` build, else none; first item: None, or a
+    device planner's ``first_live``, the pointer to the counter's start past the void items),
     prepared once per (work list, device, tensor sizes, scale) and reused; None when there is no work (a
     device planner's work list is new per call: its arrays are on the device already, and its streams
     end at the planner's capacity). ``sizes``: (batch, heads, q_slots, k_slots, d). ``tokens``: the
@@ -451,7 +457,9 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             maps = (TensorMap(b * h * sk, d, "k"), TensorMap(b * h * sk, d, "v"))
         grid = (min(launch.sm_count(device), wl.num_work * b),)
         packed = launch.PackedLaunch(fn, grid, (THREADS,), (np.uint64(0),) * 5 + rest + maps, smem, bound)
-        ready = arrays[key] = (packed, int(counter), maps)
+        first = arrays.get("first_live") if on_device and b == 1 else None  # SVG2's lists have none
+        first = None if first is None else int(first)
+        ready = arrays[key] = (packed, int(counter), maps, first)
     return ready
 
 
@@ -485,12 +493,15 @@ def _launch(
     ready = _prepared(wl, sizes, scale, device, tokens)
     if ready is None:
         return
-    packed, counter, maps = ready
+    packed, counter, maps, first = ready
     pointers = [_pointer(x) for x in (q, k, v, o, lse)] + [int(p) for p in token_maps]
     for tensor_map, pointer in zip(maps, pointers[1:3]):  # K and V (TMA build)
         tensor_map.point_at(pointer)
     stream = cupy.cuda.get_current_stream().ptr if stream is None else stream
-    cupy.cuda.runtime.memsetAsync(counter, 0, 4, stream)
+    if first is None or not START_PAST_VOIDS:
+        cupy.cuda.runtime.memsetAsync(counter, 0, 4, stream)
+    else:  # past the void items a device planner's work order lists first
+        cupy.cuda.runtime.memcpyAsync(counter, first, 4, cupy.cuda.runtime.memcpyDeviceToDevice, stream)
     packed(stream, *pointers)
 
 

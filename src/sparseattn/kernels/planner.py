@@ -149,10 +149,13 @@ def items(
     pair_pages=NULL,
     overflow=NULL,
     matched=None,
+    void_counts=NULL,
 ):
     """One pass of ``plan_items`` over every (head, item): count (``write`` False) or write. ``tables``:
     the template's device arrays (:class:`sparseattn.planning.device.DeviceTemplate`); ``matched``: the
-    matched slots' items of every head (``info``, ``members``, ``bits``, ``own`` pointers, and ``slots``)."""
+    matched slots' items of every head (``info``, ``members``, ``bits``, ``own`` pointers, and ``slots``);
+    ``void_counts`` int32 ``[heads]``, zeroed (the forward's count pass): each head's void items (no stream
+    entry, no owned page), which the count pass also marks with M = -1 in ``cnt``."""
     n = heads * tables["items"]
     if n == 0:
         return
@@ -205,6 +208,7 @@ def items(
             np.int32(1 if smem else 0),
             np.int32(0 if matched is None else matched["slots"]),
             *((NULL,) * 4 if matched is None else (matched[n] for n in ("info", "members", "bits", "own"))),
+            void_counts,
         ),
         shared_mem=smem,
     )
@@ -299,9 +303,13 @@ def segment_sort(
     key_kind: int,
     chunk_pages: int = 1,
     indirect=NULL,
+    void_counts=NULL,
+    first_live=NULL,
 ):
     """Sort each segment's items (``segs`` int32 ``[num_segs, 4]``: source, destination, items) largest
-    first by ``key_kind`` (stream length, or rows × chunks: the count pass's ``cnt``) into ``out``."""
+    first by ``key_kind`` (stream length, or rows × chunks: the count pass's ``cnt``) into ``out``. With
+    ``void_counts`` (one segment per head, the count pass's): every void item first, then every live item,
+    segment by segment; ``first_live`` (int32) gets the number of void items."""
     if num_segs == 0:
         return
     size = 1 << max(0, int(max_items) - 1).bit_length()
@@ -309,7 +317,7 @@ def segment_sort(
     fn(
         (num_segs,),
         (1024,),
-        (segs, cnt, indirect, np.int32(key_kind), np.int32(chunk_pages), out),
+        (segs, cnt, indirect, np.int32(key_kind), np.int32(chunk_pages), out, void_counts, first_live),
         shared_mem=8 * size,
     )
 

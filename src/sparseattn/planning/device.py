@@ -224,8 +224,10 @@ class DeviceWorkList:
 
     ``arrays``: raw pointers to ``work_info`` int32 ``[W, 4]``, ``work_order`` int32 ``[W]``,
     ``own_entries`` int32 ``[W, 8, 2]``, ``stream_entries`` int32 ``[capacity, 2]`` (the first entries used),
-    ``counter`` int32 (the persistent kernel's item counter); ``num_work`` and ``heads`` (batch · heads) are
-    fixed by the layouts, the streams' lengths live on the device. ``arena`` holds the memory."""
+    ``counter`` int32 (the persistent kernel's item counter), ``first_live`` int32: how many void items
+    (no stream entry, no owned page) ``work_order`` lists first; a launch starts the counter there, so the
+    kernel never takes them. ``num_work`` and ``heads`` (batch · heads) are fixed by the layouts, the
+    streams' lengths live on the device. ``arena`` holds the memory."""
 
     arrays: dict
     num_work: int
@@ -452,7 +454,12 @@ class DevicePlanner:
         if arena is None:
             i32, u32 = np.int32, np.uint32
             nq, nk = self.q_blocks, self.k_blocks
-            specs = {"status": ((2,), i32), "bitmap": ((bh, nq, _words(nk)), u32)}
+            # status and the forward's void counts lie before the bitmap: one memset zeroes them
+            specs = {
+                "status": ((2,), i32),
+                "forward.voids": ((bh,), i32),
+                "bitmap": ((bh, nq, _words(nk)), u32),
+            }
             t = self.forward
             n, cap = bh * t.num_items, self.capacity(t, bh, k)
             specs.update(
@@ -464,6 +471,7 @@ class DevicePlanner:
                     "forward.own_entries": ((n, SLOTS, 2), i32),
                     "forward.stream_entries": ((cap, 2), i32),
                     "forward.counter": ((1,), i32),
+                    "forward.first_live": ((1,), i32),
                 }
             )
             if t.matched:
@@ -568,7 +576,7 @@ class DevicePlanner:
             arena = self._arena(bh, k, backward).allocate(memory)
             buf = arena.buffer
             status, bitmap = buf("status"), buf("bitmap")
-            # status and (for top-k) the bitmap are zeroed in one memset: they lie back to back
+            # status, the void counts and (for top-k) the bitmap are zeroed in one memset: back to back
             zeroed = arena.specs["bitmap"][0] + (0 if mask is not None else bh * nq * wq * 4)
             stream = cupy.cuda.get_current_stream()
             cupy.cuda.runtime.memsetAsync(int(status), 0, zeroed, stream.ptr)
@@ -670,6 +678,7 @@ class DevicePlanner:
                 P.OUT_WORK_LIST,
                 cnt,
                 matched=matched,
+                void_counts=buf("voids"),
                 **outputs,
             )
 
@@ -677,7 +686,7 @@ class DevicePlanner:
         P.scan(cnt, n, cap, buf("begin"), overflow)
         arrays = {
             name: buf(name)
-            for name in ("work_info", "work_order", "own_entries", "stream_entries", "counter")
+            for name in ("work_info", "work_order", "own_entries", "stream_entries", "counter", "first_live")
         }
         items(
             True,
@@ -696,6 +705,8 @@ class DevicePlanner:
             arrays["work_order"],
             P.KEY_COST,
             chunk_pages=chunk_pages,
+            void_counts=buf("voids"),
+            first_live=arrays["first_live"],
         )
         return DeviceWorkList(arrays, n, bh, t.chunk, t.has_pairs, cap, arena)
 

@@ -199,9 +199,12 @@ def _clamped_offsets(lengths: np.ndarray, capacity: int) -> np.ndarray:
 
 def forward_arrays(template: ItemTemplate, rows: np.ndarray, capacity: int) -> dict:
     """The forward work list's arrays as the device writes them (items in template order, head-major):
-    ``work_info`` int32 ``[W, 4]`` (head, first entry, entries, M), ``work_order`` int32 ``[W]`` (per head,
-    largest M · chunks first), ``own_entries`` int32 ``[W, 8, 2]``, ``stream_entries`` int32 ``[S, 2]``
-    (``S`` = the entries written, at most ``capacity``) and ``overflow`` (items cut at the capacity)."""
+    ``work_info`` int32 ``[W, 4]`` (head, first entry, entries, M), ``work_order`` int32 ``[W]`` (every void
+    item first — no stream entry, no owned page — head by head in item order; then the live items, head by
+    head, largest M · chunks first), ``first_live`` (how many void items lead the order: where a launch
+    starts the kernel's item counter), ``own_entries`` int32 ``[W, 8, 2]``, ``stream_entries`` int32
+    ``[S, 2]`` (``S`` = the entries written, at most ``capacity``) and ``overflow`` (items cut at the
+    capacity)."""
     matched = matched_slots(template, rows) if template.matched else None
     entries, counts = item_streams(template, rows, matched)
     heads, n_items = rows.shape[0], template.num_items
@@ -216,23 +219,19 @@ def forward_arrays(template: ItemTemplate, rows: np.ndarray, capacity: int) -> d
     own = own.reshape(-1, own.shape[-1])
     work_info = np.stack([np.repeat(np.arange(heads), n_items), begin[:-1], kept, rows_m], axis=1)
     cost = rows_m * -(-lengths // (template.chunk // 16))
-    order = (
-        np.concatenate(
-            [
-                _sorted_segment(
-                    np.arange(h * n_items, (h + 1) * n_items), cost[h * n_items : (h + 1) * n_items]
-                )
-                for h in range(heads)
-            ]
-        )
-        if heads * n_items
-        else np.zeros(0, np.int64)
-    )
+    void = (lengths == 0) & np.all(own < 0, axis=1)
+    live = []
+    for h in range(heads):
+        items = np.arange(h * n_items, (h + 1) * n_items)
+        items = items[~void[items]]
+        live.append(_sorted_segment(items, cost[items]))
+    order = np.concatenate([np.flatnonzero(void), *live]).astype(np.int64)
     own_mask = np.where(own >= 0, template.owner_mask.astype(np.int64)[np.maximum(own, 0)], 0)
     stream = np.concatenate([e[:n] for e, n in zip(entries, kept)]) if entries else np.zeros((0, 2), np.int64)
     return dict(
         work_info=work_info.astype(np.int32),
         work_order=order.astype(np.int32),
+        first_live=np.array([np.count_nonzero(void)], np.int32),
         own_entries=np.stack([own, own_mask], axis=-1).astype(np.int32),
         stream_entries=stream.astype(np.int32).reshape(-1, 2),
         overflow=int(np.count_nonzero(kept < lengths)),
