@@ -36,6 +36,15 @@ METHODS = ("sort", "bisect")
 METHOD = os.environ.get("SPARSEATTN_SVG2_SELECT") or None
 
 
+#: Warps per program (one Q cluster's row); None: 4 up to 1,024 K clusters, else 8. An A/B knob
+#: (``SPARSEATTN_SVG2_SELECT_WARPS``; ``data/bench/experiments/select_warps_ab.py``).
+NUM_WARPS = (
+    int(os.environ["SPARSEATTN_SVG2_SELECT_WARPS"])
+    if os.environ.get("SPARSEATTN_SVG2_SELECT_WARPS")
+    else None
+)
+
+
 def method_for(dtype: torch.dtype) -> str:
     """The method :func:`select_mask` takes on scores of ``dtype`` when not told: :data:`METHOD` if set,
     else "bisect" for float64 and "sort" for float32."""
@@ -174,6 +183,6 @@ def select_mask(
             ck,
             BLOCK=block,
             BISECT=method == "bisect",
-            num_warps=4 if block <= 1024 else 8,
+            num_warps=NUM_WARPS or (4 if block <= 1024 else 8),
         )
     return out
