@@ -106,6 +106,7 @@ def test_forward_order_lists_void_items_first_and_the_rest_computes_the_graph(ch
         planner = _planner(case)
         out = emu.emulate_plans(planner, **case.selection())
         fwd, heads = out["forward"], out["heads"]
+        assert fwd["overflow"] == 0, case.name  # work_info's lengths are then the uncut ones
         order, info, own = fwd["work_order"], fwd["work_info"], fwd["own_entries"][..., 0]
         first = int(fwd["first_live"][0])
         assert np.array_equal(np.sort(order), np.arange(info.shape[0])), case.name

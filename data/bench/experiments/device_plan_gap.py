@@ -6,7 +6,8 @@ events, median of ``--reps`` per round, paired ratio to the host list's time in 
 - ``host_shared``: the host's pair list (each head pairs its blocks by shared K pages): what ``kpage`` runs;
 - ``host_layout``: the host's pair list with the device planner's partners (``partners="layout"``);
 - ``device``: the device planner's plans, launched as ``kpage_device`` launches them;
-- ``device_copied``: the device list copied to the host and launched as a WorkList (should equal ``device``);
+- ``device_copied``: the device list copied to the host and launched as a WorkList (its counter from 0, so
+  it runs as ``device_from_zero``);
 - ``device_no_empty``: that copy without its empty items (no stream entry, no owned page);
 - ``device_from_zero``: the device plans with the item counter started at 0 (before v14 of the device
   planner's notes: the void items the order lists first are fetched and passed by).
@@ -85,7 +86,6 @@ def main(argv=None) -> int:
     from sparseattn.planning.device import DevicePlanner
     from sparseattn.planning.pair_forward import pair_work_list
     from sparseattn.planning.work_list import WorkList, work_order
-    from sparseattn.variant_ab import rotation, summarize
 
     graph, head_dim = bench.workload_graph(args.workload, None, seed=0)
     case = bench.Case(graph, head_dim, 1, seed=1)
@@ -113,19 +113,28 @@ def main(argv=None) -> int:
         forward.START_PAST_VOIDS = name != "device_from_zero"
         forward.paged_forward(case.q, case.k, case.v, wl, scale=case.scale, out=buffers)
 
-    for name, get in runs.items():
-        o.fill(0x7FC0)
-        launch(name, get())
-        cupy.cuda.Device().synchronize()
-        got = bench.bf16_bits_to_float(cupy.asnumpy(o)).astype(np.float64)
-        want = bench.bf16_bits_to_float(ref).astype(np.float64)
-        entry = dict(
-            max_abs_diff_to_host_shared=float(np.nanmax(np.abs(got - want))), nan=int(np.isnan(got).sum())
-        )
-        if name in lists:
-            entry.update(counts(lists[name]))
-        record["lists"][name] = entry
-        print(name, entry, flush=True)
+    try:
+        for name, get in runs.items():
+            o.fill(0x7FC0)
+            launch(name, get())
+            cupy.cuda.Device().synchronize()
+            got = bench.bf16_bits_to_float(cupy.asnumpy(o)).astype(np.float64)
+            want = bench.bf16_bits_to_float(ref).astype(np.float64)
+            entry = dict(
+                max_abs_diff_to_host_shared=float(np.nanmax(np.abs(got - want))), nan=int(np.isnan(got).sum())
+            )
+            if name in lists:
+                entry.update(counts(lists[name]))
+            record["lists"][name] = entry
+            print(name, entry, flush=True)
+        return _timed(args, runs, launch, record)
+    finally:
+        forward.START_PAST_VOIDS = True
+
+
+def _timed(args, runs, launch, record) -> int:
+    from sparseattn import bench
+    from sparseattn.variant_ab import rotation, summarize
 
     timer = bench.Timer(3, args.reps)
     names = list(runs)
@@ -136,7 +145,6 @@ def main(argv=None) -> int:
             wl = get()
             ms, _ = timer(lambda n=n, wl=wl: launch(n, wl))
             times[n].append(ms)
-    forward.START_PAST_VOIDS = True
     summary = summarize(times, "host_shared")
     for n in names:
         record["lists"][n].update(summary[n])
