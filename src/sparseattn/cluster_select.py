@@ -36,8 +36,9 @@ METHODS = ("sort", "bisect")
 METHOD = os.environ.get("SPARSEATTN_SVG2_SELECT") or None
 
 
-#: Warps per program (one Q cluster's row); None: 4 up to 1,024 K clusters, else 8. An A/B knob
-#: (``SPARSEATTN_SVG2_SELECT_WARPS``; ``data/bench/experiments/select_warps_ab.py``).
+#: Warps per program (one Q cluster's row); None: 2 up to 1,024 K clusters (measured 6–10% faster than 4 at
+#: SVG2's 720p shape, with equal masks: ``data/bench/experiments/svg2_select_warps_h100_20261206_85986d5.json``),
+#: else 8. An A/B knob (``SPARSEATTN_SVG2_SELECT_WARPS``; ``data/bench/experiments/select_warps_ab.py``).
 NUM_WARPS = (
     int(os.environ["SPARSEATTN_SVG2_SELECT_WARPS"])
     if os.environ.get("SPARSEATTN_SVG2_SELECT_WARPS")
@@ -183,6 +184,6 @@ def select_mask(
             ck,
             BLOCK=block,
             BISECT=method == "bisect",
-            num_warps=NUM_WARPS or (4 if block <= 1024 else 8),
+            num_warps=NUM_WARPS or (2 if block <= 1024 else 8),
         )
     return out

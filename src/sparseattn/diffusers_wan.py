@@ -161,7 +161,7 @@ def apply_rotary(x, freqs_cos, freqs_sin):
 
 def token_order_default() -> bool:
     """``SPARSEATTN_TOKEN_ORDER=1``: KPage processors built without ``token_order`` run the token-order
-    forward (opt-in until its GPU tests have passed on the H200)."""
+    forward (opt-in: correct, but slower than the slot order with its moves; NOTES_kpage_fwd.md)."""
     return os.environ.get("SPARSEATTN_TOKEN_ORDER", "0") == "1"
 
 

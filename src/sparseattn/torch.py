@@ -186,7 +186,7 @@ def token_order_attention(
     On CUDA, in bf16, without gradients, outside ``torch.compile``, the KPage forward's token-order build
     runs: it gathers each slot's row from its token and stores each output row to its token, so nothing is moved
     into or out of slot order (:func:`sparseattn.kernels.forward.torch_token_forward`). With gradients and
-    :func:`token_backward_enabled` (opt-in until its GPU tests pass), the backward's token-order build too
+    :func:`token_backward_enabled` (opt-in: slower than the slot order), the backward's token-order build too
     (:func:`sparseattn.kernels.backward.torch_token_backward`; where it does not run the plan, the slot-order
     backward behind moves). Otherwise (gradients, a trace, the CPU) the three steps above run, with autograd.
     """
@@ -226,7 +226,7 @@ def token_order_attention(
 
 def token_backward_enabled() -> bool:
     """``SPARSEATTN_TOKEN_BACKWARD=1``: differentiated :func:`token_order_attention` calls run the token-order
-    backward build (opt-in until its GPU tests have passed on the H200)."""
+    backward build (opt-in: correct, but slower than the slot order with its moves)."""
     import os
 
     return os.environ.get("SPARSEATTN_TOKEN_BACKWARD", "0") == "1"
