@@ -42,6 +42,8 @@
 // the map row is bh · slots when maps_per_row, else 0 (one layout for every row). The producer loads each
 // page's 16 tokens once per chunk (before it waits for the buffer) and gathers their rows; the epilogue
 // stores O rows to their tokens. LSE stays in slot order. No tensor moves into or out of slot order.
+// PAGED_FWD_TOKENS_AHEAD (opt-in, with PAGED_FWD_TOKENS; not yet run on a GPU): the page tokens a chunk
+// ahead and the stream entries two ahead, so no chunk's copies wait on a dependent map load.
 #include "hopper_wgmma.cuh"
 
 #ifdef PAGED_FWD_TMA
@@ -338,7 +340,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             int next_page;
             uint32_t next_mask;
             entry(0, next_page, next_mask);
-#ifdef PAGED_FWD_TOKENS
+#if defined(PAGED_FWD_TOKENS) && defined(PAGED_FWD_TOKENS_AHEAD)
             // the token build reads each page's tokens a chunk ahead (the load after the entries' would
             // otherwise sit between them and the row copies of every chunk): tok_next holds chunk c + 1's,
             // after_page / after_mask the entries of chunk c + 2's predecessor
@@ -366,7 +368,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
 #ifndef PAGED_FWD_TMA
                 const uint32_t my_mask = next_mask;
 #endif
-#ifdef PAGED_FWD_TOKENS
+#if defined(PAGED_FWD_TOKENS) && defined(PAGED_FWD_TOKENS_AHEAD)
                 int tok[C::PPW];  // lane l: the token of row l % 16 of each page (loaded a chunk ahead)
 #pragma unroll
                 for (int p = 0; p < C::PPW; ++p) tok[p] = tok_next[p];
@@ -380,6 +382,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 next_mask = after_mask;
                 entry(c + 2, after_page, after_mask);
 #else
+#ifdef PAGED_FWD_TOKENS
+                int tok[C::PPW];  // lane l: the token of row l % 16 of each page (loaded before the waits)
+                hopper::page_tokens<C::PPW>(tok, kmap, k_pages, page);
+#endif
                 entry(c + 1, next_page, next_mask);
 #endif
                 hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
