@@ -12,8 +12,9 @@ every centroid again. This counts the fraction that passes, on a built-in worklo
 
 What the previous call saw is modelled, not recorded: its features are the same generator's at another
 seed mixed in, ``x_prev = sqrt(1 − ε²)·x + ε·x_other`` (cosine ≈ sqrt(1 − ε²) between the two calls'
-features), and its centroids are ``init_iters`` Lloyd steps (k-means++ seeds) on ``x_prev``. Distances in
-float64 from float32 features, exact (a kernel's bf16 dot products would need a margin on the test).
+features), and its centroids are ``init_iters`` Lloyd steps on ``x_prev`` from the host builder's k-means++
+seeds. Distances in float64 from float32 features, exact (a kernel's bf16 dot products would need a margin
+on the test).
 
     PYTHONPATH=src python data/bench/experiments/kmeans_bound_counts.py --heads 2 --out counts.json
 """
@@ -34,18 +35,6 @@ def sq_dists(x: np.ndarray, c: np.ndarray) -> np.ndarray:
     return np.maximum(d, 0.0)
 
 
-def kmeans_pp(x: np.ndarray, k: int, rng) -> np.ndarray:
-    n = x.shape[0]
-    pool = x[rng.choice(n, size=min(n, 16 * k), replace=False)]
-    centers = [pool[rng.integers(pool.shape[0])]]
-    d = sq_dists(pool, np.asarray(centers))[:, 0]
-    for _ in range(1, k):
-        p = d / d.sum() if d.sum() > 0 else None
-        centers.append(pool[rng.choice(pool.shape[0], p=p)])
-        d = np.minimum(d, sq_dists(pool, centers[-1][None])[:, 0])
-    return np.asarray(centers)
-
-
 def lloyd_update(x: np.ndarray, labels: np.ndarray, c: np.ndarray) -> np.ndarray:
     k = c.shape[0]
     sums = np.zeros_like(c)
@@ -55,9 +44,12 @@ def lloyd_update(x: np.ndarray, labels: np.ndarray, c: np.ndarray) -> np.ndarray
 
 
 def fit(x: np.ndarray, k: int, iters: int, rng) -> np.ndarray:
-    c = kmeans_pp(x, k, rng)
+    """The host builder's k-means++ seeds, then ``iters`` Lloyd steps (labels by its nearest_centroid)."""
+    from sparseattn.builders import _kmeans_pp_init, nearest_centroid
+
+    c = _kmeans_pp_init(x, k, rng)
     for _ in range(iters):
-        c = lloyd_update(x, sq_dists(x, c).argmin(1), c)
+        c = lloyd_update(x, nearest_centroid(x, c), c)
     return c
 
 

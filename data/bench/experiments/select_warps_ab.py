@@ -33,6 +33,7 @@ def main(argv=None) -> int:
 
     from sparseattn import cluster_select
     from sparseattn.svg2_device import _select_by_sort, selection_inputs
+    from sparseattn.variant_ab import rotation
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
             got = cluster_select.select_mask(dots, bias, d, 0.9, least, method="bisect")
             entry["warps"][w] = dict(equal_to_sort=bool(torch.equal(got, want)))
         for r in range(args.rounds):
-            for w in warps[r % len(warps) :] + warps[: r % len(warps)]:
+            for w in rotation(warps, r):
                 cluster_select.NUM_WARPS = w
                 for _ in range(3):
                     cluster_select.select_mask(dots, bias, d, 0.9, least, method="bisect")

@@ -506,9 +506,8 @@ def _may_leave_pages(plan, arrays: dict) -> bool:
 def _may_leave_valid_rows(plan, arrays: dict) -> bool:
     """Whether an owner page no item owns holds a valid row (a page :func:`_may_leave_pages` counts that is
     not all padding): the token-order build has no padding rows to clear, only tokens."""
-    if isinstance(plan, DeviceOwnedPlan):
-        return _may_leave_pages(plan, arrays) and plan.uncovered_valid
-    return _may_leave_pages(plan, arrays) and arrays["uncovered valid"]
+    valid = plan.uncovered_valid if isinstance(plan, DeviceOwnedPlan) else arrays["uncovered valid"]
+    return valid and _may_leave_pages(plan, arrays)
 
 
 def backward_recipe(

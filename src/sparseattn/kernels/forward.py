@@ -459,9 +459,8 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             maps = (TensorMap(b * h * sk, d, "k"), TensorMap(b * h * sk, d, "v"))
         grid = (min(launch.sm_count(device), wl.num_work * b),)
         packed = launch.PackedLaunch(fn, grid, (THREADS,), (np.uint64(0),) * 5 + rest + maps, smem, bound)
-        first = arrays.get("first_live") if on_device and b == 1 else None  # SVG2's lists have none
-        first = None if first is None else int(first)
-        ready = arrays[key] = (packed, int(counter), maps, first)
+        live = arrays.get("first_live") if on_device and b == 1 else None  # SVG2's lists have none
+        ready = arrays[key] = (packed, int(counter), maps, None if live is None else int(live))
     return ready
 
 
