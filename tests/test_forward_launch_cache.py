@@ -32,7 +32,7 @@ class _DeviceArray:
 
 class _PackedLaunch:
     def __init__(self, fn, grid, block, args, smem, bound=None):
-        self.args = args
+        self.args, self.bound = args, bound
 
 
 @pytest.fixture
@@ -92,3 +92,44 @@ def test_a_device_work_list_starts_its_counter_past_the_void_items(fake_cupy, mo
     forward._launch(1, 2, 3, host, 0.088, 4, 5, 0, sizes=(1, h, sq, sk, 128))
     counter = forward._prepared(host, (1, h, sq, sk, 128), 0.088, 0)[1]
     assert calls == [("memset", counter, 0, 4, 77), ("launch",)]
+
+
+def test_device_lists_of_one_arena_shape_share_one_launch(fake_cupy, monkeypatch):
+    """Each call of a device planner writes its lists into a new arena of the same shape: the packed launch
+    is made once for the shape and binds each call's list arrays (in ``LIST_ARRAYS`` order, after the five
+    tensors) and starts each call's own counter."""
+    import sys
+
+    from sparseattn.planning.device import Arena, DeviceWorkList
+
+    calls: list = []
+    _recording_runtime(sys.modules["cupy"], calls)
+    monkeypatch.setattr(_PackedLaunch, "__call__", lambda self, stream, *pointers: calls.append(pointers))
+    proto = Arena({"forward.work_info": ((40, 4), np.int32)})
+    proto.base = 0x10000
+    names = (*forward.LIST_ARRAYS, "first_live")
+    sizes = (1, 4, 256, 256, 128)
+    prepared = []
+    for call in range(2):
+        arrays = {name: np.uint64(0x20000 * (call + 1) + 256 * i) for i, name in enumerate(names)}
+        wl = DeviceWorkList(arrays, 40, 4, 128, False, 100, proto.rebased())
+        prepared.append(forward._prepared(wl, sizes, 0.088, 0))
+        forward._launch(1, 2, 3, wl, 0.088, 4, 5, 0, sizes=sizes)
+        counter, first = int(arrays["counter"]), int(arrays["first_live"])
+        assert calls[-2] == ("memcpy", counter, first, 4, 3, 77)
+        assert calls[-1] == (1, 2, 3, 4, 5, *(int(arrays[name]) for name in forward.LIST_ARRAYS))
+    assert prepared[0] is prepared[1], "each call packed its own launch"
+    bound = [forward.KERNEL_PARAMS[i] for i in prepared[0][0].bound]
+    assert bound == [
+        "Q",
+        "K",
+        "V",
+        "O",
+        "LSE",
+        "work_info",
+        "work_order",
+        "own_pages",
+        "stream_pages",
+        "item_counter",
+    ]
+    assert len(proto.launches) == 1

@@ -407,23 +407,33 @@ def _check_tensors(q, k, v, out):
 START_PAST_VOIDS = True
 
 
+#: A device list's arrays that its launch binds at every call, after the five tensors (each call's device
+#: plans live in a new arena; the packed launch is shared by every arena of one shape).
+LIST_ARRAYS = ("work_info", "work_order", "own_entries", "stream_entries", "counter")
+
+
 def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device: int, tokens=None):
-    """``(packed launch, counter pointer, tensor maps, first item)`` of one launch (the five tensors its first
-    arguments; tensor maps of K and V in the ``PAGED_FWD_TMA`` build, else none; first item: None, or a
-    device planner's ``first_live``, the pointer to the counter's start past the void items),
-    prepared once per (work list, device, tensor sizes, scale) and reused; None when there is no work (a
-    device planner's work list is new per call: its arrays are on the device already, and its streams
-    end at the planner's capacity). ``sizes``: (batch, heads, q_slots, k_slots, d). ``tokens``: the
-    token-order build's ``(q_tokens, k_tokens, tok_heads, maps_per_row)`` (its two map pointers are then
-    set per call after the five tensors)."""
+    """``(packed launch, counter pointer, tensor maps)`` of one launch (the five tensors its first
+    arguments; tensor maps of K and V in the ``PAGED_FWD_TMA`` build, else none), prepared once per
+    (work list, device, tensor sizes, scale) and reused; None when there is no work. A device planner's
+    work list is new per call, its arrays in a new arena of the same shape: its launch is kept in the
+    arena's shared ``launches`` and binds :data:`LIST_ARRAYS` per call (counter pointer None: the list's
+    own). ``sizes``: (batch, heads, q_slots, k_slots, d). ``tokens``: the token-order build's
+    ``(q_tokens, k_tokens, tok_heads, maps_per_row)`` (its two map pointers are then set per call after
+    the five tensors and a device list's arrays)."""
     import cupy
 
     b, h, sq, sk, d = sizes
     on_device = isinstance(wl, DeviceWorkList)
-    arrays = wl.arrays if on_device else launch.device_arrays(wl, device, wl.device_arrays)
+    if on_device:
+        cache = getattr(wl.arena, "launches", None)
+        if cache is None:  # a list with memory of its own (SVG2's per-call lists): packed per call
+            cache = {}
+    else:
+        cache = launch.device_arrays(wl, device, wl.device_arrays)
     defines = DEFINES if tokens is None else token_defines()
-    key = (sizes, scale, defines, tokens)
-    ready = arrays.get(key)
+    key = (sizes, scale, defines, tokens, device, wl.num_work, wl.chunk, wl.has_visibility())
+    ready = cache.get(key)
     if ready is None:
         if wl.num_work * b == 0:
             return None
@@ -431,17 +441,19 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
         name = kernel_name(d, wl.chunk, pair=wl.has_visibility())
         fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS, defines), smem)
         if on_device:
-            counter = arrays["counter"]
+            list_arrays = {name: np.uint64(0) for name in LIST_ARRAYS}
+            counter = None
         else:  # one counter per launch key, kept as long as its packed launch (which holds its pointer only)
             with cupy.cuda.Device(device):
-                counter_array = arrays[("counter", key)] = cupy.zeros(1, dtype=cupy.int32)
-            counter = np.uint64(counter_array.data.ptr)
+                counter_array = cache[("counter", key)] = cupy.zeros(1, dtype=cupy.int32)
+            list_arrays = {name: cache[name] for name in LIST_ARRAYS[:-1]}
+            list_arrays["counter"] = counter = np.uint64(counter_array.data.ptr)
         values = dict(
-            work_info=arrays["work_info"],
-            work_order=arrays["work_order"],
-            own_pages=arrays["own_entries"],
-            stream_pages=arrays["stream_entries"],
-            item_counter=counter,
+            work_info=list_arrays["work_info"],
+            work_order=list_arrays["work_order"],
+            own_pages=list_arrays["own_entries"],
+            stream_pages=list_arrays["stream_entries"],
+            item_counter=list_arrays["counter"],
             num_work=np.int32(wl.num_work),
             batch=np.int32(b),
             heads=np.int32(h),
@@ -451,17 +463,22 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             scale_log2=np.float32(scale * math.log2(math.e)),
         )
         rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
-        maps, bound = (), None
+        maps, bound = (), list(range(5))
+        if on_device:
+            bound += [KERNEL_PARAMS.index(name) for name in _LIST_PARAMS]
         if tokens is not None:
             rest += (np.uint64(0), np.uint64(0)) + tuple(np.int32(x) for x in tokens)
-            bound = (*range(5), len(KERNEL_PARAMS), len(KERNEL_PARAMS) + 1)
+            bound += [len(KERNEL_PARAMS), len(KERNEL_PARAMS) + 1]
         elif "PAGED_FWD_TMA" in DEFINES:  # pointed at each call's K and V by _launch
             maps = (TensorMap(b * h * sk, d, "k"), TensorMap(b * h * sk, d, "v"))
         grid = (min(launch.sm_count(device), wl.num_work * b),)
         packed = launch.PackedLaunch(fn, grid, (THREADS,), (np.uint64(0),) * 5 + rest + maps, smem, bound)
-        live = arrays.get("first_live") if on_device and b == 1 else None  # SVG2's lists have none
-        ready = arrays[key] = (packed, int(counter), maps, None if live is None else int(live))
+        ready = cache[key] = (packed, None if counter is None else int(counter), maps)
     return ready
+
+
+#: The kernel parameters of :data:`LIST_ARRAYS`, in that order.
+_LIST_PARAMS = ("work_info", "work_order", "own_pages", "stream_pages", "item_counter")
 
 
 def _pointer(x) -> int:
@@ -494,8 +511,16 @@ def _launch(
     ready = _prepared(wl, sizes, scale, device, tokens)
     if ready is None:
         return
-    packed, counter, maps, first = ready
-    pointers = [_pointer(x) for x in (q, k, v, o, lse)] + [int(p) for p in token_maps]
+    packed, counter, maps = ready
+    pointers = [_pointer(x) for x in (q, k, v, o, lse)]
+    first = None
+    if counter is None:  # a device list: its arrays bound per call, its counter started past its void items
+        arrays = wl.arrays
+        pointers += [int(arrays[name]) for name in LIST_ARRAYS]
+        counter = pointers[-1]
+        live = arrays.get("first_live") if sizes[0] == 1 else None  # SVG2's lists have none
+        first = None if live is None else int(live)
+    pointers += [int(p) for p in token_maps]
     for tensor_map, pointer in zip(maps, pointers[1:3]):  # K and V (TMA build)
         tensor_map.point_at(pointer)
     stream = cupy.cuda.get_current_stream().ptr if stream is None else stream

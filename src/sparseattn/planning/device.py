@@ -173,7 +173,9 @@ def _rebased_arrays(arrays: dict, old: Arena, new: Arena) -> dict:
 
 class Arena:
     """The buffers of one call in one device allocation: ``buffer(name)`` is a raw device pointer
-    (``numpy.uint64``, what kernels take), ``view(name)`` a CuPy array over it (for tests and checks)."""
+    (``numpy.uint64``, what kernels take), ``view(name)`` a CuPy array over it (for tests and checks).
+    ``launches``: a dict that every allocation of one prototype shares (the kernel wrappers keep their
+    packed launches there, bound to each call's buffers when it launches)."""
 
     ALIGN = 256
 
@@ -185,6 +187,7 @@ class Arena:
             offset += -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
         self.nbytes = offset
         self.memory = None
+        self.launches = {}
 
     def allocate(self, memory=None) -> Arena:
         """A fresh allocation (CuPy's allocator: torch's inside :func:`~sparseattn.kernels.launch.torch_context`),
@@ -192,7 +195,7 @@ class Arena:
         import cupy
 
         out = Arena.__new__(Arena)
-        out.specs, out.nbytes = self.specs, self.nbytes
+        out.specs, out.nbytes, out.launches = self.specs, self.nbytes, self.launches
         if memory is None:
             out.memory = cupy.empty(self.nbytes, dtype=cupy.uint8)
         else:
@@ -203,7 +206,7 @@ class Arena:
     def rebased(self, memory=None) -> Arena:
         """The same buffers in ``memory`` (a torch CUDA tensor), or without memory (a prototype)."""
         out = Arena.__new__(Arena)
-        out.specs, out.nbytes = self.specs, self.nbytes
+        out.specs, out.nbytes, out.launches = self.specs, self.nbytes, self.launches
         out.memory = None if memory is None else _cupy_bytes(memory, self.nbytes)
         out.base = self.base if memory is None else int(out.memory.data.ptr)
         return out
