@@ -42,8 +42,6 @@
 // the map row is bh · slots when maps_per_row, else 0 (one layout for every row). The producer loads each
 // page's 16 tokens once per chunk (before it waits for the buffer) and gathers their rows; the epilogue
 // stores O rows to their tokens. LSE stays in slot order. No tensor moves into or out of slot order.
-// PAGED_FWD_TOKENS_AHEAD (opt-in, with PAGED_FWD_TOKENS; not yet run on a GPU): the page tokens a chunk
-// ahead and the stream entries two ahead, so no chunk's copies wait on a dependent map load.
 #include "hopper_wgmma.cuh"
 
 #ifdef PAGED_FWD_TMA
@@ -340,21 +338,6 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             int next_page;
             uint32_t next_mask;
             entry(0, next_page, next_mask);
-#if defined(PAGED_FWD_TOKENS) && defined(PAGED_FWD_TOKENS_AHEAD)
-            // the token build reads each page's tokens a chunk ahead (the load after the entries' would
-            // otherwise sit between them and the row copies of every chunk): tok_next holds chunk c + 1's,
-            // after_page / after_mask the entries of chunk c + 2's predecessor
-            int tok_next[C::PPW];
-            {
-                int pg[C::PPW];
-#pragma unroll
-                for (int p = 0; p < C::PPW; ++p) pg[p] = __shfl_sync(0xffffffffu, next_page, p);
-                hopper::page_tokens<C::PPW>(tok_next, kmap, k_pages, pg);
-            }
-            int after_page;
-            uint32_t after_mask;
-            entry(1, after_page, after_mask);
-#endif
             for (int c = 0; c < it.chunks; ++c, ++chunk_count) {
                 const int buf = chunk_count % NBUF;
                 const uint32_t par = (chunk_count / NBUF) & 1;
@@ -368,26 +351,11 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
 #ifndef PAGED_FWD_TMA
                 const uint32_t my_mask = next_mask;
 #endif
-#if defined(PAGED_FWD_TOKENS) && defined(PAGED_FWD_TOKENS_AHEAD)
-                int tok[C::PPW];  // lane l: the token of row l % 16 of each page (loaded a chunk ahead)
-#pragma unroll
-                for (int p = 0; p < C::PPW; ++p) tok[p] = tok_next[p];
-                {
-                    int pg[C::PPW];
-#pragma unroll
-                    for (int p = 0; p < C::PPW; ++p) pg[p] = __shfl_sync(0xffffffffu, after_page, p);
-                    hopper::page_tokens<C::PPW>(tok_next, kmap, k_pages, pg);
-                }
-                next_page = after_page;
-                next_mask = after_mask;
-                entry(c + 2, after_page, after_mask);
-#else
 #ifdef PAGED_FWD_TOKENS
                 int tok[C::PPW];  // lane l: the token of row l % 16 of each page (loaded before the waits)
                 hopper::page_tokens<C::PPW>(tok, kmap, k_pages, page);
 #endif
                 entry(c + 1, next_page, next_mask);
-#endif
                 hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
 #ifdef PAGED_FWD_TMA
                 // The lane that issues the warp's boxes writes its masks too (the phase may complete by
