@@ -69,3 +69,48 @@ def test_a_cached_recipe_keeps_its_host_dq_plan(fake_cupy):
     first = bsa_backward._recipe_of(kv_plan, dq_plan, None, "wgmma_dq_pass", False, sizes, 0.088, 0)
     assert first.dq_plan is dq_plan
     assert bsa_backward._recipe_of(kv_plan, dq_plan, None, "wgmma_dq_pass", False, sizes, 0.088, 0) is first
+
+
+def _device_kv_plan(arena, heads: int, tables: dict) -> DeviceOwnedPlan:
+    """A K/V-owned plan as the device planner returns it: its arrays in ``arena`` (at the offsets of its
+    buffers), the layout's page masks in ``tables`` (outside every arena), pair items."""
+    names = ("work_head", "own_pages", "stream_indptr", "stream_pages", "order", "pair_pages")
+    arrays = {n: arena.buffer(f"backward.{n}") for n in names}
+    arrays.update(own_page_mask=tables["o_mask"], stream_page_mask=tables["t_mask"])
+    launches = ((0, 0, 4, True), (1, 4, 6, False))
+    return DeviceOwnedPlan(arrays, "kv", ((128, 128), (128, 128)), launches, heads, 6, 8, None, 0, arena)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "per-call"])
+def test_device_plans_of_one_arena_shape_share_one_recipe(fake_cupy, monkeypatch, shared):
+    """With ``SHARED_DEVICE_RECIPES``: the device planner writes each call's plans into a new arena of one
+    shape; the backward's recipe is packed once for the shape, names the plans' arrays by their offsets in
+    the arena, and each run binds that call's arena; the layout tables, outside every arena, stay fixed
+    arguments. Without it (the default until its GPU run): each call packs its own recipe over raw pointers."""
+    from sparseattn.planning.device import Arena
+
+    monkeypatch.setattr(bsa_backward, "SHARED_DEVICE_RECIPES", shared)
+
+    names = ("work_head", "own_pages", "stream_indptr", "stream_pages", "order", "pair_pages")
+    proto = Arena({f"backward.{n}": ((64,), np.int32) for n in names})
+    proto.base = 0
+    offsets = {proto.specs[f"backward.{n}"][0] for n in names}
+    tables = {"o_mask": np.uint64(0x7000000), "t_mask": np.uint64(0x7100000)}
+    sizes = (1, 2, 512, 512, 128)
+    recipes = []
+    for call in range(2):
+        arena = proto.rebased()
+        arena.base = 0xB0000000 + call * 0x100000
+        plan = _device_kv_plan(arena, 2, tables)
+        recipe = bsa_backward._recipe_of(plan, None, None, "wgmma", False, sizes, 0.088, 0)
+        recipes.append(recipe)
+        pointers = bsa_backward.arena_pointers(plan)
+        assert int(tables["o_mask"]) in _packed_values(recipe), "a layout table is not a fixed argument"
+        if not shared:
+            assert pointers == {} and arena.base + min(offsets) in _packed_values(recipe)
+            continue
+        assert pointers == {bsa_backward.ARENA: arena.base}
+        main = next(step for step in recipe.steps if step[0] == "side")[1]
+        in_arena = {pointers[n] + off for _, _, bound in main for n, off in bound if n == bsa_backward.ARENA}
+        assert in_arena and {p - arena.base for p in in_arena} <= offsets
+    assert (recipes[0] is recipes[1]) == shared

@@ -296,6 +296,57 @@ def uncovered_rows_valid(plan: TilePlan, pages: np.ndarray) -> bool:
     return pages_hold_rows(plan.own_page_mask, pages)
 
 
+#: The name a recipe binds a device planner's arena to: a device plan's arrays inside it are given as
+#: ``"arena+OFFSET"`` (:func:`_bound_name`), so that one recipe serves every call whose plans lie in an arena
+#: of the same shape (the planner makes a new one per call).
+ARENA = "arena"
+#: Whether device plans share their recipes that way (opt-in until its GPU tests have run:
+#: ``SPARSEATTN_SHARED_DEVICE_RECIPES=1``); off, each call of a device plan packs its own recipe.
+SHARED_DEVICE_RECIPES = os.environ.get("SPARSEATTN_SHARED_DEVICE_RECIPES", "0") == "1"
+
+
+def _arena_base(plan: DeviceOwnedPlan):
+    """The device pointer of ``plan``'s arena, or None (an arena without memory of its own)."""
+    return getattr(plan.arena, "base", None)
+
+
+def _arena_relative(plan: DeviceOwnedPlan) -> dict:
+    """``plan.arrays`` with every pointer into the plan's arena as ``"arena+OFFSET"`` (the planner's layout
+    tables, outside the arena, stay pointers)."""
+    base = _arena_base(plan) if SHARED_DEVICE_RECIPES else None
+    if base is None:
+        return dict(plan.arrays)
+    end = base + plan.arena.nbytes
+
+    def relative(p):
+        inside = isinstance(p, (int, np.integer)) and base <= int(p) < end
+        return f"{ARENA}+{int(p) - base}" if inside else p
+
+    return {name: relative(p) for name, p in plan.arrays.items()}
+
+
+def _recipe_cache(plan, arrays: dict, dq_plan):
+    """Where :func:`backward_recipe` keeps a plan's recipes: a host plan's arrays (with a host dQ plan or
+    none), a device plan's arena's shared ``launches`` (its dQ plan, if any, in the same arena), else
+    nowhere (None: the recipe holds raw pointers of this call's memory)."""
+    if not isinstance(plan, DeviceOwnedPlan):
+        return None if isinstance(dq_plan, DeviceOwnedPlan) else arrays
+    if not SHARED_DEVICE_RECIPES or _arena_base(plan) is None:
+        return None
+    if dq_plan is not None and (
+        not isinstance(dq_plan, DeviceOwnedPlan) or dq_plan.arena.specs is not plan.arena.specs
+    ):
+        return None
+    return getattr(plan.arena, "launches", None)
+
+
+def arena_pointers(plan) -> dict:
+    """The pointer a recipe of ``plan`` binds besides the tensors: ``{ARENA: base}`` for a device plan."""
+    shared = SHARED_DEVICE_RECIPES and isinstance(plan, DeviceOwnedPlan)
+    base = _arena_base(plan) if shared else None
+    return {} if base is None else {ARENA: int(base)}
+
+
 def _device_plan(
     plan: TilePlan | DeviceOwnedPlan, q_pages: int, k_pages: int, heads: int, device: int
 ) -> dict:
@@ -309,7 +360,7 @@ def _device_plan(
             raise KernelValueError(
                 f"the device plan holds {plan.heads} heads, the tensors {heads} (batch · heads)"
             )
-        return {**plan.arrays, "pair": plan.pair, "first_pair_item": None}
+        return {**_arena_relative(plan), "pair": plan.pair, "first_pair_item": None}
 
     per_plan = _DEVICE_PLANS.setdefault(plan, {})
     key = (q_pages, k_pages, heads, device)
@@ -514,13 +565,16 @@ def backward_recipe(
     plan, arrays, impl: str, deterministic: bool, dq_plan, sizes, scale, device: int, tokens=None
 ):
     """The :class:`BackwardRecipe` of a checked plan (``arrays``: its device arrays) for tensors of ``sizes``
-    (batch, heads, q_slots, k_slots, d); cached with a host plan's arrays. ``tokens``: the token-order
+    (batch, heads, q_slots, k_slots, d); cached with a host plan's arrays, or for every device plan of one
+    arena shape in the arena's ``launches`` (:func:`_recipe_cache`). ``tokens``: the token-order
     build's ``(q_tokens, k_tokens, tok_heads, maps_per_row)`` (the maps are the tensors ``q_map`` and
     ``k_map``; no dQ pass, no fixed point, no ``mma``): its recipe leaves the gradient rows of pages no item
     owns unwritten and names them in ``zeroed``, which the caller allocates as zeros."""
     b, h, sq, sk, d = sizes
-    key = ("recipe", impl, bool(deterministic), id(dq_plan), sizes, scale, tokens)
-    cached_recipe = arrays.get(key)
+    dq_key = "device" if isinstance(dq_plan, DeviceOwnedPlan) else id(dq_plan)
+    key = ("recipe", impl, bool(deterministic), dq_key, sizes, scale, tokens)
+    cache = _recipe_cache(plan, arrays, dq_plan)
+    cached_recipe = None if cache is None else cache.get(key)
     if cached_recipe is not None:
         return cached_recipe
     q_pages, k_pages = sq // PAGE_ROWS, sk // PAGE_ROWS
@@ -621,10 +675,9 @@ def backward_recipe(
         r.steps.extend(_uncovered_steps(r, ("dk", "dv"), arrays, plan, (b, h, k_pages, d)))
     elif _may_leave_valid_rows(plan, arrays):
         r.zeroed = ("dk", "dv")  # valid rows of pages no item owns: their tokens' rows start as zeros
-    # cached with a host plan's arrays; never with a device dQ plan (new memory each call, its id reused)
-    if not isinstance(plan, DeviceOwnedPlan) and not isinstance(dq_plan, DeviceOwnedPlan):
-        r.dq_plan = dq_plan
-        arrays[key] = r
+    if cache is not None:  # never a recipe with raw pointers of one call's memory (their ids get reused)
+        r.dq_plan = None if isinstance(dq_plan, DeviceOwnedPlan) else dq_plan
+        cache[key] = r
     return r
 
 
@@ -742,7 +795,7 @@ def plan_backward(
             dq, dk, dv = out
         temps = {name: cupy.empty(shape, dtype) for name, (shape, dtype) in recipe.temporaries.items()}
         tensors = dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv, **temps)
-        pointers = {name: x.data.ptr for name, x in tensors.items()}
+        pointers = {name: x.data.ptr for name, x in tensors.items()} | arena_pointers(plan)
         recipe.run(cupy.cuda.get_current_stream().ptr, device, pointers)
     return dq, dk, dv
 
@@ -817,12 +870,13 @@ def torch_plan_backward(q, k, v, o, lse, do, plan, scale=None, impl=None, determ
         return None
     scale = check_scale(scale, d)
     recipe = _recipe_of(plan, dq_plan, None, impl, deterministic, (b, h, sq, sk, d), scale, dev.index)
-    return _run_torch(recipe, dict(q=q, k=k, v=v, o=o, lse=lse, do=do))
+    return _run_torch(recipe, dict(q=q, k=k, v=v, o=o, lse=lse, do=do), plan)
 
 
-def _run_torch(recipe: BackwardRecipe, tensors: dict):
+def _run_torch(recipe: BackwardRecipe, tensors: dict, plan):
     """``(dq, dk, dv)`` of ``recipe`` on torch tensors (``tensors``: its inputs by name): fresh gradients like
-    q, k and v (zeros where ``recipe.zeroed`` says), its temporaries, torch's current stream."""
+    q, k and v (zeros where ``recipe.zeroed`` says), its temporaries, torch's current stream; ``plan``'s
+    arena bound where it is a device plan."""
     import torch
 
     dev = tensors["q"].device
@@ -831,7 +885,7 @@ def _run_torch(recipe: BackwardRecipe, tensors: dict):
         tensors[name] = make(tensors[like])
     for name, (shape, dtype) in recipe.temporaries.items():
         tensors[name] = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=dev)
-    pointers = {name: x.data_ptr() for name, x in tensors.items()}
+    pointers = {name: x.data_ptr() for name, x in tensors.items()} | arena_pointers(plan)
     recipe.run(launch.torch_stream_ptr(dev.index), dev.index, pointers)
     return tensors["dq"], tensors["dk"], tensors["dv"]
 
@@ -863,4 +917,4 @@ def torch_token_plan_backward(q, k, v, o, lse, do, plan, q_map, k_map, sizes, to
     recipe = backward_recipe(
         plan, arrays, impl, False, None, sizes, scale, dev.index, tuple(int(x) for x in tokens)
     )
-    return _run_torch(recipe, dict(q=q, k=k, v=v, o=o, lse=lse, do=do, q_map=q_map, k_map=k_map))
+    return _run_torch(recipe, dict(q=q, k=k, v=v, o=o, lse=lse, do=do, q_map=q_map, k_map=k_map), plan)
