@@ -71,13 +71,18 @@ def test_a_cached_recipe_keeps_its_host_dq_plan(fake_cupy):
     assert bsa_backward._recipe_of(kv_plan, dq_plan, None, "wgmma_dq_pass", False, sizes, 0.088, 0) is first
 
 
-def _device_kv_plan(arena, heads: int, tables: dict) -> DeviceOwnedPlan:
+#: The arena buffers of a device K/V-owned plan with pair items.
+KV_ARRAYS = ("work_head", "own_pages", "stream_indptr", "stream_pages", "order", "pair_pages")
+
+
+def _device_kv_plan(arena, heads: int, tables: dict, pair: bool = True) -> DeviceOwnedPlan:
     """A K/V-owned plan as the device planner returns it: its arrays in ``arena`` (at the offsets of its
-    buffers), the layout's page masks in ``tables`` (outside every arena), pair items."""
-    names = ("work_head", "own_pages", "stream_indptr", "stream_pages", "order", "pair_pages")
-    arrays = {n: arena.buffer(f"backward.{n}") for n in names}
+    buffers), the layout's page masks in ``tables`` (outside every arena), with or without pair items."""
+    arrays = {n: arena.buffer(f"backward.{n}") for n in KV_ARRAYS}
+    if not pair:
+        arrays["pair_pages"] = None
     arrays.update(own_page_mask=tables["o_mask"], stream_page_mask=tables["t_mask"])
-    launches = ((0, 0, 4, True), (1, 4, 6, False))
+    launches = ((0, 0, 4, pair), (1, 4, 6, False))
     return DeviceOwnedPlan(arrays, "kv", ((128, 128), (128, 128)), launches, heads, 6, 8, None, 0, arena)
 
 
@@ -91,10 +96,9 @@ def test_device_plans_of_one_arena_shape_share_one_recipe(fake_cupy, monkeypatch
 
     monkeypatch.setattr(bsa_backward, "SHARED_DEVICE_RECIPES", shared)
 
-    names = ("work_head", "own_pages", "stream_indptr", "stream_pages", "order", "pair_pages")
-    proto = Arena({f"backward.{n}": ((64,), np.int32) for n in names})
+    proto = Arena({f"backward.{n}": ((64,), np.int32) for n in KV_ARRAYS})
     proto.base = 0
-    offsets = {proto.specs[f"backward.{n}"][0] for n in names}
+    offsets = {proto.specs[f"backward.{n}"][0] for n in KV_ARRAYS}
     tables = {"o_mask": np.uint64(0x7000000), "t_mask": np.uint64(0x7100000)}
     sizes = (1, 2, 512, 512, 128)
     recipes = []
@@ -114,3 +118,41 @@ def test_device_plans_of_one_arena_shape_share_one_recipe(fake_cupy, monkeypatch
         in_arena = {pointers[n] + off for _, _, bound in main for n, off in bound if n == bsa_backward.ARENA}
         assert in_arena and {p - arena.base for p in in_arena} <= offsets
     assert (recipes[0] is recipes[1]) == shared
+
+
+def _in_arena(plan: DeviceOwnedPlan, base: int) -> DeviceOwnedPlan:
+    """``plan`` with an arena at ``base`` holding its arrays (as the planner's allocations do)."""
+    from dataclasses import replace
+
+    from sparseattn.planning.device import Arena
+
+    arena = Arena({"all": ((1 << 18,), np.uint8)})
+    arena.base = base
+    return replace(plan, arena=arena)
+
+
+def test_shared_recipes_never_bind_a_dq_plan_of_another_allocation(fake_cupy, monkeypatch):
+    """With ``SHARED_DEVICE_RECIPES``: a device dQ plan beside a host K/V plan, or beside a device K/V plan
+    in another allocation, keeps raw pointers (every bound name is a tensor the run supplies), and its
+    recipe is not cached."""
+    from sparseattn.planning.device import Arena
+
+    monkeypatch.setattr(bsa_backward, "SHARED_DEVICE_RECIPES", True)
+    q_layout, k_layout = small_layouts("video-5x7x9-tile2x4x4-B64-inplace")
+    graph = make_graph(q_layout, k_layout, 2, 0.4, 0)
+    host_kv = plan_of(graph, "kpage", "auto", owner="kv")
+    tables = {"o_mask": np.uint64(0x7000000), "t_mask": np.uint64(0x7100000)}
+    sizes = (1, graph.heads, q_layout.num_slots, k_layout.num_slots, 128)
+    tensors = set(bsa_backward.TENSORS)
+    for step in range(2):
+        base = 0xC0000000 + step * 0x1000000
+        dq_plan = _in_arena(_device_dq_plan(base, graph.heads), base)
+        kv_arena = Arena({f"backward.{n}": ((64,), np.int32) for n in KV_ARRAYS})
+        kv_arena.base = base + 0x800000  # another allocation than the dQ plan's
+        device_kv = _device_kv_plan(kv_arena, graph.heads, tables, pair=False)
+        for kv in (host_kv, device_kv):
+            recipe = bsa_backward._recipe_of(kv, dq_plan, None, "wgmma_dq_pass", False, sizes, 0.088, 0)
+            steps = [s for step_ in recipe.steps if step_[0] == "side" for s in step_[1]]
+            bound = {n for _, _, names in steps for n, _ in names}
+            assert bound <= tensors, f"names no run binds: {bound - tensors}"
+            assert base in _packed_values(recipe), "the dQ plan's own pointers are not in its launches"

@@ -310,32 +310,30 @@ def _arena_base(plan: DeviceOwnedPlan):
     return getattr(plan.arena, "base", None)
 
 
-def _arena_relative(plan: DeviceOwnedPlan) -> dict:
-    """``plan.arrays`` with every pointer into the plan's arena as ``"arena+OFFSET"`` (the planner's layout
-    tables, outside the arena, stay pointers)."""
-    base = _arena_base(plan) if SHARED_DEVICE_RECIPES else None
-    if base is None:
-        return dict(plan.arrays)
+def _arena_relative(arrays: dict, plan: DeviceOwnedPlan) -> dict:
+    """``arrays`` with every pointer into ``plan``'s arena as ``"arena+OFFSET"`` (the planner's layout tables
+    and page lists, outside the arena, stay pointers)."""
+    base = _arena_base(plan)
     end = base + plan.arena.nbytes
 
     def relative(p):
         inside = isinstance(p, (int, np.integer)) and base <= int(p) < end
         return f"{ARENA}+{int(p) - base}" if inside else p
 
-    return {name: relative(p) for name, p in plan.arrays.items()}
+    return {name: relative(p) for name, p in arrays.items()}
 
 
 def _recipe_cache(plan, arrays: dict, dq_plan):
     """Where :func:`backward_recipe` keeps a plan's recipes: a host plan's arrays (with a host dQ plan or
-    none), a device plan's arena's shared ``launches`` (its dQ plan, if any, in the same arena), else
-    nowhere (None: the recipe holds raw pointers of this call's memory)."""
+    none), a device plan's arena's shared ``launches`` (with ``SHARED_DEVICE_RECIPES``; its dQ plan, if any,
+    in the same allocation), else nowhere (None: the recipe holds raw pointers of this call's memory)."""
     if not isinstance(plan, DeviceOwnedPlan):
         return None if isinstance(dq_plan, DeviceOwnedPlan) else arrays
     if not SHARED_DEVICE_RECIPES or _arena_base(plan) is None:
         return None
     if dq_plan is not None and (
-        not isinstance(dq_plan, DeviceOwnedPlan) or dq_plan.arena.specs is not plan.arena.specs
-    ):
+        not isinstance(dq_plan, DeviceOwnedPlan) or _arena_base(dq_plan) != _arena_base(plan)
+    ):  # a dQ plan of another allocation: its pointers are this call's alone
         return None
     return getattr(plan.arena, "launches", None)
 
@@ -360,7 +358,7 @@ def _device_plan(
             raise KernelValueError(
                 f"the device plan holds {plan.heads} heads, the tensors {heads} (batch · heads)"
             )
-        return {**_arena_relative(plan), "pair": plan.pair, "first_pair_item": None}
+        return {**plan.arrays, "pair": plan.pair, "first_pair_item": None}
 
     per_plan = _DEVICE_PLANS.setdefault(plan, {})
     key = (q_pages, k_pages, heads, device)
@@ -572,11 +570,15 @@ def backward_recipe(
     owns unwritten and names them in ``zeroed``, which the caller allocates as zeros."""
     b, h, sq, sk, d = sizes
     dq_key = "device" if isinstance(dq_plan, DeviceOwnedPlan) else id(dq_plan)
-    key = ("recipe", impl, bool(deterministic), dq_key, sizes, scale, tokens)
+    key = ("recipe", impl, bool(deterministic), dq_key, sizes, scale, tokens, device)
     cache = _recipe_cache(plan, arrays, dq_plan)
     cached_recipe = None if cache is None else cache.get(key)
     if cached_recipe is not None:
         return cached_recipe
+    # a recipe shared by the arena's shape names the arena's buffers by offset (bound per run)
+    shared = cache is not None and isinstance(plan, DeviceOwnedPlan)
+    if shared:
+        arrays = _arena_relative(arrays, plan)
     q_pages, k_pages = sq // PAGE_ROWS, sk // PAGE_ROWS
     dq_pass = uses_dq_pass(impl)
     fixed = deterministic and not dq_pass
@@ -650,6 +652,8 @@ def backward_recipe(
 
     if dq_pass:
         dq_arrays = _device_plan(dq_plan, q_pages, k_pages, h, device)
+        if shared:  # the same allocation as plan's (_recipe_cache)
+            dq_arrays = _arena_relative(dq_arrays, dq_plan)
 
         def dq_kernel(owned_rows, pair=False):
             fn = launch.function(WGMMA_SOURCE, dq_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS)
