@@ -29,7 +29,7 @@ import numpy as np
 from ..constants import KPAGE_ROUTES
 from ..graph import HeadStack, SparseGraph
 from ..planning.cache import cached, check_graph_matches, pair_work_of, plan_of
-from ..planning.device import DevicePlans, DeviceWorkList
+from ..planning.device import LIST_ARRAYS, DevicePlans, DeviceWorkList
 from ..planning.tile_plan import TilePlan, kpage_route_of_block, row_work
 from ..planning.work_list import CHUNKS, OWN_PAGES, WorkList, work_list, writes_every_valid_row
 from . import launch
@@ -405,9 +405,12 @@ def _check_tensors(q, k, v, out):
 START_PAST_VOIDS = True
 
 
-#: A device list's arrays that its launch binds at every call, after the five tensors (each call's device
-#: plans live in a new arena; the packed launch is shared by every arena of one shape).
-LIST_ARRAYS = ("work_info", "work_order", "own_entries", "stream_entries", "counter")
+#: The kernel parameter of each of a work list's :data:`LIST_ARRAYS` (a device list binds them at every
+#: call, after the five tensors: each call's device plans live in a new arena, the packed launch is shared
+#: by every arena of one shape).
+_LIST_PARAMS = dict(
+    zip(LIST_ARRAYS, ("work_info", "work_order", "own_pages", "stream_pages", "item_counter"))
+)
 
 
 def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device: int, tokens=None):
@@ -447,11 +450,7 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             list_arrays = {name: cache[name] for name in LIST_ARRAYS[:-1]}
             list_arrays["counter"] = counter = np.uint64(counter_array.data.ptr)
         values = dict(
-            work_info=list_arrays["work_info"],
-            work_order=list_arrays["work_order"],
-            own_pages=list_arrays["own_entries"],
-            stream_pages=list_arrays["stream_entries"],
-            item_counter=list_arrays["counter"],
+            **{param: list_arrays[name] for name, param in _LIST_PARAMS.items()},
             num_work=np.int32(wl.num_work),
             batch=np.int32(b),
             heads=np.int32(h),
@@ -463,7 +462,7 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
         rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
         maps, bound = (), list(range(5))
         if on_device:
-            bound += [KERNEL_PARAMS.index(name) for name in _LIST_PARAMS]
+            bound += [KERNEL_PARAMS.index(param) for param in _LIST_PARAMS.values()]
         if tokens is not None:
             rest += (np.uint64(0), np.uint64(0)) + tuple(np.int32(x) for x in tokens)
             bound += [len(KERNEL_PARAMS), len(KERNEL_PARAMS) + 1]
@@ -473,10 +472,6 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
         packed = launch.PackedLaunch(fn, grid, (THREADS,), (np.uint64(0),) * 5 + rest + maps, smem, bound)
         ready = cache[key] = (packed, None if counter is None else int(counter), maps)
     return ready
-
-
-#: The kernel parameters of :data:`LIST_ARRAYS`, in that order.
-_LIST_PARAMS = ("work_info", "work_order", "own_pages", "stream_pages", "item_counter")
 
 
 def _pointer(x) -> int:

@@ -221,6 +221,11 @@ class Arena:
         return cupy.ndarray(shape, dtype, memptr=self.memory.data + offset)
 
 
+#: A device work list's arrays that a forward launch reads, in the order it binds them per call (the list
+#: also holds ``first_live``, where the launch starts the item counter).
+LIST_ARRAYS = ("work_info", "work_order", "own_entries", "stream_entries", "counter")
+
+
 @dataclass(frozen=True, eq=False)
 class DeviceWorkList:
     """A forward work list in device memory (what ``paged_fwd.cu`` reads), built by the device planner.
@@ -687,10 +692,7 @@ class DevicePlanner:
 
         items(False)
         P.scan(cnt, n, cap, buf("begin"), overflow)
-        arrays = {
-            name: buf(name)
-            for name in ("work_info", "work_order", "own_entries", "stream_entries", "counter", "first_live")
-        }
+        arrays = {name: buf(name) for name in (*LIST_ARRAYS, "first_live")}
         items(
             True,
             base=buf("begin"),
