@@ -14,8 +14,11 @@ import os
 import re
 from pathlib import Path
 
-#: NVRTC options for every kernel: Hopper with its arch-specific instructions (wgmma, setmaxnreg).
-NVRTC_OPTIONS = ("-std=c++17", "-arch=sm_90a", "--use_fast_math")
+#: NVRTC options for every kernel: Hopper with its arch-specific instructions (wgmma, setmaxnreg);
+#: ``SPARSEATTN_LINEINFO=1`` adds source-line information, for ncu's source view (the same machine code).
+NVRTC_OPTIONS = ("-std=c++17", "-arch=sm_90a", "--use_fast_math") + (
+    ("-lineinfo",) if os.environ.get("SPARSEATTN_LINEINFO") == "1" else ()
+)
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
