@@ -42,6 +42,24 @@
 #define PLAN_OUT_WORK_LIST 0  // the forward kernel's: work_info int4, own and stream entries int2
 #define PLAN_OUT_TILE_PLAN 1  // the backward kernels': work_head, own_pages, stream_pages (+ pair pages)
 
+// Staged write pass: each warp's stage in shared memory holds a group's entries in stream order, as
+// page id | owner lane << PLAN_STAGE_LANE_SHIFT (page ids below 2^26).
+#define PLAN_STAGE_LANE_SHIFT 26
+#define PLAN_STAGE_PAGE_MASK ((1u << PLAN_STAGE_LANE_SHIFT) - 1u)
+
+// The write pass's store form: staged (the default), or for A/B runs PLAN_WRITE_PER_BLOCK (each lane
+// stores its block's pages) or PLAN_WRITE_COALESCED (lanes take consecutive entries of each class run,
+// found by a search over the lanes' prefix); NOTES_device_planner v8 and v15.
+#if defined(PLAN_WRITE_PER_BLOCK)
+#define PLAN_WRITE_STAGED 0
+#define PLAN_WRITE_FORM 1
+#elif defined(PLAN_WRITE_COALESCED)
+#define PLAN_WRITE_STAGED 0
+#define PLAN_WRITE_FORM 2
+#else
+#define PLAN_WRITE_STAGED 1
+#endif
+
 // Segment sort: at most this many items per segment (keys in shared memory).
 #define PLAN_SORT_MAX 16384
 #define PLAN_KEY_LEN 0   // longest stream first
@@ -188,7 +206,8 @@ __device__ __forceinline__ void plan_item(
     int4* __restrict__ cnt, const int* __restrict__ base, const int* __restrict__ perm, long long cap,
     int4* __restrict__ work_info, int2* __restrict__ own_entries, int2* __restrict__ stream_entries,
     int* __restrict__ work_head, int* __restrict__ own_pages, int* __restrict__ stream_pages,
-    int* __restrict__ pair_pages, int* __restrict__ overflow, int* __restrict__ void_counts) {
+    int* __restrict__ pair_pages, int* __restrict__ overflow, int* __restrict__ void_counts,
+    plan_u32* __restrict__ stage, int stage_blocks, int stage_cap) {
     const int item = perm != nullptr ? perm[pos] : static_cast<int>(pos);
     const int bh = item / items;
     const int it = item - bh * items;
@@ -226,17 +245,20 @@ __device__ __forceinline__ void plan_item(
     const int na = totals.y, ns = totals.z;
     // the work list's entries by block (its pair items' interleaved order gains nothing from coalescing),
     // the tile plans' by class runs (see NOTES_device_planner v8)
-#if defined(PLAN_WRITE_PER_BLOCK)
-    const bool per_block_writes = true;
-#elif defined(PLAN_WRITE_COALESCED)
-    const bool per_block_writes = false;
+#if PLAN_WRITE_STAGED
+    // groups of stage_blocks selected blocks (as many as fit their pages in the stage; at least 1)
+    const int group = write ? max(stage_blocks, 1) : 32;
+    int run_done[3] = {0, 0, 0};  // entries of earlier groups in the stream's first, second and third class run
 #else
-    const bool per_block_writes = out_format == PLAN_OUT_WORK_LIST;
+    const bool per_block_writes = PLAN_WRITE_FORM == 1;
+    const int group = 32;
 #endif
     const int runs = mode == PLAN_MODE_INTERLEAVED ? min(na, totals.x - na - ns) / chunk_pages : 0;
 
     int acc_len = 0, acc_c1 = 0, acc_c2 = 0;  // count pass: this lane's sums
-    int carry[5] = {0, 0, 0, 0, 0};            // write pass: pages of earlier blocks, by class
+#if !PLAN_WRITE_STAGED
+    int carry[5] = {0, 0, 0, 0, 0};  // write pass: pages of earlier blocks, by class
+#endif
     for (int w0 = 0; w0 < words; w0 += 32) {
         const int w = w0 + lane;
         // this lane's word of each member; a = selected by a slot of rows 0-63, b = of rows 64-127
@@ -266,7 +288,7 @@ __device__ __forceinline__ void plan_item(
         const int bits_incl = plan_warp_incl(__popc(any), lane);
         const int bits_excl = bits_incl - __popc(any);
         const int bits_total = __shfl_sync(0xffffffffu, bits_incl, 31);
-        for (int t0 = 0; t0 < bits_total; t0 += 32) {
+        for (int t0 = 0; t0 < bits_total; t0 += group) {
             const int t = t0 + lane;
             int owner = 0;  // the lane whose word holds selected block t: the last one starting at or before t
 #pragma unroll
@@ -277,12 +299,14 @@ __device__ __forceinline__ void plan_item(
             const plan_u32 o_a = __shfl_sync(0xffffffffu, a, owner);
             const plan_u32 o_b = __shfl_sync(0xffffffffu, b, owner);
             const int o_first = __shfl_sync(0xffffffffu, bits_excl, owner);
+#if !PLAN_WRITE_STAGED
             plan_u32 o_word[PLAN_SLOTS];
 #pragma unroll
             for (int m = 0; m < PLAN_SLOTS; ++m) {
                 o_word[m] = mode == PLAN_MODE_INTERLEAVED ? __shfl_sync(0xffffffffu, word[m], owner) : 0u;
             }
-            const bool valid = t < bits_total;
+#endif
+            const bool valid = t < bits_total && lane < group;
             int j = 0, cat = 1, pages = 0, full = 0;
             plan_u32 vis = 0;  // the owned slots that see block j (INTERLEAVED work lists carry them)
             if (valid) {
@@ -292,9 +316,78 @@ __device__ __forceinline__ void plan_item(
                 cat = !halves ? 1 : ((o_a & bit) ? ((o_b & bit) ? 1 : 0) : 2);
                 pages = t_first[j + 1] - t_first[j];
                 full = t_nfull[j];
+#if PLAN_WRITE_STAGED
+                // read again from the bitmap (L1) rather than kept in registers through the group
+                if (mode == PLAN_MODE_INTERLEAVED) {
+#pragma unroll
+                    for (int m = 0; m < PLAN_SLOTS; ++m) {
+                        if (m < members && plan_bit(bitmap + static_cast<long long>(row[m]) * words, j)) vis |= mbits[m];
+                    }
+                }
+#else
 #pragma unroll
                 for (int m = 0; m < PLAN_SLOTS; ++m) vis |= (o_word[m] & bit) ? mbits[m] : 0u;
+#endif
             }
+#if PLAN_WRITE_STAGED
+            // The item's stream is a sequence of class runs: PLAIN one (all pages), FULL_FIRST two (full, then
+            // partial), HALVES and INTERLEAVED three (A only, both, B only); this group's pages in each run
+            // follow the earlier groups'. The lanes place the group's pages in the warp's stage in stream
+            // order (a page's place: its run's start in the group, the pages of lower lanes in that run, its
+            // rank in its block), then store 32 consecutive entries at a time. A group of more than
+            // stage_cap pages (a block larger than the stage) goes through in windows of that many.
+            const bool ff = mode == PLAN_MODE_FULL_FIRST;
+            const int nA = !halves ? (ff ? full : pages) : (cat == 0 ? pages : 0);
+            const int nB = !halves ? (ff ? pages - full : 0) : (cat == 1 ? pages : 0);
+            const int nC = halves && cat == 2 ? pages : 0;
+            const int iA = plan_warp_incl(nA, lane), iB = plan_warp_incl(nB, lane);
+            const int iC = halves ? plan_warp_incl(nC, lane) : 0;
+            const int tA = __shfl_sync(0xffffffffu, iA, 31), tB = __shfl_sync(0xffffffffu, iB, 31);
+            const int tC = __shfl_sync(0xffffffffu, iC, 31);
+            const int group_total = tA + tB + tC;
+            for (int win = 0; win < group_total; win += stage_cap) {
+                if (valid) {
+                    int qa = iA - nA - win, qb = tA + iB - nB - win, qc = tA + tB + iC - nC - win;
+                    for (int e = t_first[j]; e < t_first[j + 1]; ++e) {
+                        const int page = t_pages[e];
+                        int q;
+                        if (ff) q = t_mask[page] == PLAN_FULL_PAGE ? qa++ : qb++;
+                        else if (!halves || cat == 0) q = qa++;
+                        else q = cat == 1 ? qb++ : qc++;
+                        if (q >= 0 && q < stage_cap) {
+                            stage[q] = static_cast<plan_u32>(page) | (static_cast<plan_u32>(lane) << PLAN_STAGE_LANE_SHIFT);
+                        }
+                    }
+                }
+                __syncwarp();
+                const int in_window = min(group_total - win, stage_cap);
+                for (int k0 = 0; k0 < in_window; k0 += 32) {
+                    const int q = win + k0 + lane;  // the entry's place in the group
+                    const plan_u32 v = k0 + lane < in_window ? stage[k0 + lane] : 0u;
+                    const plan_u32 ovis = __shfl_sync(0xffffffffu, vis, static_cast<int>(v >> PLAN_STAGE_LANE_SHIFT));
+                    if (k0 + lane >= in_window) continue;
+                    const int page = static_cast<int>(v & PLAN_STAGE_PAGE_MASK);
+                    const int r = q < tA ? 0 : (q < tA + tB ? 1 : 2);  // its run
+                    const int idx = r == 0 ? run_done[0] + q : (r == 1 ? run_done[1] + q - tA : run_done[2] + q - tA - tB);
+                    int at;
+                    if (!halves) {
+                        at = r == 0 ? idx : totals.y + idx;  // FULL_FIRST's partial pages after its full ones
+                    } else if (mode == PLAN_MODE_HALVES) {
+                        at = r == 0 ? idx : (r == 1 ? na + idx : na + ns + idx);
+                    } else {
+                        at = plan_interleaved(r, idx, na, ns, runs, chunk_pages);
+                    }
+                    if (at >= len) continue;  // past the capacity (counted above)
+                    const plan_u32 mask = out_format == PLAN_OUT_WORK_LIST ? t_mask[page] : PLAN_FULL_PAGE;
+                    plan_store(out_format, first + at, page, mask, ovis, halves ? r : 1, stream_entries, stream_pages,
+                               pair_pages);
+                }
+                __syncwarp();
+            }
+            run_done[0] += tA;
+            run_done[1] += tB;
+            run_done[2] += tC;
+#else
             // this block's pages by class: 0 A only (all, when not halves), 1 both, 2 B only, 3 full, 4 partial
             int n[5];
             n[0] = !halves ? pages : (cat == 0 ? pages : 0);
@@ -386,6 +479,7 @@ __device__ __forceinline__ void plan_item(
                     }
                 }
             }
+#endif
         }
     }
     if (!write) {
@@ -438,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_it
     int* __restrict__ pair_pages, int* __restrict__ overflow, int stream_blocks, int stream_list,
     int stream_page_count, int smem_tables, int matched, const int4* __restrict__ m_info,
     const int* __restrict__ m_members, const int* __restrict__ m_bits, const int* __restrict__ m_own,
-    int* __restrict__ void_counts) {
+    int* __restrict__ void_counts, int stage_blocks, int stage_cap) {
     extern __shared__ __align__(16) int plan_tables[];
     const int* first = t_first;
     const int* full = t_nfull;
@@ -459,6 +553,13 @@ extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_it
         listed = s_listed;
         masks = s_masks;
     }
+    // staged write pass: each warp's stage after the tables (16-byte aligned)
+    plan_u32* stage = nullptr;
+    if (PLAN_WRITE_STAGED && write) {
+        stage_cap = max(stage_cap, 1);
+        const int table_ints = smem_tables ? 2 * stream_blocks + 1 + stream_list + (stream_page_count + 1) / 2 : 0;
+        stage = reinterpret_cast<plan_u32*>(plan_tables + ((table_ints + 3) & ~3)) + (threadIdx.x >> 5) * static_cast<long long>(stage_cap);
+    }
     const long long total = static_cast<long long>(heads) * items;
     const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
     for (long long pos = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; pos < total;
@@ -466,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_it
         plan_item(pos, threadIdx.x & 31, bitmap, row_blocks, words, items, it_info, it_members, it_bits, it_own,
                   matched, m_info, m_members, m_bits, m_own, first, listed, full, masks, o_mask, chunk_pages, write, out_format, cnt, base, perm, cap,
                   work_info, own_entries, stream_entries, work_head, own_pages, stream_pages, pair_pages,
-                  overflow, void_counts);
+                  overflow, void_counts, stage, stage_blocks, stage_cap);
     }
 }
 

@@ -37,6 +37,25 @@ def _assert_same(plans, part: str, twin: dict, names, label: str):
         assert got.shape == want.shape and np.array_equal(got, want), f"{label}: {name}"
 
 
+def _assert_plans_equal_the_twin(case):
+    planner = _planner(case)
+    plans = planner.plan(**_device_selection(case))
+    twin = emu.emulate_plans(planner, **case.selection())
+    assert cupy.asnumpy(plans.arena.view("status")).tolist() == [0, 0], case.name
+    forward = ["work_info", "work_order", "first_live", "own_entries", "stream_entries"]
+    if twin["forward"]["partner"] is not None:  # the matched pairs of the full 64-row blocks
+        forward.append("partner")
+    _assert_same(plans, "forward", twin["forward"], forward, f"{case.name} forward")
+    for part in ("backward", "dq"):
+        if twin[part] is None:
+            assert getattr(plans, part) is None
+            continue
+        names = ["work_head", "own_pages", "stream_indptr", "stream_pages", "order"]
+        if twin[part]["pair_pages"] is not None:
+            names.append("pair_pages")
+        _assert_same(plans, part, twin[part], names, f"{case.name} {part}")
+
+
 @pytest.mark.parametrize("chunk", range(10), ids=lambda c: f"cases{c * 21}-{c * 21 + 20}")
 def test_device_arrays_equal_the_numpy_twin(chunk):
     """210 random selections (ragged and video layouts, 64/128-row and single-page blocks, batch entries
@@ -44,23 +63,25 @@ def test_device_arrays_equal_the_numpy_twin(chunk):
     equals :mod:`sparseattn.planning.device_emulation`'s, which the CPU tests hold to the host planners."""
     rng = np.random.default_rng(5000 + chunk)
     for index in range(chunk * 21, (chunk + 1) * 21):
-        case = random_case(rng, index)
-        planner = _planner(case)
-        plans = planner.plan(**_device_selection(case))
-        twin = emu.emulate_plans(planner, **case.selection())
-        assert cupy.asnumpy(plans.arena.view("status")).tolist() == [0, 0], case.name
-        forward = ["work_info", "work_order", "first_live", "own_entries", "stream_entries"]
-        if twin["forward"]["partner"] is not None:  # the matched pairs of the full 64-row blocks
-            forward.append("partner")
-        _assert_same(plans, "forward", twin["forward"], forward, f"{case.name} forward")
-        for part in ("backward", "dq"):
-            if twin[part] is None:
-                assert getattr(plans, part) is None
-                continue
-            names = ["work_head", "own_pages", "stream_indptr", "stream_pages", "order"]
-            if twin[part]["pair_pages"] is not None:
-                names.append("pair_pages")
-            _assert_same(plans, part, twin[part], names, f"{case.name} {part}")
+        _assert_plans_equal_the_twin(random_case(rng, index))
+
+
+@pytest.mark.parametrize(
+    "form, stage",
+    [("staged", 8), ("staged", 3), ("staged", 1), ("coalesced", 256), ("per_block", 256)],
+    ids=["staged-groups-of-2", "staged-windows-of-3", "staged-windows-of-1", "coalesced", "per_block"],
+)
+def test_every_write_form_equals_the_numpy_twin(form, stage, monkeypatch):
+    """The write pass's other store forms (planner.ITEMS_WRITE), and the staged form with stages too small
+    for 32 blocks (groups of fewer blocks) or for one block (a block's pages in several windows), give the
+    twin's arrays on 42 random selections."""
+    from sparseattn.kernels import planner as launchers
+
+    monkeypatch.setattr(launchers, "ITEMS_WRITE", form)
+    monkeypatch.setattr(launchers, "STAGE_CAP", stage)
+    rng = np.random.default_rng(7100)
+    for index in range(42):
+        _assert_plans_equal_the_twin(random_case(rng, index))
 
 
 @pytest.mark.parametrize("form", ["smem", "global"])

@@ -300,9 +300,9 @@ def uncovered_rows_valid(plan: TilePlan, pages: np.ndarray) -> bool:
 #: ``"arena+OFFSET"`` (:func:`_bound_name`), so that one recipe serves every call whose plans lie in an arena
 #: of the same shape (the planner makes a new one per call).
 ARENA = "arena"
-#: Whether device plans share their recipes that way (opt-in until its GPU tests have run:
-#: ``SPARSEATTN_SHARED_DEVICE_RECIPES=1``); off, each call of a device plan packs its own recipe.
-SHARED_DEVICE_RECIPES = os.environ.get("SPARSEATTN_SHARED_DEVICE_RECIPES", "0") == "1"
+#: Whether device plans share their recipes that way (the default; ``SPARSEATTN_SHARED_DEVICE_RECIPES=0``
+#: turns it off for an A/B run, and each call of a device plan then packs its own recipe).
+SHARED_DEVICE_RECIPES = os.environ.get("SPARSEATTN_SHARED_DEVICE_RECIPES", "1") == "1"
 
 
 def _arena_base(plan: DeviceOwnedPlan):

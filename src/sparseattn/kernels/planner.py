@@ -37,12 +37,23 @@ SMEM_TABLES_MAX = 96 * 1024
 #: planning took 0.85× the time of 2 (96 registers) on the H200 (NOTES_device_planner v7).
 ITEMS_BLOCKS_DEFAULT = 4
 ITEMS_BLOCKS_PER_SM = int(os.environ.get("SPARSEATTN_PLAN_ITEMS_BLOCKS") or ITEMS_BLOCKS_DEFAULT)
-#: How the write pass stores a group of 32 selected blocks' pages: "coalesced" (lanes take consecutive
-#: entries of each class's run: PLAN_WRITE_COALESCED), "per_block" (each lane its block's pages:
-#: PLAN_WRITE_PER_BLOCK) or "auto" (per block for the forward's work list, coalesced for the backward's
-#: tile plans: the faster form of each on the H200, NOTES_device_planner v8); ``SPARSEATTN_PLAN_ITEMS_WRITE``.
-ITEMS_WRITES = {"auto": (), "coalesced": ("PLAN_WRITE_COALESCED",), "per_block": ("PLAN_WRITE_PER_BLOCK",)}
+#: How the write pass stores a group of selected blocks' pages: "staged" (the lanes place the group's pages
+#: in stream order in a per-warp stage in shared memory, then store 32 consecutive entries at a time),
+#: "coalesced" (lanes take consecutive entries of each class's run, found by a search over the lanes'
+#: prefix: PLAN_WRITE_COALESCED), "per_block" (each lane its block's pages: PLAN_WRITE_PER_BLOCK) or "auto"
+#: (staged; NOTES_device_planner v8 and v15); ``SPARSEATTN_PLAN_ITEMS_WRITE``. The first three are compiled
+#: apart (PLAN_WRITE_* defines), so an A/B run can time each in one process.
+ITEMS_WRITES = {
+    "auto": (),
+    "staged": (),
+    "coalesced": ("PLAN_WRITE_COALESCED",),
+    "per_block": ("PLAN_WRITE_PER_BLOCK",),
+}
 ITEMS_WRITE = os.environ.get("SPARSEATTN_PLAN_ITEMS_WRITE") or "auto"
+#: Entries of one warp's stage (the kernel's stage_cap: 256 fits 32 blocks of 128 rows) and the most pages a streamed layout may have (page ids
+#: below 2^PLAN_STAGE_LANE_SHIFT).
+STAGE_CAP = 256
+STAGE_PAGES = 1 << 26
 #: Where the pair matching keeps a head's keys, edges, partners and best keys: "smem" (shared memory,
 #: plan_pair_match_smem), "global" (partners and best keys in L2, plan_pair_match: any size) or "auto"
 #: (shared memory where they fit in PAIR_MATCH_SMEM_MAX bytes, which 480p and 720p VSA layouts do);
@@ -52,6 +63,15 @@ PAIR_MATCH = os.environ.get("SPARSEATTN_PLAN_PAIR_MATCH") or "auto"
 PAIR_MATCH_SMEM_MAX = 200 * 1024
 THREADS = 256
 NULL = np.uint64(0)
+
+
+def stage_blocks(tables: dict) -> int:
+    """Selected blocks per group of the staged write pass (the default form; 0 under the other forms):
+    as many as fit their pages in one warp's stage, at most 32 and at least 1 (a block with more pages
+    than the stage holds goes through in windows)."""
+    if ITEMS_WRITE not in ("auto", "staged"):
+        return 0
+    return min(32, max(1, STAGE_CAP // max(int(tables["t_max_pages"]), 1)))
 
 
 def _fn(name: str):
@@ -161,10 +181,18 @@ def items(
         return
     import cupy
 
-    smem = tables["smem_bytes"] if tables["smem_bytes"] <= SMEM_TABLES_MAX else 0
-    per_sm = int(ITEMS_BLOCKS_PER_SM)
     if ITEMS_WRITE not in ITEMS_WRITES:
         raise ValueError(f"planner.ITEMS_WRITE must be one of {sorted(ITEMS_WRITES)}, got {ITEMS_WRITE!r}")
+    if tables["t_pages_total"] > STAGE_PAGES:
+        raise ValueError(
+            f"the streamed layout has {tables['t_pages_total']} pages; the planner holds at most {STAGE_PAGES}"
+        )
+    in_smem = tables["smem_bytes"] <= SMEM_TABLES_MAX
+    smem = tables["smem_bytes"] if in_smem else 0
+    group = stage_blocks(tables) if write else 0
+    if group:
+        smem += (THREADS // 32) * STAGE_CAP * 4
+    per_sm = int(ITEMS_BLOCKS_PER_SM)
     defines = () if per_sm == ITEMS_BLOCKS_DEFAULT else (f"PLAN_ITEMS_MIN_BLOCKS={per_sm}",)
     defines += ITEMS_WRITES[ITEMS_WRITE]
     fn = launch.prepare(launch.function(SOURCE, "plan_items", NAME_EXPRESSIONS, defines), smem)
@@ -205,10 +233,12 @@ def items(
             np.int32(tables["t_blocks"]),
             np.int32(tables["t_listed"]),
             np.int32(tables["t_pages_total"]),
-            np.int32(1 if smem else 0),
+            np.int32(1 if in_smem else 0),
             np.int32(0 if matched is None else matched["slots"]),
             *((NULL,) * 4 if matched is None else (matched[n] for n in ("info", "members", "bits", "own"))),
             void_counts,
+            np.int32(group),
+            np.int32(STAGE_CAP),
         ),
         shared_mem=smem,
     )

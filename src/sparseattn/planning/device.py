@@ -91,6 +91,7 @@ class DeviceTemplate:
             "t_blocks": st.num_blocks,
             "t_listed": int(st.pages.size),
             "t_pages_total": int(st.mask.size),
+            "t_max_pages": int(np.diff(st.first).max()) if st.num_blocks else 0,
             "smem_bytes": -(-(4 * (2 * st.num_blocks + 1 + st.pages.size) + 2 * st.mask.size) // 16) * 16,
         }
         if template.matched:  # the forward's matched slots: their blocks, owned pages and candidate edges
