@@ -45,6 +45,8 @@
 // Staged write pass: each warp's stage in shared memory holds a group's entries in stream order, as
 // page id | owner lane << PLAN_STAGE_LANE_SHIFT (page ids below 2^26).
 #define PLAN_STAGE_LANE_SHIFT 26
+// Largest stage whose groups of several blocks the write pass counts in packed 10-bit fields.
+#define PLAN_STAGE_FIELD 1023
 #define PLAN_STAGE_PAGE_MASK ((1u << PLAN_STAGE_LANE_SHIFT) - 1u)
 
 // The write pass's store form: staged (the default), or for A/B runs PLAN_WRITE_PER_BLOCK (each lane
@@ -246,8 +248,9 @@ __device__ __forceinline__ void plan_item(
     // the work list's entries by block (its pair items' interleaved order gains nothing from coalescing),
     // the tile plans' by class runs (see NOTES_device_planner v8)
 #if PLAN_WRITE_STAGED
-    // groups of stage_blocks selected blocks (as many as fit their pages in the stage; at least 1)
-    const int group = write ? max(stage_blocks, 1) : 32;
+    // groups of stage_blocks selected blocks (as many as fit their pages in the stage; at least 1; a stage
+    // of more than PLAN_STAGE_FIELD entries takes one block at a time, see the packed prefix below)
+    const int group = write ? (stage_cap <= PLAN_STAGE_FIELD ? max(stage_blocks, 1) : 1) : 32;
     int run_done[3] = {0, 0, 0};  // entries of earlier groups in the stream's first, second and third class run
 #else
     const bool per_block_writes = PLAN_WRITE_FORM == 1;
@@ -340,10 +343,18 @@ __device__ __forceinline__ void plan_item(
             const int nA = !halves ? (ff ? full : pages) : (cat == 0 ? pages : 0);
             const int nB = !halves ? (ff ? pages - full : 0) : (cat == 1 ? pages : 0);
             const int nC = halves && cat == 2 ? pages : 0;
-            const int iA = plan_warp_incl(nA, lane), iB = plan_warp_incl(nB, lane);
-            const int iC = halves ? plan_warp_incl(nC, lane) : 0;
-            const int tA = __shfl_sync(0xffffffffu, iA, 31), tB = __shfl_sync(0xffffffffu, iB, 31);
-            const int tC = __shfl_sync(0xffffffffu, iC, 31);
+            // the three runs' prefixes over the lanes: one scan of the counts packed in 10-bit fields (a group of
+            // several blocks holds at most stage_cap <= PLAN_STAGE_FIELD pages), none for a group of one block
+            int iA = nA, iB = nB, iC = nC;
+            if (group > 1) {
+                const int incl = plan_warp_incl(nA | (nB << 10) | (nC << 20), lane);
+                iA = incl & PLAN_STAGE_FIELD;
+                iB = (incl >> 10) & PLAN_STAGE_FIELD;
+                iC = incl >> 20;
+            }
+            const int last = group > 1 ? 31 : 0;
+            const int tA = __shfl_sync(0xffffffffu, iA, last), tB = __shfl_sync(0xffffffffu, iB, last);
+            const int tC = __shfl_sync(0xffffffffu, iC, last);
             const int group_total = tA + tB + tC;
             for (int win = 0; win < group_total; win += stage_cap) {
                 if (valid) {
@@ -517,6 +528,22 @@ __device__ __forceinline__ void plan_item(
 #define PLAN_ITEMS_MIN_BLOCKS 4
 #endif
 
+// dst[0, n) = src[0, n) by the block's threads, four loads in flight per thread (one at a time, each store
+// waited for its load: a tenth of a write pass's time went there, NOTES_device_planner v16).
+template <typename T>
+__device__ __forceinline__ void plan_copy_to_shared(T* dst, const T* __restrict__ src, int n) {
+    const int step = blockDim.x;
+    int i = threadIdx.x;
+    for (; i + 3 * step < n; i += 4 * step) {
+        const T a = src[i], b = src[i + step], c = src[i + 2 * step], d = src[i + 3 * step];
+        dst[i] = a;
+        dst[i + step] = b;
+        dst[i + 2 * step] = c;
+        dst[i + 3 * step] = d;
+    }
+    for (; i < n; i += step) dst[i] = src[i];
+}
+
 // Every (head, item): one warp per item, warps striding over the items. With smem_tables the streamed
 // side's tables (t_first, t_nfull, t_pages, t_mask: stream_blocks blocks, stream_list listed pages,
 // stream_pages pages) are read from shared memory, loaded once per block.
@@ -543,10 +570,10 @@ extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_it
         int* s_full = s_first + stream_blocks + 1;
         int* s_listed = s_full + stream_blocks;
         unsigned short* s_masks = reinterpret_cast<unsigned short*>(s_listed + stream_list);
-        for (int i = threadIdx.x; i <= stream_blocks; i += blockDim.x) s_first[i] = t_first[i];
-        for (int i = threadIdx.x; i < stream_blocks; i += blockDim.x) s_full[i] = t_nfull[i];
-        for (int i = threadIdx.x; i < stream_list; i += blockDim.x) s_listed[i] = t_pages[i];
-        for (int i = threadIdx.x; i < stream_page_count; i += blockDim.x) s_masks[i] = t_mask[i];
+        plan_copy_to_shared(s_first, t_first, stream_blocks + 1);
+        plan_copy_to_shared(s_full, t_nfull, stream_blocks);
+        plan_copy_to_shared(s_listed, t_pages, stream_list);
+        plan_copy_to_shared(s_masks, t_mask, stream_page_count);
         __syncthreads();
         first = s_first;
         full = s_full;

@@ -100,8 +100,13 @@ class WorkList:
         return total + sum(64 * self.chunk * np.unique(keys[seen[h]]).size for h in (0, 1))
 
     def has_visibility(self) -> bool:
-        """True when some stream entry carries visibility bits (a pair work list)."""
-        return bool((self.stream_mask.astype(np.uint32) & VIS_SLOTS).any())
+        """True when some stream entry carries visibility bits (a pair work list). A pass over every stream
+        entry (tens of milliseconds on a 720p list), so computed once: the forward asks at every launch."""
+        known = self.__dict__.get("_has_visibility")
+        if known is None:
+            known = bool((self.stream_mask.astype(np.uint32) & VIS_SLOTS).any())
+            object.__setattr__(self, "_has_visibility", known)
+        return known
 
     def stream_visibility(self, begin: int, length: int) -> np.ndarray:
         """bool ``[8, length]``: which owned page slot (rows 16s .. 16s + 15) sees each entry of a stream."""
