@@ -37,8 +37,8 @@ def _assert_same(plans, part: str, twin: dict, names, label: str):
         assert got.shape == want.shape and np.array_equal(got, want), f"{label}: {name}"
 
 
-def _assert_plans_equal_the_twin(case):
-    planner = _planner(case)
+def _assert_plans_equal_the_twin(case, planner=None):
+    planner = _planner(case) if planner is None else planner
     plans = planner.plan(**_device_selection(case))
     twin = emu.emulate_plans(planner, **case.selection())
     assert cupy.asnumpy(plans.arena.view("status")).tolist() == [0, 0], case.name
@@ -64,6 +64,31 @@ def test_device_arrays_equal_the_numpy_twin(chunk):
     rng = np.random.default_rng(5000 + chunk)
     for index in range(chunk * 21, (chunk + 1) * 21):
         _assert_plans_equal_the_twin(random_case(rng, index))
+
+
+def _another_selection(case, rng):
+    """``case`` with a new random selection of the same shape and form."""
+    from dataclasses import replace
+
+    if case.mask is not None:
+        return replace(case, mask=rng.random(case.mask.shape) < rng.uniform(0.05, 0.9))
+    idx = rng.integers(0, case.k.num_blocks, size=case.q2k_idx.shape).astype(np.int32)
+    num = rng.integers(0, idx.shape[-1] + 1, size=case.q2k_num.shape).astype(np.int32)
+    return replace(case, q2k_idx=idx, q2k_num=num)
+
+
+@pytest.mark.parametrize("chunk", range(2), ids=lambda c: f"cases{c * 21}-{c * 21 + 20}")
+def test_later_calls_replay_the_first_and_equal_the_numpy_twin(chunk):
+    """A planner records its first call of a shape and replays its launches for the next ones
+    (planning.plan_recipe): three more selections per case through one planner equal the twin's."""
+    rng = np.random.default_rng(7300 + chunk)
+    for index in range(chunk * 21, (chunk + 1) * 21):
+        case = random_case(rng, index)
+        planner = _planner(case)
+        _assert_plans_equal_the_twin(case, planner)
+        for _ in range(3):
+            _assert_plans_equal_the_twin(_another_selection(case, rng), planner)
+        assert len(planner._recipes) == 1
 
 
 @pytest.mark.parametrize(

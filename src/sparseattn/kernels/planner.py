@@ -74,8 +74,46 @@ def stage_blocks(tables: dict) -> int:
     return min(32, max(1, STAGE_CAP // max(int(tables["t_max_pages"]), 1)))
 
 
+def settings() -> tuple:
+    """The module settings that choose what the launchers launch (part of a recorded call's key)."""
+    return (ITEMS_WRITE, int(ITEMS_BLOCKS_PER_SM), PAIR_MATCH, int(STAGE_CAP))
+
+
 def _fn(name: str):
     return launch.function(SOURCE, name, NAME_EXPRESSIONS)
+
+
+#: While a list, every launch and memory operation of these launchers is also appended to it, in order:
+#: ``("launch", fn, grid, block, args, smem)``, ``("memset", pointer, bytes)``, ``("copy", dst, src, bytes)``.
+#: The device planner records its first call of each shape and replays it (``planning.device.PlanRecipe``).
+RECORD: list | None = None
+
+
+def _run(fn, grid, block, args, smem: int = 0) -> None:
+    if RECORD is not None:
+        RECORD.append(("launch", fn, tuple(grid), tuple(block), tuple(args), int(smem)))
+    fn(grid, block, args, shared_mem=smem)
+
+
+def memset_zero(pointer, nbytes: int) -> None:
+    """Zero ``nbytes`` bytes at ``pointer`` on the current stream."""
+    import cupy
+
+    if RECORD is not None:
+        RECORD.append(("memset", pointer, int(nbytes)))
+    cupy.cuda.runtime.memsetAsync(int(pointer), 0, int(nbytes), cupy.cuda.get_current_stream().ptr)
+
+
+def copy(dst, src, nbytes: int) -> None:
+    """Copy ``nbytes`` bytes from ``src`` to ``dst`` (device pointers) on the current stream."""
+    import cupy
+
+    if RECORD is not None:
+        RECORD.append(("copy", dst, src, int(nbytes)))
+    rt = cupy.cuda.runtime
+    rt.memcpyAsync(
+        int(dst), int(src), int(nbytes), rt.memcpyDeviceToDevice, cupy.cuda.get_current_stream().ptr
+    )
 
 
 def _blocks(n: int, per_block: int = THREADS) -> int:
@@ -88,7 +126,8 @@ def bitmap_from_topk(
     """Set bit c of row r for every used index c of ``idx [rows, k]`` (``bitmap`` zeroed before)."""
     if rows * k == 0:
         return
-    _fn("plan_bitmap_from_topk")(
+    _run(
+        _fn("plan_bitmap_from_topk"),
         (_blocks(rows * k),),
         (THREADS,),
         (
@@ -111,7 +150,8 @@ def bitmap_from_mask(mask, rows: int, row_blocks: int, cols: int, words: int, ro
     """Pack a bool mask ``[rows, cols]`` into ``bitmap [rows, words]``."""
     if rows * words == 0:
         return
-    _fn("plan_bitmap_from_mask")(
+    _run(
+        _fn("plan_bitmap_from_mask"),
         (_blocks(rows * words),),
         (THREADS,),
         (
@@ -132,7 +172,8 @@ def bitmap_transpose(bitmap, heads: int, rows: int, cols: int, in_words: int, ou
     warps = heads * out_words * in_words
     if warps == 0:
         return
-    _fn("plan_bitmap_transpose")(
+    _run(
+        _fn("plan_bitmap_transpose"),
         (_blocks(warps * 32),),
         (THREADS,),
         (
@@ -197,7 +238,8 @@ def items(
     defines += ITEMS_WRITES[ITEMS_WRITE]
     fn = launch.prepare(launch.function(SOURCE, "plan_items", NAME_EXPRESSIONS, defines), smem)
     blocks = min(_blocks(n * 32), per_sm * launch.sm_count(cupy.cuda.runtime.getDevice()))
-    fn(
+    _run(
+        fn,
         (blocks,),
         (THREADS,),
         (
@@ -240,7 +282,7 @@ def items(
             np.int32(group),
             np.int32(STAGE_CAP),
         ),
-        shared_mem=smem,
+        smem,
     )
 
 
@@ -248,7 +290,8 @@ def pair_weights(bitmap, row_blocks: int, words: int, heads: int, edges, n_edges
     """``keys [heads, n_edges]``: each candidate edge's shared selected K blocks, packed with its slots."""
     if heads * n_edges == 0:
         return
-    _fn("plan_pair_weights")(
+    _run(
+        _fn("plan_pair_weights"),
         (_blocks(heads * n_edges),),
         (THREADS,),
         (
@@ -294,14 +337,16 @@ def pair_match(
     if pair_match_form(slots, n_edges) == "smem":
         smem = pair_match_smem_bytes(slots, n_edges)
         fn = launch.prepare(_fn("plan_pair_match_smem"), smem)
-        fn(
+        _run(
+            fn,
             (heads,),
             (1024,),
             (keys, edges, np.int32(n_edges), np.int32(slots), slot_block, slot_own, partner, *outputs),
-            shared_mem=smem,
+            smem,
         )
         return
-    _fn("plan_pair_match")(
+    _run(
+        _fn("plan_pair_match"),
         (heads,),
         (1024,),
         (
@@ -321,7 +366,7 @@ def pair_match(
 def scan(cnt, n: int, cap: int, out, overflow, perm=NULL):
     """``out[p]`` = Σ of the stream lengths of the items before position p (item = ``perm[p]`` or p),
     for p in ``[0, n]``, clamped to ``cap``."""
-    _fn("plan_scan")((1,), (1024,), (cnt, perm, np.int32(n), np.int64(cap), out, overflow))
+    _run(_fn("plan_scan"), (1,), (1024,), (cnt, perm, np.int32(n), np.int64(cap), out, overflow))
 
 
 def segment_sort(
@@ -344,11 +389,12 @@ def segment_sort(
         return
     size = 1 << max(0, int(max_items) - 1).bit_length()
     fn = launch.prepare(_fn("plan_segment_sort"), 8 * size)
-    fn(
+    _run(
+        fn,
         (num_segs,),
         (1024,),
         (segs, cnt, indirect, np.int32(key_kind), np.int32(chunk_pages), out, void_counts, first_live),
-        shared_mem=8 * size,
+        8 * size,
     )
 
 
@@ -357,7 +403,8 @@ def zero_pages(x, heads: int, head_elems: int, page_elems: int, pages, n: int):
     total = heads * n * (page_elems // 8)
     if total == 0:
         return
-    _fn("plan_zero_pages")(
+    _run(
+        _fn("plan_zero_pages"),
         (_blocks(total),),
         (THREADS,),
         (x, np.int32(heads), np.int64(head_elems), np.int32(page_elems), pages, np.int32(n)),

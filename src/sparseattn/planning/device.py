@@ -34,16 +34,21 @@ counted; :meth:`DevicePlans.check` (which synchronises) raises if there were any
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..constants import PAGE_ROWS
 from ..layouts import BlockLayout
+from .plan_recipe import PHASES, PlanRecipe, pointer_of
 from .templates import ItemTemplate, backward_template, dq_template, forward_template
 from .tile_plan import TAIL_ITEMS, PlanError, PlanTypeError
 
 SLOTS = 8
+#: Whether a planner replays its first call of each shape with packed launches (:mod:`.plan_recipe`; the
+#: default): ``SPARSEATTN_PLANNER_REPLAY=0`` runs every call through the launchers (an A/B of host time).
+REPLAY = os.environ.get("SPARSEATTN_PLANNER_REPLAY", "1") == "1"
 
 
 def _words(n: int) -> int:
@@ -306,7 +311,10 @@ class DevicePlans:
     def rebased(self, memory=None) -> DevicePlans:
         """The same plans over the bytes of ``memory`` (a torch CUDA tensor holding a copy of this call's
         arena, e.g. the ``plans`` output of the ``dynamic_fwd`` operator), or without memory (a prototype)."""
-        arena = self.arena.rebased(memory)
+        return self.in_arena(self.arena.rebased(memory))
+
+    def in_arena(self, arena: Arena) -> DevicePlans:
+        """The same plans at the same offsets of ``arena`` (an allocation of this arena's shape)."""
         move = lambda part: (
             None
             if part is None
@@ -424,6 +432,7 @@ class DevicePlanner:
         self._tables: dict = {}  # device -> the templates' arrays on it
         self._arenas: dict = {}  # (heads, selection width, backward) -> the buffers' layout
         self._prototypes: dict = {}  # (heads, width, backward, device) -> plans without memory (plans_in)
+        self._recipes: dict = {}  # the call's shape and the launchers' settings -> PlanRecipe
 
     @property
     def q_blocks(self) -> int:
@@ -579,55 +588,35 @@ class DevicePlanner:
             raise KernelValueError("the selection has no (batch, head) rows")
         backward = bool(backward) and self.backward is not None
         tables = self._uploaded(device)
-        fwd = tables["forward"]
-        wq, wk = _words(nk), _words(nq)
         with cupy.cuda.Device(device):
             arena = self._arena(bh, k, backward).allocate(memory)
-            buf = arena.buffer
-            status, bitmap = buf("status"), buf("bitmap")
-            # status, the void counts and (for top-k) the bitmap are zeroed in one memset: back to back
-            zeroed = arena.specs["bitmap"][0] + (0 if mask is not None else bh * nq * wq * 4)
-            stream = cupy.cuda.get_current_stream()
-            cupy.cuda.runtime.memsetAsync(int(status), 0, zeroed, stream.ptr)
             if mask is not None:
-                P.bitmap_from_mask(mask_arg, bh * nq, nq, nk, wq, fwd.owner_alive, fwd.stream_alive, bitmap)
+                selection = {"mask": int(pointer_of(mask_arg))}
             else:
-                P.bitmap_from_topk(
-                    idx_arg,
-                    num_arg,
-                    bh * nq,
-                    k,
-                    nq,
-                    nk,
-                    wq,
-                    fwd.owner_alive,
-                    fwd.stream_alive,
-                    bitmap,
-                    status,
-                )
-            overflow = np.uint64(int(status) + 4)
-            built = {"forward": None, "backward": None, "dq": None}
+                selection = {"idx": int(pointer_of(idx_arg)), "num": int(pointer_of(num_arg))}
+            key = (batch, heads, k, backward, mask is not None, self.overlap_backward, device, P.settings())
+            recipe = self._recipes.get(key) if REPLAY else None
+            if recipe is not None:  # a later call of this shape: the first one's launches, rebound
+                recipe.replay("top", arena.base, selection)
+                phases = [
+                    lambda name=name: recipe.replay(name, arena.base, selection)
+                    for name in ("backward", "forward")
+                ]
+                if backward and self.overlap_backward:
+                    from ..kernels import launch
 
-            def plan_forward():
-                built["forward"] = self._forward(fwd, arena, bitmap, bh, k, overflow)
-
-            def plan_backward():
-                bitmap_t = buf("bitmap_t")
-                P.bitmap_transpose(bitmap, bh, nq, nk, wq, wk, bitmap_t)
-                built["backward"] = self._owned(
-                    "backward", tables["backward"], arena, bitmap_t, nk, wk, bh, k, overflow
-                )
-                if self.dq is not None:
-                    built["dq"] = self._owned("dq", tables["dq"], arena, bitmap, nq, wq, bh, k, overflow)
-
-            if backward and self.overlap_backward:
-                from ..kernels import launch
-
-                launch.side_by_side([plan_backward, plan_forward])  # the backward's chain on the side stream
-            else:
-                plan_forward()
-                if backward:
-                    plan_backward()
+                    launch.side_by_side(phases)
+                else:
+                    phases[1]()
+                    if backward:
+                        phases[0]()
+                return recipe.plans.in_arena(arena)
+            records = {name: [] for name in PHASES} if REPLAY else None
+            try:
+                given = mask_arg if mask is not None else (idx_arg, num_arg)
+                built = self._launch_all(arena, tables, backward, mask is not None, given, bh, k, records)
+            finally:
+                P.RECORD = None
         plans = DevicePlans(
             built["forward"],
             built["backward"],
@@ -640,7 +629,58 @@ class DevicePlanner:
         )
         if backward:
             self._prototypes.setdefault((bh, k, True, device), plans.rebased())
+        if records is not None:
+            self._recipes[key] = PlanRecipe(records, arena.base, arena.nbytes, selection, plans.rebased())
         return plans
+
+    def _launch_all(
+        self, arena: Arena, tables: dict, backward: bool, is_mask: bool, given, bh: int, k: int, records
+    ):
+        """Enqueue one call's launches on the current stream (``given``: the mask, or the top-k indices and
+        counts, as launch arguments); with ``records``, the launchers record each phase's into it."""
+        from ..kernels import planner as P
+
+        nq, nk = self.q_blocks, self.k_blocks
+        wq, wk = _words(nk), _words(nq)
+        fwd = tables["forward"]
+        buf = arena.buffer
+        status, bitmap = buf("status"), buf("bitmap")
+        P.RECORD = None if records is None else records["top"]
+        # status, the void counts and (for top-k) the bitmap are zeroed in one memset: back to back
+        zeroed = arena.specs["bitmap"][0] + (0 if is_mask else bh * nq * wq * 4)
+        P.memset_zero(status, zeroed)
+        if is_mask:
+            P.bitmap_from_mask(given, bh * nq, nq, nk, wq, fwd.owner_alive, fwd.stream_alive, bitmap)
+        else:
+            P.bitmap_from_topk(
+                *given, bh * nq, k, nq, nk, wq, fwd.owner_alive, fwd.stream_alive, bitmap, status
+            )
+        overflow = np.uint64(int(status) + 4)
+        built = {"forward": None, "backward": None, "dq": None}
+
+        def plan_forward():
+            P.RECORD = None if records is None else records["forward"]
+            built["forward"] = self._forward(fwd, arena, bitmap, bh, k, overflow)
+
+        def plan_backward():
+            P.RECORD = None if records is None else records["backward"]
+            bitmap_t = buf("bitmap_t")
+            P.bitmap_transpose(bitmap, bh, nq, nk, wq, wk, bitmap_t)
+            built["backward"] = self._owned(
+                "backward", tables["backward"], arena, bitmap_t, nk, wk, bh, k, overflow
+            )
+            if self.dq is not None:
+                built["dq"] = self._owned("dq", tables["dq"], arena, bitmap, nq, wq, bh, k, overflow)
+
+        if backward and self.overlap_backward:
+            from ..kernels import launch
+
+            launch.side_by_side([plan_backward, plan_forward])  # the backward's chain on the side stream
+        else:
+            plan_forward()
+            if backward:
+                plan_backward()
+        return built
 
     def _forward(
         self, dev: DeviceTemplate, arena: Arena, bitmap, bh: int, k: int, overflow
@@ -728,8 +768,6 @@ class DevicePlanner:
         k: int,
         overflow,
     ) -> DeviceOwnedPlan:
-        import cupy
-
         from ..kernels import planner as P
 
         t = dev.template
@@ -743,10 +781,7 @@ class DevicePlanner:
         largest = max((c for _, _, c, _ in t.launches), default=0)
         P.segment_sort(per, per.shape[0], largest, cnt, head_major, P.KEY_LEN)
         # the order: the head-major one with each launch's tail re-sorted over all heads
-        stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(
-            int(order), int(head_major), 4 * n, cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr
-        )
+        P.copy(order, head_major, 4 * n)
         P.segment_sort(tails, tails.shape[0], TAIL_ITEMS, cnt, order, P.KEY_LEN, indirect=head_major)
         P.scan(cnt, n, cap, buf("stream_indptr"), overflow, perm=order)
         names = ("work_head", "own_pages", "stream_indptr", "stream_pages", "order")
