@@ -12,6 +12,9 @@ A recorded argument is rebound when it is a device pointer (a ``numpy.uint64`` o
 inside the recorded call's buffers (replayed at the same offset in the new call's) or equal to one of the
 recorded selection's pointers (replayed as the new selection's); everything else (the templates' tables,
 sizes, scalars) is fixed.
+
+The record is a module-level list: a first call of a shape must not run while another thread launches
+through the same launchers (their launches would enter the record); replays share nothing.
 """
 
 from __future__ import annotations
