@@ -205,6 +205,19 @@ def test_bad_planner_arguments_name_them():
         DevicePlanner(lay, max_selected=0)
 
 
+def test_a_layout_past_the_write_pass_page_ids_is_refused(monkeypatch):
+    """The write pass packs a page id with its lane in 32 bits (page ids below planner.STAGE_PAGES, 2^26):
+    a planner over a layout with more pages is refused when it is made, naming the layout."""
+    from sparseattn.kernels import planner as launchers
+
+    lay = video_layout((4, 8, 8), (2, 4, 4), 64)
+    monkeypatch.setattr(launchers, "STAGE_PAGES", lay.num_pages - 1)
+    with pytest.raises(PlanError, match="q_layout has"):
+        DevicePlanner(lay)
+    monkeypatch.setattr(launchers, "STAGE_PAGES", lay.num_pages)
+    DevicePlanner(lay)
+
+
 def test_the_pair_matching_takes_shared_memory_where_it_fits(monkeypatch):
     """planner.pair_match_form: shared memory for layouts whose keys, edges and partners fit (VSA 720p:
     1,100 slots, ~14,300 edges), the L2 form past that or when asked; 'smem' that cannot fit is refused."""

@@ -224,10 +224,6 @@ def items(
 
     if ITEMS_WRITE not in ITEMS_WRITES:
         raise ValueError(f"planner.ITEMS_WRITE must be one of {sorted(ITEMS_WRITES)}, got {ITEMS_WRITE!r}")
-    if tables["t_pages_total"] > STAGE_PAGES:
-        raise ValueError(
-            f"the streamed layout has {tables['t_pages_total']} pages; the planner holds at most {STAGE_PAGES}"
-        )
     in_smem = tables["smem_bytes"] <= SMEM_TABLES_MAX
     smem = tables["smem_bytes"] if in_smem else 0
     group = stage_blocks(tables) if write else 0

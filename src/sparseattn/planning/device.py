@@ -412,6 +412,14 @@ class DevicePlanner:
         for name, layout in (("q_layout", q_layout), ("k_layout", k_layout)):
             if not isinstance(layout, BlockLayout):
                 raise PlanTypeError(f"{name} must be a BlockLayout, got {type(layout).__name__}")
+        from ..kernels.planner import STAGE_PAGES
+
+        for name, layout in (("q_layout", q_layout), ("k_layout", k_layout)):
+            if layout.num_pages > STAGE_PAGES:
+                raise PlanError(
+                    f"{name} has {layout.num_pages} pages; the device planner's write pass holds page ids "
+                    f"below {STAGE_PAGES}"
+                )
         if max_selected is not None and (not isinstance(max_selected, (int, np.integer)) or max_selected < 1):
             raise PlanError(f"max_selected must be a positive integer, got {max_selected!r}")
         self.q, self.k, self.kind, self.route = q_layout, k_layout, kind, route
