@@ -50,8 +50,8 @@ ITEMS_WRITES = {
     "per_block": ("PLAN_WRITE_PER_BLOCK",),
 }
 ITEMS_WRITE = os.environ.get("SPARSEATTN_PLAN_ITEMS_WRITE") or "auto"
-#: Entries of one warp's stage (the kernel's stage_cap: 256 fits 32 blocks of 128 rows) and the most pages a streamed layout may have (page ids
-#: below 2^PLAN_STAGE_LANE_SHIFT).
+#: Entries of one warp's stage (the kernel's stage_cap: 256 fits 32 blocks of 128 rows) and the most pages
+#: a streamed layout may have (page ids below 2^PLAN_STAGE_LANE_SHIFT).
 STAGE_CAP = 256
 STAGE_PAGES = 1 << 26
 #: Where the pair matching keeps a head's keys, edges, partners and best keys: "smem" (shared memory,
@@ -85,7 +85,7 @@ def _fn(name: str):
 
 #: While a list, every launch and memory operation of these launchers is also appended to it, in order:
 #: ``("launch", fn, grid, block, args, smem)``, ``("memset", pointer, bytes)``, ``("copy", dst, src, bytes)``.
-#: The device planner records its first call of each shape and replays it (``planning.device.PlanRecipe``).
+#: The device planner records its first call of each shape and replays it (``planning.plan_recipe``).
 RECORD: list | None = None
 
 

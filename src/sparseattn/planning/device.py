@@ -409,12 +409,11 @@ class DevicePlanner:
         overlap_backward: bool = True,
     ):
         k_layout = q_layout if k_layout is None else k_layout
-        for name, layout in (("q_layout", q_layout), ("k_layout", k_layout)):
-            if not isinstance(layout, BlockLayout):
-                raise PlanTypeError(f"{name} must be a BlockLayout, got {type(layout).__name__}")
         from ..kernels.planner import STAGE_PAGES
 
         for name, layout in (("q_layout", q_layout), ("k_layout", k_layout)):
+            if not isinstance(layout, BlockLayout):
+                raise PlanTypeError(f"{name} must be a BlockLayout, got {type(layout).__name__}")
             if layout.num_pages > STAGE_PAGES:
                 raise PlanError(
                     f"{name} has {layout.num_pages} pages; the device planner's write pass holds page ids "
@@ -606,18 +605,11 @@ class DevicePlanner:
             recipe = self._recipes.get(key) if REPLAY else None
             if recipe is not None:  # a later call of this shape: the first one's launches, rebound
                 recipe.replay("top", arena.base, selection)
-                phases = [
-                    lambda name=name: recipe.replay(name, arena.base, selection)
-                    for name in ("backward", "forward")
-                ]
-                if backward and self.overlap_backward:
-                    from ..kernels import launch
-
-                    launch.side_by_side(phases)
-                else:
-                    phases[1]()
-                    if backward:
-                        phases[0]()
+                self._run_chains(
+                    backward,
+                    lambda: recipe.replay("backward", arena.base, selection),
+                    lambda: recipe.replay("forward", arena.base, selection),
+                )
                 return recipe.plans.in_arena(arena)
             records = {name: [] for name in PHASES} if REPLAY else None
             try:
@@ -680,6 +672,12 @@ class DevicePlanner:
             if self.dq is not None:
                 built["dq"] = self._owned("dq", tables["dq"], arena, bitmap, nq, wq, bh, k, overflow)
 
+        self._run_chains(backward, plan_backward, plan_forward)
+        return built
+
+    def _run_chains(self, backward: bool, plan_backward, plan_forward) -> None:
+        """The forward's chain, and the backward's where planned: on a side stream beside it
+        (``overlap_backward``), else after it."""
         if backward and self.overlap_backward:
             from ..kernels import launch
 
@@ -688,7 +686,6 @@ class DevicePlanner:
             plan_forward()
             if backward:
                 plan_backward()
-        return built
 
     def _forward(
         self, dev: DeviceTemplate, arena: Arena, bitmap, bh: int, k: int, overflow

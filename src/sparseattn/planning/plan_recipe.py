@@ -93,16 +93,14 @@ class PlanRecipe:
         pointers (name -> pointer)."""
         import cupy
 
-        rt = cupy.cuda.runtime
+        from ..kernels import planner
+
         stream = cupy.cuda.get_current_stream().ptr
         for kind, *rest in self.phases.get(phase, ()):
             if kind == "launch":
                 packed, refs = rest
                 packed(stream, *(self._value(r, base, selection) for r in refs))
-            elif kind == "memset":
+            else:  # memset_zero(pointer, bytes) or copy(dst, src, bytes), as recorded
                 refs, nbytes = rest
-                rt.memsetAsync(self._value(refs[0], base, selection), 0, nbytes, stream)
-            else:
-                refs, nbytes = rest
-                dst, src = (self._value(r, base, selection) for r in refs)
-                rt.memcpyAsync(dst, src, nbytes, rt.memcpyDeviceToDevice, stream)
+                call = planner.memset_zero if kind == "memset" else planner.copy
+                call(*(self._value(r, base, selection) for r in refs), nbytes)
