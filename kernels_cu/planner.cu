@@ -11,6 +11,8 @@
 //      streams (plan_items, count pass);
 //   3. offsets by an exclusive scan (plan_scan), item order by a per-segment sort (plan_segment_sort);
 //   4. every item writes its stream at its offset (plan_items, write pass).
+// The forward work list runs 2-4 as one pass (plan_items_fused: each item counts, takes its offset by a
+// look-back over the items before it, and writes), then its sort.
 // Nothing here reads or writes out of bounds, whatever the selection holds: indices outside the
 // block range are ignored (and counted in `invalid`), and a stream past the buffer's capacity is cut
 // (and counted in `overflow`).
@@ -100,6 +102,43 @@ extern "C" __global__ void plan_bitmap_from_topk(const int* __restrict__ idx, co
     atomicOr(bitmap + r * words + (c >> 5), 1u << (c & 31));
 }
 
+// The same bitmap, one warp per row: the row's words are built in the warp's part of shared memory
+// (words <= PLAN_TOPK_ROW_WORDS; dynamic shared memory 4 * words per warp) and stored whole, so the bitmap
+// needs no zeroing first and global memory sees no atomics. Same bits, same invalid count.
+#define PLAN_TOPK_ROW_WORDS 1024
+extern "C" __global__ void plan_bitmap_from_topk_rows(const int* __restrict__ idx, const int* __restrict__ num,
+                                                      long long rows, int k, int row_blocks, int cols, int words,
+                                                      const plan_u32* __restrict__ row_alive,
+                                                      const plan_u32* __restrict__ col_alive,
+                                                      plan_u32* __restrict__ bitmap, int* __restrict__ invalid) {
+    extern __shared__ plan_u32 plan_row_bits[];
+    const int lane = threadIdx.x & 31;
+    plan_u32* mine = plan_row_bits + (threadIdx.x >> 5) * words;
+    const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
+    for (long long r = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+        for (int w = lane; w < words; w += 32) mine[w] = 0u;
+        __syncwarp();
+        const int n = num[r];
+        int bad = lane == 0 && (n < 0 || n > k) ? 1 : 0;
+        const int used = min(max(n, 0), k);
+        const bool row_ok = plan_bit(row_alive, static_cast<int>(r % row_blocks));
+        for (int e = lane; e < used; e += 32) {
+            const int c = idx[r * k + e];
+            if (static_cast<unsigned>(c) >= static_cast<unsigned>(cols)) {
+                ++bad;
+            } else if (row_ok && plan_bit(col_alive, c)) {
+                atomicOr(mine + (c >> 5), 1u << (c & 31));
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) bad += __shfl_xor_sync(0xffffffffu, bad, o);
+        if (lane == 0 && bad) atomicAdd(invalid, bad);
+        __syncwarp();
+        for (int w = lane; w < words; w += 32) bitmap[r * words + w] = mine[w];
+        __syncwarp();
+    }
+}
+
 // One thread per bitmap word. mask: bool bytes [rows, cols].
 extern "C" __global__ void plan_bitmap_from_mask(const unsigned char* __restrict__ mask, long long rows,
                                                  int row_blocks, int cols, int words,
@@ -184,6 +223,52 @@ __device__ __forceinline__ void plan_store(int out_format, long long out, int pa
     }
 }
 
+// The fused forward pass's offsets: a decoupled look-back over the items in position order. The pass
+// claims positions in order (an atomic counter), so every earlier position belongs to a running warp, which
+// publishes its stream length before it looks back itself: no wait can close a circle.
+// status[p] = flag << 62 | value: flag 1 = p's own stream length, 2 = the lengths of positions 0..p summed.
+#define PLAN_LB_AGG (1ull << 62)
+#define PLAN_LB_INCL (2ull << 62)
+#define PLAN_LB_VALUE ((1ull << 62) - 1ull)
+
+__device__ __forceinline__ void plan_lb_store(plan_u64* p, plan_u64 v) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ plan_u64 plan_lb_load(const plan_u64* p) {
+    plan_u64 v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The stream lengths of the positions before pos summed (len: pos's own), the warp's lanes reading 32
+// earlier positions at a time back to the nearest one that holds a sum from position 0.
+__device__ __forceinline__ long long plan_lookback(plan_u64* status, long long pos, long long len, int lane) {
+    if (lane == 0) plan_lb_store(status + pos, (pos == 0 ? PLAN_LB_INCL : PLAN_LB_AGG) | static_cast<plan_u64>(len));
+    long long before = 0;
+    for (long long look = pos - 1; look >= 0; look -= 32) {
+        const long long j = look - lane;
+        plan_u64 s;
+        unsigned pending, incl;
+        int stop;
+        do {
+            s = j >= 0 ? plan_lb_load(status + j) : PLAN_LB_INCL;
+            incl = __ballot_sync(0xffffffffu, (s >> 62) == 2);
+            stop = incl ? __ffs(incl) - 1 : 31;  // the nearest lane holding a sum from 0, else the whole window
+            const unsigned need = stop == 31 ? 0xffffffffu : (2u << stop) - 1u;
+            pending = __ballot_sync(0xffffffffu, (s >> 62) == 0) & need;
+            if (pending) __nanosleep(32);
+        } while (pending);
+        long long v = lane <= stop ? static_cast<long long>(s & PLAN_LB_VALUE) : 0;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        before += v;
+        if (incl) break;
+    }
+    if (lane == 0 && pos > 0) plan_lb_store(status + pos, PLAN_LB_INCL | static_cast<plan_u64>(before + len));
+    return before;
+}
+
 // One warp per work item. Items: `heads` x `items` (head-major, the template repeated per head); with
 // `perm` the warp at position p handles item perm[p] (the backward's sorted order) and writes its
 // per-item outputs at p.
@@ -198,6 +283,9 @@ __device__ __forceinline__ void plan_store(int out_format, long long out, int pa
 // pages (HALVES, INTERLEAVED), c2 = pages seen by both halves, M the item's rows.
 // Write pass: base[p] = the item's first entry (forward: begin[item], template order; backward: the
 // CSR offsets of the sorted order), entries past cap are cut (overflow).
+// FUSED (the forward work list, no perm): both in one call; the item counts, finds its offset by
+// plan_lookback and writes it to begin_out[p] (and the last position begin_out[total], as plan_scan does).
+template <bool FUSED>
 __device__ __forceinline__ void plan_item(
     long long pos, int lane, const plan_u32* __restrict__ bitmap, int row_blocks, int words, int items,
     const int4* __restrict__ it_info, const int* __restrict__ it_members, const int* __restrict__ it_bits,
@@ -209,7 +297,8 @@ __device__ __forceinline__ void plan_item(
     int4* __restrict__ work_info, int2* __restrict__ own_entries, int2* __restrict__ stream_entries,
     int* __restrict__ work_head, int* __restrict__ own_pages, int* __restrict__ stream_pages,
     int* __restrict__ pair_pages, int* __restrict__ overflow, int* __restrict__ void_counts,
-    plan_u32* __restrict__ stage, int stage_blocks, int stage_cap) {
+    plan_u32* __restrict__ stage, int stage_blocks, int stage_cap, plan_u64* __restrict__ lookback,
+    int* __restrict__ begin_out, long long total) {
     const int item = perm != nullptr ? perm[pos] : static_cast<int>(pos);
     const int bh = item / items;
     const int it = item - bh * items;
@@ -225,26 +314,24 @@ __device__ __forceinline__ void plan_item(
     // every lane holds every member: its bitmap row and the owned slots it covers
     const int my_member = lane < members ? members_of[at8 + lane] : 0;
     const int my_bits = lane < members ? bits_of[at8 + lane] : 0;
-    int row[PLAN_SLOTS];  // bitmap row of each member: (bh * row_blocks + block)
-    plan_u32 mbits[PLAN_SLOTS];
-#pragma unroll
-    for (int m = 0; m < PLAN_SLOTS; ++m) {
-        const int blk = min(max(__shfl_sync(0xffffffffu, my_member, m), 0), row_blocks - 1);
-        row[m] = bh * row_blocks + blk;
-        mbits[m] = static_cast<plan_u32>(__shfl_sync(0xffffffffu, my_bits, m));
-    }
+    // member m's bitmap row (bh * row_blocks + block) and owned slots, shuffled from lane m where used (the
+    // whole warp present) rather than held in 16 registers through the item
+    auto member_row = [&](int m) {
+        return bh * row_blocks + min(max(__shfl_sync(0xffffffffu, my_member, m), 0), row_blocks - 1);
+    };
+    auto member_bits = [&](int m) { return static_cast<plan_u32>(__shfl_sync(0xffffffffu, my_bits, m)); };
 
     // the write pass places pages from the item's totals (the count pass's)
     int4 totals = make_int4(0, 0, 0, 0);
     long long first = 0;
     int len = 0;
-    if (write) {
+    if (write && !FUSED) {
         totals = cnt[item];
         first = base[pos];
         len = static_cast<int>(max(0LL, min(static_cast<long long>(totals.x), cap - first)));
         if (lane == 0 && len < totals.x) atomicAdd(overflow, 1);
     }
-    const int na = totals.y, ns = totals.z;
+    int na = totals.y, ns = totals.z;
     // the work list's entries by block (its pair items' interleaved order gains nothing from coalescing),
     // the tile plans' by class runs (see NOTES_device_planner v8)
 #if PLAN_WRITE_STAGED
@@ -256,26 +343,28 @@ __device__ __forceinline__ void plan_item(
     const bool per_block_writes = PLAN_WRITE_FORM == 1;
     const int group = 32;
 #endif
-    const int runs = mode == PLAN_MODE_INTERLEAVED ? min(na, totals.x - na - ns) / chunk_pages : 0;
+    int runs = mode == PLAN_MODE_INTERLEAVED ? min(na, totals.x - na - ns) / chunk_pages : 0;
 
-    int acc_len = 0, acc_c1 = 0, acc_c2 = 0;  // count pass: this lane's sums
-#if !PLAN_WRITE_STAGED
-    int carry[5] = {0, 0, 0, 0, 0};  // write pass: pages of earlier blocks, by class
-#endif
-    for (int w0 = 0; w0 < words; w0 += 32) {
-        const int w = w0 + lane;
-        // this lane's word of each member; a = selected by a slot of rows 0-63, b = of rows 64-127
-        plan_u32 word[PLAN_SLOTS];
-        plan_u32 a = 0, b = 0;
+    // this lane's word w of each member (word[m]); a = selected by a slot of rows 0-63, b = of rows 64-127
+    auto member_words = [&](int w, plan_u32* word, plan_u32& a, plan_u32& b) {
+        a = b = 0;
 #pragma unroll
         for (int m = 0; m < PLAN_SLOTS; ++m) {
-            word[m] = (m < members && w < words) ? bitmap[static_cast<long long>(row[m]) * words + w] : 0u;
-            if (!halves || (mbits[m] & PLAN_HALF0)) a |= word[m];
-            if (!halves || (mbits[m] & PLAN_HALF1)) b |= word[m];
+            const long long r = member_row(m);
+            const plan_u32 mb = member_bits(m);
+            word[m] = (m < members && w < words) ? bitmap[r * words + w] : 0u;
+            if (!halves || (mb & PLAN_HALF0)) a |= word[m];
+            if (!halves || (mb & PLAN_HALF1)) b |= word[m];
         }
-        const plan_u32 any = a | b;
-        if (!write) {  // count: this lane's word, bit by bit
-            for (plan_u32 rest = any; rest; rest &= rest - 1) {
+    };
+    // Count: cnt[item] = (entries, c1, c2, M, or -1 for a void item; see below), each lane summing its
+    // words' selected blocks bit by bit.
+    auto count = [&]() {
+        int acc_len = 0, acc_c1 = 0, acc_c2 = 0;
+        for (int w = lane; w < ((words + 31) & ~31); w += 32) {
+            plan_u32 word[PLAN_SLOTS], a, b;
+            member_words(w, word, a, b);
+            for (plan_u32 rest = a | b; rest; rest &= rest - 1) {
                 const plan_u32 bit = rest & (0u - rest);
                 const int j = w * 32 + __ffs(rest) - 1;
                 const int pages = t_first[j + 1] - t_first[j];
@@ -284,8 +373,49 @@ __device__ __forceinline__ void plan_item(
                 if (halves && (a & bit) && !(b & bit)) acc_c1 += pages;
                 if (halves && (a & bit) && (b & bit)) acc_c2 += pages;
             }
-            continue;
         }
+        const int l = plan_warp_sum(acc_len), c1 = plan_warp_sum(acc_c1), c2 = plan_warp_sum(acc_c2);
+        // a void item (no stream entry, no owned page: the slot of a block that joined its neighbour's pair
+        // item) is marked by M = -1 and counted per head, for plan_segment_sort to put it before every
+        // live item (the launch then starts the kernel's item counter past them)
+        const int owns = lane < PLAN_SLOTS ? own_of[at8 + lane] : -1;
+        const bool is_void = void_counts != nullptr && l == 0 && !__any_sync(0xffffffffu, owns >= 0);
+        const int4 c = make_int4(l, c1, c2, is_void ? -1 : info.y);
+        if (lane == 0) {
+            cnt[item] = c;
+            if (is_void) atomicAdd(void_counts + bh, 1);
+        }
+        return c;
+    };
+#if !PLAN_WRITE_STAGED
+    int carry[5] = {0, 0, 0, 0, 0};  // write pass: pages of earlier blocks, by class
+#endif
+    if (!write) {
+        count();
+        return;
+    }
+    if (FUSED) {  // counted here: the offset, then the write
+        totals = count();
+        const long long before = plan_lookback(lookback, pos, totals.x, lane);
+        first = min(before, cap);
+        len = static_cast<int>(max(0LL, min(static_cast<long long>(totals.x), cap - first)));
+        if (lane == 0) {
+            begin_out[pos] = static_cast<int>(first);
+            if (len < totals.x) atomicAdd(overflow, 1);
+            if (pos == total - 1) {
+                const long long all = before + totals.x;
+                begin_out[total] = static_cast<int>(min(all, cap));
+                if (all > cap) atomicAdd(overflow, 1);
+            }
+        }
+        na = totals.y;
+        ns = totals.z;
+        runs = mode == PLAN_MODE_INTERLEAVED ? min(na, totals.x - na - ns) / chunk_pages : 0;
+    }
+    for (int w0 = 0; w0 < words; w0 += 32) {
+        plan_u32 word[PLAN_SLOTS], a, b;
+        member_words(w0 + lane, word, a, b);
+        const plan_u32 any = a | b;
         // Write: the selected blocks of these 32 words, 32 at a time, one per lane, in block order (each
         // lane then writes its block's pages: balanced over lanes, nearby positions per store).
         const int bits_incl = plan_warp_incl(__popc(any), lane);
@@ -303,10 +433,11 @@ __device__ __forceinline__ void plan_item(
             const plan_u32 o_b = __shfl_sync(0xffffffffu, b, owner);
             const int o_first = __shfl_sync(0xffffffffu, bits_excl, owner);
 #if !PLAN_WRITE_STAGED
-            plan_u32 o_word[PLAN_SLOTS];
+            plan_u32 o_word[PLAN_SLOTS], mbits[PLAN_SLOTS];
 #pragma unroll
             for (int m = 0; m < PLAN_SLOTS; ++m) {
                 o_word[m] = mode == PLAN_MODE_INTERLEAVED ? __shfl_sync(0xffffffffu, word[m], owner) : 0u;
+                mbits[m] = member_bits(m);
             }
 #endif
             const bool valid = t < bits_total && lane < group;
@@ -319,19 +450,22 @@ __device__ __forceinline__ void plan_item(
                 cat = !halves ? 1 : ((o_a & bit) ? ((o_b & bit) ? 1 : 0) : 2);
                 pages = t_first[j + 1] - t_first[j];
                 full = t_nfull[j];
-#if PLAN_WRITE_STAGED
-                // read again from the bitmap (L1) rather than kept in registers through the group
-                if (mode == PLAN_MODE_INTERLEAVED) {
-#pragma unroll
-                    for (int m = 0; m < PLAN_SLOTS; ++m) {
-                        if (m < members && plan_bit(bitmap + static_cast<long long>(row[m]) * words, j)) vis |= mbits[m];
-                    }
-                }
-#else
+#if !PLAN_WRITE_STAGED
 #pragma unroll
                 for (int m = 0; m < PLAN_SLOTS; ++m) vis |= (o_word[m] & bit) ? mbits[m] : 0u;
 #endif
             }
+#if PLAN_WRITE_STAGED
+            // read again from the bitmap (L1) rather than kept in registers through the group
+            if (mode == PLAN_MODE_INTERLEAVED) {
+#pragma unroll
+                for (int m = 0; m < PLAN_SLOTS; ++m) {
+                    const long long r = member_row(m);
+                    const plan_u32 mb = member_bits(m);
+                    if (valid && m < members && plan_bit(bitmap + r * words, j)) vis |= mb;
+                }
+            }
+#endif
 #if PLAN_WRITE_STAGED
             // The item's stream is a sequence of class runs: PLAIN one (all pages), FULL_FIRST two (full, then
             // partial), HALVES and INTERLEAVED three (A only, both, B only); this group's pages in each run
@@ -493,21 +627,6 @@ __device__ __forceinline__ void plan_item(
 #endif
         }
     }
-    if (!write) {
-        acc_len = plan_warp_sum(acc_len);
-        acc_c1 = plan_warp_sum(acc_c1);
-        acc_c2 = plan_warp_sum(acc_c2);
-        // a void item (no stream entry, no owned page: the slot of a block that joined its neighbour's pair
-        // item) is marked by M = -1 and counted per head, for plan_segment_sort to put it before every
-        // live item (the launch then starts the kernel's item counter past them)
-        const int owns = lane < PLAN_SLOTS ? own_of[at8 + lane] : -1;
-        const bool is_void = void_counts != nullptr && acc_len == 0 && !__any_sync(0xffffffffu, owns >= 0);
-        if (lane == 0) {
-            cnt[item] = make_int4(acc_len, acc_c1, acc_c2, is_void ? -1 : info.y);
-            if (is_void) atomicAdd(void_counts + bh, 1);
-        }
-        return;
-    }
     // the item's own outputs, at its position
     const int own = lane < PLAN_SLOTS ? own_of[at8 + lane] : -1;
     if (out_format == PLAN_OUT_WORK_LIST) {
@@ -544,22 +663,28 @@ __device__ __forceinline__ void plan_copy_to_shared(T* dst, const T* __restrict_
     for (; i < n; i += step) dst[i] = src[i];
 }
 
-// Every (head, item): one warp per item, warps striding over the items. With smem_tables the streamed
-// side's tables (t_first, t_nfull, t_pages, t_mask: stream_blocks blocks, stream_list listed pages,
-// stream_pages pages) are read from shared memory, loaded once per block.
-extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_items(
-    const plan_u32* __restrict__ bitmap, int row_blocks, int words, int heads, int items,
-    const int4* __restrict__ it_info, const int* __restrict__ it_members, const int* __restrict__ it_bits,
-    const int* __restrict__ it_own, const int* __restrict__ t_first, const int* __restrict__ t_pages,
-    const int* __restrict__ t_nfull, const unsigned short* __restrict__ t_mask,
-    const unsigned short* __restrict__ o_mask, int chunk_pages, int write, int out_format,
-    int4* __restrict__ cnt, const int* __restrict__ base, const int* __restrict__ perm, long long cap,
-    int4* __restrict__ work_info, int2* __restrict__ own_entries, int2* __restrict__ stream_entries,
-    int* __restrict__ work_head, int* __restrict__ own_pages, int* __restrict__ stream_pages,
-    int* __restrict__ pair_pages, int* __restrict__ overflow, int stream_blocks, int stream_list,
-    int stream_page_count, int smem_tables, int matched, const int4* __restrict__ m_info,
-    const int* __restrict__ m_members, const int* __restrict__ m_bits, const int* __restrict__ m_own,
-    int* __restrict__ void_counts, int stage_blocks, int stage_cap) {
+// The item passes' arguments (plan_items and plan_items_fused take the same).
+#define PLAN_ITEMS_PARAMS                                                                                          \
+    const plan_u32 *__restrict__ bitmap, int row_blocks, int words, int heads, int items,                          \
+        const int4 *__restrict__ it_info, const int *__restrict__ it_members, const int *__restrict__ it_bits,     \
+        const int *__restrict__ it_own, const int *__restrict__ t_first, const int *__restrict__ t_pages,          \
+        const int *__restrict__ t_nfull, const unsigned short *__restrict__ t_mask,                                \
+        const unsigned short *__restrict__ o_mask, int chunk_pages, int write, int out_format,                     \
+        int4 *__restrict__ cnt, const int *__restrict__ base, const int *__restrict__ perm, long long cap,         \
+        int4 *__restrict__ work_info, int2 *__restrict__ own_entries, int2 *__restrict__ stream_entries,           \
+        int *__restrict__ work_head, int *__restrict__ own_pages, int *__restrict__ stream_pages,                  \
+        int *__restrict__ pair_pages, int *__restrict__ overflow, int stream_blocks, int stream_list,              \
+        int stream_page_count, int smem_tables, int matched, const int4 *__restrict__ m_info,                      \
+        const int *__restrict__ m_members, const int *__restrict__ m_bits, const int *__restrict__ m_own,          \
+        int *__restrict__ void_counts, int stage_blocks, int stage_cap
+
+// Every (head, item): one warp per item. With smem_tables the streamed side's tables (t_first, t_nfull,
+// t_pages, t_mask: stream_blocks blocks, stream_list listed pages, stream_pages pages) are read from shared
+// memory, loaded once per block. FUSED: positions claimed in order from *claim (zeroed before), each
+// counted and written in one call (plan_item<true>); otherwise the warps stride over the positions.
+template <bool FUSED>
+__device__ __forceinline__ void plan_items_body(PLAN_ITEMS_PARAMS, plan_u64* __restrict__ lookback,
+                                                int* __restrict__ claim, int* __restrict__ begin_out) {
     extern __shared__ __align__(16) int plan_tables[];
     const int* first = t_first;
     const int* full = t_nfull;
@@ -587,15 +712,43 @@ extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_it
         const int table_ints = smem_tables ? 2 * stream_blocks + 1 + stream_list + (stream_page_count + 1) / 2 : 0;
         stage = reinterpret_cast<plan_u32*>(plan_tables + ((table_ints + 3) & ~3)) + (threadIdx.x >> 5) * static_cast<long long>(stage_cap);
     }
+    const int lane = threadIdx.x & 31;
     const long long total = static_cast<long long>(heads) * items;
     const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
-    for (long long pos = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; pos < total;
-         pos += warps) {
-        plan_item(pos, threadIdx.x & 31, bitmap, row_blocks, words, items, it_info, it_members, it_bits, it_own,
-                  matched, m_info, m_members, m_bits, m_own, first, listed, full, masks, o_mask, chunk_pages, write, out_format, cnt, base, perm, cap,
-                  work_info, own_entries, stream_entries, work_head, own_pages, stream_pages, pair_pages,
-                  overflow, void_counts, stage, stage_blocks, stage_cap);
+    auto next = [&](long long pos) -> long long {
+        if (!FUSED) return pos + warps;
+        int p = 0;
+        if (lane == 0) p = atomicAdd(claim, 1);
+        return __shfl_sync(0xffffffffu, p, 0);
+    };
+    for (long long pos = FUSED ? next(0) : (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+         pos < total; pos = next(pos)) {
+        plan_item<FUSED>(pos, lane, bitmap, row_blocks, words, items, it_info, it_members, it_bits, it_own,
+                         matched, m_info, m_members, m_bits, m_own, first, listed, full, masks, o_mask, chunk_pages,
+                         write, out_format, cnt, base, perm, cap, work_info, own_entries, stream_entries, work_head,
+                         own_pages, stream_pages, pair_pages, overflow, void_counts, stage, stage_blocks, stage_cap,
+                         lookback, begin_out, total);
     }
+}
+
+#define PLAN_ITEMS_ARGS                                                                                             \
+    bitmap, row_blocks, words, heads, items, it_info, it_members, it_bits, it_own, t_first, t_pages, t_nfull,      \
+        t_mask, o_mask, chunk_pages, write, out_format, cnt, base, perm, cap, work_info, own_entries,              \
+        stream_entries, work_head, own_pages, stream_pages, pair_pages, overflow, stream_blocks, stream_list,       \
+        stream_page_count, smem_tables, matched, m_info, m_members, m_bits, m_own, void_counts, stage_blocks,      \
+        stage_cap
+
+// The count pass (write == 0) or the write pass (write == 1).
+extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_items(PLAN_ITEMS_PARAMS) {
+    plan_items_body<false>(PLAN_ITEMS_ARGS, nullptr, nullptr, nullptr);
+}
+
+// The forward work list's count, offsets (in place of plan_scan: begin_out [heads * items + 1]) and write
+// in one pass (write == 1, perm null); lookback int64 [heads * items] and *claim zeroed before.
+extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS)
+    plan_items_fused(PLAN_ITEMS_PARAMS, plan_u64* __restrict__ lookback, int* __restrict__ claim,
+                     int* __restrict__ begin_out) {
+    plan_items_body<true>(PLAN_ITEMS_ARGS, lookback, claim, begin_out);
 }
 
 // ---- the forward's matched pairs ---------------------------------------------------------------------

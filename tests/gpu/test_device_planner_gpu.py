@@ -109,6 +109,51 @@ def test_every_write_form_equals_the_numpy_twin(form, stage, monkeypatch):
         _assert_plans_equal_the_twin(random_case(rng, index))
 
 
+@pytest.mark.parametrize(
+    "fused, bitmap",
+    [(False, "rows"), (True, "atomic"), (False, "atomic")],
+    ids=["three-pass-forward", "atomic-topk-bitmap", "both-replaced-forms"],
+)
+def test_replaced_planner_forms_equal_the_numpy_twin(fused, bitmap, monkeypatch):
+    """The forward's count pass, scan and write pass (planner.FUSED_FORWARD off) and the top-k bitmap by
+    global atomics (planner.BITMAP_TOPK="atomic"), which the fused pass and the per-row bitmap replaced, give
+    the twin's arrays too, on 42 random selections."""
+    from sparseattn.kernels import planner as launchers
+
+    monkeypatch.setattr(launchers, "FUSED_FORWARD", fused)
+    monkeypatch.setattr(launchers, "BITMAP_TOPK", bitmap)
+    rng = np.random.default_rng(7200)
+    for index in range(42):
+        _assert_plans_equal_the_twin(random_case(rng, index))
+
+
+def test_fused_forward_counts_cut_streams_as_the_scan_does(monkeypatch):
+    """A block mask selecting more than ``max_selected`` blocks per row outgrows the buffers: the fused pass
+    cuts the same streams at the same capacity as the count pass + scan + write pass (every forward array
+    and the status words equal), on random masks and layouts with each form planned by its own planner."""
+    from sparseattn.kernels import planner as launchers
+
+    rng = np.random.default_rng(7400)
+    cut = 0
+    for index in range(60):
+        case = random_case(rng, index)
+        if case.mask is None:
+            continue
+        got = {}
+        for fused in (True, False):
+            monkeypatch.setattr(launchers, "FUSED_FORWARD", fused)
+            planner = DevicePlanner(case.q, case.k, kind=case.kind, route=case.route, max_selected=2)
+            plans = planner.plan(mask=cupy.asarray(case.mask), backward=False)
+            names = ["work_info", "stream_entries", "begin", "cnt"]
+            got[fused] = [cupy.asnumpy(plans.arena.view("status"))] + [
+                cupy.asnumpy(plans.view("forward", n)) for n in names
+            ]
+        for name, a, b in zip(["status", *names], got[True], got[False]):
+            assert np.array_equal(a, b), f"{case.name}: {name}"
+        cut += int(got[True][0][1] > 0)
+    assert cut >= 5, f"only {cut} cases outgrew their buffers"
+
+
 @pytest.mark.parametrize("form", ["smem", "global"])
 def test_both_pair_matching_forms_equal_the_numpy_twin(form, monkeypatch):
     """The full blocks' pair matching with a head's keys, edges and partners in shared memory and with them

@@ -16,12 +16,14 @@ from . import launch
 SOURCE = "planner.cu"
 NAME_EXPRESSIONS = (
     "plan_bitmap_from_topk",
+    "plan_bitmap_from_topk_rows",
     "plan_bitmap_from_mask",
     "plan_bitmap_transpose",
     "plan_pair_weights",
     "plan_pair_match",
     "plan_pair_match_smem",
     "plan_items",
+    "plan_items_fused",
     "plan_scan",
     "plan_segment_sort",
     "plan_zero_pages",
@@ -61,6 +63,17 @@ STAGE_PAGES = 1 << 26
 PAIR_MATCH_FORMS = ("auto", "smem", "global")
 PAIR_MATCH = os.environ.get("SPARSEATTN_PLAN_PAIR_MATCH") or "auto"
 PAIR_MATCH_SMEM_MAX = 200 * 1024
+#: Whether the forward work list is counted, offset and written in one pass (``plan_items_fused``: each
+#: item finds its offset by a decoupled look-back over the items before it) instead of a count pass, a scan
+#: and a write pass (NOTES_device_planner v17); ``SPARSEATTN_PLAN_FUSED_FORWARD=0`` for the three. The
+#: same arrays either way.
+FUSED_FORWARD = os.environ.get("SPARSEATTN_PLAN_FUSED_FORWARD", "1") == "1"
+#: How a top-k selection becomes the bitmap: "rows" (one warp per row builds its words in shared memory and
+#: stores them whole: no zeroed bitmap, no global atomics; rows of at most TOPK_ROW_WORDS words) or
+#: "atomic" (one thread per index, ``atomicOr`` into a zeroed bitmap; rows of any length);
+#: ``SPARSEATTN_PLAN_BITMAP_TOPK``. The same bitmap either way.
+BITMAP_TOPK = os.environ.get("SPARSEATTN_PLAN_BITMAP_TOPK") or "rows"
+TOPK_ROW_WORDS = 1024
 THREADS = 256
 NULL = np.uint64(0)
 
@@ -76,7 +89,14 @@ def stage_blocks(tables: dict) -> int:
 
 def settings() -> tuple:
     """The module settings that choose what the launchers launch (part of a recorded call's key)."""
-    return (ITEMS_WRITE, int(ITEMS_BLOCKS_PER_SM), PAIR_MATCH, int(STAGE_CAP))
+    return (
+        ITEMS_WRITE,
+        int(ITEMS_BLOCKS_PER_SM),
+        PAIR_MATCH,
+        int(STAGE_CAP),
+        bool(FUSED_FORWARD),
+        BITMAP_TOPK,
+    )
 
 
 def _fn(name: str):
@@ -120,11 +140,43 @@ def _blocks(n: int, per_block: int = THREADS) -> int:
     return max(1, -(-int(n) // per_block))
 
 
+def topk_by_rows(k: int, words: int) -> bool:
+    """Whether :func:`bitmap_from_topk` writes every word of the bitmap itself (one warp per row); if not,
+    the bitmap must be zeroed before it."""
+    if BITMAP_TOPK not in ("rows", "atomic"):
+        raise ValueError(f"planner.BITMAP_TOPK must be 'rows' or 'atomic', got {BITMAP_TOPK!r}")
+    return BITMAP_TOPK == "rows" and k > 0 and 0 < words <= TOPK_ROW_WORDS
+
+
 def bitmap_from_topk(
     idx, num, rows: int, k: int, row_blocks: int, cols: int, words: int, row_alive, col_alive, bitmap, invalid
 ):
-    """Set bit c of row r for every used index c of ``idx [rows, k]`` (``bitmap`` zeroed before)."""
+    """Set bit c of row r for every used index c of ``idx [rows, k]``: every word of ``bitmap [rows, words]``
+    where :func:`topk_by_rows`, else into a bitmap zeroed before."""
     if rows * k == 0:
+        return
+    if topk_by_rows(k, words):
+        warps = THREADS // 32
+        smem = warps * words * 4
+        _run(
+            launch.prepare(_fn("plan_bitmap_from_topk_rows"), smem),
+            (_blocks(rows, warps),),
+            (THREADS,),
+            (
+                idx,
+                num,
+                np.int64(rows),
+                np.int32(k),
+                np.int32(row_blocks),
+                np.int32(cols),
+                np.int32(words),
+                row_alive,
+                col_alive,
+                bitmap,
+                invalid,
+            ),
+            smem,
+        )
         return
     _run(
         _fn("plan_bitmap_from_topk"),
@@ -211,12 +263,16 @@ def items(
     overflow=NULL,
     matched=None,
     void_counts=NULL,
+    fused=None,
 ):
     """One pass of ``plan_items`` over every (head, item): count (``write`` False) or write. ``tables``:
     the template's device arrays (:class:`sparseattn.planning.device.DeviceTemplate`); ``matched``: the
     matched slots' items of every head (``info``, ``members``, ``bits``, ``own`` pointers, and ``slots``);
     ``void_counts`` int32 ``[heads]``, zeroed (the forward's count pass): each head's void items (no stream
-    entry, no owned page), which the count pass also marks with M = -1 in ``cnt``."""
+    entry, no owned page), which the count pass also marks with M = -1 in ``cnt``. ``fused``: the forward
+    work list's one pass (``plan_items_fused``, ``write`` True, no ``perm``), a dict of its ``lookback``
+    (int64 ``[n]``) and ``claim`` (int32) pointers, zeroed before, and ``begin`` (int32 ``[n + 1]``), where it
+    writes the offsets that :func:`scan` would."""
     n = heads * tables["items"]
     if n == 0:
         return
@@ -232,7 +288,9 @@ def items(
     per_sm = int(ITEMS_BLOCKS_PER_SM)
     defines = () if per_sm == ITEMS_BLOCKS_DEFAULT else (f"PLAN_ITEMS_MIN_BLOCKS={per_sm}",)
     defines += ITEMS_WRITES[ITEMS_WRITE]
-    fn = launch.prepare(launch.function(SOURCE, "plan_items", NAME_EXPRESSIONS, defines), smem)
+    name = "plan_items" if fused is None else "plan_items_fused"
+    fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS, defines), smem)
+    extra = () if fused is None else (fused["lookback"], fused["claim"], fused["begin"])
     blocks = min(_blocks(n * 32), per_sm * launch.sm_count(cupy.cuda.runtime.getDevice()))
     _run(
         fn,
@@ -277,6 +335,7 @@ def items(
             void_counts,
             np.int32(group),
             np.int32(STAGE_CAP),
+            *extra,
         ),
         smem,
     )

@@ -9,10 +9,12 @@ and device, so a call can be captured in a CUDA graph:
 
     selection (top-k indices + counts, or a block mask)       [batch, heads, q_blocks, ...]
       -> bitmap: one row of bits per (batch · head, Q block)   plan_bitmap_from_topk / _from_mask
-      -> per template item: pages streamed (count pass)        plan_items
-      -> offsets (scan) and order (per-head sort)              plan_scan, plan_segment_sort
-      -> streams written at their offsets (write pass)         plan_items
-      -> the backward's K/V-owned plan from the transposed bitmap, the same way
+      -> per template item: pages streamed, offset (a look-back over the items before it) and
+         stream written at its offset, in one pass              plan_items_fused
+      -> order (per-head sort)                                  plan_segment_sort
+      -> the backward's K/V-owned plan from the transposed bitmap: per item its pages streamed (count
+         pass), the order (per-launch sorts), offsets in that order (scan), streams written (write pass)
+                                                                plan_items, plan_segment_sort, plan_scan
 
 What depends only on the layouts (live pages per block, routes, owned pages, which blocks pair up: an
 :class:`~.templates.ItemTemplate`) is built once per planner on the host and uploaded once per device.
@@ -479,14 +481,17 @@ class DevicePlanner:
         if arena is None:
             i32, u32 = np.int32, np.uint32
             nq, nk = self.q_blocks, self.k_blocks
-            # status and the forward's void counts lie before the bitmap: one memset zeroes them
+            t = self.forward
+            n, cap = bh * t.num_items, self.capacity(t, bh, k)
+            # status, the forward's void counts and its one pass's look-back and claim counter lie before
+            # the bitmap: one memset zeroes them (and the bitmap, where the top-k kernel needs it zeroed)
             specs = {
                 "status": ((2,), i32),
                 "forward.voids": ((bh,), i32),
+                "forward.claim": ((1,), i32),
+                "forward.lookback": ((n,), np.uint64),
                 "bitmap": ((bh, nq, _words(nk)), u32),
             }
-            t = self.forward
-            n, cap = bh * t.num_items, self.capacity(t, bh, k)
             specs.update(
                 {
                     "forward.cnt": ((n, 4), i32),
@@ -646,8 +651,11 @@ class DevicePlanner:
         buf = arena.buffer
         status, bitmap = buf("status"), buf("bitmap")
         P.RECORD = None if records is None else records["top"]
-        # status, the void counts and (for top-k) the bitmap are zeroed in one memset: back to back
-        zeroed = arena.specs["bitmap"][0] + (0 if is_mask else bh * nq * wq * 4)
+        # status, the void counts, the look-back and (where the top-k kernel needs it) the bitmap are zeroed
+        # in one memset: back to back
+        zeroed = arena.specs["bitmap"][0]
+        if not is_mask and not P.topk_by_rows(k, wq):
+            zeroed += bh * nq * wq * 4
         P.memset_zero(status, zeroed)
         if is_mask:
             P.bitmap_from_mask(given, bh * nq, nq, nk, wq, fwd.owner_alive, fwd.stream_alive, bitmap)
@@ -720,7 +728,7 @@ class DevicePlanner:
                 matched,
             )
 
-        def items(write: bool, **outputs):  # the count pass, then the write pass, over the same items
+        def items(write: bool, **outputs):  # a pass over the items: count, write, or both (fused)
             P.items(
                 bitmap,
                 t.owner_blocks,
@@ -736,12 +744,18 @@ class DevicePlanner:
                 **outputs,
             )
 
-        items(False)
-        P.scan(cnt, n, cap, buf("begin"), overflow)
         arrays = {name: buf(name) for name in (*LIST_ARRAYS, "first_live")}
+        if P.FUSED_FORWARD:  # count, offsets and write in one pass
+            fused = {"lookback": buf("lookback"), "claim": buf("claim"), "begin": buf("begin")}
+            base = P.NULL
+        else:
+            items(False)
+            P.scan(cnt, n, cap, buf("begin"), overflow)
+            fused, base = None, buf("begin")
         items(
             True,
-            base=buf("begin"),
+            fused=fused,
+            base=base,
             cap=cap,
             work_info=arrays["work_info"],
             own_entries=arrays["own_entries"],
