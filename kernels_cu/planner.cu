@@ -844,9 +844,10 @@ __device__ __forceinline__ void plan_pair_match_body(
         for (int e = threadIdx.x; e < n_edges; e += blockDim.x) {
             const plan_u64 key = keys[e];
             const int2 ed = edge(e);
-            // the edge is the largest at both ends: no other edge touching them joins in this round
-            if (key && ld_partner(ed.x) < 0 && ld_partner(ed.y) < 0 && ld_best(ed.x) == key &&
-                ld_best(ed.y) == key) {
+            // the edge is the largest at both ends: no other edge touching them joins in this round. (A slot
+            // matched in an earlier round keeps its edge's key as its best, so only that edge passes there, and
+            // writes the same partners again; no partner is read in this loop, which other threads write.)
+            if (key && ld_best(ed.x) == key && ld_best(ed.y) == key) {
                 partner[ed.x] = ed.y;
                 partner[ed.y] = ed.x;
             }

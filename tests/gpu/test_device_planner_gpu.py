@@ -148,6 +148,8 @@ def test_fused_forward_counts_cut_streams_as_the_scan_does(monkeypatch):
             got[fused] = [cupy.asnumpy(plans.arena.view("status"))] + [
                 cupy.asnumpy(plans.view("forward", n)) for n in names
             ]
+            written = got[fused][3][-1]  # begin[n]: the entries written (past it the buffer is as allocated)
+            got[fused][2] = got[fused][2][:written]
         for name, a, b in zip(["status", *names], got[True], got[False]):
             assert np.array_equal(a, b), f"{case.name}: {name}"
         cut += int(got[True][0][1] > 0)
