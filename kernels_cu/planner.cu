@@ -987,7 +987,6 @@ extern "C" __global__ void __launch_bounds__(1024) plan_scan(const int4* __restr
     }
     __syncthreads();
     long long run = warp > 0 ? warp_sums[warp - 1] : 0;  // before this warp's first position
-#pragma unroll 4
     for (int p0 = lo; p0 < hi; p0 += 32) {
         const long long v = plan_scan_len(cnt, perm, p0 + lane, hi);
         long long incl = v;
@@ -1062,45 +1061,19 @@ extern "C" __global__ void __launch_bounds__(1024) plan_segment_sort(
         keys[l] = key;
     }
     __syncthreads();
-    if (size <= static_cast<int>(blockDim.x)) {
-        // One key per thread, held in a register: the network's steps within a warp (j < 32) by shuffles,
-        // only the others through shared memory. A segment of fewer than 32 keys sorts them in warp 0 with
-        // padding keys after them.
-        const int t = threadIdx.x, span = max(size, 32);
-        const bool active = t < span;  // whole warps (span is a multiple of 32)
-        plan_u64 key = t < size ? keys[t] : ~0ull;
-        for (int k = 2; k <= span; k <<= 1) {
-            for (int j = k >> 1; j > 0; j >>= 1) {
-                plan_u64 other = key;
-                if (j >= 32) {
-                    __syncthreads();  // every read of the step before is done
-                    if (active) keys[t] = key;
-                    __syncthreads();
-                    if (active) other = keys[t ^ j];
-                } else if (active) {
-                    other = __shfl_xor_sync(0xffffffffu, key, j);
-                }
-                const bool keep_min = ((t & j) == 0) == ((t & k) == 0);
-                key = keep_min ? min(key, other) : max(key, other);
-            }
-        }
-        __syncthreads();
-        if (t < size) keys[t] = key;
-    } else {
-        for (int k = 2; k <= size; k <<= 1) {
-            for (int j = k >> 1; j > 0; j >>= 1) {
-                for (int t = threadIdx.x; t < size; t += blockDim.x) {
-                    const int u = t ^ j;
-                    if (u > t) {
-                        const plan_u64 x = keys[t], y = keys[u];
-                        if ((x > y) == ((t & k) == 0)) {
-                            keys[t] = y;
-                            keys[u] = x;
-                        }
+    for (int k = 2; k <= size; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int t = threadIdx.x; t < size; t += blockDim.x) {
+                const int u = t ^ j;
+                if (u > t) {
+                    const plan_u64 x = keys[t], y = keys[u];
+                    if ((x > y) == ((t & k) == 0)) {
+                        keys[t] = y;
+                        keys[u] = x;
                     }
                 }
-                __syncthreads();
             }
+            __syncthreads();
         }
     }
     if (void_counts == nullptr) {

@@ -155,47 +155,15 @@ def bitmap_from_topk(
     where :func:`topk_by_rows`, else into a bitmap zeroed before."""
     if rows * k == 0:
         return
-    if topk_by_rows(k, words):
+    args = (idx, num, np.int64(rows), np.int32(k), np.int32(row_blocks), np.int32(cols), np.int32(words))
+    args += (row_alive, col_alive, bitmap, invalid)
+    if topk_by_rows(k, words):  # one warp per row, its words in shared memory
         warps = THREADS // 32
         smem = warps * words * 4
-        _run(
-            launch.prepare(_fn("plan_bitmap_from_topk_rows"), smem),
-            (_blocks(rows, warps),),
-            (THREADS,),
-            (
-                idx,
-                num,
-                np.int64(rows),
-                np.int32(k),
-                np.int32(row_blocks),
-                np.int32(cols),
-                np.int32(words),
-                row_alive,
-                col_alive,
-                bitmap,
-                invalid,
-            ),
-            smem,
-        )
-        return
-    _run(
-        _fn("plan_bitmap_from_topk"),
-        (_blocks(rows * k),),
-        (THREADS,),
-        (
-            idx,
-            num,
-            np.int64(rows),
-            np.int32(k),
-            np.int32(row_blocks),
-            np.int32(cols),
-            np.int32(words),
-            row_alive,
-            col_alive,
-            bitmap,
-            invalid,
-        ),
-    )
+        fn = launch.prepare(_fn("plan_bitmap_from_topk_rows"), smem)
+        _run(fn, (_blocks(rows, warps),), (THREADS,), args, smem)
+    else:  # one thread per index
+        _run(_fn("plan_bitmap_from_topk"), (_blocks(rows * k),), (THREADS,), args)
 
 
 def bitmap_from_mask(mask, rows: int, row_blocks: int, cols: int, words: int, row_alive, col_alive, bitmap):
