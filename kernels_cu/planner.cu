@@ -241,53 +241,29 @@ __device__ __forceinline__ plan_u64 plan_lb_load(const plan_u64* p) {
     return v;
 }
 
-// Earlier positions one look-back round reads: each lane loads PLAN_LB_WINDOWS status words at once
-// (positions 32 apart), so a walk back over many positions waits for one load per round, not per 32.
-#define PLAN_LB_WINDOWS 4
-
-// The stream lengths of the positions before pos summed (len: pos's own), the warp's lanes reading
-// 32 * PLAN_LB_WINDOWS earlier positions a round back to the nearest one that holds a sum from position 0.
+// The stream lengths of the positions before pos summed (len: pos's own), the warp's lanes reading 32
+// earlier positions at a time back to the nearest one that holds a sum from position 0.
 __device__ __forceinline__ long long plan_lookback(plan_u64* status, long long pos, long long len, int lane) {
     if (lane == 0) plan_lb_store(status + pos, (pos == 0 ? PLAN_LB_INCL : PLAN_LB_AGG) | static_cast<plan_u64>(len));
     long long before = 0;
-    for (long long look = pos - 1; look >= 0; look -= 32 * PLAN_LB_WINDOWS) {
-        plan_u64 s[PLAN_LB_WINDOWS];
-        bool found, waiting;
-        int stop_w, stop;  // the nearest position holding a sum from 0: window stop_w, lane stop
+    for (long long look = pos - 1; look >= 0; look -= 32) {
+        const long long j = look - lane;
+        plan_u64 s;
+        unsigned pending, incl;
+        int stop;
         do {
-#pragma unroll
-            for (int q = 0; q < PLAN_LB_WINDOWS; ++q) {
-                const long long j = look - 32 * q - lane;  // window q: positions look - 32q - 31 .. look - 32q
-                s[q] = j >= 0 ? plan_lb_load(status + j) : PLAN_LB_INCL;
-            }
-            found = waiting = false;
-            stop_w = PLAN_LB_WINDOWS - 1;
-            stop = 31;
-#pragma unroll
-            for (int q = 0; q < PLAN_LB_WINDOWS; ++q) {
-                const unsigned incl = __ballot_sync(0xffffffffu, (s[q] >> 62) == 2);
-                const unsigned open = __ballot_sync(0xffffffffu, (s[q] >> 62) == 0);
-                if (found) continue;
-                const int first = incl ? __ffs(incl) - 1 : 31;
-                const unsigned need = incl ? (2u << first) - 1u : 0xffffffffu;  // lanes up to the sum, or all
-                waiting = waiting || (open & need) != 0u;
-                if (incl) {
-                    found = true;
-                    stop_w = q;
-                    stop = first;
-                }
-            }
-            if (waiting) __nanosleep(32);
-        } while (waiting);
-        long long v = 0;
-#pragma unroll
-        for (int q = 0; q < PLAN_LB_WINDOWS; ++q) {
-            if (q < stop_w || (q == stop_w && lane <= stop)) v += static_cast<long long>(s[q] & PLAN_LB_VALUE);
-        }
+            s = j >= 0 ? plan_lb_load(status + j) : PLAN_LB_INCL;
+            incl = __ballot_sync(0xffffffffu, (s >> 62) == 2);
+            stop = incl ? __ffs(incl) - 1 : 31;  // the nearest lane holding a sum from 0, else the whole window
+            const unsigned need = stop == 31 ? 0xffffffffu : (2u << stop) - 1u;
+            pending = __ballot_sync(0xffffffffu, (s >> 62) == 0) & need;
+            if (pending) __nanosleep(32);
+        } while (pending);
+        long long v = lane <= stop ? static_cast<long long>(s & PLAN_LB_VALUE) : 0;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         before += v;
-        if (found) break;
+        if (incl) break;
     }
     if (lane == 0 && pos > 0) plan_lb_store(status + pos, PLAN_LB_INCL | static_cast<plan_u64>(before + len));
     return before;
