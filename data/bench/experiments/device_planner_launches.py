@@ -5,8 +5,9 @@
 
 For each workload (full heads, batch 1, the graph's selection as top-k indices on the GPU, as
 ``sparseattn bench --pass plan`` gives it): ten planning calls (forward + backward plans) under
-torch.profiler after warm-up; the last call's launches in order and each kernel's mean GPU time per call,
-largest first. ``--items-blocks`` runs each workload once per variant ``BLOCKS[:WRITE]`` of ``plan_items``: blocks per SM
+torch.profiler after warm-up; the last call's launches in order, each with its start and end after the
+call's first launch (which launches overlap, and which one ends the call), and each kernel's mean GPU time
+per call, largest first. ``--items-blocks`` runs each workload once per variant ``BLOCKS[:WRITE]`` of ``plan_items``: blocks per SM
 (the kernel compiled for it, ``sparseattn.kernels.planner.ITEMS_BLOCKS_PER_SM``) and the write pass's
 stores (``auto``, ``coalesced`` or ``per_block``, ``planner.ITEMS_WRITE``). Writes DIR/launches.json.
 """
@@ -48,10 +49,13 @@ def profile(name: str) -> dict:
             per[e.name][1] += 1
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     last = sorted(kernels, key=lambda e: e.time_range.start)[-len(kernels) // CALLS :]
-    sequence = [(e.name, e.time_range.elapsed_us()) for e in last]
-    print(f"{name}: the last call's launches in order")
-    for n, us in sequence:
-        print(f"  {us:8.1f} us  {n[:90]}")
+    t0 = last[0].time_range.start if last else 0
+    sequence = [
+        (e.name, e.time_range.elapsed_us(), e.time_range.start - t0, e.time_range.end - t0) for e in last
+    ]
+    print(f"{name}: the last call's launches in order (start and end, µs after the first launch's start)")
+    for n, us, start, end in sequence:
+        print(f"  {us:8.1f} us  [{start:7.1f}, {end:7.1f}]  {n[:80]}")
     rows = sorted(((n, t / CALLS, c / CALLS) for n, (t, c) in per.items()), key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     print(f"{name}: {total:.1f} us of GPU time per call in {sum(r[2] for r in rows):.0f} launches")
@@ -60,7 +64,7 @@ def profile(name: str) -> dict:
     return {
         "workload": name,
         "gpu_us_per_call": total,
-        "last_call": [dict(name=n, us=us) for n, us in sequence],
+        "last_call": [dict(name=n, us=us, start_us=start, end_us=end) for n, us, start, end in sequence],
         "launches": [dict(name=n, us=us, per_call=c) for n, us, c in rows],
     }
 
