@@ -199,3 +199,60 @@ def test_changed_launcher_settings_record_anew(fake_cupy, monkeypatch):
     monkeypatch.setattr(launchers, "ITEMS_WRITE", "coalesced")
     planner.plan(**_selection(case, rng))
     assert len(planner._recipes) == 2
+
+
+def _topk_case():
+    rng = np.random.default_rng(31)
+    for index in itertools.count():
+        case = random_case(rng, index)
+        if case.q2k_idx is not None and case.q2k_idx.shape[-1] > 0:
+            return case, rng
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-forward", "three-pass-forward"])
+@pytest.mark.parametrize("bitmap", ["rows", "atomic"])
+def test_each_planner_form_issues_its_launches_and_zeroes_what_it_reads(
+    fake_cupy, monkeypatch, fused, bitmap
+):
+    """The forward's one pass (or its count pass, scan and write pass) and the top-k bitmap per row (or by
+    atomics): which launches a call issues, and that the one memset zeroes the fused pass's claim counter and
+    look-back words always and the bitmap only where the atomic kernel needs it."""
+    monkeypatch.setattr(launchers, "FUSED_FORWARD", fused)
+    monkeypatch.setattr(launchers, "BITMAP_TOPK", bitmap)
+    monkeypatch.setattr(device_planning, "REPLAY", False)
+    case, rng = _topk_case()
+    planner = DevicePlanner(case.q, case.k, kind=case.kind, route=case.route, backward=False)
+    log = fake_cupy
+    log.clear()
+    plans = planner.plan(**_selection(case, rng), backward=False)
+    names = [e[0] for e in log]
+    assert names.count("plan_items_fused") == (1 if fused else 0)
+    assert names.count("plan_items") == (0 if fused else 2)
+    assert names.count("plan_scan") == (0 if fused else 1)
+    assert ("plan_bitmap_from_topk_rows" in names) == (bitmap == "rows")
+    assert ("plan_bitmap_from_topk" in names) == (bitmap == "atomic")
+    memsets = [e for e in log if e[0] == "memset"]
+    assert len(memsets) == 1
+    start, nbytes = memsets[0][1], memsets[0][2]
+    arena = plans.arena
+    for name in ("status", "forward.voids", "forward.claim", "forward.lookback"):
+        offset, shape, dtype = arena.specs[name]
+        assert start <= arena.base + offset and arena.base + offset + int(
+            np.prod(shape)
+        ) * dtype.itemsize <= (start + nbytes), name
+    bitmap_offset, bitmap_shape, _ = arena.specs["bitmap"]
+    covers_bitmap = start + nbytes >= arena.base + bitmap_offset + int(np.prod(bitmap_shape)) * 4
+    assert covers_bitmap == (bitmap == "atomic")
+    if fused:
+        launch_args = next(e for e in log if e[0] == "plan_items_fused")[4]
+        begin = ("ptr", int(arena.buffer("forward.begin")))
+        assert launch_args[-1] == begin and launch_args[-3:-1] == [
+            ("ptr", int(arena.buffer("forward.lookback"))),
+            ("ptr", int(arena.buffer("forward.claim"))),
+        ]
+
+
+def test_an_unknown_bitmap_form_is_refused(monkeypatch):
+    monkeypatch.setattr(launchers, "BITMAP_TOPK", "both")
+    with pytest.raises(ValueError, match="BITMAP_TOPK"):
+        launchers.topk_by_rows(8, 4)
