@@ -241,6 +241,12 @@ __device__ __forceinline__ plan_u64 plan_lb_load(const plan_u64* p) {
     return v;
 }
 
+// Nanoseconds a look-back sleeps before it reads a window again whose positions have not all counted yet
+// (NOTES_device_planner: the spin rounds take issue slots from the working warps); SPARSEATTN_PLAN_LB_SLEEP_NS.
+#ifndef PLAN_LB_SLEEP_NS
+#define PLAN_LB_SLEEP_NS 32
+#endif
+
 // The stream lengths of the positions before pos summed (len: pos's own), the warp's lanes reading 32
 // earlier positions at a time back to the nearest one that holds a sum from position 0.
 __device__ __forceinline__ long long plan_lookback(plan_u64* status, long long pos, long long len, int lane) {
@@ -257,7 +263,7 @@ __device__ __forceinline__ long long plan_lookback(plan_u64* status, long long p
             stop = incl ? __ffs(incl) - 1 : 31;  // the nearest lane holding a sum from 0, else the whole window
             const unsigned need = stop == 31 ? 0xffffffffu : (2u << stop) - 1u;
             pending = __ballot_sync(0xffffffffu, (s >> 62) == 0) & need;
-            if (pending) __nanosleep(32);
+            if (pending) __nanosleep(PLAN_LB_SLEEP_NS);
         } while (pending);
         long long v = lane <= stop ? static_cast<long long>(s & PLAN_LB_VALUE) : 0;
 #pragma unroll

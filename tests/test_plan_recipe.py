@@ -256,3 +256,28 @@ def test_an_unknown_bitmap_form_is_refused(monkeypatch):
     monkeypatch.setattr(launchers, "BITMAP_TOPK", "both")
     with pytest.raises(ValueError, match="BITMAP_TOPK"):
         launchers.topk_by_rows(8, 4)
+
+
+def test_the_look_back_sleep_compiles_into_the_fused_pass_only(fake_cupy, monkeypatch):
+    """``planner.LB_SLEEP_NS`` away from its default compiles the fused pass with ``PLAN_LB_SLEEP_NS`` (the
+    other kernels as before); a value out of range is refused before any launch, naming the setting."""
+    requested = []
+    real = launch.function
+    monkeypatch.setattr(
+        launch,
+        "function",
+        lambda source, name, *a, **k: requested.append((name, a[1:] or ())) or real(source, name),
+    )
+    monkeypatch.setattr(device_planning, "REPLAY", False)
+    monkeypatch.setattr(launchers, "LB_SLEEP_NS", 256)
+    case, rng = _topk_case()
+    DevicePlanner(case.q, case.k, kind=case.kind, route=case.route).plan(**_selection(case, rng))
+    with_define = {
+        name for name, extra in requested if any("PLAN_LB_SLEEP_NS=256" in d for d in sum(extra, ()))
+    }
+    assert with_define == {"plan_items_fused"}
+    monkeypatch.setattr(launchers, "LB_SLEEP_NS", -1)
+    fake_cupy.clear()
+    with pytest.raises(ValueError, match="LB_SLEEP_NS"):
+        DevicePlanner(case.q, case.k, kind=case.kind, route=case.route).plan(**_selection(case, rng))
+    assert not fake_cupy

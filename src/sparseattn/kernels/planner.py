@@ -73,6 +73,10 @@ FUSED_FORWARD = os.environ.get("SPARSEATTN_PLAN_FUSED_FORWARD", "1") == "1"
 #: "atomic" (one thread per index, ``atomicOr`` into a zeroed bitmap; rows of any length);
 #: ``SPARSEATTN_PLAN_BITMAP_TOPK``. The same bitmap either way.
 BITMAP_TOPK = os.environ.get("SPARSEATTN_PLAN_BITMAP_TOPK") or "rows"
+#: Nanoseconds the fused pass's look-back sleeps before it reads again positions that have not all counted
+#: (PLAN_LB_SLEEP_NS; its default compiles the kernel as planner.cu's default); ``SPARSEATTN_PLAN_LB_SLEEP_NS``.
+LB_SLEEP_NS_DEFAULT = 32
+LB_SLEEP_NS = int(os.environ.get("SPARSEATTN_PLAN_LB_SLEEP_NS") or LB_SLEEP_NS_DEFAULT)
 TOPK_ROW_WORDS = 1024
 THREADS = 256
 NULL = np.uint64(0)
@@ -88,7 +92,10 @@ def stage_blocks(tables: dict) -> int:
 
 
 def settings() -> tuple:
-    """The module settings that choose what the launchers launch (part of a recorded call's key)."""
+    """The module settings that choose what the launchers launch (part of a recorded call's key); raises
+    on a setting out of range (the planner reads them before its first launch)."""
+    if not 0 <= int(LB_SLEEP_NS) <= 1_000_000:
+        raise ValueError(f"planner.LB_SLEEP_NS must be in [0, 1e6] ns, got {LB_SLEEP_NS}")
     return (
         ITEMS_WRITE,
         int(ITEMS_BLOCKS_PER_SM),
@@ -96,6 +103,7 @@ def settings() -> tuple:
         int(STAGE_CAP),
         bool(FUSED_FORWARD),
         BITMAP_TOPK,
+        int(LB_SLEEP_NS),
     )
 
 
@@ -256,6 +264,8 @@ def items(
     per_sm = int(ITEMS_BLOCKS_PER_SM)
     defines = () if per_sm == ITEMS_BLOCKS_DEFAULT else (f"PLAN_ITEMS_MIN_BLOCKS={per_sm}",)
     defines += ITEMS_WRITES[ITEMS_WRITE]
+    if fused is not None and int(LB_SLEEP_NS) != LB_SLEEP_NS_DEFAULT:
+        defines += (f"PLAN_LB_SLEEP_NS={int(LB_SLEEP_NS)}",)
     name = "plan_items" if fused is None else "plan_items_fused"
     fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS, defines), smem)
     extra = () if fused is None else (fused["lookback"], fused["claim"], fused["begin"])
