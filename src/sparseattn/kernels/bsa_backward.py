@@ -313,12 +313,10 @@ def _arena_base(plan: DeviceOwnedPlan):
 def _arena_relative(arrays: dict, plan: DeviceOwnedPlan) -> dict:
     """``arrays`` with every pointer into ``plan``'s arena as ``"arena+OFFSET"`` (the planner's layout tables
     and page lists, outside the arena, stay pointers)."""
-    base = _arena_base(plan)
-    end = base + plan.arena.nbytes
 
     def relative(p):
-        inside = isinstance(p, (int, np.integer)) and base <= int(p) < end
-        return f"{ARENA}+{int(p) - base}" if inside else p
+        offset = plan.arena.offset_of(p) if isinstance(p, (int, np.integer)) else None
+        return p if offset is None else f"{ARENA}+{offset}"
 
     return {name: relative(p) for name, p in arrays.items()}
 

@@ -173,8 +173,9 @@ def _rebased_arrays(arrays: dict, old: Arena, new: Arena) -> dict:
     for name, value in arrays.items():
         if not isinstance(name, str):
             continue
-        if isinstance(value, np.uint64) and old.base <= int(value) < old.base + old.nbytes:
-            value = np.uint64(int(value) - old.base + new.base)
+        offset = old.offset_of(value) if isinstance(value, np.uint64) else None
+        if offset is not None:
+            value = np.uint64(new.base + offset)
         out[name] = value
     return out
 
@@ -218,6 +219,11 @@ class Arena:
         out.memory = None if memory is None else _cupy_bytes(memory, self.nbytes)
         out.base = self.base if memory is None else int(out.memory.data.ptr)
         return out
+
+    def offset_of(self, pointer) -> int | None:
+        """The offset of device pointer ``pointer`` (an integer) in this allocation, or None outside it."""
+        offset = int(pointer) - self.base
+        return offset if 0 <= offset < self.nbytes else None
 
     def buffer(self, name: str) -> np.uint64:
         return np.uint64(self.base + self.specs[name][0])
@@ -635,7 +641,7 @@ class DevicePlanner:
         if backward:
             self._prototypes.setdefault((bh, k, True, device), plans.rebased())
         if records is not None:
-            self._recipes[key] = PlanRecipe(records, arena.base, arena.nbytes, selection, plans.rebased())
+            self._recipes[key] = PlanRecipe(records, arena, selection, plans.rebased())
         return plans
 
     def _launch_all(

@@ -38,36 +38,38 @@ def pointer_of(value) -> int | None:
 
 class PlanRecipe:
     """One recorded call. ``records``: per phase, the launchers' records (:data:`~sparseattn.kernels.planner.RECORD`);
-    ``base``, ``nbytes``: the recorded call's buffers; ``selection``: name -> the recorded selection's
-    pointers; ``plans``: the recorded plans without memory (:meth:`.device.DevicePlans.in_arena` moves them)."""
+    ``arena``: the recorded call's buffers (:class:`.device.Arena`); ``selection``: name -> the recorded
+    selection's pointers; ``plans``: the recorded plans without memory (:meth:`.device.DevicePlans.in_arena`
+    moves them)."""
 
-    def __init__(self, records: dict, base: int, nbytes: int, selection: dict, plans):
+    def __init__(self, records: dict, arena, selection: dict, plans):
         self.plans = plans
         self.phases = {
-            name: [self._compiled(op, base, nbytes, selection) for op in ops] for name, ops in records.items()
+            name: [self._compiled(op, arena, selection) for op in ops] for name, ops in records.items()
         }
 
     @staticmethod
-    def _reference(value, base: int, nbytes: int, selection: dict):
+    def _reference(value, arena, selection: dict):
         """``("arena", offset)``, ``("selection", name)`` or None (a fixed argument)."""
         pointer = pointer_of(value)
         if pointer is None or pointer == 0:
             return None
-        if base <= pointer < base + nbytes:
-            return ("arena", pointer - base)
+        offset = arena.offset_of(pointer)
+        if offset is not None:
+            return ("arena", offset)
         for name, recorded in selection.items():
             if pointer == recorded:
                 return ("selection", name)
         return None
 
-    def _compiled(self, op, base: int, nbytes: int, selection: dict):
+    def _compiled(self, op, arena, selection: dict):
         from ..kernels import launch
 
         if op[0] == "launch":
             _, fn, grid, block, args, smem = op
             slots, bound, refs = [], [], []
             for i, value in enumerate(args):
-                ref = self._reference(value, base, nbytes, selection)
+                ref = self._reference(value, arena, selection)
                 if ref is None:
                     slots.append(value)
                 else:
@@ -76,7 +78,7 @@ class PlanRecipe:
                     refs.append(ref)
             return ("launch", launch.PackedLaunch(fn, grid, block, slots, smem, bound), refs)
         pointers = op[1:-1]  # memset: (pointer,), copy: (dst, src)
-        refs = [self._reference(p, base, nbytes, selection) or ("fixed", int(p)) for p in pointers]
+        refs = [self._reference(p, arena, selection) or ("fixed", int(p)) for p in pointers]
         return (op[0], refs, op[-1])
 
     @staticmethod
