@@ -246,12 +246,20 @@ __device__ __forceinline__ plan_u64 plan_lb_load(const plan_u64* p) {
 #ifndef PLAN_LB_SLEEP_NS
 #define PLAN_LB_SLEEP_NS 32
 #endif
+// The sleep doubles after every round that waited, up to this many nanoseconds (the default: no growth);
+// SPARSEATTN_PLAN_LB_SLEEP_MAX_NS.
+#ifndef PLAN_LB_SLEEP_MAX_NS
+#define PLAN_LB_SLEEP_MAX_NS PLAN_LB_SLEEP_NS
+#endif
 
 // The stream lengths of the positions before pos summed (len: pos's own), the warp's lanes reading 32
 // earlier positions at a time back to the nearest one that holds a sum from position 0.
 __device__ __forceinline__ long long plan_lookback(plan_u64* status, long long pos, long long len, int lane) {
     if (lane == 0) plan_lb_store(status + pos, (pos == 0 ? PLAN_LB_INCL : PLAN_LB_AGG) | static_cast<plan_u64>(len));
     long long before = 0;
+#if PLAN_LB_SLEEP_MAX_NS > PLAN_LB_SLEEP_NS
+    unsigned sleep_ns = PLAN_LB_SLEEP_NS;
+#endif
     for (long long look = pos - 1; look >= 0; look -= 32) {
         const long long j = look - lane;
         plan_u64 s;
@@ -263,7 +271,14 @@ __device__ __forceinline__ long long plan_lookback(plan_u64* status, long long p
             stop = incl ? __ffs(incl) - 1 : 31;  // the nearest lane holding a sum from 0, else the whole window
             const unsigned need = stop == 31 ? 0xffffffffu : (2u << stop) - 1u;
             pending = __ballot_sync(0xffffffffu, (s >> 62) == 0) & need;
+#if PLAN_LB_SLEEP_MAX_NS > PLAN_LB_SLEEP_NS
+            if (pending) {
+                __nanosleep(sleep_ns);
+                sleep_ns = min(2u * sleep_ns, static_cast<unsigned>(PLAN_LB_SLEEP_MAX_NS));
+            }
+#else
             if (pending) __nanosleep(PLAN_LB_SLEEP_NS);
+#endif
         } while (pending);
         long long v = lane <= stop ? static_cast<long long>(s & PLAN_LB_VALUE) : 0;
 #pragma unroll

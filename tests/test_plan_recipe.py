@@ -260,7 +260,7 @@ def test_an_unknown_bitmap_form_is_refused(monkeypatch):
 
 def test_the_look_back_sleep_compiles_into_the_fused_pass_only(fake_cupy, monkeypatch):
     """``planner.LB_SLEEP_NS`` away from its default compiles the fused pass with ``PLAN_LB_SLEEP_NS`` (the
-    other kernels as before); a value out of range is refused before any launch, naming the setting."""
+    other kernels as before), and ``LB_SLEEP_MAX_NS`` above it ``PLAN_LB_SLEEP_MAX_NS``; a value out of range is refused before any launch, naming the setting."""
     requested = []
     real = launch.function
     monkeypatch.setattr(
@@ -276,6 +276,19 @@ def test_the_look_back_sleep_compiles_into_the_fused_pass_only(fake_cupy, monkey
         name for name, extra in requested if any("PLAN_LB_SLEEP_NS=256" in d for d in sum(extra, ()))
     }
     assert with_define == {"plan_items_fused"}
+    requested.clear()
+    monkeypatch.setattr(launchers, "LB_SLEEP_MAX_NS", 1024)
+    DevicePlanner(case.q, case.k, kind=case.kind, route=case.route).plan(**_selection(case, rng))
+    with_max = {
+        name for name, extra in requested if any("PLAN_LB_SLEEP_MAX_NS=1024" in d for d in sum(extra, ()))
+    }
+    assert with_max == {"plan_items_fused"}
+    monkeypatch.setattr(launchers, "LB_SLEEP_MAX_NS", 2_000_000)
+    fake_cupy.clear()
+    with pytest.raises(ValueError, match="LB_SLEEP_MAX_NS"):
+        DevicePlanner(case.q, case.k, kind=case.kind, route=case.route).plan(**_selection(case, rng))
+    assert not fake_cupy
+    monkeypatch.setattr(launchers, "LB_SLEEP_MAX_NS", 0)
     monkeypatch.setattr(launchers, "LB_SLEEP_NS", -1)
     fake_cupy.clear()
     with pytest.raises(ValueError, match="LB_SLEEP_NS"):

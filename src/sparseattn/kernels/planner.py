@@ -77,6 +77,9 @@ BITMAP_TOPK = os.environ.get("SPARSEATTN_PLAN_BITMAP_TOPK") or "rows"
 #: (PLAN_LB_SLEEP_NS; its default compiles the kernel as planner.cu's default); ``SPARSEATTN_PLAN_LB_SLEEP_NS``.
 LB_SLEEP_NS_DEFAULT = 32
 LB_SLEEP_NS = int(os.environ.get("SPARSEATTN_PLAN_LB_SLEEP_NS") or LB_SLEEP_NS_DEFAULT)
+#: The look-back's sleep doubles after every round that waited, up to this many nanoseconds (PLAN_LB_SLEEP_MAX_NS;
+#: 0, the default: no growth); ``SPARSEATTN_PLAN_LB_SLEEP_MAX_NS``.
+LB_SLEEP_MAX_NS = int(os.environ.get("SPARSEATTN_PLAN_LB_SLEEP_MAX_NS") or 0)
 TOPK_ROW_WORDS = 1024
 THREADS = 256
 NULL = np.uint64(0)
@@ -96,6 +99,8 @@ def settings() -> tuple:
     on a setting out of range (the planner reads them before its first launch)."""
     if not 0 <= int(LB_SLEEP_NS) <= 1_000_000:
         raise ValueError(f"planner.LB_SLEEP_NS must be in [0, 1e6] ns, got {LB_SLEEP_NS}")
+    if not 0 <= int(LB_SLEEP_MAX_NS) <= 1_000_000:
+        raise ValueError(f"planner.LB_SLEEP_MAX_NS must be in [0, 1e6] ns, got {LB_SLEEP_MAX_NS}")
     return (
         ITEMS_WRITE,
         int(ITEMS_BLOCKS_PER_SM),
@@ -104,6 +109,7 @@ def settings() -> tuple:
         bool(FUSED_FORWARD),
         BITMAP_TOPK,
         int(LB_SLEEP_NS),
+        int(LB_SLEEP_MAX_NS),
     )
 
 
@@ -266,6 +272,8 @@ def items(
     defines += ITEMS_WRITES[ITEMS_WRITE]
     if fused is not None and int(LB_SLEEP_NS) != LB_SLEEP_NS_DEFAULT:
         defines += (f"PLAN_LB_SLEEP_NS={int(LB_SLEEP_NS)}",)
+    if fused is not None and int(LB_SLEEP_MAX_NS) > int(LB_SLEEP_NS):
+        defines += (f"PLAN_LB_SLEEP_MAX_NS={int(LB_SLEEP_MAX_NS)}",)
     name = "plan_items" if fused is None else "plan_items_fused"
     fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS, defines), smem)
     extra = () if fused is None else (fused["lookback"], fused["claim"], fused["begin"])
