@@ -62,7 +62,6 @@ def profile_impl(impl: str, layers: int, resolution: str, warmup: int, top: int)
         kernels.append(dict(name=ev.key[:160], calls=int(ev.count), total_us=round(float(cuda_us), 1)))
     kernels.sort(key=lambda k: -k["total_us"])
     total_us = sum(k["total_us"] for k in kernels)
-    del model
     torch.cuda.empty_cache()
     return dict(
         impl=impl,
