@@ -319,7 +319,7 @@ __device__ __forceinline__ void plan_item(
     int* __restrict__ work_head, int* __restrict__ own_pages, int* __restrict__ stream_pages,
     int* __restrict__ pair_pages, int* __restrict__ overflow, int* __restrict__ void_counts,
     plan_u32* __restrict__ stage, int stage_blocks, int stage_cap, plan_u64* __restrict__ lookback,
-    int* __restrict__ begin_out, long long total) {
+    const long long* __restrict__ slices, int* __restrict__ begin_out, long long total) {
     const int item = perm != nullptr ? perm[pos] : static_cast<int>(pos);
     const int bh = item / items;
     const int it = item - bh * items;
@@ -417,16 +417,28 @@ __device__ __forceinline__ void plan_item(
     }
     if (FUSED) {  // counted here: the offset, then the write
         totals = count();
-        const long long before = plan_lookback(lookback, pos, totals.x, lane);
-        first = min(before, cap);
-        len = static_cast<int>(max(0LL, min(static_cast<long long>(totals.x), cap - first)));
-        if (lane == 0) {
-            begin_out[pos] = static_cast<int>(first);
-            if (len < totals.x) atomicAdd(overflow, 1);
-            if (pos == total - 1) {
-                const long long all = before + totals.x;
-                begin_out[total] = static_cast<int>(min(all, cap));
-                if (all > cap) atomicAdd(overflow, 1);
+        if (slices != nullptr) {  // the item's slice of the buffer: its offset needs no other item's count
+            const long long start = bh * slices[items] + slices[it];
+            first = min(start, cap);
+            const long long room = min(slices[it + 1] - slices[it], cap - first);
+            len = static_cast<int>(max(0LL, min(static_cast<long long>(totals.x), room)));
+            if (lane == 0) {
+                begin_out[pos] = static_cast<int>(first);
+                if (len < totals.x) atomicAdd(overflow, 1);
+                if (pos == total - 1) begin_out[total] = static_cast<int>(min(start + room, cap));
+            }
+        } else {
+            const long long before = plan_lookback(lookback, pos, totals.x, lane);
+            first = min(before, cap);
+            len = static_cast<int>(max(0LL, min(static_cast<long long>(totals.x), cap - first)));
+            if (lane == 0) {
+                begin_out[pos] = static_cast<int>(first);
+                if (len < totals.x) atomicAdd(overflow, 1);
+                if (pos == total - 1) {
+                    const long long all = before + totals.x;
+                    begin_out[total] = static_cast<int>(min(all, cap));
+                    if (all > cap) atomicAdd(overflow, 1);
+                }
             }
         }
         na = totals.y;
@@ -705,7 +717,8 @@ __device__ __forceinline__ void plan_copy_to_shared(T* dst, const T* __restrict_
 // counted and written in one call (plan_item<true>); otherwise the warps stride over the positions.
 template <bool FUSED>
 __device__ __forceinline__ void plan_items_body(PLAN_ITEMS_PARAMS, plan_u64* __restrict__ lookback,
-                                                int* __restrict__ claim, int* __restrict__ begin_out) {
+                                                const long long* __restrict__ slices, int* __restrict__ claim,
+                                                int* __restrict__ begin_out) {
     extern __shared__ __align__(16) int plan_tables[];
     const int* first = t_first;
     const int* full = t_nfull;
@@ -748,7 +761,7 @@ __device__ __forceinline__ void plan_items_body(PLAN_ITEMS_PARAMS, plan_u64* __r
                          matched, m_info, m_members, m_bits, m_own, first, listed, full, masks, o_mask, chunk_pages,
                          write, out_format, cnt, base, perm, cap, work_info, own_entries, stream_entries, work_head,
                          own_pages, stream_pages, pair_pages, overflow, void_counts, stage, stage_blocks, stage_cap,
-                         lookback, begin_out, total);
+                         lookback, slices, begin_out, total);
     }
 }
 
@@ -761,15 +774,18 @@ __device__ __forceinline__ void plan_items_body(PLAN_ITEMS_PARAMS, plan_u64* __r
 
 // The count pass (write == 0) or the write pass (write == 1).
 extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS) plan_items(PLAN_ITEMS_PARAMS) {
-    plan_items_body<false>(PLAN_ITEMS_ARGS, nullptr, nullptr, nullptr);
+    plan_items_body<false>(PLAN_ITEMS_ARGS, nullptr, nullptr, nullptr, nullptr);
 }
 
 // The forward work list's count, offsets (in place of plan_scan: begin_out [heads * items + 1]) and write
 // in one pass (write == 1, perm null); lookback int64 [heads * items] and *claim zeroed before.
+// slices (null: the offsets by look-back, the streams back to back): int64 [items + 1], each template
+// item's slice of a head's part of the buffer (a head's part: slices[items] entries), layout-fixed bounds;
+// each item writes at its slice's start, so no item waits for another's count (the streams then have gaps).
 extern "C" __global__ void __launch_bounds__(256, PLAN_ITEMS_MIN_BLOCKS)
     plan_items_fused(PLAN_ITEMS_PARAMS, plan_u64* __restrict__ lookback, int* __restrict__ claim,
-                     int* __restrict__ begin_out) {
-    plan_items_body<true>(PLAN_ITEMS_ARGS, lookback, claim, begin_out);
+                     int* __restrict__ begin_out, const long long* __restrict__ slices) {
+    plan_items_body<true>(PLAN_ITEMS_ARGS, lookback, slices, claim, begin_out);
 }
 
 // ---- the forward's matched pairs ---------------------------------------------------------------------

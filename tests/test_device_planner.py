@@ -66,6 +66,40 @@ def test_device_plans_equal_host_plans(chunk):
             )
 
 
+@pytest.mark.parametrize("chunk", range(3), ids=lambda c: f"cases{c * 20}-{c * 20 + 19}")
+def test_forward_slices_keep_the_host_items(chunk, monkeypatch):
+    """The forward items written at layout-fixed slices (planner.FORWARD_SLICES): each item starts its slice
+    (head h's item i at h · slices[-1] + slices[i]) and stays inside it, no item is cut, the items equal the
+    host's, and the emulated kernel on the gapped list gives the float64 reference."""
+    from sparseattn.kernels import planner as launchers
+
+    monkeypatch.setattr(launchers, "FORWARD_SLICES", True)
+    rng = np.random.default_rng(1500 + chunk)
+    for index in range(chunk * 20, (chunk + 1) * 20):
+        case = random_case(rng, index)
+        planner = _planner(case)
+        out = emu.emulate_plans(planner, **case.selection())
+        fwd, heads = out["forward"], out["heads"]
+        k = case.q2k_idx.shape[-1] if case.mask is None else planner.mask_width()
+        slices = planner.forward.stream_slices(k)
+        n_items = planner.forward.num_items
+        assert fwd["overflow"] == 0 and fwd["stream_entries"].shape[0] == heads * slices[-1], case.name
+        _, begin, length, _ = fwd["work_info"].astype(np.int64).T
+        start = (np.arange(heads)[:, None] * slices[-1] + slices[:-1]).ravel()
+        assert np.array_equal(begin, start), case.name
+        assert (length <= np.tile(np.diff(slices), heads)).all(), case.name
+        work = emu.as_work_list(planner.forward, fwd, heads)
+        graph = graph_of(out["rows"], case.q, case.k)
+        host = host_forward(graph, case.kind, _device_route(planner, case, planner.forward))
+        assert canonical_work_list(work) == canonical_work_list(host), case.name
+        q = rng.standard_normal((1, heads, case.q.num_slots, 16))
+        kk, v = (rng.standard_normal((1, heads, case.k.num_slots, 16)) for _ in range(2))
+        o_ref, _ = attention_forward(q, kk, v, graph)
+        o, _ = emulate_work_list(work, q, kk, v)
+        valid = case.q.valid
+        assert rel_err(o[:, :, valid], o_ref[:, :, valid]) < 1e-12, case.name
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_device_plans_compute_the_graph(seed):
     """The twin's plans, executed by the numpy emulators, give the float64 reference's O, LSE, dQ, dK, dV
@@ -159,9 +193,14 @@ def test_invalid_entries_are_ignored_and_counted():
     assert not rows[0, 0].any() and rows[0, 1, 0]
 
 
-def test_stream_capacity_holds_any_topk_selection():
+@pytest.mark.parametrize("slices", [False, True], ids=["back-to-back", "slices"])
+def test_stream_capacity_holds_any_topk_selection(slices, monkeypatch):
     """Every Q block selecting the k blocks with the most pages, all heads alike: the forward and backward
-    streams fit their buffers exactly or with room (the bound holds at its worst case)."""
+    streams fit their buffers (or the forward items their slices) exactly or with room (the bound holds at
+    its worst case)."""
+    from sparseattn.kernels import planner as launchers
+
+    monkeypatch.setattr(launchers, "FORWARD_SLICES", slices)
     lay = video_layout((5, 8, 12), (3, 4, 8), 128)
     nb, k = lay.num_blocks, 5
     top = np.argsort(-lay.live_pages, kind="stable")[:k].astype(np.int32)

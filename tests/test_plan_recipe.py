@@ -246,10 +246,34 @@ def test_each_planner_form_issues_its_launches_and_zeroes_what_it_reads(
     if fused:
         launch_args = next(e for e in log if e[0] == "plan_items_fused")[4]
         begin = ("ptr", int(arena.buffer("forward.begin")))
-        assert launch_args[-1] == begin and launch_args[-3:-1] == [
+        assert launch_args[-2] == begin and launch_args[-4:-2] == [
             ("ptr", int(arena.buffer("forward.lookback"))),
             ("ptr", int(arena.buffer("forward.claim"))),
         ]
+        assert launch_args[-1] == ("ptr", 0)  # no slices: the offsets by look-back
+
+
+def test_forward_slices_pass_the_layout_bounds_and_size_the_buffer(fake_cupy, monkeypatch):
+    """With ``planner.FORWARD_SLICES`` the fused pass gets the template's slices (one upload per width, kept
+    by the planner, the same pointer in a replayed call) and the stream buffer holds every head's slices."""
+    monkeypatch.setattr(launchers, "FORWARD_SLICES", True)
+    case, rng = _topk_case()
+    planner = DevicePlanner(case.q, case.k, kind=case.kind, route=case.route)
+    log = fake_cupy
+    pointers = []
+    for _ in range(2):  # recorded, then replayed
+        log.clear()
+        plans = planner.plan(**_selection(case, rng))
+        pointers.append(next(e for e in log if e[0] == "plan_items_fused")[4][-1])
+    k = case.q2k_idx.shape[-1]
+    (uploaded,) = planner._slices.values()
+    want = planner.forward.stream_slices(k)
+    assert uploaded.shape == want.shape and uploaded.dtype == np.int64
+    assert pointers[0] == pointers[1] == ("ptr", int(uploaded.data.ptr))
+    heads = case.batch * case.heads
+    _, shape, _ = plans.arena.specs["forward.stream_entries"]
+    assert shape == (heads * int(want[-1]), 2)
+    assert want[-1] >= planner.forward.stream_capacity(1, k)  # never smaller than the back-to-back bound
 
 
 def test_an_unknown_bitmap_form_is_refused(monkeypatch):

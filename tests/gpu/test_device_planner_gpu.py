@@ -29,11 +29,21 @@ def _planner(case):
     return DevicePlanner(case.q, case.k, kind=case.kind, route=case.route)
 
 
+def _written(work_info) -> np.ndarray:
+    """int64: the stream positions a forward work list's items hold (each item's begin .. begin + length)."""
+    spans = [np.arange(b, b + n) for _, b, n, _ in np.asarray(work_info, np.int64)]
+    return np.concatenate(spans) if spans else np.zeros(0, np.int64)
+
+
 def _assert_same(plans, part: str, twin: dict, names, label: str):
-    """The device arrays equal the twin's (their first entries: device buffers are sized to a bound)."""
+    """The device arrays equal the twin's (their first entries: device buffers are sized to a bound; the
+    forward's streams where its items write, which with slices leaves gaps the device does not touch)."""
     for name in names:
         want = twin[name]
         got = cupy.asnumpy(plans.view(part, name))[: want.shape[0]]
+        if part == "forward" and name == "stream_entries":
+            at = _written(twin["work_info"])
+            got, want = got[at], want[at]
         assert got.shape == want.shape and np.array_equal(got, want), f"{label}: {name}"
 
 
@@ -133,6 +143,7 @@ def test_fused_forward_counts_cut_streams_as_the_scan_does(monkeypatch):
     and the status words equal), on random masks and layouts with each form planned by its own planner."""
     from sparseattn.kernels import planner as launchers
 
+    monkeypatch.setattr(launchers, "FORWARD_SLICES", False)  # the streams back to back in both forms
     rng = np.random.default_rng(7400)
     cut = 0
     for index in range(60):
@@ -154,6 +165,40 @@ def test_fused_forward_counts_cut_streams_as_the_scan_does(monkeypatch):
             assert np.array_equal(a, b), f"{case.name}: {name}"
         cut += int(got[True][0][1] > 0)
     assert cut >= 5, f"only {cut} cases outgrew their buffers"
+
+
+@pytest.mark.parametrize("chunk", range(3), ids=lambda c: f"cases{c * 21}-{c * 21 + 20}")
+def test_forward_slices_equal_the_numpy_twin(chunk, monkeypatch):
+    """The fused pass writing each forward item at its layout-fixed slice (planner.FORWARD_SLICES) gives the
+    twin's arrays (the streams where the items write) on 63 random selections."""
+    from sparseattn.kernels import planner as launchers
+
+    monkeypatch.setattr(launchers, "FORWARD_SLICES", True)
+    rng = np.random.default_rng(7500 + chunk)
+    for index in range(chunk * 21, (chunk + 1) * 21):
+        _assert_plans_equal_the_twin(random_case(rng, index))
+
+
+def test_forward_slices_cut_streams_as_the_twin_does(monkeypatch):
+    """Block masks selecting more than ``max_selected`` blocks per row outgrow their slices: the device cuts
+    the twin's streams at each slice's end and counts the items cut in the status word."""
+    from sparseattn.kernels import planner as launchers
+
+    monkeypatch.setattr(launchers, "FORWARD_SLICES", True)
+    rng = np.random.default_rng(7600)
+    cut = 0
+    for index in range(60):
+        case = random_case(rng, index)
+        if case.mask is None:
+            continue
+        planner = DevicePlanner(case.q, case.k, kind=case.kind, route=case.route, max_selected=2)
+        plans = planner.plan(mask=cupy.asarray(case.mask), backward=False)
+        twin = emu.emulate_plans(planner, mask=case.mask)["forward"]
+        _assert_same(plans, "forward", twin, ["work_info", "work_order", "stream_entries"], case.name)
+        status = cupy.asnumpy(plans.arena.view("status"))
+        assert status[1] == twin["overflow"], case.name
+        cut += int(twin["overflow"] > 0)
+    assert cut >= 5, f"only {cut} cases outgrew their slices"
 
 
 @pytest.mark.parametrize("form", ["smem", "global"])

@@ -68,6 +68,11 @@ PAIR_MATCH_SMEM_MAX = 200 * 1024
 #: and a write pass (NOTES_device_planner v17); ``SPARSEATTN_PLAN_FUSED_FORWARD=0`` for the three. The
 #: same arrays either way.
 FUSED_FORWARD = os.environ.get("SPARSEATTN_PLAN_FUSED_FORWARD", "1") == "1"
+#: The fused pass writes each forward item's stream at the start of a slice of the buffer fixed by the layout
+#: (:meth:`~sparseattn.planning.templates.ItemTemplate.stream_slices`) instead of at the offset a look-back
+#: over the earlier items' counts gives: no item waits for another, the streams have gaps and the buffer
+#: grows (the matched slots' slices hold a pair's bound); ``SPARSEATTN_PLAN_FORWARD_SLICES=1``.
+FORWARD_SLICES = os.environ.get("SPARSEATTN_PLAN_FORWARD_SLICES", "0") == "1"
 #: How a top-k selection becomes the bitmap: "rows" (one warp per row builds its words in shared memory and
 #: stores them whole: no zeroed bitmap, no global atomics; rows of at most TOPK_ROW_WORDS words) or
 #: "atomic" (one thread per index, ``atomicOr`` into a zeroed bitmap; rows of any length);
@@ -107,6 +112,7 @@ def settings() -> tuple:
         PAIR_MATCH,
         int(STAGE_CAP),
         bool(FUSED_FORWARD),
+        bool(FORWARD_SLICES),
         BITMAP_TOPK,
         int(LB_SLEEP_NS),
         int(LB_SLEEP_MAX_NS),
@@ -254,7 +260,8 @@ def items(
     entry, no owned page), which the count pass also marks with M = -1 in ``cnt``. ``fused``: the forward
     work list's one pass (``plan_items_fused``, ``write`` True, no ``perm``), a dict of its ``lookback``
     (int64 ``[n]``) and ``claim`` (int32) pointers, zeroed before, and ``begin`` (int32 ``[n + 1]``), where it
-    writes the offsets that :func:`scan` would."""
+    writes the offsets that :func:`scan` would; with ``slices`` (int64 ``[items + 1]``, see
+    :data:`FORWARD_SLICES`), the items' slice starts instead."""
     n = heads * tables["items"]
     if n == 0:
         return
@@ -276,7 +283,7 @@ def items(
         defines += (f"PLAN_LB_SLEEP_MAX_NS={int(LB_SLEEP_MAX_NS)}",)
     name = "plan_items" if fused is None else "plan_items_fused"
     fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS, defines), smem)
-    extra = () if fused is None else (fused["lookback"], fused["claim"], fused["begin"])
+    extra = () if fused is None else (fused["lookback"], fused["claim"], fused["begin"], fused.get("slices", NULL))
     blocks = min(_blocks(n * 32), per_sm * launch.sm_count(cupy.cuda.runtime.getDevice()))
     _run(
         fn,

@@ -446,8 +446,9 @@ class DevicePlanner:
                 self.dq = dq_template(q_layout, k_layout, kind, route)
         self._tables: dict = {}  # device -> the templates' arrays on it
         self._arenas: dict = {}  # (heads, selection width, backward) -> the buffers' layout
-        self._prototypes: dict = {}  # (heads, width, backward, device) -> plans without memory (plans_in)
+        self._prototypes: dict = {}  # (heads, width, backward, device, slices) -> plans without memory (plans_in)
         self._recipes: dict = {}  # the call's shape and the launchers' settings -> PlanRecipe
+        self._slices: dict = {}  # (device, selection width) -> the forward items' slices on it
 
     @property
     def q_blocks(self) -> int:
@@ -471,8 +472,18 @@ class DevicePlanner:
             self._tables[device] = tables
         return tables
 
+    @staticmethod
+    def _slices_on() -> bool:
+        """Whether the forward's items write at layout-fixed slices (``planner.FORWARD_SLICES``, fused pass)."""
+        from ..kernels import planner as P
+
+        return bool(P.FUSED_FORWARD and P.FORWARD_SLICES)
+
     def capacity(self, template: ItemTemplate, heads: int, k: int) -> int:
-        cap = template.stream_capacity(heads, k)
+        if template is self.forward and self._slices_on():
+            cap = heads * int(template.stream_slices(k)[-1])
+        else:
+            cap = template.stream_capacity(heads, k)
         if cap >= 2**31:
             raise PlanError(
                 f"the plan's streams may need {cap} entries, more than int32 offsets allow; plan fewer heads per "
@@ -482,7 +493,7 @@ class DevicePlanner:
 
     def _arena(self, bh: int, k: int, backward: bool) -> Arena:
         """The buffers of a call with ``bh`` heads and selections of width ``k`` (built once per shape)."""
-        key = (bh, k, backward)
+        key = (bh, k, backward, self._slices_on())
         arena = self._arenas.get(key)
         if arena is None:
             i32, u32 = np.int32, np.uint32
@@ -556,7 +567,7 @@ class DevicePlanner:
     def plans_in(self, memory, batch: int, heads: int, width: int) -> DevicePlans:
         """The plans (with the backward's) that an earlier :meth:`plan` call of this shape wrote into
         ``memory`` (its torch tensor), without a launch: the layout of the buffers is the shape's."""
-        key = (batch * heads, int(width), self.backward is not None, memory.device.index)
+        key = (batch * heads, int(width), self.backward is not None, memory.device.index, self._slices_on())
         proto = self._prototypes.get(key)
         if proto is None:
             raise PlanError(
@@ -639,7 +650,7 @@ class DevicePlanner:
             arena,
         )
         if backward:
-            self._prototypes.setdefault((bh, k, True, device), plans.rebased())
+            self._prototypes.setdefault((bh, k, True, device, self._slices_on()), plans.rebased())
         if records is not None:
             self._recipes[key] = PlanRecipe(records, arena, selection, plans.rebased())
         return plans
@@ -753,6 +764,8 @@ class DevicePlanner:
         arrays = {name: buf(name) for name in (*LIST_ARRAYS, "first_live")}
         if P.FUSED_FORWARD:  # count, offsets and write in one pass
             fused = {"lookback": buf("lookback"), "claim": buf("claim"), "begin": buf("begin")}
+            if self._slices_on():
+                fused["slices"] = self._device_slices(k)
             base = P.NULL
         else:
             items(False)
@@ -780,6 +793,15 @@ class DevicePlanner:
             first_live=arrays["first_live"],
         )
         return DeviceWorkList(arrays, n, bh, t.chunk, t.has_pairs, cap, arena)
+
+    def _device_slices(self, k: int):
+        """The forward items' slices (:meth:`ItemTemplate.stream_slices`) on the current device (cached)."""
+        import cupy
+
+        key = (cupy.cuda.runtime.getDevice(), int(k))
+        if key not in self._slices:
+            self._slices[key] = cupy.asarray(self.forward.stream_slices(k))
+        return self._slices[key]
 
     def _owned(
         self,

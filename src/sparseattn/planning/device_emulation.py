@@ -197,20 +197,29 @@ def _clamped_offsets(lengths: np.ndarray, capacity: int) -> np.ndarray:
     return np.minimum(np.concatenate([[0], np.cumsum(lengths)]), capacity)
 
 
-def forward_arrays(template: ItemTemplate, rows: np.ndarray, capacity: int) -> dict:
+def forward_arrays(template: ItemTemplate, rows: np.ndarray, capacity: int, slices=None) -> dict:
     """The forward work list's arrays as the device writes them (items in template order, head-major):
     ``work_info`` int32 ``[W, 4]`` (head, first entry, entries, M), ``work_order`` int32 ``[W]`` (every void
     item first — no stream entry, no owned page — head by head in item order; then the live items, head by
     head, largest M · chunks first), ``first_live`` (how many void items lead the order: where a launch
     starts the kernel's item counter), ``own_entries`` int32 ``[W, 8, 2]``, ``stream_entries`` int32
     ``[S, 2]`` (``S`` = the entries written, at most ``capacity``) and ``overflow`` (items cut at the
-    capacity)."""
+    capacity). With ``slices`` (int64 ``[items + 1]``, :meth:`ItemTemplate.stream_slices`) each item's
+    entries start at its slice (head ``h``'s item ``i``: ``h · slices[-1] + slices[i]``) and are cut at its
+    slice's end; ``stream_entries`` is then the whole buffer, ``[capacity, 2]``, with ``(-1, 0)`` where no
+    item writes (the device leaves those entries as they were)."""
     matched = matched_slots(template, rows) if template.matched else None
     entries, counts = item_streams(template, rows, matched)
     heads, n_items = rows.shape[0], template.num_items
     lengths = counts[:, 0]
-    begin = _clamped_offsets(lengths, capacity)
-    kept = np.minimum(lengths, capacity - begin[:-1])
+    if slices is None:
+        begin = _clamped_offsets(lengths, capacity)
+        kept = np.minimum(lengths, capacity - begin[:-1])
+    else:
+        slices = np.asarray(slices, dtype=np.int64)
+        start = (np.arange(heads)[:, None] * slices[-1] + slices[None, :-1]).ravel()
+        begin = np.minimum(np.append(start, heads * slices[-1]), capacity)
+        kept = np.minimum(lengths, np.minimum(np.tile(np.diff(slices), heads), capacity - begin[:-1]))
     info = np.tile(template.info.astype(np.int64), (heads, 1, 1))
     own = np.tile(template.own.astype(np.int64), (heads, 1, 1))
     if matched is not None:
@@ -227,7 +236,12 @@ def forward_arrays(template: ItemTemplate, rows: np.ndarray, capacity: int) -> d
         live.append(_sorted_segment(items, cost[items]))
     order = np.concatenate([np.flatnonzero(void), *live]).astype(np.int64)
     own_mask = np.where(own >= 0, template.owner_mask.astype(np.int64)[np.maximum(own, 0)], 0)
-    stream = np.concatenate([e[:n] for e, n in zip(entries, kept)]) if entries else np.zeros((0, 2), np.int64)
+    if slices is None:
+        stream = np.concatenate([e[:n] for e, n in zip(entries, kept)]) if entries else np.zeros((0, 2), np.int64)
+    else:
+        stream = np.tile(np.array([-1, 0], np.int64), (int(capacity), 1))
+        for e, b, n in zip(entries, begin[:-1], kept):
+            stream[b : b + n] = e[:n]
     return dict(
         work_info=work_info.astype(np.int32),
         work_order=order.astype(np.int32),
@@ -370,7 +384,8 @@ def emulate_plans(planner, q2k_idx=None, q2k_num=None, mask=None) -> dict:
             np.asarray(q2k_num).reshape(heads, -1),
         )
     out = {"rows": sel, "heads": heads, "invalid": invalid}
-    out["forward"] = forward_arrays(fwd, sel, planner.capacity(fwd, heads, k))
+    slices = fwd.stream_slices(k) if planner._slices_on() else None
+    out["forward"] = forward_arrays(fwd, sel, planner.capacity(fwd, heads, k), slices)
     bwd, dq = planner.backward, planner.dq
     rows_t = np.ascontiguousarray(sel.transpose(0, 2, 1))
     out["backward"] = None if bwd is None else owned_plan_arrays(bwd, rows_t, planner.capacity(bwd, heads, k))

@@ -192,16 +192,34 @@ class ItemTemplate:
         """Whether a page no item owns holds a valid row (else those pages are all padding)."""
         return pages_hold_rows(self.owner_mask, self.uncovered_pages(self.owner_mask.size))
 
+    def stream_slices(self, row_selections: int) -> np.ndarray:
+        """int64 ``[items + 1]``: the forward items' slices of one head's part of the stream buffer (offsets;
+        a head's part holds ``[-1]`` entries) when every Q block selects at most ``row_selections`` K blocks:
+        each item's bound as in :meth:`stream_capacity`, a matched slot's that of two blocks (it may become
+        its block's pair item with another)."""
+        if self.owner != "q":
+            raise ValueError("stream slices are the forward's (items that own Q rows)")
+        members = self.info[:, 2].astype(np.int64).copy()
+        members[: self.matched] = np.maximum(members[: self.matched], 2)
+        per_item = np.minimum(self._whole_pages(), members * self._biggest_pages(row_selections))
+        return np.concatenate([[0], np.cumsum(per_item)]).astype(np.int64)
+
+    def _whole_pages(self) -> int:
+        return int(self.stream.block_pages.sum())
+
+    def _biggest_pages(self, row_selections: int) -> int:
+        """The live pages of the ``row_selections`` largest live streamed blocks."""
+        pages = self.stream.block_pages
+        k = min(row_selections, int(np.count_nonzero(self.stream.alive)))
+        return int(np.sort(pages)[::-1][:k].sum()) if k else 0
+
     def stream_capacity(self, heads: int, row_selections: int) -> int:
         """Stream entries the plans of ``heads`` heads can need at most when every Q block selects at
         most ``row_selections`` K blocks (the top-k's k; a mask: every block)."""
-        st = self.stream
-        pages = st.block_pages
-        alive_cols = int(np.count_nonzero(st.alive))
-        whole = int(pages.sum())
+        pages = self.stream.block_pages
+        whole = self._whole_pages()
         if self.owner == "q":  # an item streams the union of its members' selections
-            k = min(row_selections, alive_cols)
-            biggest = int(np.sort(pages)[::-1][:k].sum()) if k else 0
+            biggest = self._biggest_pages(row_selections)
             per_item = np.minimum(whole, self.info[:, 2].astype(np.int64) * biggest)
             return int(heads * per_item.sum())
         # K/V-owned: a Q block's pages reach each item of every K block it selects, and no more
