@@ -82,7 +82,6 @@ def test_forward_slices_keep_the_host_items(chunk, monkeypatch):
         fwd, heads = out["forward"], out["heads"]
         k = case.q2k_idx.shape[-1] if case.mask is None else planner.mask_width()
         slices = planner.forward.stream_slices(k)
-        n_items = planner.forward.num_items
         assert fwd["overflow"] == 0 and fwd["stream_entries"].shape[0] == heads * slices[-1], case.name
         _, begin, length, _ = fwd["work_info"].astype(np.int64).T
         start = (np.arange(heads)[:, None] * slices[-1] + slices[:-1]).ravel()
