@@ -283,7 +283,11 @@ def items(
         defines += (f"PLAN_LB_SLEEP_MAX_NS={int(LB_SLEEP_MAX_NS)}",)
     name = "plan_items" if fused is None else "plan_items_fused"
     fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS, defines), smem)
-    extra = () if fused is None else (fused["lookback"], fused["claim"], fused["begin"], fused.get("slices", NULL))
+    extra = (
+        ()
+        if fused is None
+        else (fused["lookback"], fused["claim"], fused["begin"], fused.get("slices", NULL))
+    )
     blocks = min(_blocks(n * 32), per_sm * launch.sm_count(cupy.cuda.runtime.getDevice()))
     _run(
         fn,

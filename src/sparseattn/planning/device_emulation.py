@@ -237,7 +237,9 @@ def forward_arrays(template: ItemTemplate, rows: np.ndarray, capacity: int, slic
     order = np.concatenate([np.flatnonzero(void), *live]).astype(np.int64)
     own_mask = np.where(own >= 0, template.owner_mask.astype(np.int64)[np.maximum(own, 0)], 0)
     if slices is None:
-        stream = np.concatenate([e[:n] for e, n in zip(entries, kept)]) if entries else np.zeros((0, 2), np.int64)
+        stream = (
+            np.concatenate([e[:n] for e, n in zip(entries, kept)]) if entries else np.zeros((0, 2), np.int64)
+        )
     else:
         stream = np.tile(np.array([-1, 0], np.int64), (int(capacity), 1))
         for e, b, n in zip(entries, begin[:-1], kept):
