@@ -163,7 +163,8 @@ def test_forward_order_lists_void_items_first_and_the_rest_computes_the_graph(ch
 
 
 def test_mask_and_topk_selections_plan_alike():
-    """A top-k selection and the block mask of the same pairs give the same plans."""
+    """A top-k selection and the block mask of the same pairs give the same plans (the forward's items
+    alike; their slices differ, sized by the selection's width)."""
     rng = np.random.default_rng(3)
     lay = video_layout((5, 9, 10), (2, 4, 4), 64)
     nb = lay.num_blocks
@@ -174,7 +175,10 @@ def test_mask_and_topk_selections_plan_alike():
     mask[b, h, i, idx[b, h, i, e]] = True
     planner = DevicePlanner(lay)
     a, m = emu.emulate_plans(planner, idx, num), emu.emulate_plans(planner, mask=mask)
-    for part in ("forward", "backward"):
+    lists = [emu.as_work_list(planner.forward, x["forward"], x["heads"]) for x in (a, m)]
+    assert canonical_work_list(lists[0]) == canonical_work_list(lists[1])
+    assert np.array_equal(a["forward"]["work_order"], m["forward"]["work_order"])
+    for part in ("backward",):
         for name in ("work_info", "stream_entries", "stream_indptr", "stream_pages", "own_pages"):
             if name in a[part]:
                 assert np.array_equal(a[part][name], m[part][name]), (part, name)

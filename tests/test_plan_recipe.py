@@ -218,6 +218,7 @@ def test_each_planner_form_issues_its_launches_and_zeroes_what_it_reads(
     atomics): which launches a call issues, and that the one memset zeroes the fused pass's claim counter and
     look-back words always and the bitmap only where the atomic kernel needs it."""
     monkeypatch.setattr(launchers, "FUSED_FORWARD", fused)
+    monkeypatch.setattr(launchers, "FORWARD_SLICES", False)  # the look-back's offsets (slices: below)
     monkeypatch.setattr(launchers, "BITMAP_TOPK", bitmap)
     monkeypatch.setattr(device_planning, "REPLAY", False)
     case, rng = _topk_case()

@@ -69,10 +69,11 @@ PAIR_MATCH_SMEM_MAX = 200 * 1024
 #: same arrays either way.
 FUSED_FORWARD = os.environ.get("SPARSEATTN_PLAN_FUSED_FORWARD", "1") == "1"
 #: The fused pass writes each forward item's stream at the start of a slice of the buffer fixed by the layout
-#: (:meth:`~sparseattn.planning.templates.ItemTemplate.stream_slices`) instead of at the offset a look-back
+#: (:meth:`~sparseattn.planning.templates.ItemTemplate.stream_slices`) rather than at the offset a look-back
 #: over the earlier items' counts gives: no item waits for another, the streams have gaps and the buffer
-#: grows (the matched slots' slices hold a pair's bound); ``SPARSEATTN_PLAN_FORWARD_SLICES=1``.
-FORWARD_SLICES = os.environ.get("SPARSEATTN_PLAN_FORWARD_SLICES", "0") == "1"
+#: grows (the matched slots' slices hold a pair's bound); NOTES_device_planner v21. The default;
+#: ``SPARSEATTN_PLAN_FORWARD_SLICES=0`` for the look-back (streams back to back, as the host writes them).
+FORWARD_SLICES = os.environ.get("SPARSEATTN_PLAN_FORWARD_SLICES", "1") == "1"
 #: How a top-k selection becomes the bitmap: "rows" (one warp per row builds its words in shared memory and
 #: stores them whole: no zeroed bitmap, no global atomics; rows of at most TOPK_ROW_WORDS words) or
 #: "atomic" (one thread per index, ``atomicOr`` into a zeroed bitmap; rows of any length);

@@ -9,8 +9,8 @@ and device, so a call can be captured in a CUDA graph:
 
     selection (top-k indices + counts, or a block mask)       [batch, heads, q_blocks, ...]
       -> bitmap: one row of bits per (batch · head, Q block)   plan_bitmap_from_topk / _from_mask
-      -> per template item: pages streamed, offset (a look-back over the items before it) and
-         stream written at its offset, in one pass              plan_items_fused
+      -> per template item: pages streamed and stream written at the start of the item's slice of
+         the buffer (a bound fixed by the layout), in one pass  plan_items_fused
       -> order (per-head sort)                                  plan_segment_sort
       -> the backward's K/V-owned plan from the transposed bitmap: per item its pages streamed (count
          pass), the order (per-launch sorts), offsets in that order (scan), streams written (write pass)
@@ -23,13 +23,16 @@ viewed as ``[1, batch · heads, slots, d]``.
 
 The plans equal the host planners' on the same graph (:mod:`.device_emulation` runs these steps in numpy;
 the tests compare it with the host and the GPU with it): the same work items with the same streams, in
-their stream order, and the same per-head ordering rules; the items are stored in the template's order
+their stream order, and the same per-head ordering rules; the forward's streams lie at layout-fixed slices
+of their buffer, with gaps (:meth:`~.templates.ItemTemplate.stream_slices`; ``planner.FORWARD_SLICES``
+off: back to back, byte for byte the host's), and the items are stored in the template's order
 (the forward's ``work_order`` orders them) and the pair items join blocks by a rule of the layout
 (:mod:`.layout_pairs`), where the host matches them by shared pages. ``route="auto"`` likewise decides by
 a rule of the layout (:func:`~.templates.forward_route`, :func:`~.templates.backward_route`).
 
 Buffers are sized before the call from the layouts and the selection's width (the top-k's ``k``, or every
-K block for a mask: see :meth:`ItemTemplate.stream_capacity`), so they hold any selection of that form.
+K block for a mask: see :meth:`ItemTemplate.stream_capacity` and :meth:`ItemTemplate.stream_slices`), so
+they hold any selection of that form.
 Invalid selection entries (an index outside ``[0, k_blocks)``, a count outside ``[0, k]``) are ignored and
 counted; :meth:`DevicePlans.check` (which synchronises) raises if there were any.
 """

@@ -9,7 +9,8 @@ the GPU tests compare the device's arrays with it bit for bit):
 2. :func:`item_streams`: per (head, template item), the entries it streams, in its stream mode's order,
    and the counts the write pass places them by;
 3. :func:`forward_arrays` / :func:`owned_plan_arrays`: the order (the persistent forward's ``work_order``;
-   the backward's item order) and the offsets, as the device's sort and scan give them.
+   the backward's item order) and the offsets, as the device's sort and scan give them (the forward's: each
+   item's layout-fixed slice, or back to back where the planner's ``FORWARD_SLICES`` is off).
 
 :func:`as_work_list` and :func:`as_tile_plan` turn the arrays into the host's objects, so the numpy
 emulators (:mod:`sparseattn.emulator`) can execute them against the float64 reference.
