@@ -319,3 +319,19 @@ def test_the_look_back_sleep_compiles_into_the_fused_pass_only(fake_cupy, monkey
     with pytest.raises(ValueError, match="LB_SLEEP_NS"):
         DevicePlanner(case.q, case.k, kind=case.kind, route=case.route).plan(**_selection(case, rng))
     assert not fake_cupy
+
+
+@pytest.mark.parametrize("forward_first", [False, True], ids=["backward-first", "forward-first"])
+def test_the_chains_are_issued_in_the_order_asked(fake_cupy, monkeypatch, forward_first):
+    """``device.FORWARD_FIRST``: the forward's chain (pair matching, fused pass, sort) is issued before the
+    backward's (transpose, count, ...), recorded and replayed alike; off, the backward's first."""
+    monkeypatch.setattr(device_planning, "FORWARD_FIRST", forward_first)
+    case, rng = _topk_case()
+    planner = DevicePlanner(case.q, case.k, kind=case.kind, route=case.route)
+    log = fake_cupy
+    for _ in range(2):  # recorded, then replayed
+        log.clear()
+        planner.plan(**_selection(case, rng))
+        names = [e[0] for e in log]
+        fused, transpose = names.index("plan_items_fused"), names.index("plan_bitmap_transpose")
+        assert (fused < transpose) == forward_first

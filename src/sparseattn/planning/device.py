@@ -54,6 +54,10 @@ SLOTS = 8
 #: Whether a planner replays its first call of each shape with packed launches (:mod:`.plan_recipe`; the
 #: default): ``SPARSEATTN_PLANNER_REPLAY=0`` runs every call through the launchers (an A/B of host time).
 REPLAY = os.environ.get("SPARSEATTN_PLANNER_REPLAY", "1") == "1"
+#: With the chains side by side: the forward's chain issued first, on the side stream, and the backward's
+#: on the caller's stream (the forward's is the longer: its launches then start as soon as the bitmap is
+#: done, where an eager call otherwise issues them after the backward's); ``SPARSEATTN_PLAN_FORWARD_FIRST``.
+FORWARD_FIRST = os.environ.get("SPARSEATTN_PLAN_FORWARD_FIRST", "0") == "1"
 
 
 def _words(n: int) -> int:
@@ -626,7 +630,17 @@ class DevicePlanner:
                 selection = {"mask": int(pointer_of(mask_arg))}
             else:
                 selection = {"idx": int(pointer_of(idx_arg)), "num": int(pointer_of(num_arg))}
-            key = (batch, heads, k, backward, mask is not None, self.overlap_backward, device, P.settings())
+            key = (
+                batch,
+                heads,
+                k,
+                backward,
+                mask is not None,
+                self.overlap_backward,
+                FORWARD_FIRST,
+                device,
+                P.settings(),
+            )
             recipe = self._recipes.get(key) if REPLAY else None
             if recipe is not None:  # a later call of this shape: the first one's launches, rebound
                 recipe.replay("top", arena.base, selection)
@@ -709,7 +723,10 @@ class DevicePlanner:
         if backward and self.overlap_backward:
             from ..kernels import launch
 
-            launch.side_by_side([plan_backward, plan_forward])  # the backward's chain on the side stream
+            # the first chain on the side stream
+            launch.side_by_side(
+                [plan_forward, plan_backward] if FORWARD_FIRST else [plan_backward, plan_forward]
+            )
         else:
             plan_forward()
             if backward:
