@@ -16,8 +16,37 @@ import json
 import math
 import sys
 
+#: Kernels whose launches mark an impl's attention backward (the timeline is printed around the first).
+BACKWARD_KERNELS = ("paged_bwd", "_attn_bwd_dkdv")
 
-def profile_impl(impl: str, layers: int, resolution: str, warmup: int, top: int) -> dict:
+
+def timeline(prof, around: int) -> list[dict]:
+    """The GPU kernels (and copies) of the profiled step in start order, ``around`` of them before and after
+    the first attention-backward kernel: name, start (µs after the first listed one's), duration and the GPU
+    idle time before it."""
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: e.time_range.start)
+    at = next((i for i, e in enumerate(events) if any(k in e.name for k in BACKWARD_KERNELS)), None)
+    if at is None:
+        return []
+    window = events[max(at - around, 0) : at + around + 1]
+    t0, out, end = window[0].time_range.start, [], None
+    for e in window:
+        start, stop = e.time_range.start, e.time_range.end
+        gap = 0.0 if end is None else max(0.0, start - end)
+        out.append(
+            dict(
+                name=e.name[:90],
+                start_us=round(start - t0, 1),
+                us=round(stop - start, 1),
+                idle_before_us=round(gap, 1),
+            )
+        )
+        end = stop if end is None else max(end, stop)
+    return out
+
+
+def profile_impl(impl: str, layers: int, resolution: str, warmup: int, top: int, around: int = 0) -> dict:
     import torch
     from diffusers import WanTransformer3DModel
     from torch.profiler import ProfilerActivity, profile
@@ -72,6 +101,7 @@ def profile_impl(impl: str, layers: int, resolution: str, warmup: int, top: int)
         attn_train_ms_per_layer=round(attention_ms / layers, 3),
         gpu_total_ms=round(total_us / 1e3, 3),
         kernels=kernels[: max(top, 1)],
+        timeline=timeline(prof, around) if around else [],
     )
 
 
@@ -82,11 +112,17 @@ def main(argv=None) -> int:
     parser.add_argument("--resolution", default="480p", choices=("480p", "720p"))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=40, help="kernels kept per impl, by total time")
+    parser.add_argument(
+        "--around",
+        type=int,
+        default=0,
+        help="print this many kernels before and after the first attention backward",
+    )
     parser.add_argument("--out", help="JSON of the kernels' totals per impl")
     args = parser.parse_args(argv)
     results = []
     for impl in args.impl or ["kpage_vsa"]:
-        r = profile_impl(impl, args.layers, args.resolution, args.warmup, args.top)
+        r = profile_impl(impl, args.layers, args.resolution, args.warmup, args.top, args.around)
         results.append(r)
         print(
             f"== {impl}: {r['layers']} layers, {r['resolution']}; attention part {r['attn_train_ms']:.2f} ms "
@@ -94,6 +130,11 @@ def main(argv=None) -> int:
         )
         for k in r["kernels"]:
             print(f"{k['total_us'] / 1e3:9.3f} ms  {k['calls']:5d}  {k['name']}")
+        if r["timeline"]:
+            idle = sum(t["idle_before_us"] for t in r["timeline"][1:])
+            print(f"-- {impl}: timeline around the first attention backward (idle in it {idle:.1f} us)")
+            for t in r["timeline"]:
+                print(f"{t['start_us']:10.1f} {t['us']:9.1f} idle {t['idle_before_us']:7.1f}  {t['name']}")
         sys.stdout.flush()
     if args.out:
         with open(args.out, "w") as f:
