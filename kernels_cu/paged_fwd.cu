@@ -42,6 +42,9 @@
 // the map row is bh · slots when maps_per_row, else 0 (one layout for every row). The producer loads each
 // page's 16 tokens once per chunk (before it waits for the buffer) and gathers their rows; the epilogue
 // stores O rows to their tokens. LSE stays in slot order. No tensor moves into or out of slot order.
+// PAGED_FWD_TOKENS_QO (the Q/O token build): Q and O in token order as above, K and V in slot order
+// ([batch · heads, k_slots, HEAD_DIM], as the slot-order build reads them; k_map and k_tokens unused): the
+// tensors streamed per chunk keep their contiguous pages, the ones read or written once per item do not move.
 #include "hopper_wgmma.cuh"
 
 #ifdef PAGED_FWD_TMA
@@ -51,9 +54,15 @@
 #define PAGED_FWD_TMA_PARAMS
 #endif
 
-#ifdef PAGED_FWD_TOKENS
+#if defined(PAGED_FWD_TOKENS) && defined(PAGED_FWD_TOKENS_QO)
+#error "PAGED_FWD_TOKENS_QO is the Q/O token build; PAGED_FWD_TOKENS the build with K and V by token too"
+#endif
+#if defined(PAGED_FWD_TOKENS) || defined(PAGED_FWD_TOKENS_QO)
+#define PAGED_FWD_Q_TOKENS
+#endif
+#ifdef PAGED_FWD_Q_TOKENS
 #ifdef PAGED_FWD_TMA
-#error "PAGED_FWD_TOKENS gathers rows by token: the TMA build's tensor maps are over slot-ordered rows"
+#error "the token builds gather rows by token: the TMA build's tensor maps are over slot-ordered rows"
 #endif
 #define PAGED_FWD_TOKEN_PARAMS                                                                               \
     , const int* __restrict__ q_map, const int* __restrict__ k_map, int q_tokens, int k_tokens, int tok_heads, \
@@ -287,9 +296,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             if (void_item(it, own_pages, q_pages, lane)) continue;
             const size_t bh = static_cast<size_t>(it.batch) * heads + (it.ok ? it.head : 0);
 #ifdef PAGED_FWD_TOKENS
-            const hopper::TokenRows tq = hopper::token_rows(bh, tok_heads, q_tokens, HEAD_DIM);
             const hopper::TokenRows tk = hopper::token_rows(bh, tok_heads, k_tokens, HEAD_DIM);
-            const int* qmap = q_map + (maps_per_row ? bh * q_slots : 0);
             const int* kmap = k_map + (maps_per_row ? bh * k_slots : 0);
 #else
             const __nv_bfloat16* Vh = V + bh * k_slots * HEAD_DIM;
@@ -312,7 +319,9 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 }
                 const int page[2] = {__shfl_sync(0xffffffffu, qp, 0), __shfl_sync(0xffffffffu, qp, 1)};
                 const uint32_t mask[2] = {__shfl_sync(0xffffffffu, qm, 0), __shfl_sync(0xffffffffu, qm, 1)};
-#ifdef PAGED_FWD_TOKENS
+#ifdef PAGED_FWD_Q_TOKENS
+                const hopper::TokenRows tq = hopper::token_rows(bh, tok_heads, q_tokens, HEAD_DIM);
+                const int* qmap = q_map + (maps_per_row ? bh * q_slots : 0);
                 int tok[2];
                 hopper::page_tokens<2>(tok, qmap, q_pages, page);
                 hopper::warp_copy_token_pages<HEAD_DIM, PAGED_FWD_Q_ROWS, 2>(sm.q, 32 * pwarp, Q + tq.base, tq.stride,
@@ -584,7 +593,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 const uint32_t mask = static_cast<uint32_t>(own.y);
                 const size_t bh = static_cast<size_t>(it.batch) * heads + it.head;
                 const size_t row0 = bh * q_slots + static_cast<size_t>(page) * PAGE_ROWS;
-#ifdef PAGED_FWD_TOKENS
+#ifdef PAGED_FWD_Q_TOKENS
                 const hopper::TokenRows tq = hopper::token_rows(bh, tok_heads, q_tokens, HEAD_DIM);
                 const int* qmap = q_map + (maps_per_row ? bh * q_slots : 0) + static_cast<size_t>(page) * PAGE_ROWS;
                 hopper::store_o_token_page<HEAD_DIM>(O + tq.base, tq.stride, q_tokens, qmap, LSE + row0, mask, o, inv,

@@ -293,7 +293,7 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
 
 
-@pytest.mark.parametrize("variant", (*forward.VARIANTS, forward.TOKEN_DEFINE))
+@pytest.mark.parametrize("variant", (*forward.VARIANTS, forward.TOKEN_DEFINE, forward.TOKEN_QO_DEFINE))
 def test_forward_variants_compile_without_spills(variant, reports):
     """The KPage forward's compile-time variants (sparseattn.kernels.forward.VARIANTS) and its token-order
     build build too."""

@@ -155,6 +155,10 @@ def test_token_order_forward_is_opt_in(monkeypatch):
     assert not WanSparseAttnProcessor(GRID, WanSelection.full(), token_order=False).token_order
     x = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     assert not proc._token_order_call(x, x, x)
+    monkeypatch.setenv("SPARSEATTN_TOKEN_ORDER", "qo")  # the Q/O token build
+    assert WanSparseAttnProcessor(GRID, WanSelection.full()).token_order == "qo"
+    with pytest.raises(ValueError, match="token_order"):
+        WanSparseAttnProcessor(GRID, WanSelection.full(), token_order="kv")
 
 
 def test_slot_tokens_inverts_each_rows_token_slots():

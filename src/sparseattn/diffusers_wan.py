@@ -159,10 +159,12 @@ def apply_rotary(x, freqs_cos, freqs_sin):
     return out.type_as(x)
 
 
-def token_order_default() -> bool:
+def token_order_default():
     """``SPARSEATTN_TOKEN_ORDER=1``: KPage processors built without ``token_order`` run the token-order
-    forward (opt-in: correct, but slower than the slot order with its moves; NOTES_kpage_fwd.md)."""
-    return os.environ.get("SPARSEATTN_TOKEN_ORDER", "0") == "1"
+    forward (opt-in: correct, but slower than the slot order with its moves; NOTES_kpage_fwd.md);
+    ``SPARSEATTN_TOKEN_ORDER=qo``: the Q/O token build (q and o in token order, k and v moved to slots)."""
+    value = os.environ.get("SPARSEATTN_TOKEN_ORDER", "0")
+    return "qo" if value == "qo" else value == "1"
 
 
 def slot_tokens(token_slot, slots: int):
@@ -181,7 +183,8 @@ class WanSparseAttnProcessor:
     :class:`WanSelection` over a token ``grid`` (cross-attention and masked calls go to diffusers').
 
     ``token_order`` (KPage): calls without gradients run the KPage forward's token-order build on the
-    model's token-ordered q, k, v, with no move into or out of slot order
+    model's token-ordered q, k, v, with no move into or out of slot order (``"qo"``: static and VSA
+    selections move k and v to slot order and run the Q/O token build, q and o staying in token order)
     (:func:`sparseattn.torch.token_order_attention` and VSA's :func:`~sparseattn.torch.vsa_topk_tokens`;
     SVG2 with a map per (batch, head) row of its per-call layouts); STA and VSA calls with gradients too
     where the token-order backward is opted in (:func:`sparseattn.torch.token_backward_enabled`), else they
@@ -198,7 +201,11 @@ class WanSparseAttnProcessor:
                 f"grid must be three positive token counts (frames, height, width), got {grid!r}"
             )
         self.selection, self.backend, self.route = selection, backend, route
-        self.token_order = token_order_default() if token_order is None else bool(token_order)
+        if token_order is None:
+            token_order = token_order_default()
+        if token_order not in (True, False, "qo"):
+            raise ValueError(f"token_order must be True, False or 'qo', got {token_order!r}")
+        self.token_order = token_order
         self._centroids: dict = {}  # SVG2: (layer, rows) -> the previous call's (Q, K) centroids
         self.last_svg2_step = None  # SVG2: the last call's SVG2Step (what it selected, for reports)
         self._layer = None
@@ -428,7 +435,9 @@ class WanSparseAttnProcessor:
 
             with torch.no_grad():
                 idx, num = vsa_topk_tokens(q, k, layout, self.selection.topk)
-            return token_order_attention(q, k, v, self.planner(), idx, num).to(q.dtype)
+            return token_order_attention(
+                q, k, v, self.planner(), idx, num, kv_slots=self.token_order == "qo"
+            ).to(q.dtype)
         qs, ks, vs = tokens_to_slots(layout, q, k, v)
         with torch.no_grad():
             idx, num = vsa_topk(qs, ks, layout, self.selection.topk)
@@ -459,7 +468,9 @@ class WanSparseAttnProcessor:
             from .torch import token_order_attention
             from .torch_ops import resolve
 
-            return token_order_attention(q, k, v, resolve(graph), route=self.route).to(q.dtype)
+            return token_order_attention(
+                q, k, v, resolve(graph), route=self.route, kv_slots=self.token_order == "qo"
+            ).to(q.dtype)
         qs, ks, vs = tokens_to_slots(layout, q, k, v)
         out = kpage_attention(qs, ks, vs, graph, route=self.route)
         return slots_to_tokens(layout, out).to(q.dtype)

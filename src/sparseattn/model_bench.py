@@ -25,8 +25,11 @@ Implementations of the blocks' self-attention (cross-attention keeps diffusers' 
 * ``vsa_kernel``: the same selection run by the VSA system's kernel (``fastvideo-kernel``), when installed;
 * ``kpage_svg2``: SVG2 (k-means of Q and K per head every call, top-p cluster pairs) through KPage on the
   per-row layouts of each call's clusters, forward and backward planned on the device;
-* opt-in (``--impl``): ``dense_diffusers`` (diffusers' own ``WanAttnProcessor``, whole steps only) and
-  ``masked_sta`` (the STA graph as a boolean mask for SDPA: the reference, for small grids and the CPU).
+* opt-in (``--impl``): ``dense_diffusers`` (diffusers' own ``WanAttnProcessor``, whole steps only),
+  ``masked_sta`` (the STA graph as a boolean mask for SDPA: the reference, for small grids and the CPU), and
+  ``kpage_sta_tokens`` / ``kpage_vsa_tokens`` (forward calls in the token-order build, no moves) and
+  ``kpage_sta_qo`` / ``kpage_vsa_qo`` (forward calls in the Q/O token build: q and o stay in token order, k
+  and v move to slots); their training calls move as ``kpage_sta`` / ``kpage_vsa`` do.
 
 Records (one JSON file in the bench format, rewritten after every implementation so that a stopped run
 keeps what it measured): ``step_fwd`` (one denoising forward, no grad) and ``step_train`` (forward and
@@ -124,7 +127,22 @@ DEFAULT_MODELS = ("1.3b", "14b")
 RESOLUTIONS = {**LATENTS, "tiny": (4, 8, 16)}
 DEFAULT_RES = ("480p", "720p")
 IMPLS = ("dense", "kpage_sta", "flex_sta", "kpage_vsa", "vsa_kernel", "kpage_svg2")
-OPT_IN_IMPLS = ("dense_diffusers", "masked_sta", "kpage_sta_tokens", "kpage_vsa_tokens")
+OPT_IN_IMPLS = (
+    "dense_diffusers",
+    "masked_sta",
+    "kpage_sta_tokens",
+    "kpage_sta_qo",
+    "kpage_vsa_tokens",
+    "kpage_vsa_qo",
+)
+#: The processors' ``token_order`` of the token-order impls (forward calls: the token-order build, or the Q/O
+#: token build with k and v moved to slots; training calls move as ``kpage_sta`` / ``kpage_vsa`` do).
+TOKEN_ORDER_OF = {
+    "kpage_sta_tokens": True,
+    "kpage_vsa_tokens": True,
+    "kpage_sta_qo": "qo",
+    "kpage_vsa_qo": "qo",
+}
 ALL_IMPLS = IMPLS + OPT_IN_IMPLS
 MODES = ("fwd", "train")
 PASSES = ("step_fwd", "attn_fwd", "step_train", "attn_train")
@@ -503,18 +521,18 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
         from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
         return Impl(WanAttnProcessor(), None, dict(selection="dense"), check="none")
-    if impl in ("kpage_sta", "masked_sta", "flex_sta", "kpage_sta_tokens"):
+    if impl in ("kpage_sta", "masked_sta", "flex_sta", "kpage_sta_tokens", "kpage_sta_qo"):
         selection = sta_selection(args)
         if impl == "flex_sta":
             processor = flex_processor(grid, selection)
         else:
             backend = "masked_sdpa" if impl == "masked_sta" else "kpage"
             processor = WanSparseAttnProcessor(
-                grid, selection, backend=backend, token_order=impl == "kpage_sta_tokens"
+                grid, selection, backend=backend, token_order=TOKEN_ORDER_OF.get(impl, False)
             )
         _prepare(processor, heads)
         return Impl(processor, processor, _sta_meta(selection), graph=processor.graph_for(heads))
-    if impl in ("kpage_vsa", "vsa_kernel", "kpage_vsa_tokens"):
+    if impl in ("kpage_vsa", "vsa_kernel", "kpage_vsa_tokens", "kpage_vsa_qo"):
         from .wan_bench import TOPK_FRACTION, processors
 
         processor = processors(grid, impl)

@@ -168,7 +168,17 @@ def _dynamic(q, k, v, planner, q2k_idx, q2k_num, mask, scale):
 
 
 def token_order_attention(
-    q, k, v, graph_or_planner, q2k_idx=None, q2k_num=None, *, mask=None, route="auto", scale=None
+    q,
+    k,
+    v,
+    graph_or_planner,
+    q2k_idx=None,
+    q2k_num=None,
+    *,
+    mask=None,
+    route="auto",
+    scale=None,
+    kv_slots=False,
 ):
     """Sparse attention of token-ordered q, k, v (a model's ``[batch, tokens, heads, d]``): ``o`` of the same
     shape, as :func:`tokens_to_slots`, :func:`kpage_attention` (or :func:`block_sparse_attention`) and
@@ -182,6 +192,8 @@ def token_order_attention(
             ``q2k_idx`` / ``q2k_num`` or ``mask``, as :func:`block_sparse_attention` /
             :func:`block_sparse_attention_mask` take them.
         route, scale: as :func:`kpage_attention` (``route`` for a graph; a planner has its own).
+        kv_slots: calls without gradients move k and v to slot order (one launch) and run the Q/O token
+            build, which streams their pages as the slot-order build does; q and o stay in token order.
 
     On CUDA, in bf16, without gradients, outside ``torch.compile``, the KPage forward's token-order build
     runs: it gathers each slot's row from its token and stores each output row to its token, so nothing is moved
@@ -212,7 +224,7 @@ def token_order_attention(
     eager_cuda = q.is_cuda and not torch.compiler.is_compiling()
     token_build = eager_cuda and q.dtype == k.dtype == v.dtype == torch.bfloat16
     if token_build and not _needs_grad(q, k, v):
-        return _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale)
+        return _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale, kv_slots)
     if token_build and token_backward_enabled():
         return _TokenOrderFunction.apply(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale)
     qs = tokens_to_slots(q_layout, q)[0]
@@ -295,12 +307,17 @@ def _token_target(graph_or_planner, q, q2k_idx, q2k_num, mask, backward: bool):
     )
 
 
-def _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale):
+def _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale, kv_slots=False):
     from .kernels.forward import torch_token_forward
 
     target, _memory = _token_target(graph_or_planner, q, q2k_idx, q2k_num, mask, backward=False)
-    maps = _token_maps(graph_or_planner, q.device)
-    return torch_token_forward(q, k, v, target, *maps, route=route, scale=scale)[0]
+    q_map, k_map = _token_maps(graph_or_planner, q.device)
+    if kv_slots:  # the Q/O token build: k and v streamed from slot order
+        ks, vs = tokens_to_slots(graph_or_planner.k, k, v)
+        return torch_token_forward(
+            q, ks, vs, target, q_map, None, route=route, scale=scale, kv_in_slots=True
+        )[0]
+    return torch_token_forward(q, k, v, target, q_map, k_map, route=route, scale=scale)[0]
 
 
 def _layout_handle(layout) -> int:

@@ -6,7 +6,9 @@ too), device plans of random selections (batch entries with their own), outputs 
 NaN; the float64 reference on some; the per-block sums of token rows; the Wan processor with
 ``token_order`` on. The backward's token-order build (``PAGED_BWD_TOKENS``) against the slot-order backward
 on the same plans (gradients equal to rounding; every main-kernel variant with a token form), and autograd
-through ``token_order_attention`` with ``SPARSEATTN_TOKEN_BACKWARD=1``."""
+through ``token_order_attention`` with ``SPARSEATTN_TOKEN_BACKWARD=1``. The Q/O token build
+(``PAGED_FWD_TOKENS_QO``: q and o by token, k and v in slot order) beside the token-order build in the
+forward's cases, bit for bit against the slot-order build too."""
 
 from __future__ import annotations
 
@@ -85,6 +87,9 @@ def test_static_graphs_equal_the_slot_order_build(seed):
         ks, vs = st.tokens_to_slots(k_lay, k, v)
         o_s, lse_s = torch_graph_forward(qs, ks, vs, graph, route=route)
         _assert_equal(o, lse, st.slots_to_tokens(q_lay, o_s), lse_s, f"seed {seed} route {route}")
+        # the Q/O token build: k and v from slot order
+        o_qo, lse_qo = torch_token_forward(q, ks, vs, graph, q_map, None, route=route, kv_in_slots=True)
+        _assert_equal(o_qo, lse_qo, st.slots_to_tokens(q_lay, o_s), lse_s, f"seed {seed} route {route} (Q/O)")
     # and the float64 reference (slot order) for the last route
     args = [
         st.tokens_to_slots(lay, x)[0].double().cpu().numpy()
@@ -118,6 +123,8 @@ def test_device_plans_equal_the_slot_order_build(seed):
     ks, vs = st.tokens_to_slots(k_lay, k, v)
     o_s, lse_s = torch_graph_forward(qs, ks, vs, plans)
     _assert_equal(o, lse, st.slots_to_tokens(q_lay, o_s), lse_s, case.name)
+    o_qo, lse_qo = torch_token_forward(q, ks, vs, plans, q_map, None, kv_in_slots=True)  # the Q/O build
+    _assert_equal(o_qo, lse_qo, st.slots_to_tokens(q_lay, o_s), lse_s, f"{case.name} (Q/O)")
 
 
 def test_token_order_attention_with_a_planner_equals_block_sparse_attention():
@@ -151,8 +158,9 @@ def test_token_block_sums_and_selection_match_the_slot_order_path():
     assert same > 0.99, f"only {same:.4f} of the chosen blocks agree"
 
 
+@pytest.mark.parametrize("order", [True, "qo"], ids=["tokens", "qo"])
 @pytest.mark.parametrize("kind", ["sta", "vsa"])
-def test_wan_processor_token_order_equals_the_slot_order_path(kind):
+def test_wan_processor_token_order_equals_the_slot_order_path(kind, order):
     from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
 
     grid = (6, 12, 16)
@@ -162,7 +170,7 @@ def test_wan_processor_token_order_equals_the_slot_order_path(kind):
     g = torch.Generator(device="cuda").manual_seed(11)
     q, k, v = (torch.randn(1, 6 * 12 * 16, 4, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
     with torch.no_grad():
-        got = WanSparseAttnProcessor(grid, selection, token_order=True).attend(q, k, v)
+        got = WanSparseAttnProcessor(grid, selection, token_order=order).attend(q, k, v)
         want = WanSparseAttnProcessor(grid, selection, token_order=False).attend(q, k, v)
     if kind == "sta":
         assert torch.equal(got, want)
@@ -369,3 +377,9 @@ def test_bad_maps_are_refused_before_any_launch():
         torch_token_forward(q, k, v, base, q_map.long(), k_map)
     with pytest.raises(KernelValueError, match="k and v must be"):
         torch_token_forward(q, k[:, :-1], v, base, q_map, k_map)  # k and v with different token counts
+    # the Q/O token build: k and v in slot order
+    with pytest.raises(KernelValueError, match="slot order"):
+        torch_token_forward(q, k, v, base, q_map, None, kv_in_slots=True)  # k, v given in token order
+    with pytest.raises(KernelTypeError, match="q_map must be an int32"):
+        ks = torch.zeros(1, base.heads, base.k.num_slots, 64, dtype=torch.bfloat16, device="cuda")
+        torch_token_forward(q, ks, ks, base, q_map.long(), None, kv_in_slots=True)

@@ -7,6 +7,8 @@ paired ratio to ``slot`` in the same round):
 - ``slot``: the slot-order build on tensors already in slot order (what ``sparseattn bench`` times);
 - ``tokens``: the token-order build on the token-ordered tensors (``torch_token_forward``);
 - ``slot_moved``: tokens to slots, the slot-order build, the output back to tokens (what a model's call did);
+- ``qo``: the Q/O token build on token-ordered q and slot-ordered k, v (the kernel alone);
+- ``qo_moved``: k and v to slots (one launch), then the Q/O token build (what a model's call does with it);
 - with ``--device`` also ``slot_device`` / ``tokens_device``: the same on the device planner's plans of the
   graph's selection (planning not timed).
 
@@ -55,17 +57,22 @@ def run_workload(name: str, rounds: int, reps: int, device: bool) -> dict:
             ],
         ),
     }
-    pairs = [("slot", "tokens")]
+    runs["qo"] = lambda: torch_token_forward(q, ks, vs, graph, q_map, None, kv_in_slots=True)
+    runs["qo_moved"] = lambda: torch_token_forward(
+        q, *st.tokens_to_slots(graph.k, k, v), graph, q_map, None, kv_in_slots=True
+    )
+    pairs = [("slot", "tokens"), ("slot", "qo")]
     if device:
         idx, num = (torch.as_tensor(x, device=dev) for x in bench.topk_arrays(graph, 1))
         plans = DevicePlanner(graph.q, graph.k, backward=False).plan(idx, num)
         runs["slot_device"] = lambda: torch_graph_forward(qs, ks, vs, plans)
         runs["tokens_device"] = lambda: torch_token_forward(q, k, v, plans, q_map, k_map)
-        pairs.append(("slot_device", "tokens_device"))
+        runs["qo_device"] = lambda: torch_token_forward(q, ks, vs, plans, q_map, None, kv_in_slots=True)
+        pairs += [("slot_device", "tokens_device"), ("slot_device", "qo_device")]
 
     record = dict(workload=name, heads=graph.heads, head_dim=head_dim, tokens=graph.q.num_tokens, checks={})
     for slot_name, token_name in pairs:
-        o_s, lse_s = runs[slot_name]()
+        o_s, lse_s = runs[slot_name]()[:2]
         o_t, lse_t = runs[token_name]()
         record["checks"][token_name] = dict(
             output_equal=bool(torch.equal(o_t, st.slots_to_tokens(graph.q, o_s))),

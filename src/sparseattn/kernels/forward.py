@@ -80,6 +80,9 @@ TMA_PARAMS = ("tmK", "tmV")
 #: the kernel gathers (stores) each slot's row by the layouts' slot -> token maps. Compiled beside the
 #: slot-order build, without the TMA variants (their tensor maps are over slot-ordered rows).
 TOKEN_DEFINE = "PAGED_FWD_TOKENS"
+#: The Q/O token build (:func:`torch_token_forward` with ``kv_in_slots``): q and o in token order, k and v
+#: in slot order (the tensors streamed per chunk keep their contiguous pages).
+TOKEN_QO_DEFINE = "PAGED_FWD_TOKENS_QO"
 #: The token-order build's extra parameters, after :data:`KERNEL_PARAMS`.
 TOKEN_PARAMS = ("q_map", "k_map", "q_tokens", "k_tokens", "tok_heads", "maps_per_row")
 
@@ -101,15 +104,16 @@ def _variant_from_env() -> tuple[str, ...]:
 DEFINES = _variant_from_env()
 
 
-def token_defines() -> tuple[str, ...]:
-    """The token-order build's macros: :data:`DEFINES` without the TMA variants, plus :data:`TOKEN_DEFINE`."""
+def token_defines(kv_in_slots: bool = False) -> tuple[str, ...]:
+    """The token-order build's macros: :data:`DEFINES` without the TMA variants, plus :data:`TOKEN_DEFINE`
+    (``kv_in_slots``: :data:`TOKEN_QO_DEFINE`)."""
     tma = ("PAGED_FWD_TMA", "PAGED_FWD_REGS_232")
-    return tuple(d for d in DEFINES if d not in tma) + (TOKEN_DEFINE,)
+    return tuple(d for d in DEFINES if d not in tma) + (TOKEN_QO_DEFINE if kv_in_slots else TOKEN_DEFINE,)
 
 
 def extra_builds() -> tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]:
-    """The token-order build, for :mod:`.warmup`: ``((source, name expressions, defines),)``."""
-    return ((SOURCE, NAME_EXPRESSIONS, token_defines()),)
+    """The token-order builds, for :mod:`.warmup`: ``((source, name expressions, defines), ...)``."""
+    return tuple((SOURCE, NAME_EXPRESSIONS, token_defines(qo)) for qo in (False, True))
 
 
 def kernel_defines(source: str) -> tuple[str, ...]:
@@ -420,8 +424,8 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
     work list is new per call, its arrays in a new arena of the same shape: its launch is kept in the
     arena's shared ``launches`` and binds :data:`LIST_ARRAYS` per call (counter pointer None: the list's
     own). ``sizes``: (batch, heads, q_slots, k_slots, d). ``tokens``: the token-order build's
-    ``(q_tokens, k_tokens, tok_heads, maps_per_row)`` (its two map pointers are then set per call after
-    the five tensors and a device list's arrays)."""
+    ``(q_tokens, k_tokens, tok_heads, maps_per_row, kv_in_slots)`` (its two map pointers are then set per
+    call after the five tensors and a device list's arrays; ``kv_in_slots``: the Q/O token build)."""
     import cupy
 
     b, h, sq, sk, d = sizes
@@ -432,7 +436,7 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             cache = {}
     else:
         cache = launch.device_arrays(wl, device, wl.device_arrays)
-    defines = DEFINES if tokens is None else token_defines()
+    defines = DEFINES if tokens is None else token_defines(bool(tokens[4]))
     key = (sizes, scale, defines, tokens, device, wl.num_work, wl.chunk, wl.has_visibility())
     ready = cache.get(key)
     if ready is None:
@@ -464,7 +468,7 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
         if on_device:
             bound += [KERNEL_PARAMS.index(param) for param in _LIST_PARAMS.values()]
         if tokens is not None:
-            rest += (np.uint64(0), np.uint64(0)) + tuple(np.int32(x) for x in tokens)
+            rest += (np.uint64(0), np.uint64(0)) + tuple(np.int32(x) for x in tokens[:4])
             bound += [len(KERNEL_PARAMS), len(KERNEL_PARAMS) + 1]
         elif "PAGED_FWD_TMA" in DEFINES:  # pointed at each call's K and V by _launch
             maps = (TensorMap(b * h * sk, d, "k"), TensorMap(b * h * sk, d, "v"))
@@ -716,13 +720,47 @@ def check_token_tensors(q, k, v, q_map, k_map, others=()):
     return b, nq, h, d, nk, sq, sk, per_row
 
 
-def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", scale=None):
+def check_token_q_tensors(q, k, v, q_map):
+    """:func:`check_token_tensors`' sizes for the Q/O token build: ``q`` token-ordered, ``k`` and ``v``
+    ``[batch, heads, k_slots, d]`` in slot order (``k_tokens`` is then ``k_slots``)."""
+    import torch
+
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or not q.is_cuda or q.dim() != 4:
+        raise KernelTypeError("q must be a bf16 CUDA tensor [batch, tokens, heads, d]")
+    b, nq, h, d = q.shape
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or not x.is_cuda or x.dim() != 4:
+            raise KernelTypeError(
+                f"{name} must be a bf16 CUDA tensor [batch, heads, k_slots, d] in slot order"
+            )
+    sk = k.shape[2]
+    if k.shape != (b, h, sk, d) or v.shape != k.shape:
+        raise KernelValueError(
+            f"k and v must be [{b}, {h}, k_slots, {d}] in slot order; got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.device != q.device or v.device != q.device:
+        raise KernelValueError("q, k and v must be on one device")
+    if not isinstance(q_map, torch.Tensor) or q_map.dtype != torch.int32 or q_map.device != q.device:
+        raise KernelTypeError("q_map must be an int32 tensor on q's device")
+    per_row = q_map.dim() == 2
+    if q_map.dim() not in (1, 2) or (per_row and q_map.shape[0] != b * h):
+        raise KernelValueError(
+            f"q_map must be [slots] or [batch x heads = {b * h}, slots]; got {tuple(q_map.shape)}"
+        )
+    if nq * h * d >= 2**31:
+        raise KernelValueError("a batch entry's tokens x heads x d is too large for 32-bit offsets")
+    return b, nq, h, d, sk, q_map.shape[-1], sk, per_row
+
+
+def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", scale=None, kv_in_slots=False):
     """KPage forward on token-ordered torch tensors, with no tensor moved into or out of slot order (the
     ``PAGED_FWD_TOKENS`` build gathers each slot's row from its token and stores O rows to theirs).
 
     Args:
         q: bf16 CUDA ``[batch, q_tokens, heads, d]`` (a model's layout), contiguous; ``d`` 64 or 128.
-        k, v: ``[batch, k_tokens, heads, d]`` like ``q``.
+        k, v: ``[batch, k_tokens, heads, d]`` like ``q``; with ``kv_in_slots``, ``[batch, heads, k_slots, d]``
+            in the K layout's slot order (padding slots zero) and ``k_map`` None: the Q/O token build
+            (``PAGED_FWD_TOKENS_QO``), which streams K and V pages as the slot-order build does.
         graph_or_plans: a :class:`SparseGraph` of ``heads`` heads (its plans cached; ``route`` as
             :func:`paged_forward`), a device planner's :class:`DevicePlans` of ``batch x heads``, or a
             :class:`~sparseattn.planning.dynamic_layouts.DynamicWorkList` of ``batch · heads`` rows (per-row
@@ -741,7 +779,11 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
     """
     from ..planning.dynamic_layouts import DynamicWorkList
 
-    b, nq, h, d, nk, sq, sk, per_row = check_token_tensors(q, k, v, q_map, k_map)
+    if kv_in_slots:
+        b, nq, h, d, nk, sq, sk, per_row = check_token_q_tensors(q, k, v, q_map)
+        k_map = q_map  # (not read by the Q/O build)
+    else:
+        b, nq, h, d, nk, sq, sk, per_row = check_token_tensors(q, k, v, q_map, k_map)
     q, k, v, q_map, k_map = (x.contiguous() for x in (q, k, v, q_map, k_map))
     if isinstance(graph_or_plans, DevicePlans):
         plans = graph_or_plans
@@ -774,7 +816,7 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
         sizes,
         None if whole else False,
         lse_shape=(b, h, sq),
-        tokens=(nq, nk, h, int(per_row)),
+        tokens=(nq, nk, h, int(per_row), bool(kv_in_slots)),
         token_maps=(q_map, k_map),
     )
 
