@@ -144,19 +144,21 @@ def test_bad_arguments():
         install_sparse_attention(object(), GRID, WanSelection.full())
 
 
-def test_token_order_forward_is_opt_in(monkeypatch):
-    """The token-order forward runs only where asked (``token_order=True`` or ``SPARSEATTN_TOKEN_ORDER=1``)
-    and never on CPU tensors (its kernel is CUDA's)."""
+def test_token_order_defaults_to_the_qo_build(monkeypatch):
+    """Processors built without ``token_order`` take the Q/O token build (``"qo"``: q and o in token order, k
+    and v moved to slots); ``SPARSEATTN_TOKEN_ORDER=1`` the token-order build, ``=0`` slot order; any other
+    ``token_order`` is refused; CPU tensors never take a token build (its kernels are CUDA's)."""
+    sta = WanSelection.sta((2, 2, 2), (1, 1, 1))
     monkeypatch.delenv("SPARSEATTN_TOKEN_ORDER", raising=False)
-    assert not WanSparseAttnProcessor(GRID, WanSelection.sta((2, 2, 2), (1, 1, 1))).token_order
+    proc = WanSparseAttnProcessor(GRID, sta)
+    assert proc.token_order == "qo"
     monkeypatch.setenv("SPARSEATTN_TOKEN_ORDER", "1")
-    proc = WanSparseAttnProcessor(GRID, WanSelection.sta((2, 2, 2), (1, 1, 1)))
-    assert proc.token_order
-    assert not WanSparseAttnProcessor(GRID, WanSelection.full(), token_order=False).token_order
+    assert WanSparseAttnProcessor(GRID, sta).token_order is True
+    monkeypatch.setenv("SPARSEATTN_TOKEN_ORDER", "0")
+    assert WanSparseAttnProcessor(GRID, sta).token_order is False
+    assert WanSparseAttnProcessor(GRID, WanSelection.full(), token_order=False).token_order is False
     x = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     assert not proc._token_order_call(x, x, x)
-    monkeypatch.setenv("SPARSEATTN_TOKEN_ORDER", "qo")  # the Q/O token build
-    assert WanSparseAttnProcessor(GRID, WanSelection.full()).token_order == "qo"
     with pytest.raises(ValueError, match="token_order"):
         WanSparseAttnProcessor(GRID, WanSelection.full(), token_order="kv")
 

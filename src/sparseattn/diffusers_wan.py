@@ -160,10 +160,11 @@ def apply_rotary(x, freqs_cos, freqs_sin):
 
 
 def token_order_default():
-    """``SPARSEATTN_TOKEN_ORDER=1``: KPage processors built without ``token_order`` run the token-order
-    forward (opt-in: correct, but slower than the slot order with its moves; NOTES_kpage_fwd.md);
-    ``SPARSEATTN_TOKEN_ORDER=qo``: the Q/O token build (q and o in token order, k and v moved to slots)."""
-    value = os.environ.get("SPARSEATTN_TOKEN_ORDER", "0")
+    """The ``token_order`` of KPage processors built without one: ``"qo"`` (the default: forward calls run
+    the Q/O token build, q and o in token order, k and v moved to slots; bit for bit the slot order's output,
+    and faster than it with its moves, NOTES_kpage_fwd.md); ``SPARSEATTN_TOKEN_ORDER=1``: the token-order
+    build (no moves; slower than either); ``SPARSEATTN_TOKEN_ORDER=0``: slot order with its moves."""
+    value = os.environ.get("SPARSEATTN_TOKEN_ORDER", "qo")
     return "qo" if value == "qo" else value == "1"
 
 
@@ -182,13 +183,14 @@ class WanSparseAttnProcessor:
     """A diffusers attention processor for Wan's self-attention: exact block-sparse attention of a
     :class:`WanSelection` over a token ``grid`` (cross-attention and masked calls go to diffusers').
 
-    ``token_order`` (KPage): calls without gradients run the KPage forward's token-order build on the
-    model's token-ordered q, k, v, with no move into or out of slot order (``"qo"``: static and VSA
-    selections move k and v to slot order and run the Q/O token build, q and o staying in token order)
+    ``token_order`` (KPage): ``True``: calls without gradients run the KPage forward's token-order build on
+    the model's token-ordered q, k, v, with no move into or out of slot order
     (:func:`sparseattn.torch.token_order_attention` and VSA's :func:`~sparseattn.torch.vsa_topk_tokens`;
-    SVG2 with a map per (batch, head) row of its per-call layouts); STA and VSA calls with gradients too
-    where the token-order backward is opted in (:func:`sparseattn.torch.token_backward_enabled`), else they
-    move as before. Default: :func:`token_order_default`."""
+    SVG2 with a map per (batch, head) row of its per-call layouts); ``"qo"`` (the default,
+    :func:`token_order_default`): static and VSA selections move only k and v to slot order and run the Q/O
+    token build, q and o staying in token order (SVG2 then moves as in slot order); ``False``: every tensor
+    moves to slot order and back. STA and VSA calls with gradients run in token order where the token-order
+    backward is opted in (:func:`sparseattn.torch.token_backward_enabled`), else they move."""
 
     def __init__(self, grid, selection: WanSelection, backend: str = "kpage", route="auto", token_order=None):
         if backend not in BACKENDS:
@@ -383,7 +385,7 @@ class WanSparseAttnProcessor:
         torch = self._torch()
         b, n, h, d = q.shape
         ql, kl = step.q_layout, step.k_layout
-        if self._token_order_call(q, k, v):  # no moves: the token-order build with a map per row
+        if self.token_order is True and self._token_order_call(q, k, v):  # no moves: a map per row
             from .kernels.forward import torch_token_forward
             from .planning.dynamic_layouts import forward_work_list
 

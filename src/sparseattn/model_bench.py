@@ -28,8 +28,9 @@ Implementations of the blocks' self-attention (cross-attention keeps diffusers' 
 * opt-in (``--impl``): ``dense_diffusers`` (diffusers' own ``WanAttnProcessor``, whole steps only),
   ``masked_sta`` (the STA graph as a boolean mask for SDPA: the reference, for small grids and the CPU), and
   ``kpage_sta_tokens`` / ``kpage_vsa_tokens`` (forward calls in the token-order build, no moves) and
-  ``kpage_sta_qo`` / ``kpage_vsa_qo`` (forward calls in the Q/O token build: q and o stay in token order, k
-  and v move to slots); their training calls move as ``kpage_sta`` / ``kpage_vsa`` do.
+  ``kpage_sta_slots`` / ``kpage_vsa_slots`` (forward calls in slot order, every tensor moved, as
+  ``kpage_sta`` / ``kpage_vsa`` ran before the Q/O token build became the processors' default: there q and o
+  stay in token order and only k and v move); their training calls move as ``kpage_sta`` / ``kpage_vsa`` do.
 
 Records (one JSON file in the bench format, rewritten after every implementation so that a stopped run
 keeps what it measured): ``step_fwd`` (one denoising forward, no grad) and ``step_train`` (forward and
@@ -131,17 +132,17 @@ OPT_IN_IMPLS = (
     "dense_diffusers",
     "masked_sta",
     "kpage_sta_tokens",
-    "kpage_sta_qo",
+    "kpage_sta_slots",
     "kpage_vsa_tokens",
-    "kpage_vsa_qo",
+    "kpage_vsa_slots",
 )
-#: The processors' ``token_order`` of the token-order impls (forward calls: the token-order build, or the Q/O
-#: token build with k and v moved to slots; training calls move as ``kpage_sta`` / ``kpage_vsa`` do).
+#: The processors' ``token_order`` per impl (absent: the processor's default, the Q/O token build; forward
+#: calls only: training calls move as ``kpage_sta`` / ``kpage_vsa`` do).
 TOKEN_ORDER_OF = {
     "kpage_sta_tokens": True,
     "kpage_vsa_tokens": True,
-    "kpage_sta_qo": "qo",
-    "kpage_vsa_qo": "qo",
+    "kpage_sta_slots": False,
+    "kpage_vsa_slots": False,
 }
 ALL_IMPLS = IMPLS + OPT_IN_IMPLS
 MODES = ("fwd", "train")
@@ -521,18 +522,18 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
         from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
         return Impl(WanAttnProcessor(), None, dict(selection="dense"), check="none")
-    if impl in ("kpage_sta", "masked_sta", "flex_sta", "kpage_sta_tokens", "kpage_sta_qo"):
+    if impl in ("kpage_sta", "masked_sta", "flex_sta", "kpage_sta_tokens", "kpage_sta_slots"):
         selection = sta_selection(args)
         if impl == "flex_sta":
             processor = flex_processor(grid, selection)
         else:
             backend = "masked_sdpa" if impl == "masked_sta" else "kpage"
             processor = WanSparseAttnProcessor(
-                grid, selection, backend=backend, token_order=TOKEN_ORDER_OF.get(impl, False)
+                grid, selection, backend=backend, token_order=TOKEN_ORDER_OF.get(impl)
             )
         _prepare(processor, heads)
         return Impl(processor, processor, _sta_meta(selection), graph=processor.graph_for(heads))
-    if impl in ("kpage_vsa", "vsa_kernel", "kpage_vsa_tokens", "kpage_vsa_qo"):
+    if impl in ("kpage_vsa", "vsa_kernel", "kpage_vsa_tokens", "kpage_vsa_slots"):
         from .wan_bench import TOPK_FRACTION, processors
 
         processor = processors(grid, impl)

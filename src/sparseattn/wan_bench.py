@@ -13,8 +13,8 @@ and backward of a squared-error loss, no optimizer). Self-attention runs, in eve
   the selection's cube sums gathered from the tokens; :func:`sparseattn.torch.token_order_attention`);
   a training step runs ``kpage_vsa``'s path unless ``SPARSEATTN_TOKEN_BACKWARD=1`` asks for the backward's
   token-order build too;
-* ``kpage_vsa_qo`` (opt-in): ``kpage_vsa`` with the Q/O token build in forward calls (q and o stay in token
-  order, k and v move to slots);
+* ``kpage_vsa_slots`` (opt-in): ``kpage_vsa`` in slot order in forward calls too (every tensor moved; the
+  processors' default runs the Q/O token build there: q and o stay in token order, k and v move to slots);
 * ``vsa_kernel``: the same selection, run by the VSA system's kernel (``fastvideo-kernel`` 0.3.4, its
   Triton path, ``block_sparse_attn_from_indices``), when installed.
 
@@ -57,7 +57,7 @@ WAN_1_3B = dict(
 LATENTS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}
 IMPLS = ("dense", "kpage_vsa", "vsa_kernel")
 #: Run only when named (``--impl``).
-OPT_IN_IMPLS = ("kpage_vsa_tokens", "kpage_vsa_qo")
+OPT_IN_IMPLS = ("kpage_vsa_tokens", "kpage_vsa_slots")
 TOPK_FRACTION = 0.1
 
 
@@ -69,8 +69,10 @@ def processors(grid, impl: str):
 
     blocks = math.prod(-(-g // t) for g, t in zip(grid, (4, 4, 4)))
     selection = WanSelection.vsa((4, 4, 4), topk=math.ceil(TOPK_FRACTION * blocks))
-    if impl in ("kpage_vsa", "kpage_vsa_tokens", "kpage_vsa_qo"):
-        order = {"kpage_vsa_tokens": True, "kpage_vsa_qo": "qo"}.get(impl, False)
+    if impl in ("kpage_vsa", "kpage_vsa_tokens", "kpage_vsa_slots"):
+        order = {"kpage_vsa_tokens": True, "kpage_vsa_slots": False}.get(
+            impl
+        )  # None: the processor's default
         return WanSparseAttnProcessor(grid, selection, backend="kpage", token_order=order)
     if impl == "dense":
         processor = WanSparseAttnProcessor(grid, WanSelection.full((4, 4, 4)), backend="masked_sdpa")
