@@ -50,11 +50,12 @@ def test_each_launch_key_keeps_its_own_counter(fake_cupy):
     wl = forward.resolve_work(graph, "kpage", "auto", h, sq, sk)
     sizes = (2, h, sq, sk, 128)
     slot_order = forward._prepared(wl, sizes, 0.088, 0)
-    tokens = (graph.q.num_tokens, graph.k.num_tokens, h, 0)
+    tokens = (graph.q.num_tokens, graph.k.num_tokens, h, 0, False)
     token_order = forward._prepared(wl, sizes, 0.088, 0, tokens=tokens)
+    qo_build = forward._prepared(wl, sizes, 0.088, 0, tokens=(*tokens[:4], True))  # the Q/O token build
     other_batch = forward._prepared(wl, (1, *sizes[1:]), 0.088, 0)
-    counters = [ready[1] for ready in (slot_order, token_order, other_batch)]
-    assert len(set(counters)) == 3, "two launch keys share an item counter"
+    counters = [ready[1] for ready in (slot_order, token_order, qo_build, other_batch)]
+    assert len(set(counters)) == 4, "two launch keys share an item counter"
     assert not set(counters) & set(_FREED), "a cached launch points at a freed counter"
     assert forward._prepared(wl, sizes, 0.088, 0) is slot_order  # still cached, its counter alive
 

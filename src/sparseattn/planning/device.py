@@ -452,7 +452,7 @@ class DevicePlanner:
             if resolved == "wgmma_dq_pass" or (resolved == "wgmma" and all_64):
                 self.dq = dq_template(q_layout, k_layout, kind, route)
         self._tables: dict = {}  # device -> the templates' arrays on it
-        self._arenas: dict = {}  # (heads, selection width, backward) -> the buffers' layout
+        self._arenas: dict = {}  # (heads, selection width, backward, slices) -> the buffers' layout
         self._prototypes: dict = {}  # (heads, width, backward, device, slices) -> plans without memory (plans_in)
         self._recipes: dict = {}  # the call's shape and the launchers' settings -> PlanRecipe
         self._slices: dict = {}  # (device, selection width) -> the forward items' slices on it
@@ -479,15 +479,16 @@ class DevicePlanner:
             self._tables[device] = tables
         return tables
 
-    @staticmethod
-    def _slices_on() -> bool:
-        """Whether the forward's items write at layout-fixed slices (``planner.FORWARD_SLICES``, fused pass)."""
+    @property
+    def forward_slices(self) -> bool:
+        """Whether the forward's items write at layout-fixed slices of their buffer
+        (:meth:`ItemTemplate.stream_slices`; ``planner.FORWARD_SLICES`` with the fused pass), read per call."""
         from ..kernels import planner as P
 
         return bool(P.FUSED_FORWARD and P.FORWARD_SLICES)
 
     def capacity(self, template: ItemTemplate, heads: int, k: int) -> int:
-        if template is self.forward and self._slices_on():
+        if template is self.forward and self.forward_slices:
             cap = heads * int(template.stream_slices(k)[-1])
         else:
             cap = template.stream_capacity(heads, k)
@@ -500,7 +501,7 @@ class DevicePlanner:
 
     def _arena(self, bh: int, k: int, backward: bool) -> Arena:
         """The buffers of a call with ``bh`` heads and selections of width ``k`` (built once per shape)."""
-        key = (bh, k, backward, self._slices_on())
+        key = (bh, k, backward, self.forward_slices)
         arena = self._arenas.get(key)
         if arena is None:
             i32, u32 = np.int32, np.uint32
@@ -574,7 +575,7 @@ class DevicePlanner:
     def plans_in(self, memory, batch: int, heads: int, width: int) -> DevicePlans:
         """The plans (with the backward's) that an earlier :meth:`plan` call of this shape wrote into
         ``memory`` (its torch tensor), without a launch: the layout of the buffers is the shape's."""
-        key = (batch * heads, int(width), self.backward is not None, memory.device.index, self._slices_on())
+        key = (batch * heads, int(width), self.backward is not None, memory.device.index, self.forward_slices)
         proto = self._prototypes.get(key)
         if proto is None:
             raise PlanError(
@@ -667,7 +668,7 @@ class DevicePlanner:
             arena,
         )
         if backward:
-            self._prototypes.setdefault((bh, k, True, device, self._slices_on()), plans.rebased())
+            self._prototypes.setdefault((bh, k, True, device, self.forward_slices), plans.rebased())
         if records is not None:
             self._recipes[key] = PlanRecipe(records, arena, selection, plans.rebased())
         return plans
@@ -784,7 +785,7 @@ class DevicePlanner:
         arrays = {name: buf(name) for name in (*LIST_ARRAYS, "first_live")}
         if P.FUSED_FORWARD:  # count, offsets and write in one pass
             fused = {"lookback": buf("lookback"), "claim": buf("claim"), "begin": buf("begin")}
-            if self._slices_on():
+            if self.forward_slices:
                 fused["slices"] = self._device_slices(k)
             base = P.NULL
         else:

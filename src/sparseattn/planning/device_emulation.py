@@ -387,7 +387,7 @@ def emulate_plans(planner, q2k_idx=None, q2k_num=None, mask=None) -> dict:
             np.asarray(q2k_num).reshape(heads, -1),
         )
     out = {"rows": sel, "heads": heads, "invalid": invalid}
-    slices = fwd.stream_slices(k) if planner._slices_on() else None
+    slices = fwd.stream_slices(k) if planner.forward_slices else None
     out["forward"] = forward_arrays(fwd, sel, planner.capacity(fwd, heads, k), slices)
     bwd, dq = planner.backward, planner.dq
     rows_t = np.ascontiguousarray(sel.transpose(0, 2, 1))
