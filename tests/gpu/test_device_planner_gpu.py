@@ -137,6 +137,13 @@ def test_replaced_planner_forms_equal_the_numpy_twin(fused, bitmap, monkeypatch)
         _assert_plans_equal_the_twin(random_case(rng, index))
 
 
+def _mask_cases(seed: int, count: int = 60):
+    """The block-mask cases among ``count`` random cases of one seed."""
+    rng = np.random.default_rng(seed)
+    cases = (random_case(rng, index) for index in range(count))
+    return [case for case in cases if case.mask is not None]
+
+
 def test_fused_forward_counts_cut_streams_as_the_scan_does(monkeypatch):
     """A block mask selecting more than ``max_selected`` blocks per row outgrows the buffers: the fused pass
     cuts the same streams at the same capacity as the count pass + scan + write pass (every forward array
@@ -144,12 +151,8 @@ def test_fused_forward_counts_cut_streams_as_the_scan_does(monkeypatch):
     from sparseattn.kernels import planner as launchers
 
     monkeypatch.setattr(launchers, "FORWARD_SLICES", False)  # the streams back to back in both forms
-    rng = np.random.default_rng(7400)
     cut = 0
-    for index in range(60):
-        case = random_case(rng, index)
-        if case.mask is None:
-            continue
+    for case in _mask_cases(7400):
         got = {}
         for fused in (True, False):
             monkeypatch.setattr(launchers, "FUSED_FORWARD", fused)
@@ -185,12 +188,8 @@ def test_forward_slices_cut_streams_as_the_twin_does(monkeypatch):
     from sparseattn.kernels import planner as launchers
 
     monkeypatch.setattr(launchers, "FORWARD_SLICES", True)
-    rng = np.random.default_rng(7600)
     cut = 0
-    for index in range(60):
-        case = random_case(rng, index)
-        if case.mask is None:
-            continue
+    for case in _mask_cases(7600):
         planner = DevicePlanner(case.q, case.k, kind=case.kind, route=case.route, max_selected=2)
         plans = planner.plan(mask=cupy.asarray(case.mask), backward=False)
         twin = emu.emulate_plans(planner, mask=case.mask)["forward"]

@@ -48,21 +48,15 @@ def timeline(prof, around: int) -> list[dict]:
 
 def profile_impl(impl: str, layers: int, resolution: str, warmup: int, top: int, around: int = 0) -> dict:
     import torch
-    from diffusers import WanTransformer3DModel
     from torch.profiler import ProfilerActivity, profile
 
-    from sparseattn.model_bench import AttentionClock
-    from sparseattn.wan_bench import LATENTS, WAN_1_3B, processors
+    from sparseattn.model_bench import MODELS, AttentionClock, build_model, make_inputs, token_grid
+    from sparseattn.wan_bench import LATENTS, processors
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = WanTransformer3DModel(**{**WAN_1_3B, "num_layers": layers}).to(torch.bfloat16)
-    frames, height, width = LATENTS[resolution]
-    grid = (frames, height // 2, width // 2)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(1, 16, frames, height, width, device="cuda", dtype=torch.bfloat16, generator=g)
-    t = torch.tensor([500], device="cuda")
-    text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    spec = MODELS["1.3b"]
+    model = build_model(spec, layers, "cuda", torch.bfloat16)
+    x, t, text = make_inputs(spec, LATENTS[resolution], "cuda", torch.bfloat16)
+    grid = token_grid(LATENTS[resolution])
     processor = processors(grid, impl)
     clock = AttentionClock()
     processor.attend = clock.wrap(processor.attend)

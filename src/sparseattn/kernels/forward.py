@@ -679,30 +679,51 @@ def _torch_launch(
     return o, lse
 
 
-def check_token_tensors(q, k, v, q_map, k_map, others=()):
+def check_token_tensors(q, k, v, q_map, k_map, others=(), kv_in_slots=False):
     """The sizes ``(batch, q_tokens, heads, d, k_tokens, q_slots, k_slots, maps_per_row)`` of a token-order
     call (:func:`torch_token_forward`'s arguments; ``others``: more ``(name, tensor)`` shaped like ``q``,
-    e.g. the backward's o and do), or a KernelTypeError / KernelValueError naming the argument."""
+    e.g. the backward's o and do), or a KernelTypeError / KernelValueError naming the argument.
+    ``kv_in_slots`` (the Q/O token build): ``k`` and ``v`` are ``[batch, heads, k_slots, d]`` in slot order,
+    ``k_map`` is not read, and ``k_tokens`` is ``k_slots``."""
     import torch
 
-    for name, x in (("q", q), ("k", k), ("v", v), *others):
+    token_ordered = (("q", q), *(() if kv_in_slots else (("k", k), ("v", v))), *others)
+    for name, x in token_ordered:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or not x.is_cuda or x.dim() != 4:
             raise KernelTypeError(f"{name} must be a bf16 CUDA tensor [batch, tokens, heads, d]")
+    for name, x in (("k", k), ("v", v)) if kv_in_slots else ():
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or not x.is_cuda or x.dim() != 4:
+            raise KernelTypeError(
+                f"{name} must be a bf16 CUDA tensor [batch, heads, k_slots, d] in slot order"
+            )
     b, nq, h, d = q.shape
-    nk = k.shape[1]
     dev = q.device
     check_head_dim("q", d, HEAD_DIMS)
-    if k.shape != (b, nk, h, d) or v.shape != k.shape:
-        raise KernelValueError(
-            f"k and v must be [{b}, k_tokens, {h}, {d}] like q; got {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    if kv_in_slots:
+        nk = k.shape[2]
+        if k.shape != (b, h, nk, d) or v.shape != k.shape:
+            raise KernelValueError(
+                f"k and v must be [{b}, {h}, k_slots, {d}] in slot order; got {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+    else:
+        nk = k.shape[1]
+        if k.shape != (b, nk, h, d) or v.shape != k.shape:
+            raise KernelValueError(
+                f"k and v must be [{b}, k_tokens, {h}, {d}] like q; got {tuple(k.shape)}, {tuple(v.shape)}"
+            )
     if k.device != dev or v.device != dev:
         raise KernelValueError("q, k and v must be on one device")
-    for name, m in (("q_map", q_map), ("k_map", k_map)):
+    maps = (("q_map", q_map),) if kv_in_slots else (("q_map", q_map), ("k_map", k_map))
+    for name, m in maps:
         if not isinstance(m, torch.Tensor) or m.dtype != torch.int32 or m.device != dev:
             raise KernelTypeError(f"{name} must be an int32 tensor on q's device")
     per_row = q_map.dim() == 2
-    if (
+    if kv_in_slots:
+        if q_map.dim() not in (1, 2) or (per_row and q_map.shape[0] != b * h):
+            raise KernelValueError(
+                f"q_map must be [slots] or [batch x heads = {b * h}, slots]; got {tuple(q_map.shape)}"
+            )
+    elif (
         q_map.dim() not in (1, 2)
         or k_map.dim() != q_map.dim()
         or (per_row and (q_map.shape[0], k_map.shape[0]) != (b * h,) * 2)
@@ -711,45 +732,13 @@ def check_token_tensors(q, k, v, q_map, k_map, others=()):
             f"q_map and k_map must both be [slots], or both [batch x heads = {b * h}, slots]; got "
             f"{tuple(q_map.shape)} and {tuple(k_map.shape)}"
         )
-    sq, sk = q_map.shape[-1], k_map.shape[-1]
-    if max(nq, nk) * h * d >= 2**31:
+    sq, sk = q_map.shape[-1], (nk if kv_in_slots else k_map.shape[-1])
+    if (nq if kv_in_slots else max(nq, nk)) * h * d >= 2**31:
         raise KernelValueError("a batch entry's tokens x heads x d is too large for 32-bit offsets")
     for name, x in others:
         if x.shape != q.shape or x.device != dev:
             raise KernelValueError(f"{name} must be like q: {tuple(q.shape)} on {dev}, got {tuple(x.shape)}")
     return b, nq, h, d, nk, sq, sk, per_row
-
-
-def check_token_q_tensors(q, k, v, q_map):
-    """:func:`check_token_tensors`' sizes for the Q/O token build: ``q`` token-ordered, ``k`` and ``v``
-    ``[batch, heads, k_slots, d]`` in slot order (``k_tokens`` is then ``k_slots``)."""
-    import torch
-
-    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or not q.is_cuda or q.dim() != 4:
-        raise KernelTypeError("q must be a bf16 CUDA tensor [batch, tokens, heads, d]")
-    b, nq, h, d = q.shape
-    for name, x in (("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or not x.is_cuda or x.dim() != 4:
-            raise KernelTypeError(
-                f"{name} must be a bf16 CUDA tensor [batch, heads, k_slots, d] in slot order"
-            )
-    sk = k.shape[2]
-    if k.shape != (b, h, sk, d) or v.shape != k.shape:
-        raise KernelValueError(
-            f"k and v must be [{b}, {h}, k_slots, {d}] in slot order; got {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if k.device != q.device or v.device != q.device:
-        raise KernelValueError("q, k and v must be on one device")
-    if not isinstance(q_map, torch.Tensor) or q_map.dtype != torch.int32 or q_map.device != q.device:
-        raise KernelTypeError("q_map must be an int32 tensor on q's device")
-    per_row = q_map.dim() == 2
-    if q_map.dim() not in (1, 2) or (per_row and q_map.shape[0] != b * h):
-        raise KernelValueError(
-            f"q_map must be [slots] or [batch x heads = {b * h}, slots]; got {tuple(q_map.shape)}"
-        )
-    if nq * h * d >= 2**31:
-        raise KernelValueError("a batch entry's tokens x heads x d is too large for 32-bit offsets")
-    return b, nq, h, d, sk, q_map.shape[-1], sk, per_row
 
 
 def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", scale=None, kv_in_slots=False):
@@ -779,11 +768,9 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
     """
     from ..planning.dynamic_layouts import DynamicWorkList
 
+    b, nq, h, d, nk, sq, sk, per_row = check_token_tensors(q, k, v, q_map, k_map, kv_in_slots=kv_in_slots)
     if kv_in_slots:
-        b, nq, h, d, nk, sq, sk, per_row = check_token_q_tensors(q, k, v, q_map)
         k_map = q_map  # (not read by the Q/O build)
-    else:
-        b, nq, h, d, nk, sq, sk, per_row = check_token_tensors(q, k, v, q_map, k_map)
     q, k, v, q_map, k_map = (x.contiguous() for x in (q, k, v, q_map, k_map))
     if isinstance(graph_or_plans, DevicePlans):
         plans = graph_or_plans

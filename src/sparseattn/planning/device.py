@@ -455,6 +455,7 @@ class DevicePlanner:
         self._arenas: dict = {}  # (heads, selection width, backward, slices) -> the buffers' layout
         self._prototypes: dict = {}  # (heads, width, backward, device, slices) -> plans without memory (plans_in)
         self._recipes: dict = {}  # the call's shape and the launchers' settings -> PlanRecipe
+        self._slice_bounds: dict = {}  # selection width -> the forward items' slices (host)
         self._slices: dict = {}  # (device, selection width) -> the forward items' slices on it
 
     @property
@@ -489,7 +490,7 @@ class DevicePlanner:
 
     def capacity(self, template: ItemTemplate, heads: int, k: int) -> int:
         if template is self.forward and self.forward_slices:
-            cap = heads * int(template.stream_slices(k)[-1])
+            cap = heads * int(self._host_slices(k)[-1])
         else:
             cap = template.stream_capacity(heads, k)
         if cap >= 2**31:
@@ -815,13 +816,19 @@ class DevicePlanner:
         )
         return DeviceWorkList(arrays, n, bh, t.chunk, t.has_pairs, cap, arena)
 
+    def _host_slices(self, k: int) -> np.ndarray:
+        """The forward items' slices (:meth:`ItemTemplate.stream_slices`) for selections of width ``k`` (cached)."""
+        if int(k) not in self._slice_bounds:
+            self._slice_bounds[int(k)] = self.forward.stream_slices(k)
+        return self._slice_bounds[int(k)]
+
     def _device_slices(self, k: int):
-        """The forward items' slices (:meth:`ItemTemplate.stream_slices`) on the current device (cached)."""
+        """:meth:`_host_slices` on the current device (uploaded once per device and width)."""
         import cupy
 
         key = (cupy.cuda.runtime.getDevice(), int(k))
         if key not in self._slices:
-            self._slices[key] = cupy.asarray(self.forward.stream_slices(k))
+            self._slices[key] = cupy.asarray(self._host_slices(k))
         return self._slices[key]
 
     def _owned(
