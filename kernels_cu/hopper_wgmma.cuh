@@ -273,6 +273,54 @@ __device__ __forceinline__ void warp_copy_token_pages(uint32_t tile, int row0, c
                                                   tok[p], 0, page[p], mask[p]);
 }
 
+// The lane-rows form of the token gathers (PAGED_FWD_TOKEN_LANE_ROWS): lane l copies chunk l % CPR of the
+// NR = 16 / RS consecutive rows (l / CPR)·NR .. (l / CPR)·NR + NR − 1 of each page, so the tokens of its rows
+// are NR consecutive map entries, which it loads itself (NR / 4 16-byte loads per page, no shuffles; the
+// map's pages start at multiples of 64 bytes). A row is copied when its mask bit is set, its page in
+// [0, num_pages); any other row is zero-filled. A token outside [0, num_tokens) is clamped into the tensor
+// (the hosts' map checks refuse such maps: -1 marks padding slots, whose mask bits are clear).
+template <int HEAD_DIM, int TILE_ROWS, int PPW>
+__device__ __forceinline__ void warp_copy_lane_rows(uint32_t tile, int row0, const __nv_bfloat16* __restrict__ rows,
+                                                    uint32_t stride, int num_tokens, const int* __restrict__ map,
+                                                    int num_pages, const int (&page)[PPW], const uint32_t (&mask)[PPW]) {
+    constexpr int CPR = HEAD_DIM / 8;                // 16-byte chunks per row
+    constexpr int NR = PAGE_ROWS * CPR / 32;         // rows per lane and page: 8 (d = 128) or 4 (d = 64)
+    static_assert(32 % CPR == 0 && NR % 4 == 0 && NR <= 8, "warp_copy_lane_rows: HEAD_DIM 64 or 128");
+    const int lane = threadIdx.x & 31;
+    const int chunk = lane % CPR;
+    const int g = lane / CPR;
+    // Row g·NR + i of a page sits at swizzled chunk position (chunk & 7) ^ ((g·NR + i) & 7). Its shared
+    // address is ((row base + 16·position of row g·NR) ^ 16·i) + 128·i: the XOR flips bits 4-6 only (row
+    // bases are multiples of 128), and 128·i is the copy's immediate offset.
+    const uint32_t lane_dst = static_cast<uint32_t>((chunk >> 3) * (TILE_ROWS * 128) + g * NR * 128 +
+                                                    (((chunk & 7) ^ ((g * NR) & 7)) << 4));
+    const uint64_t base = reinterpret_cast<uint64_t>(rows + chunk * 8);
+    const uint32_t row_bytes = stride * 2u;  // between consecutive tokens
+    const uint32_t last = static_cast<uint32_t>(num_tokens - 1);
+#pragma unroll 1  // one page at a time: the producer runs at few registers
+    for (int p = 0; p < PPW; ++p) {
+        const bool in_range = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
+        const uint32_t bits = in_range ? (mask[p] >> (g * NR)) : 0u;
+        const int4* m = reinterpret_cast<const int4*>(map + (in_range ? page[p] : 0) * PAGE_ROWS + g * NR);
+        uint32_t dst = tile + static_cast<uint32_t>((row0 + p * PAGE_ROWS) * 128) + lane_dst;
+        asm volatile("" : "+r"(dst));  // one register per page; the rows' addresses derive from it
+#pragma unroll
+        for (int j = 0; j < NR / 4; ++j) {  // four rows per 16-byte load of their tokens
+            const int4 t4 = __ldg(m + j);
+            const int tok[4] = {t4.x, t4.y, t4.z, t4.w};
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = 4 * j + r;
+                uint64_t src;  // base + token · row_bytes in one wide multiply-add
+                asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(src) : "r"(min(static_cast<uint32_t>(tok[r]), last)),
+                    "r"(row_bytes), "l"(base));
+                paged::cp_async_16_zfill((dst ^ static_cast<uint32_t>(i << 4)) + i * 128,
+                                         reinterpret_cast<const void*>(src), (bits >> i) & 1u);
+            }
+        }
+    }
+}
+
 // ---- page loads by the tensor-memory accelerator (PAGED_FWD_TMA) ---------------------------------
 
 // The 128 bytes of a CUtensorMap, passed by value as a __grid_constant__ kernel parameter

@@ -12,6 +12,11 @@ paired ratio to ``slot`` in the same round):
 - with ``--device`` also ``slot_device`` / ``tokens_device``: the same on the device planner's plans of the
   graph's selection (planning not timed).
 
+``--order tiles`` relabels the tokens: token ``i`` is the layout's ``i``-th valid slot (tile-major, no
+padding: the order a model that keeps its tokens tile-major would hand in), so each 16-row page of a
+token-ordered tensor is 16 consecutive tokens, ``heads · d`` elements apart. ``wan13b_sta_480p`` is the
+Wan2.1-1.3B model's STA call at 480p (12 heads, grid 21 × 30 × 52, 4 × 4 × 8 tiles, 3 × 3 × 3 window).
+
 Before timing, every token-order output is compared with the slot-order output moved to tokens (bit for
 bit) and the LSEs with each other.
 
@@ -24,10 +29,32 @@ import argparse
 import json
 import sys
 
-WORKLOADS = ("vsa_wan14b_480p", "vsa_wan14b_720p", "ssta_hy15_720p", "sta_wan14b_69f")
+WORKLOADS = ("vsa_wan14b_480p", "vsa_wan14b_720p", "ssta_hy15_720p", "sta_wan14b_69f", "wan13b_sta_480p")
 
 
-def run_workload(name: str, rounds: int, reps: int, device: bool) -> dict:
+def workload_graph(name: str, order: str):
+    """(graph, head_dim) of ``name``, its tokens in ``order`` (``raster``: as built; ``tiles``: see above)."""
+    import dataclasses
+
+    import numpy as np
+
+    from sparseattn import bench
+    from sparseattn.diffusers_wan import WanSelection
+
+    if name == "wan13b_sta_480p":
+        graph = WanSelection.sta(tile=(4, 4, 8), window=(3, 3, 3)).graph((21, 30, 52), 12)
+        head_dim = 128
+    else:
+        graph, head_dim = bench.workload_graph(name, None, seed=0)
+    if order == "tiles":
+        relabel = lambda lay: dataclasses.replace(lay, token_slot=np.sort(lay.token_slot))
+        q = relabel(graph.q)
+        k = q if graph.k is graph.q else relabel(graph.k)
+        graph = dataclasses.replace(graph, q=q, k=k)
+    return graph, head_dim
+
+
+def run_workload(name: str, rounds: int, reps: int, device: bool, order: str = "raster") -> dict:
     import torch
 
     import sparseattn.torch as st
@@ -37,7 +64,7 @@ def run_workload(name: str, rounds: int, reps: int, device: bool) -> dict:
     from sparseattn.torch_ops import _slot_indices
     from sparseattn.variant_ab import rotation, summarize
 
-    graph, head_dim = bench.workload_graph(name, None, seed=0)
+    graph, head_dim = workload_graph(name, order)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
     shape = lambda lay: (1, lay.num_tokens, graph.heads, head_dim)
@@ -70,7 +97,14 @@ def run_workload(name: str, rounds: int, reps: int, device: bool) -> dict:
         runs["qo_device"] = lambda: torch_token_forward(q, ks, vs, plans, q_map, None, kv_in_slots=True)
         pairs += [("slot_device", "tokens_device"), ("slot_device", "qo_device")]
 
-    record = dict(workload=name, heads=graph.heads, head_dim=head_dim, tokens=graph.q.num_tokens, checks={})
+    record = dict(
+        workload=name,
+        token_order=order,
+        heads=graph.heads,
+        head_dim=head_dim,
+        tokens=graph.q.num_tokens,
+        checks={},
+    )
     for slot_name, token_name in pairs:
         o_s, lse_s = runs[slot_name]()[:2]
         o_t, lse_t = runs[token_name]()
@@ -101,9 +135,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", action="store_true", help="also on the device planner's plans")
+    ap.add_argument(
+        "--order", choices=("raster", "tiles"), default="raster", help="the tokens' order (above)"
+    )
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    records = [run_workload(w, args.rounds, args.reps, args.device) for w in args.workload or WORKLOADS]
+    records = [
+        run_workload(w, args.rounds, args.reps, args.device, args.order) for w in args.workload or WORKLOADS
+    ]
     print(f"{'workload':18s} {'run':14s} {'ms':>9s} {'paired':>8s}")
     for rec in records:
         for n, e in rec["runs"].items():
