@@ -39,12 +39,10 @@
 // PAGED_FWD_TOKENS (the token-order build): Q, K, V and O stay in token order, [batch, tokens, tok_heads,
 // HEAD_DIM] (the layout a model's projections produce), and slot s of (batch · head) row bh is token
 // q_map / k_map[map row + s] (-1: a padding slot, a zero row) of batch bh / tok_heads, head bh % tok_heads;
-// the map row is bh · slots when maps_per_row, else 0 (one layout for every row). The producer loads each
-// page's 16 tokens once per chunk (before it waits for the buffer) and gathers their rows; the epilogue
+// the map row is bh · slots when maps_per_row, else 0 (one layout for every row). The producer gathers the
+// K and V rows in the lane-rows form (hopper::warp_copy_lane_rows: each lane loads its own consecutive rows'
+// tokens, no shuffles; the producer's instruction count per page is what bounds this build); the epilogue
 // stores O rows to their tokens. LSE stays in slot order. No tensor moves into or out of slot order.
-// PAGED_FWD_TOKEN_LANE_ROWS (opt-in, token-order build): K and V rows gathered in the lane-rows form
-// (hopper::warp_copy_lane_rows: each lane loads its own consecutive rows' tokens; no shuffles), which issues
-// about half the producer instructions of the shuffled gather per page.
 // PAGED_FWD_TOKENS_QO (the Q/O token build): Q and O in token order as above, K and V in slot order
 // ([batch · heads, k_slots, HEAD_DIM], as the slot-order build reads them; k_map and k_tokens unused): the
 // tensors streamed per chunk keep their contiguous pages, the ones read or written once per item do not move.
@@ -363,10 +361,6 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
 #ifndef PAGED_FWD_TMA
                 const uint32_t my_mask = next_mask;
 #endif
-#if defined(PAGED_FWD_TOKENS) && !defined(PAGED_FWD_TOKEN_LANE_ROWS)
-                int tok[C::PPW];  // lane l: the token of row l % 16 of each page (loaded before the waits)
-                hopper::page_tokens<C::PPW>(tok, kmap, k_pages, page);
-#endif
                 entry(c + 1, next_page, next_mask);
                 hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
 #ifdef PAGED_FWD_TMA
@@ -387,7 +381,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                                                                     &tmV, map_row0, k_pages, page, mask, sm.v_full(buf));
                 hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW, true>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
                                                                      Vh, k_pages, page, mask);
-#elif defined(PAGED_FWD_TOKENS) && defined(PAGED_FWD_TOKEN_LANE_ROWS)
+#elif defined(PAGED_FWD_TOKENS)
                 if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
                 hopper::warp_copy_lane_rows<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
                                                                    K + tk.base, tk.stride, k_tokens, kmap, k_pages, page,
@@ -398,17 +392,6 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 hopper::warp_copy_lane_rows<HEAD_DIM, CHUNK, C::PPW>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
                                                                    V + tk.base, tk.stride, k_tokens, kmap, k_pages, page,
                                                                    mask);
-#elif defined(PAGED_FWD_TOKENS)
-                if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
-                hopper::warp_copy_token_pages<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
-                                                                     K + tk.base, tk.stride, k_tokens, k_pages, tok,
-                                                                     page, mask);
-                hopper::mbar_track_cp_async(sm.k_full(buf));
-                hopper::mbar_arrive(sm.k_full(buf));
-                hopper::mbar_wait(sm.v_empty(buf), par ^ 1u);
-                hopper::warp_copy_token_pages<HEAD_DIM, CHUNK, C::PPW>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
-                                                                     V + tk.base, tk.stride, k_tokens, k_pages, tok,
-                                                                     page, mask);
 #else
                 if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
                 hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,

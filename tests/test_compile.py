@@ -297,8 +297,7 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
 def test_forward_variants_compile_without_spills(variant, reports):
     """The KPage forward's compile-time variants (sparseattn.kernels.forward.VARIANTS) and its token-order
     build build too."""
-    token_only = (forward.TOKEN_DEFINE,) if variant in forward.TOKEN_ONLY_VARIANTS else ()
-    build = ",".join((variant, *forward.VARIANT_NEEDS.get(variant, ()), *token_only))
+    build = ",".join((variant, *forward.VARIANT_NEEDS.get(variant, ())))
     kernels = _compile_variant(forward.SOURCE, forward.NAME_EXPRESSIONS, build)
     assert len(kernels) >= len(forward.NAME_EXPRESSIONS)
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]

@@ -148,8 +148,19 @@ def main(argv=None) -> int:
         for n, e in rec["runs"].items():
             print(f"{rec['workload']:18s} {n:14s} {e['time_ms']:9.3f} {e['paired_ratio']:8.4f}")
     if args.out:
+        import datetime
+        import os
+
+        import torch
+
+        meta = dict(
+            gpu=torch.cuda.get_device_name(),
+            commit=os.environ.get("SPARSEATTN_COMMIT", ""),
+            date=datetime.date.today().isoformat(),
+            SPARSEATTN_FWD_VARIANT=os.environ.get("SPARSEATTN_FWD_VARIANT", ""),
+        )
         with open(args.out, "w") as fh:
-            json.dump(dict(command=" ".join(sys.argv), records=records), fh, indent=1)
+            json.dump(dict(command=" ".join(sys.argv), **meta, records=records), fh, indent=1)
     return 0
 
 

@@ -64,19 +64,14 @@ MAX_BATCH = 1 << 15
 #: its neighbour's pair item); ``PAGED_FWD_TMA`` loads K pages and full V pages with the tensor-memory
 #: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters); ``PAGED_FWD_PINGPONG``
 #: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_REGS_232`` gives the consumers
-#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`);
-#: ``PAGED_FWD_TOKEN_LANE_ROWS`` gathers the token-order build's K and V rows with each lane loading its own
-#: rows' tokens (no effect on the other builds).
+#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`).
 #: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
 VARIANTS = (
     "PAGED_FWD_SKIP_VOID",
     "PAGED_FWD_TMA",
     "PAGED_FWD_PINGPONG",
     "PAGED_FWD_REGS_232",
-    "PAGED_FWD_TOKEN_LANE_ROWS",
 )
-#: Variants that change only the token-order build (:data:`TOKEN_DEFINE`).
-TOKEN_ONLY_VARIANTS = ("PAGED_FWD_TOKEN_LANE_ROWS",)
 #: Variants that compile only together with others.
 VARIANT_NEEDS = {"PAGED_FWD_REGS_232": ("PAGED_FWD_TMA",)}
 #: The TMA variant's extra parameters: tensor maps of K and V (:class:`.tensor_map.TensorMap`).
