@@ -348,6 +348,50 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaMap* map, int
         : "memory");
 }
 
+// One box of a 3-D map (column x, head h, token row y) into shared memory at dst, completing on `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaMap* map, int x, int h, int y, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(h), "r"(y), "r"(bar)
+        : "memory");
+}
+
+// warp_tma_pages over a token-major [tokens, heads, HEAD_DIM] tensor (a 3-D map, [64 × 1 × 16] boxes; the
+// tile-major token build, PAGED_FWD_TOKENS_TMA): page p's 16 rows are the 16 tokens from its first slot's
+// token (map_tokens[16 · page], plus token_row0, the batch entry's first row) on, of head `head`. The host
+// checks that every live page of the layout holds consecutive tokens from its first slot's; rows past a
+// page's valid ones are then real tokens of the next tile (masked, or multiplied by P = 0) or, past the
+// tensor, zeros. Pages outside [0, num_pages) are not loaded, or with ALL loaded from token row 0 (V: a
+// finite row under P = 0, where a stale row could be NaN).
+template <int HEAD_DIM, int TILE_ROWS, int PPW, bool ALL>
+__device__ __forceinline__ void warp_tma_token_pages(uint32_t tile, int row0, const TmaMap* map, int head,
+                                                     int token_row0, const int* __restrict__ map_tokens,
+                                                     int num_pages, const int (&page)[PPW], uint32_t bar) {
+    constexpr uint32_t kPageBytes = PAGE_ROWS * HEAD_DIM * 2;
+    if ((threadIdx.x & 31) != 0) return;
+    int first[PPW];
+    bool load[PPW];
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int p = 0; p < PPW; ++p) {
+        const bool in_range = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
+        first[p] = in_range ? max(__ldg(map_tokens + page[p] * PAGE_ROWS), 0) : 0;
+        load[p] = ALL || in_range;
+        bytes += load[p] ? kPageBytes : 0u;
+    }
+    if (bytes == 0) return;
+    mbar_expect_tx(bar, bytes);
+#pragma unroll
+    for (int p = 0; p < PPW; ++p) {
+        if (!load[p]) continue;
+#pragma unroll
+        for (int cb = 0; cb < HEAD_DIM / 64; ++cb)
+            tma_load_3d(tile + static_cast<uint32_t>(cb * (TILE_ROWS * 128) + (row0 + p * PAGE_ROWS) * 128), map,
+                        cb * 64, head, token_row0 + first[p], bar);
+    }
+}
+
 // warp_copy_pages' pages by TMA: lane 0 announces the bytes on `bar` (no arrival: the caller's arrivals
 // close the phase, so the announcement precedes them) and issues one [16 × 64] box per page and 64-column
 // block. With the 128-byte swizzle a box written at a 1024-byte-aligned tile + (row0 + 16p)·128 lands

@@ -46,9 +46,14 @@
 // PAGED_FWD_TOKENS_QO (the Q/O token build): Q and O in token order as above, K and V in slot order
 // ([batch · heads, k_slots, HEAD_DIM], as the slot-order build reads them; k_map and k_tokens unused): the
 // tensors streamed per chunk keep their contiguous pages, the ones read or written once per item do not move.
+// PAGED_FWD_TOKENS_TMA (the tile-major token build): Q and O by token as above, K and V token-major
+// ([batch, k_tokens, tok_heads, HEAD_DIM]) loaded by the tensor-memory accelerator through 3-D maps tmK, tmV
+// ([64 × 1 × 16] boxes): for layouts whose every live K page holds consecutive tokens from its first slot's
+// (k_map of that slot), as when a model keeps its tokens tile-major; one box per page and 64 columns, issued
+// by one lane, where a token gather computes an address per row.
 #include "hopper_wgmma.cuh"
 
-#ifdef PAGED_FWD_TMA
+#if defined(PAGED_FWD_TMA) || defined(PAGED_FWD_TOKENS_TMA)
 #define PAGED_FWD_TMA_PARAMS \
     , const __grid_constant__ hopper::TmaMap tmK, const __grid_constant__ hopper::TmaMap tmV
 #else
@@ -58,7 +63,10 @@
 #if defined(PAGED_FWD_TOKENS) && defined(PAGED_FWD_TOKENS_QO)
 #error "PAGED_FWD_TOKENS_QO is the Q/O token build; PAGED_FWD_TOKENS the build with K and V by token too"
 #endif
-#if defined(PAGED_FWD_TOKENS) || defined(PAGED_FWD_TOKENS_QO)
+#if (defined(PAGED_FWD_TOKENS) + defined(PAGED_FWD_TOKENS_QO) + defined(PAGED_FWD_TOKENS_TMA)) > 1
+#error "PAGED_FWD_TOKENS, PAGED_FWD_TOKENS_QO and PAGED_FWD_TOKENS_TMA are three builds"
+#endif
+#if defined(PAGED_FWD_TOKENS) || defined(PAGED_FWD_TOKENS_QO) || defined(PAGED_FWD_TOKENS_TMA)
 #define PAGED_FWD_Q_TOKENS
 #endif
 #ifdef PAGED_FWD_Q_TOKENS
@@ -271,7 +279,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         // ================================ producer ================================
         hopper::regs_release<PAGED_FWD_PRODUCER_REGS>();
         const int pwarp = tid >> 5;
-#ifdef PAGED_FWD_TMA
+#if defined(PAGED_FWD_TMA) || defined(PAGED_FWD_TOKENS_TMA)
         if (tid == 0) {
             hopper::tma_prefetch(&tmK);
             hopper::tma_prefetch(&tmV);
@@ -299,12 +307,16 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
 #ifdef PAGED_FWD_TOKENS
             const hopper::TokenRows tk = hopper::token_rows(bh, tok_heads, k_tokens, HEAD_DIM);
             const int* kmap = k_map + (maps_per_row ? bh * k_slots : 0);
+#elif defined(PAGED_FWD_TOKENS_TMA)
+            const int kv_head = static_cast<int>(bh % static_cast<size_t>(tok_heads));
+            const int kv_row0 = static_cast<int>(bh / static_cast<size_t>(tok_heads)) * k_tokens;  // < 2^31 (host)
+            const int* kmap = k_map + (maps_per_row ? bh * k_slots : 0);
 #else
             const __nv_bfloat16* Vh = V + bh * k_slots * HEAD_DIM;
 #endif
 #ifdef PAGED_FWD_TMA
             const int map_row0 = static_cast<int>(bh) * k_slots;  // K through tmK; < 2^31 (checked by the host)
-#elif !defined(PAGED_FWD_TOKENS)
+#elif !defined(PAGED_FWD_TOKENS) && !defined(PAGED_FWD_TOKENS_TMA)
             const __nv_bfloat16* Kh = K + bh * k_slots * HEAD_DIM;
 #endif
 
@@ -358,7 +370,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     page[p] = __shfl_sync(0xffffffffu, next_page, p);
                     mask[p] = __shfl_sync(0xffffffffu, next_mask, p);
                 }
-#ifndef PAGED_FWD_TMA
+#if !defined(PAGED_FWD_TMA) && !defined(PAGED_FWD_TOKENS_TMA)
                 const uint32_t my_mask = next_mask;
 #endif
                 entry(c + 1, next_page, next_mask);
@@ -381,6 +393,22 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                                                                     &tmV, map_row0, k_pages, page, mask, sm.v_full(buf));
                 hopper::warp_copy_pages<HEAD_DIM, CHUNK, C::PPW, true>(sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,
                                                                      Vh, k_pages, page, mask);
+#elif defined(PAGED_FWD_TOKENS_TMA)
+                // (as in the TMA build: the lane that issues the boxes writes the masks)
+                if (lane == 0) {
+#pragma unroll
+                    for (int p = 0; p < C::PPW; ++p)
+                        sm.kmask[buf * PAGES + pwarp * C::PPW + p] =
+                            static_cast<unsigned>(page[p]) < static_cast<unsigned>(k_pages) ? mask[p] : 0u;
+                }
+                hopper::warp_tma_token_pages<HEAD_DIM, CHUNK, C::PPW, false>(
+                    sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS, &tmK, kv_head, kv_row0, kmap, k_pages, page,
+                    sm.k_full(buf));
+                hopper::mbar_arrive(sm.k_full(buf));
+                hopper::mbar_wait(sm.v_empty(buf), par ^ 1u);
+                hopper::warp_tma_token_pages<HEAD_DIM, CHUNK, C::PPW, true>(
+                    sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS, &tmV, kv_head, kv_row0, kmap, k_pages, page,
+                    sm.v_full(buf));
 #elif defined(PAGED_FWD_TOKENS)
                 if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
                 hopper::warp_copy_lane_rows<HEAD_DIM, CHUNK, C::PPW>(sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS,

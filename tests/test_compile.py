@@ -197,7 +197,8 @@ def test_forward_wrapper_shared_memory_formula_matches_the_kernel(reports):
 
 def test_paged_forward_launch_matches_the_kernel_signature():
     """The wrapper passes KERNEL_PARAMS in order (TMA_PARAMS after them in the PAGED_FWD_TMA build,
-    TOKEN_PARAMS in the token-order build): the names equal the kernel's parameters."""
+    TOKEN_PARAMS in the token-order builds, both in the tile-major one): the names equal the kernel's
+    parameters."""
     from sparseattn.kernels import forward
 
     text = (runtime.kernel_dir() / forward.SOURCE).read_text()
@@ -209,6 +210,7 @@ def test_paged_forward_launch_matches_the_kernel_signature():
         ("", "", forward.KERNEL_PARAMS),
         (tma, "", forward.KERNEL_PARAMS + forward.TMA_PARAMS),
         ("", tokens, forward.KERNEL_PARAMS + forward.TOKEN_PARAMS),
+        (tma, tokens, forward.KERNEL_PARAMS + forward.TMA_PARAMS + forward.TOKEN_PARAMS),  # tile-major tokens
     )
     for extra, token_extra, params in builds:
         expanded = sig.replace("PAGED_FWD_TMA_PARAMS", extra).replace("PAGED_FWD_TOKEN_PARAMS", token_extra)
@@ -293,7 +295,7 @@ def test_pageweaver_variants_compile_without_spills(variant, reports):
     assert not any(k.spills for k in kernels), [(k.kernel, k.spill_stores, k.spill_loads) for k in kernels]
 
 
-@pytest.mark.parametrize("variant", (*forward.VARIANTS, forward.TOKEN_DEFINE, forward.TOKEN_QO_DEFINE))
+@pytest.mark.parametrize("variant", (*forward.VARIANTS, *forward.TOKEN_KV_BUILDS))
 def test_forward_variants_compile_without_spills(variant, reports):
     """The KPage forward's compile-time variants (sparseattn.kernels.forward.VARIANTS) and its token-order
     build build too."""

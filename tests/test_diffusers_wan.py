@@ -18,6 +18,7 @@ from sparseattn.diffusers_wan import (
     install_sparse_attention,
     token_mask,
 )
+from sparseattn.layouts import video_layout
 from sparseattn.wan_training import tiny_wan
 
 LATENT = (5, 8, 12)  # frames, height, width of the latent; tokens after (1, 2, 2) patching: (5, 4, 6)
@@ -123,6 +124,51 @@ def test_installed_model_runs_sparse_self_attention():
         windowed = sta(x, t, enc, return_dict=False)[0]
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert (windowed - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("selection", ["sta", "vsa"])
+def test_tile_major_tokens_keep_the_models_output_and_gradients(selection):
+    """token_order="tiles": the model's tokens tile-major between its blocks (hooks), the processor's layout
+    renumbered to match; same output and parameter gradients as the raster-order model, and the hooks come
+    off again."""
+    sel = (
+        WanSelection.sta((2, 2, 4), (1, 1, 1))
+        if selection == "sta"
+        else WanSelection.vsa((2, 2, 4), topk=2, block_size=16)
+    )
+    x, t, enc = model_inputs()
+    raster, tiles = tiny_model(), tiny_model()
+    install_sparse_attention(raster, GRID, sel, backend="masked_sdpa")
+    processor = install_sparse_attention(tiles, GRID, sel, backend="masked_sdpa", token_order="tiles")
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            seen.setdefault(name, args[0].detach())
+
+        return hook
+
+    for name, model in (("raster", raster), ("tiles", tiles)):  # what enters the second block
+        model.blocks[1].register_forward_pre_hook(record(name))
+    outs = []
+    for model in (raster, tiles):
+        out = model(x, t, enc, return_dict=False)[0]
+        out.square().mean().backward()
+        outs.append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
+    for g1, g0 in zip(outs[1][1], outs[0][1]):
+        torch.testing.assert_close(g1, g0, rtol=1e-3, atol=1e-6)
+    # between blocks token i is the i-th valid slot's token of the raster layout
+    perm = np.argsort(video_layout(GRID, sel.tile, sel.blocks()).token_slot, kind="stable")
+    assert not np.array_equal(perm, np.arange(perm.size))  # else the test would prove nothing
+    torch.testing.assert_close(seen["tiles"], seen["raster"][:, torch.as_tensor(perm)], rtol=1e-4, atol=1e-5)
+    processor.tile_hooks.remove()
+    assert not processor.tile_hooks.handles
+
+
+def test_tile_major_tokens_refuse_svg2():
+    with pytest.raises(ValueError, match="tiles"):
+        WanSparseAttnProcessor(GRID, WanSelection.svg2(4, 4), token_order="tiles")
 
 
 def test_bad_arguments():

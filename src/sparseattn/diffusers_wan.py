@@ -40,7 +40,7 @@ import numpy as np
 
 from .builders import sta_graph, vsa_graph
 from .graph import SparseGraph
-from .layouts import video_layout
+from .layouts import tile_major_permutation, tile_major_tokens, video_layout
 
 BACKENDS = ("kpage", "masked_sdpa")
 
@@ -163,7 +163,8 @@ def token_order_default():
     """The ``token_order`` of KPage processors built without one: ``"qo"`` (the default: forward calls run
     the Q/O token build, q and o in token order, k and v moved to slots; bit for bit the slot order's output,
     and faster than it with its moves, NOTES_kpage_fwd.md); ``SPARSEATTN_TOKEN_ORDER=1``: the token-order
-    build (no moves; slower than either); ``SPARSEATTN_TOKEN_ORDER=0``: slot order with its moves."""
+    build (no moves; slower than either); ``SPARSEATTN_TOKEN_ORDER=0``: slot order with its moves.
+    (``"tiles"``, the model's tokens kept tile-major, is chosen at :func:`install_sparse_attention`.)"""
     value = os.environ.get("SPARSEATTN_TOKEN_ORDER", "qo")
     return "qo" if value == "qo" else value == "1"
 
@@ -189,8 +190,12 @@ class WanSparseAttnProcessor:
     SVG2 with a map per (batch, head) row of its per-call layouts); ``"qo"`` (the default,
     :func:`token_order_default`): static and VSA selections move only k and v to slot order and run the Q/O
     token build, q and o staying in token order (SVG2 then moves as in slot order); ``False``: every tensor
-    moves to slot order and back. STA and VSA calls with gradients run in token order where the token-order
-    backward is opted in (:func:`sparseattn.torch.token_backward_enabled`), else they move."""
+    moves to slot order and back; ``"tiles"`` (STA, VSA, full): the model keeps its tokens tile-major between
+    its blocks (:class:`TileMajorTokens`, which :func:`install_sparse_attention` installs with it), so the
+    processor's tokens are its layout's valid slots in order (:func:`sparseattn.layouts.tile_major_tokens`),
+    and calls without gradients run the tile-major token build: nothing moves, k and v pages are read
+    token-major by the tensor-memory accelerator. STA and VSA calls with gradients run in token order where
+    the token-order backward is opted in (:func:`sparseattn.torch.token_backward_enabled`), else they move."""
 
     def __init__(self, grid, selection: WanSelection, backend: str = "kpage", route="auto", token_order=None):
         if backend not in BACKENDS:
@@ -205,8 +210,12 @@ class WanSparseAttnProcessor:
         self.selection, self.backend, self.route = selection, backend, route
         if token_order is None:
             token_order = token_order_default()
-        if token_order not in (True, False, "qo"):
-            raise ValueError(f"token_order must be True, False or 'qo', got {token_order!r}")
+        if token_order not in (True, False, "qo", "tiles"):
+            raise ValueError(f"token_order must be True, False, 'qo' or 'tiles', got {token_order!r}")
+        if token_order == "tiles" and selection.kind == "svg2":
+            raise ValueError(
+                "token_order='tiles' keeps the tokens in a fixed tile order; SVG2 clusters per call"
+            )
         self.token_order = token_order
         self._centroids: dict = {}  # SVG2: (layer, rows) -> the previous call's (Q, K) centroids
         self.last_svg2_step = None  # SVG2: the last call's SVG2Step (what it selected, for reports)
@@ -217,6 +226,7 @@ class WanSparseAttnProcessor:
         self._dense = None
         self._planner = None
         self._ids: dict = {}  # heads -> handles (graph, Q layout); "dynamic" -> (layout, planner)
+        self.tile_hooks = None  # token_order "tiles": the model's TileMajorTokens
 
     @property
     def num_tokens(self) -> int:
@@ -260,7 +270,13 @@ class WanSparseAttnProcessor:
             qn, kn = (x.detach().float().permute(1, 0, 2).cpu().numpy() for x in (q, k))
             return self.selection.graph(self.grid, heads, qn, kn)
         if heads not in self._graphs:
-            self._graphs[heads] = self.selection.graph(self.grid, heads)
+            graph = self.selection.graph(self.grid, heads)
+            if self.token_order == "tiles":  # the model's tokens are the layout's valid slots in order
+                from dataclasses import replace
+
+                q = tile_major_tokens(graph.q)
+                graph = replace(graph, q=q, k=q if graph.k is graph.q else tile_major_tokens(graph.k))
+            self._graphs[heads] = graph
         return self._graphs[heads]
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
@@ -299,7 +315,8 @@ class WanSparseAttnProcessor:
     def layout(self):
         """The slot layout of the grid's tokens (tile-major, valid prefix)."""
         if self._layout is None:
-            self._layout = video_layout(self.grid, self.selection.tile, self.selection.blocks())
+            layout = video_layout(self.grid, self.selection.tile, self.selection.blocks())
+            self._layout = tile_major_tokens(layout) if self.token_order == "tiles" else layout
         return self._layout
 
     def _to_slots(self, x, dtype):
@@ -437,9 +454,7 @@ class WanSparseAttnProcessor:
 
             with torch.no_grad():
                 idx, num = vsa_topk_tokens(q, k, layout, self.selection.topk)
-            return token_order_attention(
-                q, k, v, self.planner(), idx, num, kv_slots=self.token_order == "qo"
-            ).to(q.dtype)
+            return token_order_attention(q, k, v, self.planner(), idx, num, **self._kv_build()).to(q.dtype)
         qs, ks, vs = tokens_to_slots(layout, q, k, v)
         with torch.no_grad():
             idx, num = vsa_topk(qs, ks, layout, self.selection.topk)
@@ -470,12 +485,27 @@ class WanSparseAttnProcessor:
             from .torch import token_order_attention
             from .torch_ops import resolve
 
-            return token_order_attention(
-                q, k, v, resolve(graph), route=self.route, kv_slots=self.token_order == "qo"
-            ).to(q.dtype)
+            return token_order_attention(q, k, v, resolve(graph), route=self.route, **self._kv_build()).to(
+                q.dtype
+            )
         qs, ks, vs = tokens_to_slots(layout, q, k, v)
         out = kpage_attention(qs, ks, vs, graph, route=self.route)
         return slots_to_tokens(layout, out).to(q.dtype)
+
+    def install_tile_hooks(self, transformer) -> TileMajorTokens:
+        """``token_order="tiles"``: :class:`TileMajorTokens` of this processor's grid on ``transformer`` (kept
+        as ``tile_hooks``; ``tile_hooks.remove()`` takes them off)."""
+        if self.token_order != "tiles":
+            raise ValueError(
+                f"tile hooks are for token_order='tiles'; this processor has {self.token_order!r}"
+            )
+        raster = video_layout(self.grid, self.selection.tile, self.selection.blocks())
+        self.tile_hooks = TileMajorTokens(transformer, raster)
+        return self.tile_hooks
+
+    def _kv_build(self) -> dict:
+        """How a token-order call reads k and v: :func:`sparseattn.torch.token_order_attention`'s arguments."""
+        return dict(kv_slots=self.token_order == "qo", kv_tma=self.token_order == "tiles")
 
     def _token_order_call(self, q, k, v, differentiable: bool = False) -> bool:
         """Whether this call runs in token order (see the class): bf16 CUDA q, k, v, not traced by
@@ -507,17 +537,84 @@ class WanSparseAttnProcessor:
         return torch
 
 
+class TileMajorTokens:
+    """Hooks that keep a diffusers ``WanTransformer3DModel``'s tokens tile-major between its blocks: the
+    hidden states are permuted into ``layout``'s tile-major order (:func:`sparseattn.layouts.tile_major_tokens`)
+    before the first block and back after the last, the rotary tables as the model makes them, and a
+    per-token timestep projection (Wan2.2 TI2V) before each block. Every other layer of the model acts on
+    each token alone, so the model's output is unchanged; its self-attention then sees tile-major tokens.
+    ``remove()`` takes the hooks off."""
+
+    def __init__(self, transformer, layout):
+        """``layout``: the grid's layout in the model's own (raster) token order."""
+        import torch
+
+        blocks = list(transformer.blocks)
+        perm = torch.as_tensor(tile_major_permutation(layout))
+        self.num_tokens = int(perm.numel())
+        self._index = {"perm": perm, "inverse": torch.argsort(perm)}
+        self._on: dict = {}  # (name, device) -> the index on that device
+        self.handles = [
+            transformer.rope.register_forward_hook(self._rope),
+            blocks[0].register_forward_pre_hook(self._first_block, with_kwargs=True),
+            blocks[-1].register_forward_hook(self._last_block),
+        ]
+        self.handles += [
+            block.register_forward_pre_hook(self._timestep, with_kwargs=True) for block in blocks
+        ]
+
+    def _take(self, x, name: str):
+        index = self._on.get((name, x.device))
+        if index is None:
+            index = self._on[(name, x.device)] = self._index[name].to(x.device)
+        if x.shape[1] != self.num_tokens:
+            raise ValueError(
+                f"a tensor of {x.shape[1]} tokens met the tile-major hooks of a {self.num_tokens}-token grid"
+            )
+        return x.index_select(1, index)
+
+    def _rope(self, module, args, out):
+        return tuple(self._take(x, "perm") for x in out)
+
+    @staticmethod
+    def _replace(args, kwargs, position: int, name: str, f):
+        if len(args) > position:
+            return (*args[:position], f(args[position]), *args[position + 1 :]), kwargs
+        if name in kwargs:
+            return args, {**kwargs, name: f(kwargs[name])}
+        return args, kwargs
+
+    def _first_block(self, module, args, kwargs):
+        return self._replace(args, kwargs, 0, "hidden_states", lambda x: self._take(x, "perm"))
+
+    def _timestep(self, module, args, kwargs):  # temb [batch, tokens, 6, dim] only (Wan2.2 TI2V)
+        per_token = lambda t: self._take(t, "perm") if t.dim() == 4 else t
+        return self._replace(args, kwargs, 2, "temb", per_token)
+
+    def _last_block(self, module, args, out):
+        return self._take(out, "inverse")
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 def install_sparse_attention(
-    transformer, grid, selection: WanSelection, backend: str = "kpage", route="auto"
+    transformer, grid, selection: WanSelection, backend: str = "kpage", route="auto", token_order=None
 ):
     """Give every block's self-attention of a ``WanTransformer3DModel`` a :class:`WanSparseAttnProcessor`
-    (one shared instance, so the static graph is built once); returns it."""
+    (one shared instance, so the static graph is built once); returns it. ``token_order`` as the processor
+    takes it; ``"tiles"`` also installs :class:`TileMajorTokens` on the model (the processor's
+    ``tile_hooks``)."""
     blocks = getattr(transformer, "blocks", None)
     if blocks is None:
         raise TypeError(
             f"transformer must be a diffusers WanTransformer3DModel, got {type(transformer).__name__}"
         )
-    processor = WanSparseAttnProcessor(grid, selection, backend, route)
+    processor = WanSparseAttnProcessor(grid, selection, backend, route, token_order=token_order)
+    if token_order == "tiles":
+        processor.install_tile_hooks(transformer)
     heads = getattr(getattr(transformer, "config", None), "num_attention_heads", None)
     if heads is not None:
         processor.prepare(int(heads))

@@ -16,7 +16,7 @@ Two layout families build a :class:`BlockLayout`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -413,6 +413,19 @@ def contiguous_layout(num_tokens: int, block_size: int = 128, name: str = "") ->
     return BlockLayout(
         block_size, valid, np.arange(num_tokens), np.arange(nb), name or f"1-D {num_tokens} B={block_size}"
     )
+
+
+def tile_major_tokens(layout: BlockLayout) -> BlockLayout:
+    """``layout`` with its tokens renumbered in slot order: token ``i`` is the one in the ``i``-th valid slot,
+    the order of a model that keeps its tokens tile-major (each page's tokens then consecutive). A tensor
+    in ``layout``'s token order goes to this one by :func:`tile_major_permutation`."""
+    return replace(layout, token_slot=np.sort(layout.token_slot), name=f"{layout.name}, tile-major tokens")
+
+
+def tile_major_permutation(layout: BlockLayout) -> np.ndarray:
+    """int64 ``[tokens]``: the token (in ``layout``'s order) that each token of :func:`tile_major_tokens`
+    is: ``x_tiles = x[..., perm, ...]`` along the token axis, and ``x = x_tiles[..., argsort(perm), ...]``."""
+    return np.argsort(layout.token_slot, kind="stable")
 
 
 def slot_layout(valid, block_size: int = 128, name: str = "") -> BlockLayout:

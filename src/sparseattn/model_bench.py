@@ -30,7 +30,10 @@ Implementations of the blocks' self-attention (cross-attention keeps diffusers' 
   ``kpage_sta_tokens`` / ``kpage_vsa_tokens`` (forward calls in the token-order build, no moves) and
   ``kpage_sta_slots`` / ``kpage_vsa_slots`` (forward calls in slot order, every tensor moved, as
   ``kpage_sta`` / ``kpage_vsa`` ran before the Q/O token build became the processors' default: there q and o
-  stay in token order and only k and v move); their training calls move as ``kpage_sta`` / ``kpage_vsa`` do.
+  stay in token order and only k and v move), and ``kpage_sta_tiles`` / ``kpage_vsa_tiles`` (the model's
+  tokens kept tile-major between its blocks, :class:`~sparseattn.diffusers_wan.TileMajorTokens`: forward
+  calls read token-major k and v pages by TMA, nothing moves); their training calls move as ``kpage_sta`` /
+  ``kpage_vsa`` do.
 
 Records (one JSON file in the bench format, rewritten after every implementation so that a stopped run
 keeps what it measured): ``step_fwd`` (one denoising forward, no grad) and ``step_train`` (forward and
@@ -135,6 +138,8 @@ OPT_IN_IMPLS = (
     "kpage_sta_slots",
     "kpage_vsa_tokens",
     "kpage_vsa_slots",
+    "kpage_sta_tiles",
+    "kpage_vsa_tiles",
 )
 #: The processors' ``token_order`` per impl (absent: the processor's default, the Q/O token build; forward
 #: calls only: training calls move as ``kpage_sta`` / ``kpage_vsa`` do).
@@ -143,6 +148,8 @@ TOKEN_ORDER_OF = {
     "kpage_vsa_tokens": True,
     "kpage_sta_slots": False,
     "kpage_vsa_slots": False,
+    "kpage_sta_tiles": "tiles",
+    "kpage_vsa_tiles": "tiles",
 }
 ALL_IMPLS = IMPLS + OPT_IN_IMPLS
 MODES = ("fwd", "train")
@@ -522,7 +529,14 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
         from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
         return Impl(WanAttnProcessor(), None, dict(selection="dense"), check="none")
-    if impl in ("kpage_sta", "masked_sta", "flex_sta", "kpage_sta_tokens", "kpage_sta_slots"):
+    if impl in (
+        "kpage_sta",
+        "masked_sta",
+        "flex_sta",
+        "kpage_sta_tokens",
+        "kpage_sta_slots",
+        "kpage_sta_tiles",
+    ):
         selection = sta_selection(args)
         if impl == "flex_sta":
             processor = flex_processor(grid, selection)
@@ -533,7 +547,7 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
             )
         _prepare(processor, heads)
         return Impl(processor, processor, _sta_meta(selection), graph=processor.graph_for(heads))
-    if impl in ("kpage_vsa", "vsa_kernel", "kpage_vsa_tokens", "kpage_vsa_slots"):
+    if impl in ("kpage_vsa", "vsa_kernel", "kpage_vsa_tokens", "kpage_vsa_slots", "kpage_vsa_tiles"):
         from .wan_bench import TOPK_FRACTION, processors
 
         processor = processors(grid, impl)
@@ -842,10 +856,15 @@ class Run:
             built.timed.attend = clock.wrap(built.timed.attend)
         for block in model.blocks:
             block.attn1.set_processor(built.processor)
+        tile_hooks = None  # token_order "tiles": the model's tokens tile-major between its blocks
+        if getattr(built.processor, "token_order", None) == "tiles":
+            tile_hooks = built.processor.install_tile_hooks(model)
         try:
             for mode in args.modes:
                 self.bench_mode(model, spec, inputs, clock, mode, base, layers, tag)
         finally:
+            if tile_hooks is not None:
+                tile_hooks.remove()
             model.disable_gradient_checkpointing()
             model.zero_grad(set_to_none=True)
             _free(args.device)

@@ -179,6 +179,7 @@ def token_order_attention(
     route="auto",
     scale=None,
     kv_slots=False,
+    kv_tma=False,
 ):
     """Sparse attention of token-ordered q, k, v (a model's ``[batch, tokens, heads, d]``): ``o`` of the same
     shape, as :func:`tokens_to_slots`, :func:`kpage_attention` (or :func:`block_sparse_attention`) and
@@ -194,6 +195,9 @@ def token_order_attention(
         route, scale: as :func:`kpage_attention` (``route`` for a graph; a planner has its own).
         kv_slots: calls without gradients move k and v to slot order (one launch) and run the Q/O token
             build, which streams their pages as the slot-order build does; q and o stay in token order.
+        kv_tma: calls without gradients run the tile-major token build: nothing moves, k and v pages are read
+            token-major by the tensor-memory accelerator. Needs a K layout whose every page holds consecutive
+            tokens (tokens numbered tile-major: :func:`sparseattn.layouts.tile_major_tokens`).
 
     On CUDA, in bf16, without gradients, outside ``torch.compile``, the KPage forward's token-order build
     runs: it gathers each slot's row from its token and stores each output row to its token, so nothing is moved
@@ -224,7 +228,8 @@ def token_order_attention(
     eager_cuda = q.is_cuda and not torch.compiler.is_compiling()
     token_build = eager_cuda and q.dtype == k.dtype == v.dtype == torch.bfloat16
     if token_build and not _needs_grad(q, k, v):
-        return _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale, kv_slots)
+        kv = "tma" if kv_tma else kv_slots
+        return _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale, kv)
     if token_build and token_backward_enabled():
         return _TokenOrderFunction.apply(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale)
     qs = tokens_to_slots(q_layout, q)[0]
@@ -312,6 +317,8 @@ def _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, rout
 
     target, _memory = _token_target(graph_or_planner, q, q2k_idx, q2k_num, mask, backward=False)
     q_map, k_map = _token_maps(graph_or_planner, q.device)
+    if kv_slots == "tma":  # the tile-major token build: k and v read token-major, page by page
+        return torch_token_forward(q, k, v, target, q_map, k_map, route=route, scale=scale, kv_tma=True)[0]
     if kv_slots:  # the Q/O token build: k and v streamed from slot order
         ks, vs = tokens_to_slots(graph_or_planner.k, k, v)
         return torch_token_forward(

@@ -69,8 +69,8 @@ def processors(grid, impl: str):
 
     blocks = math.prod(-(-g // t) for g, t in zip(grid, (4, 4, 4)))
     selection = WanSelection.vsa((4, 4, 4), topk=math.ceil(TOPK_FRACTION * blocks))
-    if impl in ("kpage_vsa", "kpage_vsa_tokens", "kpage_vsa_slots"):
-        order = {"kpage_vsa_tokens": True, "kpage_vsa_slots": False}.get(
+    if impl in ("kpage_vsa", "kpage_vsa_tokens", "kpage_vsa_slots", "kpage_vsa_tiles"):
+        order = {"kpage_vsa_tokens": True, "kpage_vsa_slots": False, "kpage_vsa_tiles": "tiles"}.get(
             impl
         )  # None: the processor's default
         return WanSparseAttnProcessor(grid, selection, backend="kpage", token_order=order)

@@ -10,7 +10,9 @@ paired ratio to ``slot`` in the same round):
 - ``qo``: the Q/O token build on token-ordered q and slot-ordered k, v (the kernel alone);
 - ``qo_moved``: k and v to slots (one launch), then the Q/O token build (what a model's call does with it);
 - with ``--device`` also ``slot_device`` / ``tokens_device``: the same on the device planner's plans of the
-  graph's selection (planning not timed).
+  graph's selection (planning not timed);
+- with ``--order tiles`` also ``tma`` (and ``tma_device``): the tile-major token build, k and v read
+  token-major page by page by the tensor-memory accelerator, nothing moved.
 
 ``--order tiles`` relabels the tokens: token ``i`` is the layout's ``i``-th valid slot (tile-major, no
 padding: the order a model that keeps its tokens tile-major would hand in), so each 16-row page of a
@@ -89,6 +91,9 @@ def run_workload(name: str, rounds: int, reps: int, device: bool, order: str = "
         q, *st.tokens_to_slots(graph.k, k, v), graph, q_map, None, kv_in_slots=True
     )
     pairs = [("slot", "tokens"), ("slot", "qo")]
+    if order == "tiles":  # the tile-major token build: k and v token-major, read page by page by TMA
+        runs["tma"] = lambda: torch_token_forward(q, k, v, graph, q_map, k_map, kv_tma=True)
+        pairs.append(("slot", "tma"))
     if device:
         idx, num = (torch.as_tensor(x, device=dev) for x in bench.topk_arrays(graph, 1))
         plans = DevicePlanner(graph.q, graph.k, backward=False).plan(idx, num)
@@ -96,6 +101,9 @@ def run_workload(name: str, rounds: int, reps: int, device: bool, order: str = "
         runs["tokens_device"] = lambda: torch_token_forward(q, k, v, plans, q_map, k_map)
         runs["qo_device"] = lambda: torch_token_forward(q, ks, vs, plans, q_map, None, kv_in_slots=True)
         pairs += [("slot_device", "tokens_device"), ("slot_device", "qo_device")]
+        if order == "tiles":
+            runs["tma_device"] = lambda: torch_token_forward(q, k, v, plans, q_map, k_map, kv_tma=True)
+            pairs.append(("slot_device", "tma_device"))
 
     record = dict(
         workload=name,

@@ -26,7 +26,7 @@ import weakref
 
 import numpy as np
 
-from ..constants import KPAGE_ROUTES
+from ..constants import KPAGE_ROUTES, PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
 from ..planning.cache import cached, check_graph_matches, pair_work_of, plan_of
 from ..planning.device import LIST_ARRAYS, DevicePlans, DeviceWorkList
@@ -83,7 +83,14 @@ TOKEN_DEFINE = "PAGED_FWD_TOKENS"
 #: The Q/O token build (:func:`torch_token_forward` with ``kv_in_slots``): q and o in token order, k and v
 #: in slot order (the tensors streamed per chunk keep their contiguous pages).
 TOKEN_QO_DEFINE = "PAGED_FWD_TOKENS_QO"
-#: The token-order build's extra parameters, after :data:`KERNEL_PARAMS`.
+#: The tile-major token build (:func:`torch_token_forward` with ``kv_tma``): q and o by token as in the Q/O
+#: build, k and v token-major and read by the tensor-memory accelerator, one box per page and 64 columns, for
+#: layouts whose every live K page holds consecutive tokens (a model that keeps its tokens tile-major).
+TOKEN_TMA_DEFINE = "PAGED_FWD_TOKENS_TMA"
+#: The token builds by how they read K and V: 0 gathered by token, 1 in slot order, 2 token-major by TMA.
+TOKEN_KV_BUILDS = (TOKEN_DEFINE, TOKEN_QO_DEFINE, TOKEN_TMA_DEFINE)
+#: The token-order build's extra parameters, after :data:`KERNEL_PARAMS` (and the tile-major build's two
+#: tensor maps :data:`TMA_PARAMS`).
 TOKEN_PARAMS = ("q_map", "k_map", "q_tokens", "k_tokens", "tok_heads", "maps_per_row")
 
 
@@ -104,16 +111,17 @@ def _variant_from_env() -> tuple[str, ...]:
 DEFINES = _variant_from_env()
 
 
-def token_defines(kv_in_slots: bool = False) -> tuple[str, ...]:
-    """The token-order build's macros: :data:`DEFINES` without the TMA variants, plus :data:`TOKEN_DEFINE`
-    (``kv_in_slots``: :data:`TOKEN_QO_DEFINE`)."""
+def token_defines(kv_build: int = 0) -> tuple[str, ...]:
+    """A token build's macros: :data:`DEFINES` without the TMA variants, plus :data:`TOKEN_KV_BUILDS`
+    ``[kv_build]`` (0 / False: :data:`TOKEN_DEFINE`; 1 / True, ``kv_in_slots``: :data:`TOKEN_QO_DEFINE`;
+    2: :data:`TOKEN_TMA_DEFINE`)."""
     tma = ("PAGED_FWD_TMA", "PAGED_FWD_REGS_232")
-    return tuple(d for d in DEFINES if d not in tma) + (TOKEN_QO_DEFINE if kv_in_slots else TOKEN_DEFINE,)
+    return tuple(d for d in DEFINES if d not in tma) + (TOKEN_KV_BUILDS[int(kv_build)],)
 
 
 def extra_builds() -> tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]:
     """The token-order builds, for :mod:`.warmup`: ``((source, name expressions, defines), ...)``."""
-    return tuple((SOURCE, NAME_EXPRESSIONS, token_defines(qo)) for qo in (False, True))
+    return tuple((SOURCE, NAME_EXPRESSIONS, token_defines(kv)) for kv in range(len(TOKEN_KV_BUILDS)))
 
 
 def kernel_defines(source: str) -> tuple[str, ...]:
@@ -424,8 +432,9 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
     work list is new per call, its arrays in a new arena of the same shape: its launch is kept in the
     arena's shared ``launches`` and binds :data:`LIST_ARRAYS` per call (counter pointer None: the list's
     own). ``sizes``: (batch, heads, q_slots, k_slots, d). ``tokens``: the token-order build's
-    ``(q_tokens, k_tokens, tok_heads, maps_per_row, kv_in_slots)`` (its two map pointers are then set per
-    call after the five tensors and a device list's arrays; ``kv_in_slots``: the Q/O token build)."""
+    ``(q_tokens, k_tokens, tok_heads, maps_per_row, kv_build)`` (its two map pointers are then set per
+    call after the five tensors and a device list's arrays; ``kv_build`` as :func:`token_defines`; 2 adds
+    token-major tensor maps of K and V)."""
     import cupy
 
     b, h, sq, sk, d = sizes
@@ -436,7 +445,7 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             cache = {}
     else:
         cache = launch.device_arrays(wl, device, wl.device_arrays)
-    defines = DEFINES if tokens is None else token_defines(bool(tokens[4]))
+    defines = DEFINES if tokens is None else token_defines(tokens[4])
     key = (sizes, scale, defines, tokens, device, wl.num_work, wl.chunk, wl.has_visibility())
     ready = cache.get(key)
     if ready is None:
@@ -464,16 +473,20 @@ def _prepared(wl: WorkList | DeviceWorkList, sizes: tuple, scale: float, device:
             scale_log2=np.float32(scale * math.log2(math.e)),
         )
         rest = tuple(values[name] for name in KERNEL_PARAMS[5:])
-        maps, bound = (), list(range(5))
+        maps, bound, token_args = (), list(range(5)), ()
         if on_device:
             bound += [KERNEL_PARAMS.index(param) for param in _LIST_PARAMS.values()]
-        if tokens is not None:
-            rest += (np.uint64(0), np.uint64(0)) + tuple(np.int32(x) for x in tokens[:4])
-            bound += [len(KERNEL_PARAMS), len(KERNEL_PARAMS) + 1]
-        elif "PAGED_FWD_TMA" in DEFINES:  # pointed at each call's K and V by _launch
+        if tokens is not None and tokens[4] == 2:  # token-major K and V: [batch · k_tokens, tok_heads, d]
+            rows = b * h // tokens[2] * tokens[1]  # (a device list's sizes fold the batch into the heads)
+            maps = tuple(TensorMap(rows, d, name, heads=tokens[2]) for name in ("k", "v"))
+        elif tokens is None and "PAGED_FWD_TMA" in DEFINES:  # pointed at each call's K and V by _launch
             maps = (TensorMap(b * h * sk, d, "k"), TensorMap(b * h * sk, d, "v"))
+        if tokens is not None:  # (after the tensor maps, as in the kernel's parameters)
+            token_args = (np.uint64(0), np.uint64(0)) + tuple(np.int32(x) for x in tokens[:4])
+            bound += [len(KERNEL_PARAMS) + len(maps), len(KERNEL_PARAMS) + len(maps) + 1]
         grid = (min(launch.sm_count(device), wl.num_work * b),)
-        packed = launch.PackedLaunch(fn, grid, (THREADS,), (np.uint64(0),) * 5 + rest + maps, smem, bound)
+        args = (np.uint64(0),) * 5 + rest + maps + token_args
+        packed = launch.PackedLaunch(fn, grid, (THREADS,), args, smem, bound)
         ready = cache[key] = (packed, None if counter is None else int(counter), maps)
     return ready
 
@@ -741,7 +754,37 @@ def check_token_tensors(q, k, v, q_map, k_map, others=(), kv_in_slots=False):
     return b, nq, h, d, nk, sq, sk, per_row
 
 
-def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", scale=None, kv_in_slots=False):
+_CONSECUTIVE_PAGES: dict = {}  # (k_map pointer, version, shape, device) -> whether its pages are consecutive
+
+
+def check_consecutive_pages(k_map) -> None:
+    """A KernelValueError naming ``k_map`` unless every 16-slot page of it with a token holds consecutive
+    tokens from its first slot's (slots without a token, -1, excepted): what the tile-major token build
+    (``kv_tma``) reads each page by. Checked once per map (the answer cached by its pointer and version)."""
+    import torch
+
+    key = (k_map.data_ptr(), k_map._version, tuple(k_map.shape), k_map.device)
+    ok = _CONSECUTIVE_PAGES.get(key)
+    if ok is None:
+        pages = k_map.reshape(-1, PAGE_ROWS)
+        first = pages[:, :1]
+        expected = first + torch.arange(PAGE_ROWS, dtype=pages.dtype, device=pages.device)
+        ok = bool(
+            (((pages == expected) | (pages < 0)).all(1) & ((first[:, 0] >= 0) | (pages < 0).all(1))).all()
+        )
+        if len(_CONSECUTIVE_PAGES) > 64:
+            _CONSECUTIVE_PAGES.clear()
+        _CONSECUTIVE_PAGES[key] = ok
+    if not ok:
+        raise KernelValueError(
+            "k_map: the tile-major token build (kv_tma) needs every page's tokens consecutive from its first "
+            "slot's (a layout relabelled tile-major, sparseattn.layouts.tile_major_tokens)"
+        )
+
+
+def torch_token_forward(
+    q, k, v, graph_or_plans, q_map, k_map, route="auto", scale=None, kv_in_slots=False, kv_tma=False
+):
     """KPage forward on token-ordered torch tensors, with no tensor moved into or out of slot order (the
     ``PAGED_FWD_TOKENS`` build gathers each slot's row from its token and stores O rows to theirs).
 
@@ -759,6 +802,9 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
             for one layout of every row, or ``[batch · heads, q_slots]`` / ``[batch · heads, k_slots]`` for a
             layout per (batch, head) row, batch-major.
         scale: softmax scale (default ``1/sqrt(d)``).
+        kv_tma: the tile-major token build (``PAGED_FWD_TOKENS_TMA``): k, v token-major as above, each live
+            page of ``k_map`` (one map for every row) 16 consecutive tokens from its first slot's
+            (:func:`check_consecutive_pages`), read by the tensor-memory accelerator.
 
     Returns:
         ``o`` bf16 ``[batch, q_tokens, heads, d]`` (tokens whose Q block selects nothing: zeros; ``o`` is
@@ -768,9 +814,17 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
     """
     from ..planning.dynamic_layouts import DynamicWorkList
 
+    if kv_tma and kv_in_slots:
+        raise KernelValueError("kv_tma reads token-major k and v; kv_in_slots slot-ordered ones: choose one")
     b, nq, h, d, nk, sq, sk, per_row = check_token_tensors(q, k, v, q_map, k_map, kv_in_slots=kv_in_slots)
     if kv_in_slots:
         k_map = q_map  # (not read by the Q/O build)
+    if kv_tma:
+        if per_row:
+            raise KernelValueError("kv_tma takes one map for every row ([k_slots]), not a map per row")
+        if k.data_ptr() % 16 or v.data_ptr() % 16:
+            raise KernelValueError("kv_tma: k and v must start at 16-byte aligned addresses")
+        check_consecutive_pages(k_map)
     q, k, v, q_map, k_map = (x.contiguous() for x in (q, k, v, q_map, k_map))
     if isinstance(graph_or_plans, DevicePlans):
         plans = graph_or_plans
@@ -803,7 +857,7 @@ def torch_token_forward(q, k, v, graph_or_plans, q_map, k_map, route="auto", sca
         sizes,
         None if whole else False,
         lse_shape=(b, h, sq),
-        tokens=(nq, nk, h, int(per_row), bool(kv_in_slots)),
+        tokens=(nq, nk, h, int(per_row), 2 if kv_tma else int(bool(kv_in_slots))),
         token_maps=(q_map, k_map),
     )
 

@@ -2,7 +2,10 @@
 
 A :class:`TensorMap` describes a row-major bf16 matrix ``[rows, cols]`` in device memory for
 ``cp.async.bulk.tensor`` loads of ``[16, 64]`` boxes (16 rows of 128 bytes) with the 128-byte swizzle —
-the layout ``hopper::warp_tma_pages`` writes (``kernels_cu/hopper_wgmma.cuh``). The driver encodes it
+the layout ``hopper::warp_tma_pages`` writes (``kernels_cu/hopper_wgmma.cuh``) — or, given ``heads``, a
+token-major ``[rows, heads, cols]`` tensor (a model's ``[batch · tokens, heads, d]``) for ``[16, 1, 64]``
+boxes: 16 consecutive tokens of one head, written as the 2-D box writes them
+(``hopper::warp_tma_token_pages``). The driver encodes it
 (``cuTensorMapEncodeTiled``, called through ctypes on ``libcuda``: CuPy has no binding for it); the 128
 bytes then go to the kernel as a ``const __grid_constant__`` parameter through
 :class:`~sparseattn.kernels.launch.PackedLaunch`, which copies them at every launch, so pointing a map at
@@ -63,20 +66,23 @@ def _driver():
 
 class TensorMap:
     """A ``CUtensorMap`` of a row-major bf16 ``[rows, cols]`` matrix (``cols`` 64 or 128) for ``[16, 64]``
-    box loads with the 128-byte swizzle; encoded at the first :meth:`point_at`. ``name`` names the tensor
-    in errors."""
+    box loads with the 128-byte swizzle, or with ``heads`` of a ``[rows, heads, cols]`` tensor for
+    ``[16, 1, 64]`` boxes; encoded at the first :meth:`point_at`. ``name`` names the tensor in errors."""
 
-    __slots__ = ("_raw", "cols", "name", "pointer", "rows", "value")
+    __slots__ = ("_raw", "cols", "heads", "name", "pointer", "rows", "value")
 
-    def __init__(self, rows: int, cols: int, name: str = "tensor"):
+    def __init__(self, rows: int, cols: int, name: str = "tensor", heads: int | None = None):
         if cols not in (64, 128):
             raise KernelValueError(f"{name}: a tensor map needs 64 or 128 columns (head dim), got {cols}")
         if not 0 < rows < MAX_ROWS:
             raise KernelValueError(
                 f"{name}: a tensor map addresses rows with 32-bit coordinates: {rows} rows "
-                f"(batch · heads · slots) must be in [1, 2^31)"
+                f"(batch · heads · slots, or batch · tokens) must be in [1, 2^31)"
             )
+        if heads is not None and not 0 < heads < MAX_ROWS:
+            raise KernelValueError(f"{name}: a token-major tensor map needs 1 or more heads, got {heads}")
         self.rows, self.cols, self.name = int(rows), int(cols), name
+        self.heads = None if heads is None else int(heads)
         self._raw = (ctypes.c_uint8 * (MAP_BYTES + MAP_ALIGN))()
         start = -ctypes.addressof(self._raw) % MAP_ALIGN
         self.value = (ctypes.c_uint8 * MAP_BYTES).from_buffer(self._raw, start)
@@ -98,19 +104,22 @@ class TensorMap:
             )
         encode, replace = _driver()
         if self.pointer is None:
-            dims = (ctypes.c_uint64 * 2)(self.cols, self.rows)
-            strides = (ctypes.c_uint64 * 1)(self.cols * 2)
-            box = (ctypes.c_uint32 * 2)(BOX_COLS, BOX_ROWS)
-            ones = (ctypes.c_uint32 * 2)(1, 1)
+            if self.heads is None:
+                rank, dims, strides, box = 2, (self.cols, self.rows), (self.cols * 2,), (BOX_COLS, BOX_ROWS)
+            else:  # [rows, heads, cols]: one head's 16 consecutive rows per box
+                rank = 3
+                dims = (self.cols, self.heads, self.rows)
+                strides = (self.cols * 2, self.heads * self.cols * 2)
+                box = (BOX_COLS, 1, BOX_ROWS)
             status = encode(
                 ctypes.addressof(self.value),
                 DTYPE_BFLOAT16,
-                2,
+                rank,
                 pointer,
-                dims,
-                strides,
-                box,
-                ones,
+                (ctypes.c_uint64 * rank)(*dims),
+                (ctypes.c_uint64 * (rank - 1))(*strides),
+                (ctypes.c_uint32 * rank)(*box),
+                (ctypes.c_uint32 * rank)(*(1,) * rank),
                 INTERLEAVE_NONE,
                 SWIZZLE_128B,
                 L2_PROMOTION_128B,
@@ -122,6 +131,7 @@ class TensorMap:
             what = "cuTensorMapReplaceAddress"
         if status != 0:
             raise TensorMapError(
-                f"{self.name}: {what} failed with CUresult {status} ({self.rows} x {self.cols} bf16)"
+                f"{self.name}: {what} failed with CUresult {status} ({self.rows} x "
+                f"{'' if self.heads is None else f'{self.heads} x '}{self.cols} bf16)"
             )
         self.pointer = pointer
