@@ -15,6 +15,7 @@ from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from sparseattn.diffusers_wan import (
     WanSelection,
     WanSparseAttnProcessor,
+    contiguous_hidden_states,
     install_sparse_attention,
     token_mask,
 )
@@ -164,6 +165,20 @@ def test_tile_major_tokens_keep_the_models_output_and_gradients(selection):
     torch.testing.assert_close(seen["tiles"], seen["raster"][:, torch.as_tensor(perm)], rtol=1e-4, atol=1e-5)
     processor.tile_hooks.remove()
     assert not processor.tile_hooks.handles
+
+
+def test_contiguous_hidden_states_keep_the_output_and_make_the_residual_stream_contiguous():
+    x, t, enc = model_inputs()
+    model = tiny_model()
+    seen = []
+    model.blocks[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].is_contiguous()) and None)
+    with torch.no_grad():
+        ref = model(x, t, enc, return_dict=False)[0]
+        handle = contiguous_hidden_states(model)
+        got = model(x, t, enc, return_dict=False)[0]
+    handle.remove()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert seen[-1]  # (diffusers' own layout depends on the convolution's: transposed on the GPU)
 
 
 def test_tile_major_tokens_refuse_svg2():

@@ -564,6 +564,8 @@ class TileMajorTokens:
         ]
 
     def _take(self, x, name: str):
+        import torch
+
         index = self._on.get((name, x.device))
         if index is None:
             index = self._on[(name, x.device)] = self._index[name].to(x.device)
@@ -571,7 +573,10 @@ class TileMajorTokens:
             raise ValueError(
                 f"a tensor of {x.shape[1]} tokens met the tile-major hooks of a {self.num_tokens}-token grid"
             )
-        return x.index_select(1, index)
+        # in x's own memory layout: diffusers' Wan hands its blocks a transposed [batch, tokens, channels]
+        # view, and a contiguous one would speed up every layer after it (contiguous_hidden_states), which
+        # would be no effect of the token order
+        return torch.empty_like(x).copy_(x.index_select(1, index))
 
     def _rope(self, module, args, out):
         return tuple(self._take(x, "perm") for x in out)
@@ -598,6 +603,21 @@ class TileMajorTokens:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def contiguous_hidden_states(transformer):
+    """Hand a diffusers ``WanTransformer3DModel``'s first block contiguous hidden states. The model passes its
+    blocks the patch embedding's ``[batch, tokens, channels]`` as a transposed view
+    (``flatten(2).transpose(1, 2)``); the blocks' residual additions keep that layout, so every layer then
+    reads and writes its residual stream with a stride of ``tokens`` elements. Same values; returns the hook's
+    handle (``handle.remove()`` takes it off)."""
+
+    def hook(module, args, kwargs):
+        if args:
+            return (args[0].contiguous(), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"].contiguous()}
+
+    return transformer.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def install_sparse_attention(

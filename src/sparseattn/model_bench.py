@@ -289,6 +289,12 @@ def build_parser(prog: str = "sparseattn bench model") -> argparse.ArgumentParse
     )
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny smoke runs)")
     parser.add_argument(
+        "--contiguous-tokens",
+        action="store_true",
+        help="hand every impl's first block contiguous hidden states (diffusers' Wan passes a transposed view; "
+        "sparseattn.diffusers_wan.contiguous_hidden_states); records say contiguous_tokens",
+    )
+    parser.add_argument(
         "--ranks",
         type=_positive,
         default=1,
@@ -769,6 +775,7 @@ class Run:
                 ffn_dim=int(spec.config["ffn_dim"]),
                 batch=1,
                 dtype=str(dtype).replace("torch.", ""),
+                contiguous_tokens=bool(getattr(args, "contiguous_tokens", False)),
             )
             model = None
             for i, res in enumerate(args.res):
@@ -789,6 +796,10 @@ class Run:
                 if model is None:
                     try:
                         model = build_model(spec, layers, device, dtype)
+                        if model_fields["contiguous_tokens"]:
+                            from .diffusers_wan import contiguous_hidden_states
+
+                            contiguous_hidden_states(model)
                     except Exception as exc:  # noqa: BLE001 - recorded; the next model still runs
                         self.log(f"[{key}] model: {_error_text(exc)}")
                         for r in args.res[i:]:

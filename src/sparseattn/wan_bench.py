@@ -127,7 +127,8 @@ def check_layer(grid, impl: str, heads: int, head_dim: int, seed: int = 0) -> fl
     g = torch.Generator(device="cuda").manual_seed(seed)
     shape = (1, math.prod(grid), heads, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
-    reference = WanSparseAttnProcessor(grid, processor.selection, backend="masked_sdpa")
+    order = "tiles" if getattr(processor, "token_order", None) == "tiles" else None  # the same token order
+    reference = WanSparseAttnProcessor(grid, processor.selection, backend="masked_sdpa", token_order=order)
     with torch.no_grad():
         got = processor.attend(q, k, v).float()
         want = reference.attend(q.float(), k.float(), v.float())
