@@ -357,27 +357,36 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaMap* map, int
         : "memory");
 }
 
+// The first token of each of a warp's pages (lane 0 only, the lane that issues their boxes; 0 for a page
+// outside [0, num_pages)): map_tokens[16 · page], loaded before the producer waits for the chunk's buffer.
+template <int PPW>
+__device__ __forceinline__ void page_first_tokens(int (&first)[PPW], const int* __restrict__ map_tokens,
+                                                  int num_pages, const int (&page)[PPW]) {
+#pragma unroll
+    for (int p = 0; p < PPW; ++p)
+        first[p] = (threadIdx.x & 31) == 0 && static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages)
+                       ? max(__ldg(map_tokens + page[p] * PAGE_ROWS), 0)
+                       : 0;
+}
+
 // warp_tma_pages over a token-major [tokens, heads, HEAD_DIM] tensor (a 3-D map, [64 × 1 × 16] boxes; the
-// tile-major token build, PAGED_FWD_TOKENS_TMA): page p's 16 rows are the 16 tokens from its first slot's
-// token (map_tokens[16 · page], plus token_row0, the batch entry's first row) on, of head `head`. The host
-// checks that every live page of the layout holds consecutive tokens from its first slot's; rows past a
-// page's valid ones are then real tokens of the next tile (masked, or multiplied by P = 0) or, past the
-// tensor, zeros. Pages outside [0, num_pages) are not loaded, or with ALL loaded from token row 0 (V: a
-// finite row under P = 0, where a stale row could be NaN).
+// tile-major token build, PAGED_FWD_TOKENS_TMA): page p's 16 rows are the 16 tokens from `first[p]`
+// (page_first_tokens) on, plus token_row0 (the batch entry's first row), of head `head`. The host checks
+// that every live page of the layout holds consecutive tokens from its first slot's; rows past a page's
+// valid ones are then real tokens of the next tile (masked, or multiplied by P = 0) or, past the tensor,
+// zeros. Pages outside [0, num_pages) are not loaded, or with ALL loaded from token row 0 (V: a finite row
+// under P = 0, where a stale row could be NaN).
 template <int HEAD_DIM, int TILE_ROWS, int PPW, bool ALL>
 __device__ __forceinline__ void warp_tma_token_pages(uint32_t tile, int row0, const TmaMap* map, int head,
-                                                     int token_row0, const int* __restrict__ map_tokens,
-                                                     int num_pages, const int (&page)[PPW], uint32_t bar) {
+                                                     int token_row0, const int (&first)[PPW], int num_pages,
+                                                     const int (&page)[PPW], uint32_t bar) {
     constexpr uint32_t kPageBytes = PAGE_ROWS * HEAD_DIM * 2;
     if ((threadIdx.x & 31) != 0) return;
-    int first[PPW];
     bool load[PPW];
     uint32_t bytes = 0;
 #pragma unroll
     for (int p = 0; p < PPW; ++p) {
-        const bool in_range = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
-        first[p] = in_range ? max(__ldg(map_tokens + page[p] * PAGE_ROWS), 0) : 0;
-        load[p] = ALL || in_range;
+        load[p] = ALL || static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
         bytes += load[p] ? kPageBytes : 0u;
     }
     if (bytes == 0) return;

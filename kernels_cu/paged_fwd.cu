@@ -373,6 +373,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
 #if !defined(PAGED_FWD_TMA) && !defined(PAGED_FWD_TOKENS_TMA)
                 const uint32_t my_mask = next_mask;
 #endif
+#ifdef PAGED_FWD_TOKENS_TMA
+                int first[C::PPW];  // lane 0: each page's first token (loaded before the waits)
+                hopper::page_first_tokens<C::PPW>(first, kmap, k_pages, page);
+#endif
                 entry(c + 1, next_page, next_mask);
                 hopper::mbar_wait(sm.k_empty(buf), par ^ 1u);
 #ifdef PAGED_FWD_TMA
@@ -402,12 +406,12 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                             static_cast<unsigned>(page[p]) < static_cast<unsigned>(k_pages) ? mask[p] : 0u;
                 }
                 hopper::warp_tma_token_pages<HEAD_DIM, CHUNK, C::PPW, false>(
-                    sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS, &tmK, kv_head, kv_row0, kmap, k_pages, page,
+                    sm.k + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS, &tmK, kv_head, kv_row0, first, k_pages, page,
                     sm.k_full(buf));
                 hopper::mbar_arrive(sm.k_full(buf));
                 hopper::mbar_wait(sm.v_empty(buf), par ^ 1u);
                 hopper::warp_tma_token_pages<HEAD_DIM, CHUNK, C::PPW, true>(
-                    sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS, &tmV, kv_head, kv_row0, kmap, k_pages, page,
+                    sm.v + buf * C::KV_BYTES, pwarp * C::PPW * PAGE_ROWS, &tmV, kv_head, kv_row0, first, k_pages, page,
                     sm.v_full(buf));
 #elif defined(PAGED_FWD_TOKENS)
                 if (lane < C::PPW) sm.kmask[buf * PAGES + pwarp * C::PPW + lane] = my_mask;
