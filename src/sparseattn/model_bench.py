@@ -846,6 +846,9 @@ class Run:
             self.log(f"{tag}: error, {_error_text(exc)}")
             return
         base = dict(base, **built.meta)
+        order = getattr(built.processor, "token_order", None)
+        if order is not None and getattr(built.processor, "backend", None) == "kpage":
+            base["token_order"] = order if isinstance(order, str) else ("tokens" if order else "slots")
         failure = None
         try:
             checked = run_check(impl, built, grid, spec, args)
