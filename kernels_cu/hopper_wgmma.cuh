@@ -357,6 +357,30 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TmaMap* map, int
         : "memory");
 }
 
+// Lane 0's part of a page load by TMA: announce on `bar` the bytes of the pages `load` marks (no arrival:
+// the caller's arrivals close the phase, so the announcement precedes them), then box(p, cb, dst) issues
+// page p's 64-column block cb into dst. With the 128-byte swizzle a box written at a 1024-byte-aligned
+// tile + (row0 + 16p)·128 lands exactly where tile_offset puts the rows (64-column blocks of TILE_ROWS ×
+// 128 B). `fence`: earlier generic-proxy writes of this buffer (cp.async) before the async-proxy ones.
+template <int HEAD_DIM, int TILE_ROWS, int PPW, class Box>
+__device__ __forceinline__ void tma_page_boxes(uint32_t tile, int row0, const bool (&load)[PPW], uint32_t bar,
+                                               bool fence, Box box) {
+    constexpr uint32_t kPageBytes = PAGE_ROWS * HEAD_DIM * 2;
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int p = 0; p < PPW; ++p) bytes += load[p] ? kPageBytes : 0u;
+    if (bytes == 0) return;
+    if (fence) fence_async_proxy();
+    mbar_expect_tx(bar, bytes);
+#pragma unroll
+    for (int p = 0; p < PPW; ++p) {
+        if (!load[p]) continue;
+#pragma unroll
+        for (int cb = 0; cb < HEAD_DIM / 64; ++cb)
+            box(p, cb, tile + static_cast<uint32_t>(cb * (TILE_ROWS * 128) + (row0 + p * PAGE_ROWS) * 128));
+    }
+}
+
 // The first token of each of a warp's pages (lane 0 only, the lane that issues their boxes; 0 for a page
 // outside [0, num_pages)): map_tokens[16 · page], loaded before the producer waits for the chunk's buffer.
 template <int PPW>
@@ -380,31 +404,16 @@ template <int HEAD_DIM, int TILE_ROWS, int PPW, bool ALL>
 __device__ __forceinline__ void warp_tma_token_pages(uint32_t tile, int row0, const TmaMap* map, int head,
                                                      int token_row0, const int (&first)[PPW], int num_pages,
                                                      const int (&page)[PPW], uint32_t bar) {
-    constexpr uint32_t kPageBytes = PAGE_ROWS * HEAD_DIM * 2;
     if ((threadIdx.x & 31) != 0) return;
     bool load[PPW];
-    uint32_t bytes = 0;
 #pragma unroll
-    for (int p = 0; p < PPW; ++p) {
-        load[p] = ALL || static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
-        bytes += load[p] ? kPageBytes : 0u;
-    }
-    if (bytes == 0) return;
-    mbar_expect_tx(bar, bytes);
-#pragma unroll
-    for (int p = 0; p < PPW; ++p) {
-        if (!load[p]) continue;
-#pragma unroll
-        for (int cb = 0; cb < HEAD_DIM / 64; ++cb)
-            tma_load_3d(tile + static_cast<uint32_t>(cb * (TILE_ROWS * 128) + (row0 + p * PAGE_ROWS) * 128), map,
-                        cb * 64, head, token_row0 + first[p], bar);
-    }
+    for (int p = 0; p < PPW; ++p) load[p] = ALL || static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages);
+    tma_page_boxes<HEAD_DIM, TILE_ROWS, PPW>(tile, row0, load, bar, false, [&](int p, int cb, uint32_t dst) {
+        tma_load_3d(dst, map, cb * 64, head, token_row0 + first[p], bar);
+    });
 }
 
-// warp_copy_pages' pages by TMA: lane 0 announces the bytes on `bar` (no arrival: the caller's arrivals
-// close the phase, so the announcement precedes them) and issues one [16 × 64] box per page and 64-column
-// block. With the 128-byte swizzle a box written at a 1024-byte-aligned tile + (row0 + 16p)·128 lands
-// exactly where tile_offset puts the rows (64-column blocks of TILE_ROWS × 128 B). Pages outside
+// warp_copy_pages' pages by TMA (tma_page_boxes: one [16 × 64] box per page and 64-column block). Pages outside
 // [0, num_pages) are not loaded (their columns are masked, or, FULL_ONLY, warp_copy_pages zero-fills
 // them), nor with FULL_ONLY pages with an invalid row (their stale or NaN rows must be zeros for P·V).
 // map_row0: the map row of page 0 (the (batch, head)'s first slot).
@@ -412,27 +421,15 @@ template <int HEAD_DIM, int TILE_ROWS, int PPW, bool FULL_ONLY>
 __device__ __forceinline__ void warp_tma_pages(uint32_t tile, int row0, const TmaMap* map, int map_row0,
                                                int num_pages, const int (&page)[PPW], const uint32_t (&mask)[PPW],
                                                uint32_t bar) {
-    constexpr uint32_t kPageBytes = PAGE_ROWS * HEAD_DIM * 2;
     if ((threadIdx.x & 31) != 0) return;
-    uint32_t bytes = 0;
     bool load[PPW];
 #pragma unroll
-    for (int p = 0; p < PPW; ++p) {
+    for (int p = 0; p < PPW; ++p)
         load[p] = static_cast<unsigned>(page[p]) < static_cast<unsigned>(num_pages) &&
                   (!FULL_ONLY || page_is_full(mask[p]));
-        bytes += load[p] ? kPageBytes : 0u;
-    }
-    if (bytes == 0) return;
-    fence_async_proxy();  // earlier generic-proxy writes of this buffer (cp.async) before the async-proxy ones
-    mbar_expect_tx(bar, bytes);
-#pragma unroll
-    for (int p = 0; p < PPW; ++p) {
-        if (!load[p]) continue;
-#pragma unroll
-        for (int cb = 0; cb < HEAD_DIM / 64; ++cb)
-            tma_load_2d(tile + static_cast<uint32_t>(cb * (TILE_ROWS * 128) + (row0 + p * PAGE_ROWS) * 128), map,
-                        cb * 64, map_row0 + page[p] * PAGE_ROWS, bar);
-    }
+    tma_page_boxes<HEAD_DIM, TILE_ROWS, PPW>(tile, row0, load, bar, true, [&](int p, int cb, uint32_t dst) {
+        tma_load_2d(dst, map, cb * 64, map_row0 + page[p] * PAGE_ROWS, bar);
+    });
 }
 
 // ---- the two GEMMs of one key chunk ---------------------------------------------------------------

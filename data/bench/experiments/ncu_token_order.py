@@ -31,25 +31,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import token_order_ab
 
-import sparseattn.torch as st
 from sparseattn.kernels.forward import torch_graph_forward, torch_token_forward
-from sparseattn.torch_ops import _slot_indices
 
 
 def main(build: str, workload: str, order: str) -> None:
     graph, head_dim = token_order_ab.workload_graph(workload, order)
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(1)
-    shape = lambda lay: (1, lay.num_tokens, graph.heads, head_dim)
-    q = torch.randn(shape(graph.q), device=dev, generator=g).bfloat16()
-    k, v = (torch.randn(shape(graph.k), device=dev, generator=g).bfloat16() for _ in range(2))
-    q_map, k_map = _slot_indices(graph.q, dev)[0], _slot_indices(graph.k, dev)[0]
-    qs = st.tokens_to_slots(graph.q, q)[0]
-    ks, vs = st.tokens_to_slots(graph.k, k, v)
+    (q, k, v), (q_map, k_map), (qs, ks, vs) = token_order_ab.token_tensors(graph, head_dim)
     calls = {
         "slot": lambda: torch_graph_forward(qs, ks, vs, graph),
         "tokens": lambda: torch_token_forward(q, k, v, graph, q_map, k_map),
         "qo": lambda: torch_token_forward(q, ks, vs, graph, q_map, None, kv_in_slots=True),
+        "tma": lambda: torch_token_forward(q, k, v, graph, q_map, k_map, kv_tma=True),
     }
     call = calls[build]
     for _ in range(3):

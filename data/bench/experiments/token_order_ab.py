@@ -56,6 +56,24 @@ def workload_graph(name: str, order: str):
     return graph, head_dim
 
 
+def token_tensors(graph, head_dim: int):
+    """``((q, k, v), (q_map, k_map), (qs, ks, vs))``: seeded bf16 CUDA tensors of one batch entry in token
+    order, the layouts' slot -> token maps, and the tensors moved to slot order."""
+    import torch
+
+    import sparseattn.torch as st
+    from sparseattn.torch_ops import _slot_indices
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    shape = lambda lay: (1, lay.num_tokens, graph.heads, head_dim)
+    q = torch.randn(shape(graph.q), device=dev, generator=g).bfloat16()
+    k, v = (torch.randn(shape(graph.k), device=dev, generator=g).bfloat16() for _ in range(2))
+    maps = _slot_indices(graph.q, dev)[0], _slot_indices(graph.k, dev)[0]
+    slots = (st.tokens_to_slots(graph.q, q)[0], *st.tokens_to_slots(graph.k, k, v))
+    return (q, k, v), maps, slots
+
+
 def run_workload(name: str, rounds: int, reps: int, device: bool, order: str = "raster") -> dict:
     import torch
 
@@ -63,18 +81,11 @@ def run_workload(name: str, rounds: int, reps: int, device: bool, order: str = "
     from sparseattn import bench
     from sparseattn.kernels.forward import torch_graph_forward, torch_token_forward
     from sparseattn.planning.device import DevicePlanner
-    from sparseattn.torch_ops import _slot_indices
     from sparseattn.variant_ab import rotation, summarize
 
     graph, head_dim = workload_graph(name, order)
     dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(1)
-    shape = lambda lay: (1, lay.num_tokens, graph.heads, head_dim)
-    q = torch.randn(shape(graph.q), device=dev, generator=g).bfloat16()
-    k, v = (torch.randn(shape(graph.k), device=dev, generator=g).bfloat16() for _ in range(2))
-    q_map, k_map = _slot_indices(graph.q, dev)[0], _slot_indices(graph.k, dev)[0]
-    qs = st.tokens_to_slots(graph.q, q)[0]
-    ks, vs = st.tokens_to_slots(graph.k, k, v)
+    (q, k, v), (q_map, k_map), (qs, ks, vs) = token_tensors(graph, head_dim)
 
     runs = {
         "slot": lambda: torch_graph_forward(qs, ks, vs, graph),
