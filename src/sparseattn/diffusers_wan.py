@@ -267,6 +267,8 @@ class WanSparseAttnProcessor:
     def graph_for(self, heads: int, q=None, k=None) -> SparseGraph:
         """The static graph (cached per head count), or VSA's from one batch entry's ``[L, heads, d]`` q, k."""
         if self.selection.dynamic:
+            if self.token_order == "tiles":
+                raise ValueError("a host VSA graph is built from raster-ordered q and k, not tile-major ones")
             qn, kn = (x.detach().float().permute(1, 0, 2).cpu().numpy() for x in (q, k))
             return self.selection.graph(self.grid, heads, qn, kn)
         if heads not in self._graphs:

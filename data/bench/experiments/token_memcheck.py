@@ -1,5 +1,6 @@
 """compute-sanitizer memcheck / racecheck target (lab script, GPU): the token-order forward and backward builds
-on static graphs with permuted token orders and on device plans of a VSA top-k.
+on static graphs with permuted token orders and on device plans of a VSA top-k; the tile-major token build
+(k and v by TMA) on tile-major video layouts with partial tiles, static graphs and device plans.
 
     PYTORCH_CUDA_ALLOC_CONF= compute-sanitizer --tool memcheck --error-exitcode 9 \
         python data/bench/experiments/token_memcheck.py
@@ -65,3 +66,20 @@ o, lse = fwd(q, q, q, plans, m, m)
 assert torch_token_backward(q, q, q, o, lse, torch.randn_like(q), plans, m, m) is not None
 torch.cuda.synchronize()
 print("token-order backward memcheck target done")
+
+# the tile-major token build: static graphs (every route) and device plans over tile-major video layouts
+from sparseattn.layouts import tile_major_tokens
+
+for grid, tile, block in (((5, 7, 9), (2, 4, 4), 64), ((6, 10, 13), (4, 4, 8), 128)):
+    tl = tile_major_tokens(video_layout(grid, tile, block))
+    mask = rng.random((2, tl.num_blocks, tl.num_blocks)) < 0.4
+    g = SparseGraph.from_block_mask(tl, tl, mask)
+    m = _slot_indices(tl, dev)[0]
+    for d in (64, 128):
+        q = torch.randn(2, tl.num_tokens, 2, d, device=dev).bfloat16()
+        for route in ("auto", 0, 1):
+            fwd(q, q, q, g, m, m, route=route, kv_tma=True)
+    plans = st.planner_for(tl).plan(mask=torch.as_tensor(mask[None].repeat(2, 0), device=dev), backward=False)
+    fwd(q, q, q, plans, m, m, kv_tma=True)
+torch.cuda.synchronize()
+print("tile-major token build memcheck target done")
