@@ -193,13 +193,13 @@ LATENT = (5, 8, 12)  # tokens after (1, 2, 2) patching: (5, 4, 6)
 GRID = (5, 4, 6)
 
 
-def _wan(selection, seed=0):
+def _wan(selection, seed=0, token_order=None):
     pytest.importorskip("diffusers")
     from sparseattn.diffusers_wan import install_sparse_attention
     from sparseattn.wan_training import tiny_wan
 
     model = tiny_wan(seed, head_dim=32, text_dim=16, ffn_dim=64)
-    install_sparse_attention(model, GRID, selection, backend="kpage")
+    install_sparse_attention(model, GRID, selection, backend="kpage", token_order=token_order)
     g = torch.Generator().manual_seed(seed + 1)
     inputs = (
         torch.randn(2, 4, *LATENT, generator=g),
@@ -215,13 +215,15 @@ SELECTIONS = {
 }
 
 
+@pytest.mark.parametrize("order", [None, "tiles"], ids=["default", "tiles"])
 @pytest.mark.parametrize("kind", sorted(SELECTIONS))
-def test_compiled_wan_with_the_kpage_processor_has_no_graph_break(kind):
+def test_compiled_wan_with_the_kpage_processor_has_no_graph_break(kind, order):
+    """(``tiles``: with the model's tokens kept tile-major by TileMajorTokens' hooks, traced with it.)"""
     pytest.importorskip("diffusers")
     from sparseattn.diffusers_wan import WanSelection
 
     torch._dynamo.reset()
-    model, (x, t, enc) = _wan(SELECTIONS[kind](WanSelection))
+    model, (x, t, enc) = _wan(SELECTIONS[kind](WanSelection), token_order=order)
     explained = torch._dynamo.explain(model)(x, t, enc, return_dict=False)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
