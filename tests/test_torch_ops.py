@@ -175,6 +175,33 @@ def test_token_forward_refuses_cpu_tensors_before_any_launch():
         torch_token_backward(x, x, x, x, lse, x, None, slot_map, slot_map)
 
 
+def test_consecutive_page_check_of_the_tile_major_build():
+    """check_consecutive_pages (what kv_tma reads each page by): tile-major numberings of video and 1-D
+    layouts pass; the raster numbering, a shuffled page and a page whose first slot is padding do not."""
+    from sparseattn.kernels.forward import check_consecutive_pages
+    from sparseattn.kernels.validate import KernelValueError
+    from sparseattn.layouts import contiguous_layout, slot_layout, tile_major_tokens, video_layout
+
+    slot_map = lambda lay: torch.as_tensor(lay.slot_token.astype(np.int32))
+    raster = video_layout((5, 7, 9), (2, 4, 4), 64)
+    for lay in (
+        tile_major_tokens(raster),
+        contiguous_layout(100, 64),
+        tile_major_tokens(video_layout((3, 5, 11), (1, 4, 8), 128)),
+    ):
+        check_consecutive_pages(slot_map(lay))
+    bad = [slot_map(raster)]
+    shuffled = slot_map(tile_major_tokens(raster)).clone()
+    shuffled[[0, 1]] = shuffled[[1, 0]]
+    bad.append(shuffled)
+    valid = np.ones(64, dtype=bool)
+    valid[16] = False  # the second page starts with a padding slot, its other rows hold tokens
+    bad.append(slot_map(slot_layout(valid, 64)))
+    for m in bad:
+        with pytest.raises(KernelValueError, match="k_map: the tile-major token build"):
+            check_consecutive_pages(m)
+
+
 def test_handle_of_a_freed_object_is_a_clear_error():
     from sparseattn.layouts import video_layout
 
