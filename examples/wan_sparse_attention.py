@@ -3,6 +3,7 @@
     python examples/wan_sparse_attention.py                     # Wan2.1-1.3B-shaped, random init, 480p
     python examples/wan_sparse_attention.py --model DIR         # a local diffusers Wan transformer folder
     python examples/wan_sparse_attention.py --selection vsa     # VSA's top 10% selected on the GPU
+    python examples/wan_sparse_attention.py --tiles             # the model's tokens kept tile-major
     python examples/wan_sparse_attention.py --tiny --device cpu --backend masked_sdpa   # anywhere
 
 One denoising forward of an 81-frame 480p latent (21 x 60 x 104; 32,760 tokens after patching) with
@@ -44,6 +45,11 @@ def main(argv=None) -> float:
     parser.add_argument("--backend", choices=("kpage", "masked_sdpa"), default="kpage")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer toy model and latent (CPU checks)")
+    parser.add_argument(
+        "--tiles",
+        action="store_true",
+        help="keep the model's tokens tile-major between its blocks: no token moves around the kernel",
+    )
     args = parser.parse_args(argv)
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
 
@@ -71,7 +77,8 @@ def main(argv=None) -> float:
     else:  # each query cube's top 10% of the 4 x 4 x 4 cubes, selected on the GPU every call
         cubes = math.prod(-(-g // 4) for g in grid)
         selection = WanSelection.vsa(tile=(4, 4, 4), topk=max(1, math.ceil(0.1 * cubes)))
-    install_sparse_attention(model, grid=grid, selection=selection, backend=args.backend)
+    order = "tiles" if args.tiles else None  # None: the processors' default (k and v moved to slots)
+    install_sparse_attention(model, grid=grid, selection=selection, backend=args.backend, token_order=order)
     sparse, sparse_ms = forward(model, (x, t, text), device)
 
     diff = float((sparse.float() - dense.float()).norm() / dense.float().norm())
