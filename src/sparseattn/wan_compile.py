@@ -13,7 +13,8 @@ A Wan2.1-1.3B-shaped ``WanTransformer3DModel`` (random init, bf16; 30 layers by 
    gradients against eager, and the step time of replay against eager.
 
 Records (bench format, ``--out``): workload ``wan1.3b_480p``, impl ``kpage_sta`` (eager),
-``kpage_sta_compiled``, ``kpage_sta_cuda_graph``; pass ``step_fwd`` / ``step_train``; ``time_ms``; the checks
+``kpage_sta_compiled``, ``kpage_sta_cuda_graph`` (``--token-order tiles``: ``kpage_sta_tiles`` ..., the model's
+tokens kept tile-major); pass ``step_fwd`` / ``step_train``; ``time_ms``; the checks
 (``rel_err``, ``correct``) and ``graph_breaks``.
 """
 
@@ -67,6 +68,15 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def _order(args):
+    """``install_sparse_attention``'s ``token_order`` of the run (None: the processors' default)."""
+    return "tiles" if getattr(args, "token_order", "default") == "tiles" else None
+
+
+def _impl(args) -> str:
+    return "kpage_sta_tiles" if _order(args) else "kpage_sta"
+
+
 def run(args, explain_path: Path) -> list[dict]:
     import torch
 
@@ -80,7 +90,7 @@ def run(args, explain_path: Path) -> list[dict]:
     records = []
 
     model = _model(args.layers)
-    install_sparse_attention(model, grid, selection, backend="kpage")
+    install_sparse_attention(model, grid, selection, backend="kpage", token_order=_order(args))
     x, t, text = _inputs(1, latent)
     base["layers"] = args.layers
 
@@ -111,7 +121,8 @@ def run(args, explain_path: Path) -> list[dict]:
         m.zero_grad(set_to_none=True)
         m(x, t, text, return_dict=False)[0].float().square().mean().backward()
 
-    for impl, m in (("kpage_sta", model), ("kpage_sta_compiled", compiled)):
+    name = _impl(args)
+    for impl, m in ((name, model), (f"{name}_compiled", compiled)):
         for pass_, step in (("step_fwd", fwd), ("step_train", train)):
             model.train(pass_ == "step_train")
             try:
@@ -170,7 +181,7 @@ def graph_step(args, latent, grid, selection, base) -> list[dict]:
     from .diffusers_wan import install_sparse_attention
 
     model = _model(args.graph_layers)
-    install_sparse_attention(model, grid, selection, backend="kpage")
+    install_sparse_attention(model, grid, selection, backend="kpage", token_order=_order(args))
     model.train()
     static = [v.clone() for v in _inputs(2, latent)]
     graph, loss, grads, eager_step = captured_training_step(model, static)
@@ -187,7 +198,8 @@ def graph_step(args, latent, grid, selection, base) -> list[dict]:
     check = dict(rel_err=worst, correct=bool(worst < 1e-2))
     print(f"CUDA graph replay vs eager: rel {worst:.2e}", file=sys.stderr, flush=True)
     out = []
-    for impl, fn in (("kpage_sta", eager_step), ("kpage_sta_cuda_graph", graph.replay)):
+    name = _impl(args)
+    for impl, fn in ((name, eager_step), (f"{name}_cuda_graph", graph.replay)):
         times = _timed(fn, args.warmup, args.reps)
         out.append(
             dict(
@@ -211,6 +223,13 @@ def main(argv=None) -> int:
     parser.add_argument("--graph-layers", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--token-order",
+        choices=("default", "tiles"),
+        default="default",
+        help="tiles: the model's tokens kept tile-major (install_sparse_attention(..., token_order='tiles')); "
+        "impls kpage_sta_tiles*",
+    )
     parser.add_argument("--out", default=None, help="JSON path (default data/bench/wan_compile_<date>.json)")
     args = parser.parse_args(argv)
     from .bench import run_path, write_run
