@@ -200,6 +200,11 @@ def test_consecutive_page_check_of_the_tile_major_build():
     for m in bad:
         with pytest.raises(KernelValueError, match="k_map: the tile-major token build"):
             check_consecutive_pages(m)
+    good = slot_map(contiguous_layout(64, 64))
+    check_consecutive_pages(good)
+    good[[3, 4]] = good[[4, 3]]  # changed in place after a check: checked again
+    with pytest.raises(KernelValueError, match="k_map"):
+        check_consecutive_pages(good)
 
 
 def test_handle_of_a_freed_object_is_a_clear_error():

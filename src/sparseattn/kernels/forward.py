@@ -754,27 +754,24 @@ def check_token_tensors(q, k, v, q_map, k_map, others=(), kv_in_slots=False):
     return b, nq, h, d, nk, sq, sk, per_row
 
 
-_CONSECUTIVE_PAGES: dict = {}  # (k_map pointer, version, shape, device) -> whether its pages are consecutive
-
-
 def check_consecutive_pages(k_map) -> None:
     """A KernelValueError naming ``k_map`` unless every 16-slot page of it with a token holds consecutive
     tokens from its first slot's (slots without a token, -1, excepted): what the tile-major token build
-    (``kv_tma``) reads each page by. Checked once per map (the answer cached by its pointer and version)."""
+    (``kv_tma``) reads each page by. Checked once per map tensor and version (the answer kept on the
+    tensor itself: a cache keyed by its address would answer for a later tensor at a freed one's)."""
     import torch
 
-    key = (k_map.data_ptr(), k_map._version, tuple(k_map.shape), k_map.device)
-    ok = _CONSECUTIVE_PAGES.get(key)
-    if ok is None:
+    seen = getattr(k_map, "_sparseattn_consecutive_pages", None)
+    if seen is not None and seen[0] == k_map._version:
+        ok = seen[1]
+    else:
         pages = k_map.reshape(-1, PAGE_ROWS)
         first = pages[:, :1]
         expected = first + torch.arange(PAGE_ROWS, dtype=pages.dtype, device=pages.device)
         ok = bool(
             (((pages == expected) | (pages < 0)).all(1) & ((first[:, 0] >= 0) | (pages < 0).all(1))).all()
         )
-        if len(_CONSECUTIVE_PAGES) > 64:
-            _CONSECUTIVE_PAGES.clear()
-        _CONSECUTIVE_PAGES[key] = ok
+        k_map._sparseattn_consecutive_pages = (k_map._version, ok)
     if not ok:
         raise KernelValueError(
             "k_map: the tile-major token build (kv_tma) needs every page's tokens consecutive from its first "
