@@ -181,6 +181,24 @@ def test_contiguous_hidden_states_keep_the_output_and_make_the_residual_stream_c
     assert seen[-1]  # (diffusers' own layout depends on the convolution's: transposed on the GPU)
 
 
+def test_a_second_install_replaces_the_tile_major_hooks():
+    """Installing again (tiles or not) takes the earlier tile-major hooks off: they never stack."""
+    sel = WanSelection.sta((2, 2, 4), (1, 1, 1))
+    x, t, enc = model_inputs()
+    raster = tiny_model()
+    install_sparse_attention(raster, GRID, sel, backend="masked_sdpa")
+    with torch.no_grad():
+        want = raster(x, t, enc, return_dict=False)[0]
+    model = tiny_model()
+    for order in ("tiles", "tiles", None, "tiles", None):
+        processor = install_sparse_attention(model, GRID, sel, backend="masked_sdpa", token_order=order)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x, t, enc, return_dict=False)[0], want, rtol=1e-4, atol=1e-5)
+    processor = install_sparse_attention(model, GRID, sel, backend="masked_sdpa", token_order="tiles")
+    with pytest.raises(ValueError, match="tile-major already"):
+        processor.install_tile_hooks(model)
+
+
 def test_tile_major_tokens_refuse_svg2():
     with pytest.raises(ValueError, match="tiles"):
         WanSparseAttnProcessor(GRID, WanSelection.svg2(4, 4), token_order="tiles")

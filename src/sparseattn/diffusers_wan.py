@@ -496,11 +496,13 @@ class WanSparseAttnProcessor:
 
     def install_tile_hooks(self, transformer) -> TileMajorTokens:
         """``token_order="tiles"``: :class:`TileMajorTokens` of this processor's grid on ``transformer`` (kept
-        as ``tile_hooks``; ``tile_hooks.remove()`` takes them off)."""
+        as ``tile_hooks``; ``tile_hooks.remove()`` takes them off). A model takes one set: a second raises."""
         if self.token_order != "tiles":
             raise ValueError(
                 f"tile hooks are for token_order='tiles'; this processor has {self.token_order!r}"
             )
+        if getattr(transformer, "_sparseattn_tile_hooks", None) is not None:
+            raise ValueError("the model keeps its tokens tile-major already: remove its tile hooks first")
         raster = video_layout(self.grid, self.selection.tile, self.selection.blocks())
         self.tile_hooks = TileMajorTokens(transformer, raster)
         return self.tile_hooks
@@ -564,6 +566,8 @@ class TileMajorTokens:
         self.handles += [
             block.register_forward_pre_hook(self._timestep, with_kwargs=True) for block in blocks
         ]
+        self._model = transformer
+        transformer._sparseattn_tile_hooks = self  # (install_sparse_attention replaces, never stacks, them)
 
     def _take(self, x, name: str):
         import torch
@@ -605,6 +609,8 @@ class TileMajorTokens:
         for h in self.handles:
             h.remove()
         self.handles = []
+        if getattr(self._model, "_sparseattn_tile_hooks", None) is self:
+            del self._model._sparseattn_tile_hooks
 
 
 def contiguous_hidden_states(transformer):
@@ -628,13 +634,16 @@ def install_sparse_attention(
     """Give every block's self-attention of a ``WanTransformer3DModel`` a :class:`WanSparseAttnProcessor`
     (one shared instance, so the static graph is built once); returns it. ``token_order`` as the processor
     takes it; ``"tiles"`` also installs :class:`TileMajorTokens` on the model (the processor's
-    ``tile_hooks``)."""
+    ``tile_hooks``). A later call replaces an earlier one's tile-major hooks rather than stacking them."""
     blocks = getattr(transformer, "blocks", None)
     if blocks is None:
         raise TypeError(
             f"transformer must be a diffusers WanTransformer3DModel, got {type(transformer).__name__}"
         )
     processor = WanSparseAttnProcessor(grid, selection, backend, route, token_order=token_order)
+    earlier = getattr(transformer, "_sparseattn_tile_hooks", None)
+    if earlier is not None:  # an earlier install's tile-major order: the new processors set their own
+        earlier.remove()
     if token_order == "tiles":
         processor.install_tile_hooks(transformer)
     heads = getattr(getattr(transformer, "config", None), "num_attention_heads", None)
