@@ -8,7 +8,10 @@ NaN; the float64 reference on some; the per-block sums of token rows; the Wan pr
 on the same plans (gradients equal to rounding; every main-kernel variant with a token form), and autograd
 through ``token_order_attention`` with ``SPARSEATTN_TOKEN_BACKWARD=1``. The Q/O token build
 (``PAGED_FWD_TOKENS_QO``: q and o by token, k and v in slot order) beside the token-order build in the
-forward's cases, bit for bit against the slot-order build too."""
+forward's cases, bit for bit against the slot-order build too. The tile-major token build
+(``PAGED_FWD_TOKENS_TMA``: k and v token-major, each page 16 consecutive tokens read by TMA) on tile-major
+video layouts, static graphs and device plans, bit for bit against the slot-order build, and a Wan model
+with its tokens kept tile-major against the Q/O path."""
 
 from __future__ import annotations
 
