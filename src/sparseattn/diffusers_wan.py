@@ -222,6 +222,7 @@ class WanSparseAttnProcessor:
         self._layer = None
         self._graphs: dict = {}
         self._layout = None
+        self._raster_layout = None
         self._masks: dict = {}
         self._dense = None
         self._planner = None
@@ -274,10 +275,7 @@ class WanSparseAttnProcessor:
         if heads not in self._graphs:
             graph = self.selection.graph(self.grid, heads)
             if self.token_order == "tiles":  # the model's tokens are the layout's valid slots in order
-                from dataclasses import replace
-
-                q = tile_major_tokens(graph.q)
-                graph = replace(graph, q=q, k=q if graph.k is graph.q else tile_major_tokens(graph.k))
+                graph = graph.tile_major_tokens()
             self._graphs[heads] = graph
         return self._graphs[heads]
 
@@ -317,9 +315,16 @@ class WanSparseAttnProcessor:
     def layout(self):
         """The slot layout of the grid's tokens (tile-major, valid prefix)."""
         if self._layout is None:
-            layout = video_layout(self.grid, self.selection.tile, self.selection.blocks())
-            self._layout = tile_major_tokens(layout) if self.token_order == "tiles" else layout
+            raster = self.raster_layout
+            self._layout = tile_major_tokens(raster) if self.token_order == "tiles" else raster
         return self._layout
+
+    @property
+    def raster_layout(self):
+        """:attr:`layout` with the model's own (raster) token numbering."""
+        if self._raster_layout is None:
+            self._raster_layout = video_layout(self.grid, self.selection.tile, self.selection.blocks())
+        return self._raster_layout
 
     def _to_slots(self, x, dtype):
         """``[B, L, heads, d]`` tokens -> ``[B, heads, slots, d]`` in the layout's slot order (zeros in padding)."""
@@ -503,8 +508,7 @@ class WanSparseAttnProcessor:
             )
         if getattr(transformer, "_sparseattn_tile_hooks", None) is not None:
             raise ValueError("the model keeps its tokens tile-major already: remove its tile hooks first")
-        raster = video_layout(self.grid, self.selection.tile, self.selection.blocks())
-        self.tile_hooks = TileMajorTokens(transformer, raster)
+        self.tile_hooks = TileMajorTokens(transformer, self.raster_layout)
         return self.tile_hooks
 
     def _kv_build(self) -> dict:
@@ -579,10 +583,11 @@ class TileMajorTokens:
             raise ValueError(
                 f"a tensor of {x.shape[1]} tokens met the tile-major hooks of a {self.num_tokens}-token grid"
             )
+        out = x.index_select(1, index)
         # in x's own memory layout: diffusers' Wan hands its blocks a transposed [batch, tokens, channels]
         # view, and a contiguous one would speed up every layer after it (contiguous_hidden_states), which
         # would be no effect of the token order
-        return torch.empty_like(x).copy_(x.index_select(1, index))
+        return out if x.is_contiguous() else torch.empty_like(x).copy_(out)
 
     def _rope(self, module, args, out):
         return tuple(self._take(x, "perm") for x in out)

@@ -12,7 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .layouts import BlockLayout, as_bool_mask
+from .layouts import BlockLayout, as_bool_mask, tile_major_tokens
 from .limits import memory_problem
 
 
@@ -289,6 +289,13 @@ class SparseGraph:
         return SparseGraph(
             self.q, self.k, heads.size, indptr, self.indices[entries], self.name, self.dropped_pairs[heads]
         )
+
+    def tile_major_tokens(self) -> SparseGraph:
+        """The same selection with both layouts' tokens numbered tile-major
+        (:func:`sparseattn.layouts.tile_major_tokens`; one layout stays shared by Q and K)."""
+        q = tile_major_tokens(self.q)
+        k = q if self.k is self.q else tile_major_tokens(self.k)
+        return SparseGraph(q, k, self.heads, self.indptr, self.indices, self.name, self.dropped_pairs)
 
     def transpose(self) -> SparseGraph:
         """The graph with Q and K swapped: rows are K blocks (what a K/V-owned backward iterates)."""

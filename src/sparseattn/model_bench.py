@@ -76,7 +76,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .wan_bench import LATENTS, WAN_1_3B
+from .wan_bench import LATENTS, WAN_1_3B, token_order_of
 
 #: Wan2.1-14B's transformer (diffusers' config names); 40 layers in the real model.
 WAN_14B = dict(WAN_1_3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
@@ -141,16 +141,6 @@ OPT_IN_IMPLS = (
     "kpage_sta_tiles",
     "kpage_vsa_tiles",
 )
-#: The processors' ``token_order`` per impl (absent: the processor's default, the Q/O token build; forward
-#: calls only: training calls move as ``kpage_sta`` / ``kpage_vsa`` do).
-TOKEN_ORDER_OF = {
-    "kpage_sta_tokens": True,
-    "kpage_vsa_tokens": True,
-    "kpage_sta_slots": False,
-    "kpage_vsa_slots": False,
-    "kpage_sta_tiles": "tiles",
-    "kpage_vsa_tiles": "tiles",
-}
 ALL_IMPLS = IMPLS + OPT_IN_IMPLS
 MODES = ("fwd", "train")
 PASSES = ("step_fwd", "attn_fwd", "step_train", "attn_train")
@@ -535,25 +525,18 @@ def build_impl(impl: str, grid, heads: int, args) -> Impl:
         from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
         return Impl(WanAttnProcessor(), None, dict(selection="dense"), check="none")
-    if impl in (
-        "kpage_sta",
-        "masked_sta",
-        "flex_sta",
-        "kpage_sta_tokens",
-        "kpage_sta_slots",
-        "kpage_sta_tiles",
-    ):
+    if impl in ("kpage_sta", "masked_sta", "flex_sta") or impl.startswith("kpage_sta_"):
         selection = sta_selection(args)
         if impl == "flex_sta":
             processor = flex_processor(grid, selection)
         else:
             backend = "masked_sdpa" if impl == "masked_sta" else "kpage"
             processor = WanSparseAttnProcessor(
-                grid, selection, backend=backend, token_order=TOKEN_ORDER_OF.get(impl)
+                grid, selection, backend=backend, token_order=token_order_of(impl)
             )
         _prepare(processor, heads)
         return Impl(processor, processor, _sta_meta(selection), graph=processor.graph_for(heads))
-    if impl in ("kpage_vsa", "vsa_kernel", "kpage_vsa_tokens", "kpage_vsa_slots", "kpage_vsa_tiles"):
+    if impl in ("kpage_vsa", "vsa_kernel") or impl.startswith("kpage_vsa_"):
         from .wan_bench import TOPK_FRACTION, processors
 
         processor = processors(grid, impl)

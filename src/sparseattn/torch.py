@@ -228,7 +228,7 @@ def token_order_attention(
     eager_cuda = q.is_cuda and not torch.compiler.is_compiling()
     token_build = eager_cuda and q.dtype == k.dtype == v.dtype == torch.bfloat16
     if token_build and not _needs_grad(q, k, v):
-        kv = "tma" if kv_tma else kv_slots
+        kv = "tma" if kv_tma else "slots" if kv_slots else "tokens"
         return _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale, kv)
     if token_build and token_backward_enabled():
         return _TokenOrderFunction.apply(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale)
@@ -312,14 +312,16 @@ def _token_target(graph_or_planner, q, q2k_idx, q2k_num, mask, backward: bool):
     )
 
 
-def _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale, kv_slots=False):
+def _token_order_forward(q, k, v, graph_or_planner, q2k_idx, q2k_num, mask, route, scale, kv="tokens"):
+    """The no-gradient forward of :func:`token_order_attention`; ``kv``: how the kernel reads k and v
+    (``"tokens"`` gathered by token, ``"slots"`` moved to slot order first, ``"tma"`` token-major pages)."""
     from .kernels.forward import torch_token_forward
 
     target, _memory = _token_target(graph_or_planner, q, q2k_idx, q2k_num, mask, backward=False)
     q_map, k_map = _token_maps(graph_or_planner, q.device)
-    if kv_slots == "tma":  # the tile-major token build: k and v read token-major, page by page
+    if kv == "tma":  # the tile-major token build: k and v read token-major, page by page
         return torch_token_forward(q, k, v, target, q_map, k_map, route=route, scale=scale, kv_tma=True)[0]
-    if kv_slots:  # the Q/O token build: k and v streamed from slot order
+    if kv == "slots":  # the Q/O token build: k and v streamed from slot order
         ks, vs = tokens_to_slots(graph_or_planner.k, k, v)
         return torch_token_forward(
             q, ks, vs, target, q_map, None, route=route, scale=scale, kv_in_slots=True

@@ -61,6 +61,16 @@ OPT_IN_IMPLS = ("kpage_vsa_tokens", "kpage_vsa_slots")
 TOPK_FRACTION = 0.1
 
 
+#: A KPage impl's name suffix -> its processors' ``token_order`` (no suffix: the processors' default; forward
+#: calls only: training calls move as the default's do).
+TOKEN_ORDER_SUFFIXES = {"_tokens": True, "_slots": False, "_tiles": "tiles"}
+
+
+def token_order_of(impl: str):
+    """The ``token_order`` of a KPage impl (``kpage_vsa_tiles`` -> ``"tiles"``; None: the default)."""
+    return next((order for s, order in TOKEN_ORDER_SUFFIXES.items() if impl.endswith(s)), None)
+
+
 def processors(grid, impl: str):
     """The self-attention processor of an impl (one instance shared by the blocks)."""
     import torch
@@ -69,11 +79,8 @@ def processors(grid, impl: str):
 
     blocks = math.prod(-(-g // t) for g, t in zip(grid, (4, 4, 4)))
     selection = WanSelection.vsa((4, 4, 4), topk=math.ceil(TOPK_FRACTION * blocks))
-    if impl in ("kpage_vsa", "kpage_vsa_tokens", "kpage_vsa_slots", "kpage_vsa_tiles"):
-        order = {"kpage_vsa_tokens": True, "kpage_vsa_slots": False, "kpage_vsa_tiles": "tiles"}.get(
-            impl
-        )  # None: the processor's default
-        return WanSparseAttnProcessor(grid, selection, backend="kpage", token_order=order)
+    if impl == "kpage_vsa" or impl.startswith("kpage_vsa_"):
+        return WanSparseAttnProcessor(grid, selection, backend="kpage", token_order=token_order_of(impl))
     if impl == "dense":
         processor = WanSparseAttnProcessor(grid, WanSelection.full((4, 4, 4)), backend="masked_sdpa")
 

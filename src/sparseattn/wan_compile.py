@@ -70,7 +70,7 @@ def _rel(a, b) -> float:
 
 def _order(args):
     """``install_sparse_attention``'s ``token_order`` of the run (None: the processors' default)."""
-    return "tiles" if getattr(args, "token_order", "default") == "tiles" else None
+    return "tiles" if args.token_order == "tiles" else None
 
 
 def _impl(args) -> str:

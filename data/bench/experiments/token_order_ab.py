@@ -36,10 +36,6 @@ WORKLOADS = ("vsa_wan14b_480p", "vsa_wan14b_720p", "ssta_hy15_720p", "sta_wan14b
 
 def workload_graph(name: str, order: str):
     """(graph, head_dim) of ``name``, its tokens in ``order`` (``raster``: as built; ``tiles``: see above)."""
-    import dataclasses
-
-    import numpy as np
-
     from sparseattn import bench
     from sparseattn.diffusers_wan import WanSelection
 
@@ -48,12 +44,7 @@ def workload_graph(name: str, order: str):
         head_dim = 128
     else:
         graph, head_dim = bench.workload_graph(name, None, seed=0)
-    if order == "tiles":
-        relabel = lambda lay: dataclasses.replace(lay, token_slot=np.sort(lay.token_slot))
-        q = relabel(graph.q)
-        k = q if graph.k is graph.q else relabel(graph.k)
-        graph = dataclasses.replace(graph, q=q, k=k)
-    return graph, head_dim
+    return (graph.tile_major_tokens() if order == "tiles" else graph), head_dim
 
 
 def token_tensors(graph, head_dim: int):
