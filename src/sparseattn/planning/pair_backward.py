@@ -124,3 +124,43 @@ def pair_backward_plan(
         heads=graph.heads,
         stream_vis=seg_vis.astype(np.uint32),
     )
+
+
+#: Streamed Q pages per step of the backward kernel (64 rows: ``PB_Q_ROWS`` in paged_bwd.cu).
+STEP_PAGES = 4
+
+
+def pair_step_halves(vis: np.ndarray, step_pages: int = STEP_PAGES) -> np.ndarray:
+    """Which halves see each kernel step of one pair item: uint8 ``[steps]``, bit 0 rows 0–63, bit 1 rows
+    64–127, from the item's ``stream_vis`` entries (``[entries]``; a last partial step holds fewer)."""
+    vis = np.asarray(vis, dtype=np.uint32)
+    n = -(-vis.size // step_pages)
+    padded = np.zeros(n * step_pages, dtype=np.uint32)
+    padded[: vis.size] = vis & 3
+    steps = padded.reshape(n, step_pages)
+    return (np.bitwise_or.reduce(steps, axis=1) if n else np.zeros(0, np.uint32)).astype(np.uint8)
+
+
+def pair_step_order(vis: np.ndarray, step_pages: int = STEP_PAGES) -> np.ndarray:
+    """The order in which ``paged_bwd_ws_kernel<128, true>`` runs a pair item's steps (its mirror): int64
+    ``[steps]``, the stream step of each step run.
+
+    The item's stream is ``[A only | shared | B only]``. The kernel counts the leading steps whose last
+    entry half B does not see (``a``) and the trailing steps whose first entry half A does not see (``b``),
+    runs ``min(a, b)`` of each alternated (A, B, A, B, …: the two warpgroups compute them side by side),
+    then the other steps in stream order. Any stream gives a permutation of its steps.
+    """
+    vis = np.asarray(vis, dtype=np.uint32) & 3
+    n = -(-vis.size // step_pages)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    last = vis[np.minimum(np.arange(n) * step_pages + step_pages - 1, vis.size - 1)]
+    first = vis[np.arange(n) * step_pages]
+    a = int(np.argmin(np.append((last & 2) == 0, False)))  # leading run of steps B does not see last
+    not_b = int(np.argmin(np.append((first & 1) != 0, False)))  # leading run whose first entry A sees
+    b = n - max(min(not_b, n), a)
+    m = min(a, b)
+    head = np.empty(2 * m, dtype=np.int64)
+    head[0::2] = np.arange(m)
+    head[1::2] = n - b + np.arange(m)
+    return np.concatenate([head, np.arange(m, n - b), np.arange(n - b + m, n)])
