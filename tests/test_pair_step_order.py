@@ -32,7 +32,7 @@ def test_the_warp_search_ends_within_range_on_any_predicate():
     rng = np.random.default_rng(1)
     for steps in (1, 7, 100, 3000):
         bits = rng.random(steps) < 0.5
-        assert 0 <= warp_count_leading(steps, lambda j: bits[j]) <= steps
+        assert 0 <= warp_count_leading(steps, bits.__getitem__) <= steps
 
 
 def pair_stream(rng, a: int, s: int, b: int) -> np.ndarray:
