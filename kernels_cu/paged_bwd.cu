@@ -149,34 +149,15 @@ __device__ __forceinline__ void issue_pv_slice(float (&o)[HEAD_DIM / 2], const u
 
 
 // dQ[:, 64 columns] = dS · K[:, 64 columns] for 64 streamed rows: A = the [BLOCK_K][64] dSᵀ tile, B = one
-// 64-column block of the BLOCK_K-row K tile (both MN-major), K-dim = ROWS owned rows (all BLOCK_K, or one
-// 64-row half: tdS and tKcols then point at its first row).
-template <int BLOCK_K, int ROWS = BLOCK_K>
+// 64-column block of the BLOCK_K-row K tile (both MN-major), K-dim = the BLOCK_K owned rows.
+template <int BLOCK_K>
 __device__ __forceinline__ void issue_dq(float (&dq)[32], uint32_t tdS, uint32_t tKcols) {
 #pragma unroll
-    for (int kk = 0; kk < ROWS / 16; ++kk) {
+    for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
         const uint64_t da = hopper::smem_desc(tdS + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
         const uint64_t db = hopper::smem_desc(tKcols + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
         hopper::wgmma_ss_tt<64>(dq, da, db, kk > 0);
     }
-}
-
-// How many of the steps [0, steps) a monotone predicate (true, then false) holds for, found by one warp in
-// rounds of 32 probes (pred is called by every lane, with the lane's step).
-template <class Pred>
-__device__ __forceinline__ int warp_count_leading(int steps, int lane, Pred pred) {
-    int lo = 0, hi = steps;  // the count is in [lo, hi]
-    while (lo < hi) {
-        const long long span = hi - lo;
-        const int c = __popc(__ballot_sync(0xffffffffu, pred(lo + static_cast<int>((span * lane) >> 5))));
-        if (c == 0) {
-            hi = lo;
-        } else {
-            if (c < 32) hi = lo + static_cast<int>((span * c) >> 5);
-            lo += static_cast<int>((span * (c - 1)) >> 5) + 1;
-        }
-    }
-    return lo;
 }
 
 // The owned pages of one work item, both matrices (K and V, or Q and dO; element offset bh_offset of the
@@ -717,10 +698,6 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     using Cfg = Config<HEAD_DIM, PAIR>;
     constexpr int D = HEAD_DIM;
     constexpr int BK = kBlockK;
-    // pair items at d = 128: a step one half sees runs on that half's warpgroup alone (below); at d = 64
-    // every step runs on both (the one-half path's second copy of the step makes ptxas serialize the
-    // d = 64 kernel's wgmmas), the half that does not see it computing zeros
-    constexpr bool kSolo = PAIR && HEAD_DIM == 128;
     constexpr int QS = PB_Q_ROWS;
     constexpr int SP = QS / PAGE_ROWS;  // streamed pages per step
 
@@ -773,53 +750,12 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                                                       warp);
 #endif
     paged::cp_async_commit();
-    // PAIR: the stream is [seen by half A only | by both | by half B only] (pair_backward_plan, the device
-    // planner's HALVES items). Its steps run A-only and B-only alternated ahead, so that the two consumer
-    // warpgroups each compute a one-half step at the same time; the other steps follow in stream order.
-    // Warps 2 and 3 count the leading A-only and the steps before the trailing B-only ones (any order of
-    // the entries gives a permutation of the steps: only the speed depends on it).
-    const int* const pair_entries =
-        PAIR ? reinterpret_cast<const int*>(pair_pages) + 3 * static_cast<size_t>(stream_begin) : nullptr;
-    int* const sSteps = reinterpret_cast<int*>(smem + meta_off + 2 * 2 * Cfg::kMetaCopies * QS * 4);
-    if constexpr (kSolo) {
-        if (warp == 2) {  // steps whose last entry half B does not see
-            const int n = paged_bwd::warp_count_leading(num_tiles, lane, [&](int j) {
-                return pair_entries[3 * min(j * SP + SP - 1, stream_len - 1) + 2] < 0;
-            });
-            if (lane == 0) sSteps[0] = n;
-        } else if (warp == 3) {  // steps whose first entry half A sees
-            const int n = paged_bwd::warp_count_leading(
-                num_tiles, lane, [&](int j) { return pair_entries[3 * (j * SP) + 1] >= 0; });
-            if (lane == 0) sSteps[1] = n;
-        }
-    }
     paged::cp_async_wait<0>();
     fence_async_proxy();
     __syncthreads();  // owned tiles and barriers ready
 
     const int* pages_all = stream_pages + stream_begin;
     const int role = __shfl_sync(0xffffffffu, tid / 128, 0);
-    // PAIR: the stream step of the t-th step run (identity without PAIR, and for t >= num_tiles)
-    int steps_a = 0, steps_b = 0;
-    if constexpr (kSolo) {
-        steps_a = min(sSteps[0], num_tiles);
-        steps_b = num_tiles - max(min(sSteps[1], num_tiles), steps_a);
-    }
-    const int alternated = min(steps_a, steps_b);
-    auto step_of = [&](int t) -> int {
-        if constexpr (!kSolo) return t;
-        if (t < 2 * alternated) return (t & 1) ? num_tiles - steps_b + (t >> 1) : (t >> 1);
-        const int r = t - 2 * alternated;
-        return r < num_tiles - steps_b - alternated ? alternated + r : t;
-    };
-    // PAIR: lane l < 8 of a warp loads entry l % 4 of run step t as half l / 4 sees it (-1: not seen);
-    // step_halves of the warp's values: bits 0-3 half A's view of the step's entries, bits 4-7 half B's
-    auto step_view = [&](int t) -> int {
-        if (lane >= 8 || t >= num_tiles) return -1;
-        const int e = step_of(t) * SP + (lane & 3);
-        return e < stream_len ? pair_entries[3 * e + 1 + (lane >> 2)] : -1;
-    };
-    auto step_halves = [&](int view) -> uint32_t { return __ballot_sync(0xffffffffu, view >= 0) & 0xffu; };
     if (role == 0) {
         // ================================ producer ================================
         regs_release<PAIR ? kPairProducerRegs : kProducerRegs>();
@@ -833,7 +769,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
             // the mask of step t + 1 (page known) and the page id of step t + 2, so a step's copies issue
             // as soon as its buffer is free instead of after two global-load round trips.
             auto page_id = [&](int t) -> int {
-                const int e = step_of(t) * SP + lane;
+                const int e = t * SP + lane;
                 return lane < SP && t < num_tiles && e < stream_len ? pages_all[e] : -1;
             };
             int page1 = page_id(0);  // step t's page (lane p: page p)
@@ -880,23 +816,14 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
             }
             paged::cp_async_wait<0>();
         } else if (warp == 3) {  // warp 3: each step's dQ pages, one bulk reduction each (lane 0)
-            // (PAIR: the steps both halves see; a one-half step's warpgroup reduces its own dQ)
             float* dq_bh = dq_accum + bh * q_slots * D;
-            int view = kSolo ? step_view(0) : -1;
-            int dq_uses = 0;  // kSolo: steps both halves saw so far
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
-                if constexpr (kSolo) {
-                    const uint32_t halves = step_halves(view);
-                    view = step_view(t + 1);
-                    if ((halves & 0x0fu) == 0u || (halves & 0xf0u) == 0u) continue;
-                }
-                mbar_wait(dq_full, (kSolo ? dq_uses++ : t) & 1);
+                mbar_wait(dq_full, t & 1);
                 if (lane == 0) {
-                    const int step = step_of(t);
-                    const int npages = min(SP, stream_len - step * SP);
+                    const int npages = min(SP, stream_len - t * SP);
                     for (int p = 0; p < npages; ++p) {
-                        const int page = pages_all[step * SP + p];
+                        const int page = pages_all[t * SP + p];
                         if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages))
                             paged_bwd::bulk_reduce_add_f32(dq_bh + static_cast<size_t>(page) * PAGE_ROWS * D,
                                                            tDq + p * Cfg::kPageBytesF32, Cfg::kPageBytesF32);
@@ -928,25 +855,24 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     // LSE₂ (warpgroup 0) or Δ (warpgroup 1) of streamed row meta_row, staged by threads 0-63 of each
     // consumer warpgroup one step ahead. Its three dependent loads are spread over three steps, so none
     // stalls a step: in step t the value of step t + 1 (slot known), the page mask of step t + 2 (page
-    // known), the page id of step t + 3. PAIR: each warpgroup stages its own copies, LSE₂ (threads 0-63)
-    // holding the rows its half sees and the others as absent pages (LSE₂ = +inf), and Δ (threads 64-127)
-    // over the union (where P is 0, so is dS): the two warpgroups may run different steps.
+    // known), the page id of step t + 3. PAIR: each warpgroup b stages its own LSE₂ copy (threads 0-63),
+    // holding the rows half b sees and the others as absent pages (LSE₂ = +inf); warpgroup 1's threads
+    // 64-127 stage Δ, one copy over the union (where P is 0, so is dS).
     const int meta_row = PAIR ? (ctid & 63) : (ctid & 127);
-    const bool meta_thread = PAIR || meta_row < QS;  // warp-uniform
+    const bool meta_thread = PAIR ? kvp == 1 || (ctid & 127) < 64 : meta_row < QS;  // warp-uniform
     const bool meta_is_lse = PAIR ? (ctid & 127) < 64 : kvp == 0;
-    float* const lse_copy = sLse + (PAIR ? kvp * QS : 0);      // the LSE₂ this warpgroup reads
-    float* const delta_copy = sDelta + (PAIR ? kvp * QS : 0);  // the Δ it reads
-    float* const sMeta = meta_is_lse ? lse_copy : delta_copy;
+    float* const lse_copy = sLse + (PAIR ? kvp * QS : 0);  // the LSE₂ this warpgroup reads (and stages)
+    float* const sMeta = meta_is_lse ? lse_copy : sDelta;
     const float* const meta_src = (meta_is_lse ? lse : delta) + bh * q_slots;
     // PAIR: pair_pages columns (union, seen by half 0, seen by half 1): Δ takes the union
     constexpr int kMetaStep = PAIR ? 3 : 1;
     const int* const meta_pages =
-        PAIR ? pair_entries + (meta_is_lse ? 1 + kvp : 0) : pages_all;
+        PAIR ? reinterpret_cast<const int*>(pair_pages) + 3 * static_cast<size_t>(stream_begin) +
+                   (meta_is_lse ? 1 + kvp : 0)
+             : pages_all;
     auto meta_page = [&](int u) -> int {
         const int p = meta_row / PAGE_ROWS;
-        if (u >= num_tiles) return -1;
-        const int step = step_of(u);
-        return p < min(SP, stream_len - step * SP) ? meta_pages[(step * SP + p) * kMetaStep] : -1;
+        return u < num_tiles && p < min(SP, stream_len - u * SP) ? meta_pages[(u * SP + p) * kMetaStep] : -1;
     };
     auto meta_slot = [&](uint32_t mask, int page) -> int {  // -1: padding or no page
         return paged::page_row_valid(mask, meta_row % PAGE_ROWS) ? page * PAGE_ROWS + meta_row % PAGE_ROWS : -1;
@@ -956,33 +882,22 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         return slot >= 0 ? raw : 0.f;
     };
     int slot1 = -1, page2 = -1;  // step t + 1's slot, step t + 2's page
-    // in step t: step t + 1's value, step t + 2's page mask, step t + 3's page (loads only: their results
-    // are first used at the end of the step, meta_stage)
-    struct MetaLoads {
-        float raw1 = 0.f;
-        uint32_t mask2 = 0;
-        int page3 = -1;
-    };
-    auto meta_load = [&](int t, MetaLoads& m) {
-        if (meta_thread) {
-            m.raw1 = meta_src[max(slot1, 0)];
-            m.mask2 = paged::load_page_mask(q_page_mask, page2, q_pages);
-            m.page3 = meta_page(t + 3);
-        }
-    };
-    // step t + 1's value into stage st ^ 1, last read by step t - 1's p_and_ds (before this warpgroup's
-    // previous barrier)
-    auto meta_stage = [&](int t, int st, const MetaLoads& m) {
-        if (meta_thread) {
-            if (t + 1 < num_tiles) sMeta[(st ^ 1) * MS + meta_row] = meta_value(m.raw1, slot1);
-            slot1 = meta_slot(m.mask2, page2);
-            page2 = m.page3;
+    // PAIR: per stage, which of its 32 rows each LSE₂-staging warp gave a finite LSE₂ (ballot words
+    // [stage][half][warp 0-1 of the half's warpgroup]); a half whose two words are 0 sees nothing in the step
+    uint32_t* const sSeen = reinterpret_cast<uint32_t*>(sDelta + 2 * MS);
+    auto stage_meta = [&](int stage, float value) {
+        sMeta[stage * MS + meta_row] = value;
+        if constexpr (PAIR) {
+            if (meta_is_lse) {  // warps 0-1 of warpgroup kvp
+                const uint32_t seen = __ballot_sync(0xffffffffu, value != INFINITY);
+                if (lane == 0) sSeen[stage * 4 + 2 * kvp + wq] = seen;
+            }
         }
     };
     if (meta_thread) {
         const int page0 = meta_page(0);
         const int slot0 = meta_slot(paged::load_page_mask(q_page_mask, page0, q_pages), page0);
-        if (num_tiles > 0) sMeta[meta_row] = meta_value(meta_src[max(slot0, 0)], slot0);
+        if (num_tiles > 0) stage_meta(0, meta_value(meta_src[max(slot0, 0)], slot0));
         const int page1 = meta_page(1);
         slot1 = meta_slot(paged::load_page_mask(q_page_mask, page1, q_pages), page1);
         page2 = meta_page(2);
@@ -994,203 +909,88 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
-    // One step's S, dP, P and dS, dSᵀ to shared memory, then dV += P·dO and dK += dS·Q issued (in flight
-    // when it returns); the meta loads of step t + 1 while S and dP run.
-    auto step_gemms = [&](int t, uint32_t tQ, uint32_t tdO, uint32_t tdS, const float* tLse, const float* tDelta,
-                          MetaLoads& m) {
-        float s[QS / 2];
-        float dp[QS / 2];
-        wgmma_fence();
-        issue_qk<D, QS, BK>(s, aK, tQ);
-        wgmma_commit();
-        issue_qk<D, QS, BK>(dp, aV, tdO);
-        wgmma_commit();
-        meta_load(t, m);
-        wgmma_wait<0>();
-        pin_registers(s);
-        pin_registers(dp);
-        paged_bwd::p_and_ds(s, dp, kvalid_lo, kvalid_hi, tLse, tDelta, scale_log2, t4);
-        uint32_t pa[QS / PAGE_ROWS][4];
-        uint32_t pds[QS / PAGE_ROWS][4];
-        pack_p<QS>(pa, s);
-        pack_p<QS>(pds, dp);
-        paged_bwd::store_ds<BK>(tdS, pds, kvp, wq, g, t4);
-        wgmma_fence();
-        issue_pv<D, QS>(acc_dv, pa, tdO);
-        wgmma_commit();
-        issue_pv<D, QS>(acc_dk, pds, tQ);
-        wgmma_commit();
-    };
-    // This step's dQ partial to the staging pages (page wq: rows 16·wq ..) once the step's GEMMs are done,
-    // for warp 3 (both halves see the step)
-    auto step_dq_shared = [&](int st, uint32_t tdS, int dq_use) {
-        // dQ[:, 64·kvp ..] = dS · K[:, 64·kvp ..]; at d = 64 both warpgroups compute columns 0-63 and
-        // warpgroup 0 stages them (a branch around the GEMM, with dV and dK in flight, makes ptxas serialize
-        // every wgmma of the pair kernel)
+#pragma unroll 1
+    for (int t = 0; t < num_tiles; ++t) {
+        const int st = t & 1;
+        const uint32_t tQ = tQ0 + st * Cfg::kQBytes;
+        const uint32_t tdO = tdO0 + st * Cfg::kQBytes;
+        const uint32_t tdS = tdS0 + st * Cfg::kSBytes;
+        const float* tLse = lse_copy + st * MS;
+        const float* tDelta = sDelta + st * MS;
+        mbar_wait(q_full(st), (t >> 1) & 1);
+        fence_async_proxy();
+
+        float raw1 = 0.f;
+        uint32_t mask2 = 0;
+        int page3 = -1;
+        // PAIR: a half that sees none of the step's rows skips its four GEMMs and leaves zeros as its dSᵀ
+        if (PAIR && (sSeen[st * 4 + 2 * kvp] | sSeen[st * 4 + 2 * kvp + 1]) == 0u) {
+            if (meta_thread) {
+                raw1 = meta_src[max(slot1, 0)];
+                mask2 = paged::load_page_mask(q_page_mask, page2, q_pages);
+                page3 = meta_page(t + 3);
+            }
+            const uint32_t zero_ds[QS / PAGE_ROWS][4] = {};
+            paged_bwd::store_ds<BK>(tdS, zero_ds, kvp, wq, g, t4);
+        } else {
+            float s[QS / 2];
+            float dp[QS / 2];
+            wgmma_fence();
+            issue_qk<D, QS, BK>(s, aK, tQ);
+            wgmma_commit();
+            issue_qk<D, QS, BK>(dp, aV, tdO);
+            wgmma_commit();
+            if (meta_thread) {  // loads only: their results are first used at the end of the step
+                raw1 = meta_src[max(slot1, 0)];
+                mask2 = paged::load_page_mask(q_page_mask, page2, q_pages);
+                page3 = meta_page(t + 3);
+            }
+            wgmma_wait<0>();
+            pin_registers(s);
+            pin_registers(dp);
+            paged_bwd::p_and_ds(s, dp, kvalid_lo, kvalid_hi, tLse, tDelta, scale_log2, t4);
+            uint32_t pa[QS / PAGE_ROWS][4];
+            uint32_t pds[QS / PAGE_ROWS][4];
+            pack_p<QS>(pa, s);
+            pack_p<QS>(pds, dp);
+            paged_bwd::store_ds<BK>(tdS, pds, kvp, wq, g, t4);
+            wgmma_fence();
+            issue_pv<D, QS>(acc_dv, pa, tdO);
+            wgmma_commit();
+            issue_pv<D, QS>(acc_dk, pds, tQ);
+            wgmma_commit();
+        }
+        // stage t + 1's buffer was last read by step t - 1's p_and_ds, before the previous named barrier
+        if (meta_thread) {
+            if (t + 1 < num_tiles) stage_meta(st ^ 1, meta_value(raw1, slot1));
+            slot1 = meta_slot(mask2, page2);
+            page2 = page3;
+        }
+        fence_async_proxy();
+        named_sync(1, 256);  // both dSᵀ halves of this step and step t + 1's LSE₂ and Δ are in shared memory
+
+        // dQ[:, 64·kvp ..] = dS · K[:, 64·kvp ..] (at d = 64 warpgroup 0 alone)
         const bool has_dq = D == 128 || kvp == 0;
         float dq[32];
         wgmma_fence();
-        paged_bwd::issue_dq<BK>(dq, tdS, tK + (D == 128 ? kvp : 0) * (BK * 128));
-        wgmma_commit();
+        if (has_dq) {
+            paged_bwd::issue_dq<BK>(dq, tdS, tK + kvp * (BK * 128));
+            wgmma_commit();
+        }
         wgmma_wait<0>();  // dV, dK and dQ of this step: Q, dO and dSᵀ are read
         pin_registers(dq);
         pin_registers(acc_dk);
         pin_registers(acc_dv);
         __syncwarp();
         if (lane == 0) mbar_arrive(q_empty(st));
-        mbar_wait(dq_empty, (dq_use & 1) ^ 1u);
+
+        // dQ partial -> staging (page wq of the step: rows 16·wq .., contiguous fp32 page), for warp 3
+        mbar_wait(dq_empty, (t & 1) ^ 1u);
         if (has_dq)
             paged_bwd::stage_dq_page<D>(tDq + wq * Cfg::kPageBytesF32, dq, 64 * kvp, g, t4);
         fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
         __syncwarp();
         if (lane == 0) mbar_arrive(dq_full);
-    };
-
-    if constexpr (PAIR) {
-        // A step both halves see runs as without pairs: both dSᵀ halves, one named barrier, each warpgroup
-        // the dQ of its 64 head-dim columns over the 128 owned rows, staged for warp 3. A step one half sees
-        // runs on its warpgroup alone: the dQ of every column over its 64 rows, staged over the step's Q and
-        // dO buffers (free once its GEMMs are done) and reduced by one of its threads, which then frees the
-        // step's buffers; the other warpgroup passes the step by and goes on to its next one.
-        const uint32_t own_rows = kvp * 64 * 128;
-        auto dq_page = [&](int st, int p) -> uint32_t {  // staged fp32 page p: Q buffer pages 0-1, dO 2-3
-            return (p < 2 ? tQ0 : tdO0 - 2 * Cfg::kPageBytesF32) + st * Cfg::kQBytes + p * Cfg::kPageBytesF32;
-        };
-        int view = kSolo ? step_view(0) : -1;
-        int dq_uses = 0;  // steps both halves saw so far
-#pragma unroll 1
-        for (int t = 0; t < num_tiles; ++t) {
-            const int st = t & 1;
-            const uint32_t tQ = tQ0 + st * Cfg::kQBytes;
-            const uint32_t tdO = tdO0 + st * Cfg::kQBytes;
-            const uint32_t tdS = tdS0 + st * Cfg::kSBytes;
-            const float* tLse = lse_copy + st * MS;
-            const float* tDelta = delta_copy + st * MS;
-            uint32_t halves = 0xffu;
-            if constexpr (kSolo) {
-                halves = step_halves(view);
-                view = step_view(t + 1);
-            }
-            const bool mine = !kSolo || ((halves >> (4 * kvp)) & 0xfu) != 0u;
-            const bool theirs = !kSolo || ((halves >> (4 - 4 * kvp)) & 0xfu) != 0u;
-            mbar_wait(q_full(st), (t >> 1) & 1);
-            fence_async_proxy();
-            MetaLoads m;
-            if (mine && theirs) {
-                step_gemms(t, tQ, tdO, tdS, tLse, tDelta, m);
-                meta_stage(t, st, m);
-                fence_async_proxy();
-                named_sync(1, 256);  // both dSᵀ halves of this step and step t + 1's LSE₂ and Δ are in shared memory
-                step_dq_shared(st, tdS, dq_uses++);
-            } else if (mine) {
-                step_gemms(t, tQ, tdO, tdS, tLse, tDelta, m);
-                meta_stage(t, st, m);
-                fence_async_proxy();
-                named_sync(2 + kvp, 128);  // this half's dSᵀ and step t + 1's LSE₂ and Δ
-                float dq[32];
-                // (the K tile's address laundered: its descriptors are rebuilt here instead of held in registers
-                // across the loop, where they spill the consumers)
-                uint32_t own_k = tK + own_rows;
-                asm volatile("" : "+r"(own_k));
-#pragma unroll
-                for (int c = 0; c < D / 64; ++c) {  // dQ[:, 64c ..] = dS · K[:, 64c ..] over the 64 own rows
-                    wgmma_fence();
-                    paged_bwd::issue_dq<BK, 64>(dq, tdS + own_rows, own_k + c * (BK * 128));
-                    wgmma_commit();
-                    wgmma_wait<0>();  // (c = 0: dV and dK too, so Q and dO are read)
-                    pin_registers(dq);
-                    pin_registers(acc_dk);
-                    pin_registers(acc_dv);
-                    paged_bwd::stage_dq_page<D>(dq_page(st, wq), dq, 64 * c, g, t4);
-                }
-                fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
-                named_sync(2 + kvp, 128);
-                if ((ctid & 127) == 0) {
-                    const int step = step_of(t);
-                    const int npages = min(SP, stream_len - step * SP);
-                    float* dq_bh = dq_accum + bh * q_slots * D;
-                    for (int p = 0; p < npages; ++p) {
-                        const int page = pages_all[step * SP + p];
-                        if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages))
-                            paged_bwd::bulk_reduce_add_f32(dq_bh + static_cast<size_t>(page) * PAGE_ROWS * D,
-                                                           dq_page(st, p), Cfg::kPageBytesF32);
-                    }
-                    paged_bwd::bulk_commit();
-                    paged_bwd::bulk_wait_read();
-                    mbar_arrive(q_empty(st), 4);  // this warpgroup's four warps
-                }
-            } else {
-                meta_load(t, m);
-                meta_stage(t, st, m);
-                named_sync(2 + kvp, 128);  // step t + 1's LSE₂ and Δ
-                __syncwarp();
-                if (lane == 0) mbar_arrive(q_empty(st));
-            }
-        }
-        if ((ctid & 127) == 0) paged_bwd::bulk_wait();
-    } else {
-#pragma unroll 1
-        for (int t = 0; t < num_tiles; ++t) {
-            const int st = t & 1;
-            const uint32_t tQ = tQ0 + st * Cfg::kQBytes;
-            const uint32_t tdO = tdO0 + st * Cfg::kQBytes;
-            const uint32_t tdS = tdS0 + st * Cfg::kSBytes;
-            const float* tLse = lse_copy + st * MS;
-            const float* tDelta = sDelta + st * MS;
-            mbar_wait(q_full(st), (t >> 1) & 1);
-            fence_async_proxy();
-            MetaLoads m;
-            {
-                float s[QS / 2];
-                float dp[QS / 2];
-                wgmma_fence();
-                issue_qk<D, QS, BK>(s, aK, tQ);
-                wgmma_commit();
-                issue_qk<D, QS, BK>(dp, aV, tdO);
-                wgmma_commit();
-                meta_load(t, m);
-                wgmma_wait<0>();
-                pin_registers(s);
-                pin_registers(dp);
-                paged_bwd::p_and_ds(s, dp, kvalid_lo, kvalid_hi, tLse, tDelta, scale_log2, t4);
-                uint32_t pa[QS / PAGE_ROWS][4];
-                uint32_t pds[QS / PAGE_ROWS][4];
-                pack_p<QS>(pa, s);
-                pack_p<QS>(pds, dp);
-                paged_bwd::store_ds<BK>(tdS, pds, kvp, wq, g, t4);
-                wgmma_fence();
-                issue_pv<D, QS>(acc_dv, pa, tdO);
-                wgmma_commit();
-                issue_pv<D, QS>(acc_dk, pds, tQ);
-                wgmma_commit();
-            }
-            meta_stage(t, st, m);
-            fence_async_proxy();
-            named_sync(1, 256);  // both dSᵀ halves of this step and step t + 1's LSE₂ and Δ are in shared memory
-
-            // dQ[:, 64·kvp ..] = dS · K[:, 64·kvp ..] (at d = 64 warpgroup 0 alone)
-            const bool has_dq = D == 128 || kvp == 0;
-            float dq[32];
-            wgmma_fence();
-            if (has_dq) {
-                paged_bwd::issue_dq<BK>(dq, tdS, tK + kvp * (BK * 128));
-                wgmma_commit();
-            }
-            wgmma_wait<0>();  // dV, dK and dQ of this step: Q, dO and dSᵀ are read
-            pin_registers(dq);
-            pin_registers(acc_dk);
-            pin_registers(acc_dv);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(q_empty(st));
-
-            // dQ partial -> staging (page wq of the step: rows 16·wq .., contiguous fp32 page), for warp 3
-            mbar_wait(dq_empty, (t & 1) ^ 1u);
-            if (has_dq)
-                paged_bwd::stage_dq_page<D>(tDq + wq * Cfg::kPageBytesF32, dq, 64 * kvp, g, t4);
-            fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
-            __syncwarp();
-            if (lane == 0) mbar_arrive(dq_full);
-        }
     }
 
     // dK (scaled) and dV: staged bf16 in the K / V tiles once neither consumer reads them, then 16-byte stores
