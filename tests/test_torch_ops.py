@@ -207,6 +207,30 @@ def test_consecutive_page_check_of_the_tile_major_build():
         check_consecutive_pages(good)
 
 
+def test_a_layouts_uploaded_map_answers_the_page_check_without_a_read_back(monkeypatch):
+    """The slot -> token map _slot_indices uploads carries its pages_consecutive answer (taken from the host
+    layout), so check_consecutive_pages reads nothing back (a read-back would fail in a CUDA-graph capture)."""
+    from sparseattn.kernels import forward
+    from sparseattn.kernels.validate import KernelValueError
+    from sparseattn.layouts import tile_major_tokens, video_layout
+    from sparseattn.torch_ops import _slot_indices
+
+    raster = video_layout((5, 7, 9), (2, 4, 4), 64)
+    tiles = tile_major_tokens(raster)
+    good, bad = _slot_indices(tiles, "cpu")[0], _slot_indices(raster, "cpu")[0]
+
+    def no_read_back(_):
+        raise AssertionError("read back")
+
+    monkeypatch.setattr(forward, "pages_consecutive", no_read_back)
+    forward.check_consecutive_pages(good)
+    with pytest.raises(KernelValueError, match="k_map"):
+        forward.check_consecutive_pages(bad)
+    good[[0, 1]] = good[[1, 0]]  # changed in place: checked again, by reading it back
+    with pytest.raises(AssertionError, match="read back"):
+        forward.check_consecutive_pages(good)
+
+
 def test_handle_of_a_freed_object_is_a_clear_error():
     from sparseattn.layouts import video_layout
 

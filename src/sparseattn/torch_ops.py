@@ -311,14 +311,16 @@ def _fast_slots(tensors) -> bool:
 
 
 def _slot_indices(layout, device):
-    """int32 ``(slot_token [slots] (-1 for padding), token_slot [tokens])`` on ``device``, uploaded once."""
+    """int32 ``(slot_token [slots] (-1 for padding), token_slot [tokens])`` on ``device``, uploaded once;
+    ``slot_token`` knows from the host whether its pages hold consecutive tokens (the tile-major build's
+    check then never reads it back)."""
+    from .kernels.forward import pages_consecutive, remember_consecutive_pages
     from .planning.cache import cached
 
     def build():
-        return (
-            torch.as_tensor(layout.slot_token.astype(np.int32), device=device),
-            torch.as_tensor(layout.token_slot.astype(np.int32), device=device),
-        )
+        slot_token = torch.as_tensor(layout.slot_token.astype(np.int32), device=device)
+        remember_consecutive_pages(slot_token, pages_consecutive(layout.slot_token))
+        return slot_token, torch.as_tensor(layout.token_slot.astype(np.int32), device=device)
 
     return cached(layout, ("slot indices", str(device)), build)
 

@@ -754,25 +754,34 @@ def check_token_tensors(q, k, v, q_map, k_map, others=(), kv_in_slots=False):
     return b, nq, h, d, nk, sq, sk, per_row
 
 
-def check_consecutive_pages(k_map) -> None:
-    """A KernelValueError naming ``k_map`` unless every 16-slot page of it with a token holds consecutive
-    tokens from its first slot's (slots without a token, -1, excepted): what the tile-major token build
-    (``kv_tma``) reads each page by. Checked once per map tensor and version (the answer kept on the
-    tensor itself: a cache keyed by its address would answer for a later tensor at a freed one's)."""
-    import torch
+def pages_consecutive(slot_token: np.ndarray) -> bool:
+    """Whether every 16-slot page of a slot -> token map (``[..., slots]``, -1 for slots without a token) that
+    holds a token holds consecutive tokens from its first slot's: what the tile-major token build (``kv_tma``)
+    reads each page by."""
+    pages = np.asarray(slot_token).reshape(-1, PAGE_ROWS).astype(np.int64)
+    first = pages[:, :1]
+    blank = pages < 0
+    runs = ((pages == first + np.arange(PAGE_ROWS)) | blank).all(1)
+    return bool((runs & ((first[:, 0] >= 0) | blank.all(1))).all())
 
+
+def remember_consecutive_pages(k_map, ok: bool) -> None:
+    """Keeps ``ok`` (:func:`pages_consecutive` of its contents) on the map tensor ``k_map`` for its current
+    version: a map uploaded from a host layout is then never read back by :func:`check_consecutive_pages`
+    (which would synchronise, and fail inside a CUDA-graph capture)."""
+    k_map._sparseattn_consecutive_pages = (k_map._version, bool(ok))
+
+
+def check_consecutive_pages(k_map) -> None:
+    """A KernelValueError naming ``k_map`` unless :func:`pages_consecutive` holds for it: what the tile-major
+    token build (``kv_tma``) reads each page by. Checked once per map tensor and version, on the host (the
+    answer kept on the tensor itself, :func:`remember_consecutive_pages`: a cache keyed by its address would
+    answer for a later tensor at a freed one's)."""
     seen = getattr(k_map, "_sparseattn_consecutive_pages", None)
-    if seen is not None and seen[0] == k_map._version:
-        ok = seen[1]
-    else:
-        pages = k_map.reshape(-1, PAGE_ROWS)
-        first = pages[:, :1]
-        expected = first + torch.arange(PAGE_ROWS, dtype=pages.dtype, device=pages.device)
-        ok = bool(
-            (((pages == expected) | (pages < 0)).all(1) & ((first[:, 0] >= 0) | (pages < 0).all(1))).all()
-        )
-        k_map._sparseattn_consecutive_pages = (k_map._version, ok)
-    if not ok:
+    if seen is None or seen[0] != k_map._version:
+        remember_consecutive_pages(k_map, pages_consecutive(k_map.detach().cpu().numpy()))
+        seen = k_map._sparseattn_consecutive_pages
+    if not seen[1]:
         raise KernelValueError(
             "k_map: the tile-major token build (kv_tma) needs every page's tokens consecutive from its first "
             "slot's (a layout relabelled tile-major, sparseattn.layouts.tile_major_tokens)"
