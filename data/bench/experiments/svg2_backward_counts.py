@@ -3,9 +3,13 @@ time goes" and "svg2 against `bsa`: what is left, counted").
 
     PYTHONPATH=src python data/bench/experiments/svg2_backward_counts.py steps svg2_wan14b_720p 40
     PYTHONPATH=src python data/bench/experiments/svg2_backward_counts.py tiles svg2_wan14b_720p 4
+    PYTHONPATH=src python data/bench/experiments/svg2_backward_counts.py alternated vsa_wan14b_480p 8
 
 * ``steps``: the stacked K/V-owned backward plan's launches (plain items, pair items) in kernel steps of
   four Q pages, and how many pair steps one half sees nothing of (that half skips its GEMMs).
+* ``alternated``: the pair launch's steps by the halves that see them, and how many one-half steps the
+  v20 candidate of the pair backward can run side by side (2 · min(A-only, B-only steps) per item; its
+  stream is [A only | both | B only]), with the step-unit model of NOTES_kpage_bwd.md ("v20 candidate").
 * ``tiles``: K/V-owned work at page level over the useful page pairs: every K/V block as one 128-row
   tile, as 64-row halves (no union), and with blocks selected by identical Q-block sets packed together.
 """
@@ -61,6 +65,41 @@ def launch_steps(gs: list) -> list[dict]:
     return out
 
 
+def alternated(gs: list) -> None:
+    route = backward_route(gs[0])
+    sq = -(-max(g.q.num_slots for g in gs) // 16) * 16
+    sk = -(-max(g.k.num_slots for g in gs) // 16) * 16
+    plan = stack_head_plans([plan_of(g, "kpage", route, owner="kv") for g in gs], sk // 16, sq // 16)
+    indptr = plan.stream_indptr.astype(np.int64)
+    if plan.stream_vis is None:
+        print("no pair items")
+        return
+    both = one = paired = 0
+    for (start, stop), first_pair in zip(plan.route_ranges(), first_pair_items(plan)):
+        for w in range(first_pair, stop):
+            v = plan.stream_vis[indptr[w] : indptr[w + 1]] & 3
+            n = -(-v.size // STEP_PAGES)
+            padded = np.zeros(n * STEP_PAGES, np.uint32)
+            padded[: v.size] = v
+            halves = np.bitwise_or.reduce(padded.reshape(n, STEP_PAGES), axis=1)
+            a, b = int((halves == 1).sum()), int((halves == 2).sum())
+            both += int((halves == 3).sum())
+            one += a + b
+            paired += 2 * min(a, b)
+    print(
+        f"pair steps {both + one}: both halves {both}, one half {one} ({paired} alternated, {one - paired} not)"
+    )
+    # step units: a one-half step in lock-step 0.81 of a full step (measured, v18), two alternated 1.05
+    before, v20a_lo, v20a_hi = both + 0.81 * one, both + 0.525 * paired, both + 0.525 * paired
+    v20a_lo += 0.85 * (one - paired)
+    v20a_hi += 1.0 * (one - paired)
+    v20b = both + 0.525 * paired + 0.81 * (one - paired)
+    print(
+        f"step units {before:.0f}; v20a {v20a_lo:.0f} to {v20a_hi:.0f} "
+        f"({v20a_lo / before - 1:+.1%} to {v20a_hi / before - 1:+.1%}); v20b {v20b:.0f} ({v20b / before - 1:+.1%})"
+    )
+
+
 def steps(gs: list) -> None:
     for r in launch_steps(gs):
         print(
@@ -97,4 +136,4 @@ def tiles(gs: list) -> None:
 
 if __name__ == "__main__":
     mode, name, heads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"steps": steps, "tiles": tiles}[mode](graphs_of(name, heads))
+    {"steps": steps, "tiles": tiles, "alternated": alternated}[mode](graphs_of(name, heads))
