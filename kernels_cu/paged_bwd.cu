@@ -886,10 +886,11 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
             int dq_uses = 0;  // kSolo: steps both halves saw so far
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
-                if constexpr (kSolo) {
+                if constexpr (kSolo) {  // the consumers' lockstep steps
                     const uint32_t halves = step_halves(view);
                     view = step_view(t + 1);
-                    if ((halves & 0x0fu) == 0u || (halves & 0xf0u) == 0u) continue;
+                    const bool a = (halves & 0x0fu) != 0u, b = (halves & 0xf0u) != 0u;
+                    if (!((a && b) || ((a || b) && t >= 2 * alternated))) continue;
                 }
                 mbar_wait(dq_full, (kSolo ? dq_uses++ : t) & 1);
                 if (lane == 0) {
@@ -1076,11 +1077,22 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
             mbar_wait(q_full(st), (t >> 1) & 1);
             fence_async_proxy();
             MetaLoads m;
-            if (mine && theirs) {
+            // a one-half step without a partner (past the alternated ones) runs in lock-step as well: the
+            // half that does not see it writes zeros as its dSᵀ half and computes its dQ columns
+            const bool lockstep = (mine && theirs) || ((mine || theirs) && t >= 2 * alternated);
+            if (lockstep && mine) {
                 step_gemms(t, tQ, tdO, tdS, tLse, tDelta, m);
                 meta_stage(t, st, m);
                 fence_async_proxy();
                 named_sync(1, 256);  // both dSᵀ halves of this step and step t + 1's LSE₂ and Δ are in shared memory
+                step_dq_shared(st, tdS, dq_uses++);
+            } else if (lockstep) {
+                meta_load(t, m);
+                const uint32_t zero_ds[QS / PAGE_ROWS][4] = {};
+                paged_bwd::store_ds<BK>(tdS, zero_ds, kvp, wq, g, t4);
+                meta_stage(t, st, m);
+                fence_async_proxy();
+                named_sync(1, 256);
                 step_dq_shared(st, tdS, dq_uses++);
             } else if (mine) {
                 step_gemms(t, tQ, tdO, tdS, tLse, tDelta, m);
