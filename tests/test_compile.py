@@ -309,7 +309,7 @@ def test_forward_variants_compile_without_spills(variant, reports):
 #: build's, which compile_check.ACCEPTED_SPILLS accepts at 20/24 bytes) and holds two more words per step
 #: here (the page tokens loaded before its buffer wait).
 TOKEN_BWD_ACCEPTED_SPILLS = {
-    "paged_bwd_ws_kernel<128, true>": (72, 80),  # + the consumers' two words since one-half steps run alone
+    "paged_bwd_ws_kernel<128, true>": (136, 216),  # + the consumers' words since pair steps run in four forms
     "paged_bwd_ws_kernel<64, true>": (44, 48),
 }
 
