@@ -363,6 +363,18 @@ def test_gpucheck_backward_kernel_is_checked(capsys, tmp_path):
     assert "--bwd-impl" in capsys.readouterr().err
 
 
+def test_gpucheck_needs_out_except_for_a_sanitizer_case(capsys, monkeypatch):
+    """A full check needs --out; the case compute-sanitizer runs (--sanitize-case) does not, so a reader can
+    run it by hand under a sanitizer."""
+    from sparseattn import gpucheck
+
+    with pytest.raises(SystemExit) as exc:
+        gpucheck.main([])
+    assert exc.value.code == 2 and "--out" in capsys.readouterr().err
+    monkeypatch.setattr(gpucheck, "pair_sanitize_case", lambda: 0)
+    assert gpucheck.main(["--sanitize-case", "--pair-only"]) == 0
+
+
 # --- real modules --------------------------------------------------------------------------------------
 def test_python_dash_m_entry_point():
     proc = subprocess.run(

@@ -212,7 +212,7 @@ def sanitize_case(paged_only: bool = False, backward_only: bool = False) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparseattn.gpucheck", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="folder for logs and JSON")
+    parser.add_argument("--out", help="folder for logs and JSON (required but with --sanitize-case)")
     parser.add_argument(
         "--quick", action="store_true", help="fewer benchmark workloads, heads and repetitions"
     )
@@ -259,6 +259,8 @@ def main(argv=None) -> int:
         if pageweaver:
             return pageweaver_sanitize_case()
         return pair_sanitize_case() if args.pair_only else sanitize_case(args.paged_only, args.backward_only)
+    if args.out is None:
+        parser.error("the following arguments are required: --out")
     if pageweaver and args.tests == ["tests/"]:
         args.tests = list(PAGEWEAVER_TESTS)
 
