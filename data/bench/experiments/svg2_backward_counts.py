@@ -27,14 +27,28 @@ from sparseattn.planning.tile_plan import first_pair_items, stack_head_plans
 STEP_PAGES = 4
 
 
+def stacked_kv_plan(gs: list):
+    """The stacked K/V-owned backward plan of the heads' graphs (the route the backward takes)."""
+    route = backward_route(gs[0])
+    sq = -(-max(g.q.num_slots for g in gs) // 16) * 16
+    sk = -(-max(g.k.num_slots for g in gs) // 16) * 16
+    return stack_head_plans([plan_of(g, "kpage", route, owner="kv") for g in gs], sk // 16, sq // 16)
+
+
+def step_halves(vis: np.ndarray) -> np.ndarray:
+    """Per kernel step of STEP_PAGES entries of one item, the halves that see it (bit 0 rows 0-63, bit 1
+    rows 64-127; a last partial step holds fewer entries)."""
+    n = -(-vis.size // STEP_PAGES)
+    padded = np.zeros(n * STEP_PAGES, np.uint32)
+    padded[: vis.size] = vis & 3
+    return np.bitwise_or.reduce(padded.reshape(n, STEP_PAGES), axis=1)
+
+
 def launch_steps(gs: list) -> list[dict]:
     """Per launch of the stacked K/V-owned backward plan (plain items, pair items of each route): items,
     streamed entries, kernel steps of STEP_PAGES Q pages, the steps one half sees nothing of, and the
     share of entries one half sees."""
-    route = backward_route(gs[0])
-    sq = -(-max(g.q.num_slots for g in gs) // 16) * 16
-    sk = -(-max(g.k.num_slots for g in gs) // 16) * 16
-    plan = stack_head_plans([plan_of(g, "kpage", route, owner="kv") for g in gs], sk // 16, sq // 16)
+    plan = stacked_kv_plan(gs)
     indptr = plan.stream_indptr.astype(np.int64)
     vis = plan.stream_vis if plan.stream_vis is not None else np.full(int(indptr[-1]), 3, np.uint32)
     out = []
@@ -44,13 +58,9 @@ def launch_steps(gs: list) -> list[dict]:
                 continue
             total = one_half = 0
             for w in range(a, b):
-                v = vis[indptr[w] : indptr[w + 1]]
-                n = -(-v.size // STEP_PAGES)
-                padded = np.zeros(n * STEP_PAGES, np.uint32)
-                padded[: v.size] = v
-                per_step = padded.reshape(n, STEP_PAGES)
-                total += n
-                one_half += int(((per_step & 1).any(1) ^ (per_step & 2).any(1)).sum())
+                halves = step_halves(vis[indptr[w] : indptr[w + 1]])
+                total += halves.size
+                one_half += int(((halves == 1) | (halves == 2)).sum())
             entries = vis[indptr[a] : indptr[b]]
             out.append(
                 dict(
@@ -66,22 +76,15 @@ def launch_steps(gs: list) -> list[dict]:
 
 
 def alternated(gs: list) -> None:
-    route = backward_route(gs[0])
-    sq = -(-max(g.q.num_slots for g in gs) // 16) * 16
-    sk = -(-max(g.k.num_slots for g in gs) // 16) * 16
-    plan = stack_head_plans([plan_of(g, "kpage", route, owner="kv") for g in gs], sk // 16, sq // 16)
-    indptr = plan.stream_indptr.astype(np.int64)
+    plan = stacked_kv_plan(gs)
     if plan.stream_vis is None:
         print("no pair items")
         return
+    indptr = plan.stream_indptr.astype(np.int64)
     both = one = paired = 0
-    for (start, stop), first_pair in zip(plan.route_ranges(), first_pair_items(plan)):
+    for (_, stop), first_pair in zip(plan.route_ranges(), first_pair_items(plan)):
         for w in range(first_pair, stop):
-            v = plan.stream_vis[indptr[w] : indptr[w + 1]] & 3
-            n = -(-v.size // STEP_PAGES)
-            padded = np.zeros(n * STEP_PAGES, np.uint32)
-            padded[: v.size] = v
-            halves = np.bitwise_or.reduce(padded.reshape(n, STEP_PAGES), axis=1)
+            halves = step_halves(plan.stream_vis[indptr[w] : indptr[w + 1]])
             a, b = int((halves == 1).sum()), int((halves == 2).sum())
             both += int((halves == 3).sum())
             one += a + b
@@ -89,11 +92,12 @@ def alternated(gs: list) -> None:
     print(
         f"pair steps {both + one}: both halves {both}, one half {one} ({paired} alternated, {one - paired} not)"
     )
-    # step units: a one-half step in lock-step 0.81 of a full step (measured, v18), two alternated 1.05
-    before, v20a_lo, v20a_hi = both + 0.81 * one, both + 0.525 * paired, both + 0.525 * paired
-    v20a_lo += 0.85 * (one - paired)
-    v20a_hi += 1.0 * (one - paired)
-    v20b = both + 0.525 * paired + 0.81 * (one - paired)
+    # step units: a one-half step in lock-step 0.81 of a full step (measured, v18), two alternated 1.05;
+    # v20a runs the others alone at 0.85-1.0, v20b in lock-step
+    before = both + 0.81 * one
+    alone = one - paired
+    v20a_lo, v20a_hi = (both + 0.525 * paired + c * alone for c in (0.85, 1.0))
+    v20b = both + 0.525 * paired + 0.81 * alone
     print(
         f"step units {before:.0f}; v20a {v20a_lo:.0f} to {v20a_hi:.0f} "
         f"({v20a_lo / before - 1:+.1%} to {v20a_hi / before - 1:+.1%}); v20b {v20b:.0f} ({v20b / before - 1:+.1%})"

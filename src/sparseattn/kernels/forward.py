@@ -780,8 +780,7 @@ def check_consecutive_pages(k_map) -> None:
     seen = getattr(k_map, "_sparseattn_consecutive_pages", None)
     if seen is None or seen[0] != k_map._version:
         remember_consecutive_pages(k_map, pages_consecutive(k_map.detach().cpu().numpy()))
-        seen = k_map._sparseattn_consecutive_pages
-    if not seen[1]:
+    if not k_map._sparseattn_consecutive_pages[1]:
         raise KernelValueError(
             "k_map: the tile-major token build (kv_tma) needs every page's tokens consecutive from its first "
             "slot's (a layout relabelled tile-major, sparseattn.layouts.tile_major_tokens)"
