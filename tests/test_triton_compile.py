@@ -141,3 +141,16 @@ def test_zero_rows_kernel_compiles_for_sm90(d):
     sig = dict(y_ptr="*bf16", rows_ptr="*i64", n_rows="i32", slots="i32")
     kernel = _compile(_zero_rows_kernel, sig, dict(D=d, BR=BLOCK_ROWS))
     assert kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("label_dtype", ["i32", "i64"])
+def test_partition_sort_kernels_compile_for_sm90(label_dtype):
+    from sparseattn.partition_sort import CHUNK, _chunk_counts_kernel, _chunk_slots_kernel
+
+    common = dict(labels_ptr=f"*{label_dtype}")
+    sizes = dict(tokens="i32", num_groups="i32", chunks="i32")
+    counts = _compile(_chunk_counts_kernel, {**common, "counts_ptr": "*i32", **sizes}, dict(C=CHUNK))
+    sig = {**common, "offset_ptr": "*i32", "slot_ptr": "*i64", **sizes}
+    slots = _compile(_chunk_slots_kernel, sig, dict(C=CHUNK, LOG_C=CHUNK.bit_length() - 1))
+    assert counts.metadata.shared <= 227 * 1024 and slots.metadata.shared <= 227 * 1024
+    assert "local" not in slots.asm["ptx"]  # the sort stays in registers and shared memory

@@ -326,7 +326,9 @@ def partition_slots(
             minimum :func:`max_slots_bound` ``(tokens, num_groups, block_size)``, which always
             suffices (so no labels can overflow it).
 
-    Returns a :class:`DeviceLayout`. One stable sort per row; no host synchronisation.
+    Returns a :class:`DeviceLayout`, with no host synchronisation. The slots come from a counting sort of
+    the labels by chunks (:mod:`sparseattn.partition_sort`) where Triton runs on ``labels``' device, else
+    from one stable sort per row; the blocks' groups and rows follow from the group sizes.
     """
     if not isinstance(labels, torch.Tensor) or labels.ndim != 2:
         raise ValueError(f"labels must be a tensor [N, tokens], got {getattr(labels, 'shape', type(labels))}")
@@ -343,12 +345,41 @@ def partition_slots(
             f"max_slots must be a multiple of block_size={b} and at least {bound} "
             f"(max_slots_bound({t}, {g}, {b})), got {max_slots!r}"
         )
-    labels = labels.long()
+    from . import partition_sort
+
+    if partition_sort.available(labels, g):
+        token_slot, sizes = partition_sort.token_slots(labels, g, b)
+    else:
+        token_slot, sizes = _token_slots_by_sort(labels.long(), g, b)
+    dev = labels.device
+    blocks = (sizes + (b - 1)) // b
+    block_end = blocks.cumsum(1)  # [N, G]
+    max_blocks = max_slots // b
+    block_ids = torch.arange(max_blocks, device=dev).expand(n, max_blocks).contiguous()
+    block_group = torch.searchsorted(block_end, block_ids, right=True)
+    inside = block_group < g
+    group = block_group.clamp(max=g - 1)
+    # a group's tokens fill its first slots: all its blocks are full but the last, which holds a prefix
+    first_block = (block_end - blocks).gather(1, group)
+    block_rows = (sizes.gather(1, group) - (block_ids - first_block) * b).clamp(0, b)
+    block_rows = torch.where(inside, block_rows, 0)
+    block_group = torch.where(inside, block_group, -1)
+    block_pages = (block_rows + (PAGE_ROWS - 1)) // PAGE_ROWS
+    row_in_block = torch.arange(b, device=dev)
+    valid = (row_in_block < block_rows.unsqueeze(-1)).view(n, max_slots)
+    return DeviceLayout(
+        b, token_slot, valid, block_group, block_end[:, -1] * b, sizes, block_rows, block_pages
+    )
+
+
+def _token_slots_by_sort(labels: torch.Tensor, g: int, b: int):
+    """:func:`sparseattn.partition_sort.token_slots` in torch, by one stable sort per row (the CPU path
+    and the Triton passes' reference): ``(token_slot int64 [N, tokens], sizes int64 [N, g])``."""
+    n, t = labels.shape
     dev = labels.device
     sizes = torch.zeros(n, g, dtype=torch.long, device=dev).scatter_add_(1, labels, torch.ones_like(labels))
     blocks = (sizes + (b - 1)) // b
-    block_end = blocks.cumsum(1)  # [N, G]
-    group_start = (block_end - blocks) * b
+    group_start = (blocks.cumsum(1) - blocks) * b
     first = sizes.cumsum(1) - sizes  # first sorted position of each group
     # sorted as 16-bit keys where the groups fit: a radix sort takes a pass per key byte
     narrow = labels.to(torch.int16 if g <= 2**15 else torch.int32)
@@ -356,17 +387,7 @@ def partition_slots(
     sorted_labels = sorted_narrow.long()
     rank = torch.arange(t, device=dev).unsqueeze(0) - first.gather(1, sorted_labels)
     token_slot = torch.empty_like(labels).scatter_(1, order, group_start.gather(1, sorted_labels) + rank)
-    valid = torch.zeros(n, max_slots, dtype=torch.bool, device=dev).scatter_(1, token_slot, True)
-    max_blocks = max_slots // b
-    block_ids = torch.arange(max_blocks, device=dev).expand(n, max_blocks).contiguous()
-    block_group = torch.searchsorted(block_end, block_ids, right=True)
-    block_group = torch.where(block_group < g, block_group, -1)
-    per_block = valid.view(n, max_blocks, b)
-    block_rows = per_block.sum(-1)
-    block_pages = per_block.view(n, max_blocks, b // PAGE_ROWS, PAGE_ROWS).any(-1).sum(-1)
-    return DeviceLayout(
-        b, token_slot, valid, block_group, block_end[:, -1] * b, sizes, block_rows, block_pages
-    )
+    return token_slot, sizes
 
 
 def slot_rows(token_slot: torch.Tensor, max_slots: int) -> torch.Tensor:

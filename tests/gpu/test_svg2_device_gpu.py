@@ -196,6 +196,37 @@ def test_block_mask_kernel_matches_the_torch_gathers(group_dtype):
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("groups", [300, 1000, 3])
+def test_partition_sort_matches_the_torch_sort(groups):
+    """A partition layout's token slots by the chunked counting sort at the 720p shape (8 rows of 75,600
+    labels; int64 k-means labels, clustered as tokens of one cube share clusters) equal the torch stable
+    sort's, sizes included, and the whole layout equals the torch path's (CPU-computed) on 2 rows."""
+    from sparseattn import partition_sort
+
+    g = torch.Generator(device="cuda").manual_seed(groups)
+    n, t = 8, 75_600
+    near = torch.randint(0, groups, (n, t // 64 + 1), generator=g, device="cuda").repeat_interleave(64, 1)[
+        :, :t
+    ]
+    noise = torch.randint(0, groups, (n, t), generator=g, device="cuda")
+    labels = torch.where(torch.rand(n, t, generator=g, device="cuda") < 0.3, noise, near)
+    got, sizes = partition_sort.token_slots(labels, groups, 128)
+    want, want_sizes = sd._token_slots_by_sort(labels, groups, 128)
+    assert torch.equal(got, want) and torch.equal(sizes, want_sizes)
+    lay = sd.partition_slots(labels[:2], groups, 128)
+    ref = sd.partition_slots(labels[:2].cpu(), groups, 128)  # the CPU path: one stable sort per row
+    for name in (
+        "token_slot",
+        "valid",
+        "block_group",
+        "num_slots",
+        "group_sizes",
+        "block_rows",
+        "block_pages",
+    ):
+        assert torch.equal(getattr(lay, name).cpu(), getattr(ref, name)), name
+
+
 @pytest.mark.parametrize("method", ["sort", "bisect"])
 @pytest.mark.parametrize("top_p, min_fraction", [(0.9, 0.1), (0.5, 0.0), (0.95, 0.3)])
 def test_select_kernel_matches_the_torch_sort(top_p, min_fraction, method, monkeypatch):
