@@ -7,17 +7,17 @@
 // atomics (their order, so the last bits of the sums, may change from run to run); with `presum` a CTA
 // first sums each cluster's tokens among its own and adds one partial sum per cluster.
 //
-// A CTA takes 128 tokens of one row n (two warpgroups of 64: the wgmma M) and streams the row's centroids
-// in chunks of 128 (wgmma N), double-buffered with cp.async into 128-byte-swizzled tiles: the chunk after
-// next loads while the current one multiplies. Tokens past `tokens` and centroids past `k` are zero-filled
-// (never read from memory); a centroid past k has |c|² = +inf and is never nearest. Ties go to the lower
-// centroid index (as the Triton kernel and torch's argmin). Two CTAs per SM (98 KB of shared memory each
-// at HEAD_DIM 128), so one's loads and argmin run under the other's MMAs.
+// A CTA takes ROWS tokens of one row n (ROWS / 64 warpgroups of 64: the wgmma M) and streams the row's
+// centroids in chunks of 128 (wgmma N), double-buffered with cp.async into 128-byte-swizzled tiles: the
+// chunk after next loads while the current one multiplies. Tokens past `tokens` and centroids past `k` are
+// zero-filled (never read from memory); a centroid past k has |c|² = +inf and is never nearest. Ties go to
+// the lower centroid index (as the Triton kernel and torch's argmin). ROWS 128: two CTAs per SM (98 KB of
+// shared memory each at HEAD_DIM 128), so one's loads and argmin run under the other's MMAs. ROWS 256: one
+// CTA of four warpgroups per SM (130 KB), each centroid chunk read from L2 once per 256 tokens, not 128.
 #include "hopper_wgmma.cuh"
 
-// Geometry mirrored in sparseattn/kernels/kmeans_assign.py.
-#define KMEANS_THREADS 256
-#define KMEANS_ROWS 128   // tokens per CTA
+// Geometry mirrored in sparseattn/kernels/kmeans_assign.py (the tokens per CTA, ROWS, are the kernel's
+// template argument: 128 or 256, with 2 · ROWS threads).
 #define KMEANS_CHUNK 128  // centroids per step
 #define KMEANS_NBUF 2
 
@@ -27,37 +27,39 @@ __device__ __forceinline__ uint32_t rows_mask(int rows_left) {
     return rows_left >= PAGE_ROWS ? 0xffffu : rows_left > 0 ? (1u << rows_left) - 1u : 0u;
 }
 
-template <int HEAD_DIM>
+template <int HEAD_DIM, int ROWS>
 struct KmeansSmem {
-    static constexpr int TILE_BYTES = KMEANS_ROWS * HEAD_DIM * 2;  // the X tile and each centroid chunk
-    static constexpr int BYTES = 1024 + TILE_BYTES * (1 + KMEANS_NBUF) + 4 * KMEANS_NBUF * KMEANS_CHUNK;
-    static_assert(KMEANS_ROWS == KMEANS_CHUNK, "X tile and centroid chunks share the tile size");
+    static constexpr int X_BYTES = ROWS * HEAD_DIM * 2;             // the X tile
+    static constexpr int C_BYTES = KMEANS_CHUNK * HEAD_DIM * 2;     // each centroid chunk
+    static constexpr int BYTES = 1024 + X_BYTES + C_BYTES * KMEANS_NBUF + 4 * KMEANS_NBUF * KMEANS_CHUNK;
+    static_assert(4 * KMEANS_NBUF * KMEANS_CHUNK >= 4 * ROWS, "the |c|² buffers hold the presum's labels");
 };
 
 }  // namespace
 
-template <int HEAD_DIM, bool ACCUMULATE>
-__global__ void __launch_bounds__(KMEANS_THREADS, 2)
+template <int HEAD_DIM, bool ACCUMULATE, int ROWS>
+__global__ void __launch_bounds__(2 * ROWS, 256 / ROWS)
 kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
                      const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
                      float* __restrict__ counts, int tokens, int k, int presum) {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM 64 or 128");
-    using S = KmeansSmem<HEAD_DIM>;
+    static_assert(ROWS == 128 || ROWS == 256, "ROWS 128 or 256");
+    using S = KmeansSmem<HEAD_DIM, ROWS>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t raw = paged::smem_u32(smem_raw);
     const uint32_t xs = (raw + 1023u) & ~1023u;  // the swizzle pattern is anchored at 1024-byte boundaries
-    const uint32_t cs = xs + S::TILE_BYTES;
-    float* csq_s = reinterpret_cast<float*>(smem_raw + (cs + KMEANS_NBUF * S::TILE_BYTES - raw));
+    const uint32_t cs = xs + S::X_BYTES;
+    float* csq_s = reinterpret_cast<float*>(smem_raw + (cs + KMEANS_NBUF * S::C_BYTES - raw));
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
-    const int warp = tid >> 5;  // warp w copies page w of every tile (16 rows)
+    const int warp = tid >> 5;  // warp w copies page w of the X tile and of every chunk (16 rows)
     const int wg = warp >> 2;   // warpgroup: tokens 64·wg .. 64·wg + 63 of the CTA
     const int wq = warp & 3;    // rows 16·wq .. 16·wq + 15 of the warpgroup's 64
     const int g = lane >> 2;
     const int t4 = lane & 3;
     const int n = blockIdx.y;
-    const int row0 = blockIdx.x * KMEANS_ROWS;
+    const int row0 = blockIdx.x * ROWS;
     const __nv_bfloat16* Xn = X + static_cast<size_t>(n) * tokens * HEAD_DIM;
     const __nv_bfloat16* Cn = C + static_cast<size_t>(n) * k * HEAD_DIM;
     const float* csq_n = csq + static_cast<size_t>(n) * k;
@@ -68,14 +70,16 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
     {  // the CTA's tokens
         const int page[1] = {row0 / PAGE_ROWS + warp};
         const uint32_t mask[1] = {rows_mask(tokens - page[0] * PAGE_ROWS)};
-        hopper::warp_copy_pages<HEAD_DIM, KMEANS_ROWS, 1>(xs, PAGE_ROWS * warp, Xn, x_pages, page, mask);
+        hopper::warp_copy_pages<HEAD_DIM, ROWS, 1>(xs, PAGE_ROWS * warp, Xn, x_pages, page, mask);
     }
     auto load_chunk = [&](int c) {
         const int buf = c % KMEANS_NBUF;
-        const int page[1] = {c * (KMEANS_CHUNK / PAGE_ROWS) + warp};
-        const uint32_t mask[1] = {rows_mask(k - page[0] * PAGE_ROWS)};
-        hopper::warp_copy_pages<HEAD_DIM, KMEANS_CHUNK, 1>(cs + buf * S::TILE_BYTES, PAGE_ROWS * warp, Cn, c_pages,
-                                                           page, mask);
+        if (warp < KMEANS_CHUNK / PAGE_ROWS) {  // (with ROWS 256 the upper eight warps copy no centroids)
+            const int page[1] = {c * (KMEANS_CHUNK / PAGE_ROWS) + warp};
+            const uint32_t mask[1] = {rows_mask(k - page[0] * PAGE_ROWS)};
+            hopper::warp_copy_pages<HEAD_DIM, KMEANS_CHUNK, 1>(cs + buf * S::C_BYTES, PAGE_ROWS * warp, Cn,
+                                                               c_pages, page, mask);
+        }
         if (tid < KMEANS_CHUNK) {
             const int j = c * KMEANS_CHUNK + tid;
             csq_s[buf * KMEANS_CHUNK + tid] = j < k ? csq_n[j] : INFINITY;
@@ -97,7 +101,7 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         __syncthreads();            // everyone's (and the |c|² stores)
         hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
         hopper::wgmma_fence();
-        hopper::issue_qk<HEAD_DIM, KMEANS_CHUNK, KMEANS_ROWS>(s, a_rows, cs + buf * S::TILE_BYTES);
+        hopper::issue_qk<HEAD_DIM, KMEANS_CHUNK, ROWS>(s, a_rows, cs + buf * S::C_BYTES);
         hopper::wgmma_commit();
         hopper::wgmma_wait<0>();
         const float* cq = csq_s + buf * KMEANS_CHUNK;
@@ -144,7 +148,7 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
             // cluster present, not per token (the host asks for it with few clusters, whose atomics collide).
             // The token with the lowest index of a cluster (its leader) owns the sum: its warp finds the
             // members by four ballots over the CTA's labels and adds their rows from the X tile in index order.
-            int* lab_s = reinterpret_cast<int*>(csq_s);  // [KMEANS_ROWS]; the |c|² buffers are free after the loop
+            int* lab_s = reinterpret_cast<int*>(csq_s);  // [ROWS]; the |c|² buffers are free after the loop
             if (t4 == 0) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
@@ -153,37 +157,37 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
                 }
             }
             __syncthreads();
-            static_assert(KMEANS_ROWS == 128, "four ballots of 32 labels cover the CTA's tokens");
+            constexpr int WORDS = ROWS / 32;  // ballots of 32 labels that cover the CTA's tokens
             const unsigned char* x_tile = smem_raw + (xs - raw);
-            int mine[4];  // labels of tokens lane, 32 + lane, 64 + lane, 96 + lane: ballot w is member word w
+            int mine[WORDS];  // labels of tokens lane, 32 + lane, 64 + lane, ...: ballot w is member word w
 #pragma unroll
-            for (int w = 0; w < 4; ++w) mine[w] = lab_s[32 * w + lane];
+            for (int w = 0; w < WORDS; ++w) mine[w] = lab_s[32 * w + lane];
             const uint32_t col_byte = static_cast<uint32_t>(PER_LANE * 2 * lane);  // this lane's first column, bytes
 #pragma unroll 1
             for (int i = 0; i < PAGE_ROWS; ++i) {
                 const int row = 16 * warp + i;
                 const int label = lab_s[row];
                 if (label < 0) continue;  // past `tokens` (warp-uniform)
-                uint32_t member[4];  // bit b of word w: token 32·w + b has this label
+                uint32_t member[WORDS];  // bit b of word w: token 32·w + b has this label
 #pragma unroll
-                for (int w = 0; w < 4; ++w) member[w] = __ballot_sync(0xffffffffu, mine[w] == label);
-                const int first = member[0] ? __ffs(member[0]) - 1
-                                  : member[1] ? 32 + __ffs(member[1]) - 1
-                                  : member[2] ? 64 + __ffs(member[2]) - 1
-                                              : 96 + __ffs(member[3]) - 1;
+                for (int w = 0; w < WORDS; ++w) member[w] = __ballot_sync(0xffffffffu, mine[w] == label);
+                int first = -1;  // the lowest member (the row itself is one)
+#pragma unroll
+                for (int w = WORDS - 1; w >= 0; --w)
+                    if (member[w]) first = 32 * w + __ffs(member[w]) - 1;
                 if (first != row) continue;  // an earlier token leads this cluster
                 float acc[PER_LANE];
 #pragma unroll
                 for (int e = 0; e < PER_LANE; ++e) acc[e] = 0.f;
                 int size = 0;
 #pragma unroll
-                for (int w = 0; w < 4; ++w) {
+                for (int w = 0; w < WORDS; ++w) {
                     uint32_t bits = member[w];
                     size += __popc(bits);
                     while (bits) {
                         const int j = 32 * w + __ffs(bits) - 1;
                         bits &= bits - 1u;
-                        const uint32_t off = hopper::tile_offset<KMEANS_ROWS>(j, col_byte >> 4) + (col_byte & 15u);
+                        const uint32_t off = hopper::tile_offset<ROWS>(j, col_byte >> 4) + (col_byte & 15u);
                         if constexpr (PER_LANE == 4) {
                             const uint2 raw4 = *reinterpret_cast<const uint2*>(x_tile + off);
                             const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw4.x));

@@ -12,29 +12,38 @@ Torch CUDA tensors in and out, on torch's current stream. ``x`` bf16 ``[N, token
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import launch
 
 SOURCE = "kmeans_assign.cu"
 HEAD_DIMS = (64, 128)
+#: Tokens per CTA the kernel is built for (its template argument; 2 · rows threads): 128 (two CTAs per SM)
+#: or 256 (one CTA of four warpgroups, each centroid chunk read once per 256 tokens).
+ROWS_CHOICES = (128, 256)
 NAME_EXPRESSIONS = tuple(
-    f"kmeans_assign_kernel<{d}, {'true' if acc else 'false'}>" for d in HEAD_DIMS for acc in (False, True)
+    f"kmeans_assign_kernel<{d}, {'true' if acc else 'false'}, {rows}>"
+    for d in HEAD_DIMS
+    for acc in (False, True)
+    for rows in ROWS_CHOICES
 )
 # Geometry mirrored from the kernel.
-THREADS = 256
-ROWS = 128  # tokens per CTA
 CHUNK = 128  # centroids per step
 NBUF = 2
+#: Tokens per CTA of the launches (one of ROWS_CHOICES; ``SPARSEATTN_KMEANS_ROWS`` sets it at import).
+ROWS = int(os.environ.get("SPARSEATTN_KMEANS_ROWS", "128"))
 #: Up to this many clusters a CTA sums each cluster's tokens before the atomics (``presum``): measured at
 #: SVG2's 720p shapes (H100), 300 clusters save 0.3 ms per Lloyd step, 1,000 lose ~0.05 ms (their atomics
 #: rarely collide); the bound sits between the two.
 PRESUM_MAX_CLUSTERS = 512
 
 
-def smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of one CTA: the X tile, NBUF centroid chunks, their |c|², 1 KB of alignment."""
-    return 1024 + ROWS * head_dim * 2 * (1 + NBUF) + 4 * NBUF * CHUNK
+def smem_bytes(head_dim: int, rows: int) -> int:
+    """Dynamic shared memory of one CTA of ``rows`` tokens: the X tile, NBUF centroid chunks, their |c|², 1 KB
+    of alignment."""
+    return 1024 + (rows + NBUF * CHUNK) * head_dim * 2 + 4 * NBUF * CHUNK
 
 
 def available(x) -> bool:
@@ -77,15 +86,20 @@ def _run(x, centroids, accumulate: bool, presum: bool | None = None):
     labels = torch.empty(n, t, dtype=torch.int64, device=x.device)
     sums = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
     counts = torch.zeros(n, k, dtype=torch.float32, device=x.device) if accumulate else csq
+    if ROWS not in ROWS_CHOICES:
+        raise ValueError(
+            f"kmeans_assign.ROWS (SPARSEATTN_KMEANS_ROWS) must be one of {ROWS_CHOICES}, got {ROWS}"
+        )
     if n and t:
-        name = f"kmeans_assign_kernel<{d}, {'true' if accumulate else 'false'}>"
-        smem = smem_bytes(d)
+        rows = ROWS
+        name = f"kmeans_assign_kernel<{d}, {'true' if accumulate else 'false'}, {rows}>"
+        smem = smem_bytes(d, rows)
         fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS), smem)
         ptr = lambda a: np.uint64(a.data_ptr())
         with launch.torch_stream():
             fn(
-                (-(-t // ROWS), n),
-                (THREADS,),
+                (-(-t // rows), n),
+                (2 * rows,),
                 (
                     ptr(x),
                     ptr(c),

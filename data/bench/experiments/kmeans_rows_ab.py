@@ -1,0 +1,84 @@
+"""The wgmma k-means assignment at 128 and 256 tokens per CTA (lab script, GPU).
+
+At ``svg2_wan14b_720p``'s shapes (40 heads × 75,600 tokens, Q 300 / K 1,000 clusters) on the workload's
+synthetic features, from centroids after 3 warm Lloyd steps: the assignment with labels only and the Lloyd
+step with the cluster sums (each cluster's tokens presummed up to ``PRESUM_MAX_CLUSTERS``), per build of
+``kmeans_assign.ROWS``; CUDA events, median of ``--reps`` calls, builds alternated over ``--rounds``. Each
+build's labels must equal the other's (the same products per row, in the same order).
+
+    PYTHONPATH=src python data/bench/experiments/kmeans_rows_ab.py --out kmeans_rows_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="svg2_wan14b_720p")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from sparseattn import svg2_device as sd
+    from sparseattn.kernels import kmeans_assign as ka
+    from sparseattn.svg2_step_bench import features
+    from sparseattn.variant_ab import rotation
+    from sparseattn.workloads import get_workload
+
+    w = get_workload(args.workload)
+    q, k, _ = features(w, w.heads, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    record = dict(gpu=torch.cuda.get_device_name(), workload=args.workload, heads=w.heads, sides={})
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ok = True
+    for side, x, kk in (("q", q, w.selection.q_clusters), ("k", k, w.selection.k_clusters)):
+        idx = torch.randperm(x.shape[1], generator=g, device="cuda")[:kk]
+        c = sd.lloyd(x, kk, 3, init=x[:, idx].float(), assign="wgmma", final_assign=False)[1]
+        calls = {
+            "assign": lambda x=x, c=c: ka.nearest_centroid_wgmma(x, c),
+            "lloyd_step": lambda x=x, c=c: ka.lloyd_step_wgmma(x, c),
+        }
+        labels = {}
+        for rows in ka.ROWS_CHOICES:
+            ka.ROWS = rows
+            labels[rows] = calls["assign"]()
+        equal = all(torch.equal(labels[r], labels[ka.ROWS_CHOICES[0]]) for r in ka.ROWS_CHOICES)
+        ok &= equal
+        times = {(rows, call): [] for rows in ka.ROWS_CHOICES for call in calls}
+        for r in range(args.rounds):
+            for rows in rotation(list(ka.ROWS_CHOICES), r):
+                ka.ROWS = rows
+                for call, fn in calls.items():
+                    fn()
+                    for _ in range(args.reps):
+                        start.record()
+                        fn()
+                        stop.record()
+                        stop.synchronize()
+                        times[rows, call].append(start.elapsed_time(stop))
+        entry = dict(clusters=kk, labels_equal=equal)
+        for (rows, call), ts in times.items():
+            entry[f"{call}_ms_cta{rows}"] = statistics.median(ts)
+        record["sides"][side] = entry
+        print(
+            f"{side} ({kk} clusters), labels equal {equal}: "
+            + ", ".join(
+                f"{call} cta{rows} {statistics.median(ts):.3f} ms" for (rows, call), ts in times.items()
+            )
+        )
+    ka.ROWS = ka.ROWS_CHOICES[0]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
