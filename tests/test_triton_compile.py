@@ -57,7 +57,7 @@ def test_nearest_centroid_kernel_compiles_for_sm90(dtype, accumulate, head_dim):
 @pytest.mark.parametrize("split", [True, False], ids=["forward", "backward"])
 @pytest.mark.parametrize("pages", [4, 8], ids=["B64", "B128"])
 def test_page_stream_kernels_compile_for_sm90(split, pages):
-    from sparseattn.planning.page_streams import BLOCK_J, _lengths_kernel, _write_kernel
+    from sparseattn.planning.page_streams import BLOCK_J, FULL_MASK, _lengths_kernel, _write_kernel
 
     common = dict(sel_ptr="*u8", full_ptr="*i32", part_ptr="*i32")
     strides = dict(n_owner="i32", n_other="i32", s_r="i64", s_i="i64", s_j="i64")
@@ -66,12 +66,12 @@ def test_page_stream_kernels_compile_for_sm90(split, pages):
         **common,
         "rows_ptr": "*i32",
         "start_ptr": "*i64",
-        "out_ptr": "*i32",
+        "out_ptr": "*i64" if split else "*i32",  # forward: (page, mask) pairs written as one int64
         **strides,
         "capacity": "i64",
         "row_page_stride": "i64",
     }
-    _compile(_write_kernel, sig, dict(P=pages, SPLIT=split, BJ=BLOCK_J))
+    _compile(_write_kernel, sig, dict(P=pages, PP=pages, SPLIT=split, BJ=BLOCK_J, FULL=FULL_MASK))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
