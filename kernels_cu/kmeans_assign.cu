@@ -14,12 +14,16 @@
 // the lower centroid index (as the Triton kernel and torch's argmin). ROWS 128: two CTAs per SM (98 KB of
 // shared memory each at HEAD_DIM 128), so one's loads and argmin run under the other's MMAs. ROWS 256: one
 // CTA of four warpgroups per SM (130 KB), each centroid chunk read from L2 once per 256 tokens, not 128.
+// Every step ends at a barrier of the whole CTA, unless RING: then the chunks go round three buffers with
+// mbarriers (full: the eight loading warps' copies landed; empty: all sixteen warps read it), the loading
+// warps fill a buffer as soon as every warp has released it, and each warpgroup runs its MMAs and argmin
+// at its own pace, so one's argmin overlaps another's MMAs.
 #include "hopper_wgmma.cuh"
 
-// Geometry mirrored in sparseattn/kernels/kmeans_assign.py (the tokens per CTA, ROWS, are the kernel's
-// template argument: 128 or 256, with 2 · ROWS threads).
+// Geometry mirrored in sparseattn/kernels/kmeans_assign.py (the tokens per CTA, ROWS, and RING are the
+// kernel's template arguments: 128 or 256 tokens with 2 · ROWS threads).
 #define KMEANS_CHUNK 128  // centroids per step
-#define KMEANS_NBUF 2
+#define KMEANS_LOADERS (KMEANS_CHUNK / PAGE_ROWS)  // warps that copy a centroid chunk, a page each
 
 namespace {
 
@@ -27,29 +31,37 @@ __device__ __forceinline__ uint32_t rows_mask(int rows_left) {
     return rows_left >= PAGE_ROWS ? 0xffffu : rows_left > 0 ? (1u << rows_left) - 1u : 0u;
 }
 
-template <int HEAD_DIM, int ROWS>
+template <int HEAD_DIM, int ROWS, bool RING>
 struct KmeansSmem {
-    static constexpr int X_BYTES = ROWS * HEAD_DIM * 2;             // the X tile
-    static constexpr int C_BYTES = KMEANS_CHUNK * HEAD_DIM * 2;     // each centroid chunk
-    static constexpr int BYTES = 1024 + X_BYTES + C_BYTES * KMEANS_NBUF + 4 * KMEANS_NBUF * KMEANS_CHUNK;
-    static_assert(4 * KMEANS_NBUF * KMEANS_CHUNK >= 4 * ROWS, "the |c|² buffers hold the presum's labels");
+    static constexpr int NBUF = RING ? 3 : 2;                    // centroid chunk buffers
+    static constexpr int X_BYTES = ROWS * HEAD_DIM * 2;          // the X tile
+    static constexpr int C_BYTES = KMEANS_CHUNK * HEAD_DIM * 2;  // each centroid chunk
+    static constexpr int CSQ_BYTES = 4 * NBUF * KMEANS_CHUNK;    // |c|² of each buffered chunk
+    static constexpr int BAR_BYTES = RING ? 16 * NBUF : 0;       // full[NBUF], empty[NBUF]
+    static constexpr int BYTES = 1024 + X_BYTES + C_BYTES * NBUF + CSQ_BYTES + BAR_BYTES;
+    static_assert(CSQ_BYTES >= 4 * ROWS, "the |c|² buffers hold the presum's labels");
 };
 
 }  // namespace
 
-template <int HEAD_DIM, bool ACCUMULATE, int ROWS>
+template <int HEAD_DIM, bool ACCUMULATE, int ROWS, bool RING>
 __global__ void __launch_bounds__(2 * ROWS, 256 / ROWS)
 kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
                      const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
                      float* __restrict__ counts, int tokens, int k, int presum) {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM 64 or 128");
     static_assert(ROWS == 128 || ROWS == 256, "ROWS 128 or 256");
-    using S = KmeansSmem<HEAD_DIM, ROWS>;
+    static_assert(!RING || ROWS == 256, "the ring is built for four warpgroups");
+    using S = KmeansSmem<HEAD_DIM, ROWS, RING>;
+    constexpr int NBUF = S::NBUF;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t raw = paged::smem_u32(smem_raw);
     const uint32_t xs = (raw + 1023u) & ~1023u;  // the swizzle pattern is anchored at 1024-byte boundaries
     const uint32_t cs = xs + S::X_BYTES;
-    float* csq_s = reinterpret_cast<float*>(smem_raw + (cs + KMEANS_NBUF * S::C_BYTES - raw));
+    float* csq_s = reinterpret_cast<float*>(smem_raw + (cs + NBUF * S::C_BYTES - raw));
+    const uint32_t bars = cs + NBUF * S::C_BYTES + S::CSQ_BYTES;  // RING: full[b] at bars + 8b, empty[b] after
+    auto full = [&](int b) { return bars + 8u * static_cast<uint32_t>(b); };
+    auto empty = [&](int b) { return bars + 8u * static_cast<uint32_t>(NBUF + b); };
 
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -67,14 +79,23 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
     const int c_pages = (k + PAGE_ROWS - 1) / PAGE_ROWS;
     const int chunks = (k + KMEANS_CHUNK - 1) / KMEANS_CHUNK;
 
+    if constexpr (RING) {
+        if (tid == 0) {
+            for (int b = 0; b < NBUF; ++b) {
+                hopper::mbar_init(full(b), 32 * KMEANS_LOADERS);
+                hopper::mbar_init(empty(b), 2 * ROWS / 32);
+            }
+        }
+        __syncthreads();  // the barriers are initialised before any warp uses them
+    }
     {  // the CTA's tokens
         const int page[1] = {row0 / PAGE_ROWS + warp};
         const uint32_t mask[1] = {rows_mask(tokens - page[0] * PAGE_ROWS)};
         hopper::warp_copy_pages<HEAD_DIM, ROWS, 1>(xs, PAGE_ROWS * warp, Xn, x_pages, page, mask);
     }
     auto load_chunk = [&](int c) {
-        const int buf = c % KMEANS_NBUF;
-        if (warp < KMEANS_CHUNK / PAGE_ROWS) {  // (with ROWS 256 the upper eight warps copy no centroids)
+        const int buf = c % NBUF;
+        if (warp < KMEANS_LOADERS) {  // (with ROWS 256 the upper eight warps copy no centroids)
             const int page[1] = {c * (KMEANS_CHUNK / PAGE_ROWS) + warp};
             const uint32_t mask[1] = {rows_mask(k - page[0] * PAGE_ROWS)};
             hopper::warp_copy_pages<HEAD_DIM, KMEANS_CHUNK, 1>(cs + buf * S::C_BYTES, PAGE_ROWS * warp, Cn,
@@ -85,8 +106,25 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
             csq_s[buf * KMEANS_CHUNK + tid] = j < k ? csq_n[j] : INFINITY;
         }
     };
-    load_chunk(0);
-    paged::cp_async_commit();
+    // RING: a loading warp fills chunk c's buffer once every warp has released its previous chunk, and
+    // the buffer's full barrier completes when the warp's copies (and |c|² stores) have landed.
+    auto ring_load = [&](int c) {
+        const int buf = c % NBUF;
+        hopper::mbar_wait(empty(buf), ((c / NBUF) & 1) ^ 1);  // a fresh barrier passes its first wait
+        load_chunk(c);
+        hopper::mbar_track_cp_async(full(buf));
+        hopper::mbar_arrive(full(buf));
+    };
+    if constexpr (RING) {
+        paged::cp_async_commit();  // the X tile
+        if (warp < KMEANS_LOADERS)
+            for (int c = 0; c < NBUF - 1 && c < chunks; ++c) ring_load(c);
+        paged::cp_async_wait<0>();  // the X tile's group (the ring's copies are tracked by its barriers)
+        __syncthreads();            // everyone's copies of the X tile
+    } else {
+        load_chunk(0);
+        paged::cp_async_commit();
+    }
 
     float best[2] = {INFINITY, INFINITY};
     int best_i[2] = {0, 0};
@@ -94,11 +132,16 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
     const uint32_t a_rows = xs + wg * 64 * 128;  // this warpgroup's 64 rows of the X tile
 #pragma unroll 1
     for (int c = 0; c < chunks; ++c) {
-        const int buf = c % KMEANS_NBUF;
-        if (c + 1 < chunks) load_chunk(c + 1);  // into the buffer the previous step released
-        paged::cp_async_commit();
-        paged::cp_async_wait<1>();  // this thread's copies of X and of chunk c have landed
-        __syncthreads();            // everyone's (and the |c|² stores)
+        const int buf = c % NBUF;
+        if constexpr (RING) {
+            if (warp < KMEANS_LOADERS && c + NBUF - 1 < chunks) ring_load(c + NBUF - 1);
+            hopper::mbar_wait(full(buf), (c / NBUF) & 1);
+        } else {
+            if (c + 1 < chunks) load_chunk(c + 1);  // into the buffer the previous step released
+            paged::cp_async_commit();
+            paged::cp_async_wait<1>();  // this thread's copies of X and of chunk c have landed
+            __syncthreads();            // everyone's (and the |c|² stores)
+        }
         hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
         hopper::wgmma_fence();
         hopper::issue_qk<HEAD_DIM, KMEANS_CHUNK, ROWS>(s, a_rows, cs + buf * S::C_BYTES);
@@ -117,9 +160,15 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
                 }
             }
         }
-        __syncthreads();  // chunk c's tiles are read: the next step may load chunk c + 2 into them
+        if constexpr (RING) {
+            __syncwarp();
+            if (lane == 0) hopper::mbar_arrive(empty(buf));  // this warp has read chunk c's buffers
+        } else {
+            __syncthreads();  // chunk c's tiles are read: the next step may load chunk c + 2 into them
+        }
     }
     paged::cp_async_wait<0>();
+    if constexpr (RING) __syncthreads();  // every warp is past its last |c|² read (the presum reuses them)
 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // the quad's four column sets: the nearest, the lower index on a tie

@@ -117,20 +117,20 @@ def test_fused_lloyd_step_sums_and_sizes():
     torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-3)
 
 
-@pytest.fixture(params=[128, 256], ids=["cta128", "cta256"])
-def kmeans_rows(request, monkeypatch):
-    """The wgmma assignment's tokens per CTA, each build in turn."""
+@pytest.fixture(params=["cta128", "cta256", "cta256_ring"])
+def kmeans_build(request, monkeypatch):
+    """The wgmma assignment's builds (``kmeans_assign.BUILDS``), each in turn."""
     from sparseattn.kernels import kmeans_assign
 
-    monkeypatch.setattr(kmeans_assign, "ROWS", request.param)
+    monkeypatch.setattr(kmeans_assign, "BUILD", request.param)
     return request.param
 
 
 @pytest.mark.parametrize(
     "n, tokens, k, d", [(3, 5000, 333, 128), (2, 97, 1000, 128), (2, 300, 1, 64), (1, 1025, 130, 64)]
 )
-def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, d, kmeans_rows):
-    """The tensor-core assignment (ragged tokens and centroid counts; 128 and 256 tokens per CTA): the
+def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, d, kmeans_build):
+    """The tensor-core assignment (ragged tokens and centroid counts; every build): the
     float64 nearest of the bf16-rounded centroids wherever the nearest beats the second by more than float32
     accumulation error, and the Triton kernel's labels there too."""
     from sparseattn.kernels.kmeans_assign import nearest_centroid_wgmma
@@ -155,10 +155,10 @@ def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, 
 @pytest.mark.parametrize("presum", [False, True], ids=["atomics", "presum"])
 @pytest.mark.parametrize("k", [500, 3], ids=["k500", "k3"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_wgmma_lloyd_step_sums_and_sizes(d, k, presum, kmeans_rows):
+def test_wgmma_lloyd_step_sums_and_sizes(d, k, presum, kmeans_build):
     """The tensor-core Lloyd step's float32 cluster sums and sizes equal those of its own labels, with each
     token's atomics and with each cluster's tokens of a CTA summed first (3 clusters put dozens of tokens
-    in each; 20,001 tokens leave the last CTA partial), at 128 and 256 tokens per CTA."""
+    in each; 20,001 tokens leave the last CTA partial), in every build."""
     from sparseattn.kernels.kmeans_assign import lloyd_step_wgmma
 
     g = torch.Generator(device="cuda").manual_seed(d + k)

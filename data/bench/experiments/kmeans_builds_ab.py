@@ -1,12 +1,12 @@
-"""The wgmma k-means assignment at 128 and 256 tokens per CTA (lab script, GPU).
+"""The wgmma k-means assignment's builds (``kmeans_assign.BUILDS``) side by side (lab script, GPU).
 
 At ``svg2_wan14b_720p``'s shapes (40 heads × 75,600 tokens, Q 300 / K 1,000 clusters) on the workload's
 synthetic features, from centroids after 3 warm Lloyd steps: the assignment with labels only and the Lloyd
-step with the cluster sums (each cluster's tokens presummed up to ``PRESUM_MAX_CLUSTERS``), per build of
-``kmeans_assign.ROWS``; CUDA events, median of ``--reps`` calls, builds alternated over ``--rounds``. Each
+step with the cluster sums (each cluster's tokens presummed up to ``PRESUM_MAX_CLUSTERS``), per build
+(128 tokens per CTA, 256, 256 on a ring of chunk buffers); CUDA events, median of ``--reps`` calls, builds alternated over ``--rounds``. Each
 build's labels must equal the other's (the same products per row, in the same order).
 
-    PYTHONPATH=src python data/bench/experiments/kmeans_rows_ab.py --out kmeans_rows_ab.json
+    PYTHONPATH=src python data/bench/experiments/kmeans_builds_ab.py --out kmeans_builds_ab.json
 """
 
 from __future__ import annotations
@@ -46,15 +46,16 @@ def main(argv=None) -> int:
             "lloyd_step": lambda x=x, c=c: ka.lloyd_step_wgmma(x, c),
         }
         labels = {}
-        for rows in ka.ROWS_CHOICES:
-            ka.ROWS = rows
-            labels[rows] = calls["assign"]()
-        equal = all(torch.equal(labels[r], labels[ka.ROWS_CHOICES[0]]) for r in ka.ROWS_CHOICES)
+        builds = list(ka.BUILDS)
+        for build in builds:
+            ka.BUILD = build
+            labels[build] = calls["assign"]()
+        equal = all(torch.equal(labels[b], labels[builds[0]]) for b in builds)
         ok &= equal
-        times = {(rows, call): [] for rows in ka.ROWS_CHOICES for call in calls}
+        times = {(build, call): [] for build in builds for call in calls}
         for r in range(args.rounds):
-            for rows in rotation(list(ka.ROWS_CHOICES), r):
-                ka.ROWS = rows
+            for build in rotation(builds, r):
+                ka.BUILD = build
                 for call, fn in calls.items():
                     fn()
                     for _ in range(args.reps):
@@ -62,18 +63,18 @@ def main(argv=None) -> int:
                         fn()
                         stop.record()
                         stop.synchronize()
-                        times[rows, call].append(start.elapsed_time(stop))
+                        times[build, call].append(start.elapsed_time(stop))
         entry = dict(clusters=kk, labels_equal=equal)
-        for (rows, call), ts in times.items():
-            entry[f"{call}_ms_cta{rows}"] = statistics.median(ts)
+        for (build, call), ts in times.items():
+            entry[f"{call}_ms_{build}"] = statistics.median(ts)
         record["sides"][side] = entry
         print(
             f"{side} ({kk} clusters), labels equal {equal}: "
             + ", ".join(
-                f"{call} cta{rows} {statistics.median(ts):.3f} ms" for (rows, call), ts in times.items()
+                f"{call} {build} {statistics.median(ts):.3f} ms" for (build, call), ts in times.items()
             )
         )
-    ka.ROWS = ka.ROWS_CHOICES[0]
+    ka.BUILD = "cta128"
     if args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
