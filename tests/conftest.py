@@ -9,6 +9,9 @@
   ``SPARSEATTN_KERNEL_WARMUP=0`` skips it. The report header says what it took.
 * ``rng``: a numpy Generator with a fresh seed per test (printed; set ``SPARSEATTN_SEED`` to replay).
 * ``poisoned``: allocates NaN-filled CuPy output buffers (bf16 as uint16 bits, or float dtypes).
+* ``SPARSEATTN_TEST_TIMES=<file>``: the controller appends a line to ``<file>`` when each test starts and
+  when it ends (wall time, outcome, duration), flushed at once: a run cut off by a timeout still says which
+  tests took the time and which were still running.
 * pytest-xdist workers run numpy and torch on one CPU thread each (``OMP_NUM_THREADS`` and the BLAS
   variables default to 1 there): fifteen workers with a thread per core each oversubscribe the CPU
   many times over, and the float64 references then crawl.
@@ -139,3 +142,25 @@ def poisoned():
         return cupy.full(shape, np.nan, dtype=dtype)
 
     return make
+
+
+def _test_times_file():
+    """The file of SPARSEATTN_TEST_TIMES, in the controller (or a run without xdist) only."""
+    path = os.environ.get("SPARSEATTN_TEST_TIMES")
+    return None if not path or os.environ.get("PYTEST_XDIST_WORKER") else path
+
+
+def _times_line(text: str) -> None:
+    path = _test_times_file()
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{time.time():.1f} {text}\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _times_line(f"start {nodeid}")
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _times_line(f"end {report.outcome} {report.duration:.1f}s {report.nodeid}")

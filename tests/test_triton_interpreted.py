@@ -1,5 +1,5 @@
 """The Triton kernels (the SVG2 planner's page streams, the fused nearest centroid, tokens to slots, the
-block mask, a partition layout's token slots by a counting sort, the top-p selection of the cluster pairs, VSA's per-block top-k and per-block sums of
+block mask, the top-p selection of the cluster pairs, VSA's per-block top-k and per-block sums of
 token-ordered rows) under Triton's interpreter on the CPU, against
 their torch references (``triton_interpreted_checks.py``, in a fresh process: the interpreter is chosen
 when Triton is imported). The GPU tests run them compiled."""
@@ -32,7 +32,6 @@ CHECKS = Path(__file__).with_name("triton_interpreted_checks.py")
         "nearest_centroid",
         "slot_copy",
         "cluster_blocks",
-        "partition_sort",
         "cluster_select",
         "vsa_select",
         "token_block_sums",

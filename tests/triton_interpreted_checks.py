@@ -174,36 +174,6 @@ def check_cluster_blocks() -> int:
     return cases
 
 
-def check_partition_sort() -> int:
-    """The partition layout's token slots by the chunked counting sort equal the torch stable sort's, and
-    the sizes: several chunks per row, a ragged last chunk, empty groups, one group, groups not a power
-    of two, labels as int32 and int64; out-of-range labels get slot -1 and count nowhere."""
-    from sparseattn import partition_sort, svg2_device
-
-    cases = 0
-    for n, t, g, b, chunk in (
-        (3, 300, 7, 16, 64),
-        (2, 97, 1, 32, 32),
-        (1, 1025, 130, 128, 256),
-        (2, 40, 50, 16, 16),
-    ):
-        gen = torch.Generator().manual_seed(t * g)
-        labels = torch.randint(0, g, (n, t), generator=gen)
-        if g > 2:
-            labels[labels == 1] = 0  # an empty group
-        for lab in (labels, labels.int()):
-            assert partition_sort.available(lab, g, chunk), "the interpreter is not on"
-            got, sizes = partition_sort.token_slots(lab, g, b, chunk)
-            want, want_sizes = svg2_device._token_slots_by_sort(labels, g, b)
-            assert got.dtype == torch.int64 and torch.equal(got, want), (n, t, g, b, chunk)
-            assert torch.equal(sizes, want_sizes), (n, t, g, b, chunk)
-            cases += 1
-    bad = torch.tensor([[0, 3, -1, 1, 0, 9]])
-    slot, sizes = partition_sort.token_slots(bad, 3, 16, 16)
-    assert slot.tolist() == [[0, -1, -1, 16, 1, -1]] and sizes.tolist() == [[2, 1, 0]], (slot, sizes)
-    return cases + 1
-
-
 def check_cluster_select() -> int:
     """SVG2's top-p selection by one Triton program per Q cluster, sorting and bisecting, equals the torch
     sort (and the host's numpy rule): random scores, bit-equal ties, a row without live K clusters,

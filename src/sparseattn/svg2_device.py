@@ -326,9 +326,9 @@ def partition_slots(
             minimum :func:`max_slots_bound` ``(tokens, num_groups, block_size)``, which always
             suffices (so no labels can overflow it).
 
-    Returns a :class:`DeviceLayout`, with no host synchronisation. The slots come from a counting sort of
-    the labels by chunks (:mod:`sparseattn.partition_sort`) where Triton runs on ``labels``' device, else
-    from one stable sort per row; the blocks' groups and rows follow from the group sizes.
+    Returns a :class:`DeviceLayout`, with no host synchronisation: the slots from one stable sort per row,
+    the blocks' groups, rows and pages and the valid slots from the group sizes (a group fills its first
+    slots).
     """
     if not isinstance(labels, torch.Tensor) or labels.ndim != 2:
         raise ValueError(f"labels must be a tensor [N, tokens], got {getattr(labels, 'shape', type(labels))}")
@@ -345,12 +345,7 @@ def partition_slots(
             f"max_slots must be a multiple of block_size={b} and at least {bound} "
             f"(max_slots_bound({t}, {g}, {b})), got {max_slots!r}"
         )
-    from . import partition_sort
-
-    if partition_sort.available(labels, g):
-        token_slot, sizes = partition_sort.token_slots(labels, g, b)
-    else:
-        token_slot, sizes = _token_slots_by_sort(labels.long(), g, b)
+    token_slot, sizes = _token_slots(labels.long(), g, b)
     dev = labels.device
     blocks = (sizes + (b - 1)) // b
     block_end = blocks.cumsum(1)  # [N, G]
@@ -372,9 +367,9 @@ def partition_slots(
     )
 
 
-def _token_slots_by_sort(labels: torch.Tensor, g: int, b: int):
-    """:func:`sparseattn.partition_sort.token_slots` in torch, by one stable sort per row (the CPU path
-    and the Triton passes' reference): ``(token_slot int64 [N, tokens], sizes int64 [N, g])``."""
+def _token_slots(labels: torch.Tensor, g: int, b: int):
+    """``(token_slot int64 [N, tokens], sizes int64 [N, g])`` of :func:`partition_slots`: each token's slot
+    (its group's first slot plus its rank in the group) by one stable sort per row, and the group sizes."""
     n, t = labels.shape
     dev = labels.device
     sizes = torch.zeros(n, g, dtype=torch.long, device=dev).scatter_add_(1, labels, torch.ones_like(labels))

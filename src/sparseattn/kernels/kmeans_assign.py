@@ -12,40 +12,29 @@ Torch CUDA tensors in and out, on torch's current stream. ``x`` bf16 ``[N, token
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import launch
 
 SOURCE = "kmeans_assign.cu"
 HEAD_DIMS = (64, 128)
-#: The kernel's builds, by name: (tokens per CTA, RING) template arguments, 2 · tokens threads a CTA.
-#: ``cta128``: two CTAs per SM, each step ending at a CTA barrier; ``cta256``: one CTA of four warpgroups,
-#: each centroid chunk read once per 256 tokens; ``cta256_ring``: the same with three chunk buffers on
-#: mbarriers, each warpgroup at its own pace.
-BUILDS = {"cta128": (128, False), "cta256": (256, False), "cta256_ring": (256, True)}
 NAME_EXPRESSIONS = tuple(
-    f"kmeans_assign_kernel<{d}, {'true' if acc else 'false'}, {rows}, {'true' if ring else 'false'}>"
-    for d in HEAD_DIMS
-    for acc in (False, True)
-    for rows, ring in BUILDS.values()
+    f"kmeans_assign_kernel<{d}, {'true' if acc else 'false'}>" for d in HEAD_DIMS for acc in (False, True)
 )
 # Geometry mirrored from the kernel.
+THREADS = 256
+ROWS = 128  # tokens per CTA
 CHUNK = 128  # centroids per step
-#: The build the launches take (a key of BUILDS; ``SPARSEATTN_KMEANS_BUILD`` sets it at import).
-BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD", "cta128")
+NBUF = 2
 #: Up to this many clusters a CTA sums each cluster's tokens before the atomics (``presum``): measured at
 #: SVG2's 720p shapes (H100), 300 clusters save 0.3 ms per Lloyd step, 1,000 lose ~0.05 ms (their atomics
 #: rarely collide); the bound sits between the two.
 PRESUM_MAX_CLUSTERS = 512
 
 
-def smem_bytes(head_dim: int, rows: int, ring: bool) -> int:
-    """Dynamic shared memory of one CTA of ``rows`` tokens: the X tile, the centroid chunk buffers (3 with
-    the ring, else 2) and their |c|², the ring's barriers, 1 KB of alignment."""
-    nbuf = 3 if ring else 2
-    return 1024 + (rows + nbuf * CHUNK) * head_dim * 2 + 4 * nbuf * CHUNK + (16 * nbuf if ring else 0)
+def smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of one CTA: the X tile, NBUF centroid chunks, their |c|², 1 KB of alignment."""
+    return 1024 + ROWS * head_dim * 2 * (1 + NBUF) + 4 * NBUF * CHUNK
 
 
 def available(x) -> bool:
@@ -88,21 +77,15 @@ def _run(x, centroids, accumulate: bool, presum: bool | None = None):
     labels = torch.empty(n, t, dtype=torch.int64, device=x.device)
     sums = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
     counts = torch.zeros(n, k, dtype=torch.float32, device=x.device) if accumulate else csq
-    if BUILD not in BUILDS:
-        raise ValueError(
-            f"kmeans_assign.BUILD (SPARSEATTN_KMEANS_BUILD) must be one of {list(BUILDS)}, got {BUILD!r}"
-        )
     if n and t:
-        rows, ring = BUILDS[BUILD]
-        flag = lambda b: "true" if b else "false"
-        name = f"kmeans_assign_kernel<{d}, {flag(accumulate)}, {rows}, {flag(ring)}>"
-        smem = smem_bytes(d, rows, ring)
+        name = f"kmeans_assign_kernel<{d}, {'true' if accumulate else 'false'}>"
+        smem = smem_bytes(d)
         fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS), smem)
         ptr = lambda a: np.uint64(a.data_ptr())
         with launch.torch_stream():
             fn(
-                (-(-t // rows), n),
-                (2 * rows,),
+                (-(-t // ROWS), n),
+                (THREADS,),
                 (
                     ptr(x),
                     ptr(c),

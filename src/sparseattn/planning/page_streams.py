@@ -71,17 +71,14 @@ if triton is not None:
         capacity,
         row_page_stride,
         P: tl.constexpr,
-        PP: tl.constexpr,
         SPLIT: tl.constexpr,
         BJ: tl.constexpr,
-        FULL: tl.constexpr,
     ):
         item = tl.program_id(0)
         r = (item // n_owner).to(tl.int64)
         i = (item % n_owner).to(tl.int64)
         off = tl.load(start_ptr + item)
         base = r * row_page_stride
-        pp = tl.arange(0, PP)  # a block's pages, the fast axis: neighbouring lanes write neighbouring entries
         # pass 1: full pages (SPLIT) or every live page, block by block
         for j0 in range(0, n_other, BJ):
             j = j0 + tl.arange(0, BJ)
@@ -89,13 +86,15 @@ if triton is not None:
             s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
             n = tl.where(s, tl.load(full_ptr + r * n_other + j, mask=ok, other=0), 0).to(tl.int64)
             excl = tl.cumsum(n, axis=0) - n
-            pos = off + excl[:, None] + pp[None, :]  # [BJ, PP]
-            keep = (pp[None, :] < n[:, None]) & (pos < capacity)
-            page = base + j[:, None] * P + pp[None, :]
-            if SPLIT:  # (page, mask) as one little-endian int64: page in the low word
-                tl.store(out_ptr + pos, (page & 0xFFFFFFFF) | (FULL << 32), mask=keep)
-            else:
-                tl.store(out_ptr + pos, page.to(tl.int32), mask=keep)
+            for p in tl.static_range(P):
+                pos = off + excl + p
+                keep = (p < n) & (pos < capacity)
+                page = (base + j * P + p).to(tl.int32)
+                if SPLIT:
+                    tl.store(out_ptr + 2 * pos, page, mask=keep)
+                    tl.store(out_ptr + 2 * pos + 1, tl.full([BJ], 0xFFFF, tl.int32), mask=keep)
+                else:
+                    tl.store(out_ptr + pos, page, mask=keep)
             off += tl.sum(n, axis=0)
         if SPLIT:  # pass 2: the partial page of each selected block, after all full pages
             for j0 in range(0, n_other, BJ):
@@ -106,10 +105,10 @@ if triton is not None:
                 excl = tl.cumsum(n, axis=0) - n
                 pos = off + excl
                 keep = (n > 0) & (pos < capacity)
-                nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0).to(tl.int64)
-                rows = tl.load(rows_ptr + r * n_other + j, mask=ok, other=0).to(tl.int64) % 16
-                page = base + j * P + nf
-                tl.store(out_ptr + pos, (page & 0xFFFFFFFF) | (((1 << rows) - 1) << 32), mask=keep)
+                nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
+                rows = tl.load(rows_ptr + r * n_other + j, mask=ok, other=0) % 16
+                tl.store(out_ptr + 2 * pos, (base + j * P + nf).to(tl.int32), mask=keep)
+                tl.store(out_ptr + 2 * pos + 1, ((1 << rows) - 1).to(tl.int32), mask=keep)
                 off += tl.sum(n, axis=0)
 
 
@@ -172,27 +171,21 @@ def write_streams(
     if r * n_owner == 0:
         return
     sel_u8 = sel.view(torch.uint8)
-    if split_partial and (
-        out.dtype != torch.int32 or out.ndim != 2 or out.shape[1] != 2 or not out.is_contiguous()
-    ):
-        raise ValueError(f"out must be contiguous int32 [capacity + 1, 2], got {out.dtype} {list(out.shape)}")
     _write_kernel[(r * n_owner,)](
         sel_u8,
         full,
         part,
         full if rows is None else rows,
         start,
-        out.view(torch.int64) if split_partial else out,
+        out,
         n_owner,
         n_other,
         *sel_u8.stride(),
         int(capacity),
         int(row_page_stride),
         P=int(pages_per_block),
-        PP=triton.next_power_of_2(int(pages_per_block)),
         SPLIT=bool(split_partial),
         BJ=BLOCK_J,
-        FULL=FULL_MASK,
     )
 
 
