@@ -437,3 +437,17 @@ def test_wgmma_assignment_refuses_what_it_cannot_run():
         sd.lloyd(x, 4, 1, x[:, :4], assign="wgmma")
     with pytest.raises(ValueError, match="assign must be"):
         sd.lloyd(x, 4, 1, x[:, :4], assign="tensor cores")
+
+
+def test_svg2_step_bench_summary_reports_the_queued_timing_beside_the_in_order_one():
+    """The bench's summary gives the overhead of each timed method, the queued one (GPU time alone) too."""
+    from sparseattn.svg2_step_bench import QUEUED, summary
+
+    parts = dict(kmeans_q=3.0, kmeans_k=5.0, layouts_select=2.0, plan_fwd=1.0, kernel_fwd=55.0)
+    records = [
+        dict(part=p, assign=a, time_ms=t) for a in ("wgmma_last_step", QUEUED) for p, t in parts.items()
+    ]
+    records[-3]["time_ms"] = 1.5  # the queued layouts and selection
+    lines = summary(records)
+    assert len(lines) == 2 and lines[1].startswith(f"assign={QUEUED}:")
+    assert "= 11.00 ms = 20% of the kernel" in lines[0] and "= 10.50 ms = 19% of the kernel" in lines[1]

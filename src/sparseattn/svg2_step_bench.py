@@ -7,7 +7,10 @@ means, top-p, block mask), tokens to slots, the KPage forward's work list
 backward's plan. Each part between CUDA events, median of ``--reps`` calls; the call runs once per k-means
 variant of :data:`METHODS` (float32 torch distances, the fused Triton kernel, and the fused kernel with
 SVG2's own pairing of labels and centroids, which the Wan processor runs) in the same run, and the k-means
-parts by flash-kmeans (SVG2's own Triton k-means) when it is installed. Tokens move to slots as the CPU
+parts by flash-kmeans (SVG2's own Triton k-means) when it is installed. The processor's method runs once
+more with the host queueing each call while the GPU sleeps (:data:`QUEUED`): its parts are then the GPU's
+time alone, as in a model whose host runs ahead of the GPU; the other methods' parts include whatever
+time the GPU waits for the host's launches. Tokens move to slots as the CPU
 path does (zeros, then ``index_copy``) in the ``torch`` method, and in one Triton pass that leaves unused
 slots unwritten (:mod:`sparseattn.slot_copy`) in the fused ones.
 
@@ -39,7 +42,12 @@ METHODS = (
     ("fused_last_step", "fused", False),
     ("wgmma_last_step", "wgmma", False),
 )
-ASSIGNS = tuple(m[0] for m in METHODS)
+#: The processor's method timed once more with the GPU kept busy (``torch.cuda._sleep``) while the host
+#: queues the whole call, as in a model, where the previous layer's attention runs while the host queues
+#: the next layer's: the parts' CUDA events then time the GPU's work alone, not the host's launch gaps.
+QUEUED = "wgmma_last_step_queued"
+QUEUE_CYCLES = 200_000_000  # ~0.1 s of GPU sleep: longer than the host takes to queue a call
+ASSIGNS = tuple(m[0] for m in METHODS) + (QUEUED,)
 
 
 def synthetic_qk(workload, heads: int):
@@ -188,10 +196,12 @@ def measure(
         f"a layer's first call: k-means++ seeds and {init_iters} Lloyd steps (once; Triton compiles included)"
     )
     records = [dict(part=f"seed_{s}", assign="-", time_ms=seed_t[s][0], note=note) for s in ("q", "k")]
-    for assign, how, final_assign in METHODS:
+    for assign, how, final_assign in (*METHODS, (QUEUED, "wgmma", False)):
         times: dict[str, list[float]] = {}
         try:
             for rep in range(warmup + reps):
+                if assign == QUEUED:
+                    torch.cuda._sleep(QUEUE_CYCLES)
                 marks = _Marks()
                 out, state = one_call(q, k, v, sel, B, init, how, iters, marks, final_assign)
                 init = state["cent"]
