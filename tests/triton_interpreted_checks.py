@@ -24,12 +24,26 @@ def _case(seed, r=3, nq=9, nk=13, block=128, density=0.4):
 
 
 def check_page_streams() -> int:
+    """Both launch forms of the page streams (``page_streams.FORMS``) equal the torch streams."""
+    from sparseattn.planning import page_streams
+
+    cases = 0
+    for form in page_streams.FORMS:
+        page_streams.FORM = form
+        cases += _check_page_streams_form(range(3))
+        page_streams.BLOCK_J = 8  # several steps (or chunks) per item
+        cases += _check_page_streams_form(range(1))
+        page_streams.BLOCK_J = 256
+    return cases
+
+
+def _check_page_streams_form(seeds) -> int:
     from sparseattn.planning import dynamic_layouts as dl
     from sparseattn.planning import page_streams
 
     triton_available = page_streams.available
     cases = 0
-    for seed in range(3):
+    for seed in seeds:
         for block in (48, 64, 128):  # 3 pages a block: not a power of two
             for capacity in (None, 41):
                 q_rows, k_rows, mask = _case(seed, nk=11 + seed * 5, block=block)
