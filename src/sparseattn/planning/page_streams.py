@@ -50,6 +50,24 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _selected_pages(sel_ptr, pages_ptr, r, i, j, ok, n_other, s_r, s_i, s_j):
+        """int64 ``[BJ]``: ``pages[r, j]`` of each block ``j`` that item ``(r, i)`` selects, else 0."""
+        s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
+        return tl.where(s, tl.load(pages_ptr + r * n_other + j, mask=ok, other=0), 0).to(tl.int64)
+
+    @triton.jit
+    def _write_partial_pages(
+        out_ptr, full_ptr, rows_ptr, m, pos, base, r, j, ok, n_other, capacity, P: tl.constexpr
+    ):
+        """The partial page of each block with ``m`` > 0 at ``pos``: its id (after the block's full pages)
+        and its row mask, as an int32 pair."""
+        keep = (m > 0) & (pos < capacity)
+        nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
+        rows = tl.load(rows_ptr + r * n_other + j, mask=ok, other=0) % 16
+        tl.store(out_ptr + 2 * pos, (base + j * P + nf).to(tl.int32), mask=keep)
+        tl.store(out_ptr + 2 * pos + 1, ((1 << rows) - 1).to(tl.int32), mask=keep)
+
+    @triton.jit
     def _lengths_kernel(
         sel_ptr, full_ptr, part_ptr, out_ptr, n_owner, n_other, s_r, s_i, s_j, BJ: tl.constexpr
     ):
@@ -94,8 +112,7 @@ if triton is not None:
         for j0 in range(0, n_other, BJ):
             j = j0 + tl.arange(0, BJ)
             ok = j < n_other
-            s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
-            n = tl.where(s, tl.load(full_ptr + r * n_other + j, mask=ok, other=0), 0).to(tl.int64)
+            n = _selected_pages(sel_ptr, full_ptr, r, i, j, ok, n_other, s_r, s_i, s_j)
             excl = tl.cumsum(n, axis=0) - n
             for p in tl.static_range(P):
                 pos = off + excl + p
@@ -111,15 +128,11 @@ if triton is not None:
             for j0 in range(0, n_other, BJ):
                 j = j0 + tl.arange(0, BJ)
                 ok = j < n_other
-                s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
-                n = tl.where(s, tl.load(part_ptr + r * n_other + j, mask=ok, other=0), 0).to(tl.int64)
-                excl = tl.cumsum(n, axis=0) - n
-                pos = off + excl
-                keep = (n > 0) & (pos < capacity)
-                nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
-                rows = tl.load(rows_ptr + r * n_other + j, mask=ok, other=0) % 16
-                tl.store(out_ptr + 2 * pos, (base + j * P + nf).to(tl.int32), mask=keep)
-                tl.store(out_ptr + 2 * pos + 1, ((1 << rows) - 1).to(tl.int32), mask=keep)
+                n = _selected_pages(sel_ptr, part_ptr, r, i, j, ok, n_other, s_r, s_i, s_j)
+                pos = off + tl.cumsum(n, axis=0) - n
+                _write_partial_pages(
+                    out_ptr, full_ptr, rows_ptr, n, pos, base, r, j, ok, n_other, capacity, P
+                )
                 off += tl.sum(n, axis=0)
 
 
@@ -135,12 +148,13 @@ if triton is not None:
         i = (item % n_owner).to(tl.int64)
         j = c * BJ + tl.arange(0, BJ)
         ok = j < n_other
-        s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
-        nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
-        npart = tl.load(part_ptr + r * n_other + j, mask=ok, other=0)
         at = item.to(tl.int64) * chunks + c
-        tl.store(nf_ptr + at, tl.sum(tl.where(s, nf, 0).to(tl.int64), axis=0))
-        tl.store(np_ptr + at, tl.sum(tl.where(s, npart, 0).to(tl.int64), axis=0))
+        nf = _selected_pages(sel_ptr, full_ptr, r, i, j, ok, n_other, s_r, s_i, s_j)
+        tl.store(nf_ptr + at, tl.sum(nf, axis=0))
+        tl.store(
+            np_ptr + at,
+            tl.sum(_selected_pages(sel_ptr, part_ptr, r, i, j, ok, n_other, s_r, s_i, s_j), axis=0),
+        )
 
     @triton.jit
     def _chunk_write_kernel(
@@ -172,9 +186,8 @@ if triton is not None:
         base = r * row_page_stride
         j = c * BJ + tl.arange(0, BJ)
         ok = j < n_other
-        s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
         # the chunk's full pages (SPLIT) or every live page, a block's pages on neighbouring lanes
-        n = tl.where(s, tl.load(full_ptr + r * n_other + j, mask=ok, other=0), 0).to(tl.int64)
+        n = _selected_pages(sel_ptr, full_ptr, r, i, j, ok, n_other, s_r, s_i, s_j)
         pp = tl.arange(0, PP)
         pos = tl.load(off_full_ptr + at) + (tl.cumsum(n, axis=0) - n)[:, None] + pp[None, :]
         keep = (pp[None, :] < n[:, None]) & (pos < capacity)
@@ -183,13 +196,9 @@ if triton is not None:
             tl.store(out_ptr + 2 * pos, page, mask=keep)
             tl.store(out_ptr + 2 * pos + 1, tl.full([BJ, PP], 0xFFFF, tl.int32), mask=keep)
             # the chunk's partial pages, after every full page of the item
-            m = tl.where(s, tl.load(part_ptr + r * n_other + j, mask=ok, other=0), 0).to(tl.int64)
+            m = _selected_pages(sel_ptr, part_ptr, r, i, j, ok, n_other, s_r, s_i, s_j)
             pos = tl.load(off_part_ptr + at) + tl.cumsum(m, axis=0) - m
-            keep = (m > 0) & (pos < capacity)
-            nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
-            rows = tl.load(rows_ptr + r * n_other + j, mask=ok, other=0) % 16
-            tl.store(out_ptr + 2 * pos, (base + j * P + nf).to(tl.int32), mask=keep)
-            tl.store(out_ptr + 2 * pos + 1, ((1 << rows) - 1).to(tl.int32), mask=keep)
+            _write_partial_pages(out_ptr, full_ptr, rows_ptr, m, pos, base, r, j, ok, n_other, capacity, P)
         else:
             tl.store(out_ptr + pos, page, mask=keep)
 
