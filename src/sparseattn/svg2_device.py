@@ -345,17 +345,20 @@ def partition_slots(
             f"max_slots must be a multiple of block_size={b} and at least {bound} "
             f"(max_slots_bound({t}, {g}, {b})), got {max_slots!r}"
         )
-    token_slot, sizes = _token_slots(labels.long(), g, b)
+    labels = labels.long()
     dev = labels.device
+    sizes = torch.zeros(n, g, dtype=torch.long, device=dev).scatter_add_(1, labels, torch.ones_like(labels))
     blocks = (sizes + (b - 1)) // b
     block_end = blocks.cumsum(1)  # [N, G]
+    group_first_block = block_end - blocks
+    token_slot = _token_slots(labels, sizes, group_first_block * b)
     max_blocks = max_slots // b
     block_ids = torch.arange(max_blocks, device=dev).expand(n, max_blocks).contiguous()
     block_group = torch.searchsorted(block_end, block_ids, right=True)
     inside = block_group < g
     group = block_group.clamp(max=g - 1)
     # a group's tokens fill its first slots: all its blocks are full but the last, which holds a prefix
-    first_block = (block_end - blocks).gather(1, group)
+    first_block = group_first_block.gather(1, group)
     block_rows = (sizes.gather(1, group) - (block_ids - first_block) * b).clamp(0, b)
     block_rows = torch.where(inside, block_rows, 0)
     block_group = torch.where(inside, block_group, -1)
@@ -367,22 +370,19 @@ def partition_slots(
     )
 
 
-def _token_slots(labels: torch.Tensor, g: int, b: int):
-    """``(token_slot int64 [N, tokens], sizes int64 [N, g])`` of :func:`partition_slots`: each token's slot
-    (its group's first slot plus its rank in the group) by one stable sort per row, and the group sizes."""
-    n, t = labels.shape
+def _token_slots(labels: torch.Tensor, sizes: torch.Tensor, group_start: torch.Tensor) -> torch.Tensor:
+    """int64 ``[N, tokens]``: each token's slot in :func:`partition_slots` (its group's first slot,
+    ``group_start`` ``[N, G]``, plus its rank among the group's ``sizes`` tokens), by one stable sort per row."""
+    t = labels.shape[1]
     dev = labels.device
-    sizes = torch.zeros(n, g, dtype=torch.long, device=dev).scatter_add_(1, labels, torch.ones_like(labels))
-    blocks = (sizes + (b - 1)) // b
-    group_start = (blocks.cumsum(1) - blocks) * b
+    g = sizes.shape[1]
     first = sizes.cumsum(1) - sizes  # first sorted position of each group
     # sorted as 16-bit keys where the groups fit: a radix sort takes a pass per key byte
     narrow = labels.to(torch.int16 if g <= 2**15 else torch.int32)
     sorted_narrow, order = torch.sort(narrow, dim=1, stable=True)
     sorted_labels = sorted_narrow.long()
     rank = torch.arange(t, device=dev).unsqueeze(0) - first.gather(1, sorted_labels)
-    token_slot = torch.empty_like(labels).scatter_(1, order, group_start.gather(1, sorted_labels) + rank)
-    return token_slot, sizes
+    return torch.empty_like(labels).scatter_(1, order, group_start.gather(1, sorted_labels) + rank)
 
 
 def slot_rows(token_slot: torch.Tensor, max_slots: int) -> torch.Tensor:

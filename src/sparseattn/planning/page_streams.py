@@ -280,6 +280,12 @@ def write_streams(
     )
 
 
+def _stream_out(capacity: int, split_partial: bool, device) -> torch.Tensor:
+    """The streams' uninitialised int32 output: ``[capacity + 1, 2]`` (page, mask) pairs or ``[capacity + 1]``."""
+    shape = (capacity + 1, 2) if split_partial else (capacity + 1,)
+    return torch.empty(shape, dtype=torch.int32, device=device)
+
+
 def streams(
     sel, full, part, rows, capacity: int, pages_per_block: int, row_page_stride: int, split_partial: bool
 ):
@@ -292,8 +298,7 @@ def streams(
         return chunk_streams(sel, full, part, rows, capacity, pages_per_block, row_page_stride, split_partial)
     lengths = stream_lengths(sel, full, part)
     starts = lengths.cumsum(0) - lengths
-    shape = (capacity + 1, 2) if split_partial else (capacity + 1,)
-    out = torch.empty(shape, dtype=torch.int32, device=sel.device)
+    out = _stream_out(capacity, split_partial, sel.device)
     write_streams(
         sel, full, part, rows, starts, out, capacity, pages_per_block, row_page_stride, split_partial
     )
@@ -310,8 +315,7 @@ def chunk_streams(
     r, n_owner, n_other = sel.shape
     items, chunks = r * n_owner, max(1, triton.cdiv(n_other, BLOCK_J))
     dev = sel.device
-    shape = (capacity + 1, 2) if split_partial else (capacity + 1,)
-    out = torch.empty(shape, dtype=torch.int32, device=dev)
+    out = _stream_out(capacity, split_partial, dev)
     if items == 0:
         lengths = torch.zeros(0, dtype=torch.int64, device=dev)
         return lengths, lengths, lengths.sum(), out
