@@ -12,6 +12,9 @@
 * ``SPARSEATTN_TEST_TIMES=<file>``: the controller appends a line to ``<file>`` when each test starts and
   when it ends (wall time, outcome, duration), flushed at once: a run cut off by a timeout still says which
   tests took the time and which were still running.
+* ``SPARSEATTN_TEST_STACKS=<dir>``: each process (controller and xdist workers) dumps every thread's
+  Python stack into ``<dir>/<worker>.txt`` on ``SIGUSR1`` (``pkill -USR1 -f pytest``): where a slow or
+  stuck run spends its time, without a debugger.
 * pytest-xdist workers run numpy and torch on one CPU thread each (``OMP_NUM_THREADS`` and the BLAS
   variables default to 1 there): fifteen workers with a thread per core each oversubscribe the CPU
   many times over, and the float64 references then crawl.
@@ -31,6 +34,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # before numpy (and torch) size their
 
 import numpy as np
 import pytest
+
+if os.environ.get("SPARSEATTN_TEST_STACKS"):
+    import faulthandler
+    import signal
+
+    os.makedirs(os.environ["SPARSEATTN_TEST_STACKS"], exist_ok=True)
+    _STACK_FILE = open(  # noqa: SIM115 -- kept open for the process's life, as faulthandler requires
+        os.path.join(os.environ["SPARSEATTN_TEST_STACKS"], f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.txt"),
+        "a",
+    )
+    faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True, chain=False)
 
 BF16_NAN_BITS = 0x7FC0
 
