@@ -16,8 +16,10 @@
   Python stack into ``<dir>/<worker>.txt`` on ``SIGUSR1`` (``pkill -USR1 -f pytest``): where a slow or
   stuck run spends its time, without a debugger.
 * pytest-xdist workers run numpy and torch on one CPU thread each (``OMP_NUM_THREADS`` and the BLAS
-  variables default to 1 there): fifteen workers with a thread per core each oversubscribe the CPU
-  many times over, and the float64 references then crawl.
+  variables default to 1 there, and ``threadpoolctl`` caps the pools a plugin's earlier import of numpy
+  or torch already started): fifteen workers with a thread per core each oversubscribe the CPU many
+  times over, and the float64 references then crawl (the GPU machine at bc31104: load average 120 on
+  16 cores, 20 threads per worker, the workers inside numpy's reference; tests 5-10x slower).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import functools
 import importlib.util
 import os
 import secrets
+import sys
 import time
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # before numpy (and torch) size their thread pools
@@ -35,13 +38,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # before numpy (and torch) size their
 import numpy as np
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # the GPU machine runs from the source tree; without it, the variables above only
+        threadpool_limits = None
+    _THREAD_LIMITS = threadpool_limits(1) if threadpool_limits is not None else None  # kept for the process
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
 if os.environ.get("SPARSEATTN_TEST_STACKS"):
     import faulthandler
     import signal
 
     os.makedirs(os.environ["SPARSEATTN_TEST_STACKS"], exist_ok=True)
     _STACK_FILE = open(  # noqa: SIM115 -- kept open for the process's life, as faulthandler requires
-        os.path.join(os.environ["SPARSEATTN_TEST_STACKS"], f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.txt"),
+        os.path.join(
+            os.environ["SPARSEATTN_TEST_STACKS"], f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.txt"
+        ),
         "a",
     )
     faulthandler.register(signal.SIGUSR1, file=_STACK_FILE, all_threads=True, chain=False)
