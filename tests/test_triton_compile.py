@@ -74,35 +74,6 @@ def test_page_stream_kernels_compile_for_sm90(split, pages):
     _compile(_write_kernel, sig, dict(P=pages, SPLIT=split, BJ=BLOCK_J))
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["forward", "backward"])
-@pytest.mark.parametrize("pages", [3, 8], ids=["B48", "B128"])
-def test_chunked_page_stream_kernels_compile_for_sm90(split, pages):
-    from sparseattn.planning.page_streams import BLOCK_J, _chunk_counts_kernel, _chunk_write_kernel
-
-    common = dict(sel_ptr="*u8", full_ptr="*i32", part_ptr="*i32")
-    sizes = dict(n_owner="i32", n_other="i32", chunks="i32")
-    strides = dict(s_r="i64", s_i="i64", s_j="i64")
-    _compile(
-        _chunk_counts_kernel,
-        {**common, "nf_ptr": "*i64", "np_ptr": "*i64", **sizes, **strides},
-        dict(BJ=BLOCK_J),
-    )
-    sig = {
-        **common,
-        "rows_ptr": "*i32",
-        "off_full_ptr": "*i64",
-        "off_part_ptr": "*i64",
-        "out_ptr": "*i32",
-        **sizes,
-        **strides,
-        "capacity": "i64",
-        "row_page_stride": "i64",
-    }
-    pp = 1 << (pages - 1).bit_length()
-    kernel = _compile(_chunk_write_kernel, sig, dict(P=pages, PP=pp, SPLIT=split, BJ=BLOCK_J))
-    assert kernel.metadata.shared <= 227 * 1024
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_rows_to_slots_kernel_compiles_for_sm90(dtype, head_dim):

@@ -77,16 +77,15 @@ def test_per_row_layout_attention_gradients_match_the_reference(seed, block):
         assert not g[~ok].any(), f"{name}: padding slots must be zero"
 
 
-@pytest.mark.parametrize("form, block_j", [("item", 256), ("chunks", 256), ("chunks", 32)])
-def test_triton_page_streams_equal_the_torch_planner_on_100_partitions(form, block_j, monkeypatch):
-    """The compiled Triton stream writers (each launch form; 32-block chunks give an item several) against
-    the torch planner (both on the GPU) on 100 random per-row partitions (k-means-like labels, padded to
-    blocks) and selections, ragged and capacity-cut."""
+@pytest.mark.parametrize("block_j", [256, 32])
+def test_triton_page_streams_equal_the_torch_planner_on_100_partitions(block_j, monkeypatch):
+    """The compiled Triton stream writers (32-block steps give an item several) against the torch planner
+    (both on the GPU) on 100 random per-row partitions (k-means-like labels, padded to blocks) and
+    selections, ragged and capacity-cut."""
     from sparseattn.planning import dynamic_layouts as dl
     from sparseattn.planning import page_streams
     from sparseattn.svg2_device import partition_slots
 
-    monkeypatch.setattr(page_streams, "FORM", form)
     monkeypatch.setattr(page_streams, "BLOCK_J", block_j)
 
     g = torch.Generator(device="cuda").manual_seed(0)
