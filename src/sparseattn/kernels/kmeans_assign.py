@@ -35,9 +35,9 @@ NAME_EXPRESSIONS = tuple(
     for d in HEAD_DIMS
     for acc in (False, True)
 )
-CLUSTER = 2  # CTAs per cluster of the multicast build
 # Geometry mirrored from the kernel.
 THREADS = 256
+CLUSTER = 2  # CTAs per cluster of the multicast build
 ROWS = 128  # tokens per CTA
 CHUNK = 128  # centroids per step
 NBUF = 2
@@ -106,8 +106,10 @@ def _run(x, centroids, accumulate: bool, presum: bool | None = None):
         smem = smem_bytes(d, multicast)
         fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS), smem)
         ptr = lambda a: np.uint64(a.data_ptr())
-        args = (ptr(x), ptr(c), ptr(csq), ptr(labels), ptr(sums), ptr(counts), np.int32(t), np.int32(k))
-        args += (np.int32(presum),)
+        args = (
+            *(ptr(a) for a in (x, c, csq, labels, sums, counts)),
+            *(np.int32(v) for v in (t, k, presum)),
+        )
         ctas = -(-t // ROWS)
         if multicast:
             from .tensor_map import TensorMap
