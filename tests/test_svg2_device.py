@@ -397,6 +397,54 @@ def test_last_step_labels_pair_with_their_cluster_means():
         sd.lloyd(x, 20, 0, init, final_assign=False)
 
 
+def test_last_step_without_its_sums():
+    """``last_sums=False``: the same labels as ``final_assign=False``, the centroids they were assigned to,
+    no sums; it needs the last step's labels."""
+    x = torch.from_numpy(blobs(5, 3, 600, 16))
+    init = x[:, :20].clone()
+    labels, cent, sums, sizes = sd.lloyd(x, 20, 2, init, final_assign=False, last_sums=False)
+    _, before = sd.kmeans(x, 20, 1, init)
+    assert torch.equal(labels, sd.lloyd(x, 20, 2, init, final_assign=False)[0])
+    assert torch.equal(cent, before) and sums is None and sizes is None
+    with pytest.raises(ValueError, match="last_sums=False needs final_assign=False"):
+        sd.lloyd(x, 20, 2, init, last_sums=False)
+
+
+def test_slot_sum_index_names_each_slots_group():
+    labels = torch.tensor([[2, 0, 2, 2, 1], [1, 1, 1, 1, 1]])
+    lay = sd.partition_slots(labels, 3, 16)
+    index = sd.slot_sum_index(lay).view(2, lay.max_slots)
+    for r in range(2):
+        for s in range(lay.max_slots):
+            block = s // 16
+            group = int(lay.block_group[r, block])
+            assert int(index[r, s]) == (-1 if group < 0 else 3 * r + group)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_step_in_slots_matches_the_partition_step(block_size):
+    """svg2_step_in_slots: the last step's sums taken while q and k move to slots give the partition
+    step's labels, layouts, centroids, selection and the same slot tensors."""
+    g = torch.Generator().manual_seed(block_size)
+    q = torch.from_numpy(blobs(6, 2, 500, 16))
+    k = torch.from_numpy(blobs(7, 2, 500, 16))
+    v = torch.randn(2, 500, 16, generator=g)
+    args = (12, 30, block_size, 0.7, 0.1, 2, q[:, :12].clone(), k[:, :30].clone())
+    want = sd.svg2_partition_step(q, k, *args, final_assign=False)
+    marks = []
+    got, qs, ks, vs = sd.svg2_step_in_slots(q, k, v, *args, mark=marks.append)
+    assert marks == ["kmeans_q", "kmeans_k", "layouts", "to_slots", "select"]
+    for name in ("q_labels", "k_labels", "k_sizes", "cluster_mask", "block_mask"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for name in ("q_centroids", "k_centroids"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name))
+    assert torch.equal(got.q_layout.token_slot, want.q_layout.token_slot)
+    ql, kl = want.q_layout, want.k_layout
+    assert torch.equal(qs, sd.scatter_to_slots(q, ql.token_slot, ql.max_slots))
+    assert torch.equal(ks, sd.scatter_to_slots(k, kl.token_slot, kl.max_slots))
+    assert torch.equal(vs, sd.scatter_to_slots(v, kl.token_slot, kl.max_slots))
+
+
 def test_partition_step_with_last_step_labels_matches_its_own_means():
     """svg2_partition_step(final_assign=False) selects on the means of the labels it returns."""
     q = torch.from_numpy(blobs(6, 2, 500, 16))
@@ -424,6 +472,10 @@ def test_svg2_step_bench_pipeline_on_the_cpu(final_assign):
     out, state = one_call(q, k, v, sel, 64, init, "torch", 2, None, final_assign)
     assert out.shape == q.shape
     assert check_head0(q, k, v, out, state, samples=64) < 1e-5
+    if not final_assign:  # the last step's sums taken while the tokens move: the same call
+        again, state_in_slots = one_call(q, k, v, sel, 64, init, "torch", 2, None, False, in_slots=True)
+        assert torch.equal(state_in_slots["mask"], state["mask"])
+        torch.testing.assert_close(again, out)
 
 
 def test_wgmma_assignment_refuses_what_it_cannot_run():

@@ -74,16 +74,24 @@ def test_page_stream_kernels_compile_for_sm90(split, pages):
     _compile(_write_kernel, sig, dict(P=pages, SPLIT=split, BJ=BLOCK_J))
 
 
+@pytest.mark.parametrize("sums", [False, True], ids=["copy", "copy_and_sums"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
-def test_rows_to_slots_kernel_compiles_for_sm90(dtype, head_dim):
+def test_rows_to_slots_kernel_compiles_for_sm90(dtype, head_dim, sums):
     from sparseattn.slot_copy import BLOCK_ROWS, _rows_to_slots_kernel
 
     sig = dict(
-        x_ptr=f"*{dtype}", src_ptr="*i32", out_ptr=f"*{dtype}", total="i64", stride_x="i64", stride_out="i64"
+        x_ptr=f"*{dtype}",
+        src_ptr="*i32",
+        out_ptr=f"*{dtype}",
+        sum_idx_ptr="*i32",
+        sums_ptr="*fp32",
+        total="i64",
+        stride_x="i64",
+        stride_out="i64",
     )
     bd = 1 << (head_dim - 1).bit_length()
-    kernel = _compile(_rows_to_slots_kernel, sig, dict(D=head_dim, BD=bd, BR=BLOCK_ROWS))
+    kernel = _compile(_rows_to_slots_kernel, sig, dict(D=head_dim, BD=bd, BR=BLOCK_ROWS, SUMS=sums))
     assert kernel.metadata.shared <= 227 * 1024
 
 

@@ -110,7 +110,8 @@ def check_nearest_centroid() -> int:
 
 def check_slot_copy() -> int:
     """Token rows into slots in one pass: the used rows equal zeros + ``index_copy``'s, rows outside
-    ``used`` untouched; the gradient is the rows' gather."""
+    ``used`` untouched; the gradient is the rows' gather; with sums, each copied row added into its sums
+    row."""
     from sparseattn import slot_copy
     from sparseattn.svg2_device import scatter_rows
 
@@ -137,14 +138,31 @@ def check_slot_copy() -> int:
             x.detach(),
             src,
             out,
+            src,
+            out,
             total,
             x.stride(0),
             out.stride(0),
             D=d,
             BD=slot_copy.triton.next_power_of_2(d),
             BR=slot_copy.BLOCK_ROWS,
+            SUMS=False,
         )
         assert torch.equal(out[used], want[used]) and out[~used].isnan().all()
+        # each copied row into its sums row: runs of one sums row (a program's rows in one block) and
+        # scattered ones, rows without one (-1)
+        groups = 5
+        sum_index = (torch.arange(total) // slot_copy.BLOCK_ROWS % (groups + 1) - 1).to(torch.int32)
+        scattered = (torch.rand(total, generator=g) < 0.1) & (torch.arange(total) >= total // 2)
+        sum_index[scattered] = torch.randint(
+            -1, groups, (int(scattered.sum()),), generator=g, dtype=torch.int32
+        )
+        sums = torch.zeros(groups, d)
+        scatter_rows(x.detach(), rows, total, used, sums, sum_index)
+        want_sums = torch.zeros(groups, d, dtype=torch.float64)
+        target = sum_index.long()[rows]
+        want_sums.index_add_(0, target[target >= 0], x.detach()[target >= 0].double())
+        torch.testing.assert_close(sums.double(), want_sums, rtol=1e-5, atol=1e-4)
         if r:
             dy = torch.randn(total, d, generator=g).to(dtype)
             (got * dy).sum().backward()

@@ -12,6 +12,11 @@ kernels read as masked rows and must find finite) or nothing (``-2``: the row is
 the used slots (a per-row layout's first ``num_slots`` slots). The backward is the gather of the
 gradient at the same rows (``index_select``), so unwritten rows are never read on either way.
 
+Given ``sums`` and ``sum_index`` (the sums row of every output row, ``-1`` for none), the same pass also
+adds each copied row, in float32, into its sums row: a program's rows that all go to one sums row (a
+block of one cluster, when a program's rows lie in one block) send one atomic per column, others one per
+row. SVG2's k-means takes its last step's cluster sums this way instead of a pass of its own.
+
 :func:`zero_rows` writes zeros into listed rows only (the padding slots of a dynamic forward's output,
 which no work item writes).
 
@@ -45,12 +50,15 @@ if triton is not None:
         x_ptr,
         src_ptr,
         out_ptr,
+        sum_idx_ptr,
+        sums_ptr,
         total,
         stride_x,
         stride_out,
         D: tl.constexpr,
         BD: tl.constexpr,
         BR: tl.constexpr,
+        SUMS: tl.constexpr,
     ):
         offs_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
         r_ok = offs_r < total
@@ -61,6 +69,19 @@ if triton is not None:
         rows = tl.load(x_ptr + src[:, None] * stride_x + offs_d[None, :], mask=take, other=0.0)
         write = (src >= -1)[:, None] & d_ok[None, :]
         tl.store(out_ptr + offs_r[:, None] * stride_out + offs_d[None, :], rows, mask=write)
+        if SUMS:  # each copied row into its sums row (float32)
+            idx = tl.load(sum_idx_ptr + offs_r, mask=r_ok, other=-1).to(tl.int64)
+            has = (src >= 0) & (idx >= 0)
+            hi = tl.max(tl.where(has, idx, -1), 0)
+            lo = tl.min(tl.where(has, idx, hi), 0)
+            vals = tl.where(has[:, None], rows.to(tl.float32), 0.0)
+            if lo == hi:  # one sums row (or none): one atomic per column
+                if hi >= 0:
+                    tl.atomic_add(sums_ptr + hi * D + offs_d, tl.sum(vals, 0), mask=d_ok)
+            else:
+                tl.atomic_add(
+                    sums_ptr + idx[:, None] * D + offs_d[None, :], vals, mask=has[:, None] & d_ok[None, :]
+                )
 
 
 def slot_sources(rows: torch.Tensor, total: int, used: torch.Tensor) -> torch.Tensor:
@@ -75,7 +96,7 @@ def slot_sources(rows: torch.Tensor, total: int, used: torch.Tensor) -> torch.Te
 
 class _RowsToSlots(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rows, sources):
+    def forward(ctx, x, rows, sources, sum_index, sums):
         ctx.save_for_backward(rows)
         total, d = sources.shape[0], x.shape[1]
         x = x if x.stride(1) == 1 else x.contiguous()
@@ -86,19 +107,22 @@ class _RowsToSlots(torch.autograd.Function):
                 x,
                 sources,
                 out,
+                sources if sum_index is None else sum_index,
+                out if sums is None else sums,
                 total,
                 x.stride(0),
                 out.stride(0),
                 D=d,
                 BD=triton.next_power_of_2(d),
                 BR=BLOCK_ROWS,
+                SUMS=sums is not None,
             )
         return out
 
     @staticmethod
     def backward(ctx, grad):
         (rows,) = ctx.saved_tensors
-        return grad.index_select(0, rows.long()), None, None
+        return grad.index_select(0, rows.long()), None, None, None, None
 
 
 if triton is not None:
@@ -131,12 +155,37 @@ def zero_rows(y: torch.Tensor, rows: torch.Tensor) -> None:
         _zero_rows_kernel[grid](y, rows, rows.numel(), slots, D=d, BR=BLOCK_ROWS)
 
 
-def rows_to_slots(x: torch.Tensor, rows: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+def rows_to_slots(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    used: torch.Tensor,
+    sums: torch.Tensor | None = None,
+    sum_index: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``[total, d]``: row ``i`` of ``x`` ``[R, d]`` at row ``rows[i]`` (``rows`` int ``[R]``, distinct, each a
     used row), zeros at the other rows where ``used`` (bool ``[total]``), the rest unwritten.
-    Differentiable in ``x``. Needs :func:`available` ``(x)``."""
+    Differentiable in ``x``. With ``sums`` (float32 ``[S, d]``, contiguous) and ``sum_index`` (int32
+    ``[total]``: each output row's sums row, or -1), each copied row is also added into ``sums`` (in place,
+    not differentiated). Needs :func:`available` ``(x)``."""
     if not available(x):
         raise ValueError(f"rows_to_slots needs Triton and a CUDA tensor, got {x.dtype} on {x.device}")
     if x.ndim != 2 or rows.shape != (x.shape[0],):
         raise ValueError(f"x must be [R, d] and rows [R], got {list(x.shape)} and {list(rows.shape)}")
-    return _RowsToSlots.apply(x, rows, slot_sources(rows, used.shape[0], used))
+    total = used.shape[0]
+    if (sums is None) != (sum_index is None):
+        raise ValueError("sums and sum_index go together")
+    if sums is not None:
+        if (
+            sums.dtype != torch.float32
+            or sums.ndim != 2
+            or sums.shape[1] != x.shape[1]
+            or not sums.is_contiguous()
+        ):
+            raise ValueError(
+                f"sums must be contiguous float32 [S, {x.shape[1]}], got {sums.dtype} {list(sums.shape)}"
+            )
+        if sum_index.dtype != torch.int32 or sum_index.shape != (total,):
+            raise ValueError(
+                f"sum_index must be int32 [{total}], got {sum_index.dtype} {list(sum_index.shape)}"
+            )
+    return _RowsToSlots.apply(x, rows, slot_sources(rows, total, used), sum_index, sums)

@@ -24,7 +24,10 @@ Functions:
 * :func:`svg2_select` — :func:`~sparseattn.builders.svg2_select` per row, as a bool cluster mask.
 * :func:`cluster_block_mask` — the block pairs of the selected cluster pairs; :func:`cluster_pair_mask`
   the same for any groups (tokens' labels: the token mask).
-* :func:`svg2_partition_step` — all of it for one attention call (:class:`SVG2Step`).
+* :func:`svg2_partition_step` — all of it for one attention call (:class:`SVG2Step`);
+  :func:`svg2_step_in_slots` the same with the tokens' move to slots, which also takes the last Lloyd
+  step's cluster sums (:func:`slot_sum_index`), so that step assigns labels only (opt-in, in
+  ``svg2_step_bench`` only until measured).
 """
 
 from __future__ import annotations
@@ -196,11 +199,14 @@ def lloyd(
     chunk_tokens=None,
     assign="auto",
     final_assign=True,
+    last_sums=True,
 ):
     """:func:`kmeans`, returning ``(labels, centroids, sums float32 [N, k, d], sizes float32 [N, k])``:
     the float32 sums and sizes of the clusters of the last Lloyd step's assignment (all zeros when
     ``iters == 0``). With ``final_assign=False`` these are the returned labels' clusters, so their means
-    need no second pass over the tokens."""
+    need no second pass over the tokens. ``last_sums=False`` (with ``final_assign=False``) makes the last
+    step an assignment alone: the centroids are those the labels were assigned to, sums and sizes None
+    (the caller takes the clusters' sums elsewhere, e.g. :func:`scatter_to_slots` with ``sums``)."""
     _check_rows("x", x)
     n, t, d = x.shape
     k = _positive("k", k)
@@ -216,11 +222,15 @@ def lloyd(
         c = init.to(device=x.device, dtype=torch.float32)
     if not final_assign and iters < 1:
         raise ValueError("final_assign=False needs iters >= 1 (the labels are the last step's)")
+    if not last_sums and final_assign:
+        raise ValueError("last_sums=False needs final_assign=False (the labels are the last step's)")
     nearest, step = _assigner(x, k, assign, chunk_tokens)
     if iters == 0:
         zeros = x.new_zeros(n, k, d, dtype=torch.float32)
         return nearest(c), c, zeros, zeros[..., 0]
-    for _ in range(iters):
+    for i in range(iters):
+        if i == iters - 1 and not last_sums:
+            return nearest(c), c, None, None
         labels, sums, counts = step(c)
         c = torch.where(counts.unsqueeze(-1) > 0, _means(sums, counts)[0], c)
     return (nearest(c) if final_assign else labels), c, sums, counts
@@ -392,30 +402,57 @@ def slot_rows(token_slot: torch.Tensor, max_slots: int) -> torch.Tensor:
 
 
 def scatter_rows(
-    x: torch.Tensor, rows: torch.Tensor, total: int, used: torch.Tensor | None = None
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    total: int,
+    used: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
+    sum_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[total, d]``: the rows of ``x`` ``[R, d]`` copied to rows ``rows`` ``[R]`` (distinct) of zeros.
     One index per row, not per element; differentiable in ``x``.
 
     With ``used`` (bool ``[total]``, e.g. :meth:`DeviceLayout.used_slots`) and Triton on ``x``'s device,
     rows outside ``used`` are left unwritten (:func:`sparseattn.slot_copy.rows_to_slots`: one pass, no
-    zero fill of the static bound's unused slots); otherwise every other row is zero (``index_copy``)."""
+    zero fill of the static bound's unused slots); otherwise every other row is zero (``index_copy``).
+    With ``sums`` (float32 ``[S, d]``) and ``sum_index`` (int32 ``[total]``, each output row's sums row or
+    -1, e.g. :func:`slot_sum_index`), every row of ``x`` is also added into its target's sums row, in
+    place (in the same pass on the Triton path)."""
     from . import slot_copy
 
     if used is not None and slot_copy.available(x):
-        return slot_copy.rows_to_slots(x, rows, used)
+        return slot_copy.rows_to_slots(x, rows, used, sums, sum_index)
+    if sums is not None:
+        target = sum_index.long()[rows]
+        keep = target >= 0
+        sums.index_add_(0, target[keep], x.detach()[keep].float())
     return x.new_zeros(total, x.shape[-1]).index_copy(0, rows, x)
 
 
 def scatter_to_slots(
-    x: torch.Tensor, token_slot: torch.Tensor, max_slots: int, used: torch.Tensor | None = None
+    x: torch.Tensor,
+    token_slot: torch.Tensor,
+    max_slots: int,
+    used: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
+    sum_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N, max_slots, d]``: token-ordered ``x`` ``[N, tokens, d]`` moved to the slots ``token_slot``
     ``[N, tokens]``; padding slots are zero, or with ``used`` (bool ``[N · max_slots]``) those outside it
-    may be left unwritten (:func:`scatter_rows`). Differentiable."""
+    may be left unwritten; ``sums`` and ``sum_index`` as :func:`scatter_rows`. Differentiable."""
     n, t, d = x.shape
     rows = slot_rows(token_slot, max_slots).reshape(-1)
-    return scatter_rows(x.reshape(n * t, d), rows, n * max_slots, used).view(n, max_slots, d)
+    return scatter_rows(x.reshape(n * t, d), rows, n * max_slots, used, sums, sum_index).view(n, max_slots, d)
+
+
+def slot_sum_index(layout: DeviceLayout) -> torch.Tensor:
+    """int32 ``[N · max_slots]``: the row of each slot's group in a ``[N · num_groups, d]`` sums matrix
+    (``n · num_groups + group``), -1 past each row's blocks: :func:`scatter_to_slots`' ``sum_index`` for
+    the groups' sums."""
+    n, g = layout.group_sizes.shape
+    row = torch.arange(n, device=layout.block_group.device).unsqueeze(1) * g
+    per_block = torch.where(layout.block_group >= 0, layout.block_group + row, -1)
+    return per_block.repeat_interleave(layout.block_size, dim=1).reshape(-1).to(torch.int32)
 
 
 def gather_from_slots(y: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
@@ -593,24 +630,88 @@ def svg2_partition_step(
     ``"kmeans_q"``, ``"kmeans_k"`` and ``"layouts_select"`` (timing hooks).
     """
     mark = mark or (lambda part: None)
+    fit = dict(assign=assign, final_assign=final_assign)
+    q_fit, k_fit = _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark)
+    q_layout = partition_slots(q_fit[0], q_clusters, block_size)
+    k_layout = partition_slots(k_fit[0], k_clusters, block_size)
+    if final_assign:  # the labels moved after the last step: their clusters' means take another pass
+        q_means, _ = cluster_means(q, q_fit[0], q_clusters)
+        k_means, k_sizes = cluster_means(k, k_fit[0], k_clusters)
+    else:  # the last step's sums are the labels' clusters
+        q_means, _ = _means(*q_fit[2:])
+        k_means, k_sizes = _means(*k_fit[2:])
+    step = _selected_step(q_fit, k_fit, (q_layout, k_layout), q_means, k_means, k_sizes, top_p, min_fraction)
+    mark("layouts_select")
+    return step
+
+
+def _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit: dict, mark):
+    """:func:`lloyd` of each side (Q first), ``mark`` after each."""
     _check_rows("q", q)
     _check_rows("k", k)
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} must agree in N and d")
-    fit = dict(assign=assign, final_assign=final_assign)
-    q_labels, q_cent, q_sums, q_counts = lloyd(q, q_clusters, iters, q_init, generator, **fit)
+    q_fit = lloyd(q, q_clusters, iters, q_init, generator, **fit)
     mark("kmeans_q")
-    k_labels, k_cent, k_sums, k_counts = lloyd(k, k_clusters, iters, k_init, generator, **fit)
+    k_fit = lloyd(k, k_clusters, iters, k_init, generator, **fit)
     mark("kmeans_k")
-    q_layout = partition_slots(q_labels, q_clusters, block_size)
-    k_layout = partition_slots(k_labels, k_clusters, block_size)
-    if final_assign:  # the labels moved after the last step: their clusters' means take another pass
-        q_means, _ = cluster_means(q, q_labels, q_clusters)
-        k_means, k_sizes = cluster_means(k, k_labels, k_clusters)
-    else:  # the last step's sums are the labels' clusters
-        q_means, _ = _means(q_sums, q_counts)
-        k_means, k_sizes = _means(k_sums, k_counts)
-    mask = svg2_select(q_means.double(), k_means.double(), k_sizes, q.shape[2], top_p, min_fraction)
+    return q_fit, k_fit
+
+
+def _selected_step(q_fit, k_fit, layouts, q_means, k_means, k_sizes, top_p, min_fraction) -> SVG2Step:
+    """The step of fitted sides and their layouts: SVG2's selection on the clusters' means, its block mask."""
+    q_layout, k_layout = layouts
+    mask = svg2_select(q_means.double(), k_means.double(), k_sizes, q_means.shape[2], top_p, min_fraction)
     blocks = cluster_block_mask(mask, q_layout.block_group, k_layout.block_group)
-    mark("layouts_select")
-    return SVG2Step(q_labels, k_labels, q_cent, k_cent, q_layout, k_layout, k_sizes, mask, blocks)
+    return SVG2Step(q_fit[0], k_fit[0], q_fit[1], k_fit[1], q_layout, k_layout, k_sizes, mask, blocks)
+
+
+def svg2_step_in_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_clusters: int,
+    k_clusters: int,
+    block_size: int,
+    top_p: float,
+    min_fraction: float,
+    iters: int,
+    q_init: torch.Tensor | None = None,
+    k_init: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    assign: str = "auto",
+    mark=None,
+):
+    """:func:`svg2_partition_step` with ``final_assign=False`` and the tokens' move to slots, in another
+    order: ``(step, qs, ks, vs)`` with ``qs`` ``[N, q_slots, d]`` and ``ks``, ``vs`` ``[N, k_slots, d]`` as
+    :func:`scatter_to_slots` moves them (slots past each row's blocks unwritten where Triton runs).
+
+    The last Lloyd step of each side assigns labels only (``lloyd(last_sums=False)``); its clusters' sums
+    are taken while q and k move to slots (each copied row added into its group's sums,
+    :func:`slot_sum_index`), and their means, the step's centroids and the selection follow from them.
+    Same clusters, layouts and selection as :func:`svg2_partition_step` but for float32 summation order.
+    ``mark(part)`` after ``"kmeans_q"``, ``"kmeans_k"``, ``"layouts"``, ``"to_slots"`` and ``"select"``."""
+    mark = mark or (lambda part: None)
+    fit = dict(assign=assign, final_assign=False, last_sums=False)
+    q_fit, k_fit = _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark)
+    layouts = tuple(
+        partition_slots(f[0], c, block_size) for f, c in ((q_fit, q_clusters), (k_fit, k_clusters))
+    )
+    mark("layouts")
+    n, _, d = q.shape
+    moved, means, fits = [], [], []
+    for x, lay, f, c in ((q, layouts[0], q_fit, q_clusters), (k, layouts[1], k_fit, k_clusters)):
+        sums = torch.zeros(n * c, d, dtype=torch.float32, device=x.device)
+        moved.append(
+            scatter_to_slots(x, lay.token_slot, lay.max_slots, lay.used_slots(), sums, slot_sum_index(lay))
+        )
+        mean, size = _means(sums.view(n, c, d), lay.group_sizes.float())
+        cent = torch.where(size.unsqueeze(-1) > 0, mean, f[1])  # an empty cluster keeps its centroid
+        means.append((mean, size))
+        fits.append((f[0], cent))
+    k_lay = layouts[1]
+    vs = scatter_to_slots(v, k_lay.token_slot, k_lay.max_slots, k_lay.used_slots())
+    mark("to_slots")
+    step = _selected_step(*fits, layouts, means[0][0], means[1][0], means[1][1], top_p, min_fraction)
+    mark("select")
+    return step, moved[0], moved[1], vs

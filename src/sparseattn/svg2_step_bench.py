@@ -47,7 +47,10 @@ METHODS = (
 #: the next layer's: the parts' CUDA events then time the GPU's work alone, not the host's launch gaps.
 QUEUED = "wgmma_last_step_queued"
 QUEUE_CYCLES = 200_000_000  # ~0.1 s of GPU sleep: longer than the host takes to queue a call
-ASSIGNS = tuple(m[0] for m in METHODS) + (QUEUED,)
+#: The queued call with the last Lloyd step's cluster sums taken while q and k move to slots
+#: (:func:`sparseattn.svg2_device.svg2_step_in_slots`; v22 of NOTES_svg2_device, opt-in until measured).
+IN_SLOTS = "wgmma_in_slots_queued"
+ASSIGNS = tuple(m[0] for m in METHODS) + (QUEUED, IN_SLOTS)
 
 
 def synthetic_qk(workload, heads: int):
@@ -71,36 +74,30 @@ def features(workload, heads: int, device):
     return q, k, v
 
 
-def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None, final_assign=False):
-    """One SVG2 call: ``(out [N, tokens, d], step)``; ``marks(name)`` is called after each part."""
+def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None, final_assign=False, in_slots=False):
+    """One SVG2 call: ``(out [N, tokens, d], step)``; ``marks(name)`` is called after each part.
+    ``in_slots``: :func:`~sparseattn.svg2_device.svg2_step_in_slots` (the last step's sums taken while the
+    tokens move; its parts ``layouts`` and ``select`` instead of ``layouts_select``)."""
     from .planning.dynamic_layouts import forward_work_list
-    from .svg2_device import gather_from_slots, scatter_to_slots, svg2_partition_step
+    from .svg2_device import gather_from_slots, scatter_to_slots, svg2_partition_step, svg2_step_in_slots
     from .torch import per_row_forward
 
     mark = marks or (lambda name: None)
-    step = svg2_partition_step(
-        q,
-        k,
-        sel.q_clusters,
-        sel.k_clusters,
-        block_size,
-        sel.top_p,
-        sel.min_fraction,
-        iters,
-        *init,
-        assign=assign,
-        final_assign=final_assign,
-        mark=mark,
-    )
+    args = (sel.q_clusters, sel.k_clusters, block_size, sel.top_p, sel.min_fraction, iters, *init)
+    if in_slots:
+        step, qs, ks, vs = svg2_step_in_slots(q, k, v, *args, assign=assign, mark=mark)
+    else:
+        step = svg2_partition_step(q, k, *args, assign=assign, final_assign=final_assign, mark=mark)
+        ql, kl = step.q_layout, step.k_layout
+        # the torch method moves tokens as the CPU path does (zeros, then index_copy); the fused ones leave
+        # the slots past each row's blocks unwritten (one Triton pass, as the Wan processor on the GPU)
+        used = (lambda lay: None) if assign == "torch" else (lambda lay: lay.used_slots())
+        qs = scatter_to_slots(q, ql.token_slot, ql.max_slots, used(ql))
+        k_used = used(kl)
+        ks = scatter_to_slots(k, kl.token_slot, kl.max_slots, k_used)
+        vs = scatter_to_slots(v, kl.token_slot, kl.max_slots, k_used)
+        mark("to_slots")
     ql, kl, blocks = step.q_layout, step.k_layout, step.block_mask
-    # the torch method moves tokens as the CPU path does (zeros, then index_copy); the fused ones leave
-    # the slots past each row's blocks unwritten (one Triton pass, as the Wan processor on the GPU)
-    used = (lambda lay: None) if assign == "torch" else (lambda lay: lay.used_slots())
-    qs = scatter_to_slots(q, ql.token_slot, ql.max_slots, used(ql))
-    k_used = used(kl)
-    ks = scatter_to_slots(k, kl.token_slot, kl.max_slots, k_used)
-    vs = scatter_to_slots(v, kl.token_slot, kl.max_slots, k_used)
-    mark("to_slots")
     work = forward_work_list(ql.block_rows, kl.block_rows, blocks, block_size, rows_per_chunk=4)
     mark("plan_fwd")
     o, _ = per_row_forward(qs, ks, vs, work, 1.0 / q.shape[-1] ** 0.5)  # the emulator on the CPU
@@ -159,6 +156,8 @@ class _Marks:
         pairs = zip(self.events, self.events[1:])
         out = {b[0]: a[1].elapsed_time(b[1]) for a, b in pairs}
         out.pop("plan_bwd_start", None)
+        if "select" in out:  # svg2_step_in_slots' parts around the move to slots
+            out["layouts_select"] = out.pop("layouts") + out.pop("select")
         return out
 
 
@@ -196,14 +195,16 @@ def measure(
         f"a layer's first call: k-means++ seeds and {init_iters} Lloyd steps (once; Triton compiles included)"
     )
     records = [dict(part=f"seed_{s}", assign="-", time_ms=seed_t[s][0], note=note) for s in ("q", "k")]
-    for assign, how, final_assign in (*METHODS, (QUEUED, "wgmma", False)):
+    for assign, how, final_assign in (*METHODS, (QUEUED, "wgmma", False), (IN_SLOTS, "wgmma", False)):
         times: dict[str, list[float]] = {}
         try:
             for rep in range(warmup + reps):
-                if assign == QUEUED:
+                if assign in (QUEUED, IN_SLOTS):
                     torch.cuda._sleep(QUEUE_CYCLES)
                 marks = _Marks()
-                out, state = one_call(q, k, v, sel, B, init, how, iters, marks, final_assign)
+                out, state = one_call(
+                    q, k, v, sel, B, init, how, iters, marks, final_assign, in_slots=assign == IN_SLOTS
+                )
                 init = state["cent"]
                 if (
                     assign == "fused_last_step"
@@ -335,6 +336,11 @@ def summary(records) -> list[str]:
             f"assign={assign}: kmeans q {t['kmeans_q']:.2f} + k {t['kmeans_k']:.2f} + layouts/select "
             f"{t['layouts_select']:.2f} + fwd plan {t['plan_fwd']:.2f} = {over:.2f} ms = "
             f"{over / t['kernel_fwd']:.0%} of the kernel's {t['kernel_fwd']:.2f} ms"
+            + (
+                f"; with tokens to slots {t['to_slots']:.2f}: {over + t['to_slots']:.2f} ms"
+                if "to_slots" in t
+                else ""
+            )
             + (f"; bwd plan {t['plan_bwd']:.2f} ms" if "plan_bwd" in t else "")
         )
     return lines

@@ -271,3 +271,27 @@ def test_select_kernel_matches_the_torch_sort(top_p, min_fraction, method, monke
     assert not got[3].any() and got[:, :, ::9].sum() == 0
     live_rows = torch.arange(n, device="cuda") != 3
     assert (got[live_rows].sum(-1) >= 1).all()  # every Q cluster of a live row keeps at least one
+
+
+def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move(kmeans_build):
+    """svg2_step_in_slots on the GPU (the wgmma assignment in each build, the Triton slot copy with each
+    block's sums): its centroids are the means of its labels' clusters (empty ones keep theirs), its
+    selection is SVG2's rule on them (but for float32 summation order), and its slot tensors are the
+    tokens moved to its layouts."""
+    x = torch.from_numpy(_synthetic(4, 20000)).cuda().bfloat16()
+    q, k = x, x.flip(1).contiguous()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    v = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
+    init = (q[:, :100].float(), k[:, :300].float())
+    step, qs, ks, vs = sd.svg2_step_in_slots(q, k, v, 100, 300, 128, 0.9, 0.05, 2, *init, assign="wgmma")
+    q_means, q_sizes = sd.cluster_means(q, step.q_labels, 100)
+    k_means, k_sizes = sd.cluster_means(k, step.k_labels, 300)
+    assert torch.equal(step.k_sizes, k_sizes)
+    for cent, means, sizes in ((step.q_centroids, q_means, q_sizes), (step.k_centroids, k_means, k_sizes)):
+        occupied = sizes > 0
+        torch.testing.assert_close(cent[occupied], means[occupied], rtol=1e-5, atol=1e-5)
+    want = sd.svg2_select(q_means.double(), k_means.double(), k_sizes, 128, 0.9, 0.05)
+    assert (step.cluster_mask != want).float().mean() < 1e-3
+    for got, lay, y in ((qs, step.q_layout, q), (ks, step.k_layout, k), (vs, step.k_layout, v)):
+        used = lay.used_slots().view(got.shape[:2])
+        assert torch.equal(got[used], sd.scatter_to_slots(y, lay.token_slot, lay.max_slots)[used])
