@@ -443,6 +443,8 @@ def test_step_in_slots_matches_the_partition_step(block_size):
     assert torch.equal(qs, sd.scatter_to_slots(q, ql.token_slot, ql.max_slots))
     assert torch.equal(ks, sd.scatter_to_slots(k, kl.token_slot, kl.max_slots))
     assert torch.equal(vs, sd.scatter_to_slots(v, kl.token_slot, kl.max_slots))
+    with pytest.raises(ValueError, match="v must have k's shape"):
+        sd.svg2_step_in_slots(q, k, v[:, :-1], *args)
 
 
 def test_partition_step_with_last_step_labels_matches_its_own_means():

@@ -692,6 +692,8 @@ def svg2_step_in_slots(
     Same clusters, layouts and selection as :func:`svg2_partition_step` but for float32 summation order.
     ``mark(part)`` after ``"kmeans_q"``, ``"kmeans_k"``, ``"layouts"``, ``"to_slots"`` and ``"select"``."""
     mark = mark or (lambda part: None)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(v.shape)}")
     fit = dict(assign=assign, final_assign=False, last_sums=False)
     q_fit, k_fit = _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark)
     layouts = tuple(
