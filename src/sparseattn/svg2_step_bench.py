@@ -10,7 +10,10 @@ SVG2's own pairing of labels and centroids, which the Wan processor runs) in the
 parts by flash-kmeans (SVG2's own Triton k-means) when it is installed. The processor's method runs once
 more with the host queueing each call while the GPU sleeps (:data:`QUEUED`): its parts are then the GPU's
 time alone, as in a model whose host runs ahead of the GPU; the other methods' parts include whatever
-time the GPU waits for the host's launches. Tokens move to slots as the CPU
+time the GPU waits for the host's launches. :data:`IN_SLOTS` runs it queued once more with the last
+Lloyd step's cluster sums taken while q and k move to slots
+(:func:`sparseattn.svg2_device.svg2_step_in_slots`; the summary adds the tokens' move to each method's
+overhead, since this one moves work into it). Tokens move to slots as the CPU
 path does (zeros, then ``index_copy``) in the ``torch`` method, and in one Triton pass that leaves unused
 slots unwritten (:mod:`sparseattn.slot_copy`) in the fused ones.
 
