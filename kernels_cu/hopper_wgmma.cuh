@@ -162,11 +162,6 @@ __device__ __forceinline__ void fence_mbarrier_init_cluster() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
-// Arrive once on the barrier and announce `bytes` of asynchronous copies on its current phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
 // ---- named barriers and register reallocation ---------------------------------------------------
 
 __device__ __forceinline__ void named_sync(int id, int threads) {

@@ -99,7 +99,8 @@ __device__ __forceinline__ void kmeans_assign_body(const __nv_bfloat16* __restri
             if (tid == 0) {  // this CTA's 64 rows of the chunk, into both CTAs' buffer
                 const uint32_t bar = full_bar + 8 * buf;
                 const uint32_t tile = cs + buf * S::TILE_BYTES;
-                hopper::mbar_arrive_expect_tx(bar, S::TILE_BYTES);  // both halves land on each CTA's barrier
+                hopper::mbar_expect_tx(bar, S::TILE_BYTES);  // both halves land on each CTA's barrier
+                hopper::mbar_arrive(bar);
 #pragma unroll
                 for (int p = 0; p < 64 / PAGE_ROWS; ++p) {
                     const uint32_t row = half + PAGE_ROWS * p;

@@ -13,8 +13,9 @@
   when it ends (wall time, outcome, duration), flushed at once: a run cut off by a timeout still says which
   tests took the time and which were still running.
 * ``SPARSEATTN_TEST_STACKS=<dir>``: each process (controller and xdist workers) dumps every thread's
-  Python stack into ``<dir>/<worker>.txt`` on ``SIGUSR1`` (``pkill -USR1 -f pytest``): where a slow or
-  stuck run spends its time, without a debugger.
+  Python stack into ``<dir>/<worker>.txt`` on ``SIGUSR1`` (``pkill -USR1 -P <controller pid>`` reaches the
+  workers, whose command lines do not name pytest): where a slow or stuck run spends its time, without a
+  debugger.
 * pytest-xdist workers run numpy and torch on one CPU thread each (``OMP_NUM_THREADS`` and the BLAS
   variables default to 1 there, and ``threadpoolctl`` caps the pools a plugin's earlier import of numpy
   or torch already started): fifteen workers with a thread per core each oversubscribe the CPU many

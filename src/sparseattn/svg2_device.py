@@ -700,20 +700,22 @@ def svg2_step_in_slots(
         partition_slots(f[0], c, block_size) for f, c in ((q_fit, q_clusters), (k_fit, k_clusters))
     )
     mark("layouts")
+    q_lay, k_lay = layouts
+    q_used, k_used = q_lay.used_slots(), k_lay.used_slots()
     n, _, d = q.shape
-    moved, means, fits = [], [], []
-    for x, lay, f, c in ((q, layouts[0], q_fit, q_clusters), (k, layouts[1], k_fit, k_clusters)):
-        sums = torch.zeros(n * c, d, dtype=torch.float32, device=x.device)
-        moved.append(
-            scatter_to_slots(x, lay.token_slot, lay.max_slots, lay.used_slots(), sums, slot_sum_index(lay))
-        )
-        mean, size = _means(sums.view(n, c, d), lay.group_sizes.float())
-        cent = torch.where(size.unsqueeze(-1) > 0, mean, f[1])  # an empty cluster keeps its centroid
-        means.append((mean, size))
-        fits.append((f[0], cent))
-    k_lay = layouts[1]
-    vs = scatter_to_slots(v, k_lay.token_slot, k_lay.max_slots, k_lay.used_slots())
+
+    def to_slots_with_means(x, lay, used, clusters):  # the slot tensor, its clusters' means and sizes
+        sums = torch.zeros(n * clusters, d, dtype=torch.float32, device=x.device)
+        xs = scatter_to_slots(x, lay.token_slot, lay.max_slots, used, sums, slot_sum_index(lay))
+        return xs, *_means(sums.view(n, clusters, d), lay.group_sizes.float())
+
+    qs, q_means, q_sizes = to_slots_with_means(q, q_lay, q_used, q_clusters)
+    ks, k_means, k_sizes = to_slots_with_means(k, k_lay, k_used, k_clusters)
+    vs = scatter_to_slots(v, k_lay.token_slot, k_lay.max_slots, k_used)
     mark("to_slots")
-    step = _selected_step(*fits, layouts, means[0][0], means[1][0], means[1][1], top_p, min_fraction)
+    # the step's centroids: the means, where an empty cluster keeps the centroid it had
+    fitted = lambda f, means, sizes: (f[0], torch.where(sizes.unsqueeze(-1) > 0, means, f[1]))
+    q_fit, k_fit = fitted(q_fit, q_means, q_sizes), fitted(k_fit, k_means, k_sizes)
+    step = _selected_step(q_fit, k_fit, layouts, q_means, k_means, k_sizes, top_p, min_fraction)
     mark("select")
-    return step, moved[0], moved[1], vs
+    return step, qs, ks, vs

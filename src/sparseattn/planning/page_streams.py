@@ -45,18 +45,6 @@ if triton is not None:
         return tl.where(s, tl.load(pages_ptr + r * n_other + j, mask=ok, other=0), 0).to(tl.int64)
 
     @triton.jit
-    def _write_partial_pages(
-        out_ptr, full_ptr, rows_ptr, m, pos, base, r, j, ok, n_other, capacity, P: tl.constexpr
-    ):
-        """The partial page of each block with ``m`` > 0 at ``pos``: its id (after the block's full pages)
-        and its row mask, as an int32 pair."""
-        keep = (m > 0) & (pos < capacity)
-        nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
-        rows = tl.load(rows_ptr + r * n_other + j, mask=ok, other=0) % 16
-        tl.store(out_ptr + 2 * pos, (base + j * P + nf).to(tl.int32), mask=keep)
-        tl.store(out_ptr + 2 * pos + 1, ((1 << rows) - 1).to(tl.int32), mask=keep)
-
-    @triton.jit
     def _lengths_kernel(
         sel_ptr, full_ptr, part_ptr, out_ptr, n_owner, n_other, s_r, s_i, s_j, BJ: tl.constexpr
     ):
@@ -119,9 +107,11 @@ if triton is not None:
                 ok = j < n_other
                 n = _selected_pages(sel_ptr, part_ptr, r, i, j, ok, n_other, s_r, s_i, s_j)
                 pos = off + tl.cumsum(n, axis=0) - n
-                _write_partial_pages(
-                    out_ptr, full_ptr, rows_ptr, n, pos, base, r, j, ok, n_other, capacity, P
-                )
+                keep = (n > 0) & (pos < capacity)
+                nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
+                rows = tl.load(rows_ptr + r * n_other + j, mask=ok, other=0) % 16
+                tl.store(out_ptr + 2 * pos, (base + j * P + nf).to(tl.int32), mask=keep)
+                tl.store(out_ptr + 2 * pos + 1, ((1 << rows) - 1).to(tl.int32), mask=keep)
                 off += tl.sum(n, axis=0)
 
 
