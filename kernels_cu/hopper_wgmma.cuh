@@ -143,25 +143,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
 }
 
-// ---- thread-block clusters -----------------------------------------------------------------------
-
-// This CTA's rank in its cluster.
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-
-// Every thread of every CTA of the cluster arrives (release) and waits (acquire).
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
-// This thread's mbarrier inits visible across the cluster (a peer's multicast may signal them).
-__device__ __forceinline__ void fence_mbarrier_init_cluster() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
 // ---- named barriers and register reallocation ---------------------------------------------------
 
 __device__ __forceinline__ void named_sync(int id, int threads) {
@@ -364,17 +345,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaMap* map, int
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
             dst),
         "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
-        : "memory");
-}
-
-// One box of the map at element column x, row y into shared memory at dst in every CTA of the cluster that
-// cta_mask names (the same CTA-relative offset in each), completing on the barrier at `bar`'s offset in each.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const TmaMap* map, int x, int y, uint32_t bar,
-                                                      uint16_t cta_mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], "
-        "[%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(cta_mask)
         : "memory");
 }
 

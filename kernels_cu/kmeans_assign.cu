@@ -13,15 +13,6 @@
 // (never read from memory); a centroid past k has |c|² = +inf and is never nearest. Ties go to the lower
 // centroid index (as the Triton kernel and torch's argmin). Two CTAs per SM (98 KB of shared memory each
 // at HEAD_DIM 128), so one's loads and argmin run under the other's MMAs.
-//
-// kmeans_assign_mc_kernel (the `multicast` build, opt-in): the same CTAs in clusters of two along the
-// tokens, which share every centroid chunk. Each CTA loads half of the chunk's rows by the tensor-memory
-// accelerator and multicasts them into both CTAs' buffers (a [16 x 64] box per page and 64-column block of
-// a map over C as [N · k, HEAD_DIM]), so the centroids are read from L2 once per pair of CTAs instead of
-// once per CTA. Each buffer has a `full` mbarrier per CTA expecting the whole chunk's bytes; a cluster
-// barrier ends each chunk (both CTAs have read the buffer the next step's multicast overwrites). Rows past
-// k of a chunk hold the next row's centroids or, past N · k, zeros: their |c|² is +inf either way. The
-// host pads the grid to whole clusters; a CTA past `tokens` loads and multiplies but writes nothing.
 #include "hopper_wgmma.cuh"
 
 // Geometry mirrored in sparseattn/kernels/kmeans_assign.py.
@@ -40,18 +31,16 @@ template <int HEAD_DIM>
 struct KmeansSmem {
     static constexpr int TILE_BYTES = KMEANS_ROWS * HEAD_DIM * 2;  // the X tile and each centroid chunk
     static constexpr int BYTES = 1024 + TILE_BYTES * (1 + KMEANS_NBUF) + 4 * KMEANS_NBUF * KMEANS_CHUNK;
-    static constexpr int MC_BYTES = BYTES + 8 * KMEANS_NBUF;  // the multicast build's `full` mbarriers
     static_assert(KMEANS_ROWS == KMEANS_CHUNK, "X tile and centroid chunks share the tile size");
 };
 
 }  // namespace
 
-template <int HEAD_DIM, bool ACCUMULATE, bool MULTICAST>
-__device__ __forceinline__ void kmeans_assign_body(const __nv_bfloat16* __restrict__ X,
-                                                   const __nv_bfloat16* __restrict__ C, const float* __restrict__ csq,
-                                                   long long* __restrict__ labels, float* __restrict__ sums,
-                                                   float* __restrict__ counts, int tokens, int k, int presum,
-                                                   const hopper::TmaMap* cmap) {
+template <int HEAD_DIM, bool ACCUMULATE>
+__global__ void __launch_bounds__(KMEANS_THREADS, 2)
+kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
+                     const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
+                     float* __restrict__ counts, int tokens, int k, int presum) {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM 64 or 128");
     using S = KmeansSmem<HEAD_DIM>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -75,18 +64,6 @@ __device__ __forceinline__ void kmeans_assign_body(const __nv_bfloat16* __restri
     const int x_pages = (tokens + PAGE_ROWS - 1) / PAGE_ROWS;
     const int c_pages = (k + PAGE_ROWS - 1) / PAGE_ROWS;
     const int chunks = (k + KMEANS_CHUNK - 1) / KMEANS_CHUNK;
-    uint32_t full_bar = 0;  // MULTICAST: the `full` mbarrier of buffer b at full_bar + 8·b
-    uint32_t half = 0;      // MULTICAST: the first of the 64 chunk rows this CTA loads for both
-    if constexpr (MULTICAST) {
-        full_bar = cs + KMEANS_NBUF * S::TILE_BYTES + 4 * KMEANS_NBUF * KMEANS_CHUNK;
-        half = 64 * hopper::cluster_ctarank();
-        if (tid == 0) {
-#pragma unroll
-            for (int b = 0; b < KMEANS_NBUF; ++b) hopper::mbar_init(full_bar + 8 * b, 1);
-            hopper::fence_mbarrier_init_cluster();
-        }
-        hopper::cluster_sync();  // both CTAs' barriers exist before either multicasts into them
-    }
 
     {  // the CTA's tokens
         const int page[1] = {row0 / PAGE_ROWS + warp};
@@ -95,27 +72,10 @@ __device__ __forceinline__ void kmeans_assign_body(const __nv_bfloat16* __restri
     }
     auto load_chunk = [&](int c) {
         const int buf = c % KMEANS_NBUF;
-        if constexpr (MULTICAST) {
-            if (tid == 0) {  // this CTA's 64 rows of the chunk, into both CTAs' buffer
-                const uint32_t bar = full_bar + 8 * buf;
-                const uint32_t tile = cs + buf * S::TILE_BYTES;
-                hopper::mbar_expect_tx(bar, S::TILE_BYTES);  // both halves land on each CTA's barrier
-                hopper::mbar_arrive(bar);
-#pragma unroll
-                for (int p = 0; p < 64 / PAGE_ROWS; ++p) {
-                    const uint32_t row = half + PAGE_ROWS * p;
-#pragma unroll
-                    for (int cb = 0; cb < HEAD_DIM / 64; ++cb)
-                        hopper::tma_load_2d_multicast(tile + cb * (KMEANS_CHUNK * 128) + row * 128, cmap, cb * 64,
-                                                      n * k + c * KMEANS_CHUNK + static_cast<int>(row), bar, 0x3);
-                }
-            }
-        } else {
-            const int page[1] = {c * (KMEANS_CHUNK / PAGE_ROWS) + warp};
-            const uint32_t mask[1] = {rows_mask(k - page[0] * PAGE_ROWS)};
-            hopper::warp_copy_pages<HEAD_DIM, KMEANS_CHUNK, 1>(cs + buf * S::TILE_BYTES, PAGE_ROWS * warp, Cn,
-                                                               c_pages, page, mask);
-        }
+        const int page[1] = {c * (KMEANS_CHUNK / PAGE_ROWS) + warp};
+        const uint32_t mask[1] = {rows_mask(k - page[0] * PAGE_ROWS)};
+        hopper::warp_copy_pages<HEAD_DIM, KMEANS_CHUNK, 1>(cs + buf * S::TILE_BYTES, PAGE_ROWS * warp, Cn, c_pages,
+                                                           page, mask);
         if (tid < KMEANS_CHUNK) {
             const int j = c * KMEANS_CHUNK + tid;
             csq_s[buf * KMEANS_CHUNK + tid] = j < k ? csq_n[j] : INFINITY;
@@ -132,19 +92,10 @@ __device__ __forceinline__ void kmeans_assign_body(const __nv_bfloat16* __restri
     for (int c = 0; c < chunks; ++c) {
         const int buf = c % KMEANS_NBUF;
         if (c + 1 < chunks) load_chunk(c + 1);  // into the buffer the previous step released
-        if constexpr (MULTICAST) {
-            if (c == 0) {
-                paged::cp_async_wait<0>();  // the X tile
-                __syncthreads();              // everyone's (and chunk 0's |c|² stores)
-                hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
-            }
-            hopper::mbar_wait(full_bar + 8 * buf, (c / KMEANS_NBUF) & 1);  // both halves of chunk c
-        } else {
-            paged::cp_async_commit();
-            paged::cp_async_wait<1>();  // this thread's copies of X and of chunk c have landed
-            __syncthreads();            // everyone's (and the |c|² stores)
-            hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
-        }
+        paged::cp_async_commit();
+        paged::cp_async_wait<1>();  // this thread's copies of X and of chunk c have landed
+        __syncthreads();            // everyone's (and the |c|² stores)
+        hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
         hopper::wgmma_fence();
         hopper::issue_qk<HEAD_DIM, KMEANS_CHUNK, KMEANS_ROWS>(s, a_rows, cs + buf * S::TILE_BYTES);
         hopper::wgmma_commit();
@@ -162,12 +113,9 @@ __device__ __forceinline__ void kmeans_assign_body(const __nv_bfloat16* __restri
                 }
             }
         }
-        if constexpr (MULTICAST)
-            hopper::cluster_sync();  // both CTAs have read chunk c's buffer: the next step may multicast into it
-        else
-            __syncthreads();  // chunk c's tiles are read: the next step may load chunk c + 2 into them
+        __syncthreads();  // chunk c's tiles are read: the next step may load chunk c + 2 into them
     }
-    if constexpr (!MULTICAST) paged::cp_async_wait<0>();
+    paged::cp_async_wait<0>();
 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // the quad's four column sets: the nearest, the lower index on a tie
@@ -280,21 +228,4 @@ __device__ __forceinline__ void kmeans_assign_body(const __nv_bfloat16* __restri
             }
         }
     }
-}
-
-template <int HEAD_DIM, bool ACCUMULATE>
-__global__ void __launch_bounds__(KMEANS_THREADS, 2)
-kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
-                     const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
-                     float* __restrict__ counts, int tokens, int k, int presum) {
-    kmeans_assign_body<HEAD_DIM, ACCUMULATE, false>(X, C, csq, labels, sums, counts, tokens, k, presum, nullptr);
-}
-
-template <int HEAD_DIM, bool ACCUMULATE>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(KMEANS_THREADS, 2)
-kmeans_assign_mc_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
-                        const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
-                        float* __restrict__ counts, int tokens, int k, int presum,
-                        const __grid_constant__ hopper::TmaMap cmap) {
-    kmeans_assign_body<HEAD_DIM, ACCUMULATE, true>(X, C, csq, labels, sums, counts, tokens, k, presum, &cmap);
 }

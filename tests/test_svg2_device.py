@@ -493,24 +493,6 @@ def test_wgmma_assignment_refuses_what_it_cannot_run():
         sd.lloyd(x, 4, 1, x[:, :4], assign="tensor cores")
 
 
-def test_wgmma_assignment_refuses_an_unknown_build(monkeypatch):
-    from sparseattn.kernels import kmeans_assign
-
-    monkeypatch.setattr(kmeans_assign, "BUILD", "cta512")
-    with pytest.raises(ValueError, match="SPARSEATTN_KMEANS_BUILD"):
-        kmeans_assign.nearest_centroid_wgmma(torch.randn(2, 40, 64), torch.randn(2, 4, 64))
-
-
-def test_multicast_build_shared_memory_adds_its_barriers():
-    """The host's shared-memory formula mirrors the kernel's: the multicast build adds one 8-byte
-    mbarrier per chunk buffer, and two CTAs per SM still fit (227 KB)."""
-    from sparseattn.kernels import kmeans_assign as ka
-
-    for d in ka.HEAD_DIMS:
-        assert ka.smem_bytes(d, multicast=True) == ka.smem_bytes(d) + 8 * ka.NBUF
-        assert 2 * ka.smem_bytes(d, multicast=True) <= 227 * 1024
-
-
 def test_svg2_step_bench_summary_reports_the_queued_timing_beside_the_in_order_one():
     """The bench's summary gives the overhead of each timed method, the queued one (GPU time alone) too."""
     from sparseattn.svg2_step_bench import QUEUED, summary

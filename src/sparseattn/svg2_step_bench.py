@@ -376,15 +376,7 @@ def main(argv=None) -> int:
     )
     if args.profile:
         profile_table(args.workload, args.heads, args.iters, args.profile)
-    from .kernels import kmeans_assign
-
-    path = write_run(
-        run_path(args.out, "svg2_step"),
-        "python -m sparseattn.svg2_step_bench",
-        argv,
-        records,
-        kmeans_build=kmeans_assign.BUILD,  # SPARSEATTN_KMEANS_BUILD: the wgmma assignment's launch build
-    )
+    path = write_run(run_path(args.out, "svg2_step"), "python -m sparseattn.svg2_step_bench", argv, records)
     for line in summary(records):
         print(line)
     print(f"wrote {path}")

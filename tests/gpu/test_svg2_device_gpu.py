@@ -117,24 +117,13 @@ def test_fused_lloyd_step_sums_and_sizes():
     torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-3)
 
 
-@pytest.fixture(params=["cta128", "multicast"])
-def kmeans_build(request, monkeypatch):
-    """The wgmma assignment's builds (``kmeans_assign.BUILDS``), each in turn."""
-    from sparseattn.kernels import kmeans_assign
-
-    monkeypatch.setattr(kmeans_assign, "BUILD", request.param)
-    return request.param
-
-
-ASSIGNMENT_CASES = [(3, 5000, 333, 128), (2, 97, 1000, 128), (2, 300, 1, 64), (1, 1025, 130, 64)]
-
-
-@pytest.mark.parametrize("n, tokens, k, d", ASSIGNMENT_CASES)
-def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, d, kmeans_build):
-    """The tensor-core assignment (ragged tokens and centroid counts; every build, the multicast one with
-    a padding CTA where the CTAs are odd and chunk rows past k from the next row or past the tensor): the
-    float64 nearest of the bf16-rounded centroids wherever the nearest beats the second by more than
-    float32 accumulation error, and the Triton kernel's labels there too."""
+@pytest.mark.parametrize(
+    "n, tokens, k, d", [(3, 5000, 333, 128), (2, 97, 1000, 128), (2, 300, 1, 64), (1, 1025, 130, 64)]
+)
+def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, d):
+    """The tensor-core assignment (ragged tokens and centroid counts): the float64 nearest of the
+    bf16-rounded centroids wherever the nearest beats the second by more than float32 accumulation
+    error, and the Triton kernel's labels there too."""
     from sparseattn.kernels.kmeans_assign import nearest_centroid_wgmma
     from sparseattn.nearest_centroid import nearest_centroid_fused
 
@@ -154,28 +143,13 @@ def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, 
         np.testing.assert_array_equal(got[r][clear], triton_labels[r][clear])
 
 
-@pytest.mark.parametrize("n, tokens, k, d", ASSIGNMENT_CASES)
-def test_wgmma_builds_give_the_same_labels(n, tokens, k, d, monkeypatch):
-    """The multicast build's labels equal the default build's bit for bit (the same products per row)."""
-    from sparseattn.kernels import kmeans_assign
-
-    g = torch.Generator(device="cuda").manual_seed(tokens * k)
-    x = torch.randn(n, tokens, d, device="cuda", generator=g).bfloat16()
-    c = torch.randn(n, k, d, device="cuda", generator=g)
-    labels = {}
-    for build in kmeans_assign.BUILDS:
-        monkeypatch.setattr(kmeans_assign, "BUILD", build)
-        labels[build] = kmeans_assign.nearest_centroid_wgmma(x, c)
-    assert torch.equal(labels["multicast"], labels["cta128"])
-
-
 @pytest.mark.parametrize("presum", [False, True], ids=["atomics", "presum"])
 @pytest.mark.parametrize("k", [500, 3], ids=["k500", "k3"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_wgmma_lloyd_step_sums_and_sizes(d, k, presum, kmeans_build):
-    """The tensor-core Lloyd step's float32 cluster sums and sizes equal those of its own labels (every
-    build), with each token's atomics and with each cluster's tokens of a CTA summed first (3 clusters put
-    dozens of tokens in each; 20,001 tokens leave the last CTA partial and, multicast, a padding CTA)."""
+def test_wgmma_lloyd_step_sums_and_sizes(d, k, presum):
+    """The tensor-core Lloyd step's float32 cluster sums and sizes equal those of its own labels, with each
+    token's atomics and with each cluster's tokens of a CTA summed first (3 clusters put dozens of tokens
+    in each; 20,001 tokens leave the last CTA partial)."""
     from sparseattn.kernels.kmeans_assign import lloyd_step_wgmma
 
     g = torch.Generator(device="cuda").manual_seed(d + k)
@@ -273,8 +247,8 @@ def test_select_kernel_matches_the_torch_sort(top_p, min_fraction, method, monke
     assert (got[live_rows].sum(-1) >= 1).all()  # every Q cluster of a live row keeps at least one
 
 
-def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move(kmeans_build):
-    """svg2_step_in_slots on the GPU (the wgmma assignment in each build, the Triton slot copy with each
+def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move():
+    """svg2_step_in_slots on the GPU (the wgmma assignment, the Triton slot copy with each
     block's sums): its centroids are the means of its labels' clusters (empty ones keep theirs), its
     selection is SVG2's rule on them (but for float32 summation order), and its slot tensors are the
     tokens moved to its layouts."""

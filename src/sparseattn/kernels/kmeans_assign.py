@@ -8,16 +8,9 @@ centroids in float32), so the labels differ only where two centroids are within 
 
 Torch CUDA tensors in and out, on torch's current stream. ``x`` bf16 ``[N, tokens, d]`` (``d`` 64 or 128),
 ``centroids`` float ``[N, k, d]``.
-
-Two builds (:data:`BUILD`, ``SPARSEATTN_KMEANS_BUILD``): ``"cta128"`` (the default) copies every centroid
-chunk into each CTA with ``cp.async``; ``"multicast"`` (opt-in until measured) runs the CTAs in clusters of
-two that share each chunk: each loads half of its rows by TMA and multicasts them into both (the centroids
-read from L2 once per two CTAs). Same products, same labels.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -25,19 +18,11 @@ from . import launch
 
 SOURCE = "kmeans_assign.cu"
 HEAD_DIMS = (64, 128)
-#: Launch builds: the kernel each runs and whether its CTAs share chunks in clusters of two.
-BUILDS = {"cta128": ("kmeans_assign_kernel", False), "multicast": ("kmeans_assign_mc_kernel", True)}
-#: The build the launches take (a key of BUILDS; ``SPARSEATTN_KMEANS_BUILD`` sets it at import).
-BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "cta128"
 NAME_EXPRESSIONS = tuple(
-    f"{kernel}<{d}, {'true' if acc else 'false'}>"
-    for kernel, _ in BUILDS.values()
-    for d in HEAD_DIMS
-    for acc in (False, True)
+    f"kmeans_assign_kernel<{d}, {'true' if acc else 'false'}>" for d in HEAD_DIMS for acc in (False, True)
 )
 # Geometry mirrored from the kernel.
 THREADS = 256
-CLUSTER = 2  # CTAs per cluster of the multicast build
 ROWS = 128  # tokens per CTA
 CHUNK = 128  # centroids per step
 NBUF = 2
@@ -47,13 +32,9 @@ NBUF = 2
 PRESUM_MAX_CLUSTERS = 512
 
 
-def smem_bytes(head_dim: int, multicast: bool = False) -> int:
-    """Dynamic shared memory of one CTA: the X tile, NBUF centroid chunks, their |c|², 1 KB of alignment
-    (and with ``multicast`` a ``full`` mbarrier per chunk buffer)."""
-    return 1024 + ROWS * head_dim * 2 * (1 + NBUF) + 4 * NBUF * CHUNK + (8 * NBUF if multicast else 0)
-
-
-_CENTROID_MAPS: dict = {}  # (device, rows, d) -> TensorMap of the multicast build (pointed at each call's C)
+def smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of one CTA: the X tile, NBUF centroid chunks, their |c|², 1 KB of alignment."""
+    return 1024 + ROWS * head_dim * 2 * (1 + NBUF) + 4 * NBUF * CHUNK
 
 
 def available(x) -> bool:
@@ -77,10 +58,6 @@ def available(x) -> bool:
 def _run(x, centroids, accumulate: bool, presum: bool | None = None):
     import torch
 
-    if BUILD not in BUILDS:
-        raise ValueError(
-            f"kmeans_assign.BUILD (SPARSEATTN_KMEANS_BUILD) must be one of {list(BUILDS)}, got {BUILD!r}"
-        )
     if not available(x):
         raise ValueError(
             "x must be a bf16 CUDA tensor [N, tokens, d] with d 64 or 128 on an sm_90 GPU for the wgmma k-means "
@@ -101,31 +78,27 @@ def _run(x, centroids, accumulate: bool, presum: bool | None = None):
     sums = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
     counts = torch.zeros(n, k, dtype=torch.float32, device=x.device) if accumulate else csq
     if n and t:
-        kernel, multicast = BUILDS[BUILD]
-        name = f"{kernel}<{d}, {'true' if accumulate else 'false'}>"
-        smem = smem_bytes(d, multicast)
+        name = f"kmeans_assign_kernel<{d}, {'true' if accumulate else 'false'}>"
+        smem = smem_bytes(d)
         fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS), smem)
         ptr = lambda a: np.uint64(a.data_ptr())
-        args = (
-            *(ptr(a) for a in (x, c, csq, labels, sums, counts)),
-            *(np.int32(v) for v in (t, k, presum)),
-        )
-        ctas = -(-t // ROWS)
-        if multicast:
-            from .tensor_map import TensorMap
-
-            key = (x.device.index, n * k, d)
-            cmap = _CENTROID_MAPS.get(key)
-            if cmap is None:
-                cmap = _CENTROID_MAPS[key] = TensorMap(n * k, d, "centroids")
-            cmap.point_at(c.data_ptr())
-            grid = (-(-ctas // CLUSTER) * CLUSTER, n)  # whole clusters
-            launch.PackedLaunch(fn, grid, (THREADS,), (*args, cmap), smem)(
-                launch.torch_stream_ptr(x.device.index)
+        with launch.torch_stream():
+            fn(
+                (-(-t // ROWS), n),
+                (THREADS,),
+                (
+                    ptr(x),
+                    ptr(c),
+                    ptr(csq),
+                    ptr(labels),
+                    ptr(sums),
+                    ptr(counts),
+                    np.int32(t),
+                    np.int32(k),
+                    np.int32(presum),
+                ),
+                shared_mem=smem,
             )
-        else:
-            with launch.torch_stream():
-                fn((ctas, n), (THREADS,), args, shared_mem=smem)
     return (labels, sums, counts) if accumulate else (labels,)
 
 
