@@ -42,7 +42,9 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     try:
         from threadpoolctl import threadpool_limits
-    except ImportError:  # the GPU machine runs from the source tree; without it, the variables above only
+    except (
+        ImportError
+    ):  # optional (the GPU machine runs from the source tree): the variables above still apply
         threadpool_limits = None
     _THREAD_LIMITS = threadpool_limits(1) if threadpool_limits is not None else None  # kept for the process
     if "torch" in sys.modules:

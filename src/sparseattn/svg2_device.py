@@ -696,11 +696,9 @@ def svg2_step_in_slots(
         raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(v.shape)}")
     fit = dict(assign=assign, final_assign=False, last_sums=False)
     q_fit, k_fit = _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark)
-    layouts = tuple(
-        partition_slots(f[0], c, block_size) for f, c in ((q_fit, q_clusters), (k_fit, k_clusters))
-    )
+    q_lay = partition_slots(q_fit[0], q_clusters, block_size)
+    k_lay = partition_slots(k_fit[0], k_clusters, block_size)
     mark("layouts")
-    q_lay, k_lay = layouts
     q_used, k_used = q_lay.used_slots(), k_lay.used_slots()
     n, _, d = q.shape
 
@@ -716,6 +714,6 @@ def svg2_step_in_slots(
     # the step's centroids: the means, where an empty cluster keeps the centroid it had
     fitted = lambda f, means, sizes: (f[0], torch.where(sizes.unsqueeze(-1) > 0, means, f[1]))
     q_fit, k_fit = fitted(q_fit, q_means, q_sizes), fitted(k_fit, k_means, k_sizes)
-    step = _selected_step(q_fit, k_fit, layouts, q_means, k_means, k_sizes, top_p, min_fraction)
+    step = _selected_step(q_fit, k_fit, (q_lay, k_lay), q_means, k_means, k_sizes, top_p, min_fraction)
     mark("select")
     return step, qs, ks, vs
