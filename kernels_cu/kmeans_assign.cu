@@ -13,6 +13,13 @@
 // (never read from memory); a centroid past k has |c|² = +inf and is never nearest. Ties go to the lower
 // centroid index (as the Triton kernel and torch's argmin). Two CTAs per SM (98 KB of shared memory each
 // at HEAD_DIM 128), so one's loads and argmin run under the other's MMAs.
+//
+// PACKED_ARGMAX: the argmin as a maximum of the scores x·c − |c|²/2 (the same order: twice a score is
+// |x|²-free minus the distance, exactly), each score carrying its column among the lane's 32 of the chunk
+// in its 5 low mantissa bits, so a row's running best is a chain of max instructions alone (four chains a
+// row, for independent instructions) and the column is read back from the winner's bits. Two scores within
+// 2⁻¹⁸ of each other (relative) may then be taken in either order: ties up to that, where the exact build
+// (PACKED_ARGMAX false) resolves float32 ties to the lower index.
 #include "hopper_wgmma.cuh"
 
 // Geometry mirrored in sparseattn/kernels/kmeans_assign.py.
@@ -27,6 +34,21 @@ __device__ __forceinline__ uint32_t rows_mask(int rows_left) {
     return rows_left >= PAGE_ROWS ? 0xffffu : rows_left > 0 ? (1u << rows_left) - 1u : 0u;
 }
 
+// v with its 5 low mantissa bits replaced by `column` (0..31): one LOP3, (v & keep) | column, with `keep`
+// (~31) in a register.
+__device__ __forceinline__ float pack_column(float v, uint32_t keep, int column) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(__float_as_uint(v)), "r"(keep), "r"(column));
+    return __uint_as_float(r);
+}
+
+// max.f32 without flush to zero: a packed score near 0 is a subnormal whose bits carry its column.
+__device__ __forceinline__ float max_keep_bits(float a, float b) {
+    float m;
+    asm("max.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+    return m;
+}
+
 template <int HEAD_DIM>
 struct KmeansSmem {
     static constexpr int TILE_BYTES = KMEANS_ROWS * HEAD_DIM * 2;  // the X tile and each centroid chunk
@@ -36,7 +58,7 @@ struct KmeansSmem {
 
 }  // namespace
 
-template <int HEAD_DIM, bool ACCUMULATE>
+template <int HEAD_DIM, bool ACCUMULATE, bool PACKED_ARGMAX>
 __global__ void __launch_bounds__(KMEANS_THREADS, 2)
 kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
                      const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
@@ -76,16 +98,19 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         const uint32_t mask[1] = {rows_mask(k - page[0] * PAGE_ROWS)};
         hopper::warp_copy_pages<HEAD_DIM, KMEANS_CHUNK, 1>(cs + buf * S::TILE_BYTES, PAGE_ROWS * warp, Cn, c_pages,
                                                            page, mask);
-        if (tid < KMEANS_CHUNK) {
+        if (tid < KMEANS_CHUNK) {  // |c|² (argmin), or −|c|²/2 (packed argmax); centroids past k never win
             const int j = c * KMEANS_CHUNK + tid;
-            csq_s[buf * KMEANS_CHUNK + tid] = j < k ? csq_n[j] : INFINITY;
+            if constexpr (PACKED_ARGMAX)
+                csq_s[buf * KMEANS_CHUNK + tid] = j < k ? -0.5f * csq_n[j] : -3.0e38f;  // finite: its bits pack
+            else
+                csq_s[buf * KMEANS_CHUNK + tid] = j < k ? csq_n[j] : INFINITY;
         }
     };
     load_chunk(0);
     paged::cp_async_commit();
 
-    float best[2] = {INFINITY, INFINITY};
-    int best_i[2] = {0, 0};
+    float best[2] = {PACKED_ARGMAX ? -INFINITY : INFINITY, PACKED_ARGMAX ? -INFINITY : INFINITY};
+    int best_i[2] = {0, 0};  // the index (argmin), or the chunk (packed argmax)
     float s[KMEANS_CHUNK / 2];
     const uint32_t a_rows = xs + wg * 64 * 128;  // this warpgroup's 64 rows of the X tile
 #pragma unroll 1
@@ -101,15 +126,41 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         hopper::wgmma_commit();
         hopper::wgmma_wait<0>();
         const float* cq = csq_s + buf * KMEANS_CHUNK;
+        if constexpr (PACKED_ARGMAX) {
+            float chain[2][4];  // per row, four running maxima over the columns j ≡ 0, 1, 2, 3 (mod 4)
+            uint32_t keep_bits;
+            asm volatile("mov.b32 %0, 0xffffffe0;" : "=r"(keep_bits));  // a register, so the LOP3 takes it
 #pragma unroll
-        for (int j = 0; j < KMEANS_CHUNK / 8; ++j) {
+            for (int j = 0; j < KMEANS_CHUNK / 8; ++j) {
+                const float2 h = *reinterpret_cast<const float2*>(cq + 8 * j + 2 * t4);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = 8 * j + 2 * t4 + (e & 1);
-                const float d = cq[col] - 2.f * s[4 * j + e];
-                if (d < best[e >> 1]) {  // strict: the lower index keeps a tie
-                    best[e >> 1] = d;
-                    best_i[e >> 1] = c * KMEANS_CHUNK + col;
+                for (int e = 0; e < 4; ++e) {
+                    const float v = s[4 * j + e] + ((e & 1) ? h.y : h.x);
+                    const float packed = pack_column(v, keep_bits, 2 * j + (e & 1));
+                    float& m = chain[e >> 1][j & 3];
+                    m = (j < 4 && (e & 1) == 0) ? packed : max_keep_bits(m, packed);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float m = max_keep_bits(max_keep_bits(chain[r][0], chain[r][1]),
+                                              max_keep_bits(chain[r][2], chain[r][3]));
+                if (m > best[r]) {  // strict: an earlier chunk keeps an equal score
+                    best[r] = m;
+                    best_i[r] = c;  // the chunk; its column is in m's low bits
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < KMEANS_CHUNK / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = 8 * j + 2 * t4 + (e & 1);
+                    const float d = cq[col] - 2.f * s[4 * j + e];
+                    if (d < best[e >> 1]) {  // strict: the lower index keeps a tie
+                        best[e >> 1] = d;
+                        best_i[e >> 1] = c * KMEANS_CHUNK + col;
+                    }
                 }
             }
         }
@@ -117,6 +168,14 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
     }
     paged::cp_async_wait<0>();
 
+    if constexpr (PACKED_ARGMAX) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // the column out of the score's low bits; the distance's order back
+            const uint32_t local = __float_as_uint(best[r]) & 31u;  // 2·j + (e & 1)
+            best_i[r] = best_i[r] * KMEANS_CHUNK + 8 * static_cast<int>(local >> 1) + 2 * t4 + (local & 1);
+            best[r] = -best[r];
+        }
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // the quad's four column sets: the nearest, the lower index on a tie
 #pragma unroll

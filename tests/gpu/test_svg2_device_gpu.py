@@ -117,12 +117,22 @@ def test_fused_lloyd_step_sums_and_sizes():
     torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize(
-    "n, tokens, k, d", [(3, 5000, 333, 128), (2, 97, 1000, 128), (2, 300, 1, 64), (1, 1025, 130, 64)]
-)
-def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, d):
-    """The tensor-core assignment (ragged tokens and centroid counts): the float64 nearest of the
-    bf16-rounded centroids wherever the nearest beats the second by more than float32 accumulation
+@pytest.fixture(params=["argmin", "packed_argmax"])
+def kmeans_build(request, monkeypatch):
+    """The wgmma assignment's builds (``kmeans_assign.BUILDS``), each in turn."""
+    from sparseattn.kernels import kmeans_assign
+
+    monkeypatch.setattr(kmeans_assign, "BUILD", request.param)
+    return request.param
+
+
+ASSIGNMENT_CASES = [(3, 5000, 333, 128), (2, 97, 1000, 128), (2, 300, 1, 64), (1, 1025, 130, 64)]
+
+
+@pytest.mark.parametrize("n, tokens, k, d", ASSIGNMENT_CASES)
+def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, d, kmeans_build):
+    """The tensor-core assignment (ragged tokens and centroid counts, every build): the float64 nearest of
+    the bf16-rounded centroids wherever the nearest beats the second by more than float32 accumulation
     error, and the Triton kernel's labels there too."""
     from sparseattn.kernels.kmeans_assign import nearest_centroid_wgmma
     from sparseattn.nearest_centroid import nearest_centroid_fused
@@ -143,13 +153,51 @@ def test_wgmma_assignment_is_the_nearest_of_the_rounded_centroids(n, tokens, k, 
         np.testing.assert_array_equal(got[r][clear], triton_labels[r][clear])
 
 
+@pytest.mark.parametrize("n, tokens, k, d", ASSIGNMENT_CASES)
+def test_packed_argmax_labels_equal_the_argmins_but_for_near_ties(n, tokens, k, d, monkeypatch):
+    """The packed build's labels equal the exact build's wherever the two scores differ by more than the
+    packing's 2⁻¹⁸ (relative; the float32 scores of both picks recomputed here)."""
+    from sparseattn.kernels import kmeans_assign
+
+    g = torch.Generator(device="cuda").manual_seed(tokens * k)
+    x = torch.randn(n, tokens, d, device="cuda", generator=g).bfloat16()
+    c = torch.randn(n, k, d, device="cuda", generator=g)
+    labels = {}
+    for build in kmeans_assign.BUILDS:
+        monkeypatch.setattr(kmeans_assign, "BUILD", build)
+        labels[build] = kmeans_assign.nearest_centroid_wgmma(x, c)
+    a, b = labels["argmin"], labels["packed_argmax"]
+    cb = c.bfloat16().double()
+    score = x.double() @ cb.transpose(1, 2) - 0.5 * (cb * cb).sum(-1)[:, None, :]
+    sa, sb = score.gather(2, a[..., None])[..., 0], score.gather(2, b[..., None])[..., 0]
+    near = (sa - sb).abs() <= 2.0**-16 * sa.abs() + 1e-6  # packing plus float32 accumulation
+    assert bool(((a == b) | near).all())
+    assert (a == b).float().mean() > 0.999
+
+
+def test_packed_argmax_keeps_columns_of_scores_near_zero(monkeypatch):
+    """Scores at and next to 0 (tokens orthogonal to centroids of tiny norm) pack into subnormals whose
+    bits still carry the column: the nearest is found, not column 0 of the lane's set."""
+    from sparseattn.kernels import kmeans_assign
+
+    monkeypatch.setattr(kmeans_assign, "BUILD", "packed_argmax")
+    d, k = 128, 130
+    x = torch.zeros(1, 256, d, device="cuda")
+    x[0, :, 0] = 1.0  # every token on axis 0
+    c = torch.zeros(1, k, d, device="cuda")
+    c[0, :, 1] = 1.0  # centroids off the axis: score -0.5 ...
+    c[0, 77] = 0.0  # ... but centroid 77 at the origin: score exactly 0, the nearest
+    got = kmeans_assign.nearest_centroid_wgmma(x.bfloat16(), c)
+    assert bool((got == 77).all())
+
+
 @pytest.mark.parametrize("presum", [False, True], ids=["atomics", "presum"])
 @pytest.mark.parametrize("k", [500, 3], ids=["k500", "k3"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_wgmma_lloyd_step_sums_and_sizes(d, k, presum):
-    """The tensor-core Lloyd step's float32 cluster sums and sizes equal those of its own labels, with each
-    token's atomics and with each cluster's tokens of a CTA summed first (3 clusters put dozens of tokens
-    in each; 20,001 tokens leave the last CTA partial)."""
+def test_wgmma_lloyd_step_sums_and_sizes(d, k, presum, kmeans_build):
+    """The tensor-core Lloyd step's float32 cluster sums and sizes equal those of its own labels (every
+    build), with each token's atomics and with each cluster's tokens of a CTA summed first (3 clusters put
+    dozens of tokens in each; 20,001 tokens leave the last CTA partial)."""
     from sparseattn.kernels.kmeans_assign import lloyd_step_wgmma
 
     g = torch.Generator(device="cuda").manual_seed(d + k)
@@ -163,7 +211,7 @@ def test_wgmma_lloyd_step_sums_and_sizes(d, k, presum):
     torch.testing.assert_close(sums.double(), want_sums, rtol=1e-5, atol=1e-3)
 
 
-def test_wgmma_kmeans_matches_the_fused_kmeans():
+def test_wgmma_kmeans_matches_the_fused_kmeans(kmeans_build):
     """Whole k-means (2 Lloyd steps, last-step labels) on the wgmma and the Triton assignment from the same
     centroids: the same labels but for near ties, the same inertia."""
     x = torch.from_numpy(_synthetic(4, 6000)).cuda().bfloat16()

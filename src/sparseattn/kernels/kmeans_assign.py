@@ -8,9 +8,17 @@ centroids in float32), so the labels differ only where two centroids are within 
 
 Torch CUDA tensors in and out, on torch's current stream. ``x`` bf16 ``[N, tokens, d]`` (``d`` 64 or 128),
 ``centroids`` float ``[N, k, d]``.
+
+Two builds of the running argmin (:data:`BUILD`, ``SPARSEATTN_KMEANS_BUILD``): ``"argmin"`` (the default)
+compares each distance with the row's best and selects value and index; ``"packed_argmax"`` (opt-in until
+measured) maximizes the scores ``x·c − |c|²/2`` with each score's column in its 5 low mantissa bits, so the
+running best is a chain of max instructions alone. Its labels equal the exact build's but where two
+centroids' scores agree to 2⁻¹⁸ (relative), a tie up to that.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -18,8 +26,19 @@ from . import launch
 
 SOURCE = "kmeans_assign.cu"
 HEAD_DIMS = (64, 128)
+#: Builds of the running argmin: whether each takes the packed maximum.
+BUILDS = {"argmin": False, "packed_argmax": True}
+#: The build the launches take (a key of BUILDS; ``SPARSEATTN_KMEANS_BUILD`` sets it at import).
+BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "argmin"
+
+
+def _kernel_name(d: int, accumulate: bool, packed: bool) -> str:
+    flag = lambda b: "true" if b else "false"
+    return f"kmeans_assign_kernel<{d}, {flag(accumulate)}, {flag(packed)}>"
+
+
 NAME_EXPRESSIONS = tuple(
-    f"kmeans_assign_kernel<{d}, {'true' if acc else 'false'}>" for d in HEAD_DIMS for acc in (False, True)
+    _kernel_name(d, acc, packed) for packed in BUILDS.values() for d in HEAD_DIMS for acc in (False, True)
 )
 # Geometry mirrored from the kernel.
 THREADS = 256
@@ -58,6 +77,10 @@ def available(x) -> bool:
 def _run(x, centroids, accumulate: bool, presum: bool | None = None):
     import torch
 
+    if BUILD not in BUILDS:
+        raise ValueError(
+            f"kmeans_assign.BUILD (SPARSEATTN_KMEANS_BUILD) must be one of {list(BUILDS)}, got {BUILD!r}"
+        )
     if not available(x):
         raise ValueError(
             "x must be a bf16 CUDA tensor [N, tokens, d] with d 64 or 128 on an sm_90 GPU for the wgmma k-means "
@@ -78,7 +101,7 @@ def _run(x, centroids, accumulate: bool, presum: bool | None = None):
     sums = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
     counts = torch.zeros(n, k, dtype=torch.float32, device=x.device) if accumulate else csq
     if n and t:
-        name = f"kmeans_assign_kernel<{d}, {'true' if accumulate else 'false'}>"
+        name = _kernel_name(d, accumulate, BUILDS[BUILD])
         smem = smem_bytes(d)
         fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS), smem)
         ptr = lambda a: np.uint64(a.data_ptr())
