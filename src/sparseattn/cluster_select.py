@@ -9,9 +9,11 @@ same precision (float64 or float32, as the scores); sums are taken in a differen
 a score within rounding of the top-p boundary may fall the other way.
 
 Float64 scores take ``method="bisect"`` by default: it finds the ``keep``-th largest probability without
-sorting, by a bisection on the probabilities' bit patterns (they order like the values, p ≥ 0), each of
-its 64 steps one masked sum over the row, and a second bisection by count only where ``min_fraction`` or
-the live clusters move ``keep``. ``method="sort"`` (``tl.sort``; float32 scores always take it) is the
+sorting, by a bisection on the probabilities' bit patterns (they order like the values, p ≥ 0), each
+step one masked sum over the row, and a second bisection by count only where ``min_fraction`` or the live
+clusters move ``keep``. Each bisection starts from the row's smallest and largest live patterns and
+snaps its bounds to the row's patterns nearest its midpoint, so it ends when they meet: 5–14 steps at
+1,000 clusters (counted on random scores), where bisecting the whole range of patterns takes 64. ``method="sort"`` (``tl.sort``; float32 scores always take it) is the
 other form (``SPARSEATTN_SVG2_SELECT=sort``). Measured at SVG2's 720p shape (40 heads, 300 × 1,000
 clusters, H100): bisection 1.17 ms, the Triton sort 1.80, the torch sort 2.91, with equal masks.
 
@@ -61,6 +63,30 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _sum_min_max(a0, a1, a2, b0, b1, b2):
+        return a0 + b0, tl.minimum(a1, b1), tl.maximum(a2, b2)
+
+    @triton.jit
+    def _largest_bits_reaching(bits, weight, target, lo, hi):
+        """The largest b with ``sum(weight | bits >= b) >= target``, a bit pattern of the row, from ``lo``
+        (a pattern that reaches it) and ``hi`` (the row's largest; non-live lanes hold -1): a bisection
+        whose bounds snap to the row's patterns nearest its midpoint, so it ends when they meet (5–14 steps
+        at 1,000 clusters, not the 64 of the whole range of patterns); each step one reduction of the masked
+        sum and the two nearest patterns."""
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            ge = bits >= mid
+            reach, above, below = tl.reduce(
+                (tl.where(ge, weight, 0.0), tl.where(ge, bits, 9223372036854775807), tl.where(ge, -1, bits)),
+                0,
+                _sum_min_max,
+            )
+            ok = reach >= target  # then the smallest pattern at or above mid reaches it too
+            lo = tl.where(ok, above, lo)
+            hi = tl.where(ok, hi, below)  # else the largest below mid is the highest candidate left
+        return lo
+
+    @triton.jit
     def _select_kernel(
         dots_ptr,  # [N, CQ, CK]: qc_i · kc_j
         bias_ptr,  # [N, CK]: log(max(size, 1)) of a live cluster, -inf of an empty one
@@ -94,13 +120,9 @@ if triton is not None:
             # the values), each step a masked sum or count over the row, instead of sorting it
             bits = tl.where(live, p.to(tl.int64, bitcast=True), -1)
             total = tl.sum(tl.where(live, p, 0.0), 0)
-            lo = tl.zeros((), tl.int64)  # the largest b with sum(p | bits >= b) >= top_p
-            hi = tl.max(bits, 0)
-            for _ in range(64):
-                mid = lo + (hi - lo + 1) // 2
-                ok = tl.sum(tl.where(bits >= mid, p, 0.0), 0) >= top_p
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid - 1)
+            top_bits = tl.max(bits, 0)
+            low_bits = tl.min(tl.where(live, bits, 9223372036854775807), 0)  # reaches top_p where reached
+            lo = _largest_bits_reaching(bits, p, top_p, low_bits, top_bits)  # sum(p | bits >= lo) >= top_p
             t = lo.to(tl.float64, bitcast=True)
             above_sum = tl.sum(tl.where(bits > lo, p, 0.0), 0)
             n_above = tl.sum((bits > lo).to(tl.int64), 0)
@@ -113,14 +135,8 @@ if triton is not None:
             keep = tl.maximum(tl.minimum(keep_top_p, n_alive), least)
             last_bits = lo
             if (keep != keep_top_p) | (total < top_p):  # the floor or the cap moved keep: its value anew
-                lo = tl.zeros((), tl.int64)  # the largest b with count(bits >= b) >= keep
-                hi = tl.max(bits, 0)
-                for _ in range(64):
-                    mid = lo + (hi - lo + 1) // 2
-                    ok = tl.sum((bits >= mid).to(tl.int64), 0) >= keep
-                    lo = tl.where(ok, mid, lo)
-                    hi = tl.where(ok, hi, mid - 1)
-                last_bits = lo
+                ones = tl.where(live, 1.0, 0.0).to(p.dtype)  # counts as exact float64 sums
+                last_bits = _largest_bits_reaching(bits, ones, keep.to(p.dtype), low_bits, top_bits)
             last = last_bits.to(tl.float64, bitcast=True)
         else:
             descending = tl.sort(p, 0, descending=True)

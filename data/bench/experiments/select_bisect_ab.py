@@ -1,0 +1,103 @@
+"""SVG2's top-p cluster selection (``cluster_select``'s Triton kernel, float64 bisection): a bisection that
+stops once its interval holds no probability of the row, against the 64-step one it replaced (lab script,
+GPU).
+
+At SVG2's 720p shape (40 heads, 300 Q × 1,000 K clusters, d = 128; 12,000 programs of 1,024 float64 lanes)
+in two score regimes: peaked (the top-p set is small) and flat (the minimum fraction decides, so a second
+bisection by count runs). The 64-step kernel is the module at an earlier commit, loaded from a file:
+
+    git show cdaa0c6:src/sparseattn/cluster_select.py > /tmp/cluster_select_64.py
+    PYTHONPATH=src python data/bench/experiments/select_bisect_ab.py --old /tmp/cluster_select_64.py \\
+        --out select_bisect_ab.json
+
+Both kernels' masks must equal the torch sort's (the reference form). CUDA events, median of ``--reps``
+calls per round, the forms alternated over ``--rounds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+
+
+def load_old(path: str):
+    """The older module as ``sparseattn._cluster_select_old`` (its relative imports resolve in the package)."""
+    import sparseattn  # noqa: F401
+
+    spec = importlib.util.spec_from_file_location("sparseattn._cluster_select_old", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", required=True, help="cluster_select.py with the 64-step bisection")
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--q-clusters", type=int, default=300)
+    ap.add_argument("--k-clusters", type=int, default=1000)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from sparseattn import cluster_select
+    from sparseattn.svg2_device import _select_by_sort, selection_inputs
+    from sparseattn.variant_ab import rotation
+
+    forms = {"stopping": cluster_select, "steps64": load_old(args.old)}
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    d = 128
+    record = dict(
+        gpu=torch.cuda.get_device_name(),
+        heads=args.heads,
+        q_clusters=args.q_clusters,
+        k_clusters=args.k_clusters,
+        regimes={},
+    )
+    ok = True
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for regime, scale in (("peaked", 3.0), ("flat", 0.3)):
+        qc = torch.randn(args.heads, args.q_clusters, d, generator=g, device=dev, dtype=torch.float64) * scale
+        kc = torch.randn(args.heads, args.k_clusters, d, generator=g, device=dev, dtype=torch.float64) * scale
+        sizes = torch.randint(0, 200, (args.heads, args.k_clusters), generator=g, device=dev)
+        dots, bias, least = selection_inputs(qc, kc, sizes, 0.1)
+        want = _select_by_sort(dots, bias, d, 0.9, least)
+        call = lambda m, a=(dots, bias, d, 0.9, least): m.select_mask(*a, method="bisect")
+        entry = dict(selected_fraction=float(want.float().mean()))
+        for name, m in forms.items():
+            entry[f"equal_to_sort_{name}"] = equal = bool(torch.equal(call(m), want))
+            ok &= equal
+        times = {name: [] for name in forms}
+        for r in range(args.rounds):
+            for name in rotation(list(forms), r):
+                for _ in range(3):
+                    call(forms[name])
+                per = []
+                for _ in range(args.reps):
+                    start.record()
+                    call(forms[name])
+                    stop.record()
+                    stop.synchronize()
+                    per.append(start.elapsed_time(stop))
+                times[name].append(statistics.median(per))
+        for name, ts in times.items():
+            entry[f"ms_{name}"] = statistics.median(ts)
+        record["regimes"][regime] = entry
+        print(
+            f"{regime}: selected {entry['selected_fraction']:.3f}, "
+            + ", ".join(f"{n} {entry[f'ms_{n}']:.3f} ms (equal {entry[f'equal_to_sort_{n}']})" for n in forms)
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
