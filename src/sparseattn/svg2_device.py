@@ -666,6 +666,62 @@ def _selected_step(q_fit, k_fit, layouts, q_means, k_means, k_sizes, top_p, min_
     return SVG2Step(q_fit[0], k_fit[0], q_fit[1], k_fit[1], q_layout, k_layout, k_sizes, mask, blocks)
 
 
+@dataclass(frozen=True, eq=False)
+class FittedSides:
+    """Both sides' k-means, their last step's labels without sums, and their layouts: what
+    :func:`fit_for_slots` hands to the tokens' move (``(labels, centroids)`` per side)."""
+
+    q_fit: tuple
+    k_fit: tuple
+    q_layout: DeviceLayout
+    k_layout: DeviceLayout
+
+    def sums_buffers(self, d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed float32 ``[N · clusters, d]`` sums of each side, for :func:`scatter_rows`' ``sums``."""
+        n, qc = self.q_layout.group_sizes.shape
+        kc = self.k_layout.group_sizes.shape[1]
+        return (torch.zeros(n * c, d, dtype=torch.float32, device=device) for c in (qc, kc))
+
+
+def fit_for_slots(
+    q,
+    k,
+    q_clusters,
+    k_clusters,
+    block_size,
+    iters,
+    q_init=None,
+    k_init=None,
+    generator=None,
+    assign="auto",
+    mark=None,
+) -> FittedSides:
+    """The first half of :func:`svg2_step_in_slots`: :func:`lloyd` of each side whose last step assigns
+    labels only, and their :func:`partition_slots`. ``mark`` after ``"kmeans_q"``, ``"kmeans_k"``,
+    ``"layouts"``."""
+    mark = mark or (lambda part: None)
+    fit = dict(assign=assign, final_assign=False, last_sums=False)
+    q_fit, k_fit = _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark)
+    q_lay = partition_slots(q_fit[0], q_clusters, block_size)
+    k_lay = partition_slots(k_fit[0], k_clusters, block_size)
+    mark("layouts")
+    return FittedSides(q_fit, k_fit, q_lay, k_lay)
+
+
+def step_from_slot_sums(fitted: FittedSides, q_sums, k_sums, top_p: float, min_fraction: float) -> SVG2Step:
+    """The second half of :func:`svg2_step_in_slots`: from each side's cluster sums (float32 ``[N ·
+    clusters, d]``, taken while its tokens moved to the layout's slots, :func:`slot_sum_index`) the means,
+    the step's centroids (an empty cluster keeps the one it had) and SVG2's selection on the means."""
+    q_lay, k_lay = fitted.q_layout, fitted.k_layout
+    n, qc = q_lay.group_sizes.shape
+    kc = k_lay.group_sizes.shape[1]
+    q_means, q_sizes = _means(q_sums.view(n, qc, -1), q_lay.group_sizes.float())
+    k_means, k_sizes = _means(k_sums.view(n, kc, -1), k_lay.group_sizes.float())
+    fitted_side = lambda f, means, sizes: (f[0], torch.where(sizes.unsqueeze(-1) > 0, means, f[1]))
+    q_fit, k_fit = fitted_side(fitted.q_fit, q_means, q_sizes), fitted_side(fitted.k_fit, k_means, k_sizes)
+    return _selected_step(q_fit, k_fit, (q_lay, k_lay), q_means, k_means, k_sizes, top_p, min_fraction)
+
+
 def svg2_step_in_slots(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -686,34 +742,27 @@ def svg2_step_in_slots(
     order: ``(step, qs, ks, vs)`` with ``qs`` ``[N, q_slots, d]`` and ``ks``, ``vs`` ``[N, k_slots, d]`` as
     :func:`scatter_to_slots` moves them (slots past each row's blocks unwritten where Triton runs).
 
-    The last Lloyd step of each side assigns labels only (``lloyd(last_sums=False)``); its clusters' sums
+    The last Lloyd step of each side assigns labels only (:func:`fit_for_slots`); its clusters' sums
     are taken while q and k move to slots (each copied row added into its group's sums,
-    :func:`slot_sum_index`), and their means, the step's centroids and the selection follow from them.
-    Same clusters, layouts and selection as :func:`svg2_partition_step` but for float32 summation order.
-    ``mark(part)`` after ``"kmeans_q"``, ``"kmeans_k"``, ``"layouts"``, ``"to_slots"`` and ``"select"``."""
+    :func:`slot_sum_index`), and their means, the step's centroids and the selection follow from them
+    (:func:`step_from_slot_sums`). Same clusters, layouts and selection as :func:`svg2_partition_step` but
+    for float32 summation order. ``mark(part)`` after ``"kmeans_q"``, ``"kmeans_k"``, ``"layouts"``,
+    ``"to_slots"`` and ``"select"``."""
     mark = mark or (lambda part: None)
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(v.shape)}")
-    fit = dict(assign=assign, final_assign=False, last_sums=False)
-    q_fit, k_fit = _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark)
-    q_lay = partition_slots(q_fit[0], q_clusters, block_size)
-    k_lay = partition_slots(k_fit[0], k_clusters, block_size)
-    mark("layouts")
-    q_used, k_used = q_lay.used_slots(), k_lay.used_slots()
-    n, _, d = q.shape
-
-    def to_slots_with_means(x, lay, used, clusters):  # the slot tensor, its clusters' means and sizes
-        sums = torch.zeros(n * clusters, d, dtype=torch.float32, device=x.device)
-        xs = scatter_to_slots(x, lay.token_slot, lay.max_slots, used, sums, slot_sum_index(lay))
-        return xs, *_means(sums.view(n, clusters, d), lay.group_sizes.float())
-
-    qs, q_means, q_sizes = to_slots_with_means(q, q_lay, q_used, q_clusters)
-    ks, k_means, k_sizes = to_slots_with_means(k, k_lay, k_used, k_clusters)
+    fitted = fit_for_slots(
+        q, k, q_clusters, k_clusters, block_size, iters, q_init, k_init, generator, assign, mark
+    )
+    q_lay, k_lay = fitted.q_layout, fitted.k_layout
+    q_sums, k_sums = fitted.sums_buffers(q.shape[2], q.device)
+    k_used = k_lay.used_slots()
+    qs = scatter_to_slots(
+        q, q_lay.token_slot, q_lay.max_slots, q_lay.used_slots(), q_sums, slot_sum_index(q_lay)
+    )
+    ks = scatter_to_slots(k, k_lay.token_slot, k_lay.max_slots, k_used, k_sums, slot_sum_index(k_lay))
     vs = scatter_to_slots(v, k_lay.token_slot, k_lay.max_slots, k_used)
     mark("to_slots")
-    # the step's centroids: the means, where an empty cluster keeps the centroid it had
-    fitted = lambda f, means, sizes: (f[0], torch.where(sizes.unsqueeze(-1) > 0, means, f[1]))
-    q_fit, k_fit = fitted(q_fit, q_means, q_sizes), fitted(k_fit, k_means, k_sizes)
-    step = _selected_step(q_fit, k_fit, (q_lay, k_lay), q_means, k_means, k_sizes, top_p, min_fraction)
+    step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
     mark("select")
     return step, qs, ks, vs
