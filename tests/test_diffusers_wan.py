@@ -332,13 +332,13 @@ def test_svg2_model_trains_on_masked_sdpa():
 
 
 def svg2_kpage_against_masked(kpage, q, k, v):
-    """``(rel_o, [rel_dq, rel_dk, rel_dv])``: one SVG2 step of ``kpage`` (a KPage-backend processor) through
-    its KPage path against masked SDPA of the same step, output and gradients (the GPU test uses it too)."""
-    with torch.no_grad():
-        step = kpage.svg2_step(q, k)
+    """``(rel_o, [rel_dq, rel_dk, rel_dv])``: one SVG2 call of ``kpage`` (a KPage-backend processor) through
+    its KPage path (clusters' sums taken while the tokens move to slots) against masked SDPA of the step it
+    made, output and gradients (the GPU test uses it too)."""
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    got = kpage._svg2_kpage(*leaves, step).float()
+    got = kpage._svg2_kpage(*leaves).float()
+    step = kpage.last_svg2_step
     want = kpage._svg2_masked(*ref, step)
     do = torch.randn_like(want)
     got.backward(do)

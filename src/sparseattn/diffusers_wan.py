@@ -346,24 +346,31 @@ class WanSparseAttnProcessor:
             self.selection.topk,
         )
 
+    def _svg2_fit_args(self, q):
+        """What both SVG2 paths start from: ``(rows, iters, init, generator)`` for ``[B, L, heads, d]`` q:
+        the ``[B · heads, L, d]`` rows of a tensor, this layer's Lloyd steps and warm start (the first call
+        seeds k-means++ with a fixed generator and runs SVG2's longer first fit)."""
+        torch = self._torch()
+        iters, init_iters = self.selection.clusters[4:6]
+        b, n, h, d = q.shape
+        # the layer's own dtype: bf16 rows take the tensor-core assignment; k-means sums and cluster means
+        # are float32 whatever the input
+        rows = lambda x: x.detach().permute(0, 2, 1, 3).reshape(b * h, n, d)
+        init = self._centroids.get((self._layer, b * h), (None, None))
+        generator = None
+        if init[0] is None:
+            generator = torch.Generator(device=q.device).manual_seed(0)
+            iters = init_iters
+        return rows, iters, init, generator
+
     def svg2_step(self, q, k):
         """SVG2's clustering and selection of ``[B, L, heads, d]`` q, k (a
         :class:`~sparseattn.svg2_device.SVG2Step` over ``B · heads`` rows), warm-started from this layer's
         previous call (the first call seeds k-means++ with a fixed generator)."""
         from .svg2_device import svg2_partition_step
 
-        torch = self._torch()
-        qc, kc, top_p, min_fraction, iters, init_iters = self.selection.clusters
-        b, n, h, d = q.shape
-        # the layer's own dtype: bf16 rows take the fused nearest-centroid kernel (distances never leave
-        # the chip); k-means sums and cluster means are float32 whatever the input
-        rows = lambda x: x.detach().permute(0, 2, 1, 3).reshape(b * h, n, d)
-        key = (self._layer, b * h)
-        init = self._centroids.get(key, (None, None))
-        generator = None
-        if init[0] is None:  # the layer's first call: k-means++ seeds, then SVG2's longer first fit
-            generator = torch.Generator(device=q.device).manual_seed(0)
-            iters = init_iters
+        qc, kc, top_p, min_fraction = self.selection.clusters[:4]
+        rows, iters, init, generator = self._svg2_fit_args(q)
         step = svg2_partition_step(
             rows(q),
             rows(k),
@@ -377,15 +384,18 @@ class WanSparseAttnProcessor:
             generator,
             final_assign=False,
         )
-        self._centroids[key] = (step.q_centroids, step.k_centroids)
+        self._centroids[(self._layer, q.shape[0] * q.shape[2])] = (step.q_centroids, step.k_centroids)
         return step
 
     def _attend_svg2(self, q, k, v):
         """SVG2: query i attends key j when the pair of their clusters is selected (masked SDPA, or KPage
         on the per-row layouts of this call's clusters)."""
-        step = self.last_svg2_step = self.svg2_step(q, k)
         if self.backend == "kpage" and q.is_cuda:  # on the CPU, KPage's graph is computed by masking
-            return self._svg2_kpage(q, k, v, step)
+            if self.token_order is True and self._token_order_call(q, k, v):
+                step = self.last_svg2_step = self.svg2_step(q, k)
+                return self._svg2_kpage_tokens(q, k, v, step)
+            return self._svg2_kpage(q, k, v)
+        step = self.last_svg2_step = self.svg2_step(q, k)
         return self._svg2_masked(q, k, v, step)
 
     def _svg2_masked(self, q, k, v, step):
@@ -400,39 +410,53 @@ class WanSparseAttnProcessor:
         )
         return out.transpose(1, 2)
 
-    def _svg2_kpage(self, q, k, v, step):
-        """KPage on this call's per-row layouts (:func:`sparseattn.torch.per_row_layout_attention`): tokens
-        to each row's cluster-ordered slots, forward and backward planned on the device, back to tokens."""
-        from .svg2_device import scatter_rows, slot_rows
+    def _svg2_kpage_tokens(self, q, k, v, step):
+        """KPage's token-order forward on an SVG2 step's per-row layouts (no moves: a map per row)."""
+        from .kernels.forward import torch_token_forward
+        from .planning.dynamic_layouts import forward_work_list
+
+        ql, kl = step.q_layout, step.k_layout
+        work = forward_work_list(
+            ql.block_rows, kl.block_rows, step.block_mask, ql.block_size, rows_per_chunk=4
+        )
+        maps = [slot_tokens(lay.token_slot, lay.max_slots) for lay in (ql, kl)]
+        return torch_token_forward(q, k, v, work, *maps)[0]
+
+    def _svg2_kpage(self, q, k, v):
+        """KPage on this call's per-row layouts (:func:`sparseattn.torch.per_row_layout_attention`): k-means
+        whose last step assigns labels only, tokens to each row's cluster-ordered slots with the clusters'
+        sums taken on the way (:func:`~sparseattn.svg2_device.fit_for_slots`,
+        :func:`~sparseattn.svg2_device.step_from_slot_sums`), SVG2's selection on their means, forward and
+        backward planned on the device, back to tokens."""
+        from .svg2_device import fit_for_slots, scatter_rows, slot_rows, slot_sum_index, step_from_slot_sums
         from .torch import per_row_layout_attention
 
         torch = self._torch()
         b, n, h, d = q.shape
-        ql, kl = step.q_layout, step.k_layout
-        if self.token_order is True and self._token_order_call(q, k, v):  # no moves: a map per row
-            from .kernels.forward import torch_token_forward
-            from .planning.dynamic_layouts import forward_work_list
-
-            work = forward_work_list(
-                ql.block_rows, kl.block_rows, step.block_mask, ql.block_size, rows_per_chunk=4
-            )
-            maps = [slot_tokens(lay.token_slot, lay.max_slots) for lay in (ql, kl)]
-            return torch_token_forward(q, k, v, work, *maps)[0]
+        qc, kc, top_p, min_fraction = self.selection.clusters[:4]
+        rows, iters, init, generator = self._svg2_fit_args(q)
+        fitted = fit_for_slots(rows(q), rows(k), qc, kc, self.selection.blocks(), iters, *init, generator)
+        ql, kl = fitted.q_layout, fitted.k_layout
 
         def in_token_order(layout):  # each [B, L, heads] token's row of the flattened [B·H·slots, d]
             return slot_rows(layout.token_slot, layout.max_slots).view(b, h, n).transpose(1, 2).reshape(-1)
 
         q_rows, k_rows = in_token_order(ql), in_token_order(kl)
         flat = lambda x: x.to(torch.bfloat16).reshape(b * n * h, d)  # [B, L, heads, d] as it comes
+        q_sums, k_sums = fitted.sums_buffers(d, q.device)
         # slots past each row's blocks stay unwritten on the GPU: no plan reads them
-        qs = scatter_rows(flat(q), q_rows, b * h * ql.max_slots, ql.used_slots()).view(b * h, ql.max_slots, d)
+        qs = scatter_rows(flat(q), q_rows, b * h * ql.max_slots, ql.used_slots(), q_sums, slot_sum_index(ql))
         k_used = kl.used_slots()
-        ks, vs = (
-            scatter_rows(flat(x), k_rows, b * h * kl.max_slots, k_used).view(b * h, kl.max_slots, d)
-            for x in (k, v)
-        )
+        ks = scatter_rows(flat(k), k_rows, b * h * kl.max_slots, k_used, k_sums, slot_sum_index(kl))
+        vs = scatter_rows(flat(v), k_rows, b * h * kl.max_slots, k_used)
+        step = self.last_svg2_step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
+        self._centroids[(self._layer, b * h)] = (step.q_centroids, step.k_centroids)
         o, _ = per_row_layout_attention(
-            qs, ks, vs, ql.block_rows, kl.block_rows, step.block_mask, ql.block_size
+            *(x.view(b * h, -1, d) for x in (qs, ks, vs)),
+            ql.block_rows,
+            kl.block_rows,
+            step.block_mask,
+            ql.block_size,
         )
         out = o.reshape(b * h * ql.max_slots, d).index_select(0, q_rows)  # back to [B, L, heads] order
         return out.view(b, n, h, d).to(q.dtype)
