@@ -191,10 +191,8 @@ def test_svg2_per_row_maps_equal_the_slot_order_path():
     q, k, v = (torch.randn(2, 4 * 8 * 12, 3, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
     proc = WanSparseAttnProcessor(grid, WanSelection.svg2(q_clusters=12, k_clusters=24), token_order=True)
     with torch.no_grad():
-        step = proc.svg2_step(q, k)
-        got = proc._svg2_kpage(q, k, v, step)
-        proc.token_order = False
-        want = proc._svg2_kpage(q, k, v, step)
+        want = proc._svg2_kpage(q, k, v)  # the slot-order path makes the step
+        got = proc._svg2_kpage_tokens(q, k, v, proc.last_svg2_step)
     assert not torch.isnan(got).any()
     assert torch.equal(got, want)
 
