@@ -384,8 +384,12 @@ class WanSparseAttnProcessor:
             generator,
             final_assign=False,
         )
-        self._centroids[(self._layer, q.shape[0] * q.shape[2])] = (step.q_centroids, step.k_centroids)
+        self._keep_centroids(q, step)
         return step
+
+    def _keep_centroids(self, q, step):
+        """This layer's warm start for its next call: ``step``'s centroids, keyed by the ``B · heads`` rows."""
+        self._centroids[(self._layer, q.shape[0] * q.shape[2])] = (step.q_centroids, step.k_centroids)
 
     def _attend_svg2(self, q, k, v):
         """SVG2: query i attends key j when the pair of their clusters is selected (masked SDPA, or KPage
@@ -450,7 +454,7 @@ class WanSparseAttnProcessor:
         ks = scatter_rows(flat(k), k_rows, b * h * kl.max_slots, k_used, k_sums, slot_sum_index(kl))
         vs = scatter_rows(flat(v), k_rows, b * h * kl.max_slots, k_used)
         step = self.last_svg2_step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
-        self._centroids[(self._layer, b * h)] = (step.q_centroids, step.k_centroids)
+        self._keep_centroids(q, step)
         o, _ = per_row_layout_attention(
             *(x.view(b * h, -1, d) for x in (qs, ks, vs)),
             ql.block_rows,

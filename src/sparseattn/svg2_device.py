@@ -680,7 +680,7 @@ class FittedSides:
         """Zeroed float32 ``[N · clusters, d]`` sums of each side, for :func:`scatter_rows`' ``sums``."""
         n, qc = self.q_layout.group_sizes.shape
         kc = self.k_layout.group_sizes.shape[1]
-        return (torch.zeros(n * c, d, dtype=torch.float32, device=device) for c in (qc, kc))
+        return tuple(torch.zeros(n * c, d, dtype=torch.float32, device=device) for c in (qc, kc))
 
 
 def fit_for_slots(
