@@ -13,8 +13,9 @@ sorting, by a bisection on the probabilities' bit patterns (they order like the 
 step one masked sum over the row, and a second bisection by count only where ``min_fraction`` or the live
 clusters move ``keep``. Each bisection starts from the row's smallest and largest live patterns and
 snaps its bounds to the row's patterns nearest its midpoint, so it ends when they meet: 5–14 steps at
-1,000 clusters (counted on random scores), where bisecting the whole range of patterns takes 64. ``method="sort"`` (``tl.sort``; float32 scores always take it) is the
-other form (``SPARSEATTN_SVG2_SELECT=sort``). Measured at SVG2's 720p shape (40 heads, 300 × 1,000
+1,000 clusters (counted on random scores), where bisecting the whole range of patterns takes 64.
+``method="sort"`` (``tl.sort``; float32 scores always take it) is the other form
+(``SPARSEATTN_SVG2_SELECT=sort``). Measured at SVG2's 720p shape (40 heads, 300 × 1,000
 clusters, H100): bisection 1.17 ms, the Triton sort 1.80, the torch sort 2.91, with equal masks.
 
 Runs on CUDA tensors (or on the CPU under ``TRITON_INTERPRET=1``, for tests); :func:`available` says

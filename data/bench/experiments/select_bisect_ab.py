@@ -3,8 +3,8 @@ stops once its interval holds no probability of the row, against the 64-step one
 GPU).
 
 At SVG2's 720p shape (40 heads, 300 Q × 1,000 K clusters, d = 128; 12,000 programs of 1,024 float64 lanes)
-in two score regimes: peaked (the top-p set is small) and flat (the minimum fraction decides, so a second
-bisection by count runs). The 64-step kernel is the module at an earlier commit, loaded from a file:
+in ``select_warps_ab``'s two score regimes (on the peaked one the minimum fraction decides, so the second
+bisection, by count, runs too). The 64-step kernel is the module at an earlier commit, loaded from a file:
 
     git show cdaa0c6:src/sparseattn/cluster_select.py > /tmp/cluster_select_64.py
     PYTHONPATH=src python data/bench/experiments/select_bisect_ab.py --old /tmp/cluster_select_64.py \\
@@ -44,30 +44,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
+    from select_warps_ab import SCORE_REGIMES, regime_inputs, regimes_record
 
     from sparseattn import cluster_select
-    from sparseattn.svg2_device import _select_by_sort, selection_inputs
     from sparseattn.variant_ab import rotation
 
     forms = {"stopping": cluster_select, "steps64": load_old(args.old)}
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
     d = 128
-    record = dict(
-        gpu=torch.cuda.get_device_name(),
-        heads=args.heads,
-        q_clusters=args.q_clusters,
-        k_clusters=args.k_clusters,
-        regimes={},
-    )
+    record = regimes_record(args)
     ok = True
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for regime, scale in (("peaked", 3.0), ("flat", 0.3)):
-        qc = torch.randn(args.heads, args.q_clusters, d, generator=g, device=dev, dtype=torch.float64) * scale
-        kc = torch.randn(args.heads, args.k_clusters, d, generator=g, device=dev, dtype=torch.float64) * scale
-        sizes = torch.randint(0, 200, (args.heads, args.k_clusters), generator=g, device=dev)
-        dots, bias, least = selection_inputs(qc, kc, sizes, 0.1)
-        want = _select_by_sort(dots, bias, d, 0.9, least)
+    for regime, scale in SCORE_REGIMES:
+        *_, dots, bias, least, want = regime_inputs(args.heads, args.q_clusters, args.k_clusters, scale, g, d)
         call = lambda m, a=(dots, bias, d, 0.9, least): m.select_mask(*a, method="bisect")
         entry = dict(selected_fraction=float(want.float().mean()))
         for name, m in forms.items():

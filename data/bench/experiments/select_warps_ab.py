@@ -5,7 +5,7 @@ At SVG2's 720p shape (40 heads, 300 Q × 1,000 K clusters, d = 128) the kernel r
 12,000 programs of 1,024 float64 lanes, 64 bisection steps each a masked sum over the row. With 4 warps every
 sum crosses warps through shared memory and a barrier; with fewer warps per program more programs fit on an
 SM and the sums stay in shuffles. Each setting's masks must equal the torch sort's (the reference form).
-Two score regimes: peaked (the top-p set is small) and flat (the minimum fraction decides, a second bisection).
+Two score regimes (:func:`regime_inputs`).
 
     PYTHONPATH=src python data/bench/experiments/select_warps_ab.py --out select_warps.json
 """
@@ -16,6 +16,39 @@ import argparse
 import json
 import statistics
 import sys
+
+#: The score regimes (the centroids' scale): on peaked scores top-p keeps few clusters and the minimum
+#: fraction (10%) decides, so both bisections run; on flat ones top-p decides (about 68% kept).
+SCORE_REGIMES = (("peaked", 3.0), ("flat", 0.3))
+
+
+def regime_inputs(heads: int, q_clusters: int, k_clusters: int, scale: float, generator, d: int = 128):
+    """``(qc, kc, sizes, dots, bias, least, want)`` of one regime on the GPU: random float64 centroids times
+    ``scale``, K cluster sizes in [0, 200), the selection's inputs (minimum fraction 0.1) and the torch
+    sort's mask at top-p 0.9 (the reference)."""
+    import torch
+
+    from sparseattn.svg2_device import _select_by_sort, selection_inputs
+
+    dev = generator.device
+    qc = torch.randn(heads, q_clusters, d, generator=generator, device=dev, dtype=torch.float64) * scale
+    kc = torch.randn(heads, k_clusters, d, generator=generator, device=dev, dtype=torch.float64) * scale
+    sizes = torch.randint(0, 200, (heads, k_clusters), generator=generator, device=dev)
+    dots, bias, least = selection_inputs(qc, kc, sizes, 0.1)
+    return qc, kc, sizes, dots, bias, least, _select_by_sort(dots, bias, d, 0.9, least)
+
+
+def regimes_record(args) -> dict:
+    """The JSON record's head: the GPU and the shape (``--heads``, ``--q-clusters``, ``--k-clusters``)."""
+    import torch
+
+    return dict(
+        gpu=torch.cuda.get_device_name(),
+        heads=args.heads,
+        q_clusters=args.q_clusters,
+        k_clusters=args.k_clusters,
+        regimes={},
+    )
 
 
 def main(argv=None) -> int:
@@ -32,26 +65,17 @@ def main(argv=None) -> int:
     import torch
 
     from sparseattn import cluster_select
-    from sparseattn.svg2_device import _select_by_sort, selection_inputs
+    from sparseattn.svg2_device import selection_inputs
     from sparseattn.variant_ab import rotation
 
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
     d = 128
-    record = dict(
-        gpu=torch.cuda.get_device_name(),
-        heads=args.heads,
-        q_clusters=args.q_clusters,
-        k_clusters=args.k_clusters,
-        regimes={},
-    )
+    record = regimes_record(args)
     warps = [int(w) for w in args.warps.split(",")]
-    for regime, scale in (("peaked", 3.0), ("flat", 0.3)):
-        qc = torch.randn(args.heads, args.q_clusters, d, generator=g, device=dev, dtype=torch.float64) * scale
-        kc = torch.randn(args.heads, args.k_clusters, d, generator=g, device=dev, dtype=torch.float64) * scale
-        sizes = torch.randint(0, 200, (args.heads, args.k_clusters), generator=g, device=dev)
-        dots, bias, least = selection_inputs(qc, kc, sizes, 0.1)
-        want = _select_by_sort(dots, bias, d, 0.9, least)
+    for regime, scale in SCORE_REGIMES:
+        qc, kc, sizes, dots, bias, least, want = regime_inputs(
+            args.heads, args.q_clusters, args.k_clusters, scale, g, d
+        )
         entry = dict(selected_fraction=float(want.float().mean()), warps={})
         times = {w: [] for w in warps}
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
