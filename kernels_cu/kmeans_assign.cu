@@ -51,6 +51,30 @@ __device__ __forceinline__ float max_keep_bits(float a, float b) {
     return m;
 }
 
+// −|x|²/2 of tile rows `row` and row + 8 (fp32 sums of the bf16 values), the quad's four lanes (t4) each
+// summing every fourth 16-byte chunk of the two rows, then adding their partial sums.
+template <int HEAD_DIM>
+__device__ __forceinline__ void half_xsq_of_rows(float (&out)[2], const unsigned char* x_tile, int row, int t4) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < HEAD_DIM / 32; ++i) {
+            const uint4 w = *reinterpret_cast<const uint4*>(x_tile + hopper::tile_offset<KMEANS_ROWS>(row + 8 * r, t4 + 4 * i));
+            const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {  // a bf16 is the high half of its float32
+                const float lo = __uint_as_float(words[q] << 16), hi = __uint_as_float(words[q] & 0xffff0000u);
+                acc = fmaf(lo, lo, acc);
+                acc = fmaf(hi, hi, acc);
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        out[r] = -0.5f * acc;
+    }
+}
+
 template <int HEAD_DIM>
 struct KmeansSmem {
     static constexpr int TILE_BYTES = KMEANS_ROWS * HEAD_DIM * 2;  // the X tile and each centroid chunk
@@ -114,6 +138,7 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
     float best[2] = {PACKED_ARGMAX ? -INFINITY : INFINITY, PACKED_ARGMAX ? -INFINITY : INFINITY};
     int best_i[2] = {0, 0};  // the index (argmin), or the chunk (packed argmax)
     float s[KMEANS_CHUNK / 2];
+    float half_xsq[2] = {0.f, 0.f};  // packed argmax: −|x|²/2 of the thread's two rows
     const uint32_t a_rows = xs + wg * 64 * 128;  // this warpgroup's 64 rows of the X tile
 #pragma unroll 1
     for (int c = 0; c < chunks; ++c) {
@@ -123,22 +148,32 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         paged::cp_async_wait<1>();  // this thread's copies of X and of chunk c have landed
         __syncthreads();            // everyone's (and the |c|² stores)
         hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
+        const float* cq = csq_s + buf * KMEANS_CHUNK;
+        if constexpr (PACKED_ARGMAX) {
+            if (c == 0) half_xsq_of_rows<HEAD_DIM>(half_xsq, smem_raw + (xs - raw), 64 * wg + 16 * wq + g, t4);
+            // S starts at −|c|²/2 − |x|²/2, so the MMA leaves −|x − c|²/2: the packing's resolution is then
+            // relative to the distance, not to |x|²
+#pragma unroll
+            for (int j = 0; j < KMEANS_CHUNK / 8; ++j) {
+                const float2 h = *reinterpret_cast<const float2*>(cq + 8 * j + 2 * t4);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[4 * j + e] = ((e & 1) ? h.y : h.x) + half_xsq[e >> 1];
+            }
+        }
         hopper::wgmma_fence();
-        hopper::issue_qk<HEAD_DIM, KMEANS_CHUNK, KMEANS_ROWS>(s, a_rows, cs + buf * S::TILE_BYTES);
+        hopper::issue_qk<HEAD_DIM, KMEANS_CHUNK, KMEANS_ROWS, false, PACKED_ARGMAX>(s, a_rows,
+                                                                                   cs + buf * S::TILE_BYTES);
         hopper::wgmma_commit();
         hopper::wgmma_wait<0>();
-        const float* cq = csq_s + buf * KMEANS_CHUNK;
         if constexpr (PACKED_ARGMAX) {
             float chain[2][4];  // per row, four running maxima over the columns j ≡ 0, 1, 2, 3 (mod 4)
             uint32_t keep_bits;
             asm volatile("mov.b32 %0, 0xffffffe0;" : "=r"(keep_bits));  // a register, so the LOP3 takes it
 #pragma unroll
             for (int j = 0; j < KMEANS_CHUNK / 8; ++j) {
-                const float2 h = *reinterpret_cast<const float2*>(cq + 8 * j + 2 * t4);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float v = s[4 * j + e] + ((e & 1) ? h.y : h.x);
-                    const float packed = pack_column(v, keep_bits, 2 * j + (e & 1));
+                    const float packed = pack_column(s[4 * j + e], keep_bits, 2 * j + (e & 1));
                     float& m = chain[e >> 1][j & 3];
                     m = (j < 4 && (e & 1) == 0) ? packed : max_keep_bits(m, packed);
                 }

@@ -368,7 +368,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--profile", default=None, help="also write a torch.profiler table of one call here")
+    ap.add_argument(
+        "--profile", default=None, help="also write a torch.profiler table of one call per method here"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     records = measure(
@@ -394,11 +396,24 @@ def profile_table(workload_name, heads, iters, path) -> None:
     q, k, v = features(w, heads or w.heads, torch.device("cuda"))
     init = tuple(kmeans(x, c, 0)[1] for x, c in ((q, w.selection.q_clusters), (k, w.selection.k_clusters)))
     with open(path, "w") as f:
-        for assign, how, final_assign in METHODS:
-            one_call(q, k, v, w.selection, w.block_size, init, how, iters, None, final_assign)
+        for assign, how, final_assign in (*METHODS, (IN_SLOTS, "wgmma", False)):
+            args = (
+                q,
+                k,
+                v,
+                w.selection,
+                w.block_size,
+                init,
+                how,
+                iters,
+                None,
+                final_assign,
+                assign == IN_SLOTS,
+            )
+            one_call(*args)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                one_call(q, k, v, w.selection, w.block_size, init, how, iters, None, final_assign)
+                one_call(*args)
                 torch.cuda.synchronize()
             f.write(f"== assign={assign}\n")
             f.write(
