@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from sparseattn.emulator import emulate_work_list
 from sparseattn.planning.dynamic_layouts import (
     check_status,
+    cluster_forward_work_list,
     forward_work_list,
 )
 from sparseattn.svg2_device import cluster_block_mask, partition_slots
@@ -19,7 +20,13 @@ from sparseattn.svg2_device import cluster_block_mask, partition_slots
 
 def _problem(seed, rows=3, tokens=150, q_groups=5, k_groups=7, block=32, density=0.4, device="cpu"):
     """Random per-row partitions (clusters padded to blocks) and a random cluster-pair selection, laid out
-    by :func:`partition_slots` on ``device``."""
+    by :func:`partition_slots` on ``device``: ``(q layout, k layout, block mask)``."""
+    q_lay, k_lay, _, mask = _cluster_problem(seed, rows, tokens, q_groups, k_groups, block, density, device)
+    return q_lay, k_lay, mask
+
+
+def _cluster_problem(seed, rows=3, tokens=150, q_groups=5, k_groups=7, block=32, density=0.4, device="cpu"):
+    """:func:`_problem` with the cluster pairs: ``(q layout, k layout, cluster mask, block mask)``."""
     g = torch.Generator().manual_seed(seed)
     ql = torch.randint(0, q_groups, (rows, tokens), generator=g)
     kl = torch.randint(0, k_groups, (rows, tokens), generator=g)
@@ -29,7 +36,7 @@ def _problem(seed, rows=3, tokens=150, q_groups=5, k_groups=7, block=32, density
     ql, kl, pairs = ql.to(device), kl.to(device), pairs.to(device)
     q_lay, k_lay = partition_slots(ql, q_groups, block), partition_slots(kl, k_groups, block)
     mask = cluster_block_mask(pairs, q_lay.block_group, k_lay.block_group)
-    return q_lay, k_lay, mask
+    return q_lay, k_lay, pairs, mask
 
 
 def _reference(q, k, v, q_lay, k_lay, mask, block):
@@ -96,6 +103,33 @@ def test_items_streams_and_order():
     for r in range(rows):
         c = cost[order[heads == r]]
         assert np.all(np.diff(c) <= 0)
+
+
+def test_cluster_work_list_streams_what_the_block_work_list_does():
+    """Planned from the cluster mask and the blocks' groups (off Triton: the expanded block mask), the items
+    and every item's stream equal the block mask's, and the emulator gives the reference."""
+    block = 64
+    q_lay, k_lay, pairs, mask = _cluster_problem(2, block=block)
+    groups = (q_lay.block_rows, k_lay.block_rows, q_lay.block_group, k_lay.block_group)
+    got = cluster_forward_work_list(*groups, pairs, block)
+    want = forward_work_list(q_lay.block_rows, k_lay.block_rows, mask, block)
+    assert torch.equal(got.work_info[:, [0, 2, 3]], want.work_info[:, [0, 2, 3]])
+    assert torch.equal(got.work_order, want.work_order) and torch.equal(got.own_entries, want.own_entries)
+    assert torch.equal(got.item_streams(), want.item_streams())
+    with pytest.raises(ValueError, match="q_block_group"):
+        cluster_forward_work_list(
+            q_lay.block_rows, k_lay.block_rows, q_lay.block_group[:, 1:], k_lay.block_group, pairs, block
+        )
+
+
+def test_item_streams_follow_each_items_start_and_length():
+    q_lay, k_lay, mask = _problem(4, block=32)
+    work = forward_work_list(q_lay.block_rows, k_lay.block_rows, mask, 32)
+    got = work.item_streams()
+    info = work.work_info.long()
+    want = torch.cat([work.stream_entries[s : s + n] for s, n in info[:, 1:3].tolist()])
+    assert got.shape[0] == int(info[:, 2].sum()) > 0
+    assert torch.equal(got, want)
 
 
 def test_capacity_cut_is_reported():

@@ -27,10 +27,50 @@ def check_page_streams() -> int:
     """The page streams equal the torch streams, with one and with several steps per item."""
     from sparseattn.planning import page_streams
 
-    cases = _check_page_streams_form(range(3))
+    cases = _check_page_streams_form(range(3)) + _check_cluster_streams(range(3))
     page_streams.BLOCK_J = 8  # several steps per item
-    cases += _check_page_streams_form(range(1))
+    cases += _check_page_streams_form(range(1)) + _check_cluster_streams(range(1))
     page_streams.BLOCK_J = 256
+    return cases
+
+
+def _check_cluster_streams(seeds) -> int:
+    """The streams written once per Q group (``cluster_forward_work_list``) against the torch streams of
+    the expanded block mask: the same items, and every item's stream the same entries in the same order."""
+    from sparseattn.planning import dynamic_layouts as dl
+    from sparseattn.planning import page_streams
+    from sparseattn.svg2_device import cluster_block_mask, partition_slots
+
+    triton_available = page_streams.available
+    cases = 0
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        for block in (48, 64, 128):
+            rows, tokens, qg, kg = 2, 300 + 41 * seed, 5, 7
+            q_labels = torch.randint(0, qg, (rows, tokens), generator=g)
+            q_labels[:, : tokens // 2] = 2  # Q group 2 takes several blocks: they share its stream
+            ql = partition_slots(q_labels, qg, block)
+            labels = torch.randint(0, kg - 1, (rows, tokens), generator=g)  # K group kg - 1 empty
+            labels[:, : tokens // 3] = 0  # a large cluster: full blocks beside partial ones
+            kl = partition_slots(labels, kg, block)
+            pairs = torch.rand(rows, qg, kg, generator=g) < 0.5
+            pairs[:, 2, 0] = True
+            pairs[0, 1] = False  # a Q group selecting nothing
+            args = (ql.block_rows, kl.block_rows, ql.block_group, kl.block_group, pairs, block)
+            got = dl.cluster_forward_work_list(*args)
+            page_streams.available = lambda x: False
+            try:
+                blocks = cluster_block_mask(pairs, ql.block_group, kl.block_group)
+                want = dl.forward_work_list(ql.block_rows, kl.block_rows, blocks, block)
+            finally:
+                page_streams.available = triton_available
+            info, info_ref = got.work_info, want.work_info
+            assert torch.equal(info[:, [0, 2, 3]], info_ref[:, [0, 2, 3]]), "items"
+            for name in ("work_order", "own_entries"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
+            assert int(got.status[1]) == 0 and int(got.status[0]) < int(want.status[0]), "shared streams"
+            assert torch.equal(got.item_streams(), want.item_streams()), "item streams"
+            cases += 1
     return cases
 
 

@@ -32,6 +32,7 @@ Functions:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -588,7 +589,9 @@ class SVG2Step:
             ``block_group``, ...).
         k_sizes: int64 ``[N, k_clusters]``, tokens per K cluster.
         cluster_mask: bool ``[N, q_clusters, k_clusters]``, the selected cluster pairs.
-        block_mask: bool ``[N, q_max_blocks, k_max_blocks]``, the selected block pairs.
+        block_mask: bool ``[N, q_max_blocks, k_max_blocks]``, the selected block pairs
+            (:func:`cluster_block_mask`, made on first use: the forward's planner by clusters,
+            :func:`~sparseattn.planning.dynamic_layouts.cluster_forward_work_list`, does not need it).
     """
 
     q_labels: torch.Tensor
@@ -599,7 +602,26 @@ class SVG2Step:
     k_layout: DeviceLayout
     k_sizes: torch.Tensor
     cluster_mask: torch.Tensor
-    block_mask: torch.Tensor
+
+    @functools.cached_property
+    def block_mask(self) -> torch.Tensor:
+        return cluster_block_mask(self.cluster_mask, self.q_layout.block_group, self.k_layout.block_group)
+
+    def forward_work_list(self, rows_per_chunk: int = 4):
+        """The KPage forward's work list of this step's layouts and selection, planned by clusters
+        (:func:`~sparseattn.planning.dynamic_layouts.cluster_forward_work_list`)."""
+        from .planning.dynamic_layouts import cluster_forward_work_list
+
+        ql, kl = self.q_layout, self.k_layout
+        return cluster_forward_work_list(
+            ql.block_rows,
+            kl.block_rows,
+            ql.block_group,
+            kl.block_group,
+            self.cluster_mask,
+            ql.block_size,
+            rows_per_chunk=rows_per_chunk,
+        )
 
 
 def svg2_partition_step(
@@ -626,7 +648,8 @@ def svg2_partition_step(
     is SVG2's own pairing of labels and centroids, one assignment and one pass over the tokens fewer),
     :func:`partition_slots` of the labels (default ``max_slots``), :func:`svg2_select` on the float32
     cluster means of the labels (as the host's :func:`~sparseattn.builders.group_means`) in float64 with
-    ``head_dim = d``, and :func:`cluster_block_mask`. ``mark(part)``, when given, is called after
+    ``head_dim = d`` (the block mask, :func:`cluster_block_mask`, on first use of the step's
+    ``block_mask``). ``mark(part)``, when given, is called after
     ``"kmeans_q"``, ``"kmeans_k"`` and ``"layouts_select"`` (timing hooks).
     """
     mark = mark or (lambda part: None)
@@ -659,11 +682,10 @@ def _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, f
 
 
 def _selected_step(q_fit, k_fit, layouts, q_means, k_means, k_sizes, top_p, min_fraction) -> SVG2Step:
-    """The step of fitted sides and their layouts: SVG2's selection on the clusters' means, its block mask."""
+    """The step of fitted sides and their layouts: SVG2's selection on the clusters' means."""
     q_layout, k_layout = layouts
     mask = svg2_select(q_means.double(), k_means.double(), k_sizes, q_means.shape[2], top_p, min_fraction)
-    blocks = cluster_block_mask(mask, q_layout.block_group, k_layout.block_group)
-    return SVG2Step(q_fit[0], k_fit[0], q_fit[1], k_fit[1], q_layout, k_layout, k_sizes, mask, blocks)
+    return SVG2Step(q_fit[0], k_fit[0], q_fit[1], k_fit[1], q_layout, k_layout, k_sizes, mask)
 
 
 @dataclass(frozen=True, eq=False)

@@ -53,7 +53,9 @@ QUEUE_CYCLES = 200_000_000  # ~0.1 s of GPU sleep: longer than the host takes to
 #: The queued call with the last Lloyd step's cluster sums taken while q and k move to slots
 #: (:func:`sparseattn.svg2_device.svg2_step_in_slots`; v22 of NOTES_svg2_device, opt-in until measured).
 IN_SLOTS = "wgmma_in_slots_queued"
-ASSIGNS = tuple(m[0] for m in METHODS) + (QUEUED, IN_SLOTS)
+#: The in-slots call with the forward planned by clusters (v26 of NOTES_svg2_device; opt-in until measured).
+IN_SLOTS_CLUSTERS = "wgmma_in_slots_queued_clusters"
+ASSIGNS = tuple(m[0] for m in METHODS) + (QUEUED, IN_SLOTS, IN_SLOTS_CLUSTERS)
 
 
 def synthetic_qk(workload, heads: int):
@@ -77,10 +79,26 @@ def features(workload, heads: int, device):
     return q, k, v
 
 
-def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None, final_assign=False, in_slots=False):
+def one_call(
+    q,
+    k,
+    v,
+    sel,
+    block_size,
+    init,
+    assign,
+    iters,
+    marks=None,
+    final_assign=False,
+    in_slots=False,
+    plan="blocks",
+):
     """One SVG2 call: ``(out [N, tokens, d], step)``; ``marks(name)`` is called after each part.
     ``in_slots``: :func:`~sparseattn.svg2_device.svg2_step_in_slots` (the last step's sums taken while the
-    tokens move; its parts ``layouts`` and ``select`` instead of ``layouts_select``)."""
+    tokens move; its parts ``layouts`` and ``select`` instead of ``layouts_select``). ``plan``: the forward's
+    work list from the block mask (``"blocks"``, :func:`~sparseattn.planning.dynamic_layouts.forward_work_list`)
+    or from the cluster mask and the blocks' groups (``"clusters"``, streams shared by a cluster's blocks,
+    no block mask: :meth:`~sparseattn.svg2_device.SVG2Step.forward_work_list`)."""
     from .planning.dynamic_layouts import forward_work_list
     from .svg2_device import gather_from_slots, scatter_to_slots, svg2_partition_step, svg2_step_in_slots
     from .torch import per_row_forward
@@ -100,8 +118,11 @@ def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None, final_as
         ks = scatter_to_slots(k, kl.token_slot, kl.max_slots, k_used)
         vs = scatter_to_slots(v, kl.token_slot, kl.max_slots, k_used)
         mark("to_slots")
-    ql, kl, blocks = step.q_layout, step.k_layout, step.block_mask
-    work = forward_work_list(ql.block_rows, kl.block_rows, blocks, block_size, rows_per_chunk=4)
+    ql, kl = step.q_layout, step.k_layout
+    if plan == "clusters":
+        work = step.forward_work_list()
+    else:
+        work = forward_work_list(ql.block_rows, kl.block_rows, step.block_mask, block_size, rows_per_chunk=4)
     mark("plan_fwd")
     o, _ = per_row_forward(qs, ks, vs, work, 1.0 / q.shape[-1] ** 0.5)  # the emulator on the CPU
     mark("kernel_fwd")
@@ -111,7 +132,7 @@ def one_call(q, k, v, sel, block_size, init, assign, iters, marks=None, final_as
         q_labels=step.q_labels,
         k_labels=step.k_labels,
         mask=step.cluster_mask,
-        blocks=blocks,
+        blocks=step.block_mask,
         cent=(step.q_centroids, step.k_centroids),
         ql=ql,
         kl=kl,
@@ -165,8 +186,17 @@ class _Marks:
 
 
 def measure(
-    workload_name: str, heads: int | None, reps: int, warmup: int, iters: int, log=print, init_iters: int = 50
+    workload_name: str,
+    heads: int | None,
+    reps: int,
+    warmup: int,
+    iters: int,
+    log=print,
+    init_iters: int = 50,
+    methods=None,
 ):
+    """The parts' times of one call per method of :data:`ASSIGNS` (``methods``: a subset, default all),
+    as records."""
     import torch
 
     from . import workloads as wl
@@ -198,15 +228,19 @@ def measure(
         f"a layer's first call: k-means++ seeds and {init_iters} Lloyd steps (once; Triton compiles included)"
     )
     records = [dict(part=f"seed_{s}", assign="-", time_ms=seed_t[s][0], note=note) for s in ("q", "k")]
-    for assign, how, final_assign in (*METHODS, (QUEUED, "wgmma", False), (IN_SLOTS, "wgmma", False)):
+    queued = (QUEUED, IN_SLOTS, IN_SLOTS_CLUSTERS)
+    every = (*METHODS, *((name, "wgmma", False) for name in queued))
+    for assign, how, final_assign in (m for m in every if methods is None or m[0] in methods):
         times: dict[str, list[float]] = {}
+        in_slots = assign in (IN_SLOTS, IN_SLOTS_CLUSTERS)
+        plan = "clusters" if assign == IN_SLOTS_CLUSTERS else "blocks"
         try:
             for rep in range(warmup + reps):
-                if assign in (QUEUED, IN_SLOTS):
+                if assign in queued:
                     torch.cuda._sleep(QUEUE_CYCLES)
                 marks = _Marks()
                 out, state = one_call(
-                    q, k, v, sel, B, init, how, iters, marks, final_assign, in_slots=assign == IN_SLOTS
+                    q, k, v, sel, B, init, how, iters, marks, final_assign, in_slots=in_slots, plan=plan
                 )
                 init = state["cent"]
                 if (
@@ -250,7 +284,8 @@ def measure(
             + ", ".join(f"{n} {statistics.median(ts):.2f}" for n, ts in times.items())
             + f" ms; head-0 rel_err {err:.2e}; useful pairs {useful:.1%}"
         )
-    records += flash_kmeans_records(q, k, sel, init, iters, reps, warmup, log)
+    if methods is None:
+        records += flash_kmeans_records(q, k, sel, init, iters, reps, warmup, log)
     meta = dict(
         workload=workload_name,
         heads=heads,
@@ -366,6 +401,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--init-iters", type=int, default=50, help="Lloyd steps of the first call (default 50: SVG2's)"
     )
+    ap.add_argument(
+        "--methods", default=None, help=f"comma-separated methods to time (default all: {', '.join(ASSIGNS)})"
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument(
@@ -373,8 +411,20 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    methods = None
+    if args.methods:
+        methods = tuple(m.strip() for m in args.methods.split(","))
+        unknown = sorted(set(methods) - set(ASSIGNS))
+        if unknown:
+            ap.error(f"--methods: unknown {unknown}; choose from {', '.join(ASSIGNS)}")
     records = measure(
-        args.workload, args.heads, args.reps, args.warmup, args.iters, init_iters=args.init_iters
+        args.workload,
+        args.heads,
+        args.reps,
+        args.warmup,
+        args.iters,
+        init_iters=args.init_iters,
+        methods=methods,
     )
     if args.profile:
         profile_table(args.workload, args.heads, args.iters, args.profile)
@@ -396,20 +446,11 @@ def profile_table(workload_name, heads, iters, path) -> None:
     q, k, v = features(w, heads or w.heads, torch.device("cuda"))
     init = tuple(kmeans(x, c, 0)[1] for x, c in ((q, w.selection.q_clusters), (k, w.selection.k_clusters)))
     with open(path, "w") as f:
-        for assign, how, final_assign in (*METHODS, (IN_SLOTS, "wgmma", False)):
-            args = (
-                q,
-                k,
-                v,
-                w.selection,
-                w.block_size,
-                init,
-                how,
-                iters,
-                None,
-                final_assign,
-                assign == IN_SLOTS,
-            )
+        in_slots = ((IN_SLOTS, "wgmma", False), (IN_SLOTS_CLUSTERS, "wgmma", False))
+        for assign, how, final_assign in (*METHODS, *in_slots):
+            plan = "clusters" if assign == IN_SLOTS_CLUSTERS else "blocks"
+            call = (q, k, v, w.selection, w.block_size, init, how, iters, None, final_assign)
+            args = (*call, assign in (IN_SLOTS, IN_SLOTS_CLUSTERS), plan)
             one_call(*args)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from small_cases import rel_err
-from test_dynamic_layouts import _problem, _reference
+from test_dynamic_layouts import _cluster_problem, _problem, _reference
 
 pytestmark = pytest.mark.gpu
 
@@ -19,14 +19,20 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4), ids=lambda s: f"case{s}")
 @pytest.mark.parametrize("block", [64, 128], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
-def test_dynamic_forward_matches_the_reference(seed, block, head_dim):
+@pytest.mark.parametrize("plan", ["blocks", "clusters"])
+def test_dynamic_forward_matches_the_reference(seed, block, head_dim, plan):
+    """Planned from the block mask, or by clusters (streams shared by a cluster's blocks)."""
     from sparseattn.kernels.forward import torch_dynamic_forward
-    from sparseattn.planning.dynamic_layouts import check_status, forward_work_list
+    from sparseattn.planning.dynamic_layouts import check_status, cluster_forward_work_list, forward_work_list
 
-    q_lay, k_lay, mask = _problem(
+    q_lay, k_lay, pairs, mask = _cluster_problem(
         seed, rows=6, tokens=700, q_groups=9, k_groups=13, block=block, device="cuda"
     )
-    work = forward_work_list(q_lay.block_rows, k_lay.block_rows, mask, block)
+    if plan == "clusters":
+        groups = (q_lay.block_rows, k_lay.block_rows, q_lay.block_group, k_lay.block_group)
+        work = cluster_forward_work_list(*groups, pairs, block)
+    else:
+        work = forward_work_list(q_lay.block_rows, k_lay.block_rows, mask, block)
     check_status(work)
     rng = np.random.default_rng(seed)
     rows, sq, sk = mask.shape[0], q_lay.max_slots, k_lay.max_slots
@@ -116,3 +122,38 @@ def test_triton_page_streams_equal_the_torch_planner_on_100_partitions(block_j, 
             assert torch.equal(getattr(bwd, name), getattr(bwd_ref, name)), (case, name)
         used = min(int(bwd.status[0]), bwd.capacity)
         assert torch.equal(bwd.stream_pages[:used], bwd_ref.stream_pages[:used]), case
+
+
+@pytest.mark.parametrize("block_j", [256, 32])
+def test_cluster_work_lists_stream_what_block_work_lists_do_on_100_partitions(block_j, monkeypatch):
+    """Planned by clusters (the compiled Triton writers, one stream per Q cluster) against the block mask's
+    work list on 100 random per-row partitions and cluster selections: the same items, and every item's
+    stream the same entries in the same order, in fewer stored entries."""
+    from sparseattn.planning import dynamic_layouts as dl
+    from sparseattn.planning import page_streams
+    from sparseattn.svg2_device import cluster_block_mask, partition_slots
+
+    monkeypatch.setattr(page_streams, "BLOCK_J", block_j)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    fewer = 0
+    for case in range(100):
+        rows, tokens, block = 1 + case % 3, 97 + 37 * case, (64, 128)[case % 2]
+        ql = partition_slots(
+            torch.randint(0, 3 + case % 11, (rows, tokens), device="cuda", generator=g), 13, block
+        )
+        kl = partition_slots(
+            torch.randint(0, 5 + case % 17, (rows, tokens), device="cuda", generator=g), 21, block
+        )
+        pairs = torch.rand(rows, 13, 21, device="cuda", generator=g) < 0.05 + case / 120
+        got = dl.cluster_forward_work_list(
+            ql.block_rows, kl.block_rows, ql.block_group, kl.block_group, pairs, block
+        )
+        blocks = cluster_block_mask(pairs, ql.block_group, kl.block_group)
+        want = dl.forward_work_list(ql.block_rows, kl.block_rows, blocks, block)
+        assert torch.equal(got.work_info[:, [0, 2, 3]], want.work_info[:, [0, 2, 3]]), case
+        for name in ("work_order", "own_entries"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (case, name)
+        assert int(got.status[1]) == 0 and int(got.status[0]) <= int(want.status[0]), case
+        fewer += int(got.status[0]) < int(want.status[0])
+        assert torch.equal(got.item_streams(), want.item_streams()), case
+    assert fewer > 50, "clusters of several blocks share their streams"

@@ -76,6 +76,19 @@ class DynamicWorkList:
         )
         return DeviceWorkList(arrays, self.num_work, self.rows, self.chunk, False, self.capacity, self)
 
+    def item_streams(self) -> torch.Tensor:
+        """int32 ``[Σ lengths, 2]``: every item's stream entries (page, mask), item after item in item order
+        (synchronises; for checks: two lists with the same items stream the same pages, whether or not
+        their items share stored streams). An entry cut at the capacity reads ``(-1, 0)``."""
+        start, length = self.work_info[:, 1].long(), self.work_info[:, 2].long()
+        first = length.cumsum(0) - length
+        idx = torch.arange(int(length.sum()), device=start.device)
+        item = torch.repeat_interleave(torch.arange(len(length), device=start.device), length)
+        idx = idx - first[item] + start[item]
+        cut = torch.tensor([-1, 0], dtype=torch.int32, device=idx.device)
+        inside = (idx < self.capacity).unsqueeze(1)
+        return torch.where(inside, self.stream_entries[idx.clamp(max=max(self.capacity - 1, 0))], cut)
+
     def to_work_list(self):
         """The host :class:`~.work_list.WorkList` (synchronises; for checks and the emulator)."""
         import numpy as np
@@ -129,12 +142,9 @@ def forward_work_list(
         rows_per_chunk: rows planned per step (bounds the temporaries).
     """
     r, nq, nk, q_rows, k_rows, sel = _selection(q_block_rows, k_block_rows, block_mask, block_size)
-    if block_size % PAGE_ROWS or not PAGE_ROWS <= block_size <= OWN_PAGES * PAGE_ROWS:
-        raise ValueError(f"block_size must be a multiple of {PAGE_ROWS} up to {OWN_PAGES * PAGE_ROWS}")
-    pages_per_block = block_size // PAGE_ROWS
+    pages_per_block = _forward_pages_per_block(block_size)
     if capacity is None:
         capacity = stream_capacity(nq, nk * block_size, nk, r)
-    dev = q_block_rows.device
     k_full = k_rows // PAGE_ROWS  # [R, nk]
     k_part = (k_rows % PAGE_ROWS > 0).long()
     if page_streams.available(sel):
@@ -147,7 +157,91 @@ def forward_work_list(
         flat_len, start, total, stream_entries = _forward_streams_torch(
             sel, k_rows, k_full, k_part, capacity, pages_per_block, rows_per_chunk
         )
+    return _forward_items(q_rows, flat_len, start, total, stream_entries, block_size, capacity)
 
+
+def cluster_forward_work_list(
+    q_block_rows: torch.Tensor,
+    k_block_rows: torch.Tensor,
+    q_block_group: torch.Tensor,
+    k_block_group: torch.Tensor,
+    cluster_mask: torch.Tensor,
+    block_size: int,
+    capacity: int | None = None,
+    rows_per_chunk: int = 8,
+) -> DynamicWorkList:
+    """:func:`forward_work_list` of partition layouts, from their groups' selection: block pair ``(i, j)``
+    of row ``r`` is selected when ``cluster_mask[r, q_block_group[r, i], k_block_group[r, j]]`` is.
+
+    Every Q block of a group selects the same K blocks, so its stream is the same: the streams are
+    written once per (row, Q group) and each item points at its group's (``work_info``'s first entry and
+    length). An item's stream holds the same entries, in the same order, as :func:`forward_work_list`'s of
+    the expanded block mask, in about a third of the entries at SVG2's shapes, and the ``[R, q_blocks,
+    k_blocks]`` block mask is never made. Off Triton's devices it expands the mask and calls
+    :func:`forward_work_list`.
+
+    Args:
+        q_block_rows, k_block_rows: as :func:`forward_work_list`.
+        q_block_group, k_block_group: int ``[R, q_blocks]`` / ``[R, k_blocks]``: the group of each block
+            in ``[0, groups)``, ``-1`` past a row's layout.
+        cluster_mask: bool ``[R, q_groups, k_groups]``.
+        capacity: stream entries to allocate (default: any selection fits).
+    """
+    r, nq = q_block_rows.shape
+    nk = k_block_rows.shape[1]
+    if cluster_mask.ndim != 3 or cluster_mask.shape[0] != r:
+        raise ValueError(f"cluster_mask must be [{r}, q_groups, k_groups], got {list(cluster_mask.shape)}")
+    if q_block_group.shape != (r, nq) or k_block_group.shape != (r, nk):
+        raise ValueError(
+            f"q_block_group / k_block_group must be [{r}, {nq}] / [{r}, {nk}] (the block rows' shapes), got "
+            f"{list(q_block_group.shape)} / {list(k_block_group.shape)}"
+        )
+    if not page_streams.available(cluster_mask):
+        from ..svg2_device import cluster_block_mask
+
+        blocks = cluster_block_mask(cluster_mask, q_block_group, k_block_group)
+        return forward_work_list(q_block_rows, k_block_rows, blocks, block_size, capacity, rows_per_chunk)
+    pages_per_block = _forward_pages_per_block(block_size)
+    nqg = cluster_mask.shape[1]
+    if capacity is None:
+        capacity = stream_capacity(nqg, nk * block_size, nk, r)
+    q_rows = q_block_rows.long().clamp(0, block_size)
+    k_rows = k_block_rows.long().clamp(0, block_size)
+    k_group = torch.where(k_rows > 0, k_block_group, -1).to(torch.int32).contiguous()
+    k_full32 = (k_rows // PAGE_ROWS).int().contiguous()
+    k_part32 = (k_rows % PAGE_ROWS > 0).int().contiguous()
+    group_len, group_start, total, entries = page_streams.streams(
+        cluster_mask,
+        k_full32,
+        k_part32,
+        k_rows.int().contiguous(),
+        capacity,
+        pages_per_block,
+        0,
+        split_partial=True,
+        other_group=k_group,
+    )
+    # each Q block takes its group's stream; blocks without rows or group stream nothing
+    qg = q_block_group.long()
+    has = (q_rows > 0) & (qg >= 0) & (qg < nqg)
+    flat = (torch.arange(r, device=qg.device).unsqueeze(1) * nqg + qg.clamp(0, nqg - 1)).reshape(-1)
+    flat_len = torch.where(has.reshape(-1), group_len[flat], 0)
+    start = torch.where(has.reshape(-1), group_start[flat], 0)
+    return _forward_items(q_rows, flat_len, start, total, entries[:capacity], block_size, capacity)
+
+
+def _forward_pages_per_block(block_size: int) -> int:
+    if block_size % PAGE_ROWS or not PAGE_ROWS <= block_size <= OWN_PAGES * PAGE_ROWS:
+        raise ValueError(f"block_size must be a multiple of {PAGE_ROWS} up to {OWN_PAGES * PAGE_ROWS}")
+    return block_size // PAGE_ROWS
+
+
+def _forward_items(q_rows, flat_len, start, total, stream_entries, block_size: int, capacity: int):
+    """The work list around written streams: one item per (row, Q block) with its stream's ``start`` and
+    ``flat_len`` (``[R · q_blocks]``), its own pages, its query rows M, the order the CTAs take the items."""
+    r, nq = q_rows.shape
+    pages_per_block = block_size // PAGE_ROWS
+    dev = q_rows.device
     # own pages: the Q block's live pages with their row masks
     own_slot = torch.arange(OWN_PAGES, device=dev)
     q_live = -(-q_rows // PAGE_ROWS)  # [R, nq]

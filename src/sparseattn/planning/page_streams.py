@@ -39,14 +39,38 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _selected_pages(sel_ptr, pages_ptr, r, i, j, ok, n_other, s_r, s_i, s_j):
+    def _selects(sel_ptr, grp_ptr, r, i, j, ok, n_other, n_groups, s_r, s_i, s_j, GROUPED: tl.constexpr):
+        """bool ``[BJ]``: whether item ``(r, i)`` selects block ``j``: ``sel[r, i, j]``, or with ``GROUPED``
+        ``sel[r, i, group[r, j]]`` (false where the group is outside ``[0, n_groups)``)."""
+        if GROUPED:
+            col = tl.load(grp_ptr + r * n_other + j, mask=ok, other=-1).to(tl.int64)
+            inside = ok & (col >= 0) & (col < n_groups)
+            return tl.load(sel_ptr + r * s_r + i * s_i + col * s_j, mask=inside, other=0) != 0
+        return tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
+
+    @triton.jit
+    def _selected_pages(
+        sel_ptr, grp_ptr, pages_ptr, r, i, j, ok, n_other, n_groups, s_r, s_i, s_j, GROUPED: tl.constexpr
+    ):
         """int64 ``[BJ]``: ``pages[r, j]`` of each block ``j`` that item ``(r, i)`` selects, else 0."""
-        s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
+        s = _selects(sel_ptr, grp_ptr, r, i, j, ok, n_other, n_groups, s_r, s_i, s_j, GROUPED)
         return tl.where(s, tl.load(pages_ptr + r * n_other + j, mask=ok, other=0), 0).to(tl.int64)
 
     @triton.jit
     def _lengths_kernel(
-        sel_ptr, full_ptr, part_ptr, out_ptr, n_owner, n_other, s_r, s_i, s_j, BJ: tl.constexpr
+        sel_ptr,
+        grp_ptr,
+        full_ptr,
+        part_ptr,
+        out_ptr,
+        n_owner,
+        n_other,
+        n_groups,
+        s_r,
+        s_i,
+        s_j,
+        GROUPED: tl.constexpr,
+        BJ: tl.constexpr,
     ):
         item = tl.program_id(0)
         r = (item // n_owner).to(tl.int64)
@@ -55,7 +79,7 @@ if triton is not None:
         for j0 in range(0, n_other, BJ):
             j = j0 + tl.arange(0, BJ)
             ok = j < n_other
-            s = tl.load(sel_ptr + r * s_r + i * s_i + j * s_j, mask=ok, other=0) != 0
+            s = _selects(sel_ptr, grp_ptr, r, i, j, ok, n_other, n_groups, s_r, s_i, s_j, GROUPED)
             nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
             npart = tl.load(part_ptr + r * n_other + j, mask=ok, other=0)
             total += tl.sum(tl.where(s, nf + npart, 0).to(tl.int64), axis=0)
@@ -64,6 +88,7 @@ if triton is not None:
     @triton.jit
     def _write_kernel(
         sel_ptr,
+        grp_ptr,
         full_ptr,
         part_ptr,
         rows_ptr,
@@ -71,6 +96,7 @@ if triton is not None:
         out_ptr,
         n_owner,
         n_other,
+        n_groups,
         s_r,
         s_i,
         s_j,
@@ -78,6 +104,7 @@ if triton is not None:
         row_page_stride,
         P: tl.constexpr,
         SPLIT: tl.constexpr,
+        GROUPED: tl.constexpr,
         BJ: tl.constexpr,
     ):
         item = tl.program_id(0)
@@ -89,7 +116,9 @@ if triton is not None:
         for j0 in range(0, n_other, BJ):
             j = j0 + tl.arange(0, BJ)
             ok = j < n_other
-            n = _selected_pages(sel_ptr, full_ptr, r, i, j, ok, n_other, s_r, s_i, s_j)
+            n = _selected_pages(
+                sel_ptr, grp_ptr, full_ptr, r, i, j, ok, n_other, n_groups, s_r, s_i, s_j, GROUPED
+            )
             excl = tl.cumsum(n, axis=0) - n
             for p in tl.static_range(P):
                 pos = off + excl + p
@@ -105,7 +134,9 @@ if triton is not None:
             for j0 in range(0, n_other, BJ):
                 j = j0 + tl.arange(0, BJ)
                 ok = j < n_other
-                n = _selected_pages(sel_ptr, part_ptr, r, i, j, ok, n_other, s_r, s_i, s_j)
+                n = _selected_pages(
+                    sel_ptr, grp_ptr, part_ptr, r, i, j, ok, n_other, n_groups, s_r, s_i, s_j, GROUPED
+                )
                 pos = off + tl.cumsum(n, axis=0) - n
                 keep = (n > 0) & (pos < capacity)
                 nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
@@ -115,11 +146,20 @@ if triton is not None:
                 off += tl.sum(n, axis=0)
 
 
-def _check(sel: torch.Tensor, full: torch.Tensor, part: torch.Tensor):
-    if sel.ndim != 3 or full.shape != (sel.shape[0], sel.shape[2]) or part.shape != full.shape:
+def _check(sel: torch.Tensor, full: torch.Tensor, part: torch.Tensor, other_group: torch.Tensor | None):
+    if sel.ndim != 3 or full.ndim != 2 or full.shape[0] != sel.shape[0] or part.shape != full.shape:
         raise ValueError(
             f"sel must be [R, owner, other] with full/part [R, other]; got {list(sel.shape)}, "
             f"{list(full.shape)}, {list(part.shape)}"
+        )
+    if other_group is None and full.shape[1] != sel.shape[2]:
+        raise ValueError(
+            f"full/part must be [R, {sel.shape[2]}] (sel's other blocks), got {list(full.shape)}"
+        )
+    if other_group is not None and (other_group.shape != full.shape or other_group.dtype != torch.int32):
+        raise ValueError(
+            f"other_group must be int32 {list(full.shape)} (full's shape), got {other_group.dtype} "
+            f"{list(other_group.shape)}"
         )
     if not available(sel):
         raise ValueError(
@@ -127,21 +167,33 @@ def _check(sel: torch.Tensor, full: torch.Tensor, part: torch.Tensor):
         )
 
 
-def stream_lengths(sel: torch.Tensor, full: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+def _selection_args(sel: torch.Tensor, full: torch.Tensor, other_group: torch.Tensor | None):
+    """The kernels' selection arguments: ``(sel as bytes, group pointer, n_other, n_groups, strides...)``."""
+    sel_u8 = sel.view(torch.uint8)
+    grp = full if other_group is None else other_group  # not read without groups
+    return (sel_u8, grp), (full.shape[1], sel.shape[2], *sel_u8.stride())
+
+
+def stream_lengths(
+    sel: torch.Tensor, full: torch.Tensor, part: torch.Tensor, other_group: torch.Tensor | None = None
+) -> torch.Tensor:
     """int64 ``[R · owner]``: entries of each item's stream, ``Σ_j sel[r, i, j] · (full + part)[r, j]``.
 
     Args:
-        sel: bool ``[R, owner_blocks, other_blocks]`` (any strides: a transposed view is fine).
+        sel: bool ``[R, owner_blocks, other_blocks]`` (any strides: a transposed view is fine); with
+            ``other_group``, ``[R, owner_groups, other_groups]``: item ``(r, i)`` selects block ``j`` when
+            ``sel[r, i, other_group[r, j]]`` (a group outside ``[0, other_groups)`` selects nothing).
         full, part: int32 ``[R, other_blocks]``: pages of the first kind (full, or all live) and of the
             second (0 or 1 partial page) of each block of the other side.
+        other_group: int32 ``[R, other_blocks]`` or None.
     """
-    _check(sel, full, part)
-    r, n_owner, n_other = sel.shape
+    _check(sel, full, part, other_group)
+    r, n_owner = sel.shape[:2]
     out = torch.empty(r * n_owner, dtype=torch.int64, device=sel.device)
     if out.numel():
-        sel_u8 = sel.view(torch.uint8)
+        (sel_u8, grp), sizes = _selection_args(sel, full, other_group)
         _lengths_kernel[(r * n_owner,)](
-            sel_u8, full, part, out, n_owner, n_other, *sel_u8.stride(), BJ=BLOCK_J
+            sel_u8, grp, full, part, out, n_owner, *sizes, GROUPED=other_group is not None, BJ=BLOCK_J
         )
     return out
 
@@ -157,11 +209,12 @@ def write_streams(
     pages_per_block: int,
     row_page_stride: int,
     split_partial: bool,
+    other_group: torch.Tensor | None = None,
 ) -> None:
     """Write every item's stream at ``start[item]`` into ``out``.
 
     Args:
-        sel, full, part: as :func:`stream_lengths`.
+        sel, full, part, other_group: as :func:`stream_lengths`.
         rows: int32 ``[R, other_blocks]``, valid rows of each block (for the partial pages' masks;
             ``split_partial`` only).
         start: int64 ``[R · owner]``, each item's first entry.
@@ -169,40 +222,59 @@ def write_streams(
         pages_per_block: 16-row pages per block; a page id is
             ``r · row_page_stride + j · pages_per_block + p``.
     """
-    _check(sel, full, part)
-    r, n_owner, n_other = sel.shape
+    _check(sel, full, part, other_group)
+    r, n_owner = sel.shape[:2]
     if r * n_owner == 0:
         return
-    sel_u8 = sel.view(torch.uint8)
+    (sel_u8, grp), sizes = _selection_args(sel, full, other_group)
     _write_kernel[(r * n_owner,)](
         sel_u8,
+        grp,
         full,
         part,
         full if rows is None else rows,
         start,
         out,
         n_owner,
-        n_other,
-        *sel_u8.stride(),
+        *sizes,
         int(capacity),
         int(row_page_stride),
         P=int(pages_per_block),
         SPLIT=bool(split_partial),
+        GROUPED=other_group is not None,
         BJ=BLOCK_J,
     )
 
 
 def streams(
-    sel, full, part, rows, capacity: int, pages_per_block: int, row_page_stride: int, split_partial: bool
+    sel,
+    full,
+    part,
+    rows,
+    capacity: int,
+    pages_per_block: int,
+    row_page_stride: int,
+    split_partial: bool,
+    other_group=None,
 ):
     """Every item's stream, counted, placed and written: ``(lengths int64 [R · owner], starts int64
     [R · owner], total int64 [], out)`` with ``out`` int32 ``[capacity + 1, 2]`` (``split_partial``) or
     ``[capacity + 1]``, uninitialised past the written entries. Arguments as :func:`write_streams`."""
-    lengths = stream_lengths(sel, full, part)
+    lengths = stream_lengths(sel, full, part, other_group)
     starts = lengths.cumsum(0) - lengths
     shape = (capacity + 1, 2) if split_partial else (capacity + 1,)
     out = torch.empty(shape, dtype=torch.int32, device=sel.device)
     write_streams(
-        sel, full, part, rows, starts, out, capacity, pages_per_block, row_page_stride, split_partial
+        sel,
+        full,
+        part,
+        rows,
+        starts,
+        out,
+        capacity,
+        pages_per_block,
+        row_page_stride,
+        split_partial,
+        other_group,
     )
     return lengths, starts, lengths.sum(), out
