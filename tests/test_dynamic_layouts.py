@@ -189,19 +189,25 @@ def test_emulated_backward_plan_equals_the_reference(seed, block):
         assert not g[~ok].any(), f"{name}: padding slots must be zero"
 
 
-def test_per_row_layout_attention_on_the_cpu_gives_the_reference_gradients():
-    """``per_row_layout_attention`` end to end on CPU tensors (its plans run by the kernels' emulators):
-    output and gradients of every row's masked attention, padding slots zero — the autograd glue of the
-    GPU path (flattened rows, masked dK/dV) on the same plans."""
-    from sparseattn.torch import per_row_layout_attention
+@pytest.mark.parametrize("plan", ["blocks", "clusters"])
+def test_per_row_layout_attention_on_the_cpu_gives_the_reference_gradients(plan):
+    """``per_row_layout_attention`` (and ``per_row_cluster_attention``, from the cluster mask) end to end on
+    CPU tensors (its plans run by the kernels' emulators): output and gradients of every row's masked
+    attention, padding slots zero — the autograd glue of the GPU path (flattened rows, masked dK/dV) on the
+    same plans."""
+    from sparseattn.torch import per_row_cluster_attention, per_row_layout_attention
 
     block = 64
-    q_lay, k_lay, mask = _problem(4, block=block, tokens=200)
+    q_lay, k_lay, pairs, mask = _cluster_problem(4, block=block, tokens=200)
     rng = np.random.default_rng(4)
     rows, sq, sk, d = mask.shape[0], q_lay.max_slots, k_lay.max_slots, 16
     q, k, v, do = (rng.standard_normal((rows, n, d)) for n in (sq, sk, sk, sq))
     leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
-    o, _ = per_row_layout_attention(*leaves, q_lay.block_rows, k_lay.block_rows, mask, block)
+    if plan == "clusters":
+        groups = (q_lay.block_group, k_lay.block_group, pairs)
+        o, _ = per_row_cluster_attention(*leaves, q_lay.block_rows, k_lay.block_rows, *groups, block)
+    else:
+        o, _ = per_row_layout_attention(*leaves, q_lay.block_rows, k_lay.block_rows, mask, block)
     o.backward(torch.tensor(do))
     o_ref, grads = _reference_grads(q, k, v, do, q_lay, k_lay, mask, block)
     valid = (q_lay.valid.numpy(), k_lay.valid.numpy(), k_lay.valid.numpy())

@@ -501,14 +501,21 @@ def per_row_forward(q, k, v, work, scale):
 
 
 class _PerRowLayouts(torch.autograd.Function):
+    """``mask``: the block mask, or with ``q_group`` / ``k_group`` (the blocks' groups) the groups' mask."""
+
     @staticmethod
-    def forward(ctx, q, k, v, q_rows, k_rows, mask, block_size, scale):
-        from .planning.dynamic_layouts import forward_work_list
+    def forward(ctx, q, k, v, q_rows, k_rows, mask, q_group, k_group, block_size, scale):
+        from .planning.dynamic_layouts import cluster_forward_work_list, forward_work_list
 
         q, k, v = (x.contiguous() for x in (q, k, v))
-        work = forward_work_list(q_rows, k_rows, mask, block_size, rows_per_chunk=4)
+        if q_group is None:
+            work = forward_work_list(q_rows, k_rows, mask, block_size, rows_per_chunk=4)
+        else:
+            work = cluster_forward_work_list(
+                q_rows, k_rows, q_group, k_group, mask, block_size, rows_per_chunk=4
+            )
         o, lse = per_row_forward(q, k, v, work, scale)
-        ctx.save_for_backward(q, k, v, o, lse, q_rows, k_rows, mask)
+        ctx.save_for_backward(q, k, v, o, lse, q_rows, k_rows, mask, q_group, k_group)
         ctx.block_size, ctx.scale = block_size, scale
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -518,7 +525,11 @@ class _PerRowLayouts(torch.autograd.Function):
         from .kernels.bsa_backward import torch_plan_backward
         from .planning.dynamic_layouts import backward_plan
 
-        q, k, v, o, lse, q_rows, k_rows, mask = ctx.saved_tensors
+        q, k, v, o, lse, q_rows, k_rows, mask, q_group, k_group = ctx.saved_tensors
+        if q_group is not None:
+            from .svg2_device import cluster_block_mask
+
+            mask = cluster_block_mask(mask, q_group, k_group)
         plan = backward_plan(q_rows, k_rows, mask, ctx.block_size, rows_per_chunk=4)
         flat = lambda x: x.reshape(1, 1, -1, x.shape[-1])
         if q.is_cuda:
@@ -551,7 +562,7 @@ class _PerRowLayouts(torch.autograd.Function):
             torch.where(q_ok, dq, zero),
             torch.where(k_ok, dk, zero),
             torch.where(k_ok, dv, zero),
-            *(None,) * 5,
+            *(None,) * 7,
         )
 
 
@@ -573,4 +584,45 @@ def per_row_layout_attention(q, k, v, q_block_rows, k_block_rows, block_mask, bl
         ``(o, lse)``: ``o`` like ``q`` (padding rows zero), ``lse`` float32 ``[R, q_slots]``.
     """
     scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else float(scale)
-    return _PerRowLayouts.apply(q, k, v, q_block_rows, k_block_rows, block_mask, int(block_size), scale)
+    return _PerRowLayouts.apply(
+        q, k, v, q_block_rows, k_block_rows, block_mask, None, None, int(block_size), scale
+    )
+
+
+def per_row_cluster_attention(
+    q,
+    k,
+    v,
+    q_block_rows,
+    k_block_rows,
+    q_block_group,
+    k_block_group,
+    cluster_mask,
+    block_size: int,
+    scale=None,
+):
+    """:func:`per_row_layout_attention` of partition layouts from their groups' selection: block pair
+    ``(i, j)`` of row ``r`` is selected when ``cluster_mask[r, q_block_group[r, i], k_block_group[r, j]]``
+    is. The forward is planned by clusters
+    (:func:`~sparseattn.planning.dynamic_layouts.cluster_forward_work_list`: one stream per Q cluster, no
+    block mask); the backward expands the block mask for its plan.
+
+    Args:
+        q, k, v, q_block_rows, k_block_rows, block_size, scale: as :func:`per_row_layout_attention`.
+        q_block_group, k_block_group: int ``[R, q_blocks]`` / ``[R, k_blocks]``: each block's group in
+            ``[0, groups)``, ``-1`` past a row's layout (``DeviceLayout.block_group``).
+        cluster_mask: bool ``[R, q_groups, k_groups]``: the selected pairs of groups.
+    """
+    scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else float(scale)
+    return _PerRowLayouts.apply(
+        q,
+        k,
+        v,
+        q_block_rows,
+        k_block_rows,
+        cluster_mask,
+        q_block_group,
+        k_block_group,
+        int(block_size),
+        scale,
+    )

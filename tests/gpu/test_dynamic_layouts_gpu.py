@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from small_cases import rel_err
-from test_dynamic_layouts import _cluster_problem, _problem, _reference
+from test_dynamic_layouts import _cluster_problem, _reference
 
 pytestmark = pytest.mark.gpu
 
@@ -53,14 +53,16 @@ def test_dynamic_forward_matches_the_reference(seed, block, head_dim, plan):
 
 @pytest.mark.parametrize("seed", range(3), ids=lambda s: f"case{s}")
 @pytest.mark.parametrize("block", [64, 128], ids=lambda b: f"B{b}")
-def test_per_row_layout_attention_gradients_match_the_reference(seed, block):
-    """Forward and backward planned on the device per call (``per_row_layout_attention``): gradients of
-    every row's masked attention against float64, NaN in the padding slots of q, k, v and dO."""
+@pytest.mark.parametrize("plan", ["blocks", "clusters"])
+def test_per_row_layout_attention_gradients_match_the_reference(seed, block, plan):
+    """Forward and backward planned on the device per call (``per_row_layout_attention``, or
+    ``per_row_cluster_attention`` from the cluster mask): gradients of every row's masked attention against
+    float64, NaN in the padding slots of q, k, v and dO."""
     from test_dynamic_layouts import _reference_grads
 
-    from sparseattn.torch import per_row_layout_attention
+    from sparseattn.torch import per_row_cluster_attention, per_row_layout_attention
 
-    q_lay, k_lay, mask = _problem(
+    q_lay, k_lay, pairs, mask = _cluster_problem(
         seed, rows=5, tokens=600, q_groups=8, k_groups=11, block=block, device="cuda"
     )
     rng = np.random.default_rng(seed)
@@ -70,7 +72,11 @@ def test_per_row_layout_attention_gradients_match_the_reference(seed, block):
         x[~lay.valid.cpu().numpy()] = np.nan
     qt, kt, vt, dot = (torch.from_numpy(x).cuda().bfloat16() for x in (q, k, v, do))
     leaves = [x.clone().requires_grad_() for x in (qt, kt, vt)]
-    o, _ = per_row_layout_attention(*leaves, q_lay.block_rows, k_lay.block_rows, mask, block)
+    if plan == "clusters":
+        groups = (q_lay.block_group, k_lay.block_group, pairs)
+        o, _ = per_row_cluster_attention(*leaves, q_lay.block_rows, k_lay.block_rows, *groups, block)
+    else:
+        o, _ = per_row_layout_attention(*leaves, q_lay.block_rows, k_lay.block_rows, mask, block)
     o.backward(dot)
     torch.cuda.synchronize()
     f64 = lambda x: np.nan_to_num(x.double().cpu().numpy())

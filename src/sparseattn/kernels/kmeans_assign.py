@@ -32,7 +32,7 @@ HEAD_DIMS = (64, 128)
 #: Builds of the running argmin: whether each takes the packed maximum.
 BUILDS = {"argmin": False, "packed_argmax": True}
 #: The build the launches take (a key of BUILDS; ``SPARSEATTN_KMEANS_BUILD`` sets it at import).
-BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "argmin"
+BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "packed_argmax"
 
 
 def _kernel_name(d: int, accumulate: bool, packed: bool) -> str:
