@@ -176,8 +176,8 @@ def test_packed_argmax_labels_equal_the_argmins_but_for_near_ties(n, tokens, k, 
 
 
 def test_packed_argmax_keeps_columns_of_scores_near_zero(monkeypatch):
-    """Scores at and next to 0 (tokens orthogonal to centroids of tiny norm) pack into subnormals whose
-    bits still carry the column: the nearest is found, not column 0 of the lane's set."""
+    """The packed value is −|x − c|²/2: a token equal to its centroid scores exactly 0, which packs into a
+    subnormal whose bits still carry the column, so the nearest is found, not column 0 of the lane's set."""
     from sparseattn.kernels import kmeans_assign
 
     monkeypatch.setattr(kmeans_assign, "BUILD", "packed_argmax")
@@ -185,8 +185,8 @@ def test_packed_argmax_keeps_columns_of_scores_near_zero(monkeypatch):
     x = torch.zeros(1, 256, d, device="cuda")
     x[0, :, 0] = 1.0  # every token on axis 0
     c = torch.zeros(1, k, d, device="cuda")
-    c[0, :, 1] = 1.0  # centroids off the axis: score -0.5 ...
-    c[0, 77] = 0.0  # ... but centroid 77 at the origin: score exactly 0, the nearest
+    c[0, :, 1] = 1.0  # centroids off the axis: −|x − c|²/2 = −1 ...
+    c[0, 77] = x[0, 0]  # ... but centroid 77 is the tokens: exactly 0, the nearest
     got = kmeans_assign.nearest_centroid_wgmma(x.bfloat16(), c)
     assert bool((got == 77).all())
 
