@@ -54,24 +54,26 @@ def test_nearest_centroid_kernel_compiles_for_sm90(dtype, accumulate, head_dim):
     assert kernel.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["blocks", "groups"])
 @pytest.mark.parametrize("split", [True, False], ids=["forward", "backward"])
 @pytest.mark.parametrize("pages", [4, 8], ids=["B64", "B128"])
-def test_page_stream_kernels_compile_for_sm90(split, pages):
+def test_page_stream_kernels_compile_for_sm90(split, pages, grouped):
     from sparseattn.planning.page_streams import BLOCK_J, _lengths_kernel, _write_kernel
 
-    common = dict(sel_ptr="*u8", full_ptr="*i32", part_ptr="*i32")
-    strides = dict(n_owner="i32", n_other="i32", s_r="i64", s_i="i64", s_j="i64")
-    _compile(_lengths_kernel, {**common, "out_ptr": "*i64", **strides}, dict(BJ=BLOCK_J))
+    common = dict(sel_ptr="*u8", grp_ptr="*i32", full_ptr="*i32", part_ptr="*i32")
+    sizes = dict(n_owner="i32", n_other="i32", n_groups="i32", s_r="i64", s_i="i64", s_j="i64")
+    lengths_sig = {**common, "out_ptr": "*i64", **sizes}
+    _compile(_lengths_kernel, lengths_sig, dict(GROUPED=grouped, BJ=BLOCK_J))
     sig = {
         **common,
         "rows_ptr": "*i32",
         "start_ptr": "*i64",
         "out_ptr": "*i32",
-        **strides,
+        **sizes,
         "capacity": "i64",
         "row_page_stride": "i64",
     }
-    _compile(_write_kernel, sig, dict(P=pages, SPLIT=split, BJ=BLOCK_J))
+    _compile(_write_kernel, sig, dict(P=pages, SPLIT=split, GROUPED=grouped, BJ=BLOCK_J))
 
 
 @pytest.mark.parametrize("sums", [False, True], ids=["copy", "copy_and_sums"])
