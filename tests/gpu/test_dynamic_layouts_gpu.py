@@ -89,6 +89,21 @@ def test_per_row_layout_attention_gradients_match_the_reference(seed, block, pla
         assert not g[~ok].any(), f"{name}: padding slots must be zero"
 
 
+def _random_partitions(case: int, g):
+    """``(rows, block, q layout, k layout)`` of case ``case``: ragged token counts, k-means-like labels of
+    up to 13 Q and 21 K groups padded to 64- or 128-slot blocks."""
+    from sparseattn.svg2_device import partition_slots
+
+    rows, tokens, block = 1 + case % 3, 97 + 37 * case, (64, 128)[case % 2]
+    labels = lambda groups: torch.randint(0, groups, (rows, tokens), device="cuda", generator=g)
+    return (
+        rows,
+        block,
+        partition_slots(labels(3 + case % 11), 13, block),
+        partition_slots(labels(5 + case % 17), 21, block),
+    )
+
+
 @pytest.mark.parametrize("block_j", [256, 32])
 def test_triton_page_streams_equal_the_torch_planner_on_100_partitions(block_j, monkeypatch):
     """The compiled Triton stream writers (32-block steps give an item several) against the torch planner
@@ -96,19 +111,12 @@ def test_triton_page_streams_equal_the_torch_planner_on_100_partitions(block_j, 
     selections, ragged and capacity-cut."""
     from sparseattn.planning import dynamic_layouts as dl
     from sparseattn.planning import page_streams
-    from sparseattn.svg2_device import partition_slots
 
     monkeypatch.setattr(page_streams, "BLOCK_J", block_j)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for case in range(100):
-        rows, tokens, block = 1 + case % 3, 97 + 37 * case, (64, 128)[case % 2]
-        ql = partition_slots(
-            torch.randint(0, 3 + case % 11, (rows, tokens), device="cuda", generator=g), 13, block
-        )
-        kl = partition_slots(
-            torch.randint(0, 5 + case % 17, (rows, tokens), device="cuda", generator=g), 21, block
-        )
+        rows, block, ql, kl = _random_partitions(case, g)
         mask = torch.rand(rows, ql.max_blocks, kl.max_blocks, device="cuda", generator=g) < 0.05 + case / 120
         capacity = 50 if case % 10 == 9 else None
         args = (ql.block_rows, kl.block_rows, mask, block)
@@ -137,19 +145,13 @@ def test_cluster_work_lists_stream_what_block_work_lists_do_on_100_partitions(bl
     stream the same entries in the same order, in fewer stored entries."""
     from sparseattn.planning import dynamic_layouts as dl
     from sparseattn.planning import page_streams
-    from sparseattn.svg2_device import cluster_block_mask, partition_slots
+    from sparseattn.svg2_device import cluster_block_mask
 
     monkeypatch.setattr(page_streams, "BLOCK_J", block_j)
     g = torch.Generator(device="cuda").manual_seed(1)
     fewer = 0
     for case in range(100):
-        rows, tokens, block = 1 + case % 3, 97 + 37 * case, (64, 128)[case % 2]
-        ql = partition_slots(
-            torch.randint(0, 3 + case % 11, (rows, tokens), device="cuda", generator=g), 13, block
-        )
-        kl = partition_slots(
-            torch.randint(0, 5 + case % 17, (rows, tokens), device="cuda", generator=g), 21, block
-        )
+        rows, block, ql, kl = _random_partitions(case, g)
         pairs = torch.rand(rows, 13, 21, device="cuda", generator=g) < 0.05 + case / 120
         got = dl.cluster_forward_work_list(
             ql.block_rows, kl.block_rows, ql.block_group, kl.block_group, pairs, block
