@@ -14,14 +14,15 @@
 // centroid index (as the Triton kernel and torch's argmin). Two CTAs per SM (98 KB of shared memory each
 // at HEAD_DIM 128), so one's loads and argmin run under the other's MMAs.
 //
-// PACKED_ARGMAX: the argmin as a maximum of the scores x·c − |c|²/2 (the same order: |x − c|² = |x|² − 2 ·
-// score, and 2 · fl(score) = fl(|c|² − 2·x·c) exactly), each score carrying its column among the lane's 32
-// of the chunk in its 5 low mantissa bits, so a row's running best is a chain of max instructions alone
+// PACKED_ARGMAX: the argmin as a maximum of −|x − c|²/2: S starts at −|c|²/2 − |x|²/2 (|x|² of the CTA's
+// tokens summed once from the X tile) and the MMA adds x·c. Each score carries its column among the lane's
+// 32 of the chunk in its 5 low mantissa bits, so a row's running best is a chain of max instructions alone
 // (four chains a row, for independent instructions) and the column is read back from the winner's bits.
-// Two scores within 2⁻¹⁸ of each other (relative) may then be taken in either order, where the exact build
-// (PACKED_ARGMAX false) resolves float32 ties to the lower index. A score is about |x|²/2 for a token near
-// its centroid, so on data far from the origin that resolution is coarser than the distances between
-// neighbouring centroids: the host keeps the exact build as its default (sparseattn/kernels/kmeans_assign.py).
+// Two scores within 2⁻¹⁸ of each other (relative to the half-distance) may then be taken in either order,
+// where the exact build (PACKED_ARGMAX false) resolves float32 ties to the lower index. (Without the |x|²
+// shift the resolution was relative to |x|²/2, coarser than the gaps between centroids on data far from
+// the origin.) The host keeps the exact build as its default until the GPU tests pass with this one
+// (sparseattn/kernels/kmeans_assign.py).
 #include "hopper_wgmma.cuh"
 
 // Geometry mirrored in sparseattn/kernels/kmeans_assign.py.

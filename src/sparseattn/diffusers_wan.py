@@ -417,20 +417,23 @@ class WanSparseAttnProcessor:
     def _svg2_kpage_tokens(self, q, k, v, step):
         """KPage's token-order forward on an SVG2 step's per-row layouts (no moves: a map per row)."""
         from .kernels.forward import torch_token_forward
+        from .planning.dynamic_layouts import forward_work_list
 
         ql, kl = step.q_layout, step.k_layout
-        work = step.forward_work_list()
+        work = forward_work_list(
+            ql.block_rows, kl.block_rows, step.block_mask, ql.block_size, rows_per_chunk=4
+        )
         maps = [slot_tokens(lay.token_slot, lay.max_slots) for lay in (ql, kl)]
         return torch_token_forward(q, k, v, work, *maps)[0]
 
     def _svg2_kpage(self, q, k, v):
-        """KPage on this call's per-row layouts (:func:`sparseattn.torch.per_row_cluster_attention`): k-means
+        """KPage on this call's per-row layouts (:func:`sparseattn.torch.per_row_layout_attention`): k-means
         whose last step assigns labels only, tokens to each row's cluster-ordered slots with the clusters'
         sums taken on the way (:func:`~sparseattn.svg2_device.fit_for_slots`,
         :func:`~sparseattn.svg2_device.step_from_slot_sums`), SVG2's selection on their means, forward and
         backward planned on the device, back to tokens."""
         from .svg2_device import fit_for_slots, scatter_rows, slot_rows, slot_sum_index, step_from_slot_sums
-        from .torch import per_row_cluster_attention
+        from .torch import per_row_layout_attention
 
         torch = self._torch()
         b, n, h, d = q.shape
@@ -452,13 +455,11 @@ class WanSparseAttnProcessor:
         vs = scatter_rows(flat(v), k_rows, b * h * kl.max_slots, k_used)
         step = self.last_svg2_step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
         self._keep_centroids(q, step)
-        o, _ = per_row_cluster_attention(
+        o, _ = per_row_layout_attention(
             *(x.view(b * h, -1, d) for x in (qs, ks, vs)),
             ql.block_rows,
             kl.block_rows,
-            ql.block_group,
-            kl.block_group,
-            step.cluster_mask,
+            step.block_mask,
             ql.block_size,
         )
         out = o.reshape(b * h * ql.max_slots, d).index_select(0, q_rows)  # back to [B, L, heads] order

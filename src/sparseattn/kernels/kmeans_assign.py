@@ -11,12 +11,14 @@ Torch CUDA tensors in and out, on torch's current stream. ``x`` bf16 ``[N, token
 
 Two builds of the running argmin (:data:`BUILD`, ``SPARSEATTN_KMEANS_BUILD``): ``"argmin"`` (the default)
 compares each distance with the row's best and selects value and index, ties to the lower index as torch's
-argmin; ``"packed_argmax"`` (opt-in) maximizes the scores ``x·c − |c|²/2`` with each score's column in its 5
-low mantissa bits, so the running best is a chain of max instructions alone. Measured on an H100 at SVG2's
-720p shapes the packed build is 14–16% faster on K's assignment and Lloyd step, 8–14% on Q's
-(``data/bench/experiments/kmeans_builds_ab_h100_20261206_ae3521a.json``), but its resolution is 2⁻¹⁸ of the
-score, which grows with |x|²: on data far from the origin (the GPU test's blobs) 0.1% of the tokens whose
-nearest centroid is clear by distance got another label, so it stays opt-in.
+argmin; ``"packed_argmax"`` (opt-in) maximizes ``−|x − c|²/2`` (the MMA's accumulators start at
+``−|c|²/2 − |x|²/2``) with each score's column in its 5 low mantissa bits, so the running best is a chain of
+max instructions alone. Measured on an H100 at SVG2's 720p shapes, its first form (scores ``x·c − |c|²/2``,
+without the |x|² shift) was 14–16% faster on K's assignment and Lloyd step, 8–14% on Q's
+(``data/bench/experiments/kmeans_builds_ab_h100_20261206_ae3521a.json``), but its resolution was 2⁻¹⁸ of
+|x|²/2: on data far from the origin (the GPU test's blobs) 0.1% of the tokens whose nearest centroid is clear
+by distance got another label. With the shift the resolution is relative to the distance; that form has not
+run on a GPU yet, so it stays opt-in.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ HEAD_DIMS = (64, 128)
 #: Builds of the running argmin: whether each takes the packed maximum.
 BUILDS = {"argmin": False, "packed_argmax": True}
 #: The build the launches take (a key of BUILDS; ``SPARSEATTN_KMEANS_BUILD`` sets it at import).
-BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "packed_argmax"
+BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "argmin"
 
 
 def _kernel_name(d: int, accumulate: bool, packed: bool) -> str:
