@@ -13,7 +13,9 @@ time alone, as in a model whose host runs ahead of the GPU; the other methods' p
 time the GPU waits for the host's launches. :data:`IN_SLOTS` runs it queued once more with the last
 Lloyd step's cluster sums taken while q and k move to slots
 (:func:`sparseattn.svg2_device.svg2_step_in_slots`; the summary adds the tokens' move to each method's
-overhead, since this one moves work into it). Tokens move to slots as the CPU
+overhead, since this one moves work into it), and :data:`IN_SLOTS_CLUSTERS` the same with the forward
+planned by clusters (:meth:`sparseattn.svg2_device.SVG2Step.forward_work_list`). ``--methods`` times a
+subset. Tokens move to slots as the CPU
 path does (zeros, then ``index_copy``) in the ``torch`` method, and in one Triton pass that leaves unused
 slots unwritten (:mod:`sparseattn.slot_copy`) in the fused ones.
 

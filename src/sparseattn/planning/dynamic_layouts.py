@@ -186,6 +186,7 @@ def cluster_forward_work_list(
             in ``[0, groups)``, ``-1`` past a row's layout.
         cluster_mask: bool ``[R, q_groups, k_groups]``.
         capacity: stream entries to allocate (default: any selection fits).
+        rows_per_chunk: as :func:`forward_work_list` (its torch path, off Triton's devices).
     """
     r, nq = q_block_rows.shape
     nk = k_block_rows.shape[1]

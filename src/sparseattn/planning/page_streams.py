@@ -15,6 +15,10 @@ Two stream forms:
   ``(page, mask)`` int32 pairs;
 * backward (``split_partial=False``): all live pages of each selected block, page ids only.
 
+The selection is read per (item, block) from a bool ``[R, owner, other]`` tensor, or by groups
+(``other_group``): item ``i`` is then a group of owner blocks (:func:`.dynamic_layouts.cluster_forward_work_list`
+writes one stream per Q cluster), and it selects block ``j`` when ``sel[r, i, other_group[r, j]]`` does.
+
 Entries past ``capacity`` go nowhere (the callers count them in their status). The kernels need CUDA
 tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests); :func:`available` says which.
 """
