@@ -11,7 +11,9 @@ torch = pytest.importorskip("torch")
 
 from sparseattn.emulator import emulate_work_list
 from sparseattn.planning.dynamic_layouts import (
+    backward_plan,
     check_status,
+    cluster_backward_plan,
     cluster_forward_work_list,
     forward_work_list,
 )
@@ -116,6 +118,10 @@ def test_cluster_work_list_streams_what_the_block_work_list_does():
     assert torch.equal(got.work_info[:, [0, 2, 3]], want.work_info[:, [0, 2, 3]])
     assert torch.equal(got.work_order, want.work_order) and torch.equal(got.own_entries, want.own_entries)
     assert torch.equal(got.item_streams(), want.item_streams())
+    bwd = cluster_backward_plan(*groups, pairs, block)
+    bwd_ref = backward_plan(q_lay.block_rows, k_lay.block_rows, mask, block)
+    for name in ("stream_indptr", "stream_pages", "own_pages", "own_page_mask", "stream_page_mask", "status"):
+        assert torch.equal(getattr(bwd, name), getattr(bwd_ref, name)), name
     with pytest.raises(ValueError, match="q_block_group"):
         cluster_forward_work_list(
             q_lay.block_rows, k_lay.block_rows, q_lay.block_group[:, 1:], k_lay.block_group, pairs, block

@@ -36,7 +36,8 @@ def check_page_streams() -> int:
 
 def _check_cluster_streams(seeds) -> int:
     """The streams written once per Q group (``cluster_forward_work_list``) against the torch streams of
-    the expanded block mask: the same items, and every item's stream the same entries in the same order."""
+    the expanded block mask: the same items, and every item's stream the same entries in the same order;
+    the backward's plan by groups (``cluster_backward_plan``) equal to the block form's."""
     from sparseattn.planning import dynamic_layouts as dl
     from sparseattn.planning import page_streams
     from sparseattn.svg2_device import cluster_block_mask, partition_slots
@@ -70,6 +71,17 @@ def _check_cluster_streams(seeds) -> int:
                 assert torch.equal(getattr(got, name), getattr(want, name)), name
             assert int(got.status[1]) == 0 and int(got.status[0]) < int(want.status[0]), "shared streams"
             assert torch.equal(got.item_streams(), want.item_streams()), "item streams"
+            if block in (64, 128):  # the backward's plan by clusters: entry for entry the block form's
+                bwd = dl.cluster_backward_plan(*args)
+                page_streams.available = lambda x: False
+                try:
+                    bwd_ref = dl.backward_plan(ql.block_rows, kl.block_rows, blocks, block)
+                finally:
+                    page_streams.available = triton_available
+                for name in ("stream_indptr", "own_pages", "work_block", "status"):
+                    assert torch.equal(getattr(bwd, name), getattr(bwd_ref, name)), name
+                used = int(bwd.status[0])
+                assert used > 0 and torch.equal(bwd.stream_pages[:used], bwd_ref.stream_pages[:used]), "bwd"
             cases += 1
     return cases
 

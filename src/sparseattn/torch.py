@@ -523,14 +523,15 @@ class _PerRowLayouts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         from .kernels.bsa_backward import torch_plan_backward
-        from .planning.dynamic_layouts import backward_plan
+        from .planning.dynamic_layouts import backward_plan, cluster_backward_plan
 
         q, k, v, o, lse, q_rows, k_rows, mask, q_group, k_group = ctx.saved_tensors
-        if q_group is not None:
-            from .svg2_device import cluster_block_mask
-
-            mask = cluster_block_mask(mask, q_group, k_group)
-        plan = backward_plan(q_rows, k_rows, mask, ctx.block_size, rows_per_chunk=4)
+        if q_group is None:
+            plan = backward_plan(q_rows, k_rows, mask, ctx.block_size, rows_per_chunk=4)
+        else:
+            plan = cluster_backward_plan(
+                q_rows, k_rows, q_group, k_group, mask, ctx.block_size, rows_per_chunk=4
+            )
         flat = lambda x: x.reshape(1, 1, -1, x.shape[-1])
         if q.is_cuda:
             grads = torch_plan_backward(
@@ -605,7 +606,8 @@ def per_row_cluster_attention(
     ``(i, j)`` of row ``r`` is selected when ``cluster_mask[r, q_block_group[r, i], k_block_group[r, j]]``
     is. The forward is planned by clusters
     (:func:`~sparseattn.planning.dynamic_layouts.cluster_forward_work_list`: one stream per Q cluster, no
-    block mask); the backward expands the block mask for its plan.
+    block mask), and so is the backward's plan
+    (:func:`~sparseattn.planning.dynamic_layouts.cluster_backward_plan`).
 
     Args:
         q, k, v, q_block_rows, k_block_rows, block_size, scale: as :func:`per_row_layout_attention`.

@@ -142,7 +142,8 @@ def test_triton_page_streams_equal_the_torch_planner_on_100_partitions(block_j, 
 def test_cluster_work_lists_stream_what_block_work_lists_do_on_100_partitions(block_j, monkeypatch):
     """Planned by clusters (the compiled Triton writers, one stream per Q cluster) against the block mask's
     work list on 100 random per-row partitions and cluster selections: the same items, and every item's
-    stream the same entries in the same order, in fewer stored entries."""
+    stream the same entries in the same order, in fewer stored entries; the backward's plan by groups
+    equal to the block form's entry for entry."""
     from sparseattn.planning import dynamic_layouts as dl
     from sparseattn.planning import page_streams
     from sparseattn.svg2_device import cluster_block_mask
@@ -164,4 +165,12 @@ def test_cluster_work_lists_stream_what_block_work_lists_do_on_100_partitions(bl
         assert int(got.status[1]) == 0 and int(got.status[0]) <= int(want.status[0]), case
         fewer += int(got.status[0]) < int(want.status[0])
         assert torch.equal(got.item_streams(), want.item_streams()), case
+        bwd = dl.cluster_backward_plan(
+            ql.block_rows, kl.block_rows, ql.block_group, kl.block_group, pairs, block
+        )
+        bwd_ref = dl.backward_plan(ql.block_rows, kl.block_rows, blocks, block)
+        for name in ("stream_indptr", "own_pages", "status"):
+            assert torch.equal(getattr(bwd, name), getattr(bwd_ref, name)), (case, name)
+        used = int(bwd.status[0])
+        assert torch.equal(bwd.stream_pages[:used], bwd_ref.stream_pages[:used]), case
     assert fewer > 50, "clusters of several blocks share their streams"

@@ -190,13 +190,7 @@ def cluster_forward_work_list(
     """
     r, nq = q_block_rows.shape
     nk = k_block_rows.shape[1]
-    if cluster_mask.ndim != 3 or cluster_mask.shape[0] != r:
-        raise ValueError(f"cluster_mask must be [{r}, q_groups, k_groups], got {list(cluster_mask.shape)}")
-    if q_block_group.shape != (r, nq) or k_block_group.shape != (r, nk):
-        raise ValueError(
-            f"q_block_group / k_block_group must be [{r}, {nq}] / [{r}, {nk}] (the block rows' shapes), got "
-            f"{list(q_block_group.shape)} / {list(k_block_group.shape)}"
-        )
+    _check_groups(r, nq, nk, q_block_group, k_block_group, cluster_mask)
     if not page_streams.available(cluster_mask):
         from ..svg2_device import cluster_block_mask
 
@@ -229,6 +223,16 @@ def cluster_forward_work_list(
     flat_len = torch.where(has.reshape(-1), group_len[flat], 0)
     start = torch.where(has.reshape(-1), group_start[flat], 0)
     return _forward_items(q_rows, flat_len, start, total, entries[:capacity], block_size, capacity)
+
+
+def _check_groups(r: int, nq: int, nk: int, q_block_group, k_block_group, cluster_mask) -> None:
+    if cluster_mask.ndim != 3 or cluster_mask.shape[0] != r:
+        raise ValueError(f"cluster_mask must be [{r}, q_groups, k_groups], got {list(cluster_mask.shape)}")
+    if q_block_group.shape != (r, nq) or k_block_group.shape != (r, nk):
+        raise ValueError(
+            f"q_block_group / k_block_group must be [{r}, {nq}] / [{r}, {nk}] (the block rows' shapes), got "
+            f"{list(q_block_group.shape)} / {list(k_block_group.shape)}"
+        )
 
 
 def _forward_pages_per_block(block_size: int) -> int:
@@ -472,30 +476,89 @@ def backward_plan(
     :func:`forward_work_list`): one item per (row, K block) owning its live pages, streaming the live Q
     pages of the Q blocks that select it."""
     r, nq, nk, q_rows, k_rows, sel = _selection(q_block_rows, k_block_rows, block_mask, block_size)
-    if block_size not in (64, 128):
-        raise ValueError("block_size must be 64 or 128 (the backward kernels own 64- or 128-row tiles)")
-    per_block = block_size // PAGE_ROWS
-    q_per_row, k_per_row = nq * per_block, nk * per_block
+    per_block = _backward_pages_per_block(block_size)
     if capacity is None:
-        capacity = r * nk * q_per_row
-    dev = q_block_rows.device
+        capacity = r * nk * nq * per_block
     q_live = -(-q_rows // PAGE_ROWS)  # [R, nq]
     owned_sel = sel.transpose(1, 2)  # [R, nk, nq]: the Q blocks selecting each K block
     if page_streams.available(sel):
         owned_sel = owned_sel.contiguous()  # each program then reads its K block's row coalesced
-        q_live32 = q_live.int().contiguous()
-        _, start, total, stream = page_streams.streams(
-            owned_sel,
-            q_live32,
-            torch.zeros_like(q_live32),
-            None,
-            capacity,
-            per_block,
-            q_per_row,
-            split_partial=False,
-        )
+        start, total, stream = _backward_streams(owned_sel, q_live, capacity, per_block, None)
     else:
         start, total, stream = _backward_streams_torch(owned_sel, q_live, capacity, per_block, rows_per_chunk)
+    return _owned_plan(q_rows, k_rows, start, total, stream, block_size, capacity)
+
+
+def cluster_backward_plan(
+    q_block_rows: torch.Tensor,
+    k_block_rows: torch.Tensor,
+    q_block_group: torch.Tensor,
+    k_block_group: torch.Tensor,
+    cluster_mask: torch.Tensor,
+    block_size: int,
+    capacity: int | None = None,
+    rows_per_chunk: int = 8,
+) -> DynamicOwnedPlan:
+    """:func:`backward_plan` of partition layouts from their groups' selection (arguments as
+    :func:`cluster_forward_work_list`), the same plan entry for entry, without the block mask: each K
+    block's row of the selection is its group's row of the transposed cluster mask (``[R, k_blocks,
+    q_groups]``, a third of the block mask's bytes at SVG2's shapes), and the stream writers look each Q
+    block up in it by the block's group. Off Triton's devices it expands the mask and calls
+    :func:`backward_plan`."""
+    r, nq = q_block_rows.shape
+    nk = k_block_rows.shape[1]
+    _check_groups(r, nq, nk, q_block_group, k_block_group, cluster_mask)
+    if not page_streams.available(cluster_mask):
+        from ..svg2_device import cluster_block_mask
+
+        blocks = cluster_block_mask(cluster_mask, q_block_group, k_block_group)
+        return backward_plan(q_block_rows, k_block_rows, blocks, block_size, capacity, rows_per_chunk)
+    per_block = _backward_pages_per_block(block_size)
+    if capacity is None:
+        capacity = r * nk * nq * per_block
+    q_rows = q_block_rows.long().clamp(0, block_size)
+    k_rows = k_block_rows.long().clamp(0, block_size)
+    nkg = cluster_mask.shape[2]
+    kg = k_block_group.long()
+    k_in = (k_rows > 0) & (kg >= 0) & (kg < nkg)
+    by_group = cluster_mask.transpose(1, 2)  # [R, k_groups, q_groups]
+    rows = by_group.gather(1, kg.clamp(0, nkg - 1).unsqueeze(-1).expand(r, nk, by_group.shape[2]))
+    owned_sel = (rows & k_in.unsqueeze(-1)).contiguous()  # [R, nk, q_groups]
+    q_group = torch.where(q_rows > 0, q_block_group, -1).to(torch.int32).contiguous()
+    q_live = -(-q_rows // PAGE_ROWS)
+    start, total, stream = _backward_streams(owned_sel, q_live, capacity, per_block, q_group)
+    return _owned_plan(q_rows, k_rows, start, total, stream, block_size, capacity)
+
+
+def _backward_pages_per_block(block_size: int) -> int:
+    if block_size not in (64, 128):
+        raise ValueError("block_size must be 64 or 128 (the backward kernels own 64- or 128-row tiles)")
+    return block_size // PAGE_ROWS
+
+
+def _backward_streams(owned_sel, q_live, capacity: int, per_block: int, q_group):
+    """The backward's streams by the Triton writers: ``(starts, total, stream [capacity + 1])``."""
+    q_live32 = q_live.int().contiguous()
+    _, start, total, stream = page_streams.streams(
+        owned_sel,
+        q_live32,
+        torch.zeros_like(q_live32),
+        None,
+        capacity,
+        per_block,
+        q_live.shape[1] * per_block,
+        split_partial=False,
+        other_group=q_group,
+    )
+    return start, total, stream
+
+
+def _owned_plan(q_rows, k_rows, start, total, stream, block_size: int, capacity: int) -> DynamicOwnedPlan:
+    """The K/V-owned plan around written streams (one item per (row, K block), CSR offsets ``start``)."""
+    r, nk = k_rows.shape
+    per_block = block_size // PAGE_ROWS
+    k_per_row = nk * per_block
+    dev = q_rows.device
     own_slot = torch.arange(OWN_PAGES, device=dev)
     k_live = -(-k_rows // PAGE_ROWS)  # [R, nk]
     owned = own_slot < k_live.unsqueeze(-1)
