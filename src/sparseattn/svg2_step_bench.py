@@ -202,7 +202,7 @@ def measure(
     import torch
 
     from . import workloads as wl
-    from .planning.dynamic_layouts import backward_plan
+    from .planning.dynamic_layouts import backward_plan, cluster_backward_plan
 
     w = wl.get_workload(workload_name)
     sel = w.selection
@@ -245,13 +245,15 @@ def measure(
                     q, k, v, sel, B, init, how, iters, marks, final_assign, in_slots=in_slots, plan=plan
                 )
                 init = state["cent"]
-                if (
-                    assign == "fused_last_step"
-                ):  # the backward's plan of the same call, warmed up like the rest
+                if assign in ("fused_last_step", IN_SLOTS, IN_SLOTS_CLUSTERS):
+                    # the backward's plan of the same call (by clusters where the forward was), warmed up like the rest
+                    ql, kl = state["ql"], state["kl"]
                     marks("plan_bwd_start")
-                    backward_plan(
-                        state["ql"].block_rows, state["kl"].block_rows, state["blocks"], B, rows_per_chunk=4
-                    )
+                    if plan == "clusters":
+                        groups = (ql.block_group, kl.block_group, state["mask"])
+                        cluster_backward_plan(ql.block_rows, kl.block_rows, *groups, B, rows_per_chunk=4)
+                    else:
+                        backward_plan(ql.block_rows, kl.block_rows, state["blocks"], B, rows_per_chunk=4)
                     marks("plan_bwd")
                 if rep >= warmup:
                     for name, ms in marks.elapsed().items():
