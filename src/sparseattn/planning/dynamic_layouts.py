@@ -188,20 +188,15 @@ def cluster_forward_work_list(
         capacity: stream entries to allocate (default: any selection fits).
         rows_per_chunk: as :func:`forward_work_list` (its torch path, off Triton's devices).
     """
-    r, nq = q_block_rows.shape
-    nk = k_block_rows.shape[1]
-    _check_groups(r, nq, nk, q_block_group, k_block_group, cluster_mask)
-    if not page_streams.available(cluster_mask):
-        from ..svg2_device import cluster_block_mask
-
-        blocks = cluster_block_mask(cluster_mask, q_block_group, k_block_group)
+    blocks, q_rows, k_rows = _groups_selection(
+        q_block_rows, k_block_rows, q_block_group, k_block_group, cluster_mask, block_size
+    )
+    if blocks is not None:
         return forward_work_list(q_block_rows, k_block_rows, blocks, block_size, capacity, rows_per_chunk)
+    (r, nk), nqg = k_rows.shape, cluster_mask.shape[1]
     pages_per_block = _forward_pages_per_block(block_size)
-    nqg = cluster_mask.shape[1]
     if capacity is None:
         capacity = stream_capacity(nqg, nk * block_size, nk, r)
-    q_rows = q_block_rows.long().clamp(0, block_size)
-    k_rows = k_block_rows.long().clamp(0, block_size)
     k_group = torch.where(k_rows > 0, k_block_group, -1).to(torch.int32).contiguous()
     k_full32 = (k_rows // PAGE_ROWS).int().contiguous()
     k_part32 = (k_rows % PAGE_ROWS > 0).int().contiguous()
@@ -225,7 +220,14 @@ def cluster_forward_work_list(
     return _forward_items(q_rows, flat_len, start, total, entries[:capacity], block_size, capacity)
 
 
-def _check_groups(r: int, nq: int, nk: int, q_block_group, k_block_group, cluster_mask) -> None:
+def _groups_selection(
+    q_block_rows, k_block_rows, q_block_group, k_block_group, cluster_mask, block_size: int
+):
+    """``(blocks, q_rows, k_rows)`` of the planners by groups, the arguments checked: the expanded block mask
+    where the Triton writers cannot run (the caller then plans the block form), else None; the row counts
+    clamped to the block (int64)."""
+    r, nq = q_block_rows.shape
+    nk = k_block_rows.shape[1]
     if cluster_mask.ndim != 3 or cluster_mask.shape[0] != r:
         raise ValueError(f"cluster_mask must be [{r}, q_groups, k_groups], got {list(cluster_mask.shape)}")
     if q_block_group.shape != (r, nq) or k_block_group.shape != (r, nk):
@@ -233,6 +235,11 @@ def _check_groups(r: int, nq: int, nk: int, q_block_group, k_block_group, cluste
             f"q_block_group / k_block_group must be [{r}, {nq}] / [{r}, {nk}] (the block rows' shapes), got "
             f"{list(q_block_group.shape)} / {list(k_block_group.shape)}"
         )
+    if not page_streams.available(cluster_mask):
+        from ..svg2_device import cluster_block_mask
+
+        return cluster_block_mask(cluster_mask, q_block_group, k_block_group), None, None
+    return None, q_block_rows.long().clamp(0, block_size), k_block_rows.long().clamp(0, block_size)
 
 
 def _forward_pages_per_block(block_size: int) -> int:
@@ -505,19 +512,15 @@ def cluster_backward_plan(
     q_groups]``, a third of the block mask's bytes at SVG2's shapes), and the stream writers look each Q
     block up in it by the block's group. Off Triton's devices it expands the mask and calls
     :func:`backward_plan`."""
-    r, nq = q_block_rows.shape
-    nk = k_block_rows.shape[1]
-    _check_groups(r, nq, nk, q_block_group, k_block_group, cluster_mask)
-    if not page_streams.available(cluster_mask):
-        from ..svg2_device import cluster_block_mask
-
-        blocks = cluster_block_mask(cluster_mask, q_block_group, k_block_group)
+    blocks, q_rows, k_rows = _groups_selection(
+        q_block_rows, k_block_rows, q_block_group, k_block_group, cluster_mask, block_size
+    )
+    if blocks is not None:
         return backward_plan(q_block_rows, k_block_rows, blocks, block_size, capacity, rows_per_chunk)
+    (r, nk), nq = k_rows.shape, q_rows.shape[1]
     per_block = _backward_pages_per_block(block_size)
     if capacity is None:
         capacity = r * nk * nq * per_block
-    q_rows = q_block_rows.long().clamp(0, block_size)
-    k_rows = k_block_rows.long().clamp(0, block_size)
     nkg = cluster_mask.shape[2]
     kg = k_block_group.long()
     k_in = (k_rows > 0) & (kg >= 0) & (kg < nkg)
