@@ -478,6 +478,11 @@ def test_svg2_step_bench_pipeline_on_the_cpu(final_assign):
         again, state_in_slots = one_call(q, k, v, sel, 64, init, "torch", 2, None, False, in_slots=True)
         assert torch.equal(state_in_slots["mask"], state["mask"])
         torch.testing.assert_close(again, out)
+        # planned by clusters (the forward's streams shared by a cluster's blocks): the same call
+        by_clusters, _ = one_call(
+            q, k, v, sel, 64, init, "torch", 2, None, False, in_slots=True, plan="clusters"
+        )
+        torch.testing.assert_close(by_clusters, again)
 
 
 def test_wgmma_assignment_refuses_what_it_cannot_run():
