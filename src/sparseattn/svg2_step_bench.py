@@ -60,6 +60,14 @@ IN_SLOTS_CLUSTERS = "wgmma_in_slots_queued_clusters"
 ASSIGNS = tuple(m[0] for m in METHODS) + (QUEUED, IN_SLOTS, IN_SLOTS_CLUSTERS)
 
 
+def _call_options(assign: str) -> dict:
+    """:func:`one_call`'s ``in_slots`` and ``plan`` of a method of :data:`ASSIGNS`."""
+    return dict(
+        in_slots=assign in (IN_SLOTS, IN_SLOTS_CLUSTERS),
+        plan="clusters" if assign == IN_SLOTS_CLUSTERS else "blocks",
+    )
+
+
 def synthetic_qk(workload, heads: int):
     """float32 ``(q, k)`` ``[heads, tokens, d]``: a built-in workload's synthetic Q/K features
     (:func:`sparseattn.synthetic.synthetic_head_factors`), zero-padded to its head dim."""
@@ -234,22 +242,19 @@ def measure(
     every = (*METHODS, *((name, "wgmma", False) for name in queued))
     for assign, how, final_assign in (m for m in every if methods is None or m[0] in methods):
         times: dict[str, list[float]] = {}
-        in_slots = assign in (IN_SLOTS, IN_SLOTS_CLUSTERS)
-        plan = "clusters" if assign == IN_SLOTS_CLUSTERS else "blocks"
+        options = _call_options(assign)
         try:
             for rep in range(warmup + reps):
                 if assign in queued:
                     torch.cuda._sleep(QUEUE_CYCLES)
                 marks = _Marks()
-                out, state = one_call(
-                    q, k, v, sel, B, init, how, iters, marks, final_assign, in_slots=in_slots, plan=plan
-                )
+                out, state = one_call(q, k, v, sel, B, init, how, iters, marks, final_assign, **options)
                 init = state["cent"]
                 if assign in ("fused_last_step", IN_SLOTS, IN_SLOTS_CLUSTERS):
                     # the backward's plan of the same call (by clusters where the forward was), warmed up like the rest
                     ql, kl = state["ql"], state["kl"]
                     marks("plan_bwd_start")
-                    if plan == "clusters":
+                    if options["plan"] == "clusters":
                         groups = (ql.block_group, kl.block_group, state["mask"])
                         cluster_backward_plan(ql.block_rows, kl.block_rows, *groups, B, rows_per_chunk=4)
                     else:
@@ -452,13 +457,12 @@ def profile_table(workload_name, heads, iters, path) -> None:
     with open(path, "w") as f:
         in_slots = ((IN_SLOTS, "wgmma", False), (IN_SLOTS_CLUSTERS, "wgmma", False))
         for assign, how, final_assign in (*METHODS, *in_slots):
-            plan = "clusters" if assign == IN_SLOTS_CLUSTERS else "blocks"
             call = (q, k, v, w.selection, w.block_size, init, how, iters, None, final_assign)
-            args = (*call, assign in (IN_SLOTS, IN_SLOTS_CLUSTERS), plan)
-            one_call(*args)
+            options = _call_options(assign)
+            one_call(*call, **options)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                one_call(*args)
+                one_call(*call, **options)
                 torch.cuda.synchronize()
             f.write(f"== assign={assign}\n")
             f.write(

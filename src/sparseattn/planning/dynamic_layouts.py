@@ -145,15 +145,14 @@ def forward_work_list(
     pages_per_block = _forward_pages_per_block(block_size)
     if capacity is None:
         capacity = stream_capacity(nq, nk * block_size, nk, r)
-    k_full = k_rows // PAGE_ROWS  # [R, nk]
-    k_part = (k_rows % PAGE_ROWS > 0).long()
     if page_streams.available(sel):
-        k_full32, k_part32, k_rows32 = (x.int().contiguous() for x in (k_full, k_part, k_rows))
         flat_len, start, total, entries = page_streams.streams(
-            sel, k_full32, k_part32, k_rows32, capacity, pages_per_block, 0, split_partial=True
+            sel, *_k_pages32(k_rows), capacity, pages_per_block, 0, split_partial=True
         )
         stream_entries = entries[:capacity]
     else:
+        k_full = k_rows // PAGE_ROWS  # [R, nk]
+        k_part = (k_rows % PAGE_ROWS > 0).long()
         flat_len, start, total, stream_entries = _forward_streams_torch(
             sel, k_rows, k_full, k_part, capacity, pages_per_block, rows_per_chunk
         )
@@ -198,13 +197,9 @@ def cluster_forward_work_list(
     if capacity is None:
         capacity = stream_capacity(nqg, nk * block_size, nk, r)
     k_group = torch.where(k_rows > 0, k_block_group, -1).to(torch.int32).contiguous()
-    k_full32 = (k_rows // PAGE_ROWS).int().contiguous()
-    k_part32 = (k_rows % PAGE_ROWS > 0).int().contiguous()
     group_len, group_start, total, entries = page_streams.streams(
         cluster_mask,
-        k_full32,
-        k_part32,
-        k_rows.int().contiguous(),
+        *_k_pages32(k_rows),
         capacity,
         pages_per_block,
         0,
@@ -240,6 +235,12 @@ def _groups_selection(
 
         return cluster_block_mask(cluster_mask, q_block_group, k_block_group), None, None
     return None, q_block_rows.long().clamp(0, block_size), k_block_rows.long().clamp(0, block_size)
+
+
+def _k_pages32(k_rows: torch.Tensor):
+    """The forward writers' per-K-block arguments, int32 ``[R, nk]``: full pages, partial pages (0 or 1),
+    valid rows (the partial page's mask)."""
+    return tuple(x.int().contiguous() for x in (k_rows // PAGE_ROWS, k_rows % PAGE_ROWS > 0, k_rows))
 
 
 def _forward_pages_per_block(block_size: int) -> int:
