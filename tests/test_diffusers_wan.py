@@ -331,6 +331,18 @@ def test_svg2_model_trains_on_masked_sdpa():
         WanSelection.svg2(top_p=0)
 
 
+def test_svg2_plan_defaults_to_blocks_and_refuses_other_names(monkeypatch):
+    from sparseattn.diffusers_wan import svg2_plan
+
+    monkeypatch.delenv("SPARSEATTN_SVG2_PLAN", raising=False)
+    assert svg2_plan() == "blocks"
+    monkeypatch.setenv("SPARSEATTN_SVG2_PLAN", "clusters")
+    assert svg2_plan() == "clusters"
+    monkeypatch.setenv("SPARSEATTN_SVG2_PLAN", "cluster")
+    with pytest.raises(ValueError, match="SPARSEATTN_SVG2_PLAN"):
+        svg2_plan()
+
+
 def svg2_kpage_against_masked(kpage, q, k, v):
     """``(rel_o, [rel_dq, rel_dk, rel_dv])``: one SVG2 call of ``kpage`` (a KPage-backend processor) through
     its KPage path (clusters' sums taken while the tokens move to slots) against masked SDPA of the step it
@@ -348,11 +360,14 @@ def svg2_kpage_against_masked(kpage, q, k, v):
     return rel(got, want), [rel(a.grad, b.grad) for a, b in zip(leaves, ref)]
 
 
-def test_svg2_kpage_path_on_the_cpu_equals_masked_sdpa_on_the_same_step():
+@pytest.mark.parametrize("plan", ["blocks", "clusters"])
+def test_svg2_kpage_path_on_the_cpu_equals_masked_sdpa_on_the_same_step(plan, monkeypatch):
     """The KPage path of an SVG2 step (tokens to each row's slots straight from the ``[B, L, heads, d]``
-    layout, per-row plans, the kernels' emulators on the CPU, back to tokens) against masked SDPA of the
-    same clustering: output and gradients within bf16 rounding."""
+    layout, per-row plans from the block mask or by clusters, the kernels' emulators on the CPU, back to
+    tokens) against masked SDPA of the same clustering: output and gradients within bf16 rounding."""
     from sparseattn.diffusers_wan import WanSparseAttnProcessor
+
+    monkeypatch.setenv("SPARSEATTN_SVG2_PLAN", plan)
 
     sel = WanSelection.svg2(**{**SVG2, "block_size": 64})  # the backward owns 64- or 128-row tiles
     kpage = WanSparseAttnProcessor(GRID, sel, backend="kpage")

@@ -43,6 +43,8 @@ from .graph import SparseGraph
 from .layouts import tile_major_permutation, tile_major_tokens, video_layout
 
 BACKENDS = ("kpage", "masked_sdpa")
+#: How the KPage backend plans an SVG2 call (:func:`svg2_plan`).
+SVG2_PLANS = ("blocks", "clusters")
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,17 @@ def token_order_default():
     (``"tiles"``, the model's tokens kept tile-major, is chosen at :func:`install_sparse_attention`.)"""
     value = os.environ.get("SPARSEATTN_TOKEN_ORDER", "qo")
     return "qo" if value == "qo" else value == "1"
+
+
+def svg2_plan():
+    """How the KPage backend plans an SVG2 call, from ``SPARSEATTN_SVG2_PLAN``: ``"blocks"`` (the default)
+    from the ``[rows, q_blocks, k_blocks]`` block mask; ``"clusters"`` (opt-in until measured) one forward
+    page stream per Q cluster and the backward's plan by groups, from the cluster mask
+    (:func:`sparseattn.torch.per_row_cluster_attention`). Both plan the same steps."""
+    value = os.environ.get("SPARSEATTN_SVG2_PLAN") or "blocks"
+    if value not in SVG2_PLANS:
+        raise ValueError(f"SPARSEATTN_SVG2_PLAN must be one of {SVG2_PLANS}, got {value!r}")
+    return value
 
 
 def slot_tokens(token_slot, slots: int):
@@ -420,9 +433,12 @@ class WanSparseAttnProcessor:
         from .planning.dynamic_layouts import forward_work_list
 
         ql, kl = step.q_layout, step.k_layout
-        work = forward_work_list(
-            ql.block_rows, kl.block_rows, step.block_mask, ql.block_size, rows_per_chunk=4
-        )
+        if svg2_plan() == "clusters":
+            work = step.forward_work_list()
+        else:
+            work = forward_work_list(
+                ql.block_rows, kl.block_rows, step.block_mask, ql.block_size, rows_per_chunk=4
+            )
         maps = [slot_tokens(lay.token_slot, lay.max_slots) for lay in (ql, kl)]
         return torch_token_forward(q, k, v, work, *maps)[0]
 
@@ -433,7 +449,7 @@ class WanSparseAttnProcessor:
         :func:`~sparseattn.svg2_device.step_from_slot_sums`), SVG2's selection on their means, forward and
         backward planned on the device, back to tokens."""
         from .svg2_device import fit_for_slots, scatter_rows, slot_rows, slot_sum_index, step_from_slot_sums
-        from .torch import per_row_layout_attention
+        from .torch import per_row_cluster_attention, per_row_layout_attention
 
         torch = self._torch()
         b, n, h, d = q.shape
@@ -455,13 +471,14 @@ class WanSparseAttnProcessor:
         vs = scatter_rows(flat(v), k_rows, b * h * kl.max_slots, k_used)
         step = self.last_svg2_step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
         self._keep_centroids(q, step)
-        o, _ = per_row_layout_attention(
-            *(x.view(b * h, -1, d) for x in (qs, ks, vs)),
-            ql.block_rows,
-            kl.block_rows,
-            step.block_mask,
-            ql.block_size,
-        )
+        slots = [x.view(b * h, -1, d) for x in (qs, ks, vs)]
+        if svg2_plan() == "clusters":
+            groups = (ql.block_group, kl.block_group, step.cluster_mask)
+            o, _ = per_row_cluster_attention(*slots, ql.block_rows, kl.block_rows, *groups, ql.block_size)
+        else:
+            o, _ = per_row_layout_attention(
+                *slots, ql.block_rows, kl.block_rows, step.block_mask, ql.block_size
+            )
         out = o.reshape(b * h * ql.max_slots, d).index_select(0, q_rows)  # back to [B, L, heads] order
         return out.view(b, n, h, d).to(q.dtype)
 

@@ -49,11 +49,15 @@ def test_kpage_backend_matches_masked_sdpa_forward_and_backward(selection):
     assert rel_g < 5e-2, f"gradients: relative difference {rel_g:.3e}"
 
 
+@pytest.mark.parametrize("plan", ["blocks", "clusters"])
 @pytest.mark.parametrize("block", [64, 128], ids=lambda b: f"B{b}")
-def test_svg2_kpage_equals_masked_sdpa_on_the_same_step(block):
-    """SVG2 through KPage (per-row layouts of this call's clusters, planned on the GPU) against masked
-    SDPA of the same clustering and selection, output and gradients within bf16 noise."""
+def test_svg2_kpage_equals_masked_sdpa_on_the_same_step(block, plan, monkeypatch):
+    """SVG2 through KPage (per-row layouts of this call's clusters, planned on the GPU from the block mask
+    or by clusters) against masked SDPA of the same clustering and selection, output and gradients within
+    bf16 noise."""
     from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
+
+    monkeypatch.setenv("SPARSEATTN_SVG2_PLAN", plan)
 
     grid = (6, 10, 12)
     sel = WanSelection.svg2(q_clusters=20, k_clusters=40, top_p=0.8, min_fraction=0.1, block_size=block)

@@ -181,10 +181,13 @@ def test_wan_processor_token_order_equals_the_slot_order_path(kind, order):
         assert rel_err(got.double().cpu().numpy(), want.double().cpu().numpy()) < 1e-2
 
 
-def test_svg2_per_row_maps_equal_the_slot_order_path():
+@pytest.mark.parametrize("plan", ["blocks", "clusters"])
+def test_svg2_per_row_maps_equal_the_slot_order_path(plan, monkeypatch):
     """SVG2's per-call per-row layouts: the token-order build with a map per (batch, head) row against the
-    processor's slot-order path on the same step, bit for bit."""
+    processor's slot-order path on the same step and plan, bit for bit."""
     from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
+
+    monkeypatch.setenv("SPARSEATTN_SVG2_PLAN", plan)
 
     grid = (4, 8, 12)
     g = torch.Generator(device="cuda").manual_seed(13)
