@@ -165,14 +165,18 @@ def find_runs(bench_dir=None) -> list[BenchRun]:
             runs.append(load_run(path))
         except BenchFileError:
             continue
+    return newest_first(runs)
+
+
+def newest_first(runs) -> list[BenchRun]:
+    """``runs`` sorted by their ``date``, newest first (ties by file name)."""
     return sorted(runs, key=_date_key, reverse=True)
 
 
 def pick_run(runs, all_of=(), any_of=(), passes=None) -> BenchRun | None:
     """The newest run holding every impl of ``all_of`` and at least one of ``any_of`` (usable records,
     in ``passes`` if given); None if no run does."""
-    runs = sorted(runs, key=_date_key, reverse=True)
-    for run in runs:
+    for run in newest_first(runs):
         if all(run.has(i, passes) for i in all_of) and (
             not any_of or any(run.has(i, passes) for i in any_of)
         ):

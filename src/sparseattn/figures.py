@@ -126,6 +126,13 @@ def model_steps_figure(inputs: Inputs) -> Figure | None:
     return None if run is None else draw(run)
 
 
+def svg2_call_figure(inputs: Inputs) -> Figure | None:
+    from .svg2_plots import find_step_runs, pick_step_run, svg2_call_parts_figure
+
+    run = pick_step_run(find_step_runs(inputs.bench_dir))
+    return None if run is None else svg2_call_parts_figure(run)
+
+
 def prefill_figure(inputs: Inputs) -> Figure | None:
     from .pageweaver.prefillplots import figure_from_runs
 
@@ -177,6 +184,12 @@ FIGURES = (
         "whole Wan steps (forward, training) and their attention part per implementation",
         model_steps_figure,
         missing="no recorded `sparseattn bench model wan` run in data/bench yet",
+    ),
+    FigureSpec(
+        "svg2_call_parts",
+        "an SVG2 call's clustering, selection and planning per k-means method, against its KPage kernel",
+        svg2_call_figure,
+        missing="no recorded `python -m sparseattn.svg2_step_bench` run in data/bench yet",
     ),
     FigureSpec(
         "llama_prefill",
