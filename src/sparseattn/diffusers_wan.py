@@ -443,7 +443,8 @@ class WanSparseAttnProcessor:
         return torch_token_forward(q, k, v, work, *maps)[0]
 
     def _svg2_kpage(self, q, k, v):
-        """KPage on this call's per-row layouts (:func:`sparseattn.torch.per_row_layout_attention`): k-means
+        """KPage on this call's per-row layouts (:func:`sparseattn.torch.per_row_layout_attention`, or
+        :func:`~sparseattn.torch.per_row_cluster_attention` as :func:`svg2_plan` says): k-means
         whose last step assigns labels only, tokens to each row's cluster-ordered slots with the clusters'
         sums taken on the way (:func:`~sparseattn.svg2_device.fit_for_slots`,
         :func:`~sparseattn.svg2_device.step_from_slot_sums`), SVG2's selection on their means, forward and
