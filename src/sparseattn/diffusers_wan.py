@@ -430,16 +430,9 @@ class WanSparseAttnProcessor:
     def _svg2_kpage_tokens(self, q, k, v, step):
         """KPage's token-order forward on an SVG2 step's per-row layouts (no moves: a map per row)."""
         from .kernels.forward import torch_token_forward
-        from .planning.dynamic_layouts import forward_work_list
 
-        ql, kl = step.q_layout, step.k_layout
-        if svg2_plan() == "clusters":
-            work = step.forward_work_list()
-        else:
-            work = forward_work_list(
-                ql.block_rows, kl.block_rows, step.block_mask, ql.block_size, rows_per_chunk=4
-            )
-        maps = [slot_tokens(lay.token_slot, lay.max_slots) for lay in (ql, kl)]
+        work = step.forward_work_list(svg2_plan())
+        maps = [slot_tokens(lay.token_slot, lay.max_slots) for lay in (step.q_layout, step.k_layout)]
         return torch_token_forward(q, k, v, work, *maps)[0]
 
     def _svg2_kpage(self, q, k, v):

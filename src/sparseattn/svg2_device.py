@@ -607,20 +607,49 @@ class SVG2Step:
     def block_mask(self) -> torch.Tensor:
         return cluster_block_mask(self.cluster_mask, self.q_layout.block_group, self.k_layout.block_group)
 
-    def forward_work_list(self, rows_per_chunk: int = 4):
-        """The KPage forward's work list of this step's layouts and selection, planned by clusters
-        (:func:`~sparseattn.planning.dynamic_layouts.cluster_forward_work_list`)."""
-        from .planning.dynamic_layouts import cluster_forward_work_list
+    def forward_work_list(self, plan: str = "clusters", rows_per_chunk: int = 4):
+        """The KPage forward's work list of this step's layouts and selection: ``plan="clusters"`` one
+        stream per Q cluster from the cluster mask
+        (:func:`~sparseattn.planning.dynamic_layouts.cluster_forward_work_list`), ``"blocks"`` from the
+        block mask (:func:`~sparseattn.planning.dynamic_layouts.forward_work_list`); the same steps."""
+        from .planning import dynamic_layouts as dl
 
+        if self._planned_by_clusters(plan):
+            return dl.cluster_forward_work_list(*self._group_args(), rows_per_chunk=rows_per_chunk)
         ql, kl = self.q_layout, self.k_layout
-        return cluster_forward_work_list(
+        return dl.forward_work_list(
+            ql.block_rows, kl.block_rows, self.block_mask, ql.block_size, rows_per_chunk=rows_per_chunk
+        )
+
+    def backward_plan(self, plan: str = "clusters", rows_per_chunk: int = 4):
+        """The KPage backward's K/V-owned plan of this step, by clusters
+        (:func:`~sparseattn.planning.dynamic_layouts.cluster_backward_plan`) or from the block mask
+        (:func:`~sparseattn.planning.dynamic_layouts.backward_plan`), as :meth:`forward_work_list`."""
+        from .planning import dynamic_layouts as dl
+
+        if self._planned_by_clusters(plan):
+            return dl.cluster_backward_plan(*self._group_args(), rows_per_chunk=rows_per_chunk)
+        ql, kl = self.q_layout, self.k_layout
+        return dl.backward_plan(
+            ql.block_rows, kl.block_rows, self.block_mask, ql.block_size, rows_per_chunk=rows_per_chunk
+        )
+
+    @staticmethod
+    def _planned_by_clusters(plan: str) -> bool:
+        if plan not in ("blocks", "clusters"):
+            raise ValueError(f"plan must be 'blocks' or 'clusters', got {plan!r}")
+        return plan == "clusters"
+
+    def _group_args(self):
+        """The planners by groups' arguments up to ``block_size``."""
+        ql, kl = self.q_layout, self.k_layout
+        return (
             ql.block_rows,
             kl.block_rows,
             ql.block_group,
             kl.block_group,
             self.cluster_mask,
             ql.block_size,
-            rows_per_chunk=rows_per_chunk,
         )
 
 

@@ -109,7 +109,6 @@ def one_call(
     work list from the block mask (``"blocks"``, :func:`~sparseattn.planning.dynamic_layouts.forward_work_list`)
     or from the cluster mask and the blocks' groups (``"clusters"``, streams shared by a cluster's blocks,
     no block mask: :meth:`~sparseattn.svg2_device.SVG2Step.forward_work_list`)."""
-    from .planning.dynamic_layouts import forward_work_list
     from .svg2_device import gather_from_slots, scatter_to_slots, svg2_partition_step, svg2_step_in_slots
     from .torch import per_row_forward
 
@@ -129,10 +128,7 @@ def one_call(
         vs = scatter_to_slots(v, kl.token_slot, kl.max_slots, k_used)
         mark("to_slots")
     ql, kl = step.q_layout, step.k_layout
-    if plan == "clusters":
-        work = step.forward_work_list()
-    else:
-        work = forward_work_list(ql.block_rows, kl.block_rows, step.block_mask, block_size, rows_per_chunk=4)
+    work = step.forward_work_list(plan)
     mark("plan_fwd")
     o, _ = per_row_forward(qs, ks, vs, work, 1.0 / q.shape[-1] ** 0.5)  # the emulator on the CPU
     mark("kernel_fwd")
@@ -142,7 +138,7 @@ def one_call(
         q_labels=step.q_labels,
         k_labels=step.k_labels,
         mask=step.cluster_mask,
-        blocks=step.block_mask,
+        step=step,  # its block mask made only where asked for
         cent=(step.q_centroids, step.k_centroids),
         ql=ql,
         kl=kl,
@@ -210,7 +206,6 @@ def measure(
     import torch
 
     from . import workloads as wl
-    from .planning.dynamic_layouts import backward_plan, cluster_backward_plan
 
     w = wl.get_workload(workload_name)
     sel = w.selection
@@ -252,13 +247,8 @@ def measure(
                 init = state["cent"]
                 if assign in ("fused_last_step", IN_SLOTS, IN_SLOTS_CLUSTERS):
                     # the backward's plan of the same call (by clusters where the forward was), warmed up like the rest
-                    ql, kl = state["ql"], state["kl"]
-                    marks("plan_bwd_start")
-                    if options["plan"] == "clusters":
-                        groups = (ql.block_group, kl.block_group, state["mask"])
-                        cluster_backward_plan(ql.block_rows, kl.block_rows, *groups, B, rows_per_chunk=4)
-                    else:
-                        backward_plan(ql.block_rows, kl.block_rows, state["blocks"], B, rows_per_chunk=4)
+                    marks("plan_bwd_start")  # a block mask the forward's plan made is reused
+                    state["step"].backward_plan(options["plan"])
                     marks("plan_bwd")
                 if rep >= warmup:
                     for name, ms in marks.elapsed().items():
@@ -273,7 +263,8 @@ def measure(
         ksz = torch.bincount(state["k_labels"][0], minlength=sel.k_clusters).double()
         useful = float(qsz @ state["mask"][0].double() @ ksz) / float(q.shape[1]) ** 2
         live_blocks = float(
-            state["blocks"].float().sum() / ((ql.block_rows > 0).sum(1) * (kl.block_rows > 0).sum(1)).sum()
+            state["step"].block_mask.float().sum()
+            / ((ql.block_rows > 0).sum(1) * (kl.block_rows > 0).sum(1)).sum()
         )
         for name, ts in times.items():
             records.append(
