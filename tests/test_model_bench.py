@@ -404,5 +404,6 @@ def test_ranks_run_records_one_and_n_ranks(tmp_path):
     assert set(timed) == {1, 2} and all(r["pass"] == "step_fwd" and r["time_ms"] > 0 for r in timed.values())
     assert 0 < timed[2]["all_to_all_share"] <= 1 and len(timed[2]["per_rank_ms"]) == 2
     assert timed[1]["all_to_all_ms"] == 0
+    assert all(r["token_order"] in ("qo", True, False) for r in timed.values())  # the processors' default
     (dense,) = [r for r in records if r["impl"] == "dense"]
     assert "sequence parallelism" in dense["skipped"]

@@ -6,6 +6,7 @@ import (``pip install -e '.[diffusers]'``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,6 +18,7 @@ if not dist.is_available():
 from diffusers import WanTransformer3DModel
 
 from sparseattn.diffusers_wan import WanSelection, install_sparse_attention
+from sparseattn.layouts import video_layout
 from sparseattn.sequence_parallel import (
     bench_step,
     gather_tokens,
@@ -26,6 +28,7 @@ from sparseattn.sequence_parallel import (
     seq_to_heads,
     shard_tokens,
     sync_gradients,
+    token_range,
     token_split,
 )
 from sparseattn.wan_training import tiny_wan
@@ -37,7 +40,15 @@ CASES = {
     "2 ranks vsa": (2, "two heads", (5, 8, 8), WanSelection.vsa((2, 2, 2), 3)),
     "4 ranks sta": (4, "four heads", (5, 6, 6), WanSelection.sta((2, 2, 2), (1, 1, 1))),
     "4 ranks vsa": (4, "four heads", (5, 6, 6), WanSelection.vsa((2, 2, 2), 3)),
+    # the tokens tile-major between the blocks (sliced after the permutation, gathered before its inverse);
+    # held to the raster-order single process: partial tiles on the frame axis, 45 tokens over 4 ranks
+    "2 ranks sta tiles": (2, "two heads", (5, 8, 8), WanSelection.sta((2, 2, 2), (1, 1, 1))),
+    "4 ranks vsa tiles": (4, "four heads", (5, 6, 6), WanSelection.vsa((2, 2, 2), 3)),
 }
+
+
+def token_order(name):
+    return "tiles" if name.endswith("tiles") else None
 
 
 def make_model(kind: str):
@@ -73,11 +84,16 @@ def grid_of(latent):
 
 
 def run_model(model, latent):
-    """Output, input gradient and parameter gradients of ``sum(w * model(x))``."""
+    """Output, input gradient, parameter gradients of ``sum(w * model(x))``, and the hidden states that
+    enter the second block."""
     x, t, enc, w = inputs(latent)
+    seen = []
+    hook = model.blocks[1].register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
     out = model(x, t, enc, return_dict=False)[0]
+    hook.remove()
     (out * w).sum().backward()
-    return out.detach(), x.grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad, grads, seen[0]
 
 
 def single_process(name):
@@ -137,11 +153,14 @@ def worker(rank, ranks, names):
         if rank >= case_ranks:
             continue
         model = make_model(kind)
-        install_sequence_parallel(model, grid_of(latent), selection, group=group, backend="masked_sdpa")
-        out, xgrad, grads = run_model(model, latent)
+        order = token_order(name)
+        install_sequence_parallel(
+            model, grid_of(latent), selection, group=group, backend="masked_sdpa", token_order=order
+        )
+        out, xgrad, grads, between = run_model(model, latent)
         sync_gradients(model, group)
         dist.all_reduce(xgrad, group=group)
-        result[name] = (out, xgrad, grads)
+        result[name] = (out, xgrad, grads, between)
 
     # the bench's step on all ranks (code path and timer)
     result["bench"] = bench_step(rank, ranks, grid=(4, 4, 4), layers=1, ffn_dim=32, steps=1, warmup=0)
@@ -158,10 +177,20 @@ def ranks_results():
 @pytest.mark.parametrize("name", list(CASES))
 def test_outputs_and_gradients_equal_the_single_process_run(ranks_results, name):
     case_ranks = CASES[name][0]
-    out, xgrad, grads = single_process(name)
+    out, xgrad, grads, between = single_process(name)
     assert xgrad.abs().max() > 0 and len(grads) > 10
+    _, _, latent, selection = CASES[name]
+    grid = grid_of(latent)
+    order = np.arange(int(np.prod(grid)))
+    if token_order(name) == "tiles":  # between the blocks the ranks hold slices of the tile-major order
+        order = np.argsort(video_layout(grid, selection.tile, selection.blocks()).token_slot, kind="stable")
+        assert not np.array_equal(order, np.arange(order.size))  # else the check would prove nothing
     for rank in range(case_ranks):
-        got_out, got_xgrad, got_grads = ranks_results[rank][name]
+        got_out, got_xgrad, got_grads, got_between = ranks_results[rank][name]
+        start, stop = token_range(order.size, case_ranks, rank)
+        torch.testing.assert_close(
+            got_between, between[:, torch.as_tensor(order[start:stop])], rtol=1e-5, atol=1e-5
+        )
         torch.testing.assert_close(got_out, out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got_xgrad, xgrad, rtol=1e-5, atol=1e-5)
         assert got_grads.keys() == grads.keys()

@@ -538,7 +538,7 @@ class WanSparseAttnProcessor:
         out = kpage_attention(qs, ks, vs, graph, route=self.route)
         return slots_to_tokens(layout, out).to(q.dtype)
 
-    def install_tile_hooks(self, transformer) -> TileMajorTokens:
+    def install_tile_hooks(self, transformer, inverse_after: str = "last_block") -> TileMajorTokens:
         """``token_order="tiles"``: :class:`TileMajorTokens` of this processor's grid on ``transformer`` (kept
         as ``tile_hooks``; ``tile_hooks.remove()`` takes them off). A model takes one set: a second raises."""
         if self.token_order != "tiles":
@@ -547,7 +547,7 @@ class WanSparseAttnProcessor:
             )
         if getattr(transformer, "_sparseattn_tile_hooks", None) is not None:
             raise ValueError("the model keeps its tokens tile-major already: remove its tile hooks first")
-        self.tile_hooks = TileMajorTokens(transformer, self.raster_layout)
+        self.tile_hooks = TileMajorTokens(transformer, self.raster_layout, inverse_after)
         return self.tile_hooks
 
     def _kv_build(self) -> dict:
@@ -590,21 +590,30 @@ class TileMajorTokens:
     before the first block and back after the last, the rotary tables as the model makes them, and a
     per-token timestep projection (Wan2.2 TI2V) before each block. Every other layer of the model acts on
     each token alone, so the model's output is unchanged; its self-attention then sees tile-major tokens.
-    ``remove()`` takes the hooks off."""
+    ``remove()`` takes the hooks off.
 
-    def __init__(self, transformer, layout):
+    ``inverse_after``: where the tokens go back to raster order, ``"last_block"`` (after the last block's
+    output) or ``"proj_out"`` (after the output projection's: what sequence parallelism takes, whose ranks
+    hold a slice of the tokens until its own hook on ``proj_out`` gathers them; registered after that hook,
+    this one then sees every token). The layers between are per token, but for Wan2.2 TI2V's per-token
+    timestep in the output norm, which only ``"last_block"`` keeps in raster order."""
+
+    def __init__(self, transformer, layout, inverse_after: str = "last_block"):
         """``layout``: the grid's layout in the model's own (raster) token order."""
         import torch
 
+        if inverse_after not in ("last_block", "proj_out"):
+            raise ValueError(f"inverse_after must be 'last_block' or 'proj_out', got {inverse_after!r}")
         blocks = list(transformer.blocks)
         perm = torch.as_tensor(tile_major_permutation(layout))
         self.num_tokens = int(perm.numel())
         self._index = {"perm": perm, "inverse": torch.argsort(perm)}
         self._on: dict = {}  # (name, device) -> the index on that device
+        last = blocks[-1] if inverse_after == "last_block" else transformer.proj_out
         self.handles = [
             transformer.rope.register_forward_hook(self._rope),
             blocks[0].register_forward_pre_hook(self._first_block, with_kwargs=True),
-            blocks[-1].register_forward_hook(self._last_block),
+            last.register_forward_hook(self._last_block),
         ]
         self.handles += [
             block.register_forward_pre_hook(self._timestep, with_kwargs=True) for block in blocks

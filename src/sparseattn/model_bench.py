@@ -55,8 +55,9 @@ output; SVG2's: the cluster pairs of the same call's step, :func:`check_svg2_row
 ``rel_err``, ``correct`` (``rel_err`` < 2e-2, bf16) in every record of the impl.
 A failing implementation (not installed, out of memory) becomes an ``error`` record and the run goes on;
 ``--budget-s`` stops starting new work once the run has taken that long (``skipped`` records).
-``--ranks N`` runs the sparse processors under Ulysses sequence parallelism instead (:func:`ranks_bench`:
-steps at 1 and N ranks, the all-to-alls' share).
+``--ranks N`` runs the sparse processors (:data:`RANKS_IMPLS`: ``kpage_sta``, ``kpage_vsa``, their ``_tiles``
+forms, ``masked_sta``) under Ulysses sequence parallelism instead (:func:`ranks_bench`: steps at 1 and N ranks,
+the all-to-alls' share).
 """
 
 from __future__ import annotations
@@ -962,10 +963,13 @@ def device_name(device) -> str:
 
 
 #: Implementations under sequence parallelism: (selection, backend) of the processor on every rank.
+#: impl -> (selection, backend, token_order) of the processors that run under sequence parallelism
 RANKS_IMPLS = {
-    "kpage_sta": ("sta", "kpage"),
-    "kpage_vsa": ("vsa", "kpage"),
-    "masked_sta": ("sta", "masked_sdpa"),
+    "kpage_sta": ("sta", "kpage", None),
+    "kpage_vsa": ("vsa", "kpage", None),
+    "kpage_sta_tiles": ("sta", "kpage", "tiles"),
+    "kpage_vsa_tiles": ("vsa", "kpage", "tiles"),
+    "masked_sta": ("sta", "masked_sdpa", None),
 }
 
 
@@ -998,7 +1002,7 @@ def ranks_bench(args, run, emit=None) -> list[dict]:
                         )
                     )
             for impl in (i for i in args.impl if i in RANKS_IMPLS):
-                kind, backend = RANKS_IMPLS[impl]
+                kind, backend, token_order = RANKS_IMPLS[impl]
                 if kind == "sta":
                     selection = sta_selection(args)
                 else:
@@ -1030,6 +1034,7 @@ def ranks_bench(args, run, emit=None) -> list[dict]:
                             backward=mode == "train",
                             config=config,
                             text_tokens=spec.text_tokens,
+                            token_order=token_order,
                         )
                         try:
                             results = run_ranks(ranks, _bench_rank, options, start_method=start)
@@ -1048,6 +1053,7 @@ def ranks_bench(args, run, emit=None) -> list[dict]:
                                 all_to_all_ms=round(comm * 1e3, 2),
                                 all_to_all_share=round(comm / step, 4) if step else None,
                                 device=results[0]["device"],
+                                token_order=results[0]["token_order"],
                                 per_rank_ms=[[round(t * 1e3, 2) for t in r["step_s"]] for r in results],
                             )
                         )

@@ -324,8 +324,16 @@ class UlyssesWanSparseAttnProcessor(WanSparseAttnProcessor):
     on the rank's slice (diffusers' processor).
     """
 
-    def __init__(self, grid, selection: WanSelection, backend: str = "kpage", route="auto", group=None):
-        super().__init__(grid, selection, backend, route)
+    def __init__(
+        self,
+        grid,
+        selection: WanSelection,
+        backend: str = "kpage",
+        route="auto",
+        group=None,
+        token_order=None,
+    ):
+        super().__init__(grid, selection, backend, route, token_order=token_order)
         self.group = group
         self.rank, self.ranks = group_rank_size(group)
         self.token_sizes = token_split(self.num_tokens, self.ranks)
@@ -338,6 +346,8 @@ class UlyssesWanSparseAttnProcessor(WanSparseAttnProcessor):
             return super().graph_for(heads, q, k)
         if heads not in self._graphs:
             full = self.selection.graph(self.grid, heads * self.ranks)
+            if self.token_order == "tiles":  # the model's tokens are the layout's valid slots in order
+                full = full.tile_major_tokens()
             first = self.rank * heads
             self._graphs[heads] = full.select_heads(np.arange(first, first + heads))
         return self._graphs[heads]
@@ -383,7 +393,13 @@ class UlyssesWanSparseAttnProcessor(WanSparseAttnProcessor):
 
 
 def install_sequence_parallel(
-    transformer, grid, selection: WanSelection, group=None, backend: str = "kpage", route="auto"
+    transformer,
+    grid,
+    selection: WanSelection,
+    group=None,
+    backend: str = "kpage",
+    route="auto",
+    token_order=None,
 ):
     """Run a diffusers ``WanTransformer3DModel`` under Ulysses sequence parallelism over ``group``
     (default: the world); returns the shared :class:`UlyssesWanSparseAttnProcessor`.
@@ -393,6 +409,10 @@ def install_sequence_parallel(
     back to ``[B, L, C_out]`` on every rank, so the model's inputs and output are the single-process
     ones. Call it on every rank of ``group`` with the same arguments. Installing again replaces the
     hooks. ``ValueError``: heads not a multiple of the group's size, or a grid unlike the input's.
+
+    ``token_order`` as :class:`~sparseattn.diffusers_wan.WanSparseAttnProcessor` takes it. With ``"tiles"``
+    the tokens are put tile-major before they are sliced and back to raster order after they are gathered
+    (:class:`~sparseattn.diffusers_wan.TileMajorTokens` with ``inverse_after="proj_out"``).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -404,13 +424,14 @@ def install_sequence_parallel(
     _, ranks = group_rank_size(group)
     for block in blocks:
         _check_heads(block.attn1.heads, ranks, "the transformer's num_attention_heads")
-    processor = UlyssesWanSparseAttnProcessor(grid, selection, backend, route, group)
+    processor = UlyssesWanSparseAttnProcessor(grid, selection, backend, route, group, token_order)
     if processor.num_tokens < ranks:
         raise ValueError(f"grid {processor.grid} has fewer tokens than the {ranks} ranks")
     for block in blocks:
         block.attn1.set_processor(processor)
-    for handle in getattr(transformer, _HOOKS_ATTR, ()):
-        handle.remove()
+    uninstall_sequence_parallel(transformer)  # an earlier install's hooks, tile-major ones too
+    if processor.token_order == "tiles":  # its first-block hook before the slicing one, registered below
+        processor.install_tile_hooks(transformer, inverse_after="proj_out")
 
     def shard(module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
@@ -436,17 +457,22 @@ def install_sequence_parallel(
         _HOOKS_ATTR,
         (
             blocks[0].register_forward_pre_hook(shard, with_kwargs=True),
-            transformer.proj_out.register_forward_hook(gather),
+            # before the tile-major hooks' own on proj_out: they take the gathered tokens back to raster order
+            transformer.proj_out.register_forward_hook(gather, prepend=True),
         ),
     )
     return processor
 
 
 def uninstall_sequence_parallel(transformer) -> None:
-    """Remove the slicing and gathering hooks (the processors stay: install single-device ones)."""
+    """Remove the slicing and gathering hooks, and the tile-major hooks of a ``token_order="tiles"`` install
+    (the processors stay: install single-device ones)."""
     for handle in getattr(transformer, _HOOKS_ATTR, ()):
         handle.remove()
     setattr(transformer, _HOOKS_ATTR, ())
+    tiles = getattr(transformer, "_sparseattn_tile_hooks", None)
+    if tiles is not None:
+        tiles.remove()
 
 
 # ---- launching ranks --------------------------------------------------------------------------------
@@ -518,6 +544,7 @@ def bench_step(
     backward: bool = True,
     config: dict | None = None,
     text_tokens: int = 16,
+    token_order=None,
 ) -> dict:
     """Per-step seconds and seconds in the collectives of a random-init Wan under sequence parallelism on
     this rank (float32 weights, bf16 autocast on CUDA as :mod:`sparseattn.wan_training`; float32 on CPU),
@@ -526,7 +553,8 @@ def bench_step(
 
     ``selection``: ``"sta"`` / ``"vsa"`` / ``"full"`` (clipped to small grids) or a :class:`WanSelection`;
     ``config``: ``WanTransformer3DModel`` arguments (a model shape such as Wan2.1-1.3B's) in place of
-    ``heads``, ``head_dim``, ``layers`` and ``ffn_dim``; ``text_tokens`` of the text embedding."""
+    ``heads``, ``head_dim``, ``layers`` and ``ffn_dim``; ``text_tokens`` of the text embedding;
+    ``token_order`` as :func:`install_sequence_parallel` takes it (``None``: the processors' default)."""
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -560,9 +588,9 @@ def bench_step(
             "full": WanSelection.full((4, 4, 4)),
         }[selection]
     if ranks > 1:
-        install_sequence_parallel(model, grid, sel, backend=backend)
+        processor = install_sequence_parallel(model, grid, sel, backend=backend, token_order=token_order)
     else:
-        install_sparse_attention(model, grid, sel, backend=backend)
+        processor = install_sparse_attention(model, grid, sel, backend=backend, token_order=token_order)
     g = torch.Generator(device=device).manual_seed(1)
     channels = config["in_channels"]
     x = torch.randn(1, channels, grid[0], 2 * grid[1], 2 * grid[2], generator=g, device=device)
@@ -589,6 +617,7 @@ def bench_step(
         "grid": list(grid),
         "selection": sel.kind,
         "backend": backend,
+        "token_order": processor.token_order,
         "heads": heads,
         "head_dim": head_dim,
         "layers": layers,
@@ -627,6 +656,12 @@ def main(argv=None) -> int:
     ap.add_argument("--ffn-dim", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument(
+        "--token-order",
+        choices=("default", "tiles"),
+        default="default",
+        help="tiles: the model's tokens kept tile-major between its blocks (token_order='tiles')",
+    )
     args = ap.parse_args(argv)
     try:
         import diffusers  # noqa: F401
@@ -646,6 +681,7 @@ def main(argv=None) -> int:
         ffn_dim=args.ffn_dim,
         steps=args.steps,
         backward=not args.forward_only,
+        token_order="tiles" if args.token_order == "tiles" else None,
     )
     if "WORLD_SIZE" in os.environ:  # one rank of torchrun
         import torch.distributed as dist
