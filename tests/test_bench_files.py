@@ -1,6 +1,7 @@
 """data/bench: every recorded file the README, the docs and the indexes cite exists, and file names carry
 what they measure, never an internal work-period number."""
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def test_every_cited_bench_file_exists(doc):
     cited = {m.group(0) for m in re.finditer(r"data/bench/[\w./-]*\w", text) if "*" not in m.group(0)}
     # names in backticks inside the indexes are relative to their folder
     if doc.parent in (BENCH, BENCH / "experiments"):
-        for m in re.finditer(r"`([\w.-]+\.(?:json|log|png|txt|py|md))`", text):
+        for m in re.finditer(r"`([\w.-]+\.(?:json|log|png|txt|py|md|sh))`", text):
             cited.add((doc.parent / m.group(1)).relative_to(REPO).as_posix())
     missing = sorted(p for p in cited if not (REPO / p).exists())
     assert not missing, missing
@@ -49,3 +50,17 @@ def test_the_index_names_every_canonical_file():
         p.name for p in BENCH.iterdir() if p.is_file() and p.name != "README.md" and p.name not in index
     ]
     assert not unlisted, f"add to data/bench/README.md: {unlisted}"
+
+
+def test_the_opt_in_decision_run_names_what_exists():
+    """``opt_in_decisions_run.sh``, the GPU run kept for a later machine: the tests and scripts it runs exist,
+    its modules import, and the ``svg2_step_bench`` methods it names are the bench's."""
+    from sparseattn.svg2_step_bench import ASSIGNS
+
+    script = (BENCH / "experiments" / "opt_in_decisions_run.sh").read_text(encoding="utf-8")
+    paths = set(re.findall(r"(?:tests|data)/[\w./-]+\.py", script))
+    assert len(paths) >= 5 and not sorted(p for p in paths if not (REPO / p).exists())
+    modules = set(re.findall(r"python -m (sparseattn[\w.]+)", script))
+    assert len(modules) >= 3 and all(importlib.util.find_spec(m) is not None for m in modules)
+    methods = re.search(r"--methods (\S+)", script).group(1).split(",")
+    assert methods and set(methods) <= set(ASSIGNS)
