@@ -1,6 +1,7 @@
-"""Ulysses sequence parallelism of the Wan processor on CPU: gloo processes with the masked-SDPA backend
-give the single-process outputs and gradients (2 ranks, and 4 ranks with a token count the ranks do not
-divide), the all-to-alls round-trip, and bad arguments fail clearly. One spawn of 4 processes serves
+"""Ulysses sequence parallelism of the Wan processor on CPU: gloo processes with the masked-SDPA backend (and
+the KPage backend on its CPU operators; tokens in raster or tile-major order) give the single-process outputs
+and gradients (2 ranks, and 4 ranks with a token count the ranks do not divide), the all-to-alls round-trip,
+and bad arguments fail clearly. One spawn of 4 processes serves
 every test (the 2-rank cases run on a subgroup of ranks 0 and 1). Skipped unless torch and diffusers
 import (``pip install -e '.[diffusers]'``)."""
 
@@ -44,11 +45,19 @@ CASES = {
     # held to the raster-order single process: partial tiles on the frame axis, 45 tokens over 4 ranks
     "2 ranks sta tiles": (2, "two heads", (5, 8, 8), WanSelection.sta((2, 2, 2), (1, 1, 1))),
     "4 ranks vsa tiles": (4, "four heads", (5, 6, 6), WanSelection.vsa((2, 2, 2), 3)),
+    # the KPage backend (its CPU operators: the kernels' emulators) on the ranks' heads, against itself in
+    # one process: the rank's graph cut by select_heads, VSA's per-rank selection and plans
+    "2 ranks sta kpage": (2, "two heads", (5, 8, 8), WanSelection.sta((2, 2, 2), (1, 1, 1))),
+    "4 ranks vsa kpage tiles": (4, "four heads", (5, 6, 6), WanSelection.vsa((2, 2, 2), 3)),
 }
 
 
 def token_order(name):
     return "tiles" if name.endswith("tiles") else None
+
+
+def backend(name):
+    return "kpage" if " kpage" in name else "masked_sdpa"
 
 
 def make_model(kind: str):
@@ -99,7 +108,7 @@ def run_model(model, latent):
 def single_process(name):
     _, kind, latent, selection = CASES[name]
     model = make_model(kind)
-    install_sparse_attention(model, grid_of(latent), selection, backend="masked_sdpa")
+    install_sparse_attention(model, grid_of(latent), selection, backend=backend(name))
     return run_model(model, latent)
 
 
@@ -155,7 +164,7 @@ def worker(rank, ranks, names):
         model = make_model(kind)
         order = token_order(name)
         install_sequence_parallel(
-            model, grid_of(latent), selection, group=group, backend="masked_sdpa", token_order=order
+            model, grid_of(latent), selection, group=group, backend=backend(name), token_order=order
         )
         out, xgrad, grads, between = run_model(model, latent)
         sync_gradients(model, group)
