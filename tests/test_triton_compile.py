@@ -115,9 +115,11 @@ def test_block_mask_kernel_compiles_for_sm90(group_dtype):
     assert kernel.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("bisect", [False, True], ids=["sort", "bisect"])
+@pytest.mark.parametrize(
+    "bisect, words", [(False, False), (True, False), (True, True)], ids=["sort", "bisect", "words"]
+)
 @pytest.mark.parametrize("block", [64, 1024, 4096])
-def test_cluster_select_kernel_compiles_for_sm90(block, bisect):
+def test_cluster_select_kernel_compiles_for_sm90(block, bisect, words):
     from sparseattn.cluster_select import _select_kernel
 
     sig = dict(
@@ -131,7 +133,7 @@ def test_cluster_select_kernel_compiles_for_sm90(block, bisect):
         k_clusters="i32",
     )
     warps = 2 if block <= 1024 else 8  # select_mask's launch
-    kernel = _compile(_select_kernel, sig, dict(BLOCK=block, BISECT=bisect), num_warps=warps)
+    kernel = _compile(_select_kernel, sig, dict(BLOCK=block, BISECT=bisect, WORDS=words), num_warps=warps)
     assert kernel.metadata.shared <= 227 * 1024
 
 

@@ -256,7 +256,8 @@ def check_cluster_blocks() -> int:
 
 
 def check_cluster_select() -> int:
-    """SVG2's top-p selection by one Triton program per Q cluster, sorting and bisecting, equals the torch
+    """SVG2's top-p selection by one Triton program per Q cluster, sorting and bisecting (by whole patterns and
+    by high words first), equals the torch
     sort (and the host's numpy rule): random scores, bit-equal ties, a row without live K clusters,
     underflowing scores, K cluster counts that are not powers of two."""
     import numpy as np
@@ -291,8 +292,9 @@ def check_cluster_select() -> int:
                 top_p,
                 min_fraction,
             )
-            bisected = cluster_select.select_mask(dots, bias, d, top_p, least, method="bisect")
-            assert torch.equal(bisected, want), ("bisect", n, cq, ck, d, scale, top_p, min_fraction)
+            for method in ("bisect", "bisect_words"):
+                bisected = cluster_select.select_mask(dots, bias, d, top_p, least, method=method)
+                assert torch.equal(bisected, want), (method, n, cq, ck, d, scale, top_p, min_fraction)
             for r in range(n):
                 host = np.zeros((cq, ck), bool)
                 with np.errstate(invalid="ignore"):
@@ -302,6 +304,22 @@ def check_cluster_select() -> int:
                 host[i, j] = True
                 host &= sizes[r].numpy()[None, :] > 0  # the host counts empty clusters among underflowed ties
                 assert np.array_equal(got[r].numpy(), host) or scale > 100, (r, n, cq, ck, top_p)
+            cases += 1
+    # probabilities that share their high words (scores equal but for ~1e-12): the bisection by words then
+    # settles the low words among many lanes, and ties at the cut are frequent. The two bisections compare
+    # the same sums, so their masks are equal bit for bit (the sort's cumulative sums round differently:
+    # at such a boundary it is not the reference)
+    for ck, noise in ((40, 1e-12), (160, 1e-12), (160, 0.0)):
+        dots = 1.0 + noise * torch.randn(2, 4, ck, generator=g, dtype=torch.float64)
+        bias = torch.zeros(2, ck, dtype=torch.float64)
+        bias[0, ::7] = float("-inf")
+        least = torch.tensor([0, ck // 3])
+        for top_p in (0.5, 0.9):
+            by_patterns = cluster_select.select_mask(dots, bias, 16, top_p, least, method="bisect")
+            by_words = cluster_select.select_mask(dots, bias, 16, top_p, least, method="bisect_words")
+            assert torch.equal(by_words, by_patterns), (ck, noise, top_p)
+            kept = by_words.sum(-1)
+            assert (kept[1] >= ck // 3).all() and (kept > 0).all(), (ck, noise, top_p)
             cases += 1
     return cases
 

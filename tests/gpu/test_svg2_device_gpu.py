@@ -269,7 +269,7 @@ def test_partition_layouts_on_the_gpu_equal_the_cpu_path(groups):
         assert torch.equal(getattr(lay, name).cpu(), getattr(ref, name)), name
 
 
-@pytest.mark.parametrize("method", ["sort", "bisect"])
+@pytest.mark.parametrize("method", ["sort", "bisect", "bisect_words"])
 @pytest.mark.parametrize("top_p, min_fraction", [(0.9, 0.1), (0.5, 0.0), (0.95, 0.3)])
 def test_select_kernel_matches_the_torch_sort(top_p, min_fraction, method, monkeypatch):
     """SVG2's top-p selection by the Triton kernel (one program per Q cluster, sorting or bisecting) at the

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The GPU run that decides three opt-in paths, each built and checked on the CPU but not yet run on a GPU:
+# The GPU run that decides four opt-in paths, each built and checked on the CPU but not yet run on a GPU:
 #   v25    SPARSEATTN_KMEANS_BUILD=packed_argmax  the k-means assignment keeps each row's best as a packed max
 #   v26    SPARSEATTN_SVG2_PLAN=clusters          SVG2's forward and backward planned from the cluster mask
+#   v27    SPARSEATTN_SVG2_SELECT=bisect_words    SVG2's top-p bisection by the patterns' high words first
 #   tiles  token_order="tiles"                    the Wan model's tokens kept tile-major (compile, CUDA graph)
-# (NOTES_svg2_device.md v25, v26; NOTES_kpage_fwd.md, the tile-major token build.) Steps, in the order of
+# (NOTES_svg2_device.md v25–v27; NOTES_kpage_fwd.md, the tile-major token build.) Steps, in the order of
 # what each decides, so that a run cut short still decides the first ones:
 #   svg2_step         svg2_step_bench at svg2_wan14b_720p: the queued call, the in-slots call, and the in-slots
 #                     call planned by clusters, on the packed-argmax build, with a profile of one call;
 #   gpu_tests_svg2    the GPU tests those defaults touch, on the packed-argmax build (the Wan processor's
-#                     tests run on both plans by themselves);
+#                     tests run on both plans by themselves, the selection kernel's on every method);
+#   select_ab         the selection kernel's bisections alternated in one process (bisect, bisect_words);
 #   wan_compile_tiles torch.compile and a CUDA-graph training step of the Wan model with tile-major tokens;
 #   kmeans_builds_ab  the k-means builds alternated in one process (argmin against packed_argmax);
 #   gpu_tests_rest    the rest of the GPU suite.
@@ -22,7 +24,7 @@ set -uo pipefail
 out=${1:?usage: opt_in_decisions_run.sh OUT_DIR [STEP ...]}
 shift
 steps=("$@")
-(( ${#steps[@]} )) || steps=(svg2_step gpu_tests_svg2 wan_compile_tiles kmeans_builds_ab gpu_tests_rest)
+(( ${#steps[@]} )) || steps=(svg2_step gpu_tests_svg2 select_ab wan_compile_tiles kmeans_builds_ab gpu_tests_rest)
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 commit=$(git rev-parse --short HEAD 2>/dev/null || cat .scratch/commit 2>/dev/null || echo unknown)
@@ -52,6 +54,8 @@ SPARSEATTN_KMEANS_BUILD=packed_argmax step svg2_step 150 \
 SPARSEATTN_KMEANS_BUILD=packed_argmax SPARSEATTN_KERNEL_WARMUP=0 step gpu_tests_svg2 240 \
     python -m pytest -q -n 15 -m gpu --require-gpu tests/gpu/test_svg2_device_gpu.py \
     tests/gpu/test_dynamic_layouts_gpu.py tests/gpu/test_diffusers_wan_gpu.py tests/gpu/test_token_order_gpu.py
+step select_ab 90 \
+    python data/bench/experiments/select_bisect_ab.py --out "$out/select_bisect_ab.json"
 step wan_compile_tiles 240 \
     python -m sparseattn.wan_compile --layers 4 --graph-layers 2 --warmup 1 --reps 3 --token-order tiles \
     --out "$out/wan_compile_tiles.json"

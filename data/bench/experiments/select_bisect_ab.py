@@ -1,16 +1,19 @@
-"""SVG2's top-p cluster selection (``cluster_select``'s Triton kernel, float64 bisection): a bisection that
-stops once its interval holds no probability of the row, against the 64-step one it replaced (lab script,
-GPU).
+"""SVG2's top-p cluster selection (``cluster_select``'s Triton kernel, float64): the bisection's forms
+alternated in one process (lab script, GPU): ``bisect`` (the default, whole 64-bit patterns),
+``bisect_words`` (v27: the patterns' high words first, then the few that share the winning one), and with
+``--old`` the ``bisect`` of an earlier module loaded from a file (how v24 was measured against the 64-step
+bisection it replaced).
 
 At SVG2's 720p shape (40 heads, 300 Q × 1,000 K clusters, d = 128; 12,000 programs of 1,024 float64 lanes)
 in ``select_warps_ab``'s two score regimes (on the peaked one the minimum fraction decides, so the second
-bisection, by count, runs too). The 64-step kernel is the module at an earlier commit, loaded from a file:
+bisection, by count, runs too):
 
+    PYTHONPATH=src python data/bench/experiments/select_bisect_ab.py --out select_bisect_ab.json
     git show cdaa0c6:src/sparseattn/cluster_select.py > /tmp/cluster_select_64.py
     PYTHONPATH=src python data/bench/experiments/select_bisect_ab.py --old /tmp/cluster_select_64.py \\
         --out select_bisect_ab.json
 
-Both kernels' masks must equal the torch sort's (the reference form). CUDA events, median of ``--reps``
+Every form's masks must equal the torch sort's (the reference form). CUDA events, median of ``--reps``
 calls per round, the forms alternated over ``--rounds``.
 """
 
@@ -34,7 +37,7 @@ def load_old(path: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--old", required=True, help="cluster_select.py with the 64-step bisection")
+    ap.add_argument("--old", default=None, help="an earlier cluster_select.py, timed by its 'bisect'")
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--q-clusters", type=int, default=300)
     ap.add_argument("--k-clusters", type=int, default=1000)
@@ -49,7 +52,9 @@ def main(argv=None) -> int:
     from sparseattn import cluster_select
     from sparseattn.variant_ab import rotation
 
-    forms = {"stopping": cluster_select, "steps64": load_old(args.old)}
+    forms = {"bisect": (cluster_select, "bisect"), "bisect_words": (cluster_select, "bisect_words")}
+    if args.old:
+        forms["old_bisect"] = (load_old(args.old), "bisect")
     g = torch.Generator(device="cuda").manual_seed(0)
     d = 128
     record = regimes_record(args)
@@ -57,10 +62,10 @@ def main(argv=None) -> int:
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for regime, scale in SCORE_REGIMES:
         *_, dots, bias, least, want = regime_inputs(args.heads, args.q_clusters, args.k_clusters, scale, g, d)
-        call = lambda m, a=(dots, bias, d, 0.9, least): m.select_mask(*a, method="bisect")
+        call = lambda form, a=(dots, bias, d, 0.9, least): form[0].select_mask(*a, method=form[1])
         entry = dict(selected_fraction=float(want.float().mean()))
-        for name, m in forms.items():
-            entry[f"equal_to_sort_{name}"] = equal = bool(torch.equal(call(m), want))
+        for name, form in forms.items():
+            entry[f"equal_to_sort_{name}"] = equal = bool(torch.equal(call(form), want))
             ok &= equal
         times = {name: [] for name in forms}
         for r in range(args.rounds):
