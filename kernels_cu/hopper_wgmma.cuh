@@ -435,8 +435,9 @@ __device__ __forceinline__ void warp_tma_pages(uint32_t tile, int row0, const Tm
 // ---- the two GEMMs of one key chunk ---------------------------------------------------------------
 
 // S = Q·Kᵀ for 64 query rows (starting at aQrows of a Q_ROWS-row Q tile) and one CHUNK-key K tile
-// (bf16 operands, or f16 with F16); with ADD_TO_S, S += Q·Kᵀ (s holds the initial values).
-template <int HEAD_DIM, int CHUNK, int Q_ROWS, bool F16 = false, bool ADD_TO_S = false>
+// (bf16 operands, or f16 with F16); with ADD_TO_S, S += Q·Kᵀ (s holds the initial values). K_ROWS: the rows of
+// the K tile's layout (its column blocks' stride), of which the first CHUNK are read (default: all).
+template <int HEAD_DIM, int CHUNK, int Q_ROWS, bool F16 = false, bool ADD_TO_S = false, int K_ROWS = CHUNK>
 __device__ __forceinline__ void issue_qk(float (&s)[CHUNK / 2], uint32_t aQrows, uint32_t tK) {
     // the tiles' descriptors once, then constant steps (tile_offset's column blocks, 32-byte k-steps)
     const uint32_t a_lo = smem_desc_lo(aQrows, 16), b_lo = smem_desc_lo(tK, 16);
@@ -445,7 +446,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[CHUNK / 2], uint32_t aQrows,
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const uint32_t col = static_cast<uint32_t>(kk & 3) * 32u;  // k-step inside a 128-byte column block
         const uint64_t da = desc_words(a_lo + (((kk >> 2) * (Q_ROWS * 128) + col) >> 4), hi);
-        const uint64_t db = desc_words(b_lo + (((kk >> 2) * (CHUNK * 128) + col) >> 4), hi);
+        const uint64_t db = desc_words(b_lo + (((kk >> 2) * (K_ROWS * 128) + col) >> 4), hi);
         if constexpr (F16)
             wgmma_ss_f16<CHUNK>(s, da, db, ADD_TO_S || kk > 0);
         else

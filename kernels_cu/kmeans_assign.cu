@@ -23,6 +23,11 @@
 // shift the resolution was relative to |x|²/2, coarser than the gaps between centroids on data far from
 // the origin.) The host keeps the exact build as its default until the GPU tests pass with this one
 // (sparseattn/kernels/kmeans_assign.py).
+//
+// NARROW_TAIL: a last chunk of at most 64 centroids (k mod 128 in 1..64, e.g. SVG2's 300 Q clusters: 44)
+// multiplies and scans 64 columns (wgmma N = 64 over the first half of its tile) instead of 128, of which
+// the rest are padding that never wins: the same scores for the same columns, so the same labels, with a
+// sixth less MMA work at 300 clusters (opt-in until measured).
 #include "hopper_wgmma.cuh"
 
 // Geometry mirrored in sparseattn/kernels/kmeans_assign.py.
@@ -76,6 +81,67 @@ __device__ __forceinline__ void half_xsq_of_rows(float (&out)[2], const unsigned
     }
 }
 
+// One chunk of N centroids (128, or 64 for a narrow last chunk) against the CTA's tokens: S = X·Cᵀ on
+// wgmma (packed argmax: from −|c|²/2 − |x|²/2) over the first N rows of the chunk's 128-row tile, then
+// each row's running best over the chunk's columns (best_i: the index, or for the packed argmax the chunk,
+// its column in the best score's low bits).
+template <int HEAD_DIM, int N, bool PACKED_ARGMAX>
+__device__ __forceinline__ void chunk_step(float (&s)[N / 2], uint32_t a_rows, uint32_t tile, const float* cq,
+                                           const float (&half_xsq)[2], int c, int t4, float (&best)[2],
+                                           int (&best_i)[2]) {
+    static_assert(N == KMEANS_CHUNK || N == KMEANS_CHUNK / 2, "full chunks, or a narrow last one");
+    if constexpr (PACKED_ARGMAX) {
+        // S starts at −|c|²/2 − |x|²/2, so the MMA leaves −|x − c|²/2: the packing's resolution is then
+        // relative to the distance, not to |x|²
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+            const float2 h = *reinterpret_cast<const float2*>(cq + 8 * j + 2 * t4);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[4 * j + e] = ((e & 1) ? h.y : h.x) + half_xsq[e >> 1];
+        }
+    }
+    hopper::wgmma_fence();
+    hopper::issue_qk<HEAD_DIM, N, KMEANS_ROWS, false, PACKED_ARGMAX, KMEANS_CHUNK>(s, a_rows, tile);
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    if constexpr (PACKED_ARGMAX) {
+        float chain[2][4];  // per row, four running maxima over the columns j ≡ 0, 1, 2, 3 (mod 4)
+        uint32_t keep_bits;
+        asm volatile("mov.b32 %0, 0xffffffe0;" : "=r"(keep_bits));  // a register, so the LOP3 takes it
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float packed = pack_column(s[4 * j + e], keep_bits, 2 * j + (e & 1));
+                float& m = chain[e >> 1][j & 3];
+                m = (j < 4 && (e & 1) == 0) ? packed : max_keep_bits(m, packed);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float m = max_keep_bits(max_keep_bits(chain[r][0], chain[r][1]),
+                                          max_keep_bits(chain[r][2], chain[r][3]));
+            if (m > best[r]) {  // strict: an earlier chunk keeps an equal score
+                best[r] = m;
+                best_i[r] = c;  // the chunk; its column is in m's low bits
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = 8 * j + 2 * t4 + (e & 1);
+                const float d = cq[col] - 2.f * s[4 * j + e];
+                if (d < best[e >> 1]) {  // strict: the lower index keeps a tie
+                    best[e >> 1] = d;
+                    best_i[e >> 1] = c * KMEANS_CHUNK + col;
+                }
+            }
+        }
+    }
+}
+
 template <int HEAD_DIM>
 struct KmeansSmem {
     static constexpr int TILE_BYTES = KMEANS_ROWS * HEAD_DIM * 2;  // the X tile and each centroid chunk
@@ -85,7 +151,7 @@ struct KmeansSmem {
 
 }  // namespace
 
-template <int HEAD_DIM, bool ACCUMULATE, bool PACKED_ARGMAX>
+template <int HEAD_DIM, bool ACCUMULATE, bool PACKED_ARGMAX, bool NARROW_TAIL>
 __global__ void __launch_bounds__(KMEANS_THREADS, 2)
 kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
                      const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
@@ -138,71 +204,40 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
 
     float best[2] = {PACKED_ARGMAX ? -INFINITY : INFINITY, PACKED_ARGMAX ? -INFINITY : INFINITY};
     int best_i[2] = {0, 0};  // the index (argmin), or the chunk (packed argmax)
-    float s[KMEANS_CHUNK / 2];
     float half_xsq[2] = {0.f, 0.f};  // packed argmax: −|x|²/2 of the thread's two rows
     const uint32_t a_rows = xs + wg * 64 * 128;  // this warpgroup's 64 rows of the X tile
+    // NARROW_TAIL: a last chunk of at most 64 centroids runs after the loop (peeled, so that each wgmma
+    // sequence keeps its own accumulators: in one loop body with the full chunks' ptxas serializes them)
+    const bool narrow_tail = NARROW_TAIL && k - (chunks - 1) * KMEANS_CHUNK <= KMEANS_CHUNK / 2;
+    const int full_chunks = narrow_tail ? chunks - 1 : chunks;
+    // chunk c's buffer has landed (cp.async, everyone's) and is visible to wgmma; its |c|² terms
+    auto chunk_ready = [&](int c) {
+        __syncthreads();              // everyone's copies (and the |c|² stores)
+        hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
+        if constexpr (PACKED_ARGMAX) {
+            if (c == 0) half_xsq_of_rows<HEAD_DIM>(half_xsq, smem_raw + (xs - raw), 64 * wg + 16 * wq + g, t4);
+        }
+        return csq_s + (c % KMEANS_NBUF) * KMEANS_CHUNK;
+    };
 #pragma unroll 1
-    for (int c = 0; c < chunks; ++c) {
-        const int buf = c % KMEANS_NBUF;
+    for (int c = 0; c < full_chunks; ++c) {
         if (c + 1 < chunks) load_chunk(c + 1);  // into the buffer the previous step released
         paged::cp_async_commit();
         paged::cp_async_wait<1>();  // this thread's copies of X and of chunk c have landed
-        __syncthreads();            // everyone's (and the |c|² stores)
-        hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
-        const float* cq = csq_s + buf * KMEANS_CHUNK;
-        if constexpr (PACKED_ARGMAX) {
-            if (c == 0) half_xsq_of_rows<HEAD_DIM>(half_xsq, smem_raw + (xs - raw), 64 * wg + 16 * wq + g, t4);
-            // S starts at −|c|²/2 − |x|²/2, so the MMA leaves −|x − c|²/2: the packing's resolution is then
-            // relative to the distance, not to |x|²
-#pragma unroll
-            for (int j = 0; j < KMEANS_CHUNK / 8; ++j) {
-                const float2 h = *reinterpret_cast<const float2*>(cq + 8 * j + 2 * t4);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[4 * j + e] = ((e & 1) ? h.y : h.x) + half_xsq[e >> 1];
-            }
-        }
-        hopper::wgmma_fence();
-        hopper::issue_qk<HEAD_DIM, KMEANS_CHUNK, KMEANS_ROWS, false, PACKED_ARGMAX>(s, a_rows,
-                                                                                   cs + buf * S::TILE_BYTES);
-        hopper::wgmma_commit();
-        hopper::wgmma_wait<0>();
-        if constexpr (PACKED_ARGMAX) {
-            float chain[2][4];  // per row, four running maxima over the columns j ≡ 0, 1, 2, 3 (mod 4)
-            uint32_t keep_bits;
-            asm volatile("mov.b32 %0, 0xffffffe0;" : "=r"(keep_bits));  // a register, so the LOP3 takes it
-#pragma unroll
-            for (int j = 0; j < KMEANS_CHUNK / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float packed = pack_column(s[4 * j + e], keep_bits, 2 * j + (e & 1));
-                    float& m = chain[e >> 1][j & 3];
-                    m = (j < 4 && (e & 1) == 0) ? packed : max_keep_bits(m, packed);
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float m = max_keep_bits(max_keep_bits(chain[r][0], chain[r][1]),
-                                              max_keep_bits(chain[r][2], chain[r][3]));
-                if (m > best[r]) {  // strict: an earlier chunk keeps an equal score
-                    best[r] = m;
-                    best_i[r] = c;  // the chunk; its column is in m's low bits
-                }
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < KMEANS_CHUNK / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = 8 * j + 2 * t4 + (e & 1);
-                    const float d = cq[col] - 2.f * s[4 * j + e];
-                    if (d < best[e >> 1]) {  // strict: the lower index keeps a tie
-                        best[e >> 1] = d;
-                        best_i[e >> 1] = c * KMEANS_CHUNK + col;
-                    }
-                }
-            }
-        }
+        const float* cq = chunk_ready(c);
+        float s[KMEANS_CHUNK / 2];
+        chunk_step<HEAD_DIM, KMEANS_CHUNK, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES, cq,
+                                                          half_xsq, c, t4, best, best_i);
         __syncthreads();  // chunk c's tiles are read: the next step may load chunk c + 2 into them
+    }
+    if (narrow_tail) {  // its copies were issued by the loop's last step, or before the loop
+        const int c = chunks - 1;
+        paged::cp_async_wait<0>();
+        const float* cq = chunk_ready(c);
+        float s[KMEANS_CHUNK / 4];
+        chunk_step<HEAD_DIM, KMEANS_CHUNK / 2, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES,
+                                                              cq, half_xsq, c, t4, best, best_i);
+        __syncthreads();  // its |c|² terms are read: the epilogue may reuse their buffer
     }
     paged::cp_async_wait<0>();
 

@@ -117,7 +117,7 @@ def test_fused_lloyd_step_sums_and_sizes():
     torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-3)
 
 
-@pytest.fixture(params=["argmin", "packed_argmax"])
+@pytest.fixture(params=["argmin", "packed_argmax", "argmin_tail64", "packed_argmax_tail64"])
 def kmeans_build(request, monkeypatch):
     """The wgmma assignment's builds (``kmeans_assign.BUILDS``), each in turn."""
     from sparseattn.kernels import kmeans_assign
@@ -173,6 +173,28 @@ def test_packed_argmax_labels_equal_the_argmins_but_for_near_ties(n, tokens, k, 
     near = (sa - sb).abs() <= 2.0**-16 * sa.abs() + 1e-6  # packing plus float32 accumulation
     assert bool(((a == b) | near).all())
     assert (a == b).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("k", [1, 3, 64, 130, 192, 300, 333])
+@pytest.mark.parametrize("d", [64, 128])
+def test_narrow_tail_builds_give_their_base_builds_labels(d, k, monkeypatch):
+    """A last chunk of at most 64 centroids at wgmma N = 64 (``_tail64``; k = 1, 3, 64, 130, 192 and 300 take
+    it, 333's tail of 77 does not): the same labels as the build it narrows, bit for bit, and the same
+    cluster sizes from its Lloyd step (the same labels; the sums' atomics may add in another order)."""
+    from sparseattn.kernels import kmeans_assign
+
+    g = torch.Generator(device="cuda").manual_seed(k + d)
+    x = torch.randn(2, 1025, d, device="cuda", generator=g).bfloat16()
+    c = torch.randn(2, k, d, device="cuda", generator=g)
+    for base in ("argmin", "packed_argmax"):
+        got = {}
+        for build in (base, f"{base}_tail64"):
+            monkeypatch.setattr(kmeans_assign, "BUILD", build)
+            got[build] = (kmeans_assign.nearest_centroid_wgmma(x, c), *kmeans_assign.lloyd_step_wgmma(x, c))
+        (a, la, sa, na), (b, lb, sb, nb) = got.values()
+        assert torch.equal(a, b) and torch.equal(la, lb) and torch.equal(a, la), base
+        assert torch.equal(na, nb), base
+        torch.testing.assert_close(sb, sa, rtol=1e-5, atol=1e-3)
 
 
 def test_packed_argmax_keeps_columns_of_scores_near_zero(monkeypatch):

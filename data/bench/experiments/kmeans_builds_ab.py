@@ -4,7 +4,8 @@ At ``svg2_wan14b_720p``'s shapes (40 heads × 75,600 tokens, Q 300 / K 1,000 clu
 synthetic features, from centroids after 3 warm Lloyd steps: the assignment with labels only and the Lloyd
 step with the cluster sums (each cluster's tokens presummed up to ``PRESUM_MAX_CLUSTERS``), per build
 (``argmin``: compare and select value and index per score; ``packed_argmax``: a chain of max instructions
-over scores carrying their column in the low mantissa bits); CUDA events, median of ``--reps`` calls,
+over scores carrying their column in the low mantissa bits; each with its ``_tail64`` form, whose last chunk of
+at most 64 centroids runs at wgmma N = 64: Q's 300 clusters take it, K's 1,000 not); CUDA events, median of ``--reps`` calls,
 builds alternated over ``--rounds``. The labels must agree but where the two picks' scores are within the
 packing's resolution (2⁻¹⁶ relative, checked in float64 here), and the labels' inertia is reported per
 build. Earlier builds (256 tokens per CTA, a chunk ring; TMA multicast) ran with this script at 7c3490d

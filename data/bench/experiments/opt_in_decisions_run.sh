@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU run that decides four opt-in paths, each built and checked on the CPU but not yet run on a GPU:
+# The GPU run that decides five opt-in paths, each built and checked on the CPU but not yet run on a GPU:
 #   v25    SPARSEATTN_KMEANS_BUILD=packed_argmax  the k-means assignment keeps each row's best as a packed max
 #   v26    SPARSEATTN_SVG2_PLAN=clusters          SVG2's forward and backward planned from the cluster mask
 #   v27    SPARSEATTN_SVG2_SELECT=bisect_words    SVG2's top-p bisection by the patterns' high words first
+#   v28    SPARSEATTN_KMEANS_BUILD=*_tail64       k-means' last chunk of at most 64 centroids at wgmma N = 64
 #   tiles  token_order="tiles"                    the Wan model's tokens kept tile-major (compile, CUDA graph)
-# (NOTES_svg2_device.md v25–v27; NOTES_kpage_fwd.md, the tile-major token build.) Steps, in the order of
+# (NOTES_svg2_device.md v25–v28; NOTES_kpage_fwd.md, the tile-major token build.) Steps, in the order of
 # what each decides, so that a run cut short still decides the first ones:
 #   svg2_step         svg2_step_bench at svg2_wan14b_720p: the queued call, the in-slots call, and the in-slots
 #                     call planned by clusters, on the packed-argmax build, with a profile of one call;
@@ -12,7 +13,7 @@
 #                     tests run on both plans by themselves, the selection kernel's on every method);
 #   select_ab         the selection kernel's bisections alternated in one process (bisect, bisect_words);
 #   wan_compile_tiles torch.compile and a CUDA-graph training step of the Wan model with tile-major tokens;
-#   kmeans_builds_ab  the k-means builds alternated in one process (argmin against packed_argmax);
+#   kmeans_builds_ab  the k-means builds alternated in one process (argmin, packed_argmax, their _tail64 forms);
 #   gpu_tests_rest    the rest of the GPU suite.
 # Run from the repository root on the GPU machine, where the project runs from PYTHONPATH=src; name steps
 # to run a subset (the whole list takes more than one 10-minute call):

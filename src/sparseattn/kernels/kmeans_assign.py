@@ -18,7 +18,10 @@ without the |x|² shift) was 14–16% faster on K's assignment and Lloyd step, 8
 (``data/bench/experiments/kmeans_builds_ab_h100_20261206_ae3521a.json``), but its resolution was 2⁻¹⁸ of
 |x|²/2: on data far from the origin (the GPU test's blobs) 0.1% of the tokens whose nearest centroid is clear
 by distance got another label. With the shift the resolution is relative to the distance; that form has not
-run on a GPU yet, so it stays opt-in.
+run on a GPU yet, so it stays opt-in. Each build has a ``_tail64`` form (``"argmin_tail64"``,
+``"packed_argmax_tail64"``): a last chunk of at most 64 centroids is multiplied and scanned at wgmma N = 64,
+not 128 (the same scores for the same columns, so the same labels; a sixth less MMA work at SVG2's 300 Q
+clusters), opt-in until measured.
 """
 
 from __future__ import annotations
@@ -31,19 +34,26 @@ from . import launch
 
 SOURCE = "kmeans_assign.cu"
 HEAD_DIMS = (64, 128)
-#: Builds of the running argmin: whether each takes the packed maximum.
-BUILDS = {"argmin": False, "packed_argmax": True}
+#: Builds of the assignment: ``(packed_argmax, narrow_tail)``, whether each takes the packed maximum, and
+#: whether a last chunk of at most 64 centroids runs at wgmma N = 64 (``_tail64``: the same labels with less
+#: MMA work where k mod 128 is 1..64, e.g. 300 clusters; opt-in until measured).
+BUILDS = {
+    "argmin": (False, False),
+    "packed_argmax": (True, False),
+    "argmin_tail64": (False, True),
+    "packed_argmax_tail64": (True, True),
+}
 #: The build the launches take (a key of BUILDS; ``SPARSEATTN_KMEANS_BUILD`` sets it at import).
 BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "argmin"
 
 
-def _kernel_name(d: int, accumulate: bool, packed: bool) -> str:
+def _kernel_name(d: int, accumulate: bool, packed: bool, narrow_tail: bool = False) -> str:
     flag = lambda b: "true" if b else "false"
-    return f"kmeans_assign_kernel<{d}, {flag(accumulate)}, {flag(packed)}>"
+    return f"kmeans_assign_kernel<{d}, {flag(accumulate)}, {flag(packed)}, {flag(narrow_tail)}>"
 
 
 NAME_EXPRESSIONS = tuple(
-    _kernel_name(d, acc, packed) for packed in BUILDS.values() for d in HEAD_DIMS for acc in (False, True)
+    _kernel_name(d, acc, *build) for build in BUILDS.values() for d in HEAD_DIMS for acc in (False, True)
 )
 # Geometry mirrored from the kernel.
 THREADS = 256
@@ -106,7 +116,7 @@ def _run(x, centroids, accumulate: bool, presum: bool | None = None):
     sums = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
     counts = torch.zeros(n, k, dtype=torch.float32, device=x.device) if accumulate else csq
     if n and t:
-        name = _kernel_name(d, accumulate, BUILDS[BUILD])
+        name = _kernel_name(d, accumulate, *BUILDS[BUILD])
         smem = smem_bytes(d)
         fn = launch.prepare(launch.function(SOURCE, name, NAME_EXPRESSIONS), smem)
         ptr = lambda a: np.uint64(a.data_ptr())
