@@ -317,6 +317,26 @@ def test_select_kernel_matches_the_torch_sort(top_p, min_fraction, method, monke
     assert (got[live_rows].sum(-1) >= 1).all()  # every Q cluster of a live row keeps at least one
 
 
+@pytest.mark.parametrize("noise", [1e-12, 0.0], ids=["near_flat", "flat"])
+def test_select_by_words_equals_the_bisection_on_rows_that_share_their_high_words(noise):
+    """``bisect_words`` against ``bisect`` on the GPU where the second phase does the work: probabilities of a
+    row equal but for ~1e-12 (one high word for all) or exactly equal (ties at the cut), 1,000 K clusters,
+    the floor on half the rows: the same masks bit for bit (the same sums compared)."""
+    from sparseattn import cluster_select
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, cq, ck = 4, 64, 1000
+    dots = 1.0 + noise * torch.randn(n, cq, ck, generator=g, device="cuda", dtype=torch.float64)
+    bias = torch.zeros(n, ck, device="cuda", dtype=torch.float64)
+    bias[0, ::7] = float("-inf")
+    least = torch.tensor([0, 300, 0, 700], device="cuda")
+    for top_p in (0.5, 0.9, 0.999):
+        a = cluster_select.select_mask(dots, bias, 128, top_p, least, method="bisect")
+        b = cluster_select.select_mask(dots, bias, 128, top_p, least, method="bisect_words")
+        assert torch.equal(a, b), top_p
+        assert (b.sum(-1)[[1, 3]] >= least[[1, 3]].unsqueeze(-1)).all()
+
+
 def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move():
     """svg2_step_in_slots on the GPU (the wgmma assignment, the Triton slot copy with each
     block's sums): its centroids are the means of its labels' clusters (empty ones keep theirs), its
