@@ -33,6 +33,7 @@ CHECKS = Path(__file__).with_name("triton_interpreted_checks.py")
         "slot_copy",
         "cluster_blocks",
         "cluster_select",
+        "cluster_select_words",
         "vsa_select",
         "token_block_sums",
     ],

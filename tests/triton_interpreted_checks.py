@@ -3,7 +3,7 @@
 Triton's interpreter must be chosen before Triton is imported, so ``test_triton_interpreted.py`` runs
 this file in a fresh process with ``TRITON_INTERPRET=1``: ``python tests/triton_interpreted_checks.py
 page_streams`` (or ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``, ``cluster_select``,
-``vsa_select``). Exit status 0 when every case agrees.
+``cluster_select_words``, ``vsa_select``, ``token_block_sums``). Exit status 0 when every case agrees.
 """
 
 from __future__ import annotations
@@ -255,16 +255,9 @@ def check_cluster_blocks() -> int:
     return cases
 
 
-def check_cluster_select() -> int:
-    """SVG2's top-p selection by one Triton program per Q cluster, sorting and bisecting (by whole patterns and
-    by high words first), equals the torch
-    sort (and the host's numpy rule): random scores, bit-equal ties, a row without live K clusters,
-    underflowing scores, K cluster counts that are not powers of two."""
-    import numpy as np
-
-    from sparseattn import builders, cluster_select, svg2_device
-
-    cases = 0
+def _select_cases():
+    """SVG2 selection cases: ``(qc, kc, sizes, d, scale, top_p, min_fraction)`` — random scores, bit-equal
+    ties, a row without live K clusters, underflowing scores, K cluster counts that are not powers of two."""
     g = torch.Generator().manual_seed(5)
     shapes = ((3, 6, 40, 8, 1.0), (2, 4, 1000, 16, 1.0), (3, 5, 24, 4, 0.0), (1, 3, 17, 2, 300.0))
     for n, cq, ck, d, scale in shapes:
@@ -279,36 +272,53 @@ def check_cluster_select() -> int:
         if n > 1:
             sizes[1] = 0  # no live K cluster: nothing selected
         for top_p, min_fraction in ((0.9, 0.1), (0.3, 0.0), (1.0, 0.0), (0.2, 1.0)):
-            assert cluster_select.available(qc), "the interpreter is not on"
-            got = svg2_device.svg2_select(qc, kc, sizes, d, top_p, min_fraction)
-            dots, bias, least = svg2_device.selection_inputs(qc, kc, sizes, min_fraction)
-            want = svg2_device._select_by_sort(dots, bias, d, top_p, least)
-            assert got.dtype == torch.bool and torch.equal(got, want), (
-                n,
-                cq,
-                ck,
-                d,
-                scale,
-                top_p,
-                min_fraction,
-            )
-            for method in ("bisect", "bisect_words"):
-                bisected = cluster_select.select_mask(dots, bias, d, top_p, least, method=method)
-                assert torch.equal(bisected, want), (method, n, cq, ck, d, scale, top_p, min_fraction)
-            for r in range(n):
-                host = np.zeros((cq, ck), bool)
-                with np.errstate(invalid="ignore"):
-                    i, j = builders.svg2_select(
-                        qc[r].numpy(), kc[r].numpy(), sizes[r].numpy(), d, top_p, min_fraction
-                    )
-                host[i, j] = True
-                host &= sizes[r].numpy()[None, :] > 0  # the host counts empty clusters among underflowed ties
-                assert np.array_equal(got[r].numpy(), host) or scale > 100, (r, n, cq, ck, top_p)
-            cases += 1
-    # probabilities that share their high words (scores equal but for ~1e-12): the bisection by words then
-    # settles the low words among many lanes, and ties at the cut are frequent. The two bisections compare
-    # the same sums, so their masks are equal bit for bit (the sort's cumulative sums round differently:
-    # at such a boundary it is not the reference)
+            yield qc, kc, sizes, d, scale, top_p, min_fraction
+
+
+def check_cluster_select() -> int:
+    """SVG2's top-p selection by one Triton program per Q cluster (``svg2_select``'s float64 default, the
+    bisection) equals the torch sort and the host's numpy rule on :func:`_select_cases`."""
+    import numpy as np
+
+    from sparseattn import builders, cluster_select, svg2_device
+
+    cases = 0
+    for qc, kc, sizes, d, scale, top_p, min_fraction in _select_cases():
+        assert cluster_select.available(qc), "the interpreter is not on"
+        got = svg2_device.svg2_select(qc, kc, sizes, d, top_p, min_fraction)
+        dots, bias, least = svg2_device.selection_inputs(qc, kc, sizes, min_fraction)
+        want = svg2_device._select_by_sort(dots, bias, d, top_p, least)
+        where = (*qc.shape, kc.shape[1], scale, top_p, min_fraction)
+        assert got.dtype == torch.bool and torch.equal(got, want), where
+        for r in range(qc.shape[0]):
+            host = np.zeros((qc.shape[1], kc.shape[1]), bool)
+            with np.errstate(invalid="ignore"):
+                i, j = builders.svg2_select(
+                    qc[r].numpy(), kc[r].numpy(), sizes[r].numpy(), d, top_p, min_fraction
+                )
+            host[i, j] = True
+            host &= sizes[r].numpy()[None, :] > 0  # the host counts empty clusters among underflowed ties
+            assert np.array_equal(got[r].numpy(), host) or scale > 100, (r, *where)
+        cases += 1
+    return cases
+
+
+def check_cluster_select_words() -> int:
+    """The selection's bisection by high words first (``method="bisect_words"``) equals the torch sort on
+    :func:`_select_cases`, and the bisection by whole patterns bit for bit on rows whose probabilities share
+    their high words (scores equal but for ~1e-12, or exactly: the second phase then settles the low words
+    among many lanes, and ties at the cut are frequent; there the sort's cumulative sums round differently
+    and are not the reference)."""
+    from sparseattn import cluster_select, svg2_device
+
+    cases = 0
+    for qc, kc, sizes, d, scale, top_p, min_fraction in _select_cases():
+        dots, bias, least = svg2_device.selection_inputs(qc, kc, sizes, min_fraction)
+        want = svg2_device._select_by_sort(dots, bias, d, top_p, least)
+        got = cluster_select.select_mask(dots, bias, d, top_p, least, method="bisect_words")
+        assert torch.equal(got, want), (*qc.shape, kc.shape[1], scale, top_p, min_fraction)
+        cases += 1
+    g = torch.Generator().manual_seed(6)
     for ck, noise in ((40, 1e-12), (160, 1e-12), (160, 0.0)):
         dots = 1.0 + noise * torch.randn(2, 4, ck, generator=g, dtype=torch.float64)
         bias = torch.zeros(2, ck, dtype=torch.float64)
