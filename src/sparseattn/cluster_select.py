@@ -73,43 +73,31 @@ if triton is not None:
         return a0 + b0, tl.minimum(a1, b1), tl.maximum(a2, b2)
 
     @triton.jit
-    def _largest_bits_reaching(bits, weight, target, lo, hi):
-        """The largest b with ``sum(weight | bits >= b) >= target``, a bit pattern of the row, from ``lo``
-        (a pattern that reaches it) and ``hi`` (the row's largest; non-live lanes hold -1): a bisection
-        whose bounds snap to the row's patterns nearest its midpoint, so it ends when they meet (5–14 steps
-        at 1,000 clusters, not the 64 of the whole range of patterns); each step one reduction of the masked
-        sum and the two nearest patterns."""
+    def _largest_key_reaching(keys, weight, target, lo, hi, LARGEST: tl.constexpr):
+        """The largest k with ``sum(weight | keys >= k) >= target``, a key of the row, from ``lo`` (a key that
+        reaches it) and ``hi`` (the row's largest; non-live lanes hold -1, live keys are >= 0; ``LARGEST``:
+        the keys' dtype's largest value): a bisection whose bounds snap to the row's keys nearest its
+        midpoint, so it ends when they meet (5–14 steps at 1,000 clusters, not the 64 of the whole range of
+        float64 patterns); each step one reduction of the masked sum and the two nearest keys. The keys are
+        the probabilities' 64-bit patterns, or their int32 high words (each compare, select, minimum and
+        maximum then one instruction, where a 64-bit key takes two)."""
         while lo < hi:
             mid = lo + (hi - lo + 1) // 2
-            ge = bits >= mid
+            ge = keys >= mid
             reach, above, below = tl.reduce(
-                (tl.where(ge, weight, 0.0), tl.where(ge, bits, 9223372036854775807), tl.where(ge, -1, bits)),
+                (tl.where(ge, weight, 0.0), tl.where(ge, keys, LARGEST), tl.where(ge, -1, keys)),
                 0,
                 _sum_min_max,
             )
-            ok = reach >= target  # then the smallest pattern at or above mid reaches it too
+            ok = reach >= target  # then the smallest key at or above mid reaches it too
             lo = tl.where(ok, above, lo)
             hi = tl.where(ok, hi, below)  # else the largest below mid is the highest candidate left
         return lo
 
     @triton.jit
-    def _largest_word_reaching(words, weight, target, lo, hi):
-        """:func:`_largest_bits_reaching` on int32 keys (the patterns' high words; non-live lanes -1): the
-        largest word w of the row with ``sum(weight | words >= w) >= target``, from ``lo`` (a word that
-        reaches it) and ``hi`` (the row's largest). Each compare, select, minimum and maximum is one 32-bit
-        instruction, where the 64-bit patterns take two."""
-        while lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            ge = words >= mid
-            reach, above, below = tl.reduce(
-                (tl.where(ge, weight, 0.0), tl.where(ge, words, 2147483647), tl.where(ge, -1, words)),
-                0,
-                _sum_min_max,
-            )
-            ok = reach >= target
-            lo = tl.where(ok, above, lo)
-            hi = tl.where(ok, hi, below)
-        return lo
+    def _largest_bits_reaching(bits, weight, target, lo, hi):
+        """:func:`_largest_key_reaching` over the probabilities' 64-bit patterns."""
+        return _largest_key_reaching(bits, weight, target, lo, hi, 9223372036854775807)
 
     @triton.jit
     def _largest_bits_by_words(bits, weight, target, lo, hi):
@@ -118,7 +106,9 @@ if triton is not None:
         with ``sum(weight | bits >= h · 2³²) >= target`` is the answer's — then among the few patterns of the
         row that share it (usually one: the high word holds the exponent and 20 mantissa bits)."""
         words = (bits >> 32).to(tl.int32)  # p >= 0: the words order like the patterns; non-live lanes -1
-        word = _largest_word_reaching(words, weight, target, (lo >> 32).to(tl.int32), (hi >> 32).to(tl.int32))
+        word = _largest_key_reaching(
+            words, weight, target, (lo >> 32).to(tl.int32), (hi >> 32).to(tl.int32), 2147483647
+        )
         same = words == word
         first = tl.min(tl.where(same, bits, 9223372036854775807), 0)  # reaches: the same lanes as h · 2³²
         last = tl.max(tl.where(same, bits, -1), 0)
