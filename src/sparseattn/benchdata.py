@@ -119,8 +119,9 @@ def display_path(path: Path) -> str:
         return path.name
 
 
-def load_run(path) -> BenchRun:
-    """Read one benchmark file; :class:`BenchFileError` if it is not a run object."""
+def load_run(path, record_fields=RECORD_FIELDS) -> BenchRun:
+    """Read one benchmark file; :class:`BenchFileError` if it is not a run object whose records all hold
+    ``record_fields`` (default :data:`RECORD_FIELDS`; other scripts' runs name theirs)."""
     path = Path(path)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
@@ -134,8 +135,8 @@ def load_run(path) -> BenchRun:
     if not isinstance(doc["records"], list):
         raise BenchFileError(f"{path}: field 'records' must be a list")
     for i, rec in enumerate(doc["records"]):
-        if not isinstance(rec, dict) or any(k not in rec for k in RECORD_FIELDS):
-            raise BenchFileError(f"{path}: records[{i}] lacks one of {RECORD_FIELDS}")
+        if not isinstance(rec, dict) or any(k not in rec for k in record_fields):
+            raise BenchFileError(f"{path}: records[{i}] lacks one of {record_fields}")
     return BenchRun(
         path,
         str(doc["gpu"]),
@@ -156,13 +157,14 @@ def _date_key(run: BenchRun):
         return (float("-inf"), run.path.name)
 
 
-def find_runs(bench_dir=None) -> list[BenchRun]:
-    """Every benchmark run in ``bench_dir`` (default ``data/bench``), newest first; other JSON skipped."""
+def find_runs(bench_dir=None, record_fields=RECORD_FIELDS) -> list[BenchRun]:
+    """Every benchmark run in ``bench_dir`` (default ``data/bench``) whose records hold ``record_fields``
+    (:func:`load_run`), newest first; other JSON skipped."""
     folder = Path(bench_dir) if bench_dir is not None else DEFAULT_BENCH_DIR
     runs = []
     for path in sorted(folder.glob("*.json")):
         try:
-            runs.append(load_run(path))
+            runs.append(load_run(path, record_fields))
         except BenchFileError:
             continue
     return newest_first(runs)

@@ -962,8 +962,7 @@ def device_name(device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-#: Implementations under sequence parallelism: (selection, backend) of the processor on every rank.
-#: impl -> (selection, backend, token_order) of the processors that run under sequence parallelism
+#: Implementations under sequence parallelism: (selection, backend, token_order) of the processor on every rank.
 RANKS_IMPLS = {
     "kpage_sta": ("sta", "kpage", None),
     "kpage_vsa": ("vsa", "kpage", None),

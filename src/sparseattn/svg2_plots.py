@@ -10,14 +10,12 @@ the kernel.
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 from matplotlib.figure import Figure
 
 from . import figstyle
-from .benchdata import DEFAULT_BENCH_DIR, RUN_FIELDS, BenchRun, newest_first
+from .benchdata import BenchRun, find_runs, newest_first
 
 #: The parts that make a call's overhead, in the order they run, with their legend names and colours.
 OVERHEAD_PARTS = (
@@ -46,29 +44,13 @@ METHOD_LABELS = {
 CUT_SHARE = 0.5
 
 
-def is_step_run(doc) -> bool:
-    """A run object whose records are parts of SVG2 calls (``part``, ``assign``)."""
-    return (
-        isinstance(doc, dict)
-        and all(k in doc for k in RUN_FIELDS)
-        and isinstance(doc["records"], list)
-        and any(isinstance(r, dict) and "part" in r and "assign" in r for r in doc["records"])
-    )
+#: What every record of a ``svg2_step_bench`` run holds (in place of :data:`~sparseattn.benchdata.RECORD_FIELDS`).
+STEP_RECORD_FIELDS = ("part", "assign")
 
 
 def find_step_runs(bench_dir=None) -> list[BenchRun]:
     """Every ``svg2_step_bench`` run in ``bench_dir`` (default ``data/bench``), newest first."""
-    folder = Path(bench_dir) if bench_dir is not None else DEFAULT_BENCH_DIR
-    runs = []
-    for path in sorted(folder.glob("*.json")):
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            continue
-        if is_step_run(doc):
-            fields = (str(doc[k]) for k in RUN_FIELDS[:-1])
-            runs.append(BenchRun(path, *fields, tuple(r for r in doc["records"] if isinstance(r, dict))))
-    return newest_first(runs)
+    return [run for run in find_runs(bench_dir, STEP_RECORD_FIELDS) if run.records]
 
 
 def method_parts(run: BenchRun) -> dict[str, dict[str, float]]:
