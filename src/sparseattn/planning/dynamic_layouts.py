@@ -197,8 +197,13 @@ def cluster_forward_work_list(
     if capacity is None:
         capacity = stream_capacity(nqg, nk * block_size, nk, r)
     k_group = torch.where(k_rows > 0, k_block_group, -1).to(torch.int32).contiguous()
+    qg = q_block_group.long()
+    has = (q_rows > 0) & (qg >= 0) & (qg < nqg)
+    # a Q group without a live block (an empty cluster) streams nothing, as its blocks do in the block form
+    group_live = torch.zeros(r, nqg, dtype=torch.int32, device=qg.device)
+    group_live.scatter_add_(1, qg.clamp(0, nqg - 1), has.int())
     group_len, group_start, total, entries = page_streams.streams(
-        cluster_mask,
+        (cluster_mask & (group_live > 0).unsqueeze(-1)).contiguous(),
         *_k_pages32(k_rows),
         capacity,
         pages_per_block,
@@ -207,8 +212,6 @@ def cluster_forward_work_list(
         other_group=k_group,
     )
     # each Q block takes its group's stream; blocks without rows or group stream nothing
-    qg = q_block_group.long()
-    has = (q_rows > 0) & (qg >= 0) & (qg < nqg)
     flat = (torch.arange(r, device=qg.device).unsqueeze(1) * nqg + qg.clamp(0, nqg - 1)).reshape(-1)
     flat_len = torch.where(has.reshape(-1), group_len[flat], 0)
     start = torch.where(has.reshape(-1), group_start[flat], 0)
