@@ -57,7 +57,7 @@ NUM_WARPS = (
 def method_for(dtype: torch.dtype) -> str:
     """The method :func:`select_mask` takes on scores of ``dtype`` when not told: :data:`METHOD` if set,
     else "bisect" for float64 and "sort" for float32."""
-    return METHOD or ("bisect" if dtype == torch.float64 else "sort")
+    return METHOD or ("bisect_words" if dtype == torch.float64 else "sort")
 
 
 def available(x: torch.Tensor) -> bool:

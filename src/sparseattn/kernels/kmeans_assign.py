@@ -44,7 +44,7 @@ BUILDS = {
     "packed_argmax_tail64": (True, True),
 }
 #: The build the launches take (a key of BUILDS; ``SPARSEATTN_KMEANS_BUILD`` sets it at import).
-BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "argmin"
+BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "packed_argmax_tail64"
 
 
 def _kernel_name(d: int, accumulate: bool, packed: bool, narrow_tail: bool = False) -> str:
