@@ -21,13 +21,12 @@
 // Two scores within 2⁻¹⁸ of each other (relative to the half-distance) may then be taken in either order,
 // where the exact build (PACKED_ARGMAX false) resolves float32 ties to the lower index. (Without the |x|²
 // shift the resolution was relative to |x|²/2, coarser than the gaps between centroids on data far from
-// the origin.) The host keeps the exact build as its default until the GPU tests pass with this one
-// (sparseattn/kernels/kmeans_assign.py).
+// the origin.) The host's default (sparseattn/kernels/kmeans_assign.py).
 //
 // NARROW_TAIL: a last chunk of at most 64 centroids (k mod 128 in 1..64, e.g. SVG2's 300 Q clusters: 44)
 // multiplies and scans 64 columns (wgmma N = 64 over the first half of its tile) instead of 128, of which
 // the rest are padding that never wins: the same scores for the same columns, so the same labels, with a
-// sixth less MMA work at 300 clusters (opt-in until measured).
+// sixth less MMA work at 300 clusters (in the host's default build).
 #include "hopper_wgmma.cuh"
 
 // Geometry mirrored in sparseattn/kernels/kmeans_assign.py.

@@ -18,7 +18,7 @@ if not dist.is_available():
 
 from diffusers import WanTransformer3DModel
 
-from sparseattn.diffusers_wan import WanSelection, install_sparse_attention
+from sparseattn.diffusers_wan import WanSelection, install_sparse_attention, token_order_default
 from sparseattn.layouts import video_layout
 from sparseattn.sequence_parallel import (
     bench_step,
@@ -108,7 +108,10 @@ def run_model(model, latent):
 def single_process(name):
     _, kind, latent, selection = CASES[name]
     model = make_model(kind)
-    install_sparse_attention(model, grid_of(latent), selection, backend=backend(name))
+    # in raster order, whatever the case's ranks use (install_sparse_attention's own default is tile-major)
+    install_sparse_attention(
+        model, grid_of(latent), selection, backend=backend(name), token_order=token_order_default()
+    )
     return run_model(model, latent)
 
 

@@ -8,16 +8,19 @@ rule needs that value, not the order) and writes the row's mask once. Same rule,
 same precision (float64 or float32, as the scores); sums are taken in a different order than torch's, so
 a score within rounding of the top-p boundary may fall the other way.
 
-Float64 scores take ``method="bisect"`` by default: it finds the ``keep``-th largest probability without
-sorting, by a bisection on the probabilities' bit patterns (they order like the values, p ≥ 0), each
+Float64 scores take a bisection by default (``method="bisect_words"``): it finds the ``keep``-th largest
+probability without sorting, by a bisection on the probabilities' bit patterns (they order like the values, p ≥ 0), each
 step one masked sum over the row, and a second bisection by count only where ``min_fraction`` or the live
 clusters move ``keep``. Each bisection starts from the row's smallest and largest live patterns and
 snaps its bounds to the row's patterns nearest its midpoint, so it ends when they meet: 5–14 steps at
 1,000 clusters (counted on random scores), where bisecting the whole range of patterns takes 64.
-``method="bisect_words"`` (``SPARSEATTN_SVG2_SELECT=bisect_words``; opt-in until measured) finds the same
-pattern, bit for bit, by its high word first: compares, selects and the reduction's minimum and maximum are
-then one 32-bit instruction each where a 64-bit pattern takes two (177 instructions a step against 417 in
-the sm_90 SASS), and only the few lanes that share the winning high word are bisected by whole patterns.
+``method="bisect_words"`` finds the pattern by its high word first, bit for bit the same as
+``method="bisect"`` (``SPARSEATTN_SVG2_SELECT=bisect``), which bisects whole 64-bit patterns: compares,
+selects and the reduction's minimum and maximum are then one 32-bit instruction each where a 64-bit pattern
+takes two (177 instructions a step against 417 in the sm_90 SASS), and only the few lanes that share the
+winning high word are bisected by whole patterns: 0.884 → 0.571 ms where the minimum fraction decides,
+0.700 → 0.475 where top-p does, equal masks (H100,
+``data/bench/experiments/select_bisect_ab_h100_20261207_49ea0f4.json``).
 ``method="sort"`` (``tl.sort``; float32 scores always take it) is the other form
 (``SPARSEATTN_SVG2_SELECT=sort``). Measured at SVG2's 720p shape (40 heads, 300 × 1,000
 clusters, H100): bisection 1.17 ms, the Triton sort 1.80, the torch sort 2.91, with equal masks.
@@ -38,7 +41,7 @@ from .triton_support import runs_on, tl, triton
 #: The largest ``k_clusters`` one program holds (a row of scores in registers).
 MAX_K_CLUSTERS = 4096
 #: How a program finds the keep-th largest probability: "sort" (``tl.sort``), "bisect" (float64 only) or
-#: "bisect_words" (the same bisection by the patterns' high words first; float64 only, opt-in until measured).
+#: "bisect_words" (the same bisection by the patterns' high words first; float64 only, their default).
 METHODS = ("sort", "bisect", "bisect_words")
 #: The method :func:`select_mask` takes when not told; None: :func:`method_for` the scores' dtype.
 METHOD = os.environ.get("SPARSEATTN_SVG2_SELECT") or None
@@ -56,7 +59,7 @@ NUM_WARPS = (
 
 def method_for(dtype: torch.dtype) -> str:
     """The method :func:`select_mask` takes on scores of ``dtype`` when not told: :data:`METHOD` if set,
-    else "bisect" for float64 and "sort" for float32."""
+    else "bisect_words" for float64 and "sort" for float32."""
     return METHOD or ("bisect_words" if dtype == torch.float64 else "sort")
 
 

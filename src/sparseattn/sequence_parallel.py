@@ -558,7 +558,7 @@ def bench_step(
     import torch
     from diffusers import WanTransformer3DModel
 
-    from .diffusers_wan import install_sparse_attention
+    from .diffusers_wan import install_sparse_attention, token_order_default
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -590,7 +590,9 @@ def bench_step(
     if ranks > 1:
         processor = install_sequence_parallel(model, grid, sel, backend=backend, token_order=token_order)
     else:
-        processor = install_sparse_attention(model, grid, sel, backend=backend, token_order=token_order)
+        # the ranks' token order on one rank too (install_sparse_attention's own default is tile-major)
+        order = token_order_default() if token_order is None else token_order
+        processor = install_sparse_attention(model, grid, sel, backend=backend, token_order=order)
     g = torch.Generator(device=device).manual_seed(1)
     channels = config["in_channels"]
     x = torch.randn(1, channels, grid[0], 2 * grid[1], 2 * grid[2], generator=g, device=device)

@@ -53,9 +53,9 @@ METHODS = (
 QUEUED = "wgmma_last_step_queued"
 QUEUE_CYCLES = 200_000_000  # ~0.1 s of GPU sleep: longer than the host takes to queue a call
 #: The queued call with the last Lloyd step's cluster sums taken while q and k move to slots
-#: (:func:`sparseattn.svg2_device.svg2_step_in_slots`; v22 of NOTES_svg2_device, opt-in until measured).
+#: (:func:`sparseattn.svg2_device.svg2_step_in_slots`; v22 of NOTES_svg2_device, the Wan processor's order).
 IN_SLOTS = "wgmma_in_slots_queued"
-#: The in-slots call with the forward planned by clusters (v26 of NOTES_svg2_device; opt-in until measured).
+#: The in-slots call with the forward planned by clusters (v26 of NOTES_svg2_device; measured no faster).
 IN_SLOTS_CLUSTERS = "wgmma_in_slots_queued_clusters"
 ASSIGNS = tuple(m[0] for m in METHODS) + (QUEUED, IN_SLOTS, IN_SLOTS_CLUSTERS)
 

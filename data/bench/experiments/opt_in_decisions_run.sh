@@ -28,7 +28,7 @@ steps=("$@")
 (( ${#steps[@]} )) || steps=(svg2_step gpu_tests_svg2 select_ab wan_compile_tiles kmeans_builds_ab gpu_tests_rest)
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-commit=$(git rev-parse --short HEAD 2>/dev/null || cat .scratch/commit 2>/dev/null || echo unknown)
+commit=$(cat .scratch/commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "commit $commit, $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
     | tee "$out/run.txt"
 if compgen -G ".whl/*.whl" > /dev/null; then

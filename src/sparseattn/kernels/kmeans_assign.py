@@ -9,19 +9,20 @@ centroids in float32), so the labels differ only where two centroids are within 
 Torch CUDA tensors in and out, on torch's current stream. ``x`` bf16 ``[N, tokens, d]`` (``d`` 64 or 128),
 ``centroids`` float ``[N, k, d]``.
 
-Two builds of the running argmin (:data:`BUILD`, ``SPARSEATTN_KMEANS_BUILD``): ``"argmin"`` (the default)
+Two builds of the running argmin (:data:`BUILD`, ``SPARSEATTN_KMEANS_BUILD``): ``"argmin"``
 compares each distance with the row's best and selects value and index, ties to the lower index as torch's
-argmin; ``"packed_argmax"`` (opt-in) maximizes ``−|x − c|²/2`` (the MMA's accumulators start at
+argmin; ``"packed_argmax"`` (in its ``_tail64`` form the default) maximizes ``−|x − c|²/2`` (the MMA's accumulators start at
 ``−|c|²/2 − |x|²/2``) with each score's column in its 5 low mantissa bits, so the running best is a chain of
 max instructions alone. Measured on an H100 at SVG2's 720p shapes, its first form (scores ``x·c − |c|²/2``,
 without the |x|² shift) was 14–16% faster on K's assignment and Lloyd step, 8–14% on Q's
 (``data/bench/experiments/kmeans_builds_ab_h100_20261206_ae3521a.json``), but its resolution was 2⁻¹⁸ of
 |x|²/2: on data far from the origin (the GPU test's blobs) 0.1% of the tokens whose nearest centroid is clear
-by distance got another label. With the shift the resolution is relative to the distance; that form has not
-run on a GPU yet, so it stays opt-in. Each build has a ``_tail64`` form (``"argmin_tail64"``,
-``"packed_argmax_tail64"``): a last chunk of at most 64 centroids is multiplied and scanned at wgmma N = 64,
-not 128 (the same scores for the same columns, so the same labels; a sixth less MMA work at SVG2's 300 Q
-clusters), opt-in until measured.
+by distance got another label. With the shift the resolution is relative to the distance, and the whole GPU
+suite passes with it (H100, 49ea0f4): K's assignment 1.825 → 1.610 ms, Q's 0.786 → 0.727. Each build has a
+``_tail64`` form (``"argmin_tail64"``, ``"packed_argmax_tail64"``): a last chunk of at most 64 centroids is
+multiplied and scanned at wgmma N = 64, not 128 (the same scores for the same columns, so the same labels):
+Q's assignment at SVG2's 300 clusters 0.727 → 0.662 ms, its Lloyd step 1.240 → 1.188
+(``data/bench/experiments/kmeans_builds_ab_h100_20261207_49ea0f4.json``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ SOURCE = "kmeans_assign.cu"
 HEAD_DIMS = (64, 128)
 #: Builds of the assignment: ``(packed_argmax, narrow_tail)``, whether each takes the packed maximum, and
 #: whether a last chunk of at most 64 centroids runs at wgmma N = 64 (``_tail64``: the same labels with less
-#: MMA work where k mod 128 is 1..64, e.g. 300 clusters; opt-in until measured).
+#: MMA work where k mod 128 is 1..64, e.g. 300 clusters).
 BUILDS = {
     "argmin": (False, False),
     "packed_argmax": (True, False),
