@@ -224,7 +224,10 @@ def select_mask(
         raise ValueError(f"method={method!r} bisects float64 bit patterns; dots are {dots.dtype}")
     dots, bias = dots.contiguous(), bias.contiguous()
     alive = torch.isfinite(bias).sum(-1)
-    params = torch.tensor([math.sqrt(head_dim), top_p * (1 - 1e-12)], dtype=dots.dtype, device=dots.device)
+    # filled on the device: a tensor from a host list is a synchronising copy, which would drain the queue
+    # the host keeps ahead of the GPU (what follows the selection then waited for its launches)
+    params = torch.full((2,), math.sqrt(head_dim), dtype=dots.dtype, device=dots.device)
+    params[1:].fill_(top_p * (1 - 1e-12))
     out = torch.empty(n, cq, ck, dtype=torch.bool, device=dots.device)
     if out.numel():
         block = max(16, triton.next_power_of_2(ck))
