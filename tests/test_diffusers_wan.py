@@ -335,9 +335,9 @@ def test_svg2_plan_defaults_to_blocks_and_refuses_other_names(monkeypatch):
     from sparseattn.diffusers_wan import svg2_plan
 
     monkeypatch.delenv("SPARSEATTN_SVG2_PLAN", raising=False)
-    assert svg2_plan() == "blocks"
-    monkeypatch.setenv("SPARSEATTN_SVG2_PLAN", "clusters")
     assert svg2_plan() == "clusters"
+    monkeypatch.setenv("SPARSEATTN_SVG2_PLAN", "blocks")
+    assert svg2_plan() == "blocks"
     monkeypatch.setenv("SPARSEATTN_SVG2_PLAN", "cluster")
     with pytest.raises(ValueError, match="SPARSEATTN_SVG2_PLAN"):
         svg2_plan()

@@ -172,13 +172,13 @@ def token_order_default():
 
 
 def svg2_plan():
-    """How the KPage backend plans an SVG2 call, from ``SPARSEATTN_SVG2_PLAN``: ``"blocks"`` (the default)
-    from the ``[rows, q_blocks, k_blocks]`` block mask; ``"clusters"`` one forward page stream per Q cluster
-    and the backward's plan by groups, from the cluster mask
-    (:func:`sparseattn.torch.per_row_cluster_attention`). Both plan the same steps. At SVG2's 720p call
-    (H100) the forward's plan took 1.71 ms by clusters against 1.64 by blocks, the backward's 1.06 against
-    1.55 (``data/bench/experiments/svg2_step_h100_20261207_9e3b86b_packed_argmax.json``)."""
-    value = os.environ.get("SPARSEATTN_SVG2_PLAN") or "blocks"
+    """How the KPage backend plans an SVG2 call, from ``SPARSEATTN_SVG2_PLAN``: ``"clusters"`` (the default)
+    one forward page stream per Q cluster and the backward's plan by groups, from the cluster mask
+    (:func:`sparseattn.torch.per_row_cluster_attention`); ``"blocks"`` from the ``[rows, q_blocks,
+    k_blocks]`` block mask. Both plan the same steps. At SVG2's 720p call (H100, the host ahead) the
+    forward's plan takes 0.81 ms by clusters against 1.63 by blocks, the backward's 1.05 against 1.53
+    (``data/bench/experiments/svg2_step_h100_20261207_676ec32.json``)."""
+    value = os.environ.get("SPARSEATTN_SVG2_PLAN") or "clusters"
     if value not in SVG2_PLANS:
         raise ValueError(f"SPARSEATTN_SVG2_PLAN must be one of {SVG2_PLANS}, got {value!r}")
     return value
