@@ -1,6 +1,6 @@
 """SVG2's top-p cluster selection (``cluster_select``'s Triton kernel, float64): the bisection's forms
-alternated in one process (lab script, GPU): ``bisect`` (the default, whole 64-bit patterns),
-``bisect_words`` (v27: the patterns' high words first, then the few that share the winning one), and with
+alternated in one process (lab script, GPU): ``bisect`` (whole 64-bit patterns), ``bisect_words`` (v27,
+the default since its run: the patterns' high words first, then the few that share the winning one), and with
 ``--old`` the ``bisect`` of an earlier module loaded from a file (how v24 was measured against the 64-step
 bisection it replaced).
 
