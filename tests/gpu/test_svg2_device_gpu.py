@@ -359,3 +359,50 @@ def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move():
     for got, lay, y in ((qs, step.q_layout, q), (ks, step.k_layout, k), (vs, step.k_layout, v)):
         used = lay.used_slots().view(got.shape[:2])
         assert torch.equal(got[used], sd.scatter_to_slots(y, lay.token_slot, lay.max_slots)[used])
+
+
+@pytest.mark.parametrize("plan", ["blocks", "clusters"])
+def test_an_svg2_call_and_its_plans_never_synchronize(plan):
+    """A warm SVG2 call (k-means, layouts, selection, tokens to slots) and its forward and backward plans
+    launch without a host synchronisation (``torch.cuda.set_sync_debug_mode("error")``), so a host queued
+    ahead of the GPU stays ahead; a copy from a host list in the selection once drained it."""
+    x = torch.from_numpy(_synthetic(2, 6000)).cuda().bfloat16()
+    q, k = x, x.flip(1).contiguous()
+    v = torch.randn(
+        x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)
+    ).bfloat16()
+    init = (q[:, :40].float(), k[:, :120].float())
+
+    def call():
+        step = sd.svg2_step_in_slots(q, k, v, 40, 120, 64, 0.9, 0.05, 2, *init, assign="auto")[0]
+        return step.forward_work_list(plan), step.backward_plan(plan)
+
+    call()  # compiles and caches outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_the_wan_processors_svg2_forward_never_synchronizes():
+    """The Wan processor's SVG2 call through KPage (no gradients): after a first call, the next one
+    launches without a host synchronisation."""
+    from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
+
+    grid = (6, 10, 12)
+    sel = WanSelection.svg2(q_clusters=20, k_clusters=40, top_p=0.8, min_fraction=0.1, block_size=64)
+    processor = WanSparseAttnProcessor(grid, sel, backend="kpage")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (torch.randn(1, 720, 3, 64, device="cuda", generator=g).bfloat16() for _ in range(3))
+    with torch.no_grad():
+        first = processor.attend(q, k, v)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = processor.attend(q, k, v)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(out).all() and out.shape == first.shape

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU run that decides five opt-in paths, each built and checked on the CPU but not yet run on a GPU:
+# The GPU run that decided five opt-in paths (2026-12-07, H100; outcomes in the notes named below), each built
+# and checked on the CPU before it ran:
 #   v25    SPARSEATTN_KMEANS_BUILD=packed_argmax  the k-means assignment keeps each row's best as a packed max
 #   v26    SPARSEATTN_SVG2_PLAN=clusters          SVG2's forward and backward planned from the cluster mask
 #   v27    SPARSEATTN_SVG2_SELECT=bisect_words    SVG2's top-p bisection by the patterns' high words first

@@ -32,8 +32,8 @@ Step 2 has several implementations with the same plan, arguments and results:
 
 A plan with pair items (``TilePlan.stream_vis``, :mod:`sparseattn.planning.pair_backward`: two 64-row K/V
 blocks in a 128-row item, each half seeing its own block's Q pages) runs its 128-row items on
-``paged_bwd_ws_kernel<D, true>`` (written and compiled, not yet run on a GPU); it needs ``impl="wgmma"``
-or ``"wgmma_ws"`` without ``deterministic``.
+``paged_bwd_ws_kernel<D, true>`` (its GPU tests: ``tests/gpu/test_kpage_backward.py``'s pair route); it
+needs ``impl="wgmma"`` or ``"wgmma_ws"`` without ``deterministic``.
 
 ``deterministic=True`` (wgmma implementations) makes dQ bit-identical from run to run: the Q-owned dQ
 pass already is (a fixed summation order); otherwise dQ is added in 64-bit fixed point with integer
