@@ -177,7 +177,7 @@ def svg2_plan():
     (:func:`sparseattn.torch.per_row_cluster_attention`); ``"blocks"`` from the ``[rows, q_blocks,
     k_blocks]`` block mask. Both plan the same steps. At SVG2's 720p call (H100, the host ahead) the
     forward's plan takes 0.81 ms by clusters against 1.63 by blocks, the backward's 1.05 against 1.53
-    (``data/bench/experiments/svg2_step_h100_20261207_676ec32.json``)."""
+    (``data/bench/svg2_step_h100_20261207_676ec32.json``)."""
     value = os.environ.get("SPARSEATTN_SVG2_PLAN") or "clusters"
     if value not in SVG2_PLANS:
         raise ValueError(f"SPARSEATTN_SVG2_PLAN must be one of {SVG2_PLANS}, got {value!r}")

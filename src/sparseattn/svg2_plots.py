@@ -36,9 +36,9 @@ METHOD_LABELS = {
     "fused": "Triton assignment",
     "fused_last_step": "Triton, last step labels only",
     "wgmma_last_step": "wgmma, last step labels only",
-    "wgmma_last_step_queued": "the same, host ahead of the GPU",
-    "wgmma_in_slots_queued": "the same, sums taken in the move",
-    "wgmma_in_slots_queued_clusters": "the same, planned by clusters",
+    "wgmma_last_step_queued": "wgmma, host ahead of the GPU",
+    "wgmma_in_slots_queued": "wgmma, host ahead, sums in the move",
+    "wgmma_in_slots_queued_clusters": "the same, plans by clusters",
 }
 #: Methods whose overhead passes this share of their kernel's time (torch's is ~3×) do not set the axis' end.
 CUT_SHARE = 0.5

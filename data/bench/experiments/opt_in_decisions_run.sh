@@ -30,6 +30,8 @@ steps=("$@")
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 commit=$(cat .scratch/commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# the records' commit (a copy of the tree may carry an older .git: write .scratch/commit and carry .scratch)
+export SPARSEATTN_COMMIT=${SPARSEATTN_COMMIT:-$commit}
 echo "commit $commit, $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
     | tee "$out/run.txt"
 if compgen -G ".whl/*.whl" > /dev/null; then
