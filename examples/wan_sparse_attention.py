@@ -3,7 +3,7 @@
     python examples/wan_sparse_attention.py                     # Wan2.1-1.3B-shaped, random init, 480p
     python examples/wan_sparse_attention.py --model DIR         # a local diffusers Wan transformer folder
     python examples/wan_sparse_attention.py --selection vsa     # VSA's top 10% selected on the GPU
-    python examples/wan_sparse_attention.py --tiles             # the model's tokens kept tile-major
+    python examples/wan_sparse_attention.py --raster            # the model's tokens kept in raster order
     python examples/wan_sparse_attention.py --tiny --device cpu --backend masked_sdpa   # anywhere
 
 One denoising forward of an 81-frame 480p latent (21 x 60 x 104; 32,760 tokens after patching) with
@@ -46,9 +46,10 @@ def main(argv=None) -> float:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer toy model and latent (CPU checks)")
     parser.add_argument(
-        "--tiles",
+        "--raster",
         action="store_true",
-        help="keep the model's tokens tile-major between its blocks: no token moves around the kernel",
+        help="keep the model's tokens in raster order (KPage's default here: tile-major between the blocks, "
+        "so no token moves around the kernel)",
     )
     args = parser.parse_args(argv)
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -77,7 +78,7 @@ def main(argv=None) -> float:
     else:  # each query cube's top 10% of the 4 x 4 x 4 cubes, selected on the GPU every call
         cubes = math.prod(-(-g // 4) for g in grid)
         selection = WanSelection.vsa(tile=(4, 4, 4), topk=max(1, math.ceil(0.1 * cubes)))
-    order = "tiles" if args.tiles else None  # None: the processors' default (k and v moved to slots)
+    order = "qo" if args.raster else None  # None: install_sparse_attention's (KPage: tile-major tokens)
     install_sparse_attention(model, grid=grid, selection=selection, backend=args.backend, token_order=order)
     sparse, sparse_ms = forward(model, (x, t, text), device)
 
