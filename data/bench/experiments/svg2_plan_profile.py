@@ -1,8 +1,12 @@
-"""Where an SVG2 call's forward and backward plans spend their GPU time (lab script, GPU): one 720p call's
-step (``svg2_step_in_slots``, the Wan processor's order), then each plan (``blocks``: from the block mask,
-made inside the call as the processor does; ``clusters``: by groups) timed with the host queued ahead
+"""Where an SVG2 call's parts spend their GPU time (lab script, GPU): one 720p call's step
+(``svg2_step_in_slots``, the Wan processor's order), then each part alone timed with the host queued ahead
 (CUDA events after a GPU sleep, median of ``--reps``), its wall time with the host not ahead, and a
-profile of every kernel one plan launches (torch.profiler, all rows).
+profile of every kernel it launches (torch.profiler, all rows). The parts (``--parts``, default all):
+each plan (``fwd_blocks`` / ``bwd_blocks`` from the block mask, made inside the part as the processor would;
+``fwd_clusters`` / ``bwd_clusters`` by groups), each side's k-means (``kmeans_q``, ``kmeans_k``: the
+warm-started Lloyd steps, the last one labels only), the partition ``layouts`` of both sides, the move of
+q, k, v to slots with the clusters' sums (``to_slots``) and the means and top-p selection from those sums
+(``select``).
 
     PYTHONPATH=src python data/bench/experiments/svg2_plan_profile.py --out svg2_plan_profile.json
 """
@@ -18,6 +22,7 @@ import time
 def main() -> int:
     import torch
 
+    from sparseattn import svg2_device as sd
     from sparseattn import workloads as wl
     from sparseattn.svg2_device import lloyd, svg2_step_in_slots
     from sparseattn.svg2_step_bench import features
@@ -27,6 +32,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", required=True)
     p.add_argument("--profile", default=None, help="the profiles' tables (default: OUT with .txt)")
+    p.add_argument("--parts", default=None, help="comma-separated parts (default: all)")
     args = p.parse_args()
     w = wl.get_workload(args.workload)
     sel, dev = w.selection, torch.device("cuda")
@@ -40,17 +46,49 @@ def main() -> int:
     def fresh_step():  # the block mask is made on first use: a fresh step per blocks-plan call
         return svg2_step_in_slots(q, k, v, *call, assign="wgmma")[0]
 
+    qc, kc, block = sel.q_clusters, sel.k_clusters, w.block_size
+    fitted = sd.fit_for_slots(q, k, qc, kc, block, 2, *init, None, "wgmma")
+
+    def moved():  # the move's cluster sums, as the call takes them
+        q_sums, k_sums = fitted.sums_buffers(q.shape[2], q.device)
+        ql, kl = fitted.q_layout, fitted.k_layout
+        sd.scatter_to_slots(q, ql.token_slot, ql.max_slots, ql.used_slots(), q_sums, sd.slot_sum_index(ql))
+        sd.scatter_to_slots(k, kl.token_slot, kl.max_slots, kl.used_slots(), k_sums, sd.slot_sum_index(kl))
+        sd.scatter_to_slots(v, kl.token_slot, kl.max_slots, kl.used_slots())
+        return q_sums, k_sums
+
+    sums = moved()
+    last_only = dict(assign="wgmma", final_assign=False, last_sums=False)
     parts = {
-        "fwd_blocks": lambda s: s.forward_work_list("blocks"),
-        "fwd_clusters": lambda s: s.forward_work_list("clusters"),
-        "bwd_blocks": lambda s: s.backward_plan("blocks"),
-        "bwd_clusters": lambda s: s.backward_plan("clusters"),
+        "fwd_blocks": (fresh_step, lambda s: s.forward_work_list("blocks")),
+        "fwd_clusters": (fresh_step, lambda s: s.forward_work_list("clusters")),
+        "bwd_blocks": (fresh_step, lambda s: s.backward_plan("blocks")),
+        "bwd_clusters": (fresh_step, lambda s: s.backward_plan("clusters")),
+        "kmeans_q": (lambda: None, lambda _: lloyd(q, qc, 2, init[0], **last_only)),
+        "kmeans_k": (lambda: None, lambda _: lloyd(k, kc, 2, init[1], **last_only)),
+        "layouts": (
+            lambda: None,
+            lambda _: (
+                sd.partition_slots(fitted.q_fit[0], qc, block),
+                sd.partition_slots(fitted.k_fit[0], kc, block),
+            ),
+        ),
+        "to_slots": (lambda: None, lambda _: moved()),
+        "select": (
+            lambda: None,
+            lambda _: sd.step_from_slot_sums(fitted, *sums, sel.top_p, sel.min_fraction),
+        ),
     }
+    if args.parts:
+        unknown = set(args.parts.split(",")) - set(parts)
+        if unknown:
+            raise SystemExit(f"--parts: unknown {sorted(unknown)}; known {list(parts)}")
+        parts = {n: parts[n] for n in args.parts.split(",")}
     records, tables = [], []
-    for name, plan in parts.items():
+    for name, (prepare, plan) in parts.items():
         queued, wall = [], []
         for rep in range(args.reps + 1):
-            step = fresh_step()
+            step = prepare()
             torch.cuda.synchronize()
             torch.cuda._sleep(100_000_000)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -58,7 +96,7 @@ def main() -> int:
             plan(step)
             b.record()
             torch.cuda.synchronize()
-            step = fresh_step()
+            step = prepare()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             plan(step)
@@ -66,7 +104,7 @@ def main() -> int:
             if rep:
                 queued.append(a.elapsed_time(b))
                 wall.append((time.perf_counter() - t0) * 1e3)
-        step = fresh_step()
+        step = prepare()
         torch.cuda.synchronize()
         torch.cuda._sleep(100_000_000)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
