@@ -17,6 +17,7 @@ from sparseattn.diffusers_wan import (
     WanSparseAttnProcessor,
     contiguous_hidden_states,
     install_sparse_attention,
+    install_token_order,
     token_mask,
 )
 from sparseattn.layouts import video_layout
@@ -221,6 +222,30 @@ def test_bad_arguments():
         )
     with pytest.raises(TypeError, match="WanTransformer3DModel"):
         install_sparse_attention(object(), GRID, WanSelection.full())
+
+
+def test_install_keeps_kpage_tokens_tile_major_unless_told(monkeypatch):
+    """``install_sparse_attention`` without ``token_order``: the KPage backend's STA, VSA and full selections
+    get tile-major tokens (the hooks installed, the model's output unchanged); SVG2, masked SDPA and
+    ``SPARSEATTN_TOKEN_ORDER`` keep the processor's default; an explicit order wins."""
+    monkeypatch.delenv("SPARSEATTN_TOKEN_ORDER", raising=False)
+    sta = WanSelection.sta((2, 2, 4), (1, 1, 1))
+    for sel in (sta, WanSelection.vsa((2, 2, 4), 2), WanSelection.full((2, 2, 4))):
+        assert install_token_order(sel, "kpage") == "tiles"
+        assert install_token_order(sel, "masked_sdpa") is None
+    assert install_token_order(WanSelection.svg2(4, 4), "kpage") is None
+    x, t, enc = model_inputs()
+    raster = tiny_model()
+    install_sparse_attention(raster, GRID, sta, backend="kpage", token_order="qo")
+    model = tiny_model()
+    processor = install_sparse_attention(model, GRID, sta, backend="kpage")
+    assert processor.token_order == "tiles" and processor.tile_hooks is not None
+    with torch.no_grad():
+        want = raster(x, t, enc, return_dict=False)[0]
+        torch.testing.assert_close(model(x, t, enc, return_dict=False)[0], want, rtol=1e-4, atol=1e-5)
+    monkeypatch.setenv("SPARSEATTN_TOKEN_ORDER", "qo")
+    assert install_token_order(sta, "kpage") is None
+    assert install_sparse_attention(tiny_model(), GRID, sta, backend="kpage").token_order == "qo"
 
 
 def test_token_order_defaults_to_the_qo_build(monkeypatch):
