@@ -48,7 +48,7 @@ def _check_cluster_streams(seeds) -> int:
         g = torch.Generator().manual_seed(seed)
         for block in (48, 64, 128):
             rows, tokens, qg, kg = 2, 300 + 41 * seed, 5, 7
-            q_labels = torch.randint(0, qg, (rows, tokens), generator=g)
+            q_labels = torch.randint(0, qg - 1, (rows, tokens), generator=g)  # Q group qg - 1 empty
             q_labels[:, : tokens // 2] = 2  # Q group 2 takes several blocks: they share its stream
             ql = partition_slots(q_labels, qg, block)
             labels = torch.randint(0, kg - 1, (rows, tokens), generator=g)  # K group kg - 1 empty
@@ -57,6 +57,7 @@ def _check_cluster_streams(seeds) -> int:
             pairs = torch.rand(rows, qg, kg, generator=g) < 0.5
             pairs[:, 2, 0] = True
             pairs[0, 1] = False  # a Q group selecting nothing
+            pairs[:, qg - 1] = True  # the empty Q group selects everything: it must store no stream
             args = (ql.block_rows, kl.block_rows, ql.block_group, kl.block_group, pairs, block)
             got = dl.cluster_forward_work_list(*args)
             page_streams.available = lambda x: False
@@ -71,6 +72,12 @@ def _check_cluster_streams(seeds) -> int:
                 assert torch.equal(getattr(got, name), getattr(want, name)), name
             assert int(got.status[1]) == 0 and int(got.status[0]) < int(want.status[0]), "shared streams"
             assert torch.equal(got.item_streams(), want.item_streams()), "item streams"
+            shared = {}  # each stored stream once, by its start: the items sharing it read the same entries
+            for start, length in zip(info[:, 1].tolist(), info[:, 2].tolist()):
+                if length:
+                    shared.setdefault(start, length)
+            stored = sum(shared.values())
+            assert int(got.status[0]) == stored, "only the streams some item reads are stored"
             if block in (64, 128):  # the backward's plan by clusters: entry for entry the block form's
                 bwd = dl.cluster_backward_plan(*args)
                 page_streams.available = lambda x: False
