@@ -311,9 +311,9 @@ def check_cluster_select() -> int:
 
 
 def check_cluster_select_words() -> int:
-    """The selection's bisection by high words first (``method="bisect_words"``) equals the torch sort on
-    :func:`_select_cases`, and the bisection by whole patterns bit for bit on rows whose probabilities share
-    their high words (scores equal but for ~1e-12, or exactly: the second phase then settles the low words
+    """The selection's other bisection, by whole patterns (``method="bisect"``), equals the torch sort on
+    :func:`_select_cases` (:func:`check_cluster_select` holds the default, by high words first, to it), and
+    the two bisections are equal bit for bit on rows whose probabilities share their high words (scores equal but for ~1e-12, or exactly: the second phase then settles the low words
     among many lanes, and ties at the cut are frequent; there the sort's cumulative sums round differently
     and are not the reference)."""
     from sparseattn import cluster_select, svg2_device
@@ -322,7 +322,7 @@ def check_cluster_select_words() -> int:
     for qc, kc, sizes, d, scale, top_p, min_fraction in _select_cases():
         dots, bias, least = svg2_device.selection_inputs(qc, kc, sizes, min_fraction)
         want = svg2_device._select_by_sort(dots, bias, d, top_p, least)
-        got = cluster_select.select_mask(dots, bias, d, top_p, least, method="bisect_words")
+        got = cluster_select.select_mask(dots, bias, d, top_p, least, method="bisect")
         assert torch.equal(got, want), (*qc.shape, kc.shape[1], scale, top_p, min_fraction)
         cases += 1
     g = torch.Generator().manual_seed(6)

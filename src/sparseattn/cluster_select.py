@@ -9,10 +9,10 @@ same precision (float64 or float32, as the scores); sums are taken in a differen
 a score within rounding of the top-p boundary may fall the other way.
 
 Float64 scores take a bisection by default (``method="bisect_words"``): it finds the ``keep``-th largest
-probability without sorting, by a bisection on the probabilities' bit patterns (they order like the values, p ≥ 0), each
-step one masked sum over the row, and a second bisection by count only where ``min_fraction`` or the live
-clusters move ``keep``. Each bisection starts from the row's smallest and largest live patterns and
-snaps its bounds to the row's patterns nearest its midpoint, so it ends when they meet: 5–14 steps at
+probability without sorting, by a bisection on the probabilities' bit patterns (they order like the values,
+p ≥ 0), each step one masked sum over the row, and a second bisection by count only where ``min_fraction``
+or the live clusters move ``keep``. Each bisection starts from the row's smallest and largest live patterns
+and snaps its bounds to the row's patterns nearest its midpoint, so it ends when they meet: 5–14 steps at
 1,000 clusters (counted on random scores), where bisecting the whole range of patterns takes 64.
 ``method="bisect_words"`` finds the pattern by its high word first, bit for bit the same as
 ``method="bisect"`` (``SPARSEATTN_SVG2_SELECT=bisect``), which bisects whole 64-bit patterns: compares,
@@ -118,6 +118,14 @@ if triton is not None:
         return _largest_bits_reaching(bits, weight, target, first, last)
 
     @triton.jit
+    def _largest_pattern(bits, weight, target, lo, hi, WORDS: tl.constexpr):
+        """The largest pattern b of the row with ``sum(weight | bits >= b) >= target``, by whole patterns or
+        (``WORDS``) by high words first: the same pattern either way."""
+        if WORDS:
+            return _largest_bits_by_words(bits, weight, target, lo, hi)
+        return _largest_bits_reaching(bits, weight, target, lo, hi)
+
+    @triton.jit
     def _select_kernel(
         dots_ptr,  # [N, CQ, CK]: qc_i · kc_j
         bias_ptr,  # [N, CK]: log(max(size, 1)) of a live cluster, -inf of an empty one
@@ -154,11 +162,7 @@ if triton is not None:
             total = tl.sum(tl.where(live, p, 0.0), 0)
             top_bits = tl.max(bits, 0)
             low_bits = tl.min(tl.where(live, bits, 9223372036854775807), 0)  # reaches top_p where reached
-            # sum(p | bits >= lo) >= top_p
-            if WORDS:
-                lo = _largest_bits_by_words(bits, p, top_p, low_bits, top_bits)
-            else:
-                lo = _largest_bits_reaching(bits, p, top_p, low_bits, top_bits)
+            lo = _largest_pattern(bits, p, top_p, low_bits, top_bits, WORDS)  # sum(p | bits >= lo) >= top_p
             t = lo.to(tl.float64, bitcast=True)
             above_sum = tl.sum(tl.where(bits > lo, p, 0.0), 0)
             n_above = tl.sum((bits > lo).to(tl.int64), 0)
@@ -172,10 +176,7 @@ if triton is not None:
             last_bits = lo
             if (keep != keep_top_p) | (total < top_p):  # the floor or the cap moved keep: its value anew
                 ones = tl.where(live, 1.0, 0.0).to(p.dtype)  # counts as exact float64 sums
-                if WORDS:
-                    last_bits = _largest_bits_by_words(bits, ones, keep.to(p.dtype), low_bits, top_bits)
-                else:
-                    last_bits = _largest_bits_reaching(bits, ones, keep.to(p.dtype), low_bits, top_bits)
+                last_bits = _largest_pattern(bits, ones, keep.to(p.dtype), low_bits, top_bits, WORDS)
             last = last_bits.to(tl.float64, bitcast=True)
         else:
             descending = tl.sort(p, 0, descending=True)
@@ -241,7 +242,7 @@ def select_mask(
             cq,
             ck,
             BLOCK=block,
-            BISECT=method in ("bisect", "bisect_words"),
+            BISECT=method != "sort",
             WORDS=method == "bisect_words",
             num_warps=NUM_WARPS or (2 if block <= 1024 else 8),
         )

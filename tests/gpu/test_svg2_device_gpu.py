@@ -4,6 +4,8 @@ Triton assignment, centroids rounded to bf16 for the dot products)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -361,6 +363,17 @@ def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move():
         assert torch.equal(got[used], sd.scatter_to_slots(y, lay.token_slot, lay.max_slots)[used])
 
 
+@contextlib.contextmanager
+def _no_host_sync():
+    """Whatever synchronises the host with the GPU inside raises (``torch.cuda.set_sync_debug_mode``)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @pytest.mark.parametrize("plan", ["blocks", "clusters"])
 def test_an_svg2_call_and_its_plans_never_synchronize(plan):
     """A warm SVG2 call (k-means, layouts, selection, tokens to slots) and its forward and backward plans
@@ -378,12 +391,8 @@ def test_an_svg2_call_and_its_plans_never_synchronize(plan):
         return step.forward_work_list(plan), step.backward_plan(plan)
 
     call()  # compiles and caches outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _no_host_sync():
         call()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
 
 
@@ -399,10 +408,6 @@ def test_the_wan_processors_svg2_forward_never_synchronizes():
     q, k, v = (torch.randn(1, 720, 3, 64, device="cuda", generator=g).bfloat16() for _ in range(3))
     with torch.no_grad():
         first = processor.attend(q, k, v)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with _no_host_sync():
             out = processor.attend(q, k, v)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(out).all() and out.shape == first.shape

@@ -9,19 +9,19 @@ centroids in float32), so the labels differ only where two centroids are within 
 Torch CUDA tensors in and out, on torch's current stream. ``x`` bf16 ``[N, tokens, d]`` (``d`` 64 or 128),
 ``centroids`` float ``[N, k, d]``.
 
-Two builds of the running argmin (:data:`BUILD`, ``SPARSEATTN_KMEANS_BUILD``): ``"argmin"``
-compares each distance with the row's best and selects value and index, ties to the lower index as torch's
-argmin; ``"packed_argmax"`` (in its ``_tail64`` form the default) maximizes ``−|x − c|²/2`` (the MMA's accumulators start at
-``−|c|²/2 − |x|²/2``) with each score's column in its 5 low mantissa bits, so the running best is a chain of
-max instructions alone. Measured on an H100 at SVG2's 720p shapes, its first form (scores ``x·c − |c|²/2``,
-without the |x|² shift) was 14–16% faster on K's assignment and Lloyd step, 8–14% on Q's
+Two builds of the running argmin (:data:`BUILD`, ``SPARSEATTN_KMEANS_BUILD``): ``"argmin"`` compares each
+distance with the row's best and selects value and index, ties to the lower index as torch's argmin;
+``"packed_argmax"`` (in its ``_tail64`` form the default) maximizes ``−|x − c|²/2`` (the MMA's accumulators
+start at ``−|c|²/2 − |x|²/2``) with each score's column in its 5 low mantissa bits, so the running best is a
+chain of max instructions alone. Measured on an H100 at SVG2's 720p shapes, its first form (scores
+``x·c − |c|²/2``, without the |x|² shift) was 14–16% faster on K's assignment and Lloyd step, 8–14% on Q's
 (``data/bench/experiments/kmeans_builds_ab_h100_20261206_ae3521a.json``), but its resolution was 2⁻¹⁸ of
-|x|²/2: on data far from the origin (the GPU test's blobs) 0.1% of the tokens whose nearest centroid is clear
-by distance got another label. With the shift the resolution is relative to the distance, and the whole GPU
-suite passes with it (H100, 49ea0f4): K's assignment 1.825 → 1.610 ms, Q's 0.786 → 0.727. Each build has a
-``_tail64`` form (``"argmin_tail64"``, ``"packed_argmax_tail64"``): a last chunk of at most 64 centroids is
-multiplied and scanned at wgmma N = 64, not 128 (the same scores for the same columns, so the same labels):
-Q's assignment at SVG2's 300 clusters 0.727 → 0.662 ms, its Lloyd step 1.240 → 1.188
+|x|²/2: on data far from the origin (the GPU test's blobs) 0.1% of the tokens whose nearest centroid is
+clear by distance got another label. With the shift the resolution is relative to the distance, and the
+whole GPU suite passes with it (H100, 49ea0f4): K's assignment 1.825 → 1.610 ms, Q's 0.786 → 0.727. Each
+build has a ``_tail64`` form (``"argmin_tail64"``, ``"packed_argmax_tail64"``): a last chunk of at most 64
+centroids is multiplied and scanned at wgmma N = 64, not 128 (the same scores for the same columns, so the
+same labels): Q's assignment at SVG2's 300 clusters 0.727 → 0.662 ms, its Lloyd step 1.240 → 1.188
 (``data/bench/experiments/kmeans_builds_ab_h100_20261207_49ea0f4.json``).
 """
 
@@ -48,7 +48,7 @@ BUILDS = {
 BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "packed_argmax_tail64"
 
 
-def _kernel_name(d: int, accumulate: bool, packed: bool, narrow_tail: bool = False) -> str:
+def _kernel_name(d: int, accumulate: bool, packed: bool, narrow_tail: bool) -> str:
     flag = lambda b: "true" if b else "false"
     return f"kmeans_assign_kernel<{d}, {flag(accumulate)}, {flag(packed)}, {flag(narrow_tail)}>"
 
