@@ -619,8 +619,8 @@ def check_svg2_rows(
     from .svg2_device import cluster_pair_mask
 
     def run(q, k, v, idx):
-        step = processor.svg2_step(q, k)
-        got = processor._svg2_kpage(q, k, v, step) if q.is_cuda else processor._svg2_masked(q, k, v, step)
+        got = processor._attend_svg2(q, k, v)  # the processor's own path; it keeps the step it made
+        step = processor.last_svg2_step
         # batch 1: the step's rows are the heads
         return got, cluster_pair_mask(step.cluster_mask, step.q_labels[:, idx], step.k_labels)[None]
 

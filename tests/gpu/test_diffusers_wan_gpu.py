@@ -69,3 +69,16 @@ def test_svg2_kpage_equals_masked_sdpa_on_the_same_step(block, plan, monkeypatch
     assert rel_o < 2e-2, f"relative difference {rel_o:.3e}"
     for name, rel in zip(("dq", "dk", "dv"), rel_grads):
         assert rel < 5e-2, f"{name}: relative difference {rel:.3e}"
+
+
+def test_the_model_benchs_svg2_check_runs_the_kpage_path():
+    """``bench model``'s SVG2 check on the GPU (KPage's own call, which makes its step) holds its tolerance;
+    on the CPU the same check takes the masked path."""
+    from sparseattn import model_bench
+    from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
+
+    grid = (6, 10, 12)
+    proc = WanSparseAttnProcessor(grid, WanSelection.svg2(q_clusters=20, k_clusters=40), backend="kpage")
+    rel = model_bench.check_svg2_rows(proc, grid, heads=3, head_dim=64, rows=256)
+    assert proc.last_svg2_step is not None
+    assert rel < model_bench.REL_TOL, f"relative error {rel:.3e}"
