@@ -14,8 +14,10 @@ q, k, v to slots with the clusters' sums (``to_slots``) and the means and top-p 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
+import sys
 import time
 
 
@@ -24,6 +26,7 @@ def main() -> int:
 
     from sparseattn import svg2_device as sd
     from sparseattn import workloads as wl
+    from sparseattn.bench import _git_commit
     from sparseattn.svg2_device import lloyd, svg2_step_in_slots
     from sparseattn.svg2_step_bench import features
 
@@ -136,7 +139,13 @@ def main() -> int:
             flush=True,
         )
     meta = dict(
-        gpu=torch.cuda.get_device_name(), workload=args.workload, heads=w.heads, torch=torch.__version__
+        gpu=torch.cuda.get_device_name(),
+        commit=_git_commit(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command="python data/bench/experiments/svg2_plan_profile.py " + " ".join(sys.argv[1:]),
+        workload=args.workload,
+        heads=w.heads,
+        torch=torch.__version__,
     )
     with open(args.out, "w") as f:
         json.dump(dict(meta, records=records), f, indent=1)
