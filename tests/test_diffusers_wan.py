@@ -345,6 +345,25 @@ def test_svg2_warm_starts_each_layer_from_its_previous_centroids():
     assert torch.equal(step.q_labels, labels)
 
 
+def test_svg2_keeps_its_warm_start_in_the_same_tensors():
+    """A layer's later calls copy their centroids into the tensors of its first call (what a CUDA graph
+    replays read), and those hold the latest call's centroids."""
+    processor = WanSparseAttnProcessor(GRID, WanSelection.svg2(**SVG2), backend="masked_sdpa")
+    g = torch.Generator().manual_seed(7)
+    n = int(np.prod(GRID))
+    key = (None, 2 * HEADS)
+    kept = None
+    for call in range(3):
+        q, k = (torch.randn(2, n, HEADS, HEAD_DIM, generator=g) for _ in range(2))
+        step = processor.svg2_step(q, k)
+        now = processor._centroids[key]
+        if kept is None:
+            kept = now
+        assert now[0] is kept[0] and now[1] is kept[1], call
+        assert torch.equal(now[0], step.q_centroids) and torch.equal(now[1], step.k_centroids), call
+        assert now[0] is not step.q_centroids  # a copy: the step's own tensors stay what it computed
+
+
 def test_svg2_model_trains_on_masked_sdpa():
     x, t, enc = model_inputs()
     model = tiny_model().train()

@@ -403,8 +403,18 @@ class WanSparseAttnProcessor:
         return step
 
     def _keep_centroids(self, q, step):
-        """This layer's warm start for its next call: ``step``'s centroids, keyed by the ``B · heads`` rows."""
-        self._centroids[(self._layer, q.shape[0] * q.shape[2])] = (step.q_centroids, step.k_centroids)
+        """This layer's warm start for its next call: ``step``'s centroids, keyed by the ``B · heads`` rows.
+        Copied in place into the tensors the call started from (kept since the layer's first call), so that
+        a call captured in a CUDA graph warm-starts each replay from the one before; a fresh copy where the
+        shapes change."""
+        key = (self._layer, q.shape[0] * q.shape[2])
+        new = (step.q_centroids.detach(), step.k_centroids.detach())
+        kept = self._centroids.get(key)
+        if kept is not None and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(kept, new)):
+            for a, b in zip(kept, new):
+                a.copy_(b)
+        else:
+            self._centroids[key] = tuple(c.clone() for c in new)
 
     def _attend_svg2(self, q, k, v):
         """SVG2: query i attends key j when the pair of their clusters is selected (masked SDPA, or KPage

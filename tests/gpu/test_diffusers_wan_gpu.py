@@ -82,3 +82,45 @@ def test_the_model_benchs_svg2_check_runs_the_kpage_path():
     rel = model_bench.check_svg2_rows(proc, grid, heads=3, head_dim=64, rows=256)
     assert proc.last_svg2_step is not None
     assert rel < model_bench.REL_TOL, f"relative error {rel:.3e}"
+
+
+@pytest.mark.parametrize("plan", ["blocks", "clusters"])
+def test_svg2_call_replays_in_a_cuda_graph_with_its_warm_start(plan, monkeypatch):
+    """An SVG2 KPage call captured once with ``torch.cuda.graph`` and replayed on new q, k, v gives what the
+    eager processor gives on the same sequence of calls: each replay warm-starts from the centroids of the
+    one before (both processors' centroids compared after every call), and the outputs agree."""
+    from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
+    from sparseattn.torch import capture_cuda_graph
+
+    monkeypatch.setenv("SPARSEATTN_SVG2_PLAN", plan)
+    grid = (6, 10, 12)
+    sel = WanSelection.svg2(q_clusters=20, k_clusters=40, top_p=0.8, min_fraction=0.1)
+    eager, graphed = (WanSparseAttnProcessor(grid, sel, backend="kpage") for _ in range(2))
+    g = torch.Generator(device="cuda").manual_seed(11)
+    n = grid[0] * grid[1] * grid[2]
+    calls = [
+        tuple(torch.randn(1, n, 3, 64, device="cuda", generator=g).bfloat16() for _ in range(3))
+        for _ in range(5)
+    ]
+    key = (None, 3)
+
+    def centroids_agree(call):
+        for a, b in zip(eager._centroids[key], graphed._centroids[key]):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda m: f"call {call}: {m}")
+
+    with torch.no_grad():
+        for p in (eager, graphed):  # the seeded first fit
+            p.attend(*calls[0])
+        eager.attend(*calls[1])  # the graphed processor's warm-up call below is its second call
+        static = [x.clone() for x in calls[1]]
+        graph, out = capture_cuda_graph(lambda: graphed.attend(*static), warmup=1)
+        centroids_agree(1)
+        for i in range(2, len(calls)):
+            want = eager.attend(*calls[i])
+            for dst, src in zip(static, calls[i]):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            centroids_agree(i)
+            rel = ((out.float() - want.float()).norm() / want.float().norm()).item()
+            assert rel < 1e-2, f"call {i}: relative difference {rel:.3e}"
