@@ -105,6 +105,8 @@ def test_items_streams_and_order():
     for r in range(rows):
         c = cost[order[heads == r]]
         assert np.all(np.diff(c) <= 0)
+    # exactly: head by head, largest first, ties in item order
+    np.testing.assert_array_equal(order, np.lexsort((np.arange(len(cost)), -cost, info[:, 0])))
 
 
 def test_cluster_work_list_streams_what_the_block_work_list_does():

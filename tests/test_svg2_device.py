@@ -171,11 +171,14 @@ def label_cases(seed):
         ("one group", np.stack([np.zeros(t, np.int64), np.full(t, 3)]), 4),
         ("only group", np.zeros((2, t), np.int64), 1),
         ("singletons", np.stack([rng.permutation(t), np.arange(t)]), t),
+        # the widest int16 keys' bound and past it (int32 keys)
+        ("many groups", np.stack([rng.integers(2**15 - 40, 2**15 - 1, t), rng.integers(0, 40_000, t)]), 40_000),
+        ("int16 bound", np.stack([rng.integers(2**15 - 40, 2**15 - 2, t), np.full(t, 2**15 - 3)]), 2**15 - 2),
     ]
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 128])
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(6))
 def test_partition_slots_matches_partition_layout(case, block_size):
     name, labels, groups = label_cases(case + 10 * block_size)[case]
     lay = sd.partition_slots(torch.from_numpy(labels), groups, block_size)

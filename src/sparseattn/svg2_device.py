@@ -356,13 +356,17 @@ def partition_slots(
             f"max_slots must be a multiple of block_size={b} and at least {bound} "
             f"(max_slots_bound({t}, {g}, {b})), got {max_slots!r}"
         )
-    labels = labels.long()
     dev = labels.device
-    sizes = torch.zeros(n, g, dtype=torch.long, device=dev).scatter_add_(1, labels, torch.ones_like(labels))
+    sorted_labels, order = _sorted_rows(labels, g)
+    # each group's first position in its row's sorted labels (and the row's end): the sizes without an
+    # atomic per token
+    bounds = torch.arange(g + 1, device=dev, dtype=sorted_labels.dtype).expand(n, -1).contiguous()
+    first = torch.searchsorted(sorted_labels, bounds)
+    sizes = first.diff(dim=1)
     blocks = (sizes + (b - 1)) // b
     block_end = blocks.cumsum(1)  # [N, G]
     group_first_block = block_end - blocks
-    token_slot = _token_slots(labels, sizes, group_first_block * b)
+    token_slot = _token_slots(sorted_labels, order, first[:, :-1], group_first_block * b)
     max_blocks = max_slots // b
     block_ids = torch.arange(max_blocks, device=dev).expand(n, max_blocks).contiguous()
     block_group = torch.searchsorted(block_end, block_ids, right=True)
@@ -381,19 +385,24 @@ def partition_slots(
     )
 
 
-def _token_slots(labels: torch.Tensor, sizes: torch.Tensor, group_start: torch.Tensor) -> torch.Tensor:
-    """int64 ``[N, tokens]``: each token's slot in :func:`partition_slots` (its group's first slot,
-    ``group_start`` ``[N, G]``, plus its rank among the group's ``sizes`` tokens), by one stable sort per row."""
-    t = labels.shape[1]
-    dev = labels.device
-    g = sizes.shape[1]
-    first = sizes.cumsum(1) - sizes  # first sorted position of each group
-    # sorted as 16-bit keys where the groups fit: a radix sort takes a pass per key byte
-    narrow = labels.to(torch.int16 if g <= 2**15 else torch.int32)
-    sorted_narrow, order = torch.sort(narrow, dim=1, stable=True)
-    sorted_labels = sorted_narrow.long()
-    rank = torch.arange(t, device=dev).unsqueeze(0) - first.gather(1, sorted_labels)
-    return torch.empty_like(labels).scatter_(1, order, group_start.gather(1, sorted_labels) + rank)
+def _sorted_rows(labels: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_labels, order)`` ``[N, tokens]``: each row's labels sorted stably (int16 keys where the groups
+    fit, int32 else: a radix sort takes a pass per key byte) and the tokens in that order (int64)."""
+    narrow = labels.to(torch.int16 if num_groups < 2**15 - 1 else torch.int32)  # and the bound num_groups
+    return torch.sort(narrow, dim=1, stable=True)
+
+
+def _token_slots(
+    sorted_labels: torch.Tensor, order: torch.Tensor, first: torch.Tensor, group_start: torch.Tensor
+) -> torch.Tensor:
+    """int64 ``[N, tokens]``: each token's slot in :func:`partition_slots`, its group's first slot
+    (``group_start`` ``[N, G]``) plus its rank in the group, from the rows' stable sort (:func:`_sorted_rows`)
+    and each group's first sorted position ``first`` ``[N, G]``: the ``i``-th sorted token's slot is
+    ``i + group_start − first`` of its group."""
+    t = sorted_labels.shape[1]
+    shift = (group_start - first).gather(1, sorted_labels.long())
+    slots = torch.arange(t, device=sorted_labels.device).unsqueeze(0) + shift
+    return torch.empty_like(order).scatter_(1, order, slots)
 
 
 def slot_rows(token_slot: torch.Tensor, max_slots: int) -> torch.Tensor:

@@ -271,9 +271,11 @@ def _forward_items(q_rows, flat_len, start, total, stream_entries, block_size: i
     m = torch.where(q_live <= OWN_PAGES // 2, 64, 128).reshape(-1)
     head = torch.arange(r, device=dev).repeat_interleave(nq)
     work_info = torch.stack([head, start, flat_len, m], 1).to(torch.int32)
-    cost = m * -(-flat_len // (CHUNK // PAGE_ROWS))
-    order = torch.sort(-cost, stable=True).indices  # largest first, ties in item order
-    order = order[torch.sort(head[order], stable=True).indices]  # then head by head
+    cost = m * -(-flat_len // (CHUNK // PAGE_ROWS))  # at most 128 · ceil(capacity / 8)
+    key_dtype = torch.int32 if 16 * int(capacity) + 128 < 2**31 else torch.int64
+    # head by head, largest first, ties in item order: one stable sort of each row's items
+    ranked = torch.sort(-cost.view(r, nq).to(key_dtype), dim=1, stable=True).indices
+    order = (ranked + torch.arange(r, device=dev).unsqueeze(1) * nq).reshape(-1)
     status = torch.stack([total, (total - capacity).clamp(min=0)])
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
     return DynamicWorkList(
