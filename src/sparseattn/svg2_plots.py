@@ -38,7 +38,7 @@ METHOD_LABELS = {
     "wgmma_last_step": "wgmma, last step labels only",
     "wgmma_last_step_queued": "wgmma, host ahead of the GPU",
     "wgmma_in_slots_queued": "wgmma, host ahead, sums in the move",
-    "wgmma_in_slots_queued_clusters": "the same, plans by clusters",
+    "wgmma_in_slots_queued_clusters": "processor's call, plans by clusters",
 }
 #: Methods whose overhead passes this share of their kernel's time (torch's is ~3×) do not set the axis' end.
 CUT_SHARE = 0.5
@@ -101,7 +101,7 @@ def svg2_call_parts_figure(run: BenchRun) -> Figure:
         ]
     )
     names = list(methods)
-    fig = figstyle.sourced_figure(source, height=0.8 + 0.36 * len(names))
+    fig = figstyle.sourced_figure(source, height=1.3 + 0.36 * len(names))  # the legend and axis above one bar
     ax = fig.add_subplot()
     y = [i + 0.12 for i in range(len(names))]  # each bar under its name
     left = [0.0] * len(names)
