@@ -807,6 +807,16 @@ def test_size_checks_run_before_any_allocation(monkeypatch):
     assert w.graphs(heads=[0])[0].heads == 1
 
 
+def test_an_unreadable_memory_limit_is_refused(monkeypatch):
+    from sparseattn.limits import memory_limit
+
+    monkeypatch.setenv("SPARSEATTN_MEMORY_LIMIT", "64 gigs")
+    with pytest.raises(ValueError, match="SPARSEATTN_MEMORY_LIMIT"):
+        memory_limit()
+    monkeypatch.setenv("SPARSEATTN_MEMORY_LIMIT", "1.5k")
+    assert memory_limit() == 1536
+
+
 def test_a_capture_with_some_empty_queries_is_analysed(tmp_path):
     """Only a capture in which every query selected nothing is refused; empty rows among others count."""
     _npz(pages=np.array([[0, 1], [-1, -1], [1, 0]], np.int16))(tmp_path / "c.npz")

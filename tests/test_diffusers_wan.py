@@ -250,7 +250,7 @@ def test_install_keeps_kpage_tokens_tile_major_unless_told(monkeypatch):
 
 def test_token_order_defaults_to_the_qo_build(monkeypatch):
     """Processors built without ``token_order`` take the Q/O token build (``"qo"``: q and o in token order, k
-    and v moved to slots); ``SPARSEATTN_TOKEN_ORDER=1`` the token-order build, ``=0`` slot order; any other
+    and v moved to slots); ``SPARSEATTN_TOKEN_ORDER=1`` the token-order build, ``=0`` slot order (other values refused); any other
     ``token_order`` is refused; CPU tensors never take a token build (its kernels are CUDA's)."""
     sta = WanSelection.sta((2, 2, 2), (1, 1, 1))
     monkeypatch.delenv("SPARSEATTN_TOKEN_ORDER", raising=False)
@@ -260,6 +260,10 @@ def test_token_order_defaults_to_the_qo_build(monkeypatch):
     assert WanSparseAttnProcessor(GRID, sta).token_order is True
     monkeypatch.setenv("SPARSEATTN_TOKEN_ORDER", "0")
     assert WanSparseAttnProcessor(GRID, sta).token_order is False
+    monkeypatch.setenv("SPARSEATTN_TOKEN_ORDER", "true")  # a typo is refused, not read as slot order
+    with pytest.raises(ValueError, match="SPARSEATTN_TOKEN_ORDER"):
+        WanSparseAttnProcessor(GRID, sta)
+    monkeypatch.setenv("SPARSEATTN_TOKEN_ORDER", "0")
     assert WanSparseAttnProcessor(GRID, WanSelection.full(), token_order=False).token_order is False
     x = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     assert not proc._token_order_call(x, x, x)

@@ -172,7 +172,11 @@ def label_cases(seed):
         ("only group", np.zeros((2, t), np.int64), 1),
         ("singletons", np.stack([rng.permutation(t), np.arange(t)]), t),
         # the widest int16 keys' bound and past it (int32 keys)
-        ("many groups", np.stack([rng.integers(2**15 - 40, 2**15 - 1, t), rng.integers(0, 40_000, t)]), 40_000),
+        (
+            "many groups",
+            np.stack([rng.integers(2**15 - 40, 2**15 - 1, t), rng.integers(0, 40_000, t)]),
+            40_000,
+        ),
         ("int16 bound", np.stack([rng.integers(2**15 - 40, 2**15 - 2, t), np.full(t, 2**15 - 3)]), 2**15 - 2),
     ]
 

@@ -168,6 +168,8 @@ def token_order_default():
     build (no moves; slower than either); ``SPARSEATTN_TOKEN_ORDER=0``: slot order with its moves.
     (``"tiles"``, the model's tokens kept tile-major, is chosen at :func:`install_sparse_attention`.)"""
     value = os.environ.get("SPARSEATTN_TOKEN_ORDER", "qo")
+    if value not in ("qo", "1", "0"):
+        raise ValueError(f"SPARSEATTN_TOKEN_ORDER must be 'qo', '1' or '0', got {value!r}")
     return "qo" if value == "qo" else value == "1"
 
 

@@ -30,7 +30,10 @@ def memory_limit() -> int:
         try:
             return int(float(text[:-1] if text[-1:] in _SUFFIXES else text) * _SUFFIXES.get(text[-1:], 1))
         except ValueError:
-            pass  # an unreadable override falls back to the default
+            raise ValueError(
+                "SPARSEATTN_MEMORY_LIMIT must be bytes or a number with a K/M/G/T suffix (e.g. 64G), got "
+                f"{os.environ['SPARSEATTN_MEMORY_LIMIT']!r}"
+            ) from None
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     except (AttributeError, ValueError, OSError):
