@@ -18,12 +18,12 @@ each form timed with the host queued ahead (CUDA events after a GPU sleep) and w
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
 import importlib.util
-import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
 def load(path: str, name: str):
@@ -42,7 +42,7 @@ def main() -> int:
 
     from sparseattn import svg2_device as sd
     from sparseattn import workloads as wl
-    from sparseattn.bench import _git_commit
+    from sparseattn.bench import write_run
     from sparseattn.planning import dynamic_layouts as dl
     from sparseattn.svg2_device import lloyd, svg2_step_in_slots
     from sparseattn.svg2_step_bench import features
@@ -87,16 +87,9 @@ def main() -> int:
     }
     # the same outputs, field by field
     for (a, b), name in zip(zip(parts["layouts"]["old"](), parts["layouts"]["new"]()), ("q", "k")):
-        for field in (
-            "token_slot",
-            "valid",
-            "block_group",
-            "num_slots",
-            "group_sizes",
-            "block_rows",
-            "block_pages",
-        ):
-            assert torch.equal(getattr(a, field), getattr(b, field)), (name, field)
+        for field in dataclasses.fields(b):
+            x, y = getattr(a, field.name), getattr(b, field.name)
+            assert torch.equal(x, y) if isinstance(y, torch.Tensor) else x == y, (name, field.name)
     a, b = parts["fwd_plan_clusters"]["old"](), parts["fwd_plan_clusters"]["new"]()
     for field in ("work_info", "work_order", "own_entries", "status"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
@@ -128,17 +121,14 @@ def main() -> int:
         for how in ("queued", "wall"):
             o, n = (statistics.median(times[(part, f, how)]) for f in ("old", "new"))
             print(f"{part:18s} {how:6s} old {o:7.3f} ms  new {n:7.3f} ms  ({n / o:.3f})", flush=True)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        commit=_git_commit(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python data/bench/experiments/layouts_plan_ab.py " + " ".join(sys.argv[1:]),
-        torch=torch.__version__,
+    write_run(
+        Path(args.out),
+        "python data/bench/experiments/layouts_plan_ab.py",
+        None,
+        records,
         workload=args.workload,
         outputs_equal=True,
     )
-    with open(args.out, "w") as f:
-        json.dump(dict(meta, records=records), f, indent=1)
     return 0
 
 

@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
 def main() -> int:
     import torch
 
     from sparseattn import workloads as wl
-    from sparseattn.bench import _git_commit
+    from sparseattn.bench import write_run
     from sparseattn.diffusers_wan import WanSelection, WanSparseAttnProcessor
     from sparseattn.svg2_step_bench import features
     from sparseattn.torch import capture_cuda_graph
@@ -118,18 +117,15 @@ def main() -> int:
         torch.cuda.synchronize()
         rel = ((out.float() - want.float()).norm() / want.float().norm()).item()
         print(f"replay against eager on the same warm start: relative difference {rel:.2e}", flush=True)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        commit=_git_commit(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python data/bench/experiments/svg2_graph_replay.py " + " ".join(sys.argv[1:]),
-        torch=torch.__version__,
+    write_run(
+        Path(args.out),
+        "python data/bench/experiments/svg2_graph_replay.py",
+        None,
+        records,
         heads=w.heads,
         tokens=w.grid[0] * w.grid[1] * w.grid[2],
         replay_rel_diff=rel,
     )
-    with open(args.out, "w") as f:
-        json.dump(dict(meta, records=records), f, indent=1)
     return 0 if rel < 1e-2 else 1
 
 

@@ -14,11 +14,9 @@ q, k, v to slots with the clusters' sums (``to_slots``) and the means and top-p 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import sys
 import time
+from pathlib import Path
 
 
 def main() -> int:
@@ -26,7 +24,7 @@ def main() -> int:
 
     from sparseattn import svg2_device as sd
     from sparseattn import workloads as wl
-    from sparseattn.bench import _git_commit
+    from sparseattn.bench import write_run
     from sparseattn.svg2_device import lloyd, svg2_step_in_slots
     from sparseattn.svg2_step_bench import features
 
@@ -138,17 +136,14 @@ def main() -> int:
             f"kernels {gpu_sum:.3f} ms in {launches} launches",
             flush=True,
         )
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        commit=_git_commit(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python data/bench/experiments/svg2_plan_profile.py " + " ".join(sys.argv[1:]),
+    write_run(
+        Path(args.out),
+        "python data/bench/experiments/svg2_plan_profile.py",
+        None,
+        records,
         workload=args.workload,
         heads=w.heads,
-        torch=torch.__version__,
     )
-    with open(args.out, "w") as f:
-        json.dump(dict(meta, records=records), f, indent=1)
     with open(args.profile or args.out.rsplit(".", 1)[0] + ".txt", "w") as f:
         f.write("\n\n".join(tables))
     return 0
