@@ -39,13 +39,13 @@ def load(path: str, name: str):
 
 def main() -> int:
     import torch
+    from svg2_plan_profile import warm_call_inputs
 
     from sparseattn import svg2_device as sd
     from sparseattn import workloads as wl
     from sparseattn.bench import write_run
     from sparseattn.planning import dynamic_layouts as dl
-    from sparseattn.svg2_device import lloyd, svg2_step_in_slots
-    from sparseattn.svg2_step_bench import features
+    from sparseattn.svg2_device import svg2_step_in_slots
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--old-svg2-device", required=True)
@@ -59,12 +59,8 @@ def main() -> int:
     old_dl = load(args.old_dynamic_layouts, "sparseattn.planning._dynamic_layouts_old")
 
     w = wl.get_workload(args.workload)
-    sel, dev = w.selection, torch.device("cuda")
-    q, k, v = features(w, w.heads, dev)
-    g = torch.Generator(device=dev).manual_seed(0)
-    init = [
-        lloyd(x, c, 50, None, g, final_assign=False)[1] for x, c in ((q, sel.q_clusters), (k, sel.k_clusters))
-    ]
+    sel = w.selection
+    q, k, v, init = warm_call_inputs(w)
     qc, kc, block = sel.q_clusters, sel.k_clusters, w.block_size
     fitted = sd.fit_for_slots(q, k, qc, kc, block, 2, *init, None, "wgmma")
     q_labels, k_labels = fitted.q_fit[0], fitted.k_fit[0]

@@ -19,6 +19,23 @@ import time
 from pathlib import Path
 
 
+def warm_call_inputs(w):
+    """``(q, k, v, init)`` of a call at workload ``w``'s shape: its synthetic features (bf16 ``[heads,
+    tokens, d]``, V random) and each side's centroids after 50 Lloyd steps, the previous call's warm start."""
+    import torch
+
+    from sparseattn.svg2_device import lloyd
+    from sparseattn.svg2_step_bench import features
+
+    sel, dev = w.selection, torch.device("cuda")
+    q, k, v = features(w, w.heads, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    init = [
+        lloyd(x, c, 50, None, g, final_assign=False)[1] for x, c in ((q, sel.q_clusters), (k, sel.k_clusters))
+    ]
+    return q, k, v, init
+
+
 def main() -> int:
     import torch
 
@@ -26,7 +43,6 @@ def main() -> int:
     from sparseattn import workloads as wl
     from sparseattn.bench import write_run
     from sparseattn.svg2_device import lloyd, svg2_step_in_slots
-    from sparseattn.svg2_step_bench import features
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="svg2_wan14b_720p")
@@ -36,12 +52,8 @@ def main() -> int:
     p.add_argument("--parts", default=None, help="comma-separated parts (default: all)")
     args = p.parse_args()
     w = wl.get_workload(args.workload)
-    sel, dev = w.selection, torch.device("cuda")
-    q, k, v = features(w, w.heads, dev)
-    g = torch.Generator(device=dev).manual_seed(0)
-    init = [
-        lloyd(x, c, 50, None, g, final_assign=False)[1] for x, c in ((q, sel.q_clusters), (k, sel.k_clusters))
-    ]
+    sel = w.selection
+    q, k, v, init = warm_call_inputs(w)
     call = (sel.q_clusters, sel.k_clusters, w.block_size, sel.top_p, sel.min_fraction, 2, *init)
 
     def fresh_step():  # the block mask is made on first use: a fresh step per blocks-plan call
