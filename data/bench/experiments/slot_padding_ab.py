@@ -1,0 +1,96 @@
+"""SVG2's move of q, k and v to slots with the padding slots zeroed or left unwritten, alternated in one
+process (lab script, GPU).
+
+At a built-in ``svg2_*`` workload's 720p shape (the Wan processor's order: k-means whose last step assigns
+labels only, then the move with the last step's cluster sums), the three copies of
+:func:`sparseattn.svg2_device.scatter_to_slots` with ``used`` the slots of each row's blocks
+(``DeviceLayout.used_slots``: padding inside a block written as zeros) against ``used`` the slots that hold
+tokens (``DeviceLayout.token_slots``: padding left unwritten). The token rows and the sums are compared
+first; then rounds alternated, each form timed with the host queued ahead (CUDA events after a GPU sleep)
+and with the host waiting (wall), medians.
+
+    PYTHONPATH=src python data/bench/experiments/slot_padding_ab.py --out slot_padding_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    import torch
+    from svg2_plan_profile import warm_call_inputs
+
+    from sparseattn import svg2_device as sd
+    from sparseattn import workloads as wl
+    from sparseattn.bench import write_run
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="svg2_wan14b_720p")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    w = wl.get_workload(args.workload)
+    sel = w.selection
+    q, k, v, init = warm_call_inputs(w)
+    fitted = sd.fit_for_slots(q, k, sel.q_clusters, sel.k_clusters, w.block_size, 2, *init, None, "wgmma")
+    ql, kl = fitted.q_layout, fitted.k_layout
+    masks = {"zeroed": (ql.used_slots(), kl.used_slots()), "unwritten": (ql.token_slots(), kl.token_slots())}
+
+    def move(form):
+        q_used, k_used = masks[form]
+        q_sums, k_sums = fitted.sums_buffers(q.shape[2], q.device)
+        qs = sd.scatter_to_slots(q, ql.token_slot, ql.max_slots, q_used, q_sums, sd.slot_sum_index(ql))
+        ks = sd.scatter_to_slots(k, kl.token_slot, kl.max_slots, k_used, k_sums, sd.slot_sum_index(kl))
+        vs = sd.scatter_to_slots(v, kl.token_slot, kl.max_slots, k_used)
+        return (qs, ks, vs), (q_sums, k_sums)
+
+    a, b = move("zeroed"), move("unwritten")
+    for x, y, lay in zip(a[0], b[0], (ql, kl, kl)):
+        tokens = lay.valid
+        assert torch.equal(x[tokens], y[tokens])
+    for x, y in zip(a[1], b[1]):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-3)  # atomics: the order of the additions
+    del a, b
+    print("token rows equal, sums within float32 order", flush=True)
+
+    times = {(form, how): [] for form in masks for how in ("queued", "wall")}
+    for rnd in range(args.rounds):
+        for form in ("zeroed", "unwritten") if rnd % 2 == 0 else ("unwritten", "zeroed"):
+            for _ in range(args.reps):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(100_000_000)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                move(form)
+                e1.record()
+                torch.cuda.synchronize()
+                times[(form, "queued")].append(e0.elapsed_time(e1))
+                t0 = time.perf_counter()
+                move(form)
+                torch.cuda.synchronize()
+                times[(form, "wall")].append((time.perf_counter() - t0) * 1e3)
+    records = [
+        dict(part="to_slots", form=form, timing=how, time_ms=statistics.median(xs), samples=len(xs))
+        for (form, how), xs in times.items()
+    ]
+    for how in ("queued", "wall"):
+        z, u = (statistics.median(times[(f, how)]) for f in ("zeroed", "unwritten"))
+        print(f"to_slots {how:6s} zeroed {z:7.3f} ms  unwritten {u:7.3f} ms  ({u / z:.3f})", flush=True)
+    write_run(
+        Path(args.out),
+        "python data/bench/experiments/slot_padding_ab.py",
+        None,
+        records,
+        workload=args.workload,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
