@@ -6,12 +6,12 @@ heads, 75,600 tokens, 1,000 clusters of 128-row blocks) that is 202,496 slots pe
 per tensor, and most of them lie past each head's last block, where no plan ever reads.
 
 :func:`rows_to_slots` gathers instead. Each program takes ``BLOCK_ROWS`` output rows and reads each one's
-source from ``sources``: a token row (``>= 0``), zeros (``-1``: a row of ``used`` that no token fills) or
-nothing (``-2``: the row is left as ``torch.empty`` gave it). :func:`slot_sources` builds ``sources`` from
-the rows' targets and the ``used`` mask. SVG2's moves pass the slots that hold tokens
-(``DeviceLayout.token_slots``), so no padding row is written: the KPage kernels read only the rows their
-pages' masks mark valid (their GPU tests put NaN in every other slot). The backward is the gather of the
-gradient at the same rows (``index_select``), so unwritten rows are never read on either way.
+source from ``sources``: a token row (``>= 0``), zeros (``-1``: padding inside a used block; the KPage
+kernels read no padding row, their GPU tests put NaN there, so a caller may leave it out of ``used``) or
+nothing (``-2``: the row is left as ``torch.empty`` gave it). :func:`slot_sources` builds ``sources``
+from the rows' targets and a mask of the used slots (a per-row layout's first ``num_slots`` slots). The
+backward is the gather of the gradient at the same rows (``index_select``), so unwritten rows are never
+read on either way.
 
 Given ``sums`` and ``sum_index`` (the sums row of every output row, ``-1`` for none), the same pass also
 adds each copied row, in float32, into its sums row: a program's rows that all go to one sums row (a

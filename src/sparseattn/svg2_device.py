@@ -320,7 +320,7 @@ class DeviceLayout:
     def token_slots(self) -> torch.Tensor:
         """bool ``[N · max_slots]``: the slots that hold a token (:attr:`valid` flattened), as the rows of
         :func:`scatter_rows`' output. The KPage kernels read no other slot (their GPU tests put NaN in every
-        other one), so a move to slots may leave the rest unwritten."""
+        other one); as ``used``, a move writes no padding row (v32 of NOTES_svg2_device, not yet run)."""
         return self.valid.reshape(-1)
 
     @property
@@ -806,7 +806,7 @@ def svg2_step_in_slots(
 ):
     """:func:`svg2_partition_step` with ``final_assign=False`` and the tokens' move to slots, in another
     order: ``(step, qs, ks, vs)`` with ``qs`` ``[N, q_slots, d]`` and ``ks``, ``vs`` ``[N, k_slots, d]`` as
-    :func:`scatter_to_slots` moves them (only the slots that hold tokens written where Triton runs).
+    :func:`scatter_to_slots` moves them (slots past each row's blocks unwritten where Triton runs).
 
     The last Lloyd step of each side assigns labels only (:func:`fit_for_slots`); its clusters' sums
     are taken while q and k move to slots (each copied row added into its group's sums,
@@ -822,9 +822,9 @@ def svg2_step_in_slots(
     )
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
     q_sums, k_sums = fitted.sums_buffers(q.shape[2], q.device)
-    k_used = k_lay.token_slots()  # the padding slots stay unwritten: no kernel reads them
+    k_used = k_lay.used_slots()
     qs = scatter_to_slots(
-        q, q_lay.token_slot, q_lay.max_slots, q_lay.token_slots(), q_sums, slot_sum_index(q_lay)
+        q, q_lay.token_slot, q_lay.max_slots, q_lay.used_slots(), q_sums, slot_sum_index(q_lay)
     )
     ks = scatter_to_slots(k, k_lay.token_slot, k_lay.max_slots, k_used, k_sums, slot_sum_index(k_lay))
     vs = scatter_to_slots(v, k_lay.token_slot, k_lay.max_slots, k_used)

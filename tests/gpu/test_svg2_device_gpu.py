@@ -342,8 +342,8 @@ def test_select_by_words_equals_the_bisection_on_rows_that_share_their_high_word
 def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move():
     """svg2_step_in_slots on the GPU (the wgmma assignment, the Triton slot copy with each
     block's sums): its centroids are the means of its labels' clusters (empty ones keep theirs), its
-    selection is SVG2's rule on them (but for float32 summation order), and its slot tensors hold the
-    tokens at their layouts' slots."""
+    selection is SVG2's rule on them (but for float32 summation order), and its slot tensors are the
+    tokens moved to its layouts."""
     x = torch.from_numpy(_synthetic(4, 20000)).cuda().bfloat16()
     q, k = x, x.flip(1).contiguous()
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -359,8 +359,8 @@ def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move():
     want = sd.svg2_select(q_means.double(), k_means.double(), k_sizes, 128, 0.9, 0.05)
     assert (step.cluster_mask != want).float().mean() < 1e-3
     for got, lay, y in ((qs, step.q_layout, q), (ks, step.k_layout, k), (vs, step.k_layout, v)):
-        tokens = lay.token_slots().view(got.shape[:2])  # the padding slots are left unwritten
-        assert torch.equal(got[tokens], sd.scatter_to_slots(y, lay.token_slot, lay.max_slots)[tokens])
+        used = lay.used_slots().view(got.shape[:2])
+        assert torch.equal(got[used], sd.scatter_to_slots(y, lay.token_slot, lay.max_slots)[used])
 
 
 @contextlib.contextmanager
