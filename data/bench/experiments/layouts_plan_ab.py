@@ -22,7 +22,6 @@ import dataclasses
 import importlib.util
 import statistics
 import sys
-import time
 from pathlib import Path
 
 
@@ -39,7 +38,7 @@ def load(path: str, name: str):
 
 def main() -> int:
     import torch
-    from svg2_plan_profile import warm_call_inputs
+    from svg2_plan_profile import queued_and_wall, warm_call_inputs
 
     from sparseattn import svg2_device as sd
     from sparseattn import workloads as wl
@@ -98,18 +97,9 @@ def main() -> int:
             for form in ("old", "new") if rnd % 2 == 0 else ("new", "old"):
                 fn = forms[form]
                 for _ in range(args.reps):
-                    torch.cuda.synchronize()
-                    torch.cuda._sleep(100_000_000)
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    fn()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    times[(part, form, "queued")].append(e0.elapsed_time(e1))
-                    t0 = time.perf_counter()
-                    fn()
-                    torch.cuda.synchronize()
-                    times[(part, form, "wall")].append((time.perf_counter() - t0) * 1e3)
+                    t_queued, t_wall = queued_and_wall(lambda _, f=fn: f())
+                    times[(part, form, "queued")].append(t_queued)
+                    times[(part, form, "wall")].append(t_wall)
     records = []
     for (part, form, how), xs in times.items():
         records.append(dict(part=part, form=form, timing=how, time_ms=statistics.median(xs), samples=len(xs)))

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 
 def main() -> int:
     import torch
-    from svg2_plan_profile import warm_call_inputs
+    from svg2_plan_profile import queued_and_wall, warm_call_inputs
 
     from sparseattn import svg2_device as sd
     from sparseattn import workloads as wl
@@ -63,18 +62,9 @@ def main() -> int:
     for rnd in range(args.rounds):
         for form in ("zeroed", "unwritten") if rnd % 2 == 0 else ("unwritten", "zeroed"):
             for _ in range(args.reps):
-                torch.cuda.synchronize()
-                torch.cuda._sleep(100_000_000)
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                move(form)
-                e1.record()
-                torch.cuda.synchronize()
-                times[(form, "queued")].append(e0.elapsed_time(e1))
-                t0 = time.perf_counter()
-                move(form)
-                torch.cuda.synchronize()
-                times[(form, "wall")].append((time.perf_counter() - t0) * 1e3)
+                t_queued, t_wall = queued_and_wall(lambda _, f=form: move(f))
+                times[(form, "queued")].append(t_queued)
+                times[(form, "wall")].append(t_wall)
     records = [
         dict(part="to_slots", form=form, timing=how, time_ms=statistics.median(xs), samples=len(xs))
         for (form, how), xs in times.items()

@@ -36,6 +36,27 @@ def warm_call_inputs(w):
     return q, k, v, init
 
 
+def queued_and_wall(call, prepare=lambda: None) -> tuple[float, float]:
+    """``(queued, wall)`` ms of ``call(prepare())``: once with the host queued ahead (CUDA events around it
+    after a GPU sleep: the GPU's time alone), once with the host waiting for it (wall time)."""
+    import torch
+
+    arg = prepare()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    call(arg)
+    b.record()
+    torch.cuda.synchronize()
+    arg = prepare()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    call(arg)
+    torch.cuda.synchronize()
+    return a.elapsed_time(b), (time.perf_counter() - t0) * 1e3
+
+
 def main() -> int:
     import torch
 
@@ -101,22 +122,10 @@ def main() -> int:
     for name, (prepare, plan) in parts.items():
         queued, wall = [], []
         for rep in range(args.reps + 1):
-            step = prepare()
-            torch.cuda.synchronize()
-            torch.cuda._sleep(100_000_000)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            plan(step)
-            b.record()
-            torch.cuda.synchronize()
-            step = prepare()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            plan(step)
-            torch.cuda.synchronize()
-            if rep:
-                queued.append(a.elapsed_time(b))
-                wall.append((time.perf_counter() - t0) * 1e3)
+            t_queued, t_wall = queued_and_wall(plan, prepare)
+            if rep:  # the first is a warm-up
+                queued.append(t_queued)
+                wall.append(t_wall)
         step = prepare()
         torch.cuda.synchronize()
         torch.cuda._sleep(100_000_000)
