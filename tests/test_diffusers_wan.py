@@ -250,8 +250,9 @@ def test_install_keeps_kpage_tokens_tile_major_unless_told(monkeypatch):
 
 def test_token_order_defaults_to_the_qo_build(monkeypatch):
     """Processors built without ``token_order`` take the Q/O token build (``"qo"``: q and o in token order, k
-    and v moved to slots); ``SPARSEATTN_TOKEN_ORDER=1`` the token-order build, ``=0`` slot order (other values refused); any other
-    ``token_order`` is refused; CPU tensors never take a token build (its kernels are CUDA's)."""
+    and v moved to slots); ``SPARSEATTN_TOKEN_ORDER=1`` the token-order build, ``=0`` slot order, other
+    values refused; any other ``token_order`` is refused; CPU tensors never take a token build (its kernels
+    are CUDA's)."""
     sta = WanSelection.sta((2, 2, 2), (1, 1, 1))
     monkeypatch.delenv("SPARSEATTN_TOKEN_ORDER", raising=False)
     proc = WanSparseAttnProcessor(GRID, sta)

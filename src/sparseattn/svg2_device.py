@@ -394,7 +394,8 @@ def partition_slots(
 def _sorted_rows(labels: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sorted_labels, order)`` ``[N, tokens]``: each row's labels sorted stably (int16 keys where the groups
     fit, int32 else: a radix sort takes a pass per key byte) and the tokens in that order (int64)."""
-    narrow = labels.to(torch.int16 if num_groups < 2**15 - 1 else torch.int32)  # and the bound num_groups
+    # int16 while it also holds num_groups itself, the last bound partition_slots searches for
+    narrow = labels.to(torch.int16 if num_groups < 2**15 - 1 else torch.int32)
     return torch.sort(narrow, dim=1, stable=True)
 
 
