@@ -317,12 +317,6 @@ class DeviceLayout:
         slots = torch.arange(self.max_slots, device=self.num_slots.device)
         return (slots < self.num_slots.unsqueeze(1)).reshape(-1)
 
-    def token_slots(self) -> torch.Tensor:
-        """bool ``[N · max_slots]``: the slots that hold a token (:attr:`valid` flattened), as the rows of
-        :func:`scatter_rows`' output. The KPage kernels read no other slot (their GPU tests put NaN in every
-        other one); as ``used``, a move writes no padding row (v32 of NOTES_svg2_device, not yet run)."""
-        return self.valid.reshape(-1)
-
     @property
     def max_blocks(self) -> int:
         return self.block_group.shape[1]
@@ -775,6 +769,20 @@ def fit_for_slots(
     return FittedSides(q_fit, k_fit, q_lay, k_lay)
 
 
+def move_to_slots(fitted: FittedSides, q, k, v, used=None):
+    """``(qs, ks, vs, q_sums, k_sums)``: q, k, v ``[N, tokens, d]`` moved to the fitted sides' slots
+    (:func:`scatter_to_slots`), each side's cluster sums (float32 ``[N · clusters, d]``) taken on the way.
+    ``used``: the ``(q, k)`` masks of the slots written (default each layout's
+    :meth:`DeviceLayout.used_slots`: the padding inside the blocks written as zeros)."""
+    q_lay, k_lay = fitted.q_layout, fitted.k_layout
+    q_used, k_used = used if used is not None else (q_lay.used_slots(), k_lay.used_slots())
+    q_sums, k_sums = fitted.sums_buffers(q.shape[2], q.device)
+    qs = scatter_to_slots(q, q_lay.token_slot, q_lay.max_slots, q_used, q_sums, slot_sum_index(q_lay))
+    ks = scatter_to_slots(k, k_lay.token_slot, k_lay.max_slots, k_used, k_sums, slot_sum_index(k_lay))
+    vs = scatter_to_slots(v, k_lay.token_slot, k_lay.max_slots, k_used)
+    return qs, ks, vs, q_sums, k_sums
+
+
 def step_from_slot_sums(fitted: FittedSides, q_sums, k_sums, top_p: float, min_fraction: float) -> SVG2Step:
     """The second half of :func:`svg2_step_in_slots`: from each side's cluster sums (float32 ``[N ·
     clusters, d]``, taken while its tokens moved to the layout's slots, :func:`slot_sum_index`) the means,
@@ -821,14 +829,7 @@ def svg2_step_in_slots(
     fitted = fit_for_slots(
         q, k, q_clusters, k_clusters, block_size, iters, q_init, k_init, generator, assign, mark
     )
-    q_lay, k_lay = fitted.q_layout, fitted.k_layout
-    q_sums, k_sums = fitted.sums_buffers(q.shape[2], q.device)
-    k_used = k_lay.used_slots()
-    qs = scatter_to_slots(
-        q, q_lay.token_slot, q_lay.max_slots, q_lay.used_slots(), q_sums, slot_sum_index(q_lay)
-    )
-    ks = scatter_to_slots(k, k_lay.token_slot, k_lay.max_slots, k_used, k_sums, slot_sum_index(k_lay))
-    vs = scatter_to_slots(v, k_lay.token_slot, k_lay.max_slots, k_used)
+    qs, ks, vs, q_sums, k_sums = move_to_slots(fitted, q, k, v)
     mark("to_slots")
     step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
     mark("select")

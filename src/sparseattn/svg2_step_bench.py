@@ -55,7 +55,7 @@ QUEUE_CYCLES = 200_000_000  # ~0.1 s of GPU sleep: longer than the host takes to
 #: The queued call with the last Lloyd step's cluster sums taken while q and k move to slots
 #: (:func:`sparseattn.svg2_device.svg2_step_in_slots`; v22 of NOTES_svg2_device, the Wan processor's order).
 IN_SLOTS = "wgmma_in_slots_queued"
-#: The in-slots call with the forward planned by clusters (v26 of NOTES_svg2_device; measured no faster).
+#: The in-slots call with the forward planned by clusters (v26 and v29 of NOTES_svg2_device; the processor's).
 IN_SLOTS_CLUSTERS = "wgmma_in_slots_queued_clusters"
 ASSIGNS = tuple(m[0] for m in METHODS) + (QUEUED, IN_SLOTS, IN_SLOTS_CLUSTERS)
 

@@ -20,19 +20,8 @@ calls per round, the forms alternated over ``--rounds``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-
-
-def load_old(path: str):
-    """The older module as ``sparseattn._cluster_select_old`` (its relative imports resolve in the package)."""
-    import sparseattn  # noqa: F401
-
-    spec = importlib.util.spec_from_file_location("sparseattn._cluster_select_old", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main(argv=None) -> int:
@@ -54,7 +43,9 @@ def main(argv=None) -> int:
 
     forms = {"bisect": (cluster_select, "bisect"), "bisect_words": (cluster_select, "bisect_words")}
     if args.old:
-        forms["old_bisect"] = (load_old(args.old), "bisect")
+        from layouts_plan_ab import load
+
+        forms["old_bisect"] = (load(args.old, "sparseattn._cluster_select_old"), "bisect")
     g = torch.Generator(device="cuda").manual_seed(0)
     d = 128
     record = regimes_record(args)

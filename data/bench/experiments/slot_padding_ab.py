@@ -3,9 +3,9 @@ process (lab script, GPU).
 
 At a built-in ``svg2_*`` workload's 720p shape (the Wan processor's order: k-means whose last step assigns
 labels only, then the move with the last step's cluster sums), the three copies of
-:func:`sparseattn.svg2_device.scatter_to_slots` with ``used`` the slots of each row's blocks
+:func:`sparseattn.svg2_device.move_to_slots` with ``used`` the slots of each row's blocks
 (``DeviceLayout.used_slots``: padding inside a block written as zeros) against ``used`` the slots that hold
-tokens (``DeviceLayout.token_slots``: padding left unwritten). The token rows and the sums are compared
+tokens (``DeviceLayout.valid``: padding left unwritten). The token rows and the sums are compared
 first; then rounds alternated, each form timed with the host queued ahead (CUDA events after a GPU sleep)
 and with the host waiting (wall), medians.
 
@@ -39,14 +39,14 @@ def main() -> int:
     q, k, v, init = warm_call_inputs(w)
     fitted = sd.fit_for_slots(q, k, sel.q_clusters, sel.k_clusters, w.block_size, 2, *init, None, "wgmma")
     ql, kl = fitted.q_layout, fitted.k_layout
-    masks = {"zeroed": (ql.used_slots(), kl.used_slots()), "unwritten": (ql.token_slots(), kl.token_slots())}
+    # the slots that hold a token: DeviceLayout.valid flattened as the moved rows
+    masks = {
+        "zeroed": (ql.used_slots(), kl.used_slots()),
+        "unwritten": (ql.valid.reshape(-1), kl.valid.reshape(-1)),
+    }
 
     def move(form):
-        q_used, k_used = masks[form]
-        q_sums, k_sums = fitted.sums_buffers(q.shape[2], q.device)
-        qs = sd.scatter_to_slots(q, ql.token_slot, ql.max_slots, q_used, q_sums, sd.slot_sum_index(ql))
-        ks = sd.scatter_to_slots(k, kl.token_slot, kl.max_slots, k_used, k_sums, sd.slot_sum_index(kl))
-        vs = sd.scatter_to_slots(v, kl.token_slot, kl.max_slots, k_used)
+        qs, ks, vs, q_sums, k_sums = sd.move_to_slots(fitted, q, k, v, masks[form])
         return (qs, ks, vs), (q_sums, k_sums)
 
     a, b = move("zeroed"), move("unwritten")

@@ -84,12 +84,7 @@ def main() -> int:
     fitted = sd.fit_for_slots(q, k, qc, kc, block, 2, *init, None, "wgmma")
 
     def moved():  # the move's cluster sums, as the call takes them
-        q_sums, k_sums = fitted.sums_buffers(q.shape[2], q.device)
-        ql, kl = fitted.q_layout, fitted.k_layout
-        sd.scatter_to_slots(q, ql.token_slot, ql.max_slots, ql.used_slots(), q_sums, sd.slot_sum_index(ql))
-        sd.scatter_to_slots(k, kl.token_slot, kl.max_slots, kl.used_slots(), k_sums, sd.slot_sum_index(kl))
-        sd.scatter_to_slots(v, kl.token_slot, kl.max_slots, kl.used_slots())
-        return q_sums, k_sums
+        return sd.move_to_slots(fitted, q, k, v)[3:]
 
     sums = moved()
     last_only = dict(assign="wgmma", final_assign=False, last_sums=False)
