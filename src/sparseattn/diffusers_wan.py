@@ -472,9 +472,12 @@ class WanSparseAttnProcessor:
         q_rows, k_rows = in_token_order(ql), in_token_order(kl)
         flat = lambda x: x.to(torch.bfloat16).reshape(b * n * h, d)  # [B, L, heads, d] as it comes
         q_sums, k_sums = fitted.sums_buffers(d, q.device)
-        # slots past each row's blocks stay unwritten on the GPU: no plan reads them
-        qs = scatter_rows(flat(q), q_rows, b * h * ql.max_slots, ql.used_slots(), q_sums, slot_sum_index(ql))
-        k_used = kl.used_slots()
+        # on the GPU only the slots that hold a token are written: the kernels never read the others
+        # (their producers zero a page's rows past its tokens)
+        qs = scatter_rows(
+            flat(q), q_rows, b * h * ql.max_slots, ql.valid.reshape(-1), q_sums, slot_sum_index(ql)
+        )
+        k_used = kl.valid.reshape(-1)
         ks = scatter_rows(flat(k), k_rows, b * h * kl.max_slots, k_used, k_sums, slot_sum_index(kl))
         vs = scatter_rows(flat(v), k_rows, b * h * kl.max_slots, k_used)
         step = self.last_svg2_step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)

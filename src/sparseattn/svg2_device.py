@@ -772,10 +772,11 @@ def fit_for_slots(
 def move_to_slots(fitted: FittedSides, q, k, v, used=None):
     """``(qs, ks, vs, q_sums, k_sums)``: q, k, v ``[N, tokens, d]`` moved to the fitted sides' slots
     (:func:`scatter_to_slots`), each side's cluster sums (float32 ``[N · clusters, d]``) taken on the way.
-    ``used``: the ``(q, k)`` masks of the slots written (default each layout's
-    :meth:`DeviceLayout.used_slots`: the padding inside the blocks written as zeros)."""
+    ``used``: the ``(q, k)`` masks of the slots written (default the slots that hold a token, each
+    layout's ``valid`` flattened: the kernels never read the others; :meth:`DeviceLayout.used_slots`
+    writes the padding inside the blocks as zeros)."""
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
-    q_used, k_used = used if used is not None else (q_lay.used_slots(), k_lay.used_slots())
+    q_used, k_used = used if used is not None else (q_lay.valid.reshape(-1), k_lay.valid.reshape(-1))
     q_sums, k_sums = fitted.sums_buffers(q.shape[2], q.device)
     qs = scatter_to_slots(q, q_lay.token_slot, q_lay.max_slots, q_used, q_sums, slot_sum_index(q_lay))
     ks = scatter_to_slots(k, k_lay.token_slot, k_lay.max_slots, k_used, k_sums, slot_sum_index(k_lay))
@@ -815,7 +816,7 @@ def svg2_step_in_slots(
 ):
     """:func:`svg2_partition_step` with ``final_assign=False`` and the tokens' move to slots, in another
     order: ``(step, qs, ks, vs)`` with ``qs`` ``[N, q_slots, d]`` and ``ks``, ``vs`` ``[N, k_slots, d]`` as
-    :func:`scatter_to_slots` moves them (slots past each row's blocks unwritten where Triton runs).
+    :func:`scatter_to_slots` moves them (slots without a token unwritten where Triton runs).
 
     The last Lloyd step of each side assigns labels only (:func:`fit_for_slots`); its clusters' sums
     are taken while q and k move to slots (each copied row added into its group's sums,

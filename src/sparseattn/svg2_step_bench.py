@@ -119,9 +119,9 @@ def one_call(
     else:
         step = svg2_partition_step(q, k, *args, assign=assign, final_assign=final_assign, mark=mark)
         ql, kl = step.q_layout, step.k_layout
-        # the torch method moves tokens as the CPU path does (zeros, then index_copy); the fused ones leave
-        # the slots past each row's blocks unwritten (one Triton pass, as the Wan processor on the GPU)
-        used = (lambda lay: None) if assign == "torch" else (lambda lay: lay.used_slots())
+        # the torch method moves tokens as the CPU path does (zeros, then index_copy); the fused ones write
+        # only the slots that hold a token (one Triton pass, as the Wan processor on the GPU)
+        used = (lambda lay: None) if assign == "torch" else (lambda lay: lay.valid.reshape(-1))
         qs = scatter_to_slots(q, ql.token_slot, ql.max_slots, used(ql))
         k_used = used(kl)
         ks = scatter_to_slots(k, kl.token_slot, kl.max_slots, k_used)
