@@ -4,8 +4,11 @@
 // X: bf16 [N, tokens, HEAD_DIM], C: bf16 [N, k, HEAD_DIM] (the centroids rounded to bf16), csq: fp32
 // [N, k] (|c|² of the rounded centroids), labels: int64 [N, tokens]. With ACCUMULATE, each token is also
 // added (fp32) into its cluster's sum, sums fp32 [N, k, HEAD_DIM], and counted, counts fp32 [N, k], by
-// atomics (their order, so the last bits of the sums, may change from run to run); with `presum` a CTA
-// first sums each cluster's tokens among its own and adds one partial sum per cluster.
+// atomics (their order, so the last bits of the sums, may change from run to run). `sum_method` says how a
+// CTA forms them: SUMS_ATOMICS, one atomic per token; SUMS_PRESUM, each cluster's tokens of the CTA summed
+// first by ballots and a member loop, one partial sum per cluster; SUMS_MMA, the same partial sums as one
+// product on the tensor cores (P = A·X, A the one-hot [token rows × 128 tokens] matrix of equal labels, in
+// attention's P·V shape), sent by each cluster's first token.
 //
 // A CTA takes 128 tokens of one row n (two warpgroups of 64: the wgmma M) and streams the row's centroids
 // in chunks of 128 (wgmma N), double-buffered with cp.async into 128-byte-swizzled tiles: the chunk after
@@ -34,6 +37,10 @@
 #define KMEANS_ROWS 128   // tokens per CTA
 #define KMEANS_CHUNK 128  // centroids per step
 #define KMEANS_NBUF 2
+// sum_method (ACCUMULATE): mirrored in sparseattn/kernels/kmeans_assign.py
+#define SUMS_ATOMICS 0
+#define SUMS_PRESUM 1
+#define SUMS_MMA 2
 
 namespace {
 
@@ -154,7 +161,7 @@ template <int HEAD_DIM, bool ACCUMULATE, bool PACKED_ARGMAX, bool NARROW_TAIL>
 __global__ void __launch_bounds__(KMEANS_THREADS, 2)
 kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
                      const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
-                     float* __restrict__ counts, int tokens, int k, int presum) {
+                     float* __restrict__ counts, int tokens, int k, int sum_method) {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM 64 or 128");
     using S = KmeansSmem<HEAD_DIM>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -270,7 +277,75 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
     }
     if constexpr (ACCUMULATE) {
         constexpr int PER_LANE = HEAD_DIM / 32;  // 4 (HEAD_DIM 128) or 2 (64) contiguous columns a lane
-        if (presum) {
+        if (sum_method == SUMS_MMA) {
+            // Row r of the warpgroup's A is token 64·wg + r's cluster over the CTA's 128 tokens (1 where a
+            // token has its label), so row r of P = A·X is that cluster's sum of the CTA's tokens; the
+            // cluster's first token (its leader) sends it. bf16 ones times bf16 tokens, fp32 accumulation:
+            // the partial sums are exact but for float32 rounding, as the member loop's.
+            int* lab_s = reinterpret_cast<int*>(csq_s);  // [KMEANS_ROWS]; the |c|² buffers are free after the loop
+            int my_label[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) my_label[r] = warp_row0 + g + 8 * r < tokens ? best_i[r] : -1;
+            if (t4 == 0) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) lab_s[64 * wg + 16 * wq + g + 8 * r] = my_label[r];
+            }
+            __syncthreads();
+            uint32_t pa[KMEANS_ROWS / PAGE_ROWS][4];  // A fragments, k-step p: tokens 16p .. 16p + 15
+            int first[2] = {KMEANS_ROWS, KMEANS_ROWS};  // the lowest token of the row's cluster, this lane's columns
+            int size[2] = {0, 0};
+            constexpr uint32_t ONE_LO = 0x3F80u, ONE_HI = 0x3F800000u;  // bf16 1.0 in a bf16x2's low / high half
+#pragma unroll
+            for (int p = 0; p < KMEANS_ROWS / PAGE_ROWS; ++p) {
+                const int c0 = PAGE_ROWS * p + 2 * t4;  // this lane's columns: c0, c0 + 1, c0 + 8, c0 + 9
+                const int2 lo = *reinterpret_cast<const int2*>(lab_s + c0);
+                const int2 hi = *reinterpret_cast<const int2*>(lab_s + c0 + 8);
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int L = my_label[r];
+                    const bool e0 = lo.x == L, e1 = lo.y == L, e2 = hi.x == L, e3 = hi.y == L;
+                    pa[p][r] = (e0 ? ONE_LO : 0u) | (e1 ? ONE_HI : 0u);      // a0 (row g), a1 (row g + 8)
+                    pa[p][2 + r] = (e2 ? ONE_LO : 0u) | (e3 ? ONE_HI : 0u);  // a2, a3: columns + 8
+                    size[r] += e0 + e1 + e2 + e3;
+                    const int f = e0 ? c0 : e1 ? c0 + 1 : e2 ? c0 + 8 : e3 ? c0 + 9 : KMEANS_ROWS;
+                    first[r] = min(first[r], f);
+                }
+            }
+            bool leads[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {  // the quad's four column sets
+                size[r] += __shfl_xor_sync(0xffffffffu, size[r], 1);
+                size[r] += __shfl_xor_sync(0xffffffffu, size[r], 2);
+                first[r] = min(first[r], __shfl_xor_sync(0xffffffffu, first[r], 1));
+                first[r] = min(first[r], __shfl_xor_sync(0xffffffffu, first[r], 2));
+                leads[r] = my_label[r] >= 0 && first[r] == 64 * wg + 16 * wq + g + 8 * r;
+            }
+            float o[HEAD_DIM / 2];
+#pragma unroll
+            for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.f;
+            hopper::wgmma_fence();
+            hopper::issue_pv<HEAD_DIM, KMEANS_ROWS>(o, pa, xs);
+            hopper::wgmma_commit();
+            hopper::wgmma_wait<0>();
+            // Lanes t4 and t4 ^ 1 hold columns 8j + 2·(t4 & 2) .. + 3 of rows g and g + 8: after one exchange
+            // the even lane sends four consecutive columns of row g, the odd lane of row g + 8 (float4 atomics).
+            const bool odd = t4 & 1;  // selects, not an index: a dynamic index would put the arrays in local memory
+            const int label = odd ? my_label[1] : my_label[0];
+            const bool sends = odd ? leads[1] : leads[0];
+            const int count = odd ? size[1] : size[0];
+            float* dst = sums + (static_cast<size_t>(n) * k + (label < 0 ? 0 : label)) * HEAD_DIM + 2 * (t4 & 2);
+#pragma unroll
+            for (int j = 0; j < HEAD_DIM / 8; ++j) {
+                const float give0 = odd ? o[4 * j] : o[4 * j + 2], give1 = odd ? o[4 * j + 1] : o[4 * j + 3];
+                const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+                const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+                const float4 v = odd ? make_float4(got0, got1, o[4 * j + 2], o[4 * j + 3])
+                                     : make_float4(o[4 * j], o[4 * j + 1], got0, got1);
+                if (sends) atomicAdd(reinterpret_cast<float4*>(dst + 8 * j), v);
+            }
+            if (sends && (t4 >> 1) == 0)
+                atomicAdd(counts + static_cast<size_t>(n) * k + label, static_cast<float>(count));
+        } else if (sum_method == SUMS_PRESUM) {
             // Each cluster's tokens of this CTA summed here first, so one float4 atomic per lane goes out per
             // cluster present, not per token (the host asks for it with few clusters, whose atomics collide).
             // The token with the lowest index of a cluster (its leader) owns the sum: its warp finds the

@@ -505,6 +505,22 @@ def test_wgmma_assignment_refuses_what_it_cannot_run():
         sd.lloyd(x, 4, 1, x[:, :4], assign="tensor cores")
 
 
+def test_wgmma_lloyd_step_names_an_unknown_sum_method(monkeypatch):
+    """An unknown way to form the cluster sums raises before any launch, naming the argument or the
+    environment variable it came from; ``"auto"`` presums up to PRESUM_MAX_CLUSTERS clusters."""
+    from sparseattn.kernels import kmeans_assign as ka
+
+    x = torch.randn(2, 40, 64)
+    with pytest.raises(ValueError, match="sums must be 'auto' or one of"):
+        ka.lloyd_step_wgmma(x, torch.randn(2, 4, 64), sums="shared")
+    monkeypatch.setattr(ka, "SUMS", "tensor cores")
+    with pytest.raises(ValueError, match="SPARSEATTN_KMEANS_SUMS"):
+        ka.lloyd_step_wgmma(x, torch.randn(2, 4, 64))
+    assert ka._sum_method("auto", ka.PRESUM_MAX_CLUSTERS) == ka.SUM_METHODS["presum"]
+    assert ka._sum_method("auto", ka.PRESUM_MAX_CLUSTERS + 1) == ka.SUM_METHODS["atomics"]
+    assert ka._sum_method("mma", 3) == ka.SUM_METHODS["mma"]
+
+
 def test_svg2_step_bench_summary_reports_the_queued_timing_beside_the_in_order_one():
     """The bench's summary gives the overhead of each timed method, the queued one (GPU time alone) too."""
     from sparseattn.svg2_step_bench import QUEUED, summary

@@ -215,19 +215,20 @@ def test_packed_argmax_keeps_columns_of_scores_near_zero(monkeypatch):
     assert bool((got == 77).all())
 
 
-@pytest.mark.parametrize("presum", [False, True], ids=["atomics", "presum"])
+@pytest.mark.parametrize("method", ["atomics", "presum", "mma"])
 @pytest.mark.parametrize("k", [500, 3], ids=["k500", "k3"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_wgmma_lloyd_step_sums_and_sizes(d, k, presum, kmeans_build):
+def test_wgmma_lloyd_step_sums_and_sizes(d, k, method, kmeans_build):
     """The tensor-core Lloyd step's float32 cluster sums and sizes equal those of its own labels (every
-    build), with each token's atomics and with each cluster's tokens of a CTA summed first (3 clusters put
-    dozens of tokens in each; 20,001 tokens leave the last CTA partial)."""
+    build), with each token's atomics, with each cluster's tokens of a CTA summed first, and with those
+    partial sums as a one-hot product on the tensor cores (3 clusters put dozens of tokens in each; 20,001
+    tokens leave the last CTA partial)."""
     from sparseattn.kernels.kmeans_assign import lloyd_step_wgmma
 
     g = torch.Generator(device="cuda").manual_seed(d + k)
     x = torch.randn(2, 20001, d, device="cuda", generator=g).bfloat16()
     c = torch.randn(2, k, d, device="cuda", generator=g)
-    labels, sums, sizes = lloyd_step_wgmma(x, c, presum=presum)
+    labels, sums, sizes = lloyd_step_wgmma(x, c, sums=method)
     index = labels.unsqueeze(-1).expand(-1, -1, d)
     want_sums = torch.zeros_like(sums, dtype=torch.float64).scatter_add_(1, index, x.double())
     want_sizes = torch.zeros_like(sizes).scatter_add_(1, labels, torch.ones_like(labels, dtype=torch.float32))

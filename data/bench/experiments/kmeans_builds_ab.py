@@ -21,6 +21,24 @@ import json
 import statistics
 
 
+def warm_sides(w):
+    """``[(side, x, clusters, centroids)]`` for q and k of workload ``w``'s synthetic features on the GPU,
+    the centroids after 3 Lloyd steps from random tokens (seed 0)."""
+    import torch
+
+    from sparseattn import svg2_device as sd
+    from sparseattn.svg2_step_bench import features
+
+    q, k, _ = features(w, w.heads, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sides = []
+    for side, x, kk in (("q", q, w.selection.q_clusters), ("k", k, w.selection.k_clusters)):
+        idx = torch.randperm(x.shape[1], generator=g, device="cuda")[:kk]
+        c = sd.lloyd(x, kk, 3, init=x[:, idx].float(), assign="wgmma", final_assign=False)[1]
+        sides.append((side, x, kk, c))
+    return sides
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="svg2_wan14b_720p")
@@ -31,21 +49,15 @@ def main(argv=None) -> int:
 
     import torch
 
-    from sparseattn import svg2_device as sd
     from sparseattn.kernels import kmeans_assign as ka
-    from sparseattn.svg2_step_bench import features
     from sparseattn.variant_ab import rotation
     from sparseattn.workloads import get_workload
 
     w = get_workload(args.workload)
-    q, k, _ = features(w, w.heads, torch.device("cuda"))
-    g = torch.Generator(device="cuda").manual_seed(0)
     record = dict(gpu=torch.cuda.get_device_name(), workload=args.workload, heads=w.heads, sides={})
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     ok = True
-    for side, x, kk in (("q", q, w.selection.q_clusters), ("k", k, w.selection.k_clusters)):
-        idx = torch.randperm(x.shape[1], generator=g, device="cuda")[:kk]
-        c = sd.lloyd(x, kk, 3, init=x[:, idx].float(), assign="wgmma", final_assign=False)[1]
+    for side, x, kk, c in warm_sides(w):
         calls = {
             "assign": lambda x=x, c=c: ka.nearest_centroid_wgmma(x, c),
             "lloyd_step": lambda x=x, c=c: ka.lloyd_step_wgmma(x, c),

@@ -61,9 +61,16 @@ THREADS = 256
 ROWS = 128  # tokens per CTA
 CHUNK = 128  # centroids per step
 NBUF = 2
-#: Up to this many clusters a CTA sums each cluster's tokens before the atomics (``presum``): measured at
-#: SVG2's 720p shapes (H100), 300 clusters save 0.3 ms per Lloyd step, 1,000 lose ~0.05 ms (their atomics
-#: rarely collide); the bound sits between the two.
+#: How a CTA forms the Lloyd step's cluster sums (the kernel's ``sum_method``): ``"atomics"``, one float
+#: atomic per token and column; ``"presum"``, each cluster's tokens of the CTA summed first (ballots, then a
+#: member loop), one atomic per cluster present; ``"mma"``, the same partial sums as one product on the
+#: tensor cores (a one-hot matrix of equal labels times the CTA's tokens).
+SUM_METHODS = {"atomics": 0, "presum": 1, "mma": 2}
+#: The method the Lloyd steps take (``SPARSEATTN_KMEANS_SUMS``): a key of SUM_METHODS, or ``"auto"``:
+#: ``"presum"`` up to :data:`PRESUM_MAX_CLUSTERS` clusters, ``"atomics"`` above.
+SUMS = os.environ.get("SPARSEATTN_KMEANS_SUMS") or "auto"
+#: Up to this many clusters ``"auto"`` presums: measured at SVG2's 720p shapes (H100), 300 clusters save
+#: 0.3 ms per Lloyd step, 1,000 lose ~0.05 ms (their atomics rarely collide); the bound sits between the two.
 PRESUM_MAX_CLUSTERS = 512
 
 
@@ -90,13 +97,24 @@ def available(x) -> bool:
     return torch.cuda.get_device_capability(x.device) == (9, 0)
 
 
-def _run(x, centroids, accumulate: bool, presum: bool | None = None):
+def _sum_method(sums: str | None, k: int) -> int:
+    method = SUMS if sums is None else sums
+    if method == "auto":
+        method = "presum" if k <= PRESUM_MAX_CLUSTERS else "atomics"
+    if method not in SUM_METHODS:
+        where = "kmeans_assign.SUMS (SPARSEATTN_KMEANS_SUMS)" if sums is None else "sums"
+        raise ValueError(f"{where} must be 'auto' or one of {list(SUM_METHODS)}, got {method!r}")
+    return SUM_METHODS[method]
+
+
+def _run(x, centroids, accumulate: bool, sums: str | None = None):
     import torch
 
     if BUILD not in BUILDS:
         raise ValueError(
             f"kmeans_assign.BUILD (SPARSEATTN_KMEANS_BUILD) must be one of {list(BUILDS)}, got {BUILD!r}"
         )
+    method = _sum_method(sums, centroids.shape[-2]) if accumulate else 0
     if not available(x):
         raise ValueError(
             "x must be a bf16 CUDA tensor [N, tokens, d] with d 64 or 128 on an sm_90 GPU for the wgmma k-means "
@@ -111,10 +129,9 @@ def _run(x, centroids, accumulate: bool, presum: bool | None = None):
     k = c.shape[1]
     if k < 1:
         raise ValueError("centroids must hold at least one centroid")
-    presum = accumulate and (k <= PRESUM_MAX_CLUSTERS if presum is None else bool(presum))
     x = x.contiguous()
     labels = torch.empty(n, t, dtype=torch.int64, device=x.device)
-    sums = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
+    sums_out = torch.zeros(n, k, d, dtype=torch.float32, device=x.device) if accumulate else csq
     counts = torch.zeros(n, k, dtype=torch.float32, device=x.device) if accumulate else csq
     if n and t:
         name = _kernel_name(d, accumulate, *BUILDS[BUILD])
@@ -130,15 +147,15 @@ def _run(x, centroids, accumulate: bool, presum: bool | None = None):
                     ptr(c),
                     ptr(csq),
                     ptr(labels),
-                    ptr(sums),
+                    ptr(sums_out),
                     ptr(counts),
                     np.int32(t),
                     np.int32(k),
-                    np.int32(presum),
+                    np.int32(method),
                 ),
                 shared_mem=smem,
             )
-    return (labels, sums, counts) if accumulate else (labels,)
+    return (labels, sums_out, counts) if accumulate else (labels,)
 
 
 def nearest_centroid_wgmma(x, centroids):
@@ -146,9 +163,9 @@ def nearest_centroid_wgmma(x, centroids):
     return _run(x, centroids, accumulate=False)[0]
 
 
-def lloyd_step_wgmma(x, centroids, presum: bool | None = None):
+def lloyd_step_wgmma(x, centroids, sums: str | None = None):
     """One Lloyd assignment with its cluster statistics: ``(labels int64 [N, tokens], sums float32 [N, k,
     d], sizes float32 [N, k])``, as :func:`sparseattn.nearest_centroid.lloyd_step_fused` returns them.
-    ``presum``: sum each cluster's tokens within a CTA before the atomics (default: up to
-    :data:`PRESUM_MAX_CLUSTERS` clusters)."""
-    return _run(x, centroids, accumulate=True, presum=presum)
+    ``sums``: how a CTA forms its clusters' sums, ``"auto"`` or a key of :data:`SUM_METHODS` (default
+    :data:`SUMS`)."""
+    return _run(x, centroids, accumulate=True, sums=sums)
