@@ -30,6 +30,9 @@
 // multiplies and scans 64 columns (wgmma N = 64 over the first half of its tile) instead of 128, of which
 // the rest are padding that never wins: the same scores for the same columns, so the same labels, with a
 // sixth less MMA work at 300 clusters (in the host's default build).
+//
+// RING (with PACKED_ARGMAX): the two chunk buffers on mbarriers instead of two CTA barriers per chunk: each
+// warp releases a buffer once its MMA has read it, and chunk c + 2 loads while chunk c's scan runs.
 #include "hopper_wgmma.cuh"
 
 // Geometry mirrored in sparseattn/kernels/kmeans_assign.py.
@@ -91,10 +94,12 @@ __device__ __forceinline__ void half_xsq_of_rows(float (&out)[2], const unsigned
 // wgmma (packed argmax: from −|c|²/2 − |x|²/2) over the first N rows of the chunk's 128-row tile, then
 // each row's running best over the chunk's columns (best_i: the index, or for the packed argmax the chunk,
 // its column in the best score's low bits).
-template <int HEAD_DIM, int N, bool PACKED_ARGMAX>
+// `after_mma()` runs once the MMA has read the chunk's tiles, before the scan (the ring build releases the
+// buffer there).
+template <int HEAD_DIM, int N, bool PACKED_ARGMAX, class AfterMma>
 __device__ __forceinline__ void chunk_step(float (&s)[N / 2], uint32_t a_rows, uint32_t tile, const float* cq,
                                            const float (&half_xsq)[2], int c, int t4, float (&best)[2],
-                                           int (&best_i)[2]) {
+                                           int (&best_i)[2], AfterMma after_mma) {
     static_assert(N == KMEANS_CHUNK || N == KMEANS_CHUNK / 2, "full chunks, or a narrow last one");
     if constexpr (PACKED_ARGMAX) {
         // S starts at −|c|²/2 − |x|²/2, so the MMA leaves −|x − c|²/2: the packing's resolution is then
@@ -110,6 +115,7 @@ __device__ __forceinline__ void chunk_step(float (&s)[N / 2], uint32_t a_rows, u
     hopper::issue_qk<HEAD_DIM, N, KMEANS_ROWS, false, PACKED_ARGMAX, KMEANS_CHUNK>(s, a_rows, tile);
     hopper::wgmma_commit();
     hopper::wgmma_wait<0>();
+    after_mma();
     if constexpr (PACKED_ARGMAX) {
         float chain[2][4];  // per row, four running maxima over the columns j ≡ 0, 1, 2, 3 (mod 4)
         uint32_t keep_bits;
@@ -151,18 +157,22 @@ __device__ __forceinline__ void chunk_step(float (&s)[N / 2], uint32_t a_rows, u
 template <int HEAD_DIM>
 struct KmeansSmem {
     static constexpr int TILE_BYTES = KMEANS_ROWS * HEAD_DIM * 2;  // the X tile and each centroid chunk
-    static constexpr int BYTES = 1024 + TILE_BYTES * (1 + KMEANS_NBUF) + 4 * KMEANS_NBUF * KMEANS_CHUNK;
+    static constexpr int CSQ_BYTES = 4 * KMEANS_NBUF * KMEANS_CHUNK;
+    // 1 KB of alignment, the X tile, the chunk buffers, their |c|² terms, the ring build's mbarriers (64 B)
+    static constexpr int BYTES = 1024 + TILE_BYTES * (1 + KMEANS_NBUF) + CSQ_BYTES + 64;
     static_assert(KMEANS_ROWS == KMEANS_CHUNK, "X tile and centroid chunks share the tile size");
 };
 
 }  // namespace
 
-template <int HEAD_DIM, bool ACCUMULATE, bool PACKED_ARGMAX, bool NARROW_TAIL>
+template <int HEAD_DIM, bool ACCUMULATE, bool PACKED_ARGMAX, bool NARROW_TAIL, bool RING>
 __global__ void __launch_bounds__(KMEANS_THREADS, 2)
 kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
                      const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
                      float* __restrict__ counts, int tokens, int k, int sum_method) {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM 64 or 128");
+    // the ring reloads a chunk's |c|² terms once its MMA has run: only the packed maximum reads them before
+    static_assert(!RING || PACKED_ARGMAX, "the ring build takes the packed maximum");
     using S = KmeansSmem<HEAD_DIM>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t raw = paged::smem_u32(smem_raw);
@@ -205,8 +215,10 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
                 csq_s[buf * KMEANS_CHUNK + tid] = j < k ? csq_n[j] : INFINITY;
         }
     };
-    load_chunk(0);
-    paged::cp_async_commit();
+    if constexpr (!RING) {
+        load_chunk(0);
+        paged::cp_async_commit();
+    }
 
     float best[2] = {PACKED_ARGMAX ? -INFINITY : INFINITY, PACKED_ARGMAX ? -INFINITY : INFINITY};
     int best_i[2] = {0, 0};  // the index (argmin), or the chunk (packed argmax)
@@ -225,25 +237,77 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         }
         return csq_s + (c % KMEANS_NBUF) * KMEANS_CHUNK;
     };
+    auto nothing = [] {};
+    if constexpr (RING) {
+        // Each buffer completes on `full` (every thread's copies tracked, the |c|² stores released by its
+        // arrive) and is released on `empty` by each warp once its MMA has read the chunk: no CTA barrier in
+        // the loop, and chunk c + 2 loads while chunk c's scan runs.
+        const uint32_t bars = cs + KMEANS_NBUF * S::TILE_BYTES + S::CSQ_BYTES;
+        auto full = [&](int b) { return bars + 8u * b; };
+        auto empty = [&](int b) { return bars + 8u * (KMEANS_NBUF + b); };
+        if (tid == 0) {
+            for (int b = 0; b < KMEANS_NBUF; ++b) {
+                hopper::mbar_init(full(b), KMEANS_THREADS);
+                hopper::mbar_init(empty(b), KMEANS_THREADS / 32);
+            }
+        }
+        __syncthreads();
+        auto load_ring = [&](int c) {  // (chunk 0's arrive also covers the X tile's copies, issued before it)
+            load_chunk(c);
+            hopper::mbar_track_cp_async(full(c % KMEANS_NBUF));
+            hopper::mbar_arrive(full(c % KMEANS_NBUF));
+        };
+        load_ring(0);
+        if (chunks > 1) load_ring(1);
+        auto ring_ready = [&](int c) {
+            hopper::mbar_wait(full(c % KMEANS_NBUF), (c / KMEANS_NBUF) & 1);
+            hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
+            if (c == 0) half_xsq_of_rows<HEAD_DIM>(half_xsq, smem_raw + (xs - raw), 64 * wg + 16 * wq + g, t4);
+            return csq_s + (c % KMEANS_NBUF) * KMEANS_CHUNK;
+        };
 #pragma unroll 1
-    for (int c = 0; c < full_chunks; ++c) {
-        if (c + 1 < chunks) load_chunk(c + 1);  // into the buffer the previous step released
-        paged::cp_async_commit();
-        paged::cp_async_wait<1>();  // this thread's copies of X and of chunk c have landed
-        const float* cq = chunk_ready(c);
-        float s[KMEANS_CHUNK / 2];
-        chunk_step<HEAD_DIM, KMEANS_CHUNK, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES, cq,
-                                                          half_xsq, c, t4, best, best_i);
-        __syncthreads();  // chunk c's tiles are read: the next step may load chunk c + 2 into them
-    }
-    if (narrow_tail) {  // its copies were issued by the loop's last step, or before the loop
-        const int c = chunks - 1;
-        paged::cp_async_wait<0>();
-        const float* cq = chunk_ready(c);
-        float s[KMEANS_CHUNK / 4];
-        chunk_step<HEAD_DIM, KMEANS_CHUNK / 2, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES,
-                                                              cq, half_xsq, c, t4, best, best_i);
-        __syncthreads();  // its |c|² terms are read: the epilogue may reuse their buffer
+        for (int c = 0; c < full_chunks; ++c) {
+            const float* cq = ring_ready(c);
+            float s[KMEANS_CHUNK / 2];
+            chunk_step<HEAD_DIM, KMEANS_CHUNK, PACKED_ARGMAX>(
+                s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES, cq, half_xsq, c, t4, best, best_i, [&] {
+                    __syncwarp();
+                    if (lane == 0) hopper::mbar_arrive(empty(c % KMEANS_NBUF));
+                    if (c + KMEANS_NBUF < chunks) {  // once every warp has read chunk c, chunk c + 2 into its buffer
+                        hopper::mbar_wait(empty(c % KMEANS_NBUF), (c / KMEANS_NBUF) & 1);
+                        load_ring(c + KMEANS_NBUF);
+                    }
+                });
+        }
+        if (narrow_tail) {
+            const int c = chunks - 1;
+            const float* cq = ring_ready(c);
+            float s[KMEANS_CHUNK / 4];
+            chunk_step<HEAD_DIM, KMEANS_CHUNK / 2, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES,
+                                                                  cq, half_xsq, c, t4, best, best_i, nothing);
+        }
+        __syncthreads();  // every warp's |c|² reads are done: the epilogue may reuse their buffer
+    } else {
+#pragma unroll 1
+        for (int c = 0; c < full_chunks; ++c) {
+            if (c + 1 < chunks) load_chunk(c + 1);  // into the buffer the previous step released
+            paged::cp_async_commit();
+            paged::cp_async_wait<1>();  // this thread's copies of X and of chunk c have landed
+            const float* cq = chunk_ready(c);
+            float s[KMEANS_CHUNK / 2];
+            chunk_step<HEAD_DIM, KMEANS_CHUNK, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES, cq,
+                                                              half_xsq, c, t4, best, best_i, nothing);
+            __syncthreads();  // chunk c's tiles are read: the next step may load chunk c + 2 into them
+        }
+        if (narrow_tail) {  // its copies were issued by the loop's last step, or before the loop
+            const int c = chunks - 1;
+            paged::cp_async_wait<0>();
+            const float* cq = chunk_ready(c);
+            float s[KMEANS_CHUNK / 4];
+            chunk_step<HEAD_DIM, KMEANS_CHUNK / 2, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES,
+                                                                  cq, half_xsq, c, t4, best, best_i, nothing);
+            __syncthreads();  // its |c|² terms are read: the epilogue may reuse their buffer
+        }
     }
     paged::cp_async_wait<0>();
 

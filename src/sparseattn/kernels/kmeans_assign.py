@@ -35,22 +35,24 @@ from . import launch
 
 SOURCE = "kmeans_assign.cu"
 HEAD_DIMS = (64, 128)
-#: Builds of the assignment: ``(packed_argmax, narrow_tail)``, whether each takes the packed maximum, and
+#: Builds of the assignment: ``(packed_argmax, narrow_tail, ring)``, whether each takes the packed maximum,
 #: whether a last chunk of at most 64 centroids runs at wgmma N = 64 (``_tail64``: the same labels with less
-#: MMA work where k mod 128 is 1..64, e.g. 300 clusters).
+#: MMA work where k mod 128 is 1..64, e.g. 300 clusters), and whether the chunk buffers run on mbarriers
+#: (``_ring``: each warp releases a buffer once its MMA has read it; no CTA barrier per chunk).
 BUILDS = {
-    "argmin": (False, False),
-    "packed_argmax": (True, False),
-    "argmin_tail64": (False, True),
-    "packed_argmax_tail64": (True, True),
+    "argmin": (False, False, False),
+    "packed_argmax": (True, False, False),
+    "argmin_tail64": (False, True, False),
+    "packed_argmax_tail64": (True, True, False),
+    "packed_argmax_tail64_ring": (True, True, True),
 }
 #: The build the launches take (a key of BUILDS; ``SPARSEATTN_KMEANS_BUILD`` sets it at import).
 BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "packed_argmax_tail64"
 
 
-def _kernel_name(d: int, accumulate: bool, packed: bool, narrow_tail: bool) -> str:
-    flag = lambda b: "true" if b else "false"
-    return f"kmeans_assign_kernel<{d}, {flag(accumulate)}, {flag(packed)}, {flag(narrow_tail)}>"
+def _kernel_name(d: int, accumulate: bool, packed: bool, narrow_tail: bool, ring: bool) -> str:
+    flags = ", ".join("true" if b else "false" for b in (accumulate, packed, narrow_tail, ring))
+    return f"kmeans_assign_kernel<{d}, {flags}>"
 
 
 NAME_EXPRESSIONS = tuple(
@@ -75,8 +77,9 @@ PRESUM_MAX_CLUSTERS = 512
 
 
 def smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of one CTA: the X tile, NBUF centroid chunks, their |c|², 1 KB of alignment."""
-    return 1024 + ROWS * head_dim * 2 * (1 + NBUF) + 4 * NBUF * CHUNK
+    """Dynamic shared memory of one CTA: the X tile, NBUF centroid chunks, their |c|², the ring build's
+    mbarriers (64 bytes), 1 KB of alignment."""
+    return 1024 + ROWS * head_dim * 2 * (1 + NBUF) + 4 * NBUF * CHUNK + 64
 
 
 def available(x) -> bool:
