@@ -47,7 +47,7 @@ BUILDS = {
     "packed_argmax_tail64_ring": (True, True, True),
 }
 #: The build the launches take (a key of BUILDS; ``SPARSEATTN_KMEANS_BUILD`` sets it at import).
-BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "packed_argmax_tail64"
+BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "packed_argmax_tail64_ring"
 
 
 def _kernel_name(d: int, accumulate: bool, packed: bool, narrow_tail: bool, ring: bool) -> str:
@@ -70,7 +70,7 @@ NBUF = 2
 SUM_METHODS = {"atomics": 0, "presum": 1, "mma": 2}
 #: The method the Lloyd steps take (``SPARSEATTN_KMEANS_SUMS``): a key of SUM_METHODS, or ``"auto"``:
 #: ``"presum"`` up to :data:`PRESUM_MAX_CLUSTERS` clusters, ``"atomics"`` above.
-SUMS = os.environ.get("SPARSEATTN_KMEANS_SUMS") or "auto"
+SUMS = os.environ.get("SPARSEATTN_KMEANS_SUMS") or "mma"
 #: Up to this many clusters ``"auto"`` presums: measured at SVG2's 720p shapes (H100), 300 clusters save
 #: 0.3 ms per Lloyd step, 1,000 lose ~0.05 ms (their atomics rarely collide); the bound sits between the two.
 PRESUM_MAX_CLUSTERS = 512
