@@ -11,7 +11,7 @@ Torch CUDA tensors in and out, on torch's current stream. ``x`` bf16 ``[N, token
 
 Two builds of the running argmin (:data:`BUILD`, ``SPARSEATTN_KMEANS_BUILD``): ``"argmin"`` compares each
 distance with the row's best and selects value and index, ties to the lower index as torch's argmin;
-``"packed_argmax"`` (in its ``_tail64`` form the default) maximizes ``−|x − c|²/2`` (the MMA's accumulators
+``"packed_argmax"`` (in its ``_tail64_ring`` form the default) maximizes ``−|x − c|²/2`` (the MMA's accumulators
 start at ``−|c|²/2 − |x|²/2``) with each score's column in its 5 low mantissa bits, so the running best is a
 chain of max instructions alone. Measured on an H100 at SVG2's 720p shapes, its first form (scores
 ``x·c − |c|²/2``, without the |x|² shift) was 14–16% faster on K's assignment and Lloyd step, 8–14% on Q's
@@ -22,7 +22,16 @@ whole GPU suite passes with it (H100, 49ea0f4): K's assignment 1.825 → 1.610 m
 build has a ``_tail64`` form (``"argmin_tail64"``, ``"packed_argmax_tail64"``): a last chunk of at most 64
 centroids is multiplied and scanned at wgmma N = 64, not 128 (the same scores for the same columns, so the
 same labels): Q's assignment at SVG2's 300 clusters 0.727 → 0.662 ms, its Lloyd step 1.240 → 1.188
-(``data/bench/experiments/kmeans_builds_ab_h100_20261207_49ea0f4.json``).
+(``data/bench/experiments/kmeans_builds_ab_h100_20261207_49ea0f4.json``). The ``_ring`` form (the default)
+runs the two chunk buffers on mbarriers: each warp releases a chunk once its MMA has read it, and the chunk
+after next loads during the scan, with no CTA barrier per chunk: K's assignment 1.790 → 1.698 ms, its Lloyd
+step 2.308 → 2.068 (``data/bench/experiments/kmeans_builds_ab_h100_20261207_ec06916.json``).
+
+The Lloyd step's cluster sums (:data:`SUMS`, ``SPARSEATTN_KMEANS_SUMS``) are by default one more product on
+the tensor cores per CTA (``"mma"``: a one-hot matrix of equal labels times the CTA's tokens, each cluster's
+partial sum sent by its first token): Q's step at 300 clusters 1.237 → 1.114 ms against the per-cluster
+presum, K's at 1,000 2.150 → 2.080 against one atomic per token
+(``data/bench/experiments/kmeans_sums_ab_h100_20261207_ec06916.json``).
 """
 
 from __future__ import annotations
@@ -68,8 +77,8 @@ NBUF = 2
 #: member loop), one atomic per cluster present; ``"mma"``, the same partial sums as one product on the
 #: tensor cores (a one-hot matrix of equal labels times the CTA's tokens).
 SUM_METHODS = {"atomics": 0, "presum": 1, "mma": 2}
-#: The method the Lloyd steps take (``SPARSEATTN_KMEANS_SUMS``): a key of SUM_METHODS, or ``"auto"``:
-#: ``"presum"`` up to :data:`PRESUM_MAX_CLUSTERS` clusters, ``"atomics"`` above.
+#: The method the Lloyd steps take (``SPARSEATTN_KMEANS_SUMS``, default ``"mma"``): a key of SUM_METHODS, or
+#: ``"auto"``: ``"presum"`` up to :data:`PRESUM_MAX_CLUSTERS` clusters, ``"atomics"`` above.
 SUMS = os.environ.get("SPARSEATTN_KMEANS_SUMS") or "mma"
 #: Up to this many clusters ``"auto"`` presums: measured at SVG2's 720p shapes (H100), 300 clusters save
 #: 0.3 ms per Lloyd step, 1,000 lose ~0.05 ms (their atomics rarely collide); the bound sits between the two.
