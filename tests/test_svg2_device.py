@@ -516,9 +516,9 @@ def test_wgmma_lloyd_step_names_an_unknown_sum_method(monkeypatch):
     monkeypatch.setattr(ka, "SUMS", "tensor cores")
     with pytest.raises(ValueError, match="SPARSEATTN_KMEANS_SUMS"):
         ka.lloyd_step_wgmma(x, torch.randn(2, 4, 64))
-    assert ka._sum_method("auto", ka.PRESUM_MAX_CLUSTERS) == ka.SUM_METHODS["presum"]
-    assert ka._sum_method("auto", ka.PRESUM_MAX_CLUSTERS + 1) == ka.SUM_METHODS["atomics"]
-    assert ka._sum_method("mma", 3) == ka.SUM_METHODS["mma"]
+    assert ka._sum_method_code("auto", ka.PRESUM_MAX_CLUSTERS) == ka.SUM_METHODS["presum"]
+    assert ka._sum_method_code("auto", ka.PRESUM_MAX_CLUSTERS + 1) == ka.SUM_METHODS["atomics"]
+    assert ka._sum_method_code(ka._sum_method("mma"), 3) == ka.SUM_METHODS["mma"]
 
 
 def test_svg2_step_bench_summary_reports_the_queued_timing_beside_the_in_order_one():

@@ -7,8 +7,9 @@ default build: the Lloyd step with ``"atomics"`` (one atomic per token), ``"pres
 of a CTA summed by ballots and a member loop) and ``"mma"`` (those partial sums as a one-hot product on the
 tensor cores), and the assignment with labels only beside them (what the sums cost). Each method's labels
 must equal the assignment's, its sizes the counts of its labels, and its sums the float64 sums of its
-labels' tokens (float32 atomics in any order: rtol 1e-4, atol 1e-3). CUDA events, median of ``--reps`` calls, the
-methods in an order rotated over ``--rounds``.
+labels' tokens (float32 atomics in any order: ``sums_max_excess_err``, the largest |error| −
+1e-4·|reference| over the sums, at most 1e-3, and 0 where every sum is within 1e-4 relative). CUDA events,
+median of ``--reps`` calls, the methods in an order rotated over ``--rounds``.
 
     PYTHONPATH=src python data/bench/experiments/kmeans_sums_ab.py --out kmeans_sums_ab.json
 """

@@ -109,13 +109,19 @@ def available(x) -> bool:
     return torch.cuda.get_device_capability(x.device) == (9, 0)
 
 
-def _sum_method(sums: str | None, k: int) -> int:
+def _sum_method(sums: str | None) -> str:
+    """The method asked for (``sums``, else :data:`SUMS`), checked: ``"auto"`` or a key of SUM_METHODS."""
     method = SUMS if sums is None else sums
-    if method == "auto":
-        method = "presum" if k <= PRESUM_MAX_CLUSTERS else "atomics"
-    if method not in SUM_METHODS:
+    if method != "auto" and method not in SUM_METHODS:
         where = "kmeans_assign.SUMS (SPARSEATTN_KMEANS_SUMS)" if sums is None else "sums"
         raise ValueError(f"{where} must be 'auto' or one of {list(SUM_METHODS)}, got {method!r}")
+    return method
+
+
+def _sum_method_code(method: str, k: int) -> int:
+    """The kernel's ``sum_method`` for a checked method at ``k`` clusters (``"auto"`` resolved)."""
+    if method == "auto":
+        method = "presum" if k <= PRESUM_MAX_CLUSTERS else "atomics"
     return SUM_METHODS[method]
 
 
@@ -126,7 +132,7 @@ def _run(x, centroids, accumulate: bool, sums: str | None = None):
         raise ValueError(
             f"kmeans_assign.BUILD (SPARSEATTN_KMEANS_BUILD) must be one of {list(BUILDS)}, got {BUILD!r}"
         )
-    method = _sum_method(sums, centroids.shape[-2]) if accumulate else 0
+    method = _sum_method(sums) if accumulate else None
     if not available(x):
         raise ValueError(
             "x must be a bf16 CUDA tensor [N, tokens, d] with d 64 or 128 on an sm_90 GPU for the wgmma k-means "
@@ -163,7 +169,7 @@ def _run(x, centroids, accumulate: bool, sums: str | None = None):
                     ptr(counts),
                     np.int32(t),
                     np.int32(k),
-                    np.int32(method),
+                    np.int32(_sum_method_code(method, k) if accumulate else 0),
                 ),
                 shared_mem=smem,
             )
