@@ -31,8 +31,10 @@
 // the rest are padding that never wins: the same scores for the same columns, so the same labels, with a
 // sixth less MMA work at 300 clusters (in the host's default build).
 //
-// RING (with PACKED_ARGMAX): the two chunk buffers on mbarriers instead of two CTA barriers per chunk: each
-// warp releases a buffer once its MMA has read it, and chunk c + 2 loads while chunk c's scan runs.
+// LOOP_RING (with PACKED_ARGMAX): the two chunk buffers on mbarriers instead of two CTA barriers per chunk:
+// each warp releases a buffer once its MMA has read it, and chunk c + 2 loads while chunk c's scan runs.
+// LOOP_RING_HALVES: the same, with each chunk's S as two halves of 64 centroids in two commit groups, the
+// first half's scan running under the second half's MMA.
 #include "hopper_wgmma.cuh"
 
 // Geometry mirrored in sparseattn/kernels/kmeans_assign.py.
@@ -44,6 +46,10 @@
 #define SUMS_ATOMICS 0
 #define SUMS_PRESUM 1
 #define SUMS_MMA 2
+// LOOP: how the chunk loop runs (mirrored in sparseattn/kernels/kmeans_assign.py)
+#define LOOP_BARRIERS 0     // two CTA barriers per chunk
+#define LOOP_RING 1         // the buffers on mbarriers
+#define LOOP_RING_HALVES 2  // the same, each chunk's S as two halves of 64, one's scan under the other's MMA
 
 namespace {
 
@@ -90,6 +96,47 @@ __device__ __forceinline__ void half_xsq_of_rows(float (&out)[2], const unsigned
     }
 }
 
+// Packed maximum: S of N centroids starts at −|c|²/2 − |x|²/2 (cq: their −|c|²/2), so the MMA leaves
+// −|x − c|²/2 and the packing's resolution is relative to the distance, not to |x|².
+template <int N>
+__device__ __forceinline__ void init_packed(float (&s)[N / 2], const float* cq, const float (&half_xsq)[2], int t4) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        const float2 h = *reinterpret_cast<const float2*>(cq + 8 * j + 2 * t4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * j + e] = ((e & 1) ? h.y : h.x) + half_xsq[e >> 1];
+    }
+}
+
+// Packed maximum: each row's best over N scores of chunk c whose column groups start at j0 (0, or 8 for
+// a chunk's second half of 64), into best / best_i (the chunk; the column in the best score's low bits).
+template <int N>
+__device__ __forceinline__ void scan_packed(const float (&s)[N / 2], int j0, int c, float (&best)[2],
+                                            int (&best_i)[2]) {
+    static_assert(N >= 32, "four chains a row");
+    float chain[2][4];  // per row, four running maxima over the columns j ≡ 0, 1, 2, 3 (mod 4)
+    uint32_t keep_bits;
+    asm volatile("mov.b32 %0, 0xffffffe0;" : "=r"(keep_bits));  // a register, so the LOP3 takes it
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float packed = pack_column(s[4 * j + e], keep_bits, 2 * (j0 + j) + (e & 1));
+            float& m = chain[e >> 1][j & 3];
+            m = (j < 4 && (e & 1) == 0) ? packed : max_keep_bits(m, packed);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float m = max_keep_bits(max_keep_bits(chain[r][0], chain[r][1]),
+                                      max_keep_bits(chain[r][2], chain[r][3]));
+        if (m > best[r]) {  // strict: an earlier chunk (or half) keeps an equal score
+            best[r] = m;
+            best_i[r] = c;  // the chunk; its column is in m's low bits
+        }
+    }
+}
+
 // One chunk of N centroids (128, or 64 for a narrow last chunk) against the CTA's tokens: S = X·Cᵀ on
 // wgmma (packed argmax: from −|c|²/2 − |x|²/2) over the first N rows of the chunk's 128-row tile, then
 // each row's running best over the chunk's columns (best_i: the index, or for the packed argmax the chunk,
@@ -101,43 +148,14 @@ __device__ __forceinline__ void chunk_step(float (&s)[N / 2], uint32_t a_rows, u
                                            const float (&half_xsq)[2], int c, int t4, float (&best)[2],
                                            int (&best_i)[2], AfterMma after_mma) {
     static_assert(N == KMEANS_CHUNK || N == KMEANS_CHUNK / 2, "full chunks, or a narrow last one");
-    if constexpr (PACKED_ARGMAX) {
-        // S starts at −|c|²/2 − |x|²/2, so the MMA leaves −|x − c|²/2: the packing's resolution is then
-        // relative to the distance, not to |x|²
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j) {
-            const float2 h = *reinterpret_cast<const float2*>(cq + 8 * j + 2 * t4);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[4 * j + e] = ((e & 1) ? h.y : h.x) + half_xsq[e >> 1];
-        }
-    }
+    if constexpr (PACKED_ARGMAX) init_packed<N>(s, cq, half_xsq, t4);
     hopper::wgmma_fence();
     hopper::issue_qk<HEAD_DIM, N, KMEANS_ROWS, false, PACKED_ARGMAX, KMEANS_CHUNK>(s, a_rows, tile);
     hopper::wgmma_commit();
     hopper::wgmma_wait<0>();
     after_mma();
     if constexpr (PACKED_ARGMAX) {
-        float chain[2][4];  // per row, four running maxima over the columns j ≡ 0, 1, 2, 3 (mod 4)
-        uint32_t keep_bits;
-        asm volatile("mov.b32 %0, 0xffffffe0;" : "=r"(keep_bits));  // a register, so the LOP3 takes it
-#pragma unroll
-        for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float packed = pack_column(s[4 * j + e], keep_bits, 2 * j + (e & 1));
-                float& m = chain[e >> 1][j & 3];
-                m = (j < 4 && (e & 1) == 0) ? packed : max_keep_bits(m, packed);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float m = max_keep_bits(max_keep_bits(chain[r][0], chain[r][1]),
-                                          max_keep_bits(chain[r][2], chain[r][3]));
-            if (m > best[r]) {  // strict: an earlier chunk keeps an equal score
-                best[r] = m;
-                best_i[r] = c;  // the chunk; its column is in m's low bits
-            }
-        }
+        scan_packed<N>(s, 0, c, best, best_i);
     } else {
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
@@ -165,14 +183,14 @@ struct KmeansSmem {
 
 }  // namespace
 
-template <int HEAD_DIM, bool ACCUMULATE, bool PACKED_ARGMAX, bool NARROW_TAIL, bool RING>
+template <int HEAD_DIM, bool ACCUMULATE, bool PACKED_ARGMAX, bool NARROW_TAIL, int LOOP>
 __global__ void __launch_bounds__(KMEANS_THREADS, 2)
 kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* __restrict__ C,
                      const float* __restrict__ csq, long long* __restrict__ labels, float* __restrict__ sums,
                      float* __restrict__ counts, int tokens, int k, int sum_method) {
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM 64 or 128");
     // the ring reloads a chunk's |c|² terms once its MMA has run: only the packed maximum reads them before
-    static_assert(!RING || PACKED_ARGMAX, "the ring build takes the packed maximum");
+    static_assert(LOOP == LOOP_BARRIERS || PACKED_ARGMAX, "the ring builds take the packed maximum");
     using S = KmeansSmem<HEAD_DIM>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t raw = paged::smem_u32(smem_raw);
@@ -215,7 +233,7 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
                 csq_s[buf * KMEANS_CHUNK + tid] = j < k ? csq_n[j] : INFINITY;
         }
     };
-    if constexpr (!RING) {
+    if constexpr (LOOP == LOOP_BARRIERS) {
         load_chunk(0);
         paged::cp_async_commit();
     }
@@ -238,7 +256,7 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         return csq_s + (c % KMEANS_NBUF) * KMEANS_CHUNK;
     };
     auto nothing = [] {};
-    if constexpr (RING) {
+    if constexpr (LOOP != LOOP_BARRIERS) {
         // Each buffer completes on `full` (every thread's copies tracked, the |c|² stores released by its
         // arrive) and is released on `empty` by each warp once its MMA has read the chunk: no CTA barrier in
         // the loop, and chunk c + 2 loads while chunk c's scan runs.
@@ -265,19 +283,46 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
             if (c == 0) half_xsq_of_rows<HEAD_DIM>(half_xsq, smem_raw + (xs - raw), 64 * wg + 16 * wq + g, t4);
             return csq_s + (c % KMEANS_NBUF) * KMEANS_CHUNK;
         };
+        auto release = [&](int c) {
+            __syncwarp();
+            if (lane == 0) hopper::mbar_arrive(empty(c % KMEANS_NBUF));
+            if (c + KMEANS_NBUF < chunks) {  // once every warp has read chunk c, chunk c + 2 into its buffer
+                hopper::mbar_wait(empty(c % KMEANS_NBUF), (c / KMEANS_NBUF) & 1);
+                load_ring(c + KMEANS_NBUF);
+            }
+        };
+        if constexpr (LOOP == LOOP_RING_HALVES) {
+            // Each chunk's S as two halves of 64 centroids in two commit groups: half a's scan runs while
+            // half b multiplies (2 × 32 accumulators, as one chunk's 64). No MMA stays in flight across the
+            // loop's back edge or under a branch: ptxas serializes the wgmma chain otherwise (C7514 / C7512).
+            constexpr int H = KMEANS_CHUNK / 2;
 #pragma unroll 1
-        for (int c = 0; c < full_chunks; ++c) {
-            const float* cq = ring_ready(c);
-            float s[KMEANS_CHUNK / 2];
-            chunk_step<HEAD_DIM, KMEANS_CHUNK, PACKED_ARGMAX>(
-                s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES, cq, half_xsq, c, t4, best, best_i, [&] {
-                    __syncwarp();
-                    if (lane == 0) hopper::mbar_arrive(empty(c % KMEANS_NBUF));
-                    if (c + KMEANS_NBUF < chunks) {  // once every warp has read chunk c, chunk c + 2 into its buffer
-                        hopper::mbar_wait(empty(c % KMEANS_NBUF), (c / KMEANS_NBUF) & 1);
-                        load_ring(c + KMEANS_NBUF);
-                    }
-                });
+            for (int c = 0; c < full_chunks; ++c) {
+                const float* cq = ring_ready(c);
+                const uint32_t tile = cs + (c % KMEANS_NBUF) * S::TILE_BYTES;
+                float sa[H / 2], sb[H / 2];
+                init_packed<H>(sa, cq, half_xsq, t4);
+                init_packed<H>(sb, cq + H, half_xsq, t4);
+                hopper::wgmma_fence();
+                hopper::issue_qk<HEAD_DIM, H, KMEANS_ROWS, false, true, KMEANS_CHUNK>(sa, a_rows, tile);
+                hopper::wgmma_commit();
+                hopper::issue_qk<HEAD_DIM, H, KMEANS_ROWS, false, true, KMEANS_CHUNK>(sb, a_rows, tile + H * 128);
+                hopper::wgmma_commit();
+                hopper::wgmma_wait<1>();  // half a
+                scan_packed<H>(sa, 0, c, best, best_i);
+                hopper::wgmma_wait<0>();  // half b: chunk c's tiles are read
+                release(c);
+                scan_packed<H>(sb, H / 8, c, best, best_i);
+            }
+        } else {
+#pragma unroll 1
+            for (int c = 0; c < full_chunks; ++c) {
+                const float* cq = ring_ready(c);
+                float s[KMEANS_CHUNK / 2];
+                chunk_step<HEAD_DIM, KMEANS_CHUNK, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES,
+                                                                  cq, half_xsq, c, t4, best, best_i,
+                                                                  [&] { release(c); });
+            }
         }
         if (narrow_tail) {
             const int c = chunks - 1;
