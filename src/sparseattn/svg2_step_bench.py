@@ -206,6 +206,7 @@ def measure(
     import torch
 
     from . import workloads as wl
+    from .kernels import kmeans_assign
 
     w = wl.get_workload(workload_name)
     sel = w.selection
@@ -299,6 +300,8 @@ def measure(
         top_p=sel.top_p,
         min_fraction=sel.min_fraction,
         select_method=_select_method(),
+        kmeans_build=kmeans_assign.BUILD,  # the wgmma methods' assignment and Lloyd sums
+        kmeans_sums=kmeans_assign.SUMS,
     )
     return [dict(meta, **r) for r in records]
 
