@@ -428,10 +428,13 @@ def test_slot_sum_index_names_each_slots_group():
             assert int(index[r, s]) == (-1 if group < 0 else 3 * r + group)
 
 
+@pytest.mark.parametrize("side_stream", [False, True], ids=["one_stream", "side_stream_asked"])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_step_in_slots_matches_the_partition_step(block_size):
+def test_step_in_slots_matches_the_partition_step(block_size, side_stream, monkeypatch):
     """svg2_step_in_slots: the last step's sums taken while q and k move to slots give the partition
-    step's labels, layouts, centroids, selection and the same slot tensors."""
+    step's labels, layouts, centroids, selection and the same slot tensors (with ``SIDE_STREAM`` asked
+    for, CPU tensors keep the one-stream order)."""
+    monkeypatch.setattr(sd, "SIDE_STREAM", side_stream)
     g = torch.Generator().manual_seed(block_size)
     q = torch.from_numpy(blobs(6, 2, 500, 16))
     k = torch.from_numpy(blobs(7, 2, 500, 16))

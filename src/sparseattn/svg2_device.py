@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -42,6 +43,10 @@ from .constants import PAGE_ROWS
 
 #: Distance entries ``[N, chunk, k]`` per chunk of :func:`nearest_centroid` (512 MiB of float32).
 ASSIGN_CHUNK_ENTRIES = 1 << 27
+#: Build Q's slot layout on a side stream while K's k-means runs (:func:`fit_for_slots` on CUDA tensors;
+#: ``SPARSEATTN_SVG2_SIDE_STREAM=1``, opt-in; NOTES_svg2_device.md v36): the layout's ~50 small kernels
+#: then fill the SMs K's assignment leaves between its waves instead of running after it.
+SIDE_STREAM = os.environ.get("SPARSEATTN_SVG2_SIDE_STREAM", "0") == "1"
 
 
 def _check_rows(name: str, x: torch.Tensor) -> None:
@@ -707,14 +712,16 @@ def svg2_partition_step(
     return step
 
 
-def _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit: dict, mark):
-    """:func:`lloyd` of each side (Q first), ``mark`` after each."""
+def _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit: dict, mark, after_q=None):
+    """:func:`lloyd` of each side (Q first), ``mark`` after each; ``after_q(q_fit)`` between the two."""
     _check_rows("q", q)
     _check_rows("k", k)
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} must agree in N and d")
     q_fit = lloyd(q, q_clusters, iters, q_init, generator, **fit)
     mark("kmeans_q")
+    if after_q is not None:
+        after_q(q_fit)
     k_fit = lloyd(k, k_clusters, iters, k_init, generator, **fit)
     mark("kmeans_k")
     return q_fit, k_fit
@@ -762,11 +769,48 @@ def fit_for_slots(
     ``"layouts"``."""
     mark = mark or (lambda part: None)
     fit = dict(assign=assign, final_assign=False, last_sums=False)
-    q_fit, k_fit = _fit_sides(q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark)
-    q_lay = partition_slots(q_fit[0], q_clusters, block_size)
-    k_lay = partition_slots(k_fit[0], k_clusters, block_size)
+    beside = {}
+    after_q = None
+    if SIDE_STREAM and q.is_cuda:  # Q's layout on a side stream, beside K's k-means
+
+        def after_q(q_fit):
+            beside["q"] = _layout_beside(q_fit[0], q_clusters, block_size)
+
+    q_fit, k_fit = _fit_sides(
+        q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark, after_q
+    )
+    if beside:
+        k_lay = partition_slots(k_fit[0], k_clusters, block_size)
+        q_lay, join = beside["q"]
+        join()
+    else:
+        q_lay = partition_slots(q_fit[0], q_clusters, block_size)
+        k_lay = partition_slots(k_fit[0], k_clusters, block_size)
     mark("layouts")
     return FittedSides(q_fit, k_fit, q_lay, k_lay)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _layout_beside(labels: torch.Tensor, num_groups: int, block_size: int):
+    """``(layout, join)``: :func:`partition_slots` of CUDA ``labels`` enqueued on a side stream that starts
+    after the work queued so far; ``join()`` makes the current stream wait for it. The layout's tensors are
+    marked as used on the current stream (``record_stream``), ``labels`` as used on the side stream, so the
+    caching allocator reuses neither before both streams are done with it."""
+    main = torch.cuda.current_stream(labels.device)
+    side = _SIDE_STREAMS.get(labels.device)
+    if side is None:
+        side = _SIDE_STREAMS[labels.device] = torch.cuda.Stream(labels.device)
+    side.wait_stream(main)
+    labels.record_stream(side)
+    with torch.cuda.stream(side):
+        layout = partition_slots(labels, num_groups, block_size)
+    for f in fields(layout):
+        value = getattr(layout, f.name)
+        if isinstance(value, torch.Tensor):
+            value.record_stream(main)
+    return layout, lambda: main.wait_stream(side)
 
 
 def move_to_slots(fitted: FittedSides, q, k, v, used=None):

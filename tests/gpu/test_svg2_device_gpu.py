@@ -364,6 +364,34 @@ def test_select_by_words_equals_the_bisection_on_rows_that_share_their_high_word
         assert (b.sum(-1)[[1, 3]] >= least[[1, 3]].unsqueeze(-1)).all()
 
 
+def test_q_layout_on_a_side_stream_is_the_layout_of_its_labels(monkeypatch):
+    """``SIDE_STREAM``: Q's layout, built on a side stream while K's k-means runs, is the layout of the
+    labels the call returns (so the side stream waited for them, and the call for it), as is K's, with no
+    host synchronisation in the call. (Two calls' labels may differ at near ties: the sums' atomics.)"""
+    monkeypatch.setattr(sd, "SIDE_STREAM", True)
+    x = torch.from_numpy(_synthetic(4, 20000)).cuda().bfloat16()
+    q, k = x, x.flip(1).contiguous()
+    init = (q[:, :100].float(), k[:, :300].float())
+    sd.fit_for_slots(q, k, 100, 300, 128, 2, *init, assign="wgmma")  # the side stream made, kernels loaded
+    torch.cuda.synchronize()
+    with _no_host_sync():
+        fit = sd.fit_for_slots(q, k, 100, 300, 128, 2, *init, assign="wgmma")
+        del x, k  # freed on the main stream while the side stream may still be reading: must stay safe
+    torch.cuda.synchronize()
+    for lay, labels, groups in ((fit.q_layout, fit.q_fit[0], 100), (fit.k_layout, fit.k_fit[0], 300)):
+        want = sd.partition_slots(labels, groups, 128)
+        for name in (
+            "token_slot",
+            "valid",
+            "block_group",
+            "num_slots",
+            "group_sizes",
+            "block_rows",
+            "block_pages",
+        ):
+            assert torch.equal(getattr(lay, name), getattr(want, name)), name
+
+
 def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move():
     """svg2_step_in_slots on the GPU (the wgmma assignment, the Triton slot copy with each
     block's sums): its centroids are the means of its labels' clusters (empty ones keep theirs), its
