@@ -128,6 +128,17 @@ def kmeans_build(request, monkeypatch):
     return request.param
 
 
+#: The tensors of a DeviceLayout, compared field by field.
+LAYOUT_TENSORS = (
+    "token_slot",
+    "valid",
+    "block_group",
+    "num_slots",
+    "group_sizes",
+    "block_rows",
+    "block_pages",
+)
+
 ASSIGNMENT_CASES = [(3, 5000, 333, 128), (2, 97, 1000, 128), (2, 300, 1, 64), (1, 1025, 130, 64)]
 
 
@@ -306,15 +317,7 @@ def test_partition_layouts_on_the_gpu_equal_the_cpu_path(groups):
     labels = torch.where(torch.rand(n, t, generator=g, device="cuda") < 0.3, noise, near)
     lay = sd.partition_slots(labels, groups, 128)
     ref = sd.partition_slots(labels.cpu(), groups, 128)
-    for name in (
-        "token_slot",
-        "valid",
-        "block_group",
-        "num_slots",
-        "group_sizes",
-        "block_rows",
-        "block_pages",
-    ):
+    for name in LAYOUT_TENSORS:
         assert torch.equal(getattr(lay, name).cpu(), getattr(ref, name)), name
 
 
@@ -380,15 +383,7 @@ def test_q_layout_on_a_side_stream_is_the_layout_of_its_labels(monkeypatch):
     torch.cuda.synchronize()
     for lay, labels, groups in ((fit.q_layout, fit.q_fit[0], 100), (fit.k_layout, fit.k_fit[0], 300)):
         want = sd.partition_slots(labels, groups, 128)
-        for name in (
-            "token_slot",
-            "valid",
-            "block_group",
-            "num_slots",
-            "group_sizes",
-            "block_rows",
-            "block_pages",
-        ):
+        for name in LAYOUT_TENSORS:
             assert torch.equal(getattr(lay, name), getattr(want, name)), name
 
 

@@ -27,26 +27,10 @@ shift
 steps=("$@")
 (( ${#steps[@]} )) || { echo "name the steps to run (see the header)" >&2; exit 2; }
 work=$(mktemp -d)
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-commit=$(cat .scratch/commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
-export SPARSEATTN_COMMIT=${SPARSEATTN_COMMIT:-$commit}
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-echo "commit $commit, $(date -u +%FT%TZ), $gpu" | tee "$work/run.txt"
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python -m pip install --quiet --no-deps --target /tmp/site .whl/*.whl > "$work/wheels.log" 2>&1
-    export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-
-declare -A status
-step() {  # step NAME LIMIT_S COMMAND...: runs if named, logs to NAME.log (its command first), records the exit status
-    local name=$1 limit=$2
-    shift 2
-    [[ " ${steps[*]} " == *" $name "* ]] || return 0
-    { echo "\$ $*"; echo; } > "$work/$name.log"
-    local t0=$SECONDS
-    timeout "$limit" "$@" >> "$work/$name.log" 2>&1
-    status[$name]="rc $? in $((SECONDS - t0)) s"
-}
+step_dir=$work
+# shellcheck source=run_step.sh
+source "$(dirname "${BASH_SOURCE[0]}")/run_step.sh"
+prepare_run
 
 python -m sparseattn.kernels.warmup > "$work/warmup.log" 2>&1
 step svg2_step 120 \

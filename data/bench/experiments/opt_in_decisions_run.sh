@@ -28,27 +28,10 @@ shift
 steps=("$@")
 (( ${#steps[@]} )) || steps=(svg2_step gpu_tests_svg2 select_ab wan_compile_tiles kmeans_builds_ab gpu_tests_rest)
 mkdir -p "$out"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-commit=$(cat .scratch/commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
-# the records' commit (a copy of the tree may carry an older .git: write .scratch/commit and carry .scratch)
-export SPARSEATTN_COMMIT=${SPARSEATTN_COMMIT:-$commit}
-echo "commit $commit, $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
-    | tee "$out/run.txt"
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python -m pip install --quiet --no-deps --target /tmp/site .whl/*.whl > "$out/wheels.log" 2>&1
-    export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-
-declare -A status
-step() {  # step NAME LIMIT_S COMMAND...: runs if named, logs to $out/NAME.log (its command first), records the exit status
-    local name=$1 limit=$2
-    shift 2
-    [[ " ${steps[*]} " == *" $name "* ]] || return 0
-    { echo "\$ $*"; echo; } > "$out/$name.log"
-    local t0=$SECONDS
-    timeout "$limit" "$@" >> "$out/$name.log" 2>&1
-    status[$name]="rc $? in $((SECONDS - t0)) s"
-}
+step_dir=$out
+# shellcheck source=run_step.sh
+source "$(dirname "${BASH_SOURCE[0]}")/run_step.sh"
+prepare_run
 
 python -m sparseattn.kernels.warmup > "$out/warmup.log" 2>&1
 SPARSEATTN_KMEANS_BUILD=packed_argmax step svg2_step 150 \
