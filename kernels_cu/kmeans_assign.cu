@@ -8,8 +8,7 @@
 // CTA forms them: SUMS_ATOMICS, one atomic per token; SUMS_PRESUM, each cluster's tokens of the CTA summed
 // first by ballots and a member loop, one partial sum per cluster; SUMS_MMA, the same partial sums as one
 // product on the tensor cores (P = A·X, A the one-hot [token rows × 128 tokens] matrix of equal labels, in
-// attention's P·V shape), sent by each cluster's first token; SUMS_MMA_LEADERS, the same product over the
-// clusters present only (one row each), so most CTAs multiply in one warpgroup.
+// attention's P·V shape), sent by each cluster's first token.
 //
 // A CTA takes 128 tokens of one row n (two warpgroups of 64: the wgmma M) and streams the row's centroids
 // in chunks of 128 (wgmma N), double-buffered with cp.async into 128-byte-swizzled tiles: the chunk after
@@ -47,7 +46,6 @@
 #define SUMS_ATOMICS 0
 #define SUMS_PRESUM 1
 #define SUMS_MMA 2
-#define SUMS_MMA_LEADERS 3
 // LOOP: how the chunk loop runs (mirrored in sparseattn/kernels/kmeans_assign.py)
 #define LOOP_BARRIERS 0     // two CTA barriers per chunk
 #define LOOP_RING 1         // the buffers on mbarriers
@@ -171,41 +169,6 @@ __device__ __forceinline__ void chunk_step(float (&s)[N / 2], uint32_t a_rows, u
                 }
             }
         }
-    }
-}
-
-// The one-hot rows of labels L[0], L[1] (this thread's A rows g and g + 8) over a CTA's ROWS token labels
-// lab_s: their bf16 A fragments (k-step p: tokens 16p .. 16p + 15; this lane's columns 16p + 2·t4, + 1, + 8,
-// + 9), and, reduced over the quad, how many tokens have each label and the first of them (ROWS if none).
-template <int ROWS>
-__device__ __forceinline__ void one_hot_rows(const int* lab_s, const int (&L)[2], int t4,
-                                             uint32_t (&pa)[ROWS / PAGE_ROWS][4], int (&size)[2], int (&first)[2]) {
-    constexpr uint32_t ONE_LO = 0x3F80u, ONE_HI = 0x3F800000u;  // bf16 1.0 in a bf16x2's low / high half
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        size[r] = 0;
-        first[r] = ROWS;
-    }
-#pragma unroll
-    for (int p = 0; p < ROWS / PAGE_ROWS; ++p) {
-        const int c0 = PAGE_ROWS * p + 2 * t4;
-        const int2 lo = *reinterpret_cast<const int2*>(lab_s + c0);
-        const int2 hi = *reinterpret_cast<const int2*>(lab_s + c0 + 8);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const bool e0 = lo.x == L[r], e1 = lo.y == L[r], e2 = hi.x == L[r], e3 = hi.y == L[r];
-            pa[p][r] = (e0 ? ONE_LO : 0u) | (e1 ? ONE_HI : 0u);      // a0 (row g), a1 (row g + 8)
-            pa[p][2 + r] = (e2 ? ONE_LO : 0u) | (e3 ? ONE_HI : 0u);  // a2, a3: columns + 8
-            size[r] += e0 + e1 + e2 + e3;
-            first[r] = min(first[r], e0 ? c0 : e1 ? c0 + 1 : e2 ? c0 + 8 : e3 ? c0 + 9 : ROWS);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        size[r] += __shfl_xor_sync(0xffffffffu, size[r], 1);
-        size[r] += __shfl_xor_sync(0xffffffffu, size[r], 2);
-        first[r] = min(first[r], __shfl_xor_sync(0xffffffffu, first[r], 1));
-        first[r] = min(first[r], __shfl_xor_sync(0xffffffffu, first[r], 2));
     }
 }
 
@@ -423,112 +386,74 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
     }
     if constexpr (ACCUMULATE) {
         constexpr int PER_LANE = HEAD_DIM / 32;  // 4 (HEAD_DIM 128) or 2 (64) contiguous columns a lane
-        if (sum_method == SUMS_MMA || sum_method == SUMS_MMA_LEADERS) {
-            // The partial sums as P = A·X, A a one-hot matrix over the CTA's 128 tokens (1 where a token has
-            // the row's label), X the CTA's tile: row r of P is its label's sum of the CTA's tokens. bf16
-            // ones times bf16 tokens, fp32 accumulation: exact but for float32 rounding, as the member loop's.
-            // SUMS_MMA: row r of warpgroup wg is token 64·wg + r's cluster, sent by the cluster's first
-            // token (its leader). SUMS_MMA_LEADERS: the rows are the leaders' clusters only, in token order
-            // (a leader's rank among the leaders: four ballots and popcounts), so warpgroup 1 multiplies
-            // only where a CTA holds more than 64 clusters, and every row it multiplies is sent.
+        if (sum_method == SUMS_MMA) {
+            // Row r of the warpgroup's A is token 64·wg + r's cluster over the CTA's 128 tokens (1 where a
+            // token has its label), so row r of P = A·X is that cluster's sum of the CTA's tokens; the
+            // cluster's first token (its leader) sends it. bf16 ones times bf16 tokens, fp32 accumulation:
+            // the partial sums are exact but for float32 rounding, as the member loop's.
             int* lab_s = reinterpret_cast<int*>(csq_s);  // [KMEANS_ROWS]; the |c|² buffers are free after the loop
-            int* slot_s = lab_s + KMEANS_ROWS;           // leaders: flags, then the rows' labels
             int my_label[2];
-            int token[2];  // this thread's rows as tokens of the CTA
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                my_label[r] = warp_row0 + g + 8 * r < tokens ? best_i[r] : -1;
-                token[r] = 64 * wg + 16 * wq + g + 8 * r;
-            }
+            for (int r = 0; r < 2; ++r) my_label[r] = warp_row0 + g + 8 * r < tokens ? best_i[r] : -1;
             if (t4 == 0) {
 #pragma unroll
-                for (int r = 0; r < 2; ++r) lab_s[token[r]] = my_label[r];
+                for (int r = 0; r < 2; ++r) lab_s[64 * wg + 16 * wq + g + 8 * r] = my_label[r];
             }
             __syncthreads();
-            uint32_t pa[KMEANS_ROWS / PAGE_ROWS][4];
-            int size[2], first[2], row_label[2];
-            bool sends[2];
-            bool active = true;  // this warpgroup has rows to multiply (uniform in the warpgroup)
-            one_hot_rows<KMEANS_ROWS>(lab_s, my_label, t4, pa, size, first);
-            if (sum_method == SUMS_MMA) {
+            uint32_t pa[KMEANS_ROWS / PAGE_ROWS][4];  // A fragments, k-step p: tokens 16p .. 16p + 15
+            int first[2] = {KMEANS_ROWS, KMEANS_ROWS};  // the lowest token of the row's cluster, this lane's columns
+            int size[2] = {0, 0};
+            constexpr uint32_t ONE_LO = 0x3F80u, ONE_HI = 0x3F800000u;  // bf16 1.0 in a bf16x2's low / high half
+#pragma unroll
+            for (int p = 0; p < KMEANS_ROWS / PAGE_ROWS; ++p) {
+                const int c0 = PAGE_ROWS * p + 2 * t4;  // this lane's columns: c0, c0 + 1, c0 + 8, c0 + 9
+                const int2 lo = *reinterpret_cast<const int2*>(lab_s + c0);
+                const int2 hi = *reinterpret_cast<const int2*>(lab_s + c0 + 8);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    row_label[r] = my_label[r];
-                    sends[r] = my_label[r] >= 0 && first[r] == token[r];
+                    const int L = my_label[r];
+                    const bool e0 = lo.x == L, e1 = lo.y == L, e2 = hi.x == L, e3 = hi.y == L;
+                    pa[p][r] = (e0 ? ONE_LO : 0u) | (e1 ? ONE_HI : 0u);      // a0 (row g), a1 (row g + 8)
+                    pa[p][2 + r] = (e2 ? ONE_LO : 0u) | (e3 ? ONE_HI : 0u);  // a2, a3: columns + 8
+                    size[r] += e0 + e1 + e2 + e3;
+                    const int f = e0 ? c0 : e1 ? c0 + 1 : e2 ? c0 + 8 : e3 ? c0 + 9 : KMEANS_ROWS;
+                    first[r] = min(first[r], f);
                 }
-            } else {
-                uint32_t* words_s = reinterpret_cast<uint32_t*>(
-                    smem_raw + (cs + KMEANS_NBUF * S::TILE_BYTES + S::CSQ_BYTES + 32 - raw));  // past the ring's mbarriers
-                bool leads[2];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) leads[r] = my_label[r] >= 0 && first[r] == token[r];
-                if (t4 == 0) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) slot_s[token[r]] = leads[r];
-                }
-                __syncthreads();
-                if (warp < KMEANS_ROWS / 32) {
-                    const uint32_t word = __ballot_sync(0xffffffffu, slot_s[32 * warp + lane] != 0);
-                    if (lane == 0) words_s[warp] = word;
-                }
-                __syncthreads();  // the flags are read: slot_s may take the rows' labels
-                uint32_t words[KMEANS_ROWS / 32];
-                int count = 0;
-#pragma unroll
-                for (int w = 0; w < KMEANS_ROWS / 32; ++w) {
-                    words[w] = words_s[w];
-                    count += __popc(words[w]);
-                }
-                if (t4 == 0) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        if (!leads[r]) continue;
-                        int rank = 0;  // leaders before this token
-#pragma unroll
-                        for (int w = 0; w < KMEANS_ROWS / 32; ++w) {
-                            const int bits = token[r] - 32 * w;  // this word's tokens before it
-                            rank += bits >= 32 ? __popc(words[w]) : bits > 0 ? __popc(words[w] & ((1u << bits) - 1u)) : 0;
-                        }
-                        slot_s[rank] = my_label[r];
-                    }
-                }
-                if (tid < KMEANS_ROWS && tid >= count) slot_s[tid] = -2;  // no row: matches no token (padding is -1)
-                __syncthreads();
-                active = 64 * wg < count;
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    row_label[r] = slot_s[token[r]];  // row 64·wg + 16·wq + g + 8r of the leaders' rows
-                    sends[r] = row_label[r] >= 0;
-                }
-                if (active) one_hot_rows<KMEANS_ROWS>(lab_s, row_label, t4, pa, size, first);
             }
-            if (active) {
-                float o[HEAD_DIM / 2];
+            bool leads[2];
 #pragma unroll
-                for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.f;
-                hopper::wgmma_fence();
-                hopper::issue_pv<HEAD_DIM, KMEANS_ROWS>(o, pa, xs);
-                hopper::wgmma_commit();
-                hopper::wgmma_wait<0>();
-                // Lanes t4 and t4 ^ 1 hold columns 8j + 2·(t4 & 2) .. + 3 of rows g and g + 8: after one
-                // exchange the even lane sends four consecutive columns of row g, the odd lane of row g + 8.
-                const bool odd = t4 & 1;  // selects, not an index: a dynamic index would put the arrays in local memory
-                const int label = odd ? row_label[1] : row_label[0];
-                const bool send = odd ? sends[1] : sends[0];
-                const int count = odd ? size[1] : size[0];
-                float* dst = sums + (static_cast<size_t>(n) * k + (label < 0 ? 0 : label)) * HEAD_DIM + 2 * (t4 & 2);
-#pragma unroll
-                for (int j = 0; j < HEAD_DIM / 8; ++j) {
-                    const float give0 = odd ? o[4 * j] : o[4 * j + 2], give1 = odd ? o[4 * j + 1] : o[4 * j + 3];
-                    const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
-                    const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-                    const float4 v = odd ? make_float4(got0, got1, o[4 * j + 2], o[4 * j + 3])
-                                         : make_float4(o[4 * j], o[4 * j + 1], got0, got1);
-                    if (send) atomicAdd(reinterpret_cast<float4*>(dst + 8 * j), v);
-                }
-                if (send && (t4 >> 1) == 0)
-                    atomicAdd(counts + static_cast<size_t>(n) * k + label, static_cast<float>(count));
+            for (int r = 0; r < 2; ++r) {  // the quad's four column sets
+                size[r] += __shfl_xor_sync(0xffffffffu, size[r], 1);
+                size[r] += __shfl_xor_sync(0xffffffffu, size[r], 2);
+                first[r] = min(first[r], __shfl_xor_sync(0xffffffffu, first[r], 1));
+                first[r] = min(first[r], __shfl_xor_sync(0xffffffffu, first[r], 2));
+                leads[r] = my_label[r] >= 0 && first[r] == 64 * wg + 16 * wq + g + 8 * r;
             }
+            float o[HEAD_DIM / 2];
+#pragma unroll
+            for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.f;
+            hopper::wgmma_fence();
+            hopper::issue_pv<HEAD_DIM, KMEANS_ROWS>(o, pa, xs);
+            hopper::wgmma_commit();
+            hopper::wgmma_wait<0>();
+            // Lanes t4 and t4 ^ 1 hold columns 8j + 2·(t4 & 2) .. + 3 of rows g and g + 8: after one exchange
+            // the even lane sends four consecutive columns of row g, the odd lane of row g + 8 (float4 atomics).
+            const bool odd = t4 & 1;  // selects, not an index: a dynamic index would put the arrays in local memory
+            const int label = odd ? my_label[1] : my_label[0];
+            const bool sends = odd ? leads[1] : leads[0];
+            const int count = odd ? size[1] : size[0];
+            float* dst = sums + (static_cast<size_t>(n) * k + (label < 0 ? 0 : label)) * HEAD_DIM + 2 * (t4 & 2);
+#pragma unroll
+            for (int j = 0; j < HEAD_DIM / 8; ++j) {
+                const float give0 = odd ? o[4 * j] : o[4 * j + 2], give1 = odd ? o[4 * j + 1] : o[4 * j + 3];
+                const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+                const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+                const float4 v = odd ? make_float4(got0, got1, o[4 * j + 2], o[4 * j + 3])
+                                     : make_float4(o[4 * j], o[4 * j + 1], got0, got1);
+                if (sends) atomicAdd(reinterpret_cast<float4*>(dst + 8 * j), v);
+            }
+            if (sends && (t4 >> 1) == 0)
+                atomicAdd(counts + static_cast<size_t>(n) * k + label, static_cast<float>(count));
         } else if (sum_method == SUMS_PRESUM) {
             // Each cluster's tokens of this CTA summed here first, so one float4 atomic per lane goes out per
             // cluster present, not per token (the host asks for it with few clusters, whose atomics collide).

@@ -250,7 +250,7 @@ def test_packed_argmax_keeps_columns_of_scores_near_zero(monkeypatch):
     assert bool((got == 77).all())
 
 
-@pytest.mark.parametrize("method", ["atomics", "presum", "mma", "mma_leaders"])
+@pytest.mark.parametrize("method", ["atomics", "presum", "mma"])
 @pytest.mark.parametrize("k", [500, 3], ids=["k500", "k3"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_wgmma_lloyd_step_sums_and_sizes(d, k, method, kmeans_build):

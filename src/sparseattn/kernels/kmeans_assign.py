@@ -79,7 +79,7 @@ NBUF = 2
 #: atomic per token and column; ``"presum"``, each cluster's tokens of the CTA summed first (ballots, then a
 #: member loop), one atomic per cluster present; ``"mma"``, the same partial sums as one product on the
 #: tensor cores (a one-hot matrix of equal labels times the CTA's tokens).
-SUM_METHODS = {"atomics": 0, "presum": 1, "mma": 2, "mma_leaders": 3}
+SUM_METHODS = {"atomics": 0, "presum": 1, "mma": 2}
 #: The method the Lloyd steps take (``SPARSEATTN_KMEANS_SUMS``, default ``"mma"``): a key of SUM_METHODS, or
 #: ``"auto"``: ``"presum"`` up to :data:`PRESUM_MAX_CLUSTERS` clusters, ``"atomics"`` above.
 SUMS = os.environ.get("SPARSEATTN_KMEANS_SUMS") or "mma"
