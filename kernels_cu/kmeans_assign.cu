@@ -246,9 +246,16 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
     // sequence keeps its own accumulators: in one loop body with the full chunks' ptxas serializes them)
     const bool narrow_tail = NARROW_TAIL && k - (chunks - 1) * KMEANS_CHUNK <= KMEANS_CHUNK / 2;
     const int full_chunks = narrow_tail ? chunks - 1 : chunks;
+    // the ring builds' barriers: each chunk buffer's `full` and `empty`
+    const uint32_t bars = cs + KMEANS_NBUF * S::TILE_BYTES + S::CSQ_BYTES;
+    auto full = [&](int b) { return bars + 8u * b; };
+    auto empty = [&](int b) { return bars + 8u * (KMEANS_NBUF + b); };
     // chunk c's buffer has landed (cp.async, everyone's) and is visible to wgmma; its |c|² terms
     auto chunk_ready = [&](int c) {
-        __syncthreads();              // everyone's copies (and the |c|² stores)
+        if constexpr (LOOP == LOOP_BARRIERS)
+            __syncthreads();  // everyone's copies (and the |c|² stores)
+        else
+            hopper::mbar_wait(full(c % KMEANS_NBUF), (c / KMEANS_NBUF) & 1);
         hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
         if constexpr (PACKED_ARGMAX) {
             if (c == 0) half_xsq_of_rows<HEAD_DIM>(half_xsq, smem_raw + (xs - raw), 64 * wg + 16 * wq + g, t4);
@@ -260,9 +267,6 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         // Each buffer completes on `full` (every thread's copies tracked, the |c|² stores released by its
         // arrive) and is released on `empty` by each warp once its MMA has read the chunk: no CTA barrier in
         // the loop, and chunk c + 2 loads while chunk c's scan runs.
-        const uint32_t bars = cs + KMEANS_NBUF * S::TILE_BYTES + S::CSQ_BYTES;
-        auto full = [&](int b) { return bars + 8u * b; };
-        auto empty = [&](int b) { return bars + 8u * (KMEANS_NBUF + b); };
         if (tid == 0) {
             for (int b = 0; b < KMEANS_NBUF; ++b) {
                 hopper::mbar_init(full(b), KMEANS_THREADS);
@@ -277,12 +281,6 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         };
         load_ring(0);
         if (chunks > 1) load_ring(1);
-        auto ring_ready = [&](int c) {
-            hopper::mbar_wait(full(c % KMEANS_NBUF), (c / KMEANS_NBUF) & 1);
-            hopper::fence_async_proxy();  // cp.async writes (generic proxy) -> wgmma reads (async proxy)
-            if (c == 0) half_xsq_of_rows<HEAD_DIM>(half_xsq, smem_raw + (xs - raw), 64 * wg + 16 * wq + g, t4);
-            return csq_s + (c % KMEANS_NBUF) * KMEANS_CHUNK;
-        };
         auto release = [&](int c) {
             __syncwarp();
             if (lane == 0) hopper::mbar_arrive(empty(c % KMEANS_NBUF));
@@ -298,7 +296,7 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
             constexpr int H = KMEANS_CHUNK / 2;
 #pragma unroll 1
             for (int c = 0; c < full_chunks; ++c) {
-                const float* cq = ring_ready(c);
+                const float* cq = chunk_ready(c);
                 const uint32_t tile = cs + (c % KMEANS_NBUF) * S::TILE_BYTES;
                 float sa[H / 2], sb[H / 2];
                 init_packed<H>(sa, cq, half_xsq, t4);
@@ -317,7 +315,7 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         } else {
 #pragma unroll 1
             for (int c = 0; c < full_chunks; ++c) {
-                const float* cq = ring_ready(c);
+                const float* cq = chunk_ready(c);
                 float s[KMEANS_CHUNK / 2];
                 chunk_step<HEAD_DIM, KMEANS_CHUNK, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES,
                                                                   cq, half_xsq, c, t4, best, best_i,
@@ -326,7 +324,7 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
         }
         if (narrow_tail) {
             const int c = chunks - 1;
-            const float* cq = ring_ready(c);
+            const float* cq = chunk_ready(c);
             float s[KMEANS_CHUNK / 4];
             chunk_step<HEAD_DIM, KMEANS_CHUNK / 2, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES,
                                                                   cq, half_xsq, c, t4, best, best_i, nothing);

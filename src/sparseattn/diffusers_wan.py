@@ -456,7 +456,7 @@ class WanSparseAttnProcessor:
         sums taken on the way (:func:`~sparseattn.svg2_device.fit_for_slots`,
         :func:`~sparseattn.svg2_device.step_from_slot_sums`), SVG2's selection on their means, forward and
         backward planned on the device, back to tokens."""
-        from .svg2_device import fit_for_slots, scatter_rows, slot_rows, slot_sum_index, step_from_slot_sums
+        from .svg2_device import fit_for_slots, move_rows_to_slots, slot_rows, step_from_slot_sums
         from .torch import per_row_cluster_attention, per_row_layout_attention
 
         torch = self._torch()
@@ -471,15 +471,8 @@ class WanSparseAttnProcessor:
 
         q_rows, k_rows = in_token_order(ql), in_token_order(kl)
         flat = lambda x: x.to(torch.bfloat16).reshape(b * n * h, d)  # [B, L, heads, d] as it comes
-        q_sums, k_sums = fitted.sums_buffers(d, q.device)
-        # on the GPU only the slots that hold a token are written: the kernels never read the others
-        # (their producers zero a page's rows past its tokens)
-        qs = scatter_rows(
-            flat(q), q_rows, b * h * ql.max_slots, ql.valid.reshape(-1), q_sums, slot_sum_index(ql)
-        )
-        k_used = kl.valid.reshape(-1)
-        ks = scatter_rows(flat(k), k_rows, b * h * kl.max_slots, k_used, k_sums, slot_sum_index(kl))
-        vs = scatter_rows(flat(v), k_rows, b * h * kl.max_slots, k_used)
+        # on the GPU only the slots that hold a token are written (DeviceLayout.filled_slots)
+        qs, ks, vs, q_sums, k_sums = move_rows_to_slots(fitted, flat(q), flat(k), flat(v), q_rows, k_rows)
         step = self.last_svg2_step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
         self._keep_centroids(q, step)
         slots = [x.view(b * h, -1, d) for x in (qs, ks, vs)]

@@ -322,6 +322,12 @@ class DeviceLayout:
         slots = torch.arange(self.max_slots, device=self.num_slots.device)
         return (slots < self.num_slots.unsqueeze(1)).reshape(-1)
 
+    def filled_slots(self) -> torch.Tensor:
+        """bool ``[N · max_slots]``: the slots that hold a token (``valid``), flattened as the rows of
+        :func:`scatter_rows`' output; the kernels read no others (their producers zero a page's rows past
+        its tokens), so a move to slots need write only these."""
+        return self.valid.reshape(-1)
+
     @property
     def max_blocks(self) -> int:
         return self.block_group.shape[1]
@@ -769,19 +775,16 @@ def fit_for_slots(
     ``"layouts"``."""
     mark = mark or (lambda part: None)
     fit = dict(assign=assign, final_assign=False, last_sums=False)
-    beside = {}
+    beside = []  # with SIDE_STREAM: Q's layout on a side stream, beside K's k-means, and its join
     after_q = None
-    if SIDE_STREAM and q.is_cuda:  # Q's layout on a side stream, beside K's k-means
-
-        def after_q(q_fit):
-            beside["q"] = _layout_beside(q_fit[0], q_clusters, block_size)
-
+    if SIDE_STREAM and q.is_cuda:
+        after_q = lambda q_fit: beside.append(_layout_beside(q_fit[0], q_clusters, block_size))
     q_fit, k_fit = _fit_sides(
         q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark, after_q
     )
     if beside:
         k_lay = partition_slots(k_fit[0], k_clusters, block_size)
-        q_lay, join = beside["q"]
+        q_lay, join = beside[0]
         join()
     else:
         q_lay = partition_slots(q_fit[0], q_clusters, block_size)
@@ -813,19 +816,35 @@ def _layout_beside(labels: torch.Tensor, num_groups: int, block_size: int):
     return layout, lambda: main.wait_stream(side)
 
 
-def move_to_slots(fitted: FittedSides, q, k, v, used=None):
-    """``(qs, ks, vs, q_sums, k_sums)``: q, k, v ``[N, tokens, d]`` moved to the fitted sides' slots
-    (:func:`scatter_to_slots`), each side's cluster sums (float32 ``[N · clusters, d]``) taken on the way.
-    ``used``: the ``(q, k)`` masks of the slots written (default the slots that hold a token, each
-    layout's ``valid`` flattened: the kernels never read the others; :meth:`DeviceLayout.used_slots`
-    writes the padding inside the blocks as zeros)."""
+def move_rows_to_slots(fitted: FittedSides, q, k, v, q_rows, k_rows, used=None):
+    """``(qs, ks, vs, q_sums, k_sums)``: the rows of q ``[R_q, d]`` and of k, v ``[R_k, d]`` copied to rows
+    ``q_rows`` / ``k_rows`` of the fitted sides' slots flattened to ``[N · max_slots, d]``
+    (:func:`scatter_rows`), each side's cluster sums (float32 ``[N · clusters, d]``) taken on the way.
+    ``used``: the ``(q, k)`` masks of the slots written (default :meth:`DeviceLayout.filled_slots`, the
+    slots that hold a token; :meth:`DeviceLayout.used_slots` writes the padding inside the blocks as zeros)."""
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
-    q_used, k_used = used if used is not None else (q_lay.valid.reshape(-1), k_lay.valid.reshape(-1))
-    q_sums, k_sums = fitted.sums_buffers(q.shape[2], q.device)
-    qs = scatter_to_slots(q, q_lay.token_slot, q_lay.max_slots, q_used, q_sums, slot_sum_index(q_lay))
-    ks = scatter_to_slots(k, k_lay.token_slot, k_lay.max_slots, k_used, k_sums, slot_sum_index(k_lay))
-    vs = scatter_to_slots(v, k_lay.token_slot, k_lay.max_slots, k_used)
+    q_used, k_used = used if used is not None else (q_lay.filled_slots(), k_lay.filled_slots())
+    q_sums, k_sums = fitted.sums_buffers(q.shape[-1], q.device)
+    q_total, k_total = (lay.valid.numel() for lay in (q_lay, k_lay))
+    qs = scatter_rows(q, q_rows, q_total, q_used, q_sums, slot_sum_index(q_lay))
+    ks = scatter_rows(k, k_rows, k_total, k_used, k_sums, slot_sum_index(k_lay))
+    vs = scatter_rows(v, k_rows, k_total, k_used)
     return qs, ks, vs, q_sums, k_sums
+
+
+def move_to_slots(fitted: FittedSides, q, k, v, used=None):
+    """:func:`move_rows_to_slots` of token-ordered q, k, v ``[N, tokens, d]``: ``(qs, ks, vs, q_sums,
+    k_sums)`` with ``qs`` ``[N, q_slots, d]`` and ``ks``, ``vs`` ``[N, k_slots, d]`` as
+    :func:`scatter_to_slots` moves them."""
+    n, _, d = q.shape
+    q_lay, k_lay = fitted.q_layout, fitted.k_layout
+    rows = lambda lay: slot_rows(lay.token_slot, lay.max_slots).reshape(-1)
+    flat = lambda x: x.reshape(-1, d)
+    qs, ks, vs, q_sums, k_sums = move_rows_to_slots(
+        fitted, flat(q), flat(k), flat(v), rows(q_lay), rows(k_lay), used
+    )
+    q_shape, k_shape = (n, q_lay.max_slots, d), (n, k_lay.max_slots, d)
+    return qs.view(q_shape), ks.view(k_shape), vs.view(k_shape), q_sums, k_sums
 
 
 def step_from_slot_sums(fitted: FittedSides, q_sums, k_sums, top_p: float, min_fraction: float) -> SVG2Step:

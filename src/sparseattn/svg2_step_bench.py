@@ -121,7 +121,7 @@ def one_call(
         ql, kl = step.q_layout, step.k_layout
         # the torch method moves tokens as the CPU path does (zeros, then index_copy); the fused ones write
         # only the slots that hold a token (one Triton pass, as the Wan processor on the GPU)
-        used = (lambda lay: None) if assign == "torch" else (lambda lay: lay.valid.reshape(-1))
+        used = (lambda lay: None) if assign == "torch" else (lambda lay: lay.filled_slots())
         qs = scatter_to_slots(q, ql.token_slot, ql.max_slots, used(ql))
         k_used = used(kl)
         ks = scatter_to_slots(k, kl.token_slot, kl.max_slots, k_used)

@@ -5,7 +5,7 @@ At a built-in ``svg2_*`` workload's 720p shape (the Wan processor's order: k-mea
 labels only, then the move with the last step's cluster sums), the three copies of
 :func:`sparseattn.svg2_device.move_to_slots` with ``used`` the slots of each row's blocks
 (``DeviceLayout.used_slots``: padding inside a block written as zeros) against ``used`` the slots that hold
-tokens (``DeviceLayout.valid``: padding left unwritten). The token rows and the sums are compared
+tokens (``DeviceLayout.filled_slots``: padding left unwritten). The token rows and the sums are compared
 first; then rounds alternated, each form timed with the host queued ahead (CUDA events after a GPU sleep)
 and with the host waiting (wall), medians.
 
@@ -39,10 +39,9 @@ def main() -> int:
     q, k, v, init = warm_call_inputs(w)
     fitted = sd.fit_for_slots(q, k, sel.q_clusters, sel.k_clusters, w.block_size, 2, *init, None, "wgmma")
     ql, kl = fitted.q_layout, fitted.k_layout
-    # the slots that hold a token: DeviceLayout.valid flattened as the moved rows
     masks = {
         "zeroed": (ql.used_slots(), kl.used_slots()),
-        "unwritten": (ql.valid.reshape(-1), kl.valid.reshape(-1)),
+        "unwritten": (ql.filled_slots(), kl.filled_slots()),
     }
 
     def move(form):
