@@ -277,30 +277,3 @@ def test_used_slots_are_each_rows_first_num_slots():
     assert torch.equal(used.sum(1), q_lay.num_slots)
     assert not (q_lay.valid & ~used).any()  # every token's slot is used
     assert (used[:, :-1] | ~used[:, 1:]).all()  # a prefix
-
-
-def test_a_stream_writer_not_known_is_refused_before_any_launch(monkeypatch):
-    """``page_streams.WRITER`` is read at each call and checked first (here no Triton device either); its
-    default, with ``SPARSEATTN_STREAM_WRITER`` unset, is the ``"pages"`` form."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from sparseattn.planning import page_streams
-
-    monkeypatch.setattr(page_streams, "WRITER", "tile")
-    sel, ints = torch.ones(1, 2, 3, dtype=torch.bool), torch.ones(1, 3, dtype=torch.int32)
-    out = torch.full((7, 2), -7, dtype=torch.int32)
-    start = torch.zeros(2, dtype=torch.int64)
-    message = (
-        r"page_streams\.WRITER \(SPARSEATTN_STREAM_WRITER\) must be one of \('pages', 'tiles'\), got 'tile'"
-    )
-    with pytest.raises(ValueError, match=message):
-        page_streams.write_streams(sel, ints, ints, ints, start, out, 6, 4, 0, True)
-    assert (out == -7).all()
-    env = {k: v for k, v in os.environ.items() if k != "SPARSEATTN_STREAM_WRITER"}
-    env["PYTHONPATH"] = str(Path(page_streams.__file__).parents[2])  # this checkout's package
-    code = "from sparseattn.planning import page_streams; print(page_streams.WRITER)"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert run.stdout.strip() == "pages"

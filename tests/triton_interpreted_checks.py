@@ -8,8 +8,6 @@ page_streams`` (or ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``, ``cl
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import os
 import sys
 
@@ -30,81 +28,9 @@ def check_page_streams() -> int:
     from sparseattn.planning import page_streams
 
     cases = _check_page_streams_form(range(3)) + _check_cluster_streams(range(3))
-    cases += _check_stream_writers(range(2))
     page_streams.BLOCK_J = 8  # several steps per item
     cases += _check_page_streams_form(range(1)) + _check_cluster_streams(range(1))
-    cases += _check_stream_writers(range(1))
     page_streams.BLOCK_J = 256
-    with _writer("tiles"):  # the planners on the opt-in writer, against the torch streams
-        cases += _check_page_streams_form(range(1)) + _check_cluster_streams(range(1))
-    return cases
-
-
-@contextlib.contextmanager
-def _writer(name: str):
-    """``page_streams.WRITER`` set to ``name`` inside the block."""
-    from sparseattn.planning import page_streams
-
-    before, page_streams.WRITER = page_streams.WRITER, name
-    try:
-        yield
-    finally:
-        page_streams.WRITER = before
-
-
-def _writer_case(g, pages: int, grouped: bool, split: bool, n_other: int):
-    """Random inputs of ``write_streams``: ``(sel, full, part, rows, other_group)`` of 3 rows, 6 items a row
-    (item 2 of row 0 selecting nothing), row 1's blocks all empty; forward (``split``): 0 to ``pages`` full
-    pages a block (every third block none) and a partial page where the block is not full; backward: the
-    live pages only. By groups, blocks of group -1 or past the 5 groups select nothing."""
-    r, n_owner, n_groups = 3, 6, 5
-    full = torch.randint(0, pages + 1, (r, n_other), generator=g)
-    if split:
-        full[:, ::3] = 0
-    extra = torch.randint(0, 16, (r, n_other), generator=g) * (full < pages) * split
-    full[1], extra[1] = 0, 0
-    rows = (full * 16 + extra).int() if split else None
-    sel = torch.rand(r, n_owner, n_groups if grouped else n_other, generator=g) < 0.5
-    sel[0, 2] = False
-    group = torch.randint(-1, n_groups + 1, (r, n_other), generator=g).int() if grouped else None
-    return sel, full.int(), (extra > 0).int(), rows, group
-
-
-def _check_stream_writers(seeds) -> int:
-    """The ``"tiles"`` writer writes exactly the ``"pages"`` writer's ``out``, poison-filled so that the
-    entries neither writes are compared too (:func:`_writer_case`'s inputs; 3, 4 and 8 pages a block; the
-    capacity two thirds of the entries or all); where ``out`` has no int64 view, the ``"pages"`` form."""
-    from sparseattn.planning import page_streams
-
-    cases = 0
-    for seed, pages, grouped, split in itertools.product(seeds, (3, 4, 8), (False, True), (True, False)):
-        g = torch.Generator().manual_seed(100 + seed * 10 + pages)
-        n_other = 21 + 7 * seed
-        sel, full, part, rows, group = _writer_case(g, pages, grouped, split, n_other)
-        lengths = page_streams.stream_lengths(sel, full, part, group)
-        start = lengths.cumsum(0) - lengths
-        total = int(lengths.sum())
-        assert total > 0 and (lengths == 0).any()
-        stride = 0 if split else n_other * pages
-        for capacity in (total * 2 // 3, total):  # the last, every entry, is the odd offset's reference
-            outs = {}
-            for writer in ("pages", "tiles"):
-                out = torch.full((capacity + 1, 2) if split else (capacity + 1,), -7, dtype=torch.int32)
-                with _writer(writer):
-                    page_streams.write_streams(
-                        sel, full, part, rows, start, out, capacity, pages, stride, split, group
-                    )
-                outs[writer] = out
-            where = (seed, pages, grouped, split, capacity)
-            assert torch.equal(outs["tiles"], outs["pages"]), where
-            assert (outs["pages"][:capacity] != -7).all() and (outs["pages"][capacity] == -7).all(), where
-            cases += 1
-        if split:  # an odd storage offset: no int64 view
-            buf = torch.full((2 * total + 3,), -7, dtype=torch.int32)
-            odd = buf[1:].view(total + 1, 2)
-            with _writer("tiles"):
-                page_streams.write_streams(sel, full, part, rows, start, odd, total, pages, 0, True, group)
-            assert torch.equal(odd, outs["pages"]) and buf[0] == -7, where
     return cases
 
 

@@ -104,17 +104,15 @@ def _random_partitions(case: int, g):
     )
 
 
-@pytest.mark.parametrize("writer", ["pages", "tiles"])
 @pytest.mark.parametrize("block_j", [256, 32])
-def test_triton_page_streams_equal_the_torch_planner_on_100_partitions(block_j, writer, monkeypatch):
-    """The compiled Triton stream writers (32-block steps give an item several; both forms of the writer)
-    against the torch planner (both on the GPU) on 100 random per-row partitions (k-means-like labels,
-    padded to blocks) and selections, ragged and capacity-cut."""
+def test_triton_page_streams_equal_the_torch_planner_on_100_partitions(block_j, monkeypatch):
+    """The compiled Triton stream writers (32-block steps give an item several) against the torch planner
+    (both on the GPU) on 100 random per-row partitions (k-means-like labels, padded to blocks) and
+    selections, ragged and capacity-cut."""
     from sparseattn.planning import dynamic_layouts as dl
     from sparseattn.planning import page_streams
 
     monkeypatch.setattr(page_streams, "BLOCK_J", block_j)
-    monkeypatch.setattr(page_streams, "WRITER", writer)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for case in range(100):
@@ -140,19 +138,17 @@ def test_triton_page_streams_equal_the_torch_planner_on_100_partitions(block_j, 
         assert torch.equal(bwd.stream_pages[:used], bwd_ref.stream_pages[:used]), case
 
 
-@pytest.mark.parametrize("writer", ["pages", "tiles"])
 @pytest.mark.parametrize("block_j", [256, 32])
-def test_cluster_work_lists_stream_what_block_work_lists_do_on_100_partitions(block_j, writer, monkeypatch):
-    """Planned by clusters (the compiled Triton writers, one stream per Q cluster; both forms of the writer)
-    against the block mask's work list on 100 random per-row partitions and cluster selections: the same
-    items, and every item's stream the same entries in the same order, in fewer stored entries; the
-    backward's plan by groups equal to the block form's entry for entry."""
+def test_cluster_work_lists_stream_what_block_work_lists_do_on_100_partitions(block_j, monkeypatch):
+    """Planned by clusters (the compiled Triton writers, one stream per Q cluster) against the block mask's
+    work list on 100 random per-row partitions and cluster selections: the same items, and every item's
+    stream the same entries in the same order, in fewer stored entries; the backward's plan by groups
+    equal to the block form's entry for entry."""
     from sparseattn.planning import dynamic_layouts as dl
     from sparseattn.planning import page_streams
     from sparseattn.svg2_device import cluster_block_mask
 
     monkeypatch.setattr(page_streams, "BLOCK_J", block_j)
-    monkeypatch.setattr(page_streams, "WRITER", writer)
     g = torch.Generator(device="cuda").manual_seed(1)
     fewer = 0
     for case in range(100):

@@ -19,19 +19,11 @@ The selection is read per (item, block) from a bool ``[R, owner, other]`` tensor
 (``other_group``): item ``i`` is then a group of owner blocks (:func:`.dynamic_layouts.cluster_forward_work_list`
 writes one stream per Q cluster), and it selects block ``j`` when ``sel[r, i, other_group[r, j]]`` does.
 
-Two forms of the writer, the same bytes (:data:`WRITER`, ``SPARSEATTN_STREAM_WRITER``): ``"pages"``
-(the default) stores a chunk's page ``p`` of every block at once, neighbouring lanes ~``P`` entries apart
-and a forward entry as two int32 stores; ``"tiles"`` (opt-in until measured on a GPU) stores a
-``[blocks, pages]`` tile, each block's pages at consecutive positions, a forward entry as one int64
-``page | mask << 32``.
-
 Entries past ``capacity`` go nowhere (the callers count them in their status). The kernels need CUDA
 tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests); :func:`available` says which.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -41,10 +33,6 @@ from ..triton_support import runs_on, tl, triton
 #: Blocks of the other side read per step of a program.
 BLOCK_J = 256
 FULL_MASK = (1 << PAGE_ROWS) - 1
-WRITERS = ("pages", "tiles")
-#: The form of :func:`write_streams`' kernel, one of :data:`WRITERS`, read at each call: ``"pages"`` by
-#: default, ``"tiles"`` opt-in until a GPU run decides (NOTES_svg2_device.md, v38).
-WRITER = os.environ.get("SPARSEATTN_STREAM_WRITER", "pages")
 
 
 def available(x: torch.Tensor) -> bool:
@@ -161,71 +149,6 @@ if triton is not None:
                 tl.store(out_ptr + 2 * pos + 1, ((1 << rows) - 1).to(tl.int32), mask=keep)
                 off += tl.sum(n, axis=0)
 
-    @triton.jit
-    def _entry(page, mask):
-        """int64: the little-endian bytes of the int32 pair ``(page, mask)``."""
-        return (page.to(tl.int64) & 0xFFFFFFFF) | (mask.to(tl.int64) << 32)
-
-    @triton.jit
-    def _write_tiles_kernel(
-        sel_ptr,
-        grp_ptr,
-        full_ptr,
-        part_ptr,
-        rows_ptr,
-        start_ptr,
-        out_ptr,
-        n_owner,
-        n_other,
-        n_groups,
-        s_r,
-        s_i,
-        s_j,
-        capacity,
-        row_page_stride,
-        P: tl.constexpr,
-        PP: tl.constexpr,
-        SPLIT: tl.constexpr,
-        GROUPED: tl.constexpr,
-        BJ: tl.constexpr,
-    ):
-        """:func:`_write_kernel`'s bytes, a chunk's pages as one ``[BJ, PP]`` tile (a block's pages at
-        consecutive positions); with ``SPLIT`` ``out_ptr`` is int64, one :func:`_entry` per entry."""
-        item = tl.program_id(0)
-        r = (item // n_owner).to(tl.int64)
-        i = (item % n_owner).to(tl.int64)
-        off = tl.load(start_ptr + item)
-        base = r * row_page_stride
-        pp = tl.arange(0, PP)[None, :]
-        # pass 1: full pages (SPLIT) or every live page, block by block
-        for j0 in range(0, n_other, BJ):
-            j = j0 + tl.arange(0, BJ)
-            ok = j < n_other
-            n = _selected_pages(
-                sel_ptr, grp_ptr, full_ptr, r, i, j, ok, n_other, n_groups, s_r, s_i, s_j, GROUPED
-            )
-            pos = off + (tl.cumsum(n, axis=0) - n)[:, None] + pp  # [BJ, PP]
-            keep = (pp < P) & (pp < n[:, None]) & (pos < capacity)
-            page = base + j[:, None] * P + pp
-            if SPLIT:
-                tl.store(out_ptr + pos, _entry(page, tl.full([BJ, PP], 0xFFFF, tl.int32)), mask=keep)
-            else:
-                tl.store(out_ptr + pos, page.to(tl.int32), mask=keep)
-            off += tl.sum(n, axis=0)
-        if SPLIT:  # pass 2: the partial page of each selected block, after all full pages
-            for j0 in range(0, n_other, BJ):
-                j = j0 + tl.arange(0, BJ)
-                ok = j < n_other
-                n = _selected_pages(
-                    sel_ptr, grp_ptr, part_ptr, r, i, j, ok, n_other, n_groups, s_r, s_i, s_j, GROUPED
-                )
-                pos = off + tl.cumsum(n, axis=0) - n
-                keep = (n > 0) & (pos < capacity)
-                nf = tl.load(full_ptr + r * n_other + j, mask=ok, other=0)
-                rows = tl.load(rows_ptr + r * n_other + j, mask=ok, other=0) % 16
-                tl.store(out_ptr + pos, _entry(base + j * P + nf, (1 << rows) - 1), mask=keep)
-                off += tl.sum(n, axis=0)
-
 
 def _check(sel: torch.Tensor, full: torch.Tensor, part: torch.Tensor, other_group: torch.Tensor | None):
     if sel.ndim != 3 or full.ndim != 2 or full.shape[0] != sel.shape[0] or part.shape != full.shape:
@@ -302,38 +225,29 @@ def write_streams(
         out: int32 ``[capacity + 1, 2]`` (``split_partial``: (page, mask) pairs) or ``[capacity + 1]``.
         pages_per_block: 16-row pages per block; a page id is
             ``r · row_page_stride + j · pages_per_block + p``.
-
-    The kernel is :data:`WRITER`'s form; ``"tiles"`` writes ``split_partial`` entries through an int64 view
-    of ``out`` and takes the ``"pages"`` form where ``out`` has none.
     """
-    writer = WRITER
-    if writer not in WRITERS:
-        raise ValueError(
-            f"page_streams.WRITER (SPARSEATTN_STREAM_WRITER) must be one of {WRITERS}, got {writer!r}"
-        )
     _check(sel, full, part, other_group)
     r, n_owner = sel.shape[:2]
     if r * n_owner == 0:
         return
     (sel_u8, grp), sizes = _selection_args(sel, full, other_group)
-    head = (sel_u8, grp, full, part, full if rows is None else rows, start)
-    tail = (n_owner, *sizes, int(capacity), int(row_page_stride))
-    pages = int(pages_per_block)
-    consts = dict(P=pages, SPLIT=bool(split_partial), GROUPED=other_group is not None, BJ=BLOCK_J)
-    wide = None if writer == "pages" else _as_int64(out) if split_partial else out
-    if wide is not None:
-        _write_tiles_kernel[(r * n_owner,)](*head, wide, *tail, PP=triton.next_power_of_2(pages), **consts)
-    else:
-        _write_kernel[(r * n_owner,)](*head, out, *tail, **consts)
-
-
-def _as_int64(out: torch.Tensor) -> torch.Tensor | None:
-    """``out``'s int32 pairs as one int64 each (the same bytes), or None where no such view exists."""
-    try:
-        wide = out.view(torch.int64)
-    except RuntimeError:  # the last dim not contiguous or odd, or an odd storage offset
-        return None
-    return wide if wide.data_ptr() % 8 == 0 else None
+    _write_kernel[(r * n_owner,)](
+        sel_u8,
+        grp,
+        full,
+        part,
+        full if rows is None else rows,
+        start,
+        out,
+        n_owner,
+        *sizes,
+        int(capacity),
+        int(row_page_stride),
+        P=int(pages_per_block),
+        SPLIT=bool(split_partial),
+        GROUPED=other_group is not None,
+        BJ=BLOCK_J,
+    )
 
 
 def streams(
