@@ -33,8 +33,6 @@
 //
 // LOOP_RING (with PACKED_ARGMAX): the two chunk buffers on mbarriers instead of two CTA barriers per chunk:
 // each warp releases a buffer once its MMA has read it, and chunk c + 2 loads while chunk c's scan runs.
-// LOOP_RING_HALVES: the same, with each chunk's S as two halves of 64 centroids in two commit groups, the
-// first half's scan running under the second half's MMA.
 #include "hopper_wgmma.cuh"
 
 // Geometry mirrored in sparseattn/kernels/kmeans_assign.py.
@@ -49,7 +47,6 @@
 // LOOP: how the chunk loop runs (mirrored in sparseattn/kernels/kmeans_assign.py)
 #define LOOP_BARRIERS 0     // two CTA barriers per chunk
 #define LOOP_RING 1         // the buffers on mbarriers
-#define LOOP_RING_HALVES 2  // the same, each chunk's S as two halves of 64, one's scan under the other's MMA
 
 namespace {
 
@@ -289,38 +286,13 @@ kmeans_assign_kernel(const __nv_bfloat16* __restrict__ X, const __nv_bfloat16* _
                 load_ring(c + KMEANS_NBUF);
             }
         };
-        if constexpr (LOOP == LOOP_RING_HALVES) {
-            // Each chunk's S as two halves of 64 centroids in two commit groups: half a's scan runs while
-            // half b multiplies (2 × 32 accumulators, as one chunk's 64). No MMA stays in flight across the
-            // loop's back edge or under a branch: ptxas serializes the wgmma chain otherwise (C7514 / C7512).
-            constexpr int H = KMEANS_CHUNK / 2;
 #pragma unroll 1
-            for (int c = 0; c < full_chunks; ++c) {
-                const float* cq = chunk_ready(c);
-                const uint32_t tile = cs + (c % KMEANS_NBUF) * S::TILE_BYTES;
-                float sa[H / 2], sb[H / 2];
-                init_packed<H>(sa, cq, half_xsq, t4);
-                init_packed<H>(sb, cq + H, half_xsq, t4);
-                hopper::wgmma_fence();
-                hopper::issue_qk<HEAD_DIM, H, KMEANS_ROWS, false, true, KMEANS_CHUNK>(sa, a_rows, tile);
-                hopper::wgmma_commit();
-                hopper::issue_qk<HEAD_DIM, H, KMEANS_ROWS, false, true, KMEANS_CHUNK>(sb, a_rows, tile + H * 128);
-                hopper::wgmma_commit();
-                hopper::wgmma_wait<1>();  // half a
-                scan_packed<H>(sa, 0, c, best, best_i);
-                hopper::wgmma_wait<0>();  // half b: chunk c's tiles are read
-                release(c);
-                scan_packed<H>(sb, H / 8, c, best, best_i);
-            }
-        } else {
-#pragma unroll 1
-            for (int c = 0; c < full_chunks; ++c) {
-                const float* cq = chunk_ready(c);
-                float s[KMEANS_CHUNK / 2];
-                chunk_step<HEAD_DIM, KMEANS_CHUNK, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES,
-                                                                  cq, half_xsq, c, t4, best, best_i,
-                                                                  [&] { release(c); });
-            }
+        for (int c = 0; c < full_chunks; ++c) {
+            const float* cq = chunk_ready(c);
+            float s[KMEANS_CHUNK / 2];
+            chunk_step<HEAD_DIM, KMEANS_CHUNK, PACKED_ARGMAX>(s, a_rows, cs + (c % KMEANS_NBUF) * S::TILE_BYTES,
+                                                              cq, half_xsq, c, t4, best, best_i,
+                                                              [&] { release(c); });
         }
         if (narrow_tail) {
             const int c = chunks - 1;

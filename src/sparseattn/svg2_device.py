@@ -44,9 +44,9 @@ from .constants import PAGE_ROWS
 #: Distance entries ``[N, chunk, k]`` per chunk of :func:`nearest_centroid` (512 MiB of float32).
 ASSIGN_CHUNK_ENTRIES = 1 << 27
 #: Build Q's slot layout on a side stream while K's k-means runs (:func:`fit_for_slots` on CUDA tensors;
-#: ``SPARSEATTN_SVG2_SIDE_STREAM=1``, opt-in; NOTES_svg2_device.md v36): the layout's ~50 small kernels
-#: then fill the SMs K's assignment leaves between its waves instead of running after it.
-SIDE_STREAM = os.environ.get("SPARSEATTN_SVG2_SIDE_STREAM", "0") == "1"
+#: ``SPARSEATTN_SVG2_SIDE_STREAM``, default ``1``; ``0`` builds it after K's; NOTES_svg2_device.md v36): the
+#: layout's ~50 small kernels then run beside K's assignment instead of after it.
+SIDE_STREAM = os.environ.get("SPARSEATTN_SVG2_SIDE_STREAM", "1") == "1"
 
 
 def _check_rows(name: str, x: torch.Tensor) -> None:

@@ -205,6 +205,7 @@ def measure(
     as records."""
     import torch
 
+    from . import svg2_device
     from . import workloads as wl
     from .kernels import kmeans_assign
 
@@ -302,6 +303,7 @@ def measure(
         select_method=_select_method(),
         kmeans_build=kmeans_assign.BUILD,  # the wgmma methods' assignment and Lloyd sums
         kmeans_sums=kmeans_assign.SUMS,
+        side_stream=svg2_device.SIDE_STREAM,  # the in-slots methods' Q layout beside K's k-means
     )
     return [dict(meta, **r) for r in records]
 

@@ -190,26 +190,19 @@ def test_packed_argmax_labels_equal_the_argmins_but_for_near_ties(n, tokens, k, 
 
 @pytest.mark.parametrize("k", [1, 130, 333, 1000])
 @pytest.mark.parametrize("d", [64, 128])
-def test_ring_builds_give_the_barrier_builds_labels(d, k, monkeypatch):
+def test_ring_build_gives_the_barrier_builds_labels(d, k, monkeypatch):
     """The chunk loop on mbarriers (``_ring``) gives ``packed_argmax_tail64``'s labels bit for bit (the same
-    instructions on the same data); with each chunk as two halves (``_ring_halves``) the same but where the
-    two picks' scores are within the packing's resolution (a tie between the halves keeps the first)."""
+    instructions on the same data)."""
     from sparseattn.kernels import kmeans_assign
 
     g = torch.Generator(device="cuda").manual_seed(3 * k + d)
     x = torch.randn(2, 5001, d, device="cuda", generator=g).bfloat16()
     c = torch.randn(2, k, d, device="cuda", generator=g)
     got = {}
-    for build in ("packed_argmax_tail64", "packed_argmax_tail64_ring", "packed_argmax_tail64_ring_halves"):
+    for build in ("packed_argmax_tail64", "packed_argmax_tail64_ring"):
         monkeypatch.setattr(kmeans_assign, "BUILD", build)
         got[build] = kmeans_assign.nearest_centroid_wgmma(x, c)
-    base, ring, halves = got.values()
-    assert torch.equal(base, ring)
-    cb = c.bfloat16().double()
-    score = x.double() @ cb.transpose(1, 2) - 0.5 * (cb * cb).sum(-1)[:, None, :]
-    sa, sb = score.gather(2, base[..., None])[..., 0], score.gather(2, halves[..., None])[..., 0]
-    near = (sa - sb).abs() <= 2.0**-16 * sa.abs() + 1e-6
-    assert bool(((base == halves) | near).all())
+    assert torch.equal(*got.values())
 
 
 @pytest.mark.parametrize("k", [1, 3, 64, 130, 192, 300, 333])

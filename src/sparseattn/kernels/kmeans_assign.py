@@ -48,15 +48,13 @@ HEAD_DIMS = (64, 128)
 #: whether a last chunk of at most 64 centroids runs at wgmma N = 64 (``_tail64``: the same labels with less
 #: MMA work where k mod 128 is 1..64, e.g. 300 clusters), and how the chunk loop runs (the kernel's LOOP): 0
 #: with two CTA barriers per chunk, 1 with the buffers on mbarriers (``_ring``: each warp releases a buffer
-#: once its MMA has read it), 2 the same with each chunk's S as two halves of 64 pipelined with the scans
-#: (``_ring_halves``).
+#: once its MMA has read it).
 BUILDS = {
     "argmin": (False, False, 0),
     "packed_argmax": (True, False, 0),
     "argmin_tail64": (False, True, 0),
     "packed_argmax_tail64": (True, True, 0),
     "packed_argmax_tail64_ring": (True, True, 1),
-    "packed_argmax_tail64_ring_halves": (True, True, 2),
 }
 #: The build the launches take (a key of BUILDS; ``SPARSEATTN_KMEANS_BUILD`` sets it at import).
 BUILD = os.environ.get("SPARSEATTN_KMEANS_BUILD") or "packed_argmax_tail64_ring"
