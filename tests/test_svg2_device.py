@@ -536,3 +536,17 @@ def test_svg2_step_bench_summary_reports_the_queued_timing_beside_the_in_order_o
     lines = summary(records)
     assert len(lines) == 2 and lines[1].startswith(f"assign={QUEUED}:")
     assert "= 11.00 ms = 20% of the kernel" in lines[0] and "= 10.50 ms = 19% of the kernel" in lines[1]
+
+
+def test_layout_slots_form_is_checked_and_the_cpu_keeps_the_sort(monkeypatch):
+    """``LAYOUT_SLOTS``: an unknown form raises, naming the variable, before any work; ``"counts"`` on CPU
+    tensors (no counting kernels there) gives the sort's layout."""
+    labels = torch.randint(0, 9, (3, 301), generator=torch.Generator().manual_seed(4))
+    want = sd.partition_slots(labels, 9, 32)
+    monkeypatch.setattr(sd, "LAYOUT_SLOTS", "radix")
+    with pytest.raises(ValueError, match="SPARSEATTN_SVG2_LAYOUT_SLOTS"):
+        sd.partition_slots(labels, 9, 32)
+    monkeypatch.setattr(sd, "LAYOUT_SLOTS", "counts")
+    got = sd.partition_slots(labels, 9, 32)
+    for f in ("token_slot", "valid", "block_group", "num_slots", "group_sizes", "block_rows", "block_pages"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f

@@ -47,6 +47,11 @@ ASSIGN_CHUNK_ENTRIES = 1 << 27
 #: ``SPARSEATTN_SVG2_SIDE_STREAM``, default ``1``; ``0`` builds it after K's; NOTES_svg2_device.md v36): the
 #: layout's ~50 small kernels then run beside K's assignment instead of after it.
 SIDE_STREAM = os.environ.get("SPARSEATTN_SVG2_SIDE_STREAM", "1") == "1"
+#: How :func:`partition_slots` finds each token's slot on CUDA (``SPARSEATTN_SVG2_LAYOUT_SLOTS``; NOTES_svg2_device.md
+#: v40): ``"sort"``, a stable sort of each row's labels; ``"counts"``, the tokens of each group counted per
+#: chunk of tokens and placed by a warp's running counts (:mod:`sparseattn.kernels.group_slots`, no sort).
+LAYOUT_SLOTS = os.environ.get("SPARSEATTN_SVG2_LAYOUT_SLOTS", "sort")
+LAYOUT_SLOTS_FORMS = ("sort", "counts")
 
 
 def _check_rows(name: str, x: torch.Tensor) -> None:
@@ -348,7 +353,8 @@ def partition_slots(
             minimum :func:`max_slots_bound` ``(tokens, num_groups, block_size)``, which always
             suffices (so no labels can overflow it).
 
-    Returns a :class:`DeviceLayout`, with no host synchronisation: the slots from one stable sort per row,
+    Returns a :class:`DeviceLayout`, with no host synchronisation: the slots from one stable sort per row
+    (or, with :data:`LAYOUT_SLOTS` ``"counts"`` on an sm_90 GPU, from counts of each group per chunk of tokens),
     the blocks' groups, rows and pages and the valid slots from the group sizes (a group fills its first
     slots).
     """
@@ -368,16 +374,31 @@ def partition_slots(
             f"(max_slots_bound({t}, {g}, {b})), got {max_slots!r}"
         )
     dev = labels.device
-    sorted_labels, order = _sorted_rows(labels, g)
-    # each group's first position in its row's sorted labels (and the row's end): the sizes without an
-    # atomic per token
-    bounds = torch.arange(g + 1, device=dev, dtype=sorted_labels.dtype).expand(n, -1).contiguous()
-    first = torch.searchsorted(sorted_labels, bounds)
-    sizes = first.diff(dim=1)
+    if LAYOUT_SLOTS not in LAYOUT_SLOTS_FORMS:
+        raise ValueError(
+            f"svg2_device.LAYOUT_SLOTS (SPARSEATTN_SVG2_LAYOUT_SLOTS) must be one of {LAYOUT_SLOTS_FORMS}, "
+            f"got {LAYOUT_SLOTS!r}"
+        )
+    counting = LAYOUT_SLOTS == "counts" and _counts_available(labels, g)
+    if counting:
+        from .kernels import group_slots
+
+        counts = group_slots.chunk_counts(labels.contiguous(), g)
+        sizes = counts.sum(1)
+    else:
+        sorted_labels, order = _sorted_rows(labels, g)
+        # each group's first position in its row's sorted labels (and the row's end): the sizes without an
+        # atomic per token
+        bounds = torch.arange(g + 1, device=dev, dtype=sorted_labels.dtype).expand(n, -1).contiguous()
+        first = torch.searchsorted(sorted_labels, bounds)
+        sizes = first.diff(dim=1)
     blocks = (sizes + (b - 1)) // b
     block_end = blocks.cumsum(1)  # [N, G]
     group_first_block = block_end - blocks
-    token_slot = _token_slots(sorted_labels, order, first[:, :-1], group_first_block * b)
+    if counting:
+        token_slot = group_slots.token_slots(labels.contiguous(), g, group_first_block * b, counts)
+    else:
+        token_slot = _token_slots(sorted_labels, order, first[:, :-1], group_first_block * b)
     max_blocks = max_slots // b
     block_ids = torch.arange(max_blocks, device=dev).expand(n, max_blocks).contiguous()
     block_group = torch.searchsorted(block_end, block_ids, right=True)
@@ -393,6 +414,18 @@ def partition_slots(
     valid = (row_in_block < block_rows.unsqueeze(-1)).view(n, max_slots)
     return DeviceLayout(
         b, token_slot, valid, block_group, block_end[:, -1] * b, sizes, block_rows, block_pages
+    )
+
+
+def _counts_available(labels: torch.Tensor, num_groups: int) -> bool:
+    """Whether :mod:`sparseattn.kernels.group_slots` takes these labels (int64 on an sm_90 GPU, its bounds)."""
+    from .kernels import group_slots
+
+    return (
+        group_slots.available(labels)
+        and num_groups <= group_slots.MAX_GROUPS
+        and 0 < labels.shape[0] <= group_slots.MAX_ROWS
+        and labels.shape[1] > 0
     )
 
 

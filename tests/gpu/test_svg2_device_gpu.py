@@ -297,10 +297,12 @@ def test_block_mask_kernel_matches_the_torch_gathers(group_dtype):
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("slots_form", ["sort", "counts"])
 @pytest.mark.parametrize("groups", [300, 1000, 3])
-def test_partition_layouts_on_the_gpu_equal_the_cpu_path(groups):
+def test_partition_layouts_on_the_gpu_equal_the_cpu_path(groups, slots_form, monkeypatch):
     """SVG2's partition layouts at the 720p shape (2 rows of 75,600 labels, clustered as tokens of one cube
-    share clusters) on the GPU equal the CPU path's, field by field."""
+    share clusters) on the GPU equal the CPU path's, field by field, with either form of the slots."""
+    monkeypatch.setattr(sd, "LAYOUT_SLOTS", slots_form)
     g = torch.Generator(device="cuda").manual_seed(groups)
     n, t = 2, 75_600
     near = torch.randint(0, groups, (n, t // 64 + 1), generator=g, device="cuda").repeat_interleave(64, 1)[
@@ -312,6 +314,50 @@ def test_partition_layouts_on_the_gpu_equal_the_cpu_path(groups):
     ref = sd.partition_slots(labels.cpu(), groups, 128)
     for name in LAYOUT_TENSORS:
         assert torch.equal(getattr(lay, name).cpu(), getattr(ref, name)), name
+
+
+@pytest.mark.parametrize(
+    "n, tokens, groups",
+    [(1, 1, 1), (3, 97, 5), (2, 2048, 1), (5, 2049, 64), (4, 20_001, 4096), (2, 10_000, 2000)],
+    ids=lambda v: str(v),
+)
+def test_counted_slots_equal_the_sorted_slots(n, tokens, groups):
+    """``group_slots.token_slots`` (counts per chunk, no sort) gives the stable sort's slots on ragged rows:
+    one token, a whole chunk of one group, chunks cut at the end, the most groups, empty groups, and labels
+    outside ``[0, groups)`` (slot -1, not counted); the counts are the labels' per chunk."""
+    from sparseattn.kernels import group_slots
+
+    g = torch.Generator(device="cuda").manual_seed(tokens + groups)
+    labels = torch.randint(0, groups, (n, tokens), generator=g, device="cuda")
+    if groups > 1:  # runs of one label, as neighbouring tokens share clusters
+        labels[:, : tokens // 2] = labels[:, : tokens // 2] // max(1, groups // 7)
+    start = torch.randint(0, 50, (n, groups), generator=g, device="cuda").cumsum(1)
+    got = group_slots.token_slots(labels, groups, start)
+    sorted_labels, order = sd._sorted_rows(labels, groups)
+    bounds = torch.arange(groups + 1, device="cuda").expand(n, -1).contiguous()
+    first = torch.searchsorted(sorted_labels.long(), bounds)
+    want = sd._token_slots(sorted_labels, order, first[:, :-1], start)
+    assert torch.equal(got, want)
+    counts = group_slots.chunk_counts(labels, groups)
+    chunk = torch.arange(tokens, device="cuda") // group_slots.CHUNK_TOKENS
+    ref = torch.zeros_like(counts, dtype=torch.int64)
+    ref.index_put_(
+        (torch.arange(n, device="cuda")[:, None].expand(n, tokens), chunk.expand(n, -1), labels),
+        torch.ones_like(labels),
+        accumulate=True,
+    )
+    assert torch.equal(counts.long(), ref)
+    bad = labels.clone()
+    bad[:, ::3] = -1
+    bad[:, 1::5] = groups
+    got = group_slots.token_slots(bad, groups, start)
+    assert bool((got[bad < 0] == -1).all()) and bool((got[bad >= groups] == -1).all())
+    keep = (bad >= 0) & (bad < groups)
+    for r in range(n):  # the counted tokens keep their groups' stable order from each group's start
+        lab, slot = bad[r][keep[r]], got[r][keep[r]]
+        order = torch.sort(lab, stable=True).indices
+        rank = torch.arange(lab.numel(), device="cuda") - torch.searchsorted(lab[order], lab[order])
+        assert torch.equal(slot[order], start[r][lab[order]] + rank)
 
 
 @pytest.mark.parametrize("method", ["sort", "bisect", "bisect_words"])
