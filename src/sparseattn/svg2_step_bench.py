@@ -304,6 +304,7 @@ def measure(
         kmeans_build=kmeans_assign.BUILD,  # the wgmma methods' assignment and Lloyd sums
         kmeans_sums=kmeans_assign.SUMS,
         side_stream=svg2_device.SIDE_STREAM,  # the in-slots methods' Q layout beside K's k-means
+        layout_slots=svg2_device.LAYOUT_SLOTS,
     )
     return [dict(meta, **r) for r in records]
 
