@@ -277,3 +277,45 @@ def test_used_slots_are_each_rows_first_num_slots():
     assert torch.equal(used.sum(1), q_lay.num_slots)
     assert not (q_lay.valid & ~used).any()  # every token's slot is used
     assert (used[:, :-1] | ~used[:, 1:]).all()  # a prefix
+
+
+def test_a_stream_writer_not_known_is_refused_before_any_launch(monkeypatch):
+    """``page_streams.WRITER`` is read at each call and checked first; its default, with
+    ``SPARSEATTN_STREAM_WRITER`` unset, is ``"triton"``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sparseattn.planning import page_streams
+
+    monkeypatch.setattr(page_streams, "WRITER", "cuda_warps")
+    sel, ints = torch.ones(1, 2, 3, dtype=torch.bool), torch.ones(1, 3, dtype=torch.int32)
+    out = torch.full((7, 2), -7, dtype=torch.int32)
+    start = torch.zeros(2, dtype=torch.int64)
+    message = (
+        r"page_streams\.WRITER \(SPARSEATTN_STREAM_WRITER\) must be one of \('triton', 'cuda'\), "
+        r"got 'cuda_warps'"
+    )
+    with pytest.raises(ValueError, match=message):
+        page_streams.write_streams(sel, ints, ints, ints, start, out, 6, 4, 0, True)
+    with pytest.raises(ValueError, match=message):
+        page_streams.stream_lengths(sel, ints, ints)
+    assert (out == -7).all()
+    env = {k: v for k, v in os.environ.items() if k != "SPARSEATTN_STREAM_WRITER"}
+    env["PYTHONPATH"] = str(Path(page_streams.__file__).parents[2])  # this checkout's package
+    code = "from sparseattn.planning import page_streams; print(page_streams.WRITER)"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "triton"
+
+
+def test_the_cuda_stream_writers_refuse_tensors_off_an_sm90_gpu():
+    """The launchers check their arguments before any launch: CPU tensors are refused, naming ``sel``."""
+    from sparseattn.kernels import page_streams as cuda_streams
+
+    sel, ints = torch.ones(1, 2, 3, dtype=torch.bool), torch.ones(1, 3, dtype=torch.int32)
+    assert not cuda_streams.available(sel)
+    with pytest.raises(ValueError, match="sel must be a CUDA tensor"):
+        cuda_streams.stream_lengths(sel, ints, ints)
+    with pytest.raises(ValueError, match="sel must be a bool tensor"):
+        cuda_streams.stream_lengths(sel.int(), ints, ints)

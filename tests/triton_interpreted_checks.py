@@ -24,13 +24,19 @@ def _case(seed, r=3, nq=9, nk=13, block=128, density=0.4):
 
 
 def check_page_streams() -> int:
-    """The page streams equal the torch streams, with one and with several steps per item."""
+    """The page streams equal the torch streams, with one and with several steps per item, and with
+    ``WRITER = "cuda"`` on CPU tensors (the Triton writers then run)."""
     from sparseattn.planning import page_streams
 
     cases = _check_page_streams_form(range(3)) + _check_cluster_streams(range(3))
     page_streams.BLOCK_J = 8  # several steps per item
     cases += _check_page_streams_form(range(1)) + _check_cluster_streams(range(1))
     page_streams.BLOCK_J = 256
+    page_streams.WRITER = "cuda"  # CPU tensors: the Triton writers run
+    try:
+        cases += _check_page_streams_form(range(1))
+    finally:
+        page_streams.WRITER = "triton"
     return cases
 
 

@@ -21,9 +21,16 @@ writes one stream per Q cluster), and it selects block ``j`` when ``sel[r, i, ot
 
 Entries past ``capacity`` go nowhere (the callers count them in their status). The kernels need CUDA
 tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests); :func:`available` says which.
+
+Two writers of the same bytes (:data:`WRITER`, ``SPARSEATTN_STREAM_WRITER``): ``"triton"`` (the default),
+the kernels here; ``"cuda"`` (opt-in until measured on a GPU), :mod:`sparseattn.kernels.page_streams`, one
+warp per item walking the other side 32 blocks at a time, the chunk's entries written by consecutive lanes.
+It runs on CUDA tensors of an sm_90 GPU with CuPy installed; elsewhere the Triton kernels run.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -33,11 +40,31 @@ from ..triton_support import runs_on, tl, triton
 #: Blocks of the other side read per step of a program.
 BLOCK_J = 256
 FULL_MASK = (1 << PAGE_ROWS) - 1
+WRITERS = ("triton", "cuda")
+#: The stream writer, one of :data:`WRITERS`, read at each call of :func:`stream_lengths` and
+#: :func:`write_streams`: ``"triton"`` by default, ``"cuda"`` opt-in until a GPU run decides
+#: (NOTES_svg2_device.md, v39).
+WRITER = os.environ.get("SPARSEATTN_STREAM_WRITER") or "triton"
 
 
 def available(x: torch.Tensor) -> bool:
     """Whether the Triton stream writers can run on ``x``'s device."""
     return runs_on(x)
+
+
+def _cuda_writer(x: torch.Tensor) -> bool:
+    """Whether the CUDA kernels write ``x``'s streams: :data:`WRITER` is ``"cuda"`` (checked first: another
+    value than :data:`WRITERS` raises) and they can run on ``x``."""
+    writer = WRITER
+    if writer not in WRITERS:
+        raise ValueError(
+            f"page_streams.WRITER (SPARSEATTN_STREAM_WRITER) must be one of {WRITERS}, got {writer!r}"
+        )
+    if writer != "cuda" or not x.is_cuda:
+        return False
+    from ..kernels import page_streams as cuda_streams
+
+    return cuda_streams.available(x)
 
 
 if triton is not None:
@@ -150,7 +177,13 @@ if triton is not None:
                 off += tl.sum(n, axis=0)
 
 
-def _check(sel: torch.Tensor, full: torch.Tensor, part: torch.Tensor, other_group: torch.Tensor | None):
+def _check(
+    sel: torch.Tensor,
+    full: torch.Tensor,
+    part: torch.Tensor,
+    other_group: torch.Tensor | None,
+    cuda: bool = False,
+):
     if sel.ndim != 3 or full.ndim != 2 or full.shape[0] != sel.shape[0] or part.shape != full.shape:
         raise ValueError(
             f"sel must be [R, owner, other] with full/part [R, other]; got {list(sel.shape)}, "
@@ -165,7 +198,7 @@ def _check(sel: torch.Tensor, full: torch.Tensor, part: torch.Tensor, other_grou
             f"other_group must be int32 {list(full.shape)} (full's shape), got {other_group.dtype} "
             f"{list(other_group.shape)}"
         )
-    if not available(sel):
+    if not cuda and not available(sel):
         raise ValueError(
             f"the Triton stream writers cannot run on {sel.device} (Triton: {triton is not None})"
         )
@@ -191,7 +224,12 @@ def stream_lengths(
             second (0 or 1 partial page) of each block of the other side.
         other_group: int32 ``[R, other_blocks]`` or None.
     """
-    _check(sel, full, part, other_group)
+    cuda = _cuda_writer(sel)
+    _check(sel, full, part, other_group, cuda)
+    if cuda:
+        from ..kernels import page_streams as cuda_streams
+
+        return cuda_streams.stream_lengths(sel, full, part, other_group)
     r, n_owner = sel.shape[:2]
     out = torch.empty(r * n_owner, dtype=torch.int64, device=sel.device)
     if out.numel():
@@ -225,8 +263,28 @@ def write_streams(
         out: int32 ``[capacity + 1, 2]`` (``split_partial``: (page, mask) pairs) or ``[capacity + 1]``.
         pages_per_block: 16-row pages per block; a page id is
             ``r · row_page_stride + j · pages_per_block + p``.
+
+    The writer is :data:`WRITER`'s (``"cuda"`` where its kernels can run).
     """
-    _check(sel, full, part, other_group)
+    cuda = _cuda_writer(sel)
+    _check(sel, full, part, other_group, cuda)
+    if cuda:
+        from ..kernels import page_streams as cuda_streams
+
+        cuda_streams.write_streams(
+            sel,
+            full,
+            part,
+            rows,
+            start,
+            out,
+            capacity,
+            pages_per_block,
+            row_page_stride,
+            split_partial,
+            other_group,
+        )
+        return
     r, n_owner = sel.shape[:2]
     if r * n_owner == 0:
         return
