@@ -208,6 +208,7 @@ def measure(
     from . import svg2_device
     from . import workloads as wl
     from .kernels import kmeans_assign
+    from .planning import page_streams
 
     w = wl.get_workload(workload_name)
     sel = w.selection
@@ -305,6 +306,7 @@ def measure(
         kmeans_sums=kmeans_assign.SUMS,
         side_stream=svg2_device.SIDE_STREAM,  # the in-slots methods' Q layout beside K's k-means
         layout_slots=svg2_device.LAYOUT_SLOTS,
+        stream_writer=page_streams.WRITER,
     )
     return [dict(meta, **r) for r in records]
 
