@@ -48,9 +48,10 @@ ASSIGN_CHUNK_ENTRIES = 1 << 27
 #: layout's ~50 small kernels then run beside K's assignment instead of after it.
 SIDE_STREAM = os.environ.get("SPARSEATTN_SVG2_SIDE_STREAM", "1") == "1"
 #: How :func:`partition_slots` finds each token's slot on CUDA (``SPARSEATTN_SVG2_LAYOUT_SLOTS``; NOTES_svg2_device.md
-#: v40): ``"sort"``, a stable sort of each row's labels; ``"counts"``, the tokens of each group counted per
-#: chunk of tokens and placed by a warp's running counts (:mod:`sparseattn.kernels.group_slots`, no sort).
-LAYOUT_SLOTS = os.environ.get("SPARSEATTN_SVG2_LAYOUT_SLOTS", "sort")
+#: v40): ``"counts"`` (the default), the tokens of each group counted per chunk of tokens and placed by a warp's
+#: running counts (:mod:`sparseattn.kernels.group_slots`, no sort; elsewhere the sort); ``"sort"``, a stable
+#: sort of each row's labels.
+LAYOUT_SLOTS = os.environ.get("SPARSEATTN_SVG2_LAYOUT_SLOTS", "counts")
 LAYOUT_SLOTS_FORMS = ("sort", "counts")
 
 
@@ -353,8 +354,8 @@ def partition_slots(
             minimum :func:`max_slots_bound` ``(tokens, num_groups, block_size)``, which always
             suffices (so no labels can overflow it).
 
-    Returns a :class:`DeviceLayout`, with no host synchronisation: the slots from one stable sort per row
-    (or, with :data:`LAYOUT_SLOTS` ``"counts"`` on an sm_90 GPU, from counts of each group per chunk of tokens),
+    Returns a :class:`DeviceLayout`, with no host synchronisation: the slots from counts of each group per
+    chunk of tokens on an sm_90 GPU (:data:`LAYOUT_SLOTS` ``"counts"``), else from one stable sort per row,
     the blocks' groups, rows and pages and the valid slots from the group sizes (a group fills its first
     slots).
     """

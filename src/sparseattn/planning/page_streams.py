@@ -22,10 +22,10 @@ writes one stream per Q cluster), and it selects block ``j`` when ``sel[r, i, ot
 Entries past ``capacity`` go nowhere (the callers count them in their status). The kernels need CUDA
 tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests); :func:`available` says which.
 
-Two writers of the same bytes (:data:`WRITER`, ``SPARSEATTN_STREAM_WRITER``): ``"triton"`` (the default),
-the kernels here; ``"cuda"`` (opt-in until measured on a GPU), :mod:`sparseattn.kernels.page_streams`, one
-warp per item walking the other side 32 blocks at a time, the chunk's entries written by consecutive lanes.
-It runs on CUDA tensors of an sm_90 GPU with CuPy installed; elsewhere the Triton kernels run.
+Two writers of the same bytes (:data:`WRITER`, ``SPARSEATTN_STREAM_WRITER``): ``"cuda"`` (the default),
+:mod:`sparseattn.kernels.page_streams`, one warp per item walking the other side 32 blocks at a time, the
+chunk's entries written by consecutive lanes, on CUDA tensors of an sm_90 GPU with CuPy installed; and
+``"triton"``, the kernels here, which also run wherever the CUDA kernels cannot.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ BLOCK_J = 256
 FULL_MASK = (1 << PAGE_ROWS) - 1
 WRITERS = ("triton", "cuda")
 #: The stream writer, one of :data:`WRITERS`, read at each call of :func:`stream_lengths` and
-#: :func:`write_streams`: ``"triton"`` by default, ``"cuda"`` opt-in until a GPU run decides
-#: (NOTES_svg2_device.md, v39).
-WRITER = os.environ.get("SPARSEATTN_STREAM_WRITER") or "triton"
+#: :func:`write_streams`: ``"cuda"`` by default (NOTES_svg2_device.md, v39: the 720p plans by clusters 18–29%
+#: shorter on the GPU), ``"triton"`` the Triton kernels everywhere.
+WRITER = os.environ.get("SPARSEATTN_STREAM_WRITER") or "cuda"
 
 
 def available(x: torch.Tensor) -> bool:
