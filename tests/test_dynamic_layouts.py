@@ -319,3 +319,33 @@ def test_the_cuda_stream_writers_refuse_tensors_off_an_sm90_gpu():
         cuda_streams.stream_lengths(sel, ints, ints)
     with pytest.raises(ValueError, match="sel must be a bool tensor"):
         cuda_streams.stream_lengths(sel.int(), ints, ints)
+
+
+def test_an_items_form_not_known_is_refused_before_any_work(monkeypatch):
+    """``dynamic_layouts.ITEMS`` is read at each call and checked first, by clusters and by blocks; its
+    default, with ``SPARSEATTN_PLAN_ITEMS`` unset, is ``"torch"``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sparseattn.planning import dynamic_layouts as dl
+
+    rows = torch.full((1, 2), 64)
+    group = torch.zeros(1, 2, dtype=torch.int64)
+    message = (
+        r"dynamic_layouts\.ITEMS \(SPARSEATTN_PLAN_ITEMS\) must be one of \('torch', 'triton'\), got 'cuda'"
+    )
+    monkeypatch.setattr(dl, "ITEMS", "cuda")
+    with pytest.raises(ValueError, match=message):
+        dl.forward_work_list(rows, rows, torch.ones(1, 2, 2, dtype=torch.bool), 64)
+    with pytest.raises(ValueError, match=message):
+        dl.cluster_forward_work_list(rows, rows, group, group, torch.ones(1, 1, 1, dtype=torch.bool), 64)
+    monkeypatch.setattr(dl, "ITEMS", "triton")  # Triton does not run on these CPU tensors: the torch form
+    want = dl.forward_work_list(rows, rows, torch.ones(1, 2, 2, dtype=torch.bool), 64)
+    assert torch.equal(want.work_info[:, 2], torch.tensor([8, 8], dtype=torch.int32))
+    env = {k: v for k, v in os.environ.items() if k != "SPARSEATTN_PLAN_ITEMS"}
+    env["PYTHONPATH"] = str(Path(dl.__file__).parents[2])  # this checkout's package
+    code = "from sparseattn.planning import dynamic_layouts; print(dynamic_layouts.ITEMS)"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "torch"

@@ -1,6 +1,6 @@
-"""The Triton kernels (fused nearest centroid / Lloyd step, the SVG2 planner's page streams) compiled
-ahead of time for sm_90a's target (compute capability 9.0) without a GPU, as ``kernels.compile_check``
-does for the CUDA sources: a kernel that does not compile for the H200 fails here, in CI."""
+"""The Triton kernels (fused nearest centroid / Lloyd step, the SVG2 planner's page streams and forward
+work list items) compiled ahead of time for sm_90a's target (compute capability 9.0) without a GPU, as
+``kernels.compile_check`` does for the CUDA sources: a kernel that does not compile for the H200 fails here, in CI."""
 
 from __future__ import annotations
 
@@ -74,6 +74,47 @@ def test_page_stream_kernels_compile_for_sm90(split, pages, grouped):
         "row_page_stride": "i64",
     }
     _compile(_write_kernel, sig, dict(P=pages, SPLIT=split, GROUPED=grouped, BJ=BLOCK_J))
+
+
+@pytest.mark.parametrize("key", ["i32", "i64"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["blocks", "groups"])
+@pytest.mark.parametrize("pages", [4, 8], ids=["B64", "B128"])
+def test_forward_items_kernels_compile_for_sm90(pages, grouped, key):
+    from sparseattn.planning.forward_items import (
+        BLOCK_G,
+        BLOCK_K,
+        BLOCK_Q,
+        _items_kernel,
+        _live_groups_kernel,
+    )
+
+    sig = dict(
+        q_rows_ptr="*i64",
+        len_ptr="*i64",
+        start_ptr="*i64",
+        grp_ptr="*i64",
+        own_ptr="*i32",
+        info_ptr="*i32",
+        key_ptr=f"*{key}",
+        nq="i32",
+        n_groups="i32",
+    )
+    consts = dict(P=pages, PAGE=16, OWN=8, CHUNK_PAGES=8, GROUPED=grouped, BQ=BLOCK_Q)
+    assert _compile(_items_kernel, sig, consts).metadata.shared <= 227 * 1024
+    sig = dict(
+        mask_ptr="*u8",
+        q_rows_ptr="*i64",
+        grp_ptr="*i64",
+        out_ptr="*u8",
+        nq="i32",
+        n_groups="i32",
+        n_k="i32",
+        s_r="i64",
+        s_g="i64",
+        s_k="i64",
+    )
+    kernel = _compile(_live_groups_kernel, sig, dict(BQ=BLOCK_Q, BG=BLOCK_G, BK=BLOCK_K))
+    assert kernel.metadata.shared <= 227 * 1024
 
 
 @pytest.mark.parametrize("sums", [False, True], ids=["copy", "copy_and_sums"])

@@ -1,6 +1,6 @@
-"""The Triton kernels (the SVG2 planner's page streams, the fused nearest centroid, tokens to slots, the
-block mask, the top-p selection of the cluster pairs, VSA's per-block top-k and per-block sums of
-token-ordered rows) under Triton's interpreter on the CPU, against
+"""The Triton kernels (the SVG2 planner's page streams and forward work list items, the fused nearest
+centroid, tokens to slots, the block mask, the top-p selection of the cluster pairs, VSA's per-block
+top-k and per-block sums of token-ordered rows) under Triton's interpreter on the CPU, against
 their torch references (``triton_interpreted_checks.py``, in a fresh process: the interpreter is chosen
 when Triton is imported). The GPU tests run them compiled."""
 
@@ -29,6 +29,7 @@ CHECKS = Path(__file__).with_name("triton_interpreted_checks.py")
     "kernel",
     [
         "page_streams",
+        "forward_items",
         "nearest_centroid",
         "slot_copy",
         "cluster_blocks",

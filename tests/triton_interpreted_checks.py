@@ -2,7 +2,7 @@
 
 Triton's interpreter must be chosen before Triton is imported, so ``test_triton_interpreted.py`` runs
 this file in a fresh process with ``TRITON_INTERPRET=1``: ``python tests/triton_interpreted_checks.py
-page_streams`` (or ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``, ``cluster_select``,
+page_streams`` (or ``forward_items``, ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``, ``cluster_select``,
 ``cluster_select_words``, ``vsa_select``, ``token_block_sums``). Exit status 0 when every case agrees.
 """
 
@@ -135,6 +135,75 @@ def _check_page_streams_form(seeds) -> int:
                 assert torch.equal(bwd.stream_pages[:used], bwd_ref.stream_pages[:used]), "bwd streams"
                 if capacity is not None:
                     assert int(fwd.status[1]) > 0 and int(bwd.status[1]) > 0, "the cut is counted"
+    return cases
+
+
+def _lists_equal(got, want, what: str) -> None:
+    """Two ``DynamicWorkList`` equal field by field (the stream entries over those written and kept)."""
+    for name in ("work_info", "work_order", "own_entries", "status", "counter"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: {name}"
+    assert (got.rows, got.chunk, got.capacity) == (want.rows, want.chunk, want.capacity), what
+    used = min(int(want.status[0]), want.capacity)
+    assert torch.equal(got.stream_entries[:used], want.stream_entries[:used]), f"{what}: stream entries"
+
+
+def _with_items(form: str, plan, *args, **kwargs):
+    from sparseattn.planning import dynamic_layouts as dl
+
+    items = dl.ITEMS
+    dl.ITEMS = form
+    try:
+        return plan(*args, **kwargs)
+    finally:
+        dl.ITEMS = items
+
+
+def check_forward_items() -> int:
+    """``dynamic_layouts.ITEMS = "triton"`` (the per-item arrays by :mod:`~sparseattn.planning.forward_items`)
+    gives the same work lists as ``"torch"``, by clusters and by blocks: random per-row partitions with
+    empty groups, blocks without rows, groups outside the range, Q blocks of 1 to 8 live pages (M 64 and
+    128), and a capacity cut."""
+    from sparseattn.planning import dynamic_layouts as dl
+    from sparseattn.planning import page_streams
+    from sparseattn.svg2_device import cluster_block_mask, partition_slots
+
+    assert page_streams.available(torch.zeros(1)), "the interpreter is not on"
+    cases, ms, cut = 0, set(), False
+    for seed in range(4):
+        g = torch.Generator().manual_seed(100 + seed)
+        for block in (64, 128):
+            rows, tokens, qg, kg = 3, 500 + 37 * seed, 6, 7
+            q_labels = torch.randint(0, qg - 1, (rows, tokens), generator=g)  # Q group qg - 1 empty
+            q_labels[:, : tokens // 3] = 2
+            ql = partition_slots(q_labels, qg, block)
+            labels = torch.randint(0, kg - 1, (rows, tokens), generator=g)  # K group kg - 1 empty
+            labels[:, : tokens // 4] = 0
+            kl = partition_slots(labels, kg, block)
+            pairs = torch.rand(rows, qg, kg, generator=g) < 0.5
+            pairs[:, 2, 0] = True
+            pairs[0, 1] = False
+            pairs[:, qg - 1] = True  # the empty Q group selects everything
+            q_rows, q_group = ql.block_rows, ql.block_group
+            if seed % 2:  # any rows (1 to 8 live pages, or none) and groups outside [0, qg) with rows
+                q_rows = torch.randint(0, block + 1, q_rows.shape, generator=g)
+                q_group = q_group.clone()
+                q_group[:, -1] = qg + 1
+                q_group[0, 0] = -1
+            blocks = cluster_block_mask(pairs, q_group.clamp(-1, qg - 1), kl.block_group)
+            for capacity in (None, 57):
+                args = (q_rows, kl.block_rows, q_group, kl.block_group, pairs, block)
+                got = _with_items("triton", dl.cluster_forward_work_list, *args, capacity=capacity)
+                want = _with_items("torch", dl.cluster_forward_work_list, *args, capacity=capacity)
+                _lists_equal(got, want, f"clusters seed {seed} block {block} capacity {capacity}")
+                args = (q_rows, kl.block_rows, blocks, block)
+                got = _with_items("triton", dl.forward_work_list, *args, capacity=capacity)
+                want = _with_items("torch", dl.forward_work_list, *args, capacity=capacity)
+                _lists_equal(got, want, f"blocks seed {seed} block {block} capacity {capacity}")
+                ms.update(want.work_info[:, 3].tolist())
+                cut |= int(want.status[1]) > 0
+                cases += 2
+    assert ms == {64, 128} and cut, (ms, cut)
     return cases
 
 

@@ -18,17 +18,36 @@ the host, and a stream that would pass ``capacity`` is cut and counted in ``stat
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ..constants import PAGE_ROWS
-from . import page_streams
+from . import forward_items, page_streams
 from .work_list import OWN_PAGES
 
 #: Keys per chunk of the work lists made here (the forward kernel's 128-key chunks).
 CHUNK = 128
 FULL_MASK = (1 << PAGE_ROWS) - 1
+ITEMS_FORMS = ("torch", "triton")
+#: Who computes the forward work lists' per-item arrays (own pages, ``work_info``, the sort keys, and by
+#: clusters each block's stream from its group's), one of :data:`ITEMS_FORMS`, read at each call of
+#: :func:`forward_work_list` and :func:`cluster_forward_work_list`: ``"torch"`` (the default) some 60 small
+#: torch operations; ``"triton"`` two Triton kernels (:mod:`.forward_items`, where :func:`.page_streams.available`
+#: says Triton runs; elsewhere torch). The same bytes (NOTES_svg2_device.md v41, not yet run).
+ITEMS = os.environ.get("SPARSEATTN_PLAN_ITEMS") or "torch"
+
+
+def _triton_items(x: torch.Tensor) -> bool:
+    """Whether the per-item arrays are written by :mod:`.forward_items`: :data:`ITEMS` is ``"triton"``
+    (checked first: another value than :data:`ITEMS_FORMS` raises) and Triton runs on ``x``."""
+    items = ITEMS
+    if items not in ITEMS_FORMS:
+        raise ValueError(
+            f"dynamic_layouts.ITEMS (SPARSEATTN_PLAN_ITEMS) must be one of {ITEMS_FORMS}, got {items!r}"
+        )
+    return items == "triton" and page_streams.available(x)
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,6 +160,7 @@ def forward_work_list(
         capacity: stream entries to allocate (default :func:`stream_capacity`: any selection fits).
         rows_per_chunk: rows planned per step (bounds the temporaries).
     """
+    triton_items = _triton_items(block_mask)
     r, nq, nk, q_rows, k_rows, sel = _selection(q_block_rows, k_block_rows, block_mask, block_size)
     pages_per_block = _forward_pages_per_block(block_size)
     if capacity is None:
@@ -156,6 +176,8 @@ def forward_work_list(
         flat_len, start, total, stream_entries = _forward_streams_torch(
             sel, k_rows, k_full, k_part, capacity, pages_per_block, rows_per_chunk
         )
+    if triton_items:
+        return _forward_items_triton(q_rows, flat_len, start, total, stream_entries, block_size, capacity)
     return _forward_items(q_rows, flat_len, start, total, stream_entries, block_size, capacity)
 
 
@@ -187,6 +209,7 @@ def cluster_forward_work_list(
         capacity: stream entries to allocate (default: any selection fits).
         rows_per_chunk: as :func:`forward_work_list` (its torch path, off Triton's devices).
     """
+    triton_items = _triton_items(cluster_mask)
     blocks, q_rows, k_rows = _groups_selection(
         q_block_rows, k_block_rows, q_block_group, k_block_group, cluster_mask, block_size
     )
@@ -197,6 +220,27 @@ def cluster_forward_work_list(
     if capacity is None:
         capacity = stream_capacity(nqg, nk * block_size, nk, r)
     k_group = torch.where(k_rows > 0, k_block_group, -1).to(torch.int32).contiguous()
+    if triton_items:  # the live groups' selection, and each block's stream from its group's: two kernels
+        group_len, group_start, total, entries = page_streams.streams(
+            forward_items.live_groups(cluster_mask, q_rows, q_block_group),
+            *_k_pages32(k_rows),
+            capacity,
+            pages_per_block,
+            0,
+            split_partial=True,
+            other_group=k_group,
+        )
+        return _forward_items_triton(
+            q_rows,
+            group_len,
+            group_start,
+            total,
+            entries[:capacity],
+            block_size,
+            capacity,
+            q_block_group,
+            nqg,
+        )
     qg = q_block_group.long()
     has = (q_rows > 0) & (qg >= 0) & (qg < nqg)
     # a Q group without a live block (an empty cluster) streams nothing, as its blocks do in the block form
@@ -272,9 +316,40 @@ def _forward_items(q_rows, flat_len, start, total, stream_entries, block_size: i
     head = torch.arange(r, device=dev).repeat_interleave(nq)
     work_info = torch.stack([head, start, flat_len, m], 1).to(torch.int32)
     cost = m * -(-flat_len // (CHUNK // PAGE_ROWS))  # at most 128 · ceil(capacity / 8)
-    key_dtype = torch.int32 if 16 * int(capacity) + 128 < 2**31 else torch.int64
-    # head by head, largest first, ties in item order: one stable sort of each row's items
-    ranked = torch.sort(-cost.view(r, nq).to(key_dtype), dim=1, stable=True).indices
+    key = -cost.to(_key_dtype(capacity))
+    return _work_list(r, nq, work_info, own_entries, key, total, stream_entries, capacity)
+
+
+def _key_dtype(capacity: int) -> torch.dtype:
+    return torch.int32 if 16 * int(capacity) + 128 < 2**31 else torch.int64
+
+
+def _forward_items_triton(
+    q_rows,
+    lengths,
+    starts,
+    total,
+    stream_entries,
+    block_size: int,
+    capacity: int,
+    q_block_group=None,
+    groups=0,
+):
+    """:func:`_forward_items` by :func:`.forward_items.items` (one kernel; by groups, ``lengths`` and
+    ``starts`` are each Q group's, ``[R · groups]``, taken by the group's blocks with rows)."""
+    r, nq = q_rows.shape
+    pages_per_block = block_size // PAGE_ROWS
+    own_entries, work_info, key = forward_items.items(
+        q_rows, lengths, starts, pages_per_block, CHUNK, _key_dtype(capacity), q_block_group, groups
+    )
+    return _work_list(r, nq, work_info, own_entries, key, total, stream_entries, capacity)
+
+
+def _work_list(r: int, nq: int, work_info, own_entries, key, total, stream_entries, capacity: int):
+    """The list around its items: ``key`` (``[R · q_blocks]``, the negated costs) ordered head by head,
+    largest first, ties in item order (one stable sort of each row's items)."""
+    dev = work_info.device
+    ranked = torch.sort(key.view(r, nq), dim=1, stable=True).indices
     order = (ranked + torch.arange(r, device=dev).unsqueeze(1) * nq).reshape(-1)
     status = torch.stack([total, (total - capacity).clamp(min=0)])
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
