@@ -208,7 +208,7 @@ def measure(
     from . import svg2_device
     from . import workloads as wl
     from .kernels import kmeans_assign
-    from .planning import page_streams
+    from .planning import dynamic_layouts, page_streams
 
     w = wl.get_workload(workload_name)
     sel = w.selection
@@ -307,6 +307,7 @@ def measure(
         side_stream=svg2_device.SIDE_STREAM,  # the in-slots methods' Q layout beside K's k-means
         layout_slots=svg2_device.LAYOUT_SLOTS,
         stream_writer=page_streams.WRITER,
+        plan_items=dynamic_layouts.ITEMS,
     )
     return [dict(meta, **r) for r in records]
 
