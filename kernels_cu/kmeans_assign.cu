@@ -105,11 +105,10 @@ __device__ __forceinline__ void init_packed(float (&s)[N / 2], const float* cq, 
     }
 }
 
-// Packed maximum: each row's best over N scores of chunk c whose column groups start at j0 (0, or 8 for
-// a chunk's second half of 64), into best / best_i (the chunk; the column in the best score's low bits).
+// Packed maximum: each row's best over the N scores of chunk c, into best / best_i (the chunk; the column
+// in the best score's low bits).
 template <int N>
-__device__ __forceinline__ void scan_packed(const float (&s)[N / 2], int j0, int c, float (&best)[2],
-                                            int (&best_i)[2]) {
+__device__ __forceinline__ void scan_packed(const float (&s)[N / 2], int c, float (&best)[2], int (&best_i)[2]) {
     static_assert(N >= 32, "four chains a row");
     float chain[2][4];  // per row, four running maxima over the columns j ≡ 0, 1, 2, 3 (mod 4)
     uint32_t keep_bits;
@@ -118,7 +117,7 @@ __device__ __forceinline__ void scan_packed(const float (&s)[N / 2], int j0, int
     for (int j = 0; j < N / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const float packed = pack_column(s[4 * j + e], keep_bits, 2 * (j0 + j) + (e & 1));
+            const float packed = pack_column(s[4 * j + e], keep_bits, 2 * j + (e & 1));
             float& m = chain[e >> 1][j & 3];
             m = (j < 4 && (e & 1) == 0) ? packed : max_keep_bits(m, packed);
         }
@@ -127,7 +126,7 @@ __device__ __forceinline__ void scan_packed(const float (&s)[N / 2], int j0, int
     for (int r = 0; r < 2; ++r) {
         const float m = max_keep_bits(max_keep_bits(chain[r][0], chain[r][1]),
                                       max_keep_bits(chain[r][2], chain[r][3]));
-        if (m > best[r]) {  // strict: an earlier chunk (or half) keeps an equal score
+        if (m > best[r]) {  // strict: an earlier chunk keeps an equal score
             best[r] = m;
             best_i[r] = c;  // the chunk; its column is in m's low bits
         }
@@ -152,7 +151,7 @@ __device__ __forceinline__ void chunk_step(float (&s)[N / 2], uint32_t a_rows, u
     hopper::wgmma_wait<0>();
     after_mma();
     if constexpr (PACKED_ARGMAX) {
-        scan_packed<N>(s, 0, c, best, best_i);
+        scan_packed<N>(s, c, best, best_i);
     } else {
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {

@@ -384,7 +384,8 @@ def partition_slots(
     if counting:
         from .kernels import group_slots
 
-        counts = group_slots.chunk_counts(labels.contiguous(), g)
+        labels = labels.contiguous()
+        counts = group_slots.chunk_counts(labels, g)
         sizes = counts.sum(1)
     else:
         sorted_labels, order = _sorted_rows(labels, g)
@@ -397,7 +398,7 @@ def partition_slots(
     block_end = blocks.cumsum(1)  # [N, G]
     group_first_block = block_end - blocks
     if counting:
-        token_slot = group_slots.token_slots(labels.contiguous(), g, group_first_block * b, counts)
+        token_slot = group_slots.token_slots(labels, g, group_first_block * b, counts)
     else:
         token_slot = _token_slots(sorted_labels, order, first[:, :-1], group_first_block * b)
     max_blocks = max_slots // b

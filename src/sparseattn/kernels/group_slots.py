@@ -23,13 +23,7 @@ MAX_ROWS = 65535
 
 def available(labels) -> bool:
     """Whether the kernels can run on ``labels``: an int64 CUDA tensor on an sm_90 GPU, CuPy importable."""
-    import importlib.util
-
-    if not (getattr(labels, "is_cuda", False) and importlib.util.find_spec("cupy") is not None):
-        return False
-    import torch
-
-    return labels.dtype == torch.int64 and torch.cuda.get_device_capability(labels.device) == (9, 0)
+    return launch.runs_sm90(labels) and str(labels.dtype) == "torch.int64"
 
 
 def _check(labels, groups: int) -> None:

@@ -95,19 +95,9 @@ def smem_bytes(head_dim: int) -> int:
 def available(x) -> bool:
     """Whether the kernel can run on ``x``: a bf16 CUDA tensor with head dim 64 or 128 on an sm_90 GPU (the
     kernel is built for sm_90a), and CuPy importable."""
-    import importlib.util
-
-    if not (
-        getattr(x, "is_cuda", False)
-        and str(x.dtype) == "torch.bfloat16"
-        and x.ndim == 3
-        and x.shape[-1] in HEAD_DIMS
-        and importlib.util.find_spec("cupy") is not None
-    ):
-        return False
-    import torch
-
-    return torch.cuda.get_device_capability(x.device) == (9, 0)
+    return (
+        launch.runs_sm90(x) and str(x.dtype) == "torch.bfloat16" and x.ndim == 3 and x.shape[-1] in HEAD_DIMS
+    )
 
 
 def _sum_method(sums: str | None) -> str:

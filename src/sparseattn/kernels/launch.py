@@ -18,6 +18,7 @@ from .validate import KernelTypeError
 
 _FUNCTIONS: dict = {}
 _SM_COUNT: dict = {}
+_RUNS_SM90: dict = {}
 _DEVICE_ARRAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -50,6 +51,24 @@ def prepare(fn, smem_bytes: int):
     """Raise the kernel's dynamic shared-memory limit to ``smem_bytes`` (once)."""
     fn.max_dynamic_shared_size_bytes = max(fn.max_dynamic_shared_size_bytes, smem_bytes)
     return fn
+
+
+def runs_sm90(x) -> bool:
+    """Whether the sm_90a kernels can run on ``x``'s device: a CUDA tensor on an sm_90 GPU, CuPy
+    importable (known once per device)."""
+    if not getattr(x, "is_cuda", False):
+        return False
+    index = x.device.index
+    ok = _RUNS_SM90.get(index)
+    if ok is None:
+        import importlib.util
+
+        import torch
+
+        ok = _RUNS_SM90[index] = importlib.util.find_spec(
+            "cupy"
+        ) is not None and torch.cuda.get_device_capability(x.device) == (9, 0)
+    return ok
 
 
 def sm_count(device: int) -> int:

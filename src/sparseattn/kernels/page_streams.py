@@ -33,13 +33,7 @@ INT32_MAX = 2**31 - 1
 
 def available(x) -> bool:
     """Whether the kernels can run on ``x``'s device: a CUDA tensor on an sm_90 GPU, CuPy importable."""
-    import importlib.util
-
-    if not getattr(x, "is_cuda", False) or importlib.util.find_spec("cupy") is None:
-        return False
-    import torch
-
-    return torch.cuda.get_device_capability(x.device) == (9, 0)
+    return launch.runs_sm90(x)
 
 
 def _kernel_name(kind: str, split: bool, grouped: bool) -> str:
