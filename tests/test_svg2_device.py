@@ -442,7 +442,7 @@ def test_step_in_slots_matches_the_partition_step(block_size, side_stream, monke
     args = (12, 30, block_size, 0.7, 0.1, 2, q[:, :12].clone(), k[:, :30].clone())
     want = sd.svg2_partition_step(q, k, *args, final_assign=False)
     marks = []
-    got, qs, ks, vs = sd.svg2_step_in_slots(q, k, v, *args, mark=marks.append)
+    got, qs, ks, vs, _ = sd.svg2_step_in_slots(q, k, v, *args, mark=marks.append)
     assert marks == ["kmeans_q", "kmeans_k", "layouts", "to_slots", "select"]
     for name in ("q_labels", "k_labels", "k_sizes", "cluster_mask", "block_mask"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
@@ -535,7 +535,32 @@ def test_svg2_step_bench_summary_reports_the_queued_timing_beside_the_in_order_o
     records[-3]["time_ms"] = 1.5  # the queued layouts and selection
     lines = summary(records)
     assert len(lines) == 2 and lines[1].startswith(f"assign={QUEUED}:")
-    assert "= 11.00 ms = 20% of the kernel" in lines[0] and "= 10.50 ms = 19% of the kernel" in lines[1]
+    assert "= 11.00 ms = 20.0% of the kernel" in lines[0] and "= 10.50 ms = 19.1% of the kernel" in lines[1]
+
+
+def test_svg2_step_bench_summary_counts_what_v_move_did_not_hide():
+    """The beside method's overhead is its parts plus its move to slots less the in-order method's of the
+    same run (what of the selection and plan v's move did not hide); without that method it says so."""
+    from sparseattn.svg2_step_bench import IN_SLOTS_BESIDE, IN_SLOTS_CLUSTERS, summary
+
+    parts = dict(
+        kmeans_q=1.5, kmeans_k=3.5, layouts=0.4, select=0.5, plan_fwd=0.5, to_slots=3.0, kernel_fwd=57.0
+    )
+    beside = dict(parts, select=0.0, plan_fwd=0.0, to_slots=3.2)
+    records = [dict(part=p, assign=IN_SLOTS_CLUSTERS, time_ms=t) for p, t in parts.items()]
+    records += [dict(part=p, assign=IN_SLOTS_BESIDE, time_ms=t) for p, t in beside.items()]
+    for r in records:  # as _Marks.elapsed merges them
+        if r["part"] in ("layouts", "select"):
+            r["part"] = "layouts_select"
+            r["time_ms"] = (parts if r["assign"] == IN_SLOTS_CLUSTERS else beside)["layouts"] + (
+                parts if r["assign"] == IN_SLOTS_CLUSTERS else beside
+            )["select"]
+    lines = summary(records)
+    assert "= 6.40 ms = 11.2% of the kernel" in lines[0]
+    assert lines[1].startswith(f"assign={IN_SLOTS_BESIDE}:") and "not hidden by v's move 0.20" in lines[1]
+    assert "= 5.60 ms = 9.8% of the kernel" in lines[1]
+    alone = summary([r for r in records if r["assign"] == IN_SLOTS_BESIDE])
+    assert alone == [f"assign={IN_SLOTS_BESIDE}: its overhead needs {IN_SLOTS_CLUSTERS} in the same run"]
 
 
 def test_layout_slots_form_is_checked_and_the_cpu_keeps_the_sort(monkeypatch):

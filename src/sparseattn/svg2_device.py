@@ -53,6 +53,11 @@ SIDE_STREAM = os.environ.get("SPARSEATTN_SVG2_SIDE_STREAM", "1") == "1"
 #: sort of each row's labels.
 LAYOUT_SLOTS = os.environ.get("SPARSEATTN_SVG2_LAYOUT_SLOTS", "counts")
 LAYOUT_SLOTS_FORMS = ("sort", "counts")
+#: Run the selection and the forward's work list on a side stream while v moves to slots
+#: (:func:`slots_and_step` on CUDA tensors with a plan asked for; ``SPARSEATTN_SVG2_SELECT_BESIDE``, default
+#: ``0``; NOTES_svg2_device.md v42): they need q's and k's cluster sums, not v, and their ~100 small kernels
+#: then run beside v's move instead of between it and the kernel.
+SELECT_BESIDE = os.environ.get("SPARSEATTN_SVG2_SELECT_BESIDE", "0") == "1"
 
 
 def _check_rows(name: str, x: torch.Tensor) -> None:
@@ -831,24 +836,44 @@ def fit_for_slots(
 _SIDE_STREAMS: dict = {}
 
 
-def _layout_beside(labels: torch.Tensor, num_groups: int, block_size: int):
-    """``(layout, join)``: :func:`partition_slots` of CUDA ``labels`` enqueued on a side stream that starts
-    after the work queued so far; ``join()`` makes the current stream wait for it. The layout's tensors are
-    marked as used on the current stream (``record_stream``), ``labels`` as used on the side stream, so the
-    caching allocator reuses neither before both streams are done with it."""
-    main = torch.cuda.current_stream(labels.device)
-    side = _SIDE_STREAMS.get(labels.device)
+def _side_stream(device) -> torch.cuda.Stream:
+    side = _SIDE_STREAMS.get(device)
     if side is None:
-        side = _SIDE_STREAMS[labels.device] = torch.cuda.Stream(labels.device)
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return side
+
+
+def _record_on(value, stream) -> None:
+    """``record_stream(stream)`` of every tensor in ``value``: a tensor, a dataclass's fields, a tuple or list
+    of them (nested)."""
+    if isinstance(value, torch.Tensor):
+        value.record_stream(stream)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _record_on(item, stream)
+    elif hasattr(value, "__dataclass_fields__"):
+        for f in fields(value):
+            _record_on(getattr(value, f.name), stream)
+
+
+def _beside(work, inputs, device):
+    """``(result, join)``: ``work()`` enqueued on a side stream that starts after the work queued so far on the
+    current stream; ``join()`` makes the current stream wait for it. The result's tensors are marked as used on
+    the current stream (``record_stream``), ``inputs``' as used on the side stream, so the caching allocator
+    reuses neither before both streams are done with it."""
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
     side.wait_stream(main)
-    labels.record_stream(side)
+    _record_on(inputs, side)
     with torch.cuda.stream(side):
-        layout = partition_slots(labels, num_groups, block_size)
-    for f in fields(layout):
-        value = getattr(layout, f.name)
-        if isinstance(value, torch.Tensor):
-            value.record_stream(main)
-    return layout, lambda: main.wait_stream(side)
+        result = work()
+    _record_on(result, main)
+    return result, lambda: main.wait_stream(side)
+
+
+def _layout_beside(labels: torch.Tensor, num_groups: int, block_size: int):
+    """``(layout, join)``: :func:`partition_slots` of CUDA ``labels`` on a side stream (:func:`_beside`)."""
+    return _beside(lambda: partition_slots(labels, num_groups, block_size), labels, labels.device)
 
 
 def move_rows_to_slots(fitted: FittedSides, q, k, v, q_rows, k_rows, used=None):
@@ -857,14 +882,74 @@ def move_rows_to_slots(fitted: FittedSides, q, k, v, q_rows, k_rows, used=None):
     (:func:`scatter_rows`), each side's cluster sums (float32 ``[N · clusters, d]``) taken on the way.
     ``used``: the ``(q, k)`` masks of the slots written (default :meth:`DeviceLayout.filled_slots`, the
     slots that hold a token; :meth:`DeviceLayout.used_slots` writes the padding inside the blocks as zeros)."""
+    qs, ks, q_sums, k_sums = _move_qk(fitted, q, k, q_rows, k_rows, used)
+    return qs, ks, _move_v(fitted, v, k_rows, used), q_sums, k_sums
+
+
+def _used_slots(fitted: FittedSides, used):
+    return used if used is not None else (fitted.q_layout.filled_slots(), fitted.k_layout.filled_slots())
+
+
+def _move_qk(fitted: FittedSides, q, k, q_rows, k_rows, used):
+    """:func:`move_rows_to_slots`' q and k with their sums: ``(qs, ks, q_sums, k_sums)``."""
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
-    q_used, k_used = used if used is not None else (q_lay.filled_slots(), k_lay.filled_slots())
+    q_used, k_used = _used_slots(fitted, used)
     q_sums, k_sums = fitted.sums_buffers(q.shape[-1], q.device)
-    q_total, k_total = (lay.valid.numel() for lay in (q_lay, k_lay))
-    qs = scatter_rows(q, q_rows, q_total, q_used, q_sums, slot_sum_index(q_lay))
-    ks = scatter_rows(k, k_rows, k_total, k_used, k_sums, slot_sum_index(k_lay))
-    vs = scatter_rows(v, k_rows, k_total, k_used)
-    return qs, ks, vs, q_sums, k_sums
+    qs = scatter_rows(q, q_rows, q_lay.valid.numel(), q_used, q_sums, slot_sum_index(q_lay))
+    ks = scatter_rows(k, k_rows, k_lay.valid.numel(), k_used, k_sums, slot_sum_index(k_lay))
+    return qs, ks, q_sums, k_sums
+
+
+def _move_v(fitted: FittedSides, v, k_rows, used):
+    """:func:`move_rows_to_slots`' v (no sums)."""
+    return scatter_rows(v, k_rows, fitted.k_layout.valid.numel(), _used_slots(fitted, used)[1])
+
+
+def slots_and_step(
+    fitted: FittedSides,
+    q,
+    k,
+    v,
+    q_rows,
+    k_rows,
+    top_p: float,
+    min_fraction: float,
+    plan=None,
+    used=None,
+    beside: bool | None = None,
+    mark=None,
+):
+    """``(qs, ks, vs, step, work)``: :func:`move_rows_to_slots` then :func:`step_from_slot_sums`, and with
+    ``plan`` (``"clusters"`` or ``"blocks"``) the step's forward work list (:meth:`SVG2Step.forward_work_list`;
+    else ``work`` is None). ``mark(part)`` after ``"to_slots"``, ``"select"`` and (with a plan) ``"plan_fwd"``.
+
+    ``beside`` (default :data:`SELECT_BESIDE`), on CUDA tensors with a plan: q and k move first; the
+    selection and the work list are then enqueued on a side stream while v moves on the caller's stream, which
+    waits for them before the ``"to_slots"`` mark and the return (so what the caller queues next sees all
+    five; ``"select"`` and ``"plan_fwd"`` then follow at once). The same tensors either way."""
+    mark = mark or (lambda part: None)
+    beside = SELECT_BESIDE if beside is None else beside
+    if not (beside and plan is not None and q.is_cuda):
+        qs, ks, vs, q_sums, k_sums = move_rows_to_slots(fitted, q, k, v, q_rows, k_rows, used)
+        mark("to_slots")
+        step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
+        mark("select")
+        work = None if plan is None else step.forward_work_list(plan)
+    else:
+        qs, ks, q_sums, k_sums = _move_qk(fitted, q, k, q_rows, k_rows, used)
+
+        def select_and_plan():
+            step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
+            return step, step.forward_work_list(plan)
+
+        (step, work), join = _beside(select_and_plan, (q_sums, k_sums), q.device)
+        vs = _move_v(fitted, v, k_rows, used)
+        join()
+        mark("to_slots")
+        mark("select")
+    if plan is not None:
+        mark("plan_fwd")
+    return qs, ks, vs, step, work
 
 
 def move_to_slots(fitted: FittedSides, q, k, v, used=None):
@@ -911,25 +996,42 @@ def svg2_step_in_slots(
     generator: torch.Generator | None = None,
     assign: str = "auto",
     mark=None,
+    plan=None,
+    beside: bool | None = None,
 ):
     """:func:`svg2_partition_step` with ``final_assign=False`` and the tokens' move to slots, in another
-    order: ``(step, qs, ks, vs)`` with ``qs`` ``[N, q_slots, d]`` and ``ks``, ``vs`` ``[N, k_slots, d]`` as
-    :func:`scatter_to_slots` moves them (slots without a token unwritten where Triton runs).
+    order: ``(step, qs, ks, vs, work)`` with ``qs`` ``[N, q_slots, d]`` and ``ks``, ``vs`` ``[N, k_slots, d]``
+    as :func:`scatter_to_slots` moves them (slots without a token unwritten where Triton runs) and with
+    ``plan`` (``"clusters"`` or ``"blocks"``) the forward's work list (else None).
 
     The last Lloyd step of each side assigns labels only (:func:`fit_for_slots`); its clusters' sums
     are taken while q and k move to slots (each copied row added into its group's sums,
     :func:`slot_sum_index`), and their means, the step's centroids and the selection follow from them
-    (:func:`step_from_slot_sums`). Same clusters, layouts and selection as :func:`svg2_partition_step` but
-    for float32 summation order. ``mark(part)`` after ``"kmeans_q"``, ``"kmeans_k"``, ``"layouts"``,
-    ``"to_slots"`` and ``"select"``."""
-    mark = mark or (lambda part: None)
+    (:func:`step_from_slot_sums`; ``beside``: with the work list beside v's move, :func:`slots_and_step`).
+    Same clusters, layouts and selection as :func:`svg2_partition_step` but for float32 summation order.
+    ``mark(part)`` after ``"kmeans_q"``, ``"kmeans_k"``, ``"layouts"``, ``"to_slots"``, ``"select"`` and
+    (with a plan) ``"plan_fwd"``."""
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(v.shape)}")
     fitted = fit_for_slots(
         q, k, q_clusters, k_clusters, block_size, iters, q_init, k_init, generator, assign, mark
     )
-    qs, ks, vs, q_sums, k_sums = move_to_slots(fitted, q, k, v)
-    mark("to_slots")
-    step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
-    mark("select")
-    return step, qs, ks, vs
+    n, _, d = q.shape
+    q_lay, k_lay = fitted.q_layout, fitted.k_layout
+    rows = lambda lay: slot_rows(lay.token_slot, lay.max_slots).reshape(-1)
+    flat = lambda x: x.reshape(-1, d)
+    qs, ks, vs, step, work = slots_and_step(
+        fitted,
+        flat(q),
+        flat(k),
+        flat(v),
+        rows(q_lay),
+        rows(k_lay),
+        top_p,
+        min_fraction,
+        plan,
+        beside=beside,
+        mark=mark,
+    )
+    q_shape, k_shape = (n, q_lay.max_slots, d), (n, k_lay.max_slots, d)
+    return step, qs.view(q_shape), ks.view(k_shape), vs.view(k_shape), work

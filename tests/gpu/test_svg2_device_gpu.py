@@ -436,7 +436,7 @@ def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move():
     g = torch.Generator(device="cuda").manual_seed(5)
     v = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
     init = (q[:, :100].float(), k[:, :300].float())
-    step, qs, ks, vs = sd.svg2_step_in_slots(q, k, v, 100, 300, 128, 0.9, 0.05, 2, *init, assign="wgmma")
+    step, qs, ks, vs, _ = sd.svg2_step_in_slots(q, k, v, 100, 300, 128, 0.9, 0.05, 2, *init, assign="wgmma")
     q_means, q_sizes = sd.cluster_means(q, step.q_labels, 100)
     k_means, k_sizes = sd.cluster_means(k, step.k_labels, 300)
     assert torch.equal(step.k_sizes, k_sizes)
@@ -448,6 +448,40 @@ def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move():
     for got, lay, y in ((qs, step.q_layout, q), (ks, step.k_layout, k), (vs, step.k_layout, v)):
         tokens = lay.valid  # the padding slots are left unwritten
         assert torch.equal(got[tokens], sd.scatter_to_slots(y, lay.token_slot, lay.max_slots)[tokens])
+
+
+@pytest.mark.parametrize("plan", ["blocks", "clusters"])
+def test_selection_and_plan_beside_vs_move_are_the_sequential_ones(plan):
+    """``slots_and_step(beside=True)``: the selection and the forward's work list, enqueued on a side stream
+    while v moves, are those of the sums the q and k moves took (the side stream waited for them) and the
+    caller's stream waits for them (the list equals one planned afterwards from the step it returned); the
+    slot tensors are the sequential call's; no host synchronisation. (The sums' atomics may order the last
+    bits differently from one call to the next, so the two calls' selections may differ at near ties.)"""
+    x = torch.from_numpy(_synthetic(4, 20000)).cuda().bfloat16()
+    q, k = x, x.flip(1).contiguous()
+    g = torch.Generator(device="cuda").manual_seed(6)
+    v = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
+    init = (q[:, :100].float(), k[:, :300].float())
+    fit = sd.fit_for_slots(q, k, 100, 300, 128, 2, *init, assign="wgmma")
+    rows = [sd.slot_rows(lay.token_slot, lay.max_slots).reshape(-1) for lay in (fit.q_layout, fit.k_layout)]
+    flat = [y.reshape(-1, y.shape[-1]) for y in (q, k, v)]
+    args = (fit, *flat, *rows, 0.9, 0.05, plan)
+    want = sd.slots_and_step(*args, beside=False)
+    sd.slots_and_step(*args, beside=True)  # the side stream made, kernels loaded
+    torch.cuda.synchronize()
+    with _no_host_sync():
+        got = sd.slots_and_step(*args, beside=True)
+        del flat, args  # freed on the main stream while the side stream may still be reading: must stay safe
+    torch.cuda.synchronize()
+    for a, b, lay in zip(got[:3], want[:3], (fit.q_layout, fit.k_layout, fit.k_layout)):
+        filled = lay.filled_slots()
+        assert torch.equal(a[filled], b[filled])
+    step, work = got[3], got[4]
+    assert (step.cluster_mask != want[3].cluster_mask).float().mean() < 1e-3
+    again = step.forward_work_list(plan)
+    assert torch.equal(work.item_streams(), again.item_streams())
+    for name in ("work_info", "own_entries", "status"):
+        assert torch.equal(getattr(work, name), getattr(again, name)), name
 
 
 @contextlib.contextmanager
