@@ -456,7 +456,7 @@ class WanSparseAttnProcessor:
         sums taken on the way (:func:`~sparseattn.svg2_device.fit_for_slots`,
         :func:`~sparseattn.svg2_device.step_from_slot_sums`), SVG2's selection on their means, forward and
         backward planned on the device, back to tokens."""
-        from .svg2_device import fit_for_slots, move_rows_to_slots, slot_rows, step_from_slot_sums
+        from .svg2_device import fit_for_slots, slot_rows, slots_and_step
         from .torch import per_row_cluster_attention, per_row_layout_attention
 
         torch = self._torch()
@@ -471,14 +471,19 @@ class WanSparseAttnProcessor:
 
         q_rows, k_rows = in_token_order(ql), in_token_order(kl)
         flat = lambda x: x.to(torch.bfloat16).reshape(b * n * h, d)  # [B, L, heads, d] as it comes
-        # on the GPU only the slots that hold a token are written (DeviceLayout.filled_slots)
-        qs, ks, vs, q_sums, k_sums = move_rows_to_slots(fitted, flat(q), flat(k), flat(v), q_rows, k_rows)
-        step = self.last_svg2_step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
+        # on the GPU only the slots that hold a token are written (DeviceLayout.filled_slots); the forward by
+        # clusters is planned with the selection (beside v's move with svg2_device.SELECT_BESIDE)
+        plan = "clusters" if svg2_plan() == "clusters" else None
+        args = (flat(q), flat(k), flat(v), q_rows, k_rows, top_p, min_fraction, plan)
+        qs, ks, vs, step, work = slots_and_step(fitted, *args)
+        self.last_svg2_step = step
         self._keep_centroids(q, step)
         slots = [x.view(b * h, -1, d) for x in (qs, ks, vs)]
-        if svg2_plan() == "clusters":
+        if plan == "clusters":
             groups = (ql.block_group, kl.block_group, step.cluster_mask)
-            o, _ = per_row_cluster_attention(*slots, ql.block_rows, kl.block_rows, *groups, ql.block_size)
+            o, _ = per_row_cluster_attention(
+                *slots, ql.block_rows, kl.block_rows, *groups, ql.block_size, work=work
+            )
         else:
             o, _ = per_row_layout_attention(
                 *slots, ql.block_rows, kl.block_rows, step.block_mask, ql.block_size

@@ -504,13 +504,13 @@ class _PerRowLayouts(torch.autograd.Function):
     """``mask``: the block mask, or with ``q_group`` / ``k_group`` (the blocks' groups) the groups' mask."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_rows, k_rows, mask, q_group, k_group, block_size, scale):
+    def forward(ctx, q, k, v, q_rows, k_rows, mask, q_group, k_group, block_size, scale, work):
         from .planning.dynamic_layouts import cluster_forward_work_list, forward_work_list
 
         q, k, v = (x.contiguous() for x in (q, k, v))
-        if q_group is None:
+        if work is None and q_group is None:
             work = forward_work_list(q_rows, k_rows, mask, block_size, rows_per_chunk=4)
-        else:
+        elif work is None:
             work = cluster_forward_work_list(
                 q_rows, k_rows, q_group, k_group, mask, block_size, rows_per_chunk=4
             )
@@ -563,7 +563,7 @@ class _PerRowLayouts(torch.autograd.Function):
             torch.where(q_ok, dq, zero),
             torch.where(k_ok, dk, zero),
             torch.where(k_ok, dv, zero),
-            *(None,) * 7,
+            *(None,) * 8,
         )
 
 
@@ -586,7 +586,7 @@ def per_row_layout_attention(q, k, v, q_block_rows, k_block_rows, block_mask, bl
     """
     scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else float(scale)
     return _PerRowLayouts.apply(
-        q, k, v, q_block_rows, k_block_rows, block_mask, None, None, int(block_size), scale
+        q, k, v, q_block_rows, k_block_rows, block_mask, None, None, int(block_size), scale, None
     )
 
 
@@ -601,6 +601,7 @@ def per_row_cluster_attention(
     cluster_mask,
     block_size: int,
     scale=None,
+    work=None,
 ):
     """:func:`per_row_layout_attention` of partition layouts from their groups' selection: block pair
     ``(i, j)`` of row ``r`` is selected when ``cluster_mask[r, q_block_group[r, i], k_block_group[r, j]]``
@@ -614,6 +615,9 @@ def per_row_cluster_attention(
         q_block_group, k_block_group: int ``[R, q_blocks]`` / ``[R, k_blocks]``: each block's group in
             ``[0, groups)``, ``-1`` past a row's layout (``DeviceLayout.block_group``).
         cluster_mask: bool ``[R, q_groups, k_groups]``: the selected pairs of groups.
+        work: the forward's work list of these layouts and this selection, when the caller planned it
+            (:func:`~sparseattn.svg2_device.slots_and_step`, e.g. beside the tokens' move to slots);
+            default: planned here (the same list). Not checked against the layouts and selection.
     """
     scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else float(scale)
     return _PerRowLayouts.apply(
@@ -627,4 +631,5 @@ def per_row_cluster_attention(
         k_block_group,
         int(block_size),
         scale,
+        work,
     )
