@@ -836,10 +836,15 @@ def fit_for_slots(
 _SIDE_STREAMS: dict = {}
 
 
+#: The side stream's priority (``SPARSEATTN_SVG2_SIDE_PRIORITY``; 0 the default priority, -1 a higher one:
+#: its blocks are scheduled before the caller's stream's waiting blocks as SMs free up).
+SIDE_PRIORITY = int(os.environ.get("SPARSEATTN_SVG2_SIDE_PRIORITY", "0"))
+
+
 def _side_stream(device) -> torch.cuda.Stream:
     side = _SIDE_STREAMS.get(device)
     if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=SIDE_PRIORITY)
     return side
 
 
