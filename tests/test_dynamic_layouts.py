@@ -323,7 +323,7 @@ def test_the_cuda_stream_writers_refuse_tensors_off_an_sm90_gpu():
 
 def test_an_items_form_not_known_is_refused_before_any_work(monkeypatch):
     """``dynamic_layouts.ITEMS`` is read at each call and checked first, by clusters and by blocks; its
-    default, with ``SPARSEATTN_PLAN_ITEMS`` unset, is ``"torch"``."""
+    default, with ``SPARSEATTN_PLAN_ITEMS`` unset, is ``"triton"``."""
     import os
     import subprocess
     import sys
@@ -348,4 +348,4 @@ def test_an_items_form_not_known_is_refused_before_any_work(monkeypatch):
     env["PYTHONPATH"] = str(Path(dl.__file__).parents[2])  # this checkout's package
     code = "from sparseattn.planning import dynamic_layouts; print(dynamic_layouts.ITEMS)"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert run.stdout.strip() == "torch"
+    assert run.stdout.strip() == "triton"

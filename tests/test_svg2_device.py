@@ -455,6 +455,10 @@ def test_step_in_slots_matches_the_partition_step(block_size, side_stream, monke
     assert torch.equal(vs, sd.scatter_to_slots(v, kl.token_slot, kl.max_slots))
     with pytest.raises(ValueError, match="v must have k's shape"):
         sd.svg2_step_in_slots(q, k, v[:, :-1], *args)
+    marks = []  # with a plan, beside asked for: CPU tensors keep the one-stream order
+    again = sd.svg2_step_in_slots(q, k, v, *args, mark=marks.append, plan="clusters", beside=True)
+    assert marks == ["kmeans_q", "kmeans_k", "layouts", "to_slots", "select", "plan_fwd"]
+    assert torch.equal(again[4].item_streams(), again[0].forward_work_list("clusters").item_streams())
 
 
 def test_partition_step_with_last_step_labels_matches_its_own_means():

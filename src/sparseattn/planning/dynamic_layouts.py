@@ -33,10 +33,11 @@ FULL_MASK = (1 << PAGE_ROWS) - 1
 ITEMS_FORMS = ("torch", "triton")
 #: Who computes the forward work lists' per-item arrays (own pages, ``work_info``, the sort keys, and by
 #: clusters each block's stream from its group's), one of :data:`ITEMS_FORMS`, read at each call of
-#: :func:`forward_work_list` and :func:`cluster_forward_work_list`: ``"torch"`` (the default) some 60 small
-#: torch operations; ``"triton"`` two Triton kernels (:mod:`.forward_items`, where :func:`.page_streams.available`
-#: says Triton runs; elsewhere torch). The same bytes (NOTES_svg2_device.md v41, not yet run).
-ITEMS = os.environ.get("SPARSEATTN_PLAN_ITEMS") or "torch"
+#: :func:`forward_work_list` and :func:`cluster_forward_work_list`: ``"triton"`` (the default) two Triton
+#: kernels (:mod:`.forward_items`, where :func:`.page_streams.available` says Triton runs; elsewhere torch);
+#: ``"torch"`` some 60 small torch operations. The same bytes; at SVG2's 720p call (H100) the forward plan by
+#: clusters 0.57 → 0.41 ms (NOTES_svg2_device.md v41).
+ITEMS = os.environ.get("SPARSEATTN_PLAN_ITEMS") or "triton"
 
 
 def _triton_items(x: torch.Tensor) -> bool:
