@@ -579,3 +579,18 @@ def test_layout_slots_form_is_checked_and_the_cpu_keeps_the_sort(monkeypatch):
     got = sd.partition_slots(labels, 9, 32)
     for f in ("token_slot", "valid", "block_group", "num_slots", "group_sizes", "block_rows", "block_pages"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
+
+
+def test_a_kmeans_update_form_not_known_is_refused_before_any_work(monkeypatch):
+    """``KMEANS_UPDATE`` is checked when :func:`lloyd` starts, on any device; ``"fused"`` on CPU tensors
+    (no Triton there) keeps torch's updates."""
+    x = torch.from_numpy(blobs(6, 2, 200, 16))
+    monkeypatch.setattr(sd, "KMEANS_UPDATE", "numpy")
+    with pytest.raises(ValueError, match=r"KMEANS_UPDATE \(SPARSEATTN_KMEANS_UPDATE\) must be one of"):
+        sd.lloyd(x, 5, 1, x[:, :5].clone())
+    monkeypatch.setattr(sd, "KMEANS_UPDATE", "fused")
+    got = sd.lloyd(x, 5, 2, x[:, :5].clone())
+    monkeypatch.setattr(sd, "KMEANS_UPDATE", "torch")
+    want = sd.lloyd(x, 5, 2, x[:, :5].clone())
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -194,3 +194,21 @@ def test_zero_rows_kernel_compiles_for_sm90(d):
     sig = dict(y_ptr="*bf16", rows_ptr="*i64", n_rows="i32", slots="i32")
     kernel = _compile(_zero_rows_kernel, sig, dict(D=d, BR=BLOCK_ROWS))
     assert kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("update", [False, True], ids=["operands", "update"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_centroid_update_kernel_compiles_for_sm90(update, d):
+    from sparseattn.centroid_update import ROWS, _operands_kernel
+
+    sig = dict(
+        prev_ptr="*fp32",
+        sums_ptr="*fp32",
+        sizes_ptr="*fp32",
+        cent_ptr="*fp32",
+        low_ptr="*u16",
+        csq_ptr="*fp32",
+        rows="i32",
+    )
+    kernel = _compile(_operands_kernel, sig, dict(D=d, ROWS_PER_PROGRAM=ROWS, UPDATE=update))
+    assert kernel.metadata.shared <= 227 * 1024

@@ -37,6 +37,7 @@ CHECKS = Path(__file__).with_name("triton_interpreted_checks.py")
         "cluster_select_words",
         "vsa_select",
         "token_block_sums",
+        "centroid_update",
     ],
 )
 def test_triton_kernel_under_the_interpreter_equals_torch(kernel):

@@ -3,7 +3,7 @@
 Triton's interpreter must be chosen before Triton is imported, so ``test_triton_interpreted.py`` runs
 this file in a fresh process with ``TRITON_INTERPRET=1``: ``python tests/triton_interpreted_checks.py
 page_streams`` (or ``forward_items``, ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``, ``cluster_select``,
-``cluster_select_words``, ``vsa_select``, ``token_block_sums``). Exit status 0 when every case agrees.
+``cluster_select_words``, ``vsa_select``, ``token_block_sums``, ``centroid_update``). Exit status 0 when every case agrees.
 """
 
 from __future__ import annotations
@@ -496,6 +496,37 @@ def check_token_block_sums() -> int:
     vsa_topk_agrees(qm @ km.transpose(-1, -2), alive, 4, idx)
     assert torch.equal(num, torch.full_like(num, 4))
     return cases + 1
+
+
+def check_centroid_update() -> int:
+    """The centroid operands in one pass equal torch's: the centroids rounded to bf16 bit for bit (ties to
+    even included), ``|c|²`` within float32 rounding of a sum's order; after a Lloyd step the means of
+    non-empty clusters (divided as torch divides) and the previous centroids of empty ones, bit for bit.
+    Ragged counts of centroids (programs past the last), d 16 and 128."""
+    from sparseattn import centroid_update
+    from sparseattn.nearest_centroid import centroid_operands
+
+    cases = 0
+    for seed, (n, k, d) in enumerate(((2, 13, 128), (3, 8, 16), (1, 1, 128))):
+        g = torch.Generator().manual_seed(seed)
+        prev = torch.randn(n, k, d, generator=g) * 3
+        prev[0, 0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130])  # ties, a subnormal
+        sums = torch.randn(n, k, d, generator=g) * 50
+        sizes = torch.randint(0, 4, (n, k), generator=g).float()
+        sizes[0, -1] = 0  # an empty cluster keeps its centroid
+        x = torch.zeros(n, 1, d, dtype=torch.bfloat16)
+        low, csq = centroid_update.operands(prev)
+        want_low, want_csq = centroid_operands(x, prev)
+        assert torch.equal(low, want_low), seed
+        torch.testing.assert_close(csq, want_csq, rtol=1e-6, atol=0)
+        cent, (low, csq) = centroid_update.update(sums, sizes, prev)
+        want = torch.where(sizes.unsqueeze(-1) > 0, sums / sizes.clamp_min(1).unsqueeze(-1), prev)
+        assert torch.equal(cent, want), seed
+        want_low, want_csq = centroid_operands(x, want)
+        assert torch.equal(low, want_low), seed
+        torch.testing.assert_close(csq, want_csq, rtol=1e-6, atol=0)
+        cases += 2
+    return cases
 
 
 if __name__ == "__main__":

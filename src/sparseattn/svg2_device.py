@@ -53,6 +53,11 @@ SIDE_STREAM = os.environ.get("SPARSEATTN_SVG2_SIDE_STREAM", "1") == "1"
 #: sort of each row's labels.
 LAYOUT_SLOTS = os.environ.get("SPARSEATTN_SVG2_LAYOUT_SLOTS", "counts")
 LAYOUT_SLOTS_FORMS = ("sort", "counts")
+#: How :func:`lloyd` on the wgmma assignment makes its centroids' operands (bf16 centroids, ``|c|²``) and each
+#: step's new centroids (``SPARSEATTN_KMEANS_UPDATE``; NOTES_svg2_device.md v43): ``"torch"`` (the default)
+#: ~10 torch operations a step; ``"fused"`` one Triton pass (:mod:`sparseattn.centroid_update`).
+KMEANS_UPDATE = os.environ.get("SPARSEATTN_KMEANS_UPDATE", "torch")
+KMEANS_UPDATE_FORMS = ("torch", "fused")
 #: Run the selection and the forward's work list on a side stream while v moves to slots
 #: (:func:`slots_and_step` on CUDA tensors with a plan asked for; ``SPARSEATTN_SVG2_SELECT_BESIDE``, default
 #: ``1``; ``0`` runs them after v's move; NOTES_svg2_device.md v42): they need q's and k's cluster sums, not v,
@@ -241,22 +246,46 @@ def lloyd(
         raise ValueError("final_assign=False needs iters >= 1 (the labels are the last step's)")
     if not last_sums and final_assign:
         raise ValueError("last_sums=False needs final_assign=False (the labels are the last step's)")
-    nearest, step = _assigner(x, k, assign, chunk_tokens)
+    if KMEANS_UPDATE not in KMEANS_UPDATE_FORMS:
+        raise ValueError(
+            f"svg2_device.KMEANS_UPDATE (SPARSEATTN_KMEANS_UPDATE) must be one of {KMEANS_UPDATE_FORMS}, "
+            f"got {KMEANS_UPDATE!r}"
+        )
+    nearest, step, takes_operands = _assigner(x, k, assign, chunk_tokens)
     if iters == 0:
         zeros = x.new_zeros(n, k, d, dtype=torch.float32)
         return nearest(c), c, zeros, zeros[..., 0]
+    fused = takes_operands and _fused_update(c)
+    ops = None
+    if fused:
+        from . import centroid_update
+
+        ops = centroid_update.operands(c)
     for i in range(iters):
         if i == iters - 1 and not last_sums:
-            return nearest(c), c, None, None
-        labels, sums, counts = step(c)
-        c = torch.where(counts.unsqueeze(-1) > 0, _means(sums, counts)[0], c)
-    return (nearest(c) if final_assign else labels), c, sums, counts
+            return nearest(c, ops), c, None, None
+        labels, sums, counts = step(c, ops)
+        if fused:
+            c, ops = centroid_update.update(sums, counts, c)
+        else:
+            c = torch.where(counts.unsqueeze(-1) > 0, _means(sums, counts)[0], c)
+    return (nearest(c, ops) if final_assign else labels), c, sums, counts
+
+
+def _fused_update(c: torch.Tensor) -> bool:
+    """Whether :func:`lloyd` makes the assignment's operands and the steps' centroids by
+    :mod:`sparseattn.centroid_update` (:data:`KMEANS_UPDATE` ``"fused"`` and its kernel runs on ``c``)."""
+    from . import centroid_update
+
+    return KMEANS_UPDATE == "fused" and centroid_update.available(c)
 
 
 def _assigner(x: torch.Tensor, k: int, assign: str, chunk_tokens: int | None):
-    """``(nearest, step)`` of ``x`` by the ``assign`` method of :func:`kmeans`: ``nearest(c)`` the labels,
-    ``step(c)`` the labels with their clusters' float32 sums and sizes (one Lloyd assignment; fused into
-    the assignment kernel on the fused path, so ``x`` is never copied to float32 there)."""
+    """``(nearest, step, takes_operands)`` of ``x`` by the ``assign`` method of :func:`kmeans`:
+    ``nearest(c, ops=None)`` the labels, ``step(c, ops=None)`` the labels with their clusters' float32 sums
+    and sizes (one Lloyd assignment; fused into the assignment kernel on the fused path, so ``x`` is never
+    copied to float32 there); ``takes_operands``: whether they use ``ops``, the centroids' operands
+    (:mod:`sparseattn.centroid_update`; the wgmma assignment only)."""
     from .nearest_centroid import fused_available, lloyd_step_fused, nearest_centroid_fused
 
     if assign not in ("auto", "torch", "fused", "wgmma"):
@@ -266,19 +295,21 @@ def _assigner(x: torch.Tensor, k: int, assign: str, chunk_tokens: int | None):
     if assign == "wgmma" or (assign == "auto" and kmeans_assign.available(x)):
         from .kernels.kmeans_assign import lloyd_step_wgmma, nearest_centroid_wgmma
 
-        return (lambda c: nearest_centroid_wgmma(x, c)), (lambda c: lloyd_step_wgmma(x, c))
+        nearest = lambda c, ops=None: nearest_centroid_wgmma(x, c, operands=ops)
+        return nearest, (lambda c, ops=None: lloyd_step_wgmma(x, c, operands=ops)), True
     if assign == "fused" or (assign == "auto" and fused_available(x)):
-        return (lambda c: nearest_centroid_fused(x, c)), (lambda c: lloyd_step_fused(x, c))
+        nearest = lambda c, ops=None: nearest_centroid_fused(x, c)
+        return nearest, (lambda c, ops=None: lloyd_step_fused(x, c)), False
     x32 = x.float()
 
-    def nearest(c):
+    def nearest(c, ops=None):
         return nearest_centroid(x32, c, chunk_tokens)
 
-    def step(c):
+    def step(c, ops=None):
         labels = nearest(c)
         return (labels, *_cluster_sums(x32, labels, k))
 
-    return nearest, step
+    return nearest, step, False
 
 
 # --- partition layouts ------------------------------------------------------------------------------

@@ -317,6 +317,9 @@ def measure(
         layout_slots=svg2_device.LAYOUT_SLOTS,
         stream_writer=page_streams.WRITER,
         plan_items=dynamic_layouts.ITEMS,
+        select_beside=svg2_device.SELECT_BESIDE,  # the processor's order; the beside method sets it itself
+        side_priority=svg2_device.SIDE_PRIORITY,
+        kmeans_update=svg2_device.KMEANS_UPDATE,
     )
     return [dict(meta, **r) for r in records]
 

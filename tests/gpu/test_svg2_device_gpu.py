@@ -484,6 +484,43 @@ def test_selection_and_plan_beside_vs_move_are_the_sequential_ones(plan):
         assert torch.equal(getattr(work, name), getattr(again, name)), name
 
 
+def test_centroid_operands_in_one_pass_are_torchs():
+    """``centroid_update`` compiled: the bf16 centroids bit for bit and ``|c|²`` within float32 rounding of
+    torch's; after a step the centroids bit for bit (means of non-empty clusters, else the previous)."""
+    from sparseattn import centroid_update
+    from sparseattn.nearest_centroid import centroid_operands
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    prev = torch.randn(40, 1000, 128, device="cuda", generator=g) * 3
+    sums = torch.randn(40, 1000, 128, device="cuda", generator=g) * 40
+    sizes = torch.randint(0, 5, (40, 1000), device="cuda", generator=g).float()
+    x = torch.zeros(40, 1, 128, device="cuda", dtype=torch.bfloat16)
+    cent, (low, csq) = centroid_update.update(sums, sizes, prev)
+    want = torch.where(sizes.unsqueeze(-1) > 0, sums / sizes.clamp_min(1).unsqueeze(-1), prev)
+    assert torch.equal(cent, want)
+    want_low, want_csq = centroid_operands(x, want)
+    assert torch.equal(low, want_low)
+    torch.testing.assert_close(csq, want_csq, rtol=1e-6, atol=0)
+    low, csq = centroid_update.operands(prev)
+    want_low, want_csq = centroid_operands(x, prev)
+    assert torch.equal(low, want_low)
+    torch.testing.assert_close(csq, want_csq, rtol=1e-6, atol=0)
+
+
+def test_lloyd_with_fused_centroid_updates_is_lloyd(monkeypatch):
+    """``KMEANS_UPDATE="fused"``: the wgmma Lloyd steps with the one-pass operands and updates give the torch
+    updates' labels (but at near ties: ``|c|²``'s summation order and the sums' atomics) and centroids."""
+    x = torch.from_numpy(_synthetic(4, 20000)).cuda().bfloat16()
+    init = x[:, :300].float()
+    got, want = [], []
+    for form, out in (("fused", got), ("torch", want)):
+        monkeypatch.setattr(sd, "KMEANS_UPDATE", form)
+        out.extend(sd.lloyd(x, 300, 3, init, assign="wgmma", final_assign=False))
+    assert (got[0] != want[0]).float().mean() < 1e-3
+    close = ((got[1] - want[1]).abs() <= 1e-4 * (1 + want[1].abs())).all(-1)
+    assert close.float().mean() > 0.99
+
+
 @contextlib.contextmanager
 def _no_host_sync():
     """Whatever synchronises the host with the GPU inside raises (``torch.cuda.set_sync_debug_mode``)."""

@@ -116,7 +116,7 @@ def _sum_method_code(method: str, k: int) -> int:
     return SUM_METHODS[method]
 
 
-def _run(x, centroids, accumulate: bool, sums: str | None = None):
+def _run(x, centroids, accumulate: bool, sums: str | None = None, operands=None):
     import torch
 
     if BUILD not in BUILDS:
@@ -132,7 +132,15 @@ def _run(x, centroids, accumulate: bool, sums: str | None = None):
     from ..nearest_centroid import centroid_operands
 
     n, t, d = x.shape
-    c, csq = centroid_operands(x, centroids)  # rounded to bf16, and |c|² of the rounded centroids
+    if operands is None:
+        c, csq = centroid_operands(x, centroids)  # rounded to bf16, and |c|² of the rounded centroids
+    else:  # made by the caller (sparseattn.centroid_update)
+        c, csq = operands
+        if c.dtype != x.dtype or tuple(c.shape) != tuple(centroids.shape) or tuple(csq.shape) != c.shape[:2]:
+            raise ValueError(
+                f"operands must be ({x.dtype} {list(centroids.shape)}, float32 {list(centroids.shape[:2])}), "
+                f"got ({c.dtype} {list(c.shape)}, {csq.dtype} {list(csq.shape)})"
+            )
     if centroids.device != x.device:
         raise ValueError(f"centroids must be on {x.device}, got {centroids.device}")
     k = c.shape[1]
@@ -167,14 +175,16 @@ def _run(x, centroids, accumulate: bool, sums: str | None = None):
     return (labels, sums_out, counts) if accumulate else (labels,)
 
 
-def nearest_centroid_wgmma(x, centroids):
-    """int64 ``[N, tokens]``: the nearest centroid of each row of ``x`` (ties to the lower index)."""
-    return _run(x, centroids, accumulate=False)[0]
+def nearest_centroid_wgmma(x, centroids, operands=None):
+    """int64 ``[N, tokens]``: the nearest centroid of each row of ``x`` (ties to the lower index).
+    ``operands``: the centroids rounded to ``x``'s dtype and their float32 ``|c|²``, when the caller made
+    them (default :func:`sparseattn.nearest_centroid.centroid_operands`)."""
+    return _run(x, centroids, accumulate=False, operands=operands)[0]
 
 
-def lloyd_step_wgmma(x, centroids, sums: str | None = None):
+def lloyd_step_wgmma(x, centroids, sums: str | None = None, operands=None):
     """One Lloyd assignment with its cluster statistics: ``(labels int64 [N, tokens], sums float32 [N, k,
     d], sizes float32 [N, k])``, as :func:`sparseattn.nearest_centroid.lloyd_step_fused` returns them.
     ``sums``: how a CTA forms its clusters' sums, ``"auto"`` or a key of :data:`SUM_METHODS` (default
-    :data:`SUMS`)."""
-    return _run(x, centroids, accumulate=True, sums=sums)
+    :data:`SUMS`); ``operands`` as :func:`nearest_centroid_wgmma`."""
+    return _run(x, centroids, accumulate=True, sums=sums, operands=operands)
