@@ -51,8 +51,8 @@ def test_bars_state_totals_and_cut_the_longest(tmp_path):
     fig = svg2_plots.svg2_call_parts_figure(svg2_plots.pick_step_run(svg2_plots.find_step_runs(tmp_path)))
     fig.canvas.draw()
     texts = " | ".join(t.get_text() for t in fig.findobj(Text))
-    assert "10.0 ms, 17%" in texts  # 2 + 4 + 2.5 + 1.5 of the kernel's 60
-    assert "▶ 300.0 ms, 500%" in texts  # torch's bar ends past the axis
+    assert "10.00 ms, 16.7%" in texts  # 2 + 4 + 2.5 + 1.5 of the kernel's 60
+    assert "▶ 300.00 ms, 500.0%" in texts  # torch's bar ends past the axis
     assert fig.axes[0].get_xlim()[1] < 300.0
 
 
@@ -63,3 +63,24 @@ def test_a_run_without_complete_methods_is_refused(tmp_path):
     run = svg2_plots.find_step_runs(tmp_path)[0]
     with pytest.raises(ValueError, match="no method"):
         svg2_plots.svg2_call_parts_figure(run)
+
+
+def test_the_beside_method_adds_what_vs_move_did_not_hide(tmp_path):
+    """The selection and plan beside v's move: their part is the method's move to slots less the in-order
+    method's of the same run; without the in-order method the beside method is not drawn."""
+    in_order, beside = "wgmma_in_slots_queued_clusters", "wgmma_in_slots_queued_clusters_beside"
+    moves = [
+        dict(part="to_slots", assign=in_order, time_ms=3.0),
+        dict(part="to_slots", assign=beside, time_ms=3.4),
+    ]
+    _write_run(tmp_path, "a.json", "2026-12-01T00:00:00+00:00", {in_order: 1.0, beside: 1.0}, moves)
+    run = svg2_plots.pick_step_run(svg2_plots.find_step_runs(tmp_path))
+    parts = svg2_plots.method_parts(run)
+    assert parts[beside]["beside_unhidden"] == pytest.approx(0.4) and "beside_unhidden" not in parts[in_order]
+    fig = svg2_plots.svg2_call_parts_figure(run)
+    fig.canvas.draw()
+    texts = " | ".join(t.get_text() for t in fig.findobj(Text))
+    assert "10.40 ms, 17.3%" in texts and "10.00 ms, 16.7%" in texts
+    _write_run(tmp_path, "b.json", "2026-12-02T00:00:00+00:00", {beside: 1.0}, moves[1:])
+    newest = svg2_plots.find_step_runs(tmp_path)[0]
+    assert newest.path.name == "b.json" and svg2_plots.method_parts(newest) == {}

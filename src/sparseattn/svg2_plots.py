@@ -23,7 +23,13 @@ OVERHEAD_PARTS = (
     ("kmeans_k", "k-means of K", figstyle.OKABE_ITO["blue"]),
     ("layouts_select", "layouts, selection", figstyle.OKABE_ITO["orange"]),
     ("plan_fwd", "forward plan", figstyle.OKABE_ITO["reddish_purple"]),
+    ("beside_unhidden", "selection and plan not hidden by v's move", figstyle.OKABE_ITO["vermillion"]),
 )
+#: The methods that run the selection and plan beside v's move, each with the in-order method of the same run
+#: whose move to slots its own is measured against (``svg2_step_bench.summary``'s count).
+BESIDE = {"wgmma_in_slots_queued_clusters_beside": "wgmma_in_slots_queued_clusters"}
+#: Parts a method may lack (counted 0): only the beside methods have the part v's move did not hide.
+OPTIONAL_PARTS = ("beside_unhidden",)
 CAPTION = (
     "Each part between CUDA events, median of the run's calls; after a bar: its total and its share of the "
     "same method's KPage forward kernel; black tick: 10% of that kernel's time (the target); ▶: bar cut at the "
@@ -38,7 +44,8 @@ METHOD_LABELS = {
     "wgmma_last_step": "wgmma, last step labels only",
     "wgmma_last_step_queued": "wgmma, host ahead of the GPU",
     "wgmma_in_slots_queued": "wgmma, host ahead, sums in the move",
-    "wgmma_in_slots_queued_clusters": "processor's call, plans by clusters",
+    "wgmma_in_slots_queued_clusters": "plans by clusters, in order",
+    "wgmma_in_slots_queued_clusters_beside": "processor's call, selection and plan beside v's move",
 }
 #: Methods whose overhead passes this share of their kernel's time (torch's is ~3×) do not set the axis' end.
 CUT_SHARE = 0.5
@@ -60,8 +67,14 @@ def method_parts(run: BenchRun) -> dict[str, dict[str, float]]:
         t = r.get("time_ms")
         if isinstance(t, (int, float)) and math.isfinite(t) and t > 0 and not r.get("error"):
             found.setdefault(r["assign"], {})[r["part"]] = float(t)
-    need = [p for p, *_ in OVERHEAD_PARTS] + ["kernel_fwd"]
-    return {m: parts for m, parts in found.items() if all(p in parts for p in need)}
+    for method, in_order in BESIDE.items():
+        if method in found and "to_slots" in found[method] and "to_slots" in found.get(in_order, {}):
+            found[method]["beside_unhidden"] = max(
+                0.0, found[method]["to_slots"] - found[in_order]["to_slots"]
+            )
+    need = [p for p, *_ in OVERHEAD_PARTS if p not in OPTIONAL_PARTS] + ["kernel_fwd"]
+    complete = {m: parts for m, parts in found.items() if all(p in parts for p in need)}
+    return {m: parts for m, parts in complete.items() if m not in BESIDE or "beside_unhidden" in parts}
 
 
 def pick_step_run(runs) -> BenchRun | None:
@@ -86,7 +99,7 @@ def svg2_call_parts_figure(run: BenchRun) -> Figure:
     methods = method_parts(run)
     if not methods:
         raise ValueError(f"{run.path}: no method with every overhead part and the kernel timed")
-    totals = {m: sum(parts[p] for p, *_ in OVERHEAD_PARTS) for m, parts in methods.items()}
+    totals = {m: sum(parts.get(p, 0.0) for p, *_ in OVERHEAD_PARTS) for m, parts in methods.items()}
     targets = {m: TARGET_SHARE * parts["kernel_fwd"] for m, parts in methods.items()}
     # the axis ends past the bars within half their kernel's time; longer ones (torch's) are cut
     short = [t for m, t in totals.items() if t <= CUT_SHARE * methods[m]["kernel_fwd"]] or list(
@@ -106,14 +119,14 @@ def svg2_call_parts_figure(run: BenchRun) -> Figure:
     y = [i + 0.12 for i in range(len(names))]  # each bar under its name
     left = [0.0] * len(names)
     for part, label, colour in OVERHEAD_PARTS:
-        widths = [methods[m][part] for m in names]
+        widths = [methods[m].get(part, 0.0) for m in names]
         ax.barh(y, widths, 0.5, left=left, label=label, color=colour, linewidth=0)
         left = [a + b for a, b in zip(left, widths)]
     for i, m in enumerate(names):
         ax.plot([targets[m]] * 2, [y[i] - 0.3, y[i] + 0.3], color="black", linewidth=1.2)
         share = totals[m] / methods[m]["kernel_fwd"]
         cut = totals[m] > limit
-        text = f"{'▶ ' if cut else ''}{totals[m]:.1f} ms, {share:.0%}"
+        text = f"{'▶ ' if cut else ''}{totals[m]:.2f} ms, {share:.1%}"
         ax.text(
             min(totals[m], limit) + limit * 0.01 * (not cut),
             y[i],
