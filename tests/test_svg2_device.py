@@ -594,3 +594,25 @@ def test_a_kmeans_update_form_not_known_is_refused_before_any_work(monkeypatch):
     want = sd.lloyd(x, 5, 2, x[:, :5].clone())
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_a_layout_blocks_form_not_known_is_refused_before_any_work(monkeypatch):
+    """``LAYOUT_BLOCKS`` is checked at each layout; ``"triton"`` on CPU tensors (no Triton there) gives the
+    torch form's layout."""
+    labels = torch.randint(0, 9, (3, 301), generator=torch.Generator().manual_seed(5))
+    want = sd.partition_slots(labels, 9, 32)
+    monkeypatch.setattr(sd, "LAYOUT_BLOCKS", "numpy")
+    with pytest.raises(ValueError, match=r"LAYOUT_BLOCKS \(SPARSEATTN_SVG2_LAYOUT_BLOCKS\) must be one of"):
+        sd.partition_slots(labels, 9, 32)
+    monkeypatch.setattr(sd, "LAYOUT_BLOCKS", "triton")
+    got = sd.partition_slots(labels, 9, 32)
+    for name in (
+        "token_slot",
+        "valid",
+        "block_group",
+        "num_slots",
+        "group_sizes",
+        "block_rows",
+        "block_pages",
+    ):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -212,3 +212,24 @@ def test_centroid_update_kernel_compiles_for_sm90(update, d):
     )
     kernel = _compile(_operands_kernel, sig, dict(D=d, ROWS_PER_PROGRAM=ROWS, UPDATE=update))
     assert kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_layout_blocks_kernels_compile_for_sm90(block):
+    from sparseattn.layout_blocks import BLOCKS, _block_arrays_kernel, _group_starts_kernel
+
+    sig = dict(sizes_ptr="*i64", start_ptr="*i64", end_ptr="*i32", slots_ptr="*i64", groups="i32")
+    kernel = _compile(_group_starts_kernel, sig, dict(B=block, BLOCK_G=1024), num_warps=4)
+    assert kernel.metadata.shared <= 227 * 1024
+    sig = dict(
+        sizes_ptr="*i64",
+        end_ptr="*i32",
+        group_ptr="*i64",
+        rows_ptr="*i64",
+        pages_ptr="*i64",
+        valid_ptr="*u8",
+        groups="i32",
+        max_blocks="i32",
+    )
+    kernel = _compile(_block_arrays_kernel, sig, dict(B=block, BR=block, PAGE=16, BB=BLOCKS, STEPS=10))
+    assert kernel.metadata.shared <= 227 * 1024

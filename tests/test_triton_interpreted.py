@@ -38,6 +38,7 @@ CHECKS = Path(__file__).with_name("triton_interpreted_checks.py")
         "vsa_select",
         "token_block_sums",
         "centroid_update",
+        "layout_blocks",
     ],
 )
 def test_triton_kernel_under_the_interpreter_equals_torch(kernel):

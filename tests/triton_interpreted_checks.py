@@ -3,7 +3,7 @@
 Triton's interpreter must be chosen before Triton is imported, so ``test_triton_interpreted.py`` runs
 this file in a fresh process with ``TRITON_INTERPRET=1``: ``python tests/triton_interpreted_checks.py
 page_streams`` (or ``forward_items``, ``nearest_centroid``, ``slot_copy``, ``cluster_blocks``, ``cluster_select``,
-``cluster_select_words``, ``vsa_select``, ``token_block_sums``, ``centroid_update``). Exit status 0 when every case agrees.
+``cluster_select_words``, ``vsa_select``, ``token_block_sums``, ``centroid_update``, ``layout_blocks``). Exit status 0 when every case agrees.
 """
 
 from __future__ import annotations
@@ -526,6 +526,47 @@ def check_centroid_update() -> int:
         assert torch.equal(low, want_low), seed
         torch.testing.assert_close(csq, want_csq, rtol=1e-6, atol=0)
         cases += 2
+    return cases
+
+
+def check_layout_blocks() -> int:
+    """A partition layout's arrays by the two Triton kernels equal the torch form's field by field: block
+    sizes 16, 48, 64 and 128, empty groups, a group that fills whole blocks, one group, more groups than
+    tokens, static slot bounds above the minimum (blocks past every group)."""
+    from sparseattn import svg2_device as sd
+
+    cases = 0
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        for block, groups, tokens in (
+            (16, 7, 100),
+            (48, 13, 301),
+            (64, 1, 200),
+            (128, 40, 1000),
+            (64, 300, 257),
+        ):
+            labels = torch.randint(0, groups, (3, tokens), generator=g)
+            labels[0] = labels[0].clamp(max=max(groups - 2, 0))  # the last group empty in row 0
+            labels[1, : 2 * block] = 0  # group 0 fills whole blocks in row 1 (or more)
+            for extra in (0, 3 * block):
+                bound = sd.max_slots_bound(tokens, groups, block) + extra
+                sd.LAYOUT_BLOCKS = "torch"
+                want = sd.partition_slots(labels, groups, block, bound)
+                sd.LAYOUT_BLOCKS = "triton"
+                got = sd.partition_slots(labels, groups, block, bound)
+                for name in (
+                    "token_slot",
+                    "valid",
+                    "block_group",
+                    "num_slots",
+                    "group_sizes",
+                    "block_rows",
+                    "block_pages",
+                ):
+                    a, b = getattr(got, name), getattr(want, name)
+                    assert a.dtype == b.dtype and torch.equal(a, b), (seed, block, groups, extra, name)
+                cases += 1
+    sd.LAYOUT_BLOCKS = "torch"
     return cases
 
 

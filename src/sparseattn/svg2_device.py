@@ -54,10 +54,17 @@ SIDE_STREAM = os.environ.get("SPARSEATTN_SVG2_SIDE_STREAM", "1") == "1"
 LAYOUT_SLOTS = os.environ.get("SPARSEATTN_SVG2_LAYOUT_SLOTS", "counts")
 LAYOUT_SLOTS_FORMS = ("sort", "counts")
 #: How :func:`lloyd` on the wgmma assignment makes its centroids' operands (bf16 centroids, ``|c|²``) and each
-#: step's new centroids (``SPARSEATTN_KMEANS_UPDATE``; NOTES_svg2_device.md v43): ``"torch"`` (the default)
-#: ~10 torch operations a step; ``"fused"`` one Triton pass (:mod:`sparseattn.centroid_update`).
-KMEANS_UPDATE = os.environ.get("SPARSEATTN_KMEANS_UPDATE", "torch")
+#: step's new centroids (``SPARSEATTN_KMEANS_UPDATE``; NOTES_svg2_device.md v43): ``"fused"`` (the default) one
+#: Triton pass (:mod:`sparseattn.centroid_update`, where Triton runs); ``"torch"`` ~10 torch operations a step.
+#: At SVG2's 720p call (H100) the k-means Q 1.51 → 1.45 ms, K 3.43 → 3.30.
+KMEANS_UPDATE = os.environ.get("SPARSEATTN_KMEANS_UPDATE", "fused")
 KMEANS_UPDATE_FORMS = ("torch", "fused")
+#: How :func:`partition_slots` makes a layout's per-group and per-block arrays from the groups' sizes
+#: (``SPARSEATTN_SVG2_LAYOUT_BLOCKS``; NOTES_svg2_device.md v44): ``"torch"`` (the default) ~18 torch
+#: operations; ``"triton"`` two Triton kernels (:mod:`sparseattn.layout_blocks`, where Triton runs). The same
+#: arrays.
+LAYOUT_BLOCKS = os.environ.get("SPARSEATTN_SVG2_LAYOUT_BLOCKS", "torch")
+LAYOUT_BLOCKS_FORMS = ("torch", "triton")
 #: Run the selection and the forward's work list on a side stream while v moves to slots
 #: (:func:`slots_and_step` on CUDA tensors with a plan asked for; ``SPARSEATTN_SVG2_SELECT_BESIDE``, default
 #: ``1``; ``0`` runs them after v's move; NOTES_svg2_device.md v42): they need q's and k's cluster sums, not v,
@@ -416,6 +423,11 @@ def partition_slots(
             f"svg2_device.LAYOUT_SLOTS (SPARSEATTN_SVG2_LAYOUT_SLOTS) must be one of {LAYOUT_SLOTS_FORMS}, "
             f"got {LAYOUT_SLOTS!r}"
         )
+    if LAYOUT_BLOCKS not in LAYOUT_BLOCKS_FORMS:
+        raise ValueError(
+            f"svg2_device.LAYOUT_BLOCKS (SPARSEATTN_SVG2_LAYOUT_BLOCKS) must be one of {LAYOUT_BLOCKS_FORMS}, "
+            f"got {LAYOUT_BLOCKS!r}"
+        )
     counting = LAYOUT_SLOTS == "counts" and _counts_available(labels, g)
     if counting:
         from .kernels import group_slots
@@ -430,6 +442,18 @@ def partition_slots(
         bounds = torch.arange(g + 1, device=dev, dtype=sorted_labels.dtype).expand(n, -1).contiguous()
         first = torch.searchsorted(sorted_labels, bounds)
         sizes = first.diff(dim=1)
+    from . import layout_blocks
+
+    if LAYOUT_BLOCKS == "triton" and layout_blocks.available(sizes):  # two kernels, the same arrays
+        sizes = sizes.to(torch.int64)
+        group_start, block_end, num_slots = layout_blocks.group_starts(sizes, b)
+        if counting:
+            token_slot = group_slots.token_slots(labels, g, group_start, counts)
+        else:
+            token_slot = _token_slots(sorted_labels, order, first[:, :-1], group_start)
+        arrays = layout_blocks.block_arrays(sizes, block_end, b, max_slots // b)
+        block_group, block_rows, block_pages, valid = arrays
+        return DeviceLayout(b, token_slot, valid, block_group, num_slots, sizes, block_rows, block_pages)
     blocks = (sizes + (b - 1)) // b
     block_end = blocks.cumsum(1)  # [N, G]
     group_first_block = block_end - blocks

@@ -320,6 +320,7 @@ def measure(
         select_beside=svg2_device.SELECT_BESIDE,  # the processor's order; the beside method sets it itself
         side_priority=svg2_device.SIDE_PRIORITY,
         kmeans_update=svg2_device.KMEANS_UPDATE,
+        layout_blocks=svg2_device.LAYOUT_BLOCKS,
     )
     return [dict(meta, **r) for r in records]
 

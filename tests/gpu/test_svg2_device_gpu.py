@@ -521,6 +521,22 @@ def test_lloyd_with_fused_centroid_updates_is_lloyd(monkeypatch):
     assert close.float().mean() > 0.99
 
 
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_layout_blocks_by_triton_are_torchs(block_size, monkeypatch):
+    """``LAYOUT_BLOCKS="triton"`` compiled: SVG2's 720p-sized layouts (40 rows, 1,000 groups, one empty, a
+    static bound above the minimum) equal the torch form's field by field."""
+    g = torch.Generator(device="cuda").manual_seed(block_size)
+    labels = torch.randint(0, 999, (40, 75600), device="cuda", generator=g)
+    bound = sd.max_slots_bound(75600, 1000, block_size) + 4 * block_size
+    layouts = {}
+    for form in ("torch", "triton"):
+        monkeypatch.setattr(sd, "LAYOUT_BLOCKS", form)
+        layouts[form] = sd.partition_slots(labels, 1000, block_size, bound)
+    for name in LAYOUT_TENSORS:
+        a, b = getattr(layouts["triton"], name), getattr(layouts["torch"], name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 @contextlib.contextmanager
 def _no_host_sync():
     """Whatever synchronises the host with the GPU inside raises (``torch.cuda.set_sync_debug_mode``)."""
