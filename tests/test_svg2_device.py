@@ -1,6 +1,7 @@
 """SVG2 on the device (torch, here on the CPU): k-means, partition slots, selection and block mask
 against the host path of :mod:`sparseattn.builders` / :mod:`sparseattn.layouts`."""
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -576,9 +577,7 @@ def test_layout_slots_form_is_checked_and_the_cpu_keeps_the_sort(monkeypatch):
     with pytest.raises(ValueError, match="SPARSEATTN_SVG2_LAYOUT_SLOTS"):
         sd.partition_slots(labels, 9, 32)
     monkeypatch.setattr(sd, "LAYOUT_SLOTS", "counts")
-    got = sd.partition_slots(labels, 9, 32)
-    for f in ("token_slot", "valid", "block_group", "num_slots", "group_sizes", "block_rows", "block_pages"):
-        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    assert_layouts_equal(sd.partition_slots(labels, 9, 32), want)
 
 
 def test_a_kmeans_update_form_not_known_is_refused_before_any_work(monkeypatch):
@@ -605,14 +604,15 @@ def test_a_layout_blocks_form_not_known_is_refused_before_any_work(monkeypatch):
     with pytest.raises(ValueError, match=r"LAYOUT_BLOCKS \(SPARSEATTN_SVG2_LAYOUT_BLOCKS\) must be one of"):
         sd.partition_slots(labels, 9, 32)
     monkeypatch.setattr(sd, "LAYOUT_BLOCKS", "triton")
-    got = sd.partition_slots(labels, 9, 32)
-    for name in (
-        "token_slot",
-        "valid",
-        "block_group",
-        "num_slots",
-        "group_sizes",
-        "block_rows",
-        "block_pages",
-    ):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert_layouts_equal(sd.partition_slots(labels, 9, 32), want)
+
+
+#: The tensors of a :class:`~sparseattn.svg2_device.DeviceLayout`.
+LAYOUT_TENSORS = tuple(f.name for f in dataclasses.fields(sd.DeviceLayout) if f.name != "block_size")
+
+
+def assert_layouts_equal(got, want, context=()) -> None:
+    """Two device layouts hold the same tensors, dtypes included."""
+    for name in LAYOUT_TENSORS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), (*context, name)

@@ -533,6 +533,8 @@ def check_layout_blocks() -> int:
     """A partition layout's arrays by the two Triton kernels equal the torch form's field by field: block
     sizes 16, 48, 64 and 128, empty groups, a group that fills whole blocks, one group, more groups than
     tokens, static slot bounds above the minimum (blocks past every group)."""
+    from test_svg2_device import assert_layouts_equal
+
     from sparseattn import svg2_device as sd
 
     cases = 0
@@ -554,17 +556,7 @@ def check_layout_blocks() -> int:
                 want = sd.partition_slots(labels, groups, block, bound)
                 sd.LAYOUT_BLOCKS = "triton"
                 got = sd.partition_slots(labels, groups, block, bound)
-                for name in (
-                    "token_slot",
-                    "valid",
-                    "block_group",
-                    "num_slots",
-                    "group_sizes",
-                    "block_rows",
-                    "block_pages",
-                ):
-                    a, b = getattr(got, name), getattr(want, name)
-                    assert a.dtype == b.dtype and torch.equal(a, b), (seed, block, groups, extra, name)
+                assert_layouts_equal(got, want, (seed, block, groups, extra))
                 cases += 1
     sd.LAYOUT_BLOCKS = "torch"
     return cases

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_svg2_device import blobs, clear_labels, host_lloyd, sq_dist
+from test_svg2_device import LAYOUT_TENSORS, assert_layouts_equal, blobs, clear_labels, host_lloyd, sq_dist
 
 from sparseattn import svg2_device as sd
 from sparseattn.builders import _kmeans_pp_init
@@ -129,15 +129,6 @@ def kmeans_build(request, monkeypatch):
 
 
 #: The tensors of a DeviceLayout, compared field by field.
-LAYOUT_TENSORS = (
-    "token_slot",
-    "valid",
-    "block_group",
-    "num_slots",
-    "group_sizes",
-    "block_rows",
-    "block_pages",
-)
 
 ASSIGNMENT_CASES = [(3, 5000, 333, 128), (2, 97, 1000, 128), (2, 300, 1, 64), (1, 1025, 130, 64)]
 
@@ -532,9 +523,7 @@ def test_layout_blocks_by_triton_are_torchs(block_size, monkeypatch):
     for form in ("torch", "triton"):
         monkeypatch.setattr(sd, "LAYOUT_BLOCKS", form)
         layouts[form] = sd.partition_slots(labels, 1000, block_size, bound)
-    for name in LAYOUT_TENSORS:
-        a, b = getattr(layouts["triton"], name), getattr(layouts["torch"], name)
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert_layouts_equal(layouts["triton"], layouts["torch"])
 
 
 @contextlib.contextmanager
