@@ -616,3 +616,20 @@ def assert_layouts_equal(got, want, context=()) -> None:
     for name in LAYOUT_TENSORS:
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and torch.equal(a, b), (*context, name)
+
+
+def test_a_select_means_form_not_known_is_refused_and_the_cpu_keeps_torchs(monkeypatch):
+    """``SELECT_MEANS`` is checked at each step from the slots' sums; ``"fused"`` on CPU tensors (no Triton
+    there) gives the torch form's step."""
+    q = torch.from_numpy(blobs(6, 2, 500, 16))
+    k = torch.from_numpy(blobs(7, 2, 500, 16))
+    v = torch.randn(2, 500, 16, generator=torch.Generator().manual_seed(2))
+    args = (12, 30, 64, 0.7, 0.1, 2, q[:, :12].clone(), k[:, :30].clone())
+    want = sd.svg2_step_in_slots(q, k, v, *args)[0]
+    monkeypatch.setattr(sd, "SELECT_MEANS", "fused")
+    got = sd.svg2_step_in_slots(q, k, v, *args)[0]
+    for name in ("cluster_mask", "k_sizes", "q_centroids", "k_centroids"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    monkeypatch.setattr(sd, "SELECT_MEANS", "numpy")
+    with pytest.raises(ValueError, match=r"SELECT_MEANS \(SPARSEATTN_SVG2_SELECT_MEANS\) must be one of"):
+        sd.svg2_step_in_slots(q, k, v, *args)

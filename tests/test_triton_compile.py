@@ -233,3 +233,14 @@ def test_layout_blocks_kernels_compile_for_sm90(block):
     )
     kernel = _compile(_block_arrays_kernel, sig, dict(B=block, BR=block, PAGE=16, BB=BLOCKS, STEPS=10))
     assert kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_selection_means_kernel_compiles_for_sm90(d):
+    from sparseattn.centroid_update import ROWS, _means_kernel
+
+    sig = dict(
+        sums_ptr="*fp32", sizes_ptr="*i64", prev_ptr="*fp32", cent_ptr="*fp32", means_ptr="*fp64", rows="i32"
+    )
+    kernel = _compile(_means_kernel, sig, dict(D=d, ROWS_PER_PROGRAM=ROWS))
+    assert kernel.metadata.shared <= 227 * 1024

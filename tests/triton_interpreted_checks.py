@@ -525,7 +525,12 @@ def check_centroid_update() -> int:
         want_low, want_csq = centroid_operands(x, want)
         assert torch.equal(low, want_low), seed
         torch.testing.assert_close(csq, want_csq, rtol=1e-6, atol=0)
-        cases += 2
+        int_sizes = sizes.long()
+        cent, means = centroid_update.selection_means(sums, int_sizes, prev)
+        want_means = sums / int_sizes.float().clamp_min(1).unsqueeze(-1)
+        assert torch.equal(cent, want) and means.dtype == torch.float64, seed
+        assert torch.equal(means, want_means.double()), seed
+        cases += 3
     return cases
 
 

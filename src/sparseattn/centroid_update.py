@@ -7,7 +7,8 @@ of non-empty clusters (:func:`sparseattn.svg2_device.lloyd`: two more passes and
 720p K side (40 heads, 1,000 clusters, d = 128) those are ~10 small kernels per step over 20 MB tensors.
 Here one program per :data:`ROWS` centroids reads them once and writes all three: :func:`operands` from
 centroids, :func:`update` from a step's sums and sizes (``sums / max(size, 1)`` rounded as torch divides,
-the previous centroid where the size is 0). ``|c|²`` is summed in another order than torch's (last bits).
+the previous centroid where the size is 0), and :func:`selection_means` the same centroids with the float64
+means SVG2's selection starts from. ``|c|²`` is summed in another order than torch's (last bits).
 
 Runs on CUDA tensors (or on the CPU under ``TRITON_INTERPRET=1``, for tests); :func:`available` says
 whether it can run on a tensor.
@@ -63,6 +64,27 @@ if triton is not None:
         f = (high << 16).to(tl.float32, bitcast=True)
         tl.store(csq_ptr + r, tl.sum(f * f, 1), mask=inside)
 
+    @triton.jit
+    def _means_kernel(
+        sums_ptr,  # float32 [rows, D]
+        sizes_ptr,  # int64 [rows]
+        prev_ptr,  # float32 [rows, D]
+        cent_ptr,  # float32 [rows, D]: the means where the size is > 0, else the previous centroid
+        means_ptr,  # float64 [rows, D]: the float32 means (zero where the size is 0), widened
+        rows,
+        D: tl.constexpr,
+        ROWS_PER_PROGRAM: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+        inside = r < rows
+        offs = r[:, None] * D + tl.arange(0, D)[None, :]
+        m = inside[:, None]
+        size = tl.load(sizes_ptr + r, mask=inside, other=0).to(tl.float32)[:, None]
+        mean = tl.math.div_rn(tl.load(sums_ptr + offs, mask=m, other=0.0), tl.maximum(size, 1.0))
+        prev = tl.load(prev_ptr + offs, mask=m, other=0.0)
+        tl.store(cent_ptr + offs, tl.where(size > 0, mean, prev), mask=m)
+        tl.store(means_ptr + offs, mean.to(tl.float64), mask=m)
+
 
 def _launch(prev, sums, sizes):
     n, k, d = prev.shape
@@ -113,3 +135,34 @@ def update(sums: torch.Tensor, sizes: torch.Tensor, previous: torch.Tensor):
     _check("sums", sums, previous.shape)
     _check("sizes", sizes, previous.shape[:2])
     return _launch(previous, sums, sizes)
+
+
+def selection_means(sums: torch.Tensor, sizes: torch.Tensor, previous: torch.Tensor):
+    """``(centroids float32, means float64)``, both ``[N, k, d]``, of clusters' float32 ``sums`` ``[N, k, d]`` and
+    int64 ``sizes`` ``[N, k]``: the means ``sums / max(size, 1)`` rounded to float32 as torch divides (zero for
+    an empty cluster) and widened to float64, SVG2's selection's input; the centroids the means where the size
+    is > 0, else the ``previous`` centroid (float32 ``[N, k, d]``). One pass where torch takes six. Needs
+    :func:`available`."""
+    if previous.ndim != 3:
+        raise ValueError(f"previous must be [N, k, d], got {list(previous.shape)}")
+    _check("previous", previous, previous.shape)
+    _check("sums", sums, previous.shape)
+    if sizes.dtype != torch.int64 or tuple(sizes.shape) != tuple(previous.shape[:2]):
+        raise ValueError(
+            f"sizes must be int64 {list(previous.shape[:2])}, got {sizes.dtype} {list(sizes.shape)}"
+        )
+    n, k, d = previous.shape
+    cent = torch.empty_like(previous)
+    means = torch.empty(n, k, d, dtype=torch.float64, device=previous.device)
+    if n * k:
+        _means_kernel[(triton.cdiv(n * k, ROWS),)](
+            sums.contiguous(),
+            sizes.contiguous(),
+            previous.contiguous(),
+            cent,
+            means,
+            n * k,
+            D=d,
+            ROWS_PER_PROGRAM=ROWS,
+        )
+    return cent, means

@@ -65,6 +65,12 @@ KMEANS_UPDATE_FORMS = ("torch", "fused")
 #: same arrays; at SVG2's 720p call (H100) K's layout 0.24 → 0.14 ms.
 LAYOUT_BLOCKS = os.environ.get("SPARSEATTN_SVG2_LAYOUT_BLOCKS", "triton")
 LAYOUT_BLOCKS_FORMS = ("torch", "triton")
+#: How :func:`step_from_slot_sums` turns the clusters' sums into the step's centroids and the selection's float64
+#: means (``SPARSEATTN_SVG2_SELECT_MEANS``; NOTES_svg2_device.md v45): ``"torch"`` (the default) six torch
+#: operations a side; ``"fused"`` one Triton pass a side (:func:`sparseattn.centroid_update.selection_means`,
+#: where Triton runs). The same bits.
+SELECT_MEANS = os.environ.get("SPARSEATTN_SVG2_SELECT_MEANS", "torch")
+SELECT_MEANS_FORMS = ("torch", "fused")
 #: Run the selection and the forward's work list on a side stream while v moves to slots
 #: (:func:`slots_and_step` on CUDA tensors with a plan asked for; ``SPARSEATTN_SVG2_SELECT_BESIDE``, default
 #: ``1``; ``0`` runs them after v's move; NOTES_svg2_device.md v42): they need q's and k's cluster sums, not v,
@@ -1032,9 +1038,24 @@ def step_from_slot_sums(fitted: FittedSides, q_sums, k_sums, top_p: float, min_f
     """The second half of :func:`svg2_step_in_slots`: from each side's cluster sums (float32 ``[N ·
     clusters, d]``, taken while its tokens moved to the layout's slots, :func:`slot_sum_index`) the means,
     the step's centroids (an empty cluster keeps the one it had) and SVG2's selection on the means."""
+    from . import centroid_update
+
+    if SELECT_MEANS not in SELECT_MEANS_FORMS:
+        raise ValueError(
+            f"svg2_device.SELECT_MEANS (SPARSEATTN_SVG2_SELECT_MEANS) must be one of {SELECT_MEANS_FORMS}, "
+            f"got {SELECT_MEANS!r}"
+        )
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
     n, qc = q_lay.group_sizes.shape
     kc = k_lay.group_sizes.shape[1]
+    if SELECT_MEANS == "fused" and centroid_update.available(q_sums):  # one pass a side, the same bits
+        sides = []
+        for fit, lay, sums, c in ((fitted.q_fit, q_lay, q_sums, qc), (fitted.k_fit, k_lay, k_sums, kc)):
+            sizes = lay.group_sizes.to(torch.int64)
+            cent, means = centroid_update.selection_means(sums.view(n, c, -1), sizes, fit[1])
+            sides.append(((fit[0], cent), means, sizes))
+        (q_fit, q_means, _), (k_fit, k_means, k_sizes) = sides
+        return _selected_step(q_fit, k_fit, (q_lay, k_lay), q_means, k_means, k_sizes, top_p, min_fraction)
     q_means, q_sizes = _means(q_sums.view(n, qc, -1), q_lay.group_sizes.float())
     k_means, k_sizes = _means(k_sums.view(n, kc, -1), k_lay.group_sizes.float())
     fitted_side = lambda f, means, sizes: (f[0], torch.where(sizes.unsqueeze(-1) > 0, means, f[1]))

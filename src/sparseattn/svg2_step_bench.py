@@ -321,6 +321,7 @@ def measure(
         side_priority=svg2_device.SIDE_PRIORITY,
         kmeans_update=svg2_device.KMEANS_UPDATE,
         layout_blocks=svg2_device.LAYOUT_BLOCKS,
+        select_means=svg2_device.SELECT_MEANS,
     )
     return [dict(meta, **r) for r in records]
 

@@ -498,6 +498,25 @@ def test_centroid_operands_in_one_pass_are_torchs():
     torch.testing.assert_close(csq, want_csq, rtol=1e-6, atol=0)
 
 
+def test_selection_means_in_one_pass_give_torchs_step(monkeypatch):
+    """``SELECT_MEANS="fused"`` compiled: from the same slots' sums, the step's centroids, sizes and selection
+    equal the torch form's bit for bit (the same float32 means, widened)."""
+    x = torch.from_numpy(_synthetic(4, 20000)).cuda().bfloat16()
+    q, k = x, x.flip(1).contiguous()
+    v = torch.randn(
+        x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9)
+    ).bfloat16()
+    init = (q[:, :100].float(), k[:, :300].float())
+    fit = sd.fit_for_slots(q, k, 100, 300, 128, 2, *init, assign="wgmma")
+    _, _, _, q_sums, k_sums = sd.move_to_slots(fit, q, k, v)
+    steps = {}
+    for form in ("torch", "fused"):
+        monkeypatch.setattr(sd, "SELECT_MEANS", form)
+        steps[form] = sd.step_from_slot_sums(fit, q_sums, k_sums, 0.9, 0.05)
+    for name in ("cluster_mask", "k_sizes", "q_centroids", "k_centroids"):
+        assert torch.equal(getattr(steps["fused"], name), getattr(steps["torch"], name)), name
+
+
 def test_lloyd_with_fused_centroid_updates_is_lloyd(monkeypatch):
     """``KMEANS_UPDATE="fused"``: the wgmma Lloyd steps with the one-pass operands and updates give the torch
     updates' labels (but at near ties: ``|c|²``'s summation order and the sums' atomics) and centroids."""
