@@ -85,6 +85,14 @@ def _check_rows(name: str, x: torch.Tensor) -> None:
         raise TypeError(f"{name} must hold floats, got {x.dtype}")
 
 
+def _check_form(name: str, env: str) -> None:
+    """Raise, naming the setting and its variable ``env``, when this module's ``name`` is not one of its
+    ``name + "_FORMS"`` (read now, so a script or test that sets the attribute is checked too)."""
+    value, forms = globals()[name], globals()[f"{name}_FORMS"]
+    if value not in forms:
+        raise ValueError(f"svg2_device.{name} ({env}) must be one of {forms}, got {value!r}")
+
+
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -259,11 +267,7 @@ def lloyd(
         raise ValueError("final_assign=False needs iters >= 1 (the labels are the last step's)")
     if not last_sums and final_assign:
         raise ValueError("last_sums=False needs final_assign=False (the labels are the last step's)")
-    if KMEANS_UPDATE not in KMEANS_UPDATE_FORMS:
-        raise ValueError(
-            f"svg2_device.KMEANS_UPDATE (SPARSEATTN_KMEANS_UPDATE) must be one of {KMEANS_UPDATE_FORMS}, "
-            f"got {KMEANS_UPDATE!r}"
-        )
+    _check_form("KMEANS_UPDATE", "SPARSEATTN_KMEANS_UPDATE")
     nearest, step, takes_operands = _assigner(x, k, assign, chunk_tokens)
     if iters == 0:
         zeros = x.new_zeros(n, k, d, dtype=torch.float32)
@@ -424,16 +428,8 @@ def partition_slots(
             f"(max_slots_bound({t}, {g}, {b})), got {max_slots!r}"
         )
     dev = labels.device
-    if LAYOUT_SLOTS not in LAYOUT_SLOTS_FORMS:
-        raise ValueError(
-            f"svg2_device.LAYOUT_SLOTS (SPARSEATTN_SVG2_LAYOUT_SLOTS) must be one of {LAYOUT_SLOTS_FORMS}, "
-            f"got {LAYOUT_SLOTS!r}"
-        )
-    if LAYOUT_BLOCKS not in LAYOUT_BLOCKS_FORMS:
-        raise ValueError(
-            f"svg2_device.LAYOUT_BLOCKS (SPARSEATTN_SVG2_LAYOUT_BLOCKS) must be one of {LAYOUT_BLOCKS_FORMS}, "
-            f"got {LAYOUT_BLOCKS!r}"
-        )
+    _check_form("LAYOUT_SLOTS", "SPARSEATTN_SVG2_LAYOUT_SLOTS")
+    _check_form("LAYOUT_BLOCKS", "SPARSEATTN_SVG2_LAYOUT_BLOCKS")
     counting = LAYOUT_SLOTS == "counts" and _counts_available(labels, g)
     if counting:
         from .kernels import group_slots
@@ -1040,11 +1036,7 @@ def step_from_slot_sums(fitted: FittedSides, q_sums, k_sums, top_p: float, min_f
     the step's centroids (an empty cluster keeps the one it had) and SVG2's selection on the means."""
     from . import centroid_update
 
-    if SELECT_MEANS not in SELECT_MEANS_FORMS:
-        raise ValueError(
-            f"svg2_device.SELECT_MEANS (SPARSEATTN_SVG2_SELECT_MEANS) must be one of {SELECT_MEANS_FORMS}, "
-            f"got {SELECT_MEANS!r}"
-        )
+    _check_form("SELECT_MEANS", "SPARSEATTN_SVG2_SELECT_MEANS")
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
     n, qc = q_lay.group_sizes.shape
     kc = k_lay.group_sizes.shape[1]
