@@ -3,7 +3,7 @@
 # as one script with named steps. Each step's command is the one that made the newest H100 record of its
 # question (the `command` of the files that data/bench/README.md names). Steps are listed in the order of
 # what they cost, so that one 10-minute device call can take several of the cheaper ones:
-#   svg2_step    (SVG2 per step)      the 720p call by parts, overhead against the kernel           ~25 s
+#   svg2_step    (SVG2 per step)      the 720p call by parts, in order and in the processor's order  ~25 s
 #   plan         (dynamic sparsity)   device planning beside the forward, four workloads           ~90 s
 #   dense        (skeleton's rate)    KPage against cuDNN at the four dense shapes                  ~90 s
 #   forward      (skeleton's rate)    KPage's forward on the four partial workloads, checked        ~90 s
@@ -34,7 +34,8 @@ prepare_run
 
 python -m sparseattn.kernels.warmup > "$work/warmup.log" 2>&1
 step svg2_step 120 \
-    python -m sparseattn.svg2_step_bench --workload svg2_wan14b_720p --methods wgmma_in_slots_queued_clusters \
+    python -m sparseattn.svg2_step_bench --workload svg2_wan14b_720p \
+    --methods wgmma_in_slots_queued_clusters,wgmma_in_slots_queued_clusters_beside \
     --reps 8 --warmup 1 --out "$work/svg2_step.json"
 step plan 240 \
     sparseattn bench --workload vsa_wan14b_720p --workload vsa_wan14b_480p --workload ssta_hy15_720p \
