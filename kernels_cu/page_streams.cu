@@ -168,3 +168,105 @@ __global__ void __launch_bounds__(PS_THREADS)
         off += __shfl_sync(PS_ALL_LANES, incl, PS_WARP - 1);
     }
 }
+
+// One warp per item: out[item] as page_stream_lengths, and partials[item] = Σ_j selected(r, i, j) · part[r, j],
+// the item's partial-page entries (page_stream_write_one_walk writes them after the item's out − partials
+// full pages).
+template <bool GROUPED>
+__global__ void __launch_bounds__(PS_THREADS)
+    page_stream_lengths_split(const unsigned char* __restrict__ sel, const int* __restrict__ group,
+                              const int* __restrict__ full, const int* __restrict__ part,
+                              long long* __restrict__ out, long long* __restrict__ partials, long long items,
+                              int n_owner, int n_other, int n_groups, long long s_r, long long s_i, long long s_j) {
+    const int lane = threadIdx.x % PS_WARP;
+    const ps_i64 item = static_cast<ps_i64>(blockIdx.x) * PS_WARPS + threadIdx.x / PS_WARP;
+    if (item >= items) return;
+    const ps_i64 r = item / n_owner;
+    const ps_i64 i = item - r * n_owner;
+    const ps_i64 row_off = r * n_other;
+    const ps_i64 sel_base = r * s_r + i * s_i;
+    ps_i64 total = 0, parts = 0;
+#pragma unroll 4
+    for (int j = lane; j < n_other; j += PS_WARP) {
+        if (ps_selects<GROUPED>(sel, group, row_off, sel_base, s_j, j, n_groups)) {
+            const int q = part[row_off + j];
+            total += full[row_off + j] + q;
+            parts += q;
+        }
+    }
+#pragma unroll
+    for (int d = PS_WARP / 2; d >= 1; d >>= 1) {
+        total += __shfl_xor_sync(PS_ALL_LANES, total, d);
+        parts += __shfl_xor_sync(PS_ALL_LANES, parts, d);
+    }
+    if (lane == 0) {
+        out[item] = total;
+        partials[item] = parts;
+    }
+}
+
+// One warp per item: page_stream_write<true, GROUPED>'s bytes (the forward's split streams) in one walk of the
+// other side's blocks instead of two. The item's partial-page entries start after its full pages, at
+// start[item] + lengths[item] − partials[item] (page_stream_lengths_split), so each chunk writes its full pages
+// and its partial pages together: the second walk's loads (selection, group, part) are the first's.
+template <bool GROUPED>
+__global__ void __launch_bounds__(PS_THREADS)
+    page_stream_write_one_walk(const unsigned char* __restrict__ sel, const int* __restrict__ group,
+                               const int* __restrict__ full, const int* __restrict__ part,
+                               const int* __restrict__ rows, const long long* __restrict__ start,
+                               const long long* __restrict__ lengths, const long long* __restrict__ partials,
+                               int* __restrict__ out, long long items, int n_owner, int n_other, int n_groups,
+                               long long s_r, long long s_i, long long s_j, long long capacity,
+                               long long row_page_stride, int P) {
+    const int lane = threadIdx.x % PS_WARP;
+    const ps_i64 item = static_cast<ps_i64>(blockIdx.x) * PS_WARPS + threadIdx.x / PS_WARP;
+    if (item >= items) return;
+    const ps_i64 r = item / n_owner;
+    const ps_i64 i = item - r * n_owner;
+    const ps_i64 row_off = r * n_other;
+    const ps_i64 sel_base = r * s_r + i * s_i;
+    const ps_i64 base = r * row_page_stride;
+    int2* __restrict__ pairs = reinterpret_cast<int2*>(out);
+    ps_i64 off = start[item];
+    ps_i64 off_part = off + lengths[item] - partials[item];
+
+    bool s_next = lane < n_other && ps_selects<GROUPED>(sel, group, row_off, sel_base, s_j, lane, n_groups);
+    int f_next = lane < n_other ? full[row_off + lane] : 0;
+    int q_next = lane < n_other ? part[row_off + lane] : 0;
+    for (int j0 = 0; j0 < n_other; j0 += PS_WARP) {
+        const int f = f_next;
+        const int n = s_next ? f : 0;
+        const int m = s_next ? q_next : 0;
+        const int jn = j0 + lane + PS_WARP;
+        s_next = jn < n_other && ps_selects<GROUPED>(sel, group, row_off, sel_base, s_j, jn, n_groups);
+        f_next = jn < n_other ? full[row_off + jn] : 0;
+        q_next = jn < n_other ? part[row_off + jn] : 0;
+
+        // the chunk's partial pages, one entry per block with one, in block order
+        const int incl_m = ps_inclusive_scan(m, lane);
+        const ps_i64 pos_m = off_part + (incl_m - m);
+        if (m > 0 && pos_m < capacity) {
+            const int j = j0 + lane;
+            const int page = static_cast<int>(base + static_cast<ps_i64>(j) * P + f);
+            const int mask = (1 << (rows[row_off + j] % PAGE_ROWS)) - 1;
+            pairs[pos_m] = make_int2(page, mask);
+        }
+        off_part += __shfl_sync(PS_ALL_LANES, incl_m, PS_WARP - 1);
+
+        // the chunk's full pages, written by consecutive lanes at consecutive positions
+        const int incl = ps_inclusive_scan(n, lane);
+        const int excl = incl - n;
+        const int chunk = __shfl_sync(PS_ALL_LANES, incl, PS_WARP - 1);
+        for (int e0 = 0; e0 < chunk; e0 += PS_WARP) {
+            const int e = e0 + lane;
+            const int owner = ps_owner_lane(incl, e);
+            const int p = e - __shfl_sync(PS_ALL_LANES, excl, owner);
+            const ps_i64 pos = off + e;
+            if (e < chunk && p < P && pos < capacity) {
+                const int page = static_cast<int>(base + static_cast<ps_i64>(j0 + owner) * P + p);
+                pairs[pos] = make_int2(page, PS_FULL_MASK);
+            }
+        }
+        off += chunk;
+    }
+}

@@ -294,7 +294,7 @@ def test_a_stream_writer_not_known_is_refused_before_any_launch(monkeypatch):
     out = torch.full((7, 2), -7, dtype=torch.int32)
     start = torch.zeros(2, dtype=torch.int64)
     message = (
-        r"page_streams\.WRITER \(SPARSEATTN_STREAM_WRITER\) must be one of \('triton', 'cuda'\), "
+        r"page_streams\.WRITER \(SPARSEATTN_STREAM_WRITER\) must be one of \('triton', 'cuda', 'cuda_one_walk'\), "
         r"got 'cuda_warps'"
     )
     with pytest.raises(ValueError, match=message):

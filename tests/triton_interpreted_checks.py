@@ -35,6 +35,8 @@ def check_page_streams() -> int:
     page_streams.WRITER = "cuda"  # CPU tensors: the Triton writers run
     try:
         cases += _check_page_streams_form(range(1))
+        page_streams.WRITER = "cuda_one_walk"  # likewise, through streams() too
+        cases += _check_page_streams_form(range(1)) + _check_cluster_streams(range(1))
     finally:
         page_streams.WRITER = "triton"
     return cases

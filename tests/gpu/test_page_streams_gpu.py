@@ -100,6 +100,43 @@ def test_cuda_writer_writes_the_triton_writers_bytes(grouped, split, pages, monk
     assert calls == {"stream_lengths": 28, "write_streams": 28}
 
 
+@pytest.mark.parametrize("pages", [4, 8], ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("grouped", [False, True], ids=["blocks", "groups"])
+def test_one_walk_writer_writes_the_two_walk_writers_bytes(grouped, pages):
+    """``page_stream_write_one_walk`` (the forward's split streams in one walk, ``WRITER = "cuda_one_walk"``)
+    against the two-walk CUDA writer on the 28 random cases: the lengths equal, the partial counts equal
+    ``Σ sel · part``, and ``out`` (poison-filled) equal in every entry; the capacity below the total in half."""
+    from sparseattn.kernels import page_streams as cuda_streams
+
+    for seed in range(28):
+        sel, full, part, rows, group, p, stride, cut = writer_case(seed, grouped, True, pages, "cuda")
+        lengths = cuda_streams.stream_lengths(sel, full, part, group)
+        got_lengths, partials = cuda_streams.stream_lengths(sel, full, part, group, with_partials=True)
+        assert torch.equal(got_lengths, lengths), seed
+        chosen = (
+            sel
+            if group is None
+            else torch.gather(
+                sel, 2, group.long().clamp(0, sel.shape[2] - 1).unsqueeze(1).expand(-1, sel.shape[1], -1)
+            )
+            & ((group >= 0) & (group < sel.shape[2])).unsqueeze(1)
+        )
+        want_partials = (chosen.long() * part.long().unsqueeze(1)).sum(-1).reshape(-1)
+        assert torch.equal(partials, want_partials), seed
+        start = lengths.cumsum(0) - lengths
+        total = int(lengths.sum())
+        capacity = total // 2 if cut else total + 5
+        outs = []
+        for one_walk in (None, (lengths, partials)):
+            out = torch.full((capacity + 3, 2), POISON, dtype=torch.int32, device="cuda")
+            cuda_streams.write_streams(
+                sel, full, part, rows, start, out, capacity, p, stride, True, group, one_walk=one_walk
+            )
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[1], outs[0]), (seed, sel.shape, sel.stride())
+
+
 def test_cuda_writer_refuses_bad_arguments_before_any_launch():
     """The launcher's checks name the argument."""
     from sparseattn.kernels import page_streams as cuda_streams
@@ -116,6 +153,10 @@ def test_cuda_writer_refuses_bad_arguments_before_any_launch():
     with pytest.raises(ValueError, match="8-byte aligned"):
         cuda_streams.write_streams(
             sel, full, part, rows, start, out.view(-1)[1:-1].view(-1, 2), 4, p, stride, True
+        )
+    with pytest.raises(ValueError, match="one_walk's partials must be an int64"):
+        cuda_streams.write_streams(
+            sel, full, part, rows, start, out, 10, p, stride, True, one_walk=(start, start[1:])
         )
     torch.cuda.synchronize()
     assert (out == POISON).all()
@@ -163,9 +204,10 @@ def test_planners_with_the_cuda_writer_equal_the_triton_writers_on_20_partitions
         }
         for name, (plan, args) in plans.items():
             got = {}
-            for writer in ("triton", "cuda"):
+            for writer in ("triton", "cuda", "cuda_one_walk"):
                 monkeypatch.setattr(page_streams, "WRITER", writer)
                 got[writer] = plan(*args, capacity=capacity)
-            differs = _plans_equal(got["cuda"], got["triton"])
-            assert differs is None, (case, name, differs)
-    assert calls["write_streams"] == calls["stream_lengths"] == 20 * 4
+            for writer in ("cuda", "cuda_one_walk"):
+                differs = _plans_equal(got[writer], got["triton"])
+                assert differs is None, (case, name, writer, differs)
+    assert calls["write_streams"] == calls["stream_lengths"] == 20 * 4 * 2

@@ -24,6 +24,10 @@ NAME_EXPRESSIONS = (
     "page_stream_write<false, true>",
     "page_stream_write<true, false>",
     "page_stream_write<true, true>",
+    "page_stream_lengths_split<false>",
+    "page_stream_lengths_split<true>",
+    "page_stream_write_one_walk<false>",
+    "page_stream_write_one_walk<true>",
 )
 # Geometry mirrored from the kernels.
 WARPS = 8  # work items per CTA
@@ -38,8 +42,8 @@ def available(x) -> bool:
 
 def _kernel_name(kind: str, split: bool, grouped: bool) -> str:
     flag = lambda b: "true" if b else "false"
-    if kind == "lengths":
-        return f"page_stream_lengths<{flag(grouped)}>"
+    if kind in ("lengths", "lengths_split", "write_one_walk"):
+        return f"page_stream_{kind}<{flag(grouped)}>"
     return f"page_stream_write<{flag(split)}, {flag(grouped)}>"
 
 
@@ -105,19 +109,24 @@ def _launch(name: str, items: int, args, device) -> None:
         launch.PackedLaunch(fn, grid, (THREADS,), args)(launch.torch_stream_ptr(device.index))
 
 
-def stream_lengths(sel, full, part, other_group=None):
+def stream_lengths(sel, full, part, other_group=None, with_partials: bool = False):
     """int64 ``[R · owner]``: entries of each item's stream, ``Σ_j sel[r, i, j] · (full + part)[r, j]`` (with
-    ``other_group``, ``sel[r, i, other_group[r, j]]``; a group outside ``[0, sel.shape[2])`` selects nothing)."""
+    ``other_group``, ``sel[r, i, other_group[r, j]]``; a group outside ``[0, sel.shape[2])`` selects nothing).
+    ``with_partials``: ``(lengths, partials)``, ``partials`` int64 ``[R · owner]`` the partial-page entries
+    ``Σ_j sel · part`` (what :func:`write_streams`' ``one_walk`` takes)."""
     import torch
 
     items, n_owner, n_other, n_groups = _check_common(sel, full, part, other_group)
     out = torch.empty(items, dtype=torch.int64, device=sel.device)
+    partials = torch.empty_like(out) if with_partials else None
     if items:
         (sel_p, grp), sizes = _selection_args(sel, other_group, n_owner, n_other, n_groups)
         ptr = lambda t: np.uint64(t.data_ptr())
-        args = (sel_p, grp, ptr(full), ptr(part), ptr(out), np.int64(items), *sizes)
-        _launch(_kernel_name("lengths", False, other_group is not None), items, args, sel.device)
-    return out
+        outs = (ptr(out), ptr(partials)) if with_partials else (ptr(out),)
+        args = (sel_p, grp, ptr(full), ptr(part), *outs, np.int64(items), *sizes)
+        kind = "lengths_split" if with_partials else "lengths"
+        _launch(_kernel_name(kind, False, other_group is not None), items, args, sel.device)
+    return (out, partials) if with_partials else out
 
 
 def write_streams(
@@ -132,6 +141,7 @@ def write_streams(
     row_page_stride: int,
     split_partial: bool,
     other_group=None,
+    one_walk=None,
 ) -> None:
     """Write every item's stream at ``start[item]`` into ``out`` (nothing at or past ``capacity``).
 
@@ -143,6 +153,9 @@ def write_streams(
         out: int32 ``[≥ capacity, 2]`` (``split_partial``: (page, mask) pairs, 8-byte aligned) or
             ``[≥ capacity]``, contiguous.
         pages_per_block: pages per block (``P``); a page id is ``r · row_page_stride + j · P + p``.
+        one_walk: ``(lengths, partials)`` of :func:`stream_lengths` (``with_partials``), with
+            ``split_partial``: the same bytes written in one walk of the other side's blocks, the partial
+            pages at ``start + lengths − partials`` (``page_stream_write_one_walk``), instead of two.
     """
     import torch
 
@@ -182,6 +195,15 @@ def write_streams(
         raise ValueError("out must be 8-byte aligned (each (page, mask) pair is one 8-byte store)")
     if not items:
         return
+    walk = []  # one_walk's lengths and partials, checked
+    if one_walk is not None and split_partial:
+        for name, x in zip(("one_walk's lengths", "one_walk's partials"), one_walk):
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.int64 or tuple(x.shape) != (items,):
+                got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name} must be an int64 tensor [{items}], got {got}")
+            if not x.is_contiguous() or x.device != sel.device:
+                raise ValueError(f"{name} must be contiguous on {sel.device}")
+            walk.append(np.uint64(x.data_ptr()))
     (sel_p, grp), sizes = _selection_args(sel, other_group, n_owner, n_other, n_groups)
     ptr = lambda t: np.uint64(t.data_ptr())
     rows_p = ptr(rows) if split_partial else ptr(full)  # not read without the split
@@ -192,6 +214,7 @@ def write_streams(
         ptr(part),
         rows_p,
         ptr(start),
+        *walk,
         ptr(out),
         np.int64(items),
         *sizes,
@@ -199,4 +222,5 @@ def write_streams(
         np.int64(stride),
         np.int32(pages),
     )
-    _launch(_kernel_name("write", bool(split_partial), other_group is not None), items, args, sel.device)
+    kind = "write_one_walk" if walk else "write"
+    _launch(_kernel_name(kind, bool(split_partial), other_group is not None), items, args, sel.device)

@@ -40,10 +40,12 @@ from ..triton_support import runs_on, tl, triton
 #: Blocks of the other side read per step of a program.
 BLOCK_J = 256
 FULL_MASK = (1 << PAGE_ROWS) - 1
-WRITERS = ("triton", "cuda")
+WRITERS = ("triton", "cuda", "cuda_one_walk")
 #: The stream writer, one of :data:`WRITERS`, read at each call of :func:`stream_lengths` and
 #: :func:`write_streams`: ``"cuda"`` by default (NOTES_svg2_device.md, v39: the 720p plans by clusters 18–29%
-#: shorter on the GPU), ``"triton"`` the Triton kernels everywhere.
+#: shorter on the GPU), ``"triton"`` the Triton kernels everywhere; ``"cuda_one_walk"`` the CUDA kernels with
+#: :func:`streams`' split streams (the forward's) written in one walk of the other side's blocks instead of
+#: two (``page_stream_write_one_walk``; NOTES_svg2_device.md v46, opt-in, not yet run).
 WRITER = os.environ.get("SPARSEATTN_STREAM_WRITER") or "cuda"
 
 
@@ -60,7 +62,7 @@ def _cuda_writer(x: torch.Tensor) -> bool:
         raise ValueError(
             f"page_streams.WRITER (SPARSEATTN_STREAM_WRITER) must be one of {WRITERS}, got {writer!r}"
         )
-    if writer != "cuda" or not x.is_cuda:
+    if writer == "triton" or not x.is_cuda:
         return False
     from ..kernels import page_streams as cuda_streams
 
@@ -322,6 +324,28 @@ def streams(
     """Every item's stream, counted, placed and written: ``(lengths int64 [R · owner], starts int64
     [R · owner], total int64 [], out)`` with ``out`` int32 ``[capacity + 1, 2]`` (``split_partial``) or
     ``[capacity + 1]``, uninitialised past the written entries. Arguments as :func:`write_streams`."""
+    if WRITER == "cuda_one_walk" and split_partial and _cuda_writer(sel):
+        from ..kernels import page_streams as cuda_streams
+
+        _check(sel, full, part, other_group, True)
+        lengths, partials = cuda_streams.stream_lengths(sel, full, part, other_group, with_partials=True)
+        starts = lengths.cumsum(0) - lengths
+        out = torch.empty((capacity + 1, 2), dtype=torch.int32, device=sel.device)
+        cuda_streams.write_streams(
+            sel,
+            full,
+            part,
+            rows,
+            starts,
+            out,
+            capacity,
+            pages_per_block,
+            row_page_stride,
+            True,
+            other_group,
+            one_walk=(lengths, partials),
+        )
+        return lengths, starts, lengths.sum(), out
     lengths = stream_lengths(sel, full, part, other_group)
     starts = lengths.cumsum(0) - lengths
     shape = (capacity + 1, 2) if split_partial else (capacity + 1,)
