@@ -74,6 +74,32 @@ __device__ __forceinline__ int ps_owner_lane(int incl, int e) {
     return lo;
 }
 
+// A chunk's pages: lane l holds block j0 + l with n pages (p < n), written as entries by consecutive lanes
+// at consecutive positions from off (each lane finding its entry's block by ps_owner_lane); pages p >= P
+// and positions >= capacity are skipped. SPLIT: each entry the pair (page, PS_FULL_MASK), one 8-byte store;
+// else the page id. Returns the chunk's page count (every lane).
+template <bool SPLIT>
+__device__ __forceinline__ int ps_write_chunk_pages(int n, int lane, int j0, ps_i64 off, ps_i64 base, int P,
+                                                    ps_i64 capacity, int* __restrict__ out) {
+    const int incl = ps_inclusive_scan(n, lane);
+    const int excl = incl - n;
+    const int chunk = __shfl_sync(PS_ALL_LANES, incl, PS_WARP - 1);
+    for (int e0 = 0; e0 < chunk; e0 += PS_WARP) {
+        const int e = e0 + lane;
+        const int owner = ps_owner_lane(incl, e);
+        const int p = e - __shfl_sync(PS_ALL_LANES, excl, owner);
+        const ps_i64 pos = off + e;
+        if (e < chunk && p < P && pos < capacity) {
+            const int page = static_cast<int>(base + static_cast<ps_i64>(j0 + owner) * P + p);
+            if (SPLIT)
+                reinterpret_cast<int2*>(out)[pos] = make_int2(page, PS_FULL_MASK);
+            else
+                out[pos] = page;
+        }
+    }
+    return chunk;
+}
+
 }  // namespace
 
 // One warp per item: out[item] = the item's stream entries (full + partial pages of its selected blocks).
@@ -129,23 +155,7 @@ __global__ void __launch_bounds__(PS_THREADS)
         const int jn = j0 + lane + PS_WARP;
         s_next = jn < n_other && ps_selects<GROUPED>(sel, group, row_off, sel_base, s_j, jn, n_groups);
         f_next = jn < n_other ? full[row_off + jn] : 0;
-        const int incl = ps_inclusive_scan(n, lane);
-        const int excl = incl - n;
-        const int chunk = __shfl_sync(PS_ALL_LANES, incl, PS_WARP - 1);
-        for (int e0 = 0; e0 < chunk; e0 += PS_WARP) {
-            const int e = e0 + lane;
-            const int owner = ps_owner_lane(incl, e);
-            const int p = e - __shfl_sync(PS_ALL_LANES, excl, owner);
-            const ps_i64 pos = off + e;
-            if (e < chunk && p < P && pos < capacity) {
-                const int page = static_cast<int>(base + static_cast<ps_i64>(j0 + owner) * P + p);
-                if (SPLIT)
-                    pairs[pos] = make_int2(page, PS_FULL_MASK);
-                else
-                    out[pos] = page;
-            }
-        }
-        off += chunk;
+        off += ps_write_chunk_pages<SPLIT>(n, lane, j0, off, base, P, capacity, out);
     }
     if (!SPLIT) return;
 
@@ -253,20 +263,6 @@ __global__ void __launch_bounds__(PS_THREADS)
         }
         off_part += __shfl_sync(PS_ALL_LANES, incl_m, PS_WARP - 1);
 
-        // the chunk's full pages, written by consecutive lanes at consecutive positions
-        const int incl = ps_inclusive_scan(n, lane);
-        const int excl = incl - n;
-        const int chunk = __shfl_sync(PS_ALL_LANES, incl, PS_WARP - 1);
-        for (int e0 = 0; e0 < chunk; e0 += PS_WARP) {
-            const int e = e0 + lane;
-            const int owner = ps_owner_lane(incl, e);
-            const int p = e - __shfl_sync(PS_ALL_LANES, excl, owner);
-            const ps_i64 pos = off + e;
-            if (e < chunk && p < P && pos < capacity) {
-                const int page = static_cast<int>(base + static_cast<ps_i64>(j0 + owner) * P + p);
-                pairs[pos] = make_int2(page, PS_FULL_MASK);
-            }
-        }
-        off += chunk;
+        off += ps_write_chunk_pages<true>(n, lane, j0, off, base, P, capacity, out);  // its full pages
     }
 }

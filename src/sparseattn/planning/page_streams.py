@@ -30,6 +30,7 @@ chunk's entries written by consecutive lanes, on CUDA tensors of an sm_90 GPU wi
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -324,28 +325,32 @@ def streams(
     """Every item's stream, counted, placed and written: ``(lengths int64 [R · owner], starts int64
     [R · owner], total int64 [], out)`` with ``out`` int32 ``[capacity + 1, 2]`` (``split_partial``) or
     ``[capacity + 1]``, uninitialised past the written entries. Arguments as :func:`write_streams`."""
-    if WRITER == "cuda_one_walk" and split_partial and _cuda_writer(sel):
+    write = write_streams
+    if WRITER == "cuda_one_walk" and split_partial and _cuda_writer(sel):  # the lengths with partial counts
         from ..kernels import page_streams as cuda_streams
 
         _check(sel, full, part, other_group, True)
         lengths, partials = cuda_streams.stream_lengths(sel, full, part, other_group, with_partials=True)
-        starts = lengths.cumsum(0) - lengths
-        out = torch.empty((capacity + 1, 2), dtype=torch.int32, device=sel.device)
-        cuda_streams.write_streams(
-            sel,
-            full,
-            part,
-            rows,
-            starts,
-            out,
-            capacity,
-            pages_per_block,
-            row_page_stride,
-            True,
-            other_group,
-            one_walk=(lengths, partials),
-        )
-        return lengths, starts, lengths.sum(), out
+        write = functools.partial(cuda_streams.write_streams, one_walk=(lengths, partials))
+    else:
+        lengths = stream_lengths(sel, full, part, other_group)
+    starts = lengths.cumsum(0) - lengths
+    shape = (capacity + 1, 2) if split_partial else (capacity + 1,)
+    out = torch.empty(shape, dtype=torch.int32, device=sel.device)
+    write(
+        sel,
+        full,
+        part,
+        rows,
+        starts,
+        out,
+        capacity,
+        pages_per_block,
+        row_page_stride,
+        split_partial,
+        other_group,
+    )
+    return lengths, starts, lengths.sum(), out
     lengths = stream_lengths(sel, full, part, other_group)
     starts = lengths.cumsum(0) - lengths
     shape = (capacity + 1, 2) if split_partial else (capacity + 1,)
