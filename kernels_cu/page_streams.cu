@@ -100,6 +100,42 @@ __device__ __forceinline__ int ps_write_chunk_pages(int n, int lane, int j0, ps_
     return chunk;
 }
 
+// The lengths kernels' body: out[item] = Σ_j selected · (full + part)[r, j] and with PARTIALS partials[item] =
+// Σ_j selected · part[r, j].
+template <bool GROUPED, bool PARTIALS>
+__device__ __forceinline__ void ps_item_lengths(const unsigned char* __restrict__ sel,
+                                                const int* __restrict__ group, const int* __restrict__ full,
+                                                const int* __restrict__ part, long long* __restrict__ out,
+                                                long long* __restrict__ partials, long long items, int n_owner,
+                                                int n_other, int n_groups, long long s_r, long long s_i,
+                                                long long s_j) {
+    const int lane = threadIdx.x % PS_WARP;
+    const ps_i64 item = static_cast<ps_i64>(blockIdx.x) * PS_WARPS + threadIdx.x / PS_WARP;
+    if (item >= items) return;
+    const ps_i64 r = item / n_owner;
+    const ps_i64 i = item - r * n_owner;
+    const ps_i64 row_off = r * n_other;
+    const ps_i64 sel_base = r * s_r + i * s_i;
+    ps_i64 total = 0, parts = 0;
+#pragma unroll 4
+    for (int j = lane; j < n_other; j += PS_WARP) {
+        if (ps_selects<GROUPED>(sel, group, row_off, sel_base, s_j, j, n_groups)) {
+            const int q = part[row_off + j];
+            total += full[row_off + j] + q;
+            if (PARTIALS) parts += q;
+        }
+    }
+#pragma unroll
+    for (int d = PS_WARP / 2; d >= 1; d >>= 1) {
+        total += __shfl_xor_sync(PS_ALL_LANES, total, d);
+        if (PARTIALS) parts += __shfl_xor_sync(PS_ALL_LANES, parts, d);
+    }
+    if (lane == 0) {
+        out[item] = total;
+        if (PARTIALS) partials[item] = parts;
+    }
+}
+
 }  // namespace
 
 // One warp per item: out[item] = the item's stream entries (full + partial pages of its selected blocks).
@@ -109,22 +145,8 @@ __global__ void __launch_bounds__(PS_THREADS)
                         const int* __restrict__ full, const int* __restrict__ part, long long* __restrict__ out,
                         long long items, int n_owner, int n_other, int n_groups, long long s_r, long long s_i,
                         long long s_j) {
-    const int lane = threadIdx.x % PS_WARP;
-    const ps_i64 item = static_cast<ps_i64>(blockIdx.x) * PS_WARPS + threadIdx.x / PS_WARP;
-    if (item >= items) return;
-    const ps_i64 r = item / n_owner;
-    const ps_i64 i = item - r * n_owner;
-    const ps_i64 row_off = r * n_other;
-    const ps_i64 sel_base = r * s_r + i * s_i;
-    ps_i64 total = 0;
-#pragma unroll 4
-    for (int j = lane; j < n_other; j += PS_WARP) {
-        if (ps_selects<GROUPED>(sel, group, row_off, sel_base, s_j, j, n_groups))
-            total += full[row_off + j] + part[row_off + j];
-    }
-#pragma unroll
-    for (int d = PS_WARP / 2; d >= 1; d >>= 1) total += __shfl_xor_sync(PS_ALL_LANES, total, d);
-    if (lane == 0) out[item] = total;
+    ps_item_lengths<GROUPED, false>(sel, group, full, part, out, nullptr, items, n_owner, n_other, n_groups, s_r,
+                                    s_i, s_j);
 }
 
 // One warp per item: the item's stream at start[item] (see the header). out: int32 [capacity (+ 1), 2]
@@ -188,31 +210,8 @@ __global__ void __launch_bounds__(PS_THREADS)
                               const int* __restrict__ full, const int* __restrict__ part,
                               long long* __restrict__ out, long long* __restrict__ partials, long long items,
                               int n_owner, int n_other, int n_groups, long long s_r, long long s_i, long long s_j) {
-    const int lane = threadIdx.x % PS_WARP;
-    const ps_i64 item = static_cast<ps_i64>(blockIdx.x) * PS_WARPS + threadIdx.x / PS_WARP;
-    if (item >= items) return;
-    const ps_i64 r = item / n_owner;
-    const ps_i64 i = item - r * n_owner;
-    const ps_i64 row_off = r * n_other;
-    const ps_i64 sel_base = r * s_r + i * s_i;
-    ps_i64 total = 0, parts = 0;
-#pragma unroll 4
-    for (int j = lane; j < n_other; j += PS_WARP) {
-        if (ps_selects<GROUPED>(sel, group, row_off, sel_base, s_j, j, n_groups)) {
-            const int q = part[row_off + j];
-            total += full[row_off + j] + q;
-            parts += q;
-        }
-    }
-#pragma unroll
-    for (int d = PS_WARP / 2; d >= 1; d >>= 1) {
-        total += __shfl_xor_sync(PS_ALL_LANES, total, d);
-        parts += __shfl_xor_sync(PS_ALL_LANES, parts, d);
-    }
-    if (lane == 0) {
-        out[item] = total;
-        partials[item] = parts;
-    }
+    ps_item_lengths<GROUPED, true>(sel, group, full, part, out, partials, items, n_owner, n_other, n_groups, s_r,
+                                   s_i, s_j);
 }
 
 // One warp per item: page_stream_write<true, GROUPED>'s bytes (the forward's split streams) in one walk of the

@@ -34,6 +34,21 @@ def available(x: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _program_rows(rows, D: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
+        """This program's centroids: ``(r, inside, offs, mask)``, their flat indices, which exist, the offsets
+        of their ``[ROWS_PER_PROGRAM, D]`` tile and its mask."""
+        r = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
+        inside = r < rows
+        return r, inside, r[:, None] * D + tl.arange(0, D)[None, :], inside[:, None]
+
+    @triton.jit
+    def _step_means(sums_ptr, size, prev, offs, m):
+        """``(means, centroids)`` of a tile: ``sums / max(size, 1)`` rounded as torch divides, and the means where
+        ``size`` (float32 ``[rows, 1]``) is > 0, else ``prev``."""
+        mean = tl.math.div_rn(tl.load(sums_ptr + offs, mask=m, other=0.0), tl.maximum(size, 1.0))
+        return mean, tl.where(size > 0, mean, prev)
+
+    @triton.jit
     def _operands_kernel(
         prev_ptr,  # float32 [rows, D]: the centroids (the previous ones with UPDATE)
         sums_ptr,  # float32 [rows, D] (UPDATE)
@@ -46,15 +61,11 @@ if triton is not None:
         ROWS_PER_PROGRAM: tl.constexpr,
         UPDATE: tl.constexpr,
     ):
-        r = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
-        inside = r < rows
-        offs = r[:, None] * D + tl.arange(0, D)[None, :]
-        m = inside[:, None]
+        r, inside, offs, m = _program_rows(rows, D, ROWS_PER_PROGRAM)
         c = tl.load(prev_ptr + offs, mask=m, other=0.0)
         if UPDATE:
             size = tl.load(sizes_ptr + r, mask=inside, other=0.0)[:, None]
-            s = tl.load(sums_ptr + offs, mask=m, other=0.0)
-            c = tl.where(size > 0, tl.math.div_rn(s, tl.maximum(size, 1.0)), c)
+            c = _step_means(sums_ptr, size, c, offs, m)[1]
             tl.store(cent_ptr + offs, c, mask=m)
         # rounded to bf16 to nearest even by the bits (as torch's .to(bfloat16), and the same under Triton's
         # interpreter, whose conversion truncates)
@@ -75,14 +86,10 @@ if triton is not None:
         D: tl.constexpr,
         ROWS_PER_PROGRAM: tl.constexpr,
     ):
-        r = tl.program_id(0).to(tl.int64) * ROWS_PER_PROGRAM + tl.arange(0, ROWS_PER_PROGRAM)
-        inside = r < rows
-        offs = r[:, None] * D + tl.arange(0, D)[None, :]
-        m = inside[:, None]
+        r, inside, offs, m = _program_rows(rows, D, ROWS_PER_PROGRAM)
         size = tl.load(sizes_ptr + r, mask=inside, other=0).to(tl.float32)[:, None]
-        mean = tl.math.div_rn(tl.load(sums_ptr + offs, mask=m, other=0.0), tl.maximum(size, 1.0))
-        prev = tl.load(prev_ptr + offs, mask=m, other=0.0)
-        tl.store(cent_ptr + offs, tl.where(size > 0, mean, prev), mask=m)
+        mean, cent = _step_means(sums_ptr, size, tl.load(prev_ptr + offs, mask=m, other=0.0), offs, m)
+        tl.store(cent_ptr + offs, cent, mask=m)
         tl.store(means_ptr + offs, mean.to(tl.float64), mask=m)
 
 

@@ -272,12 +272,11 @@ def lloyd(
     if iters == 0:
         zeros = x.new_zeros(n, k, d, dtype=torch.float32)
         return nearest(c), c, zeros, zeros[..., 0]
-    fused = takes_operands and _fused_update(c)
-    ops = None
-    if fused:
-        from . import centroid_update
+    from . import centroid_update
 
-        ops = centroid_update.operands(c)
+    # the assignment's operands and each step's centroids in one pass (wgmma assignment, where Triton runs)
+    fused = takes_operands and KMEANS_UPDATE == "fused" and centroid_update.available(c)
+    ops = centroid_update.operands(c) if fused else None
     for i in range(iters):
         if i == iters - 1 and not last_sums:
             return nearest(c, ops), c, None, None
@@ -287,14 +286,6 @@ def lloyd(
         else:
             c = torch.where(counts.unsqueeze(-1) > 0, _means(sums, counts)[0], c)
     return (nearest(c, ops) if final_assign else labels), c, sums, counts
-
-
-def _fused_update(c: torch.Tensor) -> bool:
-    """Whether :func:`lloyd` makes the assignment's operands and the steps' centroids by
-    :mod:`sparseattn.centroid_update` (:data:`KMEANS_UPDATE` ``"fused"`` and its kernel runs on ``c``)."""
-    from . import centroid_update
-
-    return KMEANS_UPDATE == "fused" and centroid_update.available(c)
 
 
 def _assigner(x: torch.Tensor, k: int, assign: str, chunk_tokens: int | None):

@@ -351,21 +351,3 @@ def streams(
         other_group,
     )
     return lengths, starts, lengths.sum(), out
-    lengths = stream_lengths(sel, full, part, other_group)
-    starts = lengths.cumsum(0) - lengths
-    shape = (capacity + 1, 2) if split_partial else (capacity + 1,)
-    out = torch.empty(shape, dtype=torch.int32, device=sel.device)
-    write_streams(
-        sel,
-        full,
-        part,
-        rows,
-        starts,
-        out,
-        capacity,
-        pages_per_block,
-        row_page_stride,
-        split_partial,
-        other_group,
-    )
-    return lengths, starts, lengths.sum(), out
