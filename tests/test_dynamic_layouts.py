@@ -281,7 +281,7 @@ def test_used_slots_are_each_rows_first_num_slots():
 
 def test_a_stream_writer_not_known_is_refused_before_any_launch(monkeypatch):
     """``page_streams.WRITER`` is read at each call and checked first; its default, with
-    ``SPARSEATTN_STREAM_WRITER`` unset, is ``"cuda"``."""
+    ``SPARSEATTN_STREAM_WRITER`` unset, is ``"cuda_one_walk"``."""
     import os
     import subprocess
     import sys
@@ -306,7 +306,7 @@ def test_a_stream_writer_not_known_is_refused_before_any_launch(monkeypatch):
     env["PYTHONPATH"] = str(Path(page_streams.__file__).parents[2])  # this checkout's package
     code = "from sparseattn.planning import page_streams; print(page_streams.WRITER)"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert run.stdout.strip() == "cuda"
+    assert run.stdout.strip() == "cuda_one_walk"
 
 
 def test_the_cuda_stream_writers_refuse_tensors_off_an_sm90_gpu():

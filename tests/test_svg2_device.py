@@ -625,6 +625,7 @@ def test_a_select_means_form_not_known_is_refused_and_the_cpu_keeps_torchs(monke
     k = torch.from_numpy(blobs(7, 2, 500, 16))
     v = torch.randn(2, 500, 16, generator=torch.Generator().manual_seed(2))
     args = (12, 30, 64, 0.7, 0.1, 2, q[:, :12].clone(), k[:, :30].clone())
+    monkeypatch.setattr(sd, "SELECT_MEANS", "torch")
     want = sd.svg2_step_in_slots(q, k, v, *args)[0]
     monkeypatch.setattr(sd, "SELECT_MEANS", "fused")
     got = sd.svg2_step_in_slots(q, k, v, *args)[0]

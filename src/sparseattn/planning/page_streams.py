@@ -22,10 +22,11 @@ writes one stream per Q cluster), and it selects block ``j`` when ``sel[r, i, ot
 Entries past ``capacity`` go nowhere (the callers count them in their status). The kernels need CUDA
 tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (tests); :func:`available` says which.
 
-Two writers of the same bytes (:data:`WRITER`, ``SPARSEATTN_STREAM_WRITER``): ``"cuda"`` (the default),
-:mod:`sparseattn.kernels.page_streams`, one warp per item walking the other side 32 blocks at a time, the
-chunk's entries written by consecutive lanes, on CUDA tensors of an sm_90 GPU with CuPy installed; and
-``"triton"``, the kernels here, which also run wherever the CUDA kernels cannot.
+Writers of the same bytes (:data:`WRITER`, ``SPARSEATTN_STREAM_WRITER``): ``"cuda_one_walk"`` (the default)
+and ``"cuda"``, :mod:`sparseattn.kernels.page_streams`, one warp per item walking the other side 32 blocks at a
+time, the chunk's entries written by consecutive lanes, on CUDA tensors of an sm_90 GPU with CuPy installed
+(``"cuda_one_walk"`` writes the forward's full and partial pages in one walk); and ``"triton"``, the kernels
+here, which also run wherever the CUDA kernels cannot.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ from ..triton_support import runs_on, tl, triton
 BLOCK_J = 256
 FULL_MASK = (1 << PAGE_ROWS) - 1
 WRITERS = ("triton", "cuda", "cuda_one_walk")
-#: The stream writer, one of :data:`WRITERS`, read at each call of :func:`stream_lengths` and
-#: :func:`write_streams`: ``"cuda"`` by default (NOTES_svg2_device.md, v39: the 720p plans by clusters 18–29%
-#: shorter on the GPU), ``"triton"`` the Triton kernels everywhere; ``"cuda_one_walk"`` the CUDA kernels with
+#: The stream writer, one of :data:`WRITERS`, read at each call of :func:`stream_lengths`,
+#: :func:`write_streams` and :func:`streams`: ``"cuda_one_walk"`` by default, the CUDA kernels with
 #: :func:`streams`' split streams (the forward's) written in one walk of the other side's blocks instead of
-#: two (``page_stream_write_one_walk``; NOTES_svg2_device.md v46, opt-in, not yet run).
-WRITER = os.environ.get("SPARSEATTN_STREAM_WRITER") or "cuda"
+#: two (``page_stream_write_one_walk``; NOTES_svg2_device.md v46: the 720p forward plan by clusters 0.41 →
+#: 0.36 ms); ``"cuda"`` the CUDA kernels with two walks (v39: the 720p plans by clusters 18–29% shorter on the
+#: GPU than Triton's); ``"triton"`` the Triton kernels everywhere.
+WRITER = os.environ.get("SPARSEATTN_STREAM_WRITER") or "cuda_one_walk"
 
 
 def available(x: torch.Tensor) -> bool:
@@ -56,8 +58,8 @@ def available(x: torch.Tensor) -> bool:
 
 
 def _cuda_writer(x: torch.Tensor) -> bool:
-    """Whether the CUDA kernels write ``x``'s streams: :data:`WRITER` is ``"cuda"`` (checked first: another
-    value than :data:`WRITERS` raises) and they can run on ``x``."""
+    """Whether the CUDA kernels write ``x``'s streams: :data:`WRITER` is not ``"triton"`` (checked first: a
+    value not in :data:`WRITERS` raises) and they can run on ``x``."""
     writer = WRITER
     if writer not in WRITERS:
         raise ValueError(
@@ -267,7 +269,8 @@ def write_streams(
         pages_per_block: 16-row pages per block; a page id is
             ``r · row_page_stride + j · pages_per_block + p``.
 
-    The writer is :data:`WRITER`'s (``"cuda"`` where its kernels can run).
+    The writer is :data:`WRITER`'s (the CUDA kernels, two walks, where they can run; :func:`streams` takes
+    ``"cuda_one_walk"``'s one walk).
     """
     cuda = _cuda_writer(sel)
     _check(sel, full, part, other_group, cuda)
