@@ -4,6 +4,7 @@
     PYTHONPATH=src python data/bench/experiments/occupancy_counts.py forward vsa_wan14b_480p 8
     PYTHONPATH=src python data/bench/experiments/occupancy_counts.py backward svg2_wan14b_720p 4
     PYTHONPATH=src python data/bench/experiments/occupancy_counts.py backward-split svg2_wan14b_720p 2
+    PYTHONPATH=src python data/bench/experiments/occupancy_counts.py q-padding svg2_wan14b_720p 8
 
 * ``masked``: the share of the forward work list's 128-key chunks holding a partial page (the chunks
   the softmax masks), as built and with every item's full pages first.
@@ -11,6 +12,9 @@
 * ``backward``: executed / useful pairs of the K/V-owned backward, the owned tiles' occupancy, and a
   greedy count of K/V-owned tiles packed at page granularity across blocks (not built).
 * ``backward-split``: every K/V block as 64-row halves, the remainders packed (not built).
+* ``q-padding``: the forward's executed pairs in partial Q blocks and in their padding rows (each Q block's
+  tile rows, 64 where at most 64 rows are valid else 128, times the live keys it streams; NOTES_kpage_fwd.md,
+  "What limits the forward against FlashInfer's FA3 path").
 """
 
 import sys
@@ -188,7 +192,29 @@ def backward_split(gs: list, window: int = 32) -> None:
     )
 
 
+def q_padding(gs: list) -> None:
+    executed = in_partial = padding = 0
+    for g in gs:
+        valid = g.q.valid_rows.astype(np.int64)
+        tile = np.where(valid <= 64, 64, 128)
+        keys = np.zeros(g.q.num_blocks, np.int64)
+        np.add.at(keys, g.row_of_nnz % g.q.num_blocks, g.k.live_pages[g.indices] * 16)
+        pairs = tile * keys
+        executed += pairs.sum()
+        in_partial += pairs[valid < g.q.block_size].sum()
+        padding += ((tile - valid) * keys).sum()
+    print(
+        f"executed pairs in partial Q blocks {in_partial / executed:.3f}, in their padding rows {padding / executed:.3f}"
+    )
+
+
 if __name__ == "__main__":
     what, name, heads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    run = {"masked": masked, "forward": forward, "backward": backward, "backward-split": backward_split}[what]
+    run = {
+        "masked": masked,
+        "forward": forward,
+        "backward": backward,
+        "backward-split": backward_split,
+        "q-padding": q_padding,
+    }[what]
     run(graphs_of(name, heads))
