@@ -618,6 +618,29 @@ def assert_layouts_equal(got, want, context=()) -> None:
         assert a.dtype == b.dtype and torch.equal(a, b), (*context, name)
 
 
+def test_k_layout_beside_is_a_no_op_off_the_gpu_and_rows_may_come_late():
+    """``fit_for_slots(k_beside=True)`` on CPU tensors (no side stream) joins nothing and gives the same
+    layouts; ``slots_and_step`` takes K's slot rows as a function as well as a tensor, the same tensors."""
+    q = torch.from_numpy(blobs(6, 2, 500, 16))
+    k = torch.from_numpy(blobs(7, 2, 500, 16))
+    v = torch.randn(2, 500, 16, generator=torch.Generator().manual_seed(3))
+    init = (q[:, :12].clone(), k[:, :30].clone())
+    want = sd.fit_for_slots(q, k, 12, 30, 64, 2, *init)
+    got = sd.fit_for_slots(q, k, 12, 30, 64, 2, *init, k_beside=True)
+    assert not got.k_join
+    for a, b in ((got.q_layout, want.q_layout), (got.k_layout, want.k_layout)):
+        for name in LAYOUT_TENSORS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    rows = lambda lay: sd.slot_rows(lay.token_slot, lay.max_slots).reshape(-1)
+    flat = [x.reshape(-1, 16) for x in (q, k, v)]
+    q_rows, k_rows = rows(got.q_layout), rows(got.k_layout)
+    late = sd.slots_and_step(got, *flat, q_rows, lambda: k_rows, 0.7, 0.1)
+    now = sd.slots_and_step(got, *flat, q_rows, k_rows, 0.7, 0.1)
+    for a, b in zip(late[:3], now[:3]):
+        assert torch.equal(a, b)
+    assert torch.equal(late[3].cluster_mask, now[3].cluster_mask)
+
+
 def test_a_select_means_form_not_known_is_refused_and_the_cpu_keeps_torchs(monkeypatch):
     """``SELECT_MEANS`` is checked at each step from the slots' sums; ``"fused"`` on CPU tensors (no Triton
     there) gives the torch form's step."""

@@ -456,6 +456,7 @@ class WanSparseAttnProcessor:
         sums taken on the way (:func:`~sparseattn.svg2_device.fit_for_slots`,
         :func:`~sparseattn.svg2_device.step_from_slot_sums`), SVG2's selection on their means, forward and
         backward planned on the device, back to tokens."""
+        from . import svg2_device
         from .svg2_device import fit_for_slots, slot_rows, slots_and_step
         from .torch import per_row_cluster_attention, per_row_layout_attention
 
@@ -463,13 +464,23 @@ class WanSparseAttnProcessor:
         b, n, h, d = q.shape
         qc, kc, top_p, min_fraction = self.selection.clusters[:4]
         rows, iters, init, generator = self._svg2_fit_args(q)
-        fitted = fit_for_slots(rows(q), rows(k), qc, kc, self.selection.blocks(), iters, *init, generator)
+        fitted = fit_for_slots(
+            rows(q),
+            rows(k),
+            qc,
+            kc,
+            self.selection.blocks(),
+            iters,
+            *init,
+            generator,
+            k_beside=svg2_device.K_LAYOUT_BESIDE,  # K's layout then joined after q's move
+        )
         ql, kl = fitted.q_layout, fitted.k_layout
 
         def in_token_order(layout):  # each [B, L, heads] token's row of the flattened [B·H·slots, d]
             return slot_rows(layout.token_slot, layout.max_slots).view(b, h, n).transpose(1, 2).reshape(-1)
 
-        q_rows, k_rows = in_token_order(ql), in_token_order(kl)
+        q_rows, k_rows = in_token_order(ql), lambda: in_token_order(kl)
         flat = lambda x: x.to(torch.bfloat16).reshape(b * n * h, d)  # [B, L, heads, d] as it comes
         # on the GPU only the slots that hold a token are written (DeviceLayout.filled_slots); the forward by
         # clusters is planned with the selection (beside v's move with svg2_device.SELECT_BESIDE)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -47,6 +47,11 @@ ASSIGN_CHUNK_ENTRIES = 1 << 27
 #: ``SPARSEATTN_SVG2_SIDE_STREAM``, default ``1``; ``0`` builds it after K's; NOTES_svg2_device.md v36): the
 #: layout's ~50 small kernels then run beside K's assignment instead of after it.
 SIDE_STREAM = os.environ.get("SPARSEATTN_SVG2_SIDE_STREAM", "1") == "1"
+#: Build K's slot layout on the same side stream while q moves to slots (``SPARSEATTN_SVG2_K_LAYOUT_BESIDE``,
+#: default ``0``; NOTES_svg2_device.md v47, opt-in): where a caller asks for it (:func:`fit_for_slots`'
+#: ``k_beside``, which the Wan processor passes, and :func:`svg2_step_in_slots` with the selection beside v's
+#: move), K's layout is joined after q's move instead of before it.
+K_LAYOUT_BESIDE = os.environ.get("SPARSEATTN_SVG2_K_LAYOUT_BESIDE", "0") == "1"
 #: How :func:`partition_slots` finds each token's slot on CUDA (``SPARSEATTN_SVG2_LAYOUT_SLOTS``; NOTES_svg2_device.md
 #: v40): ``"counts"`` (the default), the tokens of each group counted per chunk of tokens and placed by a warp's
 #: running counts (:mod:`sparseattn.kernels.group_slots`, no sort; elsewhere the sort); ``"sort"``, a stable
@@ -837,6 +842,14 @@ class FittedSides:
     k_fit: tuple
     q_layout: DeviceLayout
     k_layout: DeviceLayout
+    #: with :func:`fit_for_slots`' ``k_beside``: the join of K's layout, built on a side stream (its tensors
+    #: are read on the caller's stream only after :meth:`k_ready`); empty once joined or without it
+    k_join: list = field(default_factory=list)
+
+    def k_ready(self) -> None:
+        """Make the caller's stream wait for K's layout where it is built beside (once; else nothing)."""
+        while self.k_join:
+            self.k_join.pop()()
 
     def sums_buffers(self, d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed float32 ``[N · clusters, d]`` sums of each side, for :func:`scatter_rows`' ``sums``."""
@@ -857,10 +870,13 @@ def fit_for_slots(
     generator=None,
     assign="auto",
     mark=None,
+    k_beside: bool = False,
 ) -> FittedSides:
     """The first half of :func:`svg2_step_in_slots`: :func:`lloyd` of each side whose last step assigns
     labels only, and their :func:`partition_slots`. ``mark`` after ``"kmeans_q"``, ``"kmeans_k"``,
-    ``"layouts"``."""
+    ``"layouts"``. ``k_beside`` (on CUDA tensors with :data:`SIDE_STREAM`): K's layout is enqueued on the
+    side stream and returned unjoined: read its tensors only after :meth:`FittedSides.k_ready` (what
+    :func:`slots_and_step` does after q's move)."""
     mark = mark or (lambda part: None)
     fit = dict(assign=assign, final_assign=False, last_sums=False)
     beside = []  # with SIDE_STREAM: Q's layout on a side stream, beside K's k-means, and its join
@@ -870,6 +886,12 @@ def fit_for_slots(
     q_fit, k_fit = _fit_sides(
         q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark, after_q
     )
+    if beside and k_beside:  # Q's layout joined first: the side stream then builds K's behind it
+        q_lay, join = beside[0]
+        join()
+        k_lay, k_join = _layout_beside(k_fit[0], k_clusters, block_size)
+        mark("layouts")
+        return FittedSides(q_fit, k_fit, q_lay, k_lay, [k_join])
     if beside:
         k_lay = partition_slots(k_fit[0], k_clusters, block_size)
         q_lay, join = beside[0]
@@ -935,28 +957,31 @@ def move_rows_to_slots(fitted: FittedSides, q, k, v, q_rows, k_rows, used=None):
     ``q_rows`` / ``k_rows`` of the fitted sides' slots flattened to ``[N · max_slots, d]``
     (:func:`scatter_rows`), each side's cluster sums (float32 ``[N · clusters, d]``) taken on the way.
     ``used``: the ``(q, k)`` masks of the slots written (default :meth:`DeviceLayout.filled_slots`, the
-    slots that hold a token; :meth:`DeviceLayout.used_slots` writes the padding inside the blocks as zeros)."""
-    qs, ks, q_sums, k_sums = _move_qk(fitted, q, k, q_rows, k_rows, used)
+    slots that hold a token; :meth:`DeviceLayout.used_slots` writes the padding inside the blocks as zeros).
+    ``k_rows`` may be a function that makes them, called once K's layout is joined (:meth:`FittedSides.k_ready`,
+    after q's move)."""
+    qs, ks, q_sums, k_sums, k_rows = _move_qk(fitted, q, k, q_rows, k_rows, used)
     return qs, ks, _move_v(fitted, v, k_rows, used), q_sums, k_sums
 
 
-def _used_slots(fitted: FittedSides, used):
-    return used if used is not None else (fitted.q_layout.filled_slots(), fitted.k_layout.filled_slots())
-
-
 def _move_qk(fitted: FittedSides, q, k, q_rows, k_rows, used):
-    """:func:`move_rows_to_slots`' q and k with their sums: ``(qs, ks, q_sums, k_sums)``."""
+    """:func:`move_rows_to_slots`' q and k with their sums: ``(qs, ks, q_sums, k_sums, k_rows)``; K's layout
+    is joined (and ``k_rows`` made, where it is a function) after q's move."""
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
-    q_used, k_used = _used_slots(fitted, used)
     q_sums, k_sums = fitted.sums_buffers(q.shape[-1], q.device)
+    q_used = q_lay.filled_slots() if used is None else used[0]
     qs = scatter_rows(q, q_rows, q_lay.valid.numel(), q_used, q_sums, slot_sum_index(q_lay))
+    fitted.k_ready()
+    k_rows = k_rows() if callable(k_rows) else k_rows
+    k_used = k_lay.filled_slots() if used is None else used[1]
     ks = scatter_rows(k, k_rows, k_lay.valid.numel(), k_used, k_sums, slot_sum_index(k_lay))
-    return qs, ks, q_sums, k_sums
+    return qs, ks, q_sums, k_sums, k_rows
 
 
 def _move_v(fitted: FittedSides, v, k_rows, used):
-    """:func:`move_rows_to_slots`' v (no sums)."""
-    return scatter_rows(v, k_rows, fitted.k_layout.valid.numel(), _used_slots(fitted, used)[1])
+    """:func:`move_rows_to_slots`' v (no sums), after :func:`_move_qk` (K's layout joined, ``k_rows`` made)."""
+    k_used = fitted.k_layout.filled_slots() if used is None else used[1]
+    return scatter_rows(v, k_rows, fitted.k_layout.valid.numel(), k_used)
 
 
 def slots_and_step(
@@ -976,6 +1001,8 @@ def slots_and_step(
     """``(qs, ks, vs, step, work)``: :func:`move_rows_to_slots` then :func:`step_from_slot_sums`, and with
     ``plan`` (``"clusters"`` or ``"blocks"``) the step's forward work list (:meth:`SVG2Step.forward_work_list`;
     else ``work`` is None). ``mark(part)`` after ``"to_slots"``, ``"select"`` and (with a plan) ``"plan_fwd"``.
+    ``k_rows`` may be a function making them, called after q's move once K's layout is joined (a layout
+    :func:`fit_for_slots` built beside, ``k_beside``).
 
     ``beside`` (default :data:`SELECT_BESIDE`), on CUDA tensors with a plan: q and k move first; the
     selection and the work list are then enqueued on a side stream while v moves on the caller's stream, which
@@ -990,7 +1017,7 @@ def slots_and_step(
         mark("select")
         work = None if plan is None else step.forward_work_list(plan)
     else:
-        qs, ks, q_sums, k_sums = _move_qk(fitted, q, k, q_rows, k_rows, used)
+        qs, ks, q_sums, k_sums, k_rows = _move_qk(fitted, q, k, q_rows, k_rows, used)
 
         def select_and_plan():
             step = step_from_slot_sums(fitted, q_sums, k_sums, top_p, min_fraction)
@@ -1011,6 +1038,7 @@ def move_to_slots(fitted: FittedSides, q, k, v, used=None):
     k_sums)`` with ``qs`` ``[N, q_slots, d]`` and ``ks``, ``vs`` ``[N, k_slots, d]`` as
     :func:`scatter_to_slots` moves them."""
     n, _, d = q.shape
+    fitted.k_ready()
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
     rows = lambda lay: slot_rows(lay.token_slot, lay.max_slots).reshape(-1)
     flat = lambda x: x.reshape(-1, d)
@@ -1028,6 +1056,7 @@ def step_from_slot_sums(fitted: FittedSides, q_sums, k_sums, top_p: float, min_f
     from . import centroid_update
 
     _check_form("SELECT_MEANS", "SPARSEATTN_SVG2_SELECT_MEANS")
+    fitted.k_ready()
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
     n, qc = q_lay.group_sizes.shape
     kc = k_lay.group_sizes.shape[1]
@@ -1078,8 +1107,10 @@ def svg2_step_in_slots(
     (with a plan) ``"plan_fwd"``."""
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(v.shape)}")
+    beside = SELECT_BESIDE if beside is None else beside
+    k_beside = K_LAYOUT_BESIDE and beside and plan is not None
     fitted = fit_for_slots(
-        q, k, q_clusters, k_clusters, block_size, iters, q_init, k_init, generator, assign, mark
+        q, k, q_clusters, k_clusters, block_size, iters, q_init, k_init, generator, assign, mark, k_beside
     )
     n, _, d = q.shape
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
@@ -1091,7 +1122,7 @@ def svg2_step_in_slots(
         flat(k),
         flat(v),
         rows(q_lay),
-        rows(k_lay),
+        lambda: rows(k_lay),  # after K's layout is joined
         top_p,
         min_fraction,
         plan,

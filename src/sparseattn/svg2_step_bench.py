@@ -322,6 +322,7 @@ def measure(
         kmeans_update=svg2_device.KMEANS_UPDATE,
         layout_blocks=svg2_device.LAYOUT_BLOCKS,
         select_means=svg2_device.SELECT_MEANS,
+        k_layout_beside=svg2_device.K_LAYOUT_BESIDE,  # with the beside method only (svg2_step_in_slots)
     )
     return [dict(meta, **r) for r in records]
 

@@ -417,6 +417,49 @@ def test_q_layout_on_a_side_stream_is_the_layout_of_its_labels(monkeypatch):
             assert torch.equal(getattr(lay, name), getattr(want, name)), name
 
 
+def test_k_layout_beside_q_move_is_the_layout_of_its_labels(monkeypatch):
+    """``fit_for_slots(k_beside=True)`` (v47): K's layout, built on the side stream behind Q's, is joined by
+    ``slots_and_step`` after q's move, with K's slot rows made then: the layouts are those of the labels the
+    call returns, the slot tensors those of a move from them, and the call makes no host synchronisation."""
+    monkeypatch.setattr(sd, "SIDE_STREAM", True)
+    x = torch.from_numpy(_synthetic(4, 20000)).cuda().bfloat16()
+    q, k = x, x.flip(1).contiguous()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    v = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
+    init = (q[:, :100].float(), k[:, :300].float())
+    flat = [y.reshape(-1, y.shape[-1]) for y in (q, k, v)]
+    rows = lambda lay: sd.slot_rows(lay.token_slot, lay.max_slots).reshape(-1)
+
+    def call():
+        fit = sd.fit_for_slots(q, k, 100, 300, 128, 2, *init, assign="wgmma", k_beside=True)
+        assert len(fit.k_join) == 1
+        out = sd.slots_and_step(
+            fit, *flat, rows(fit.q_layout), lambda: rows(fit.k_layout), 0.9, 0.05, "clusters"
+        )
+        assert not fit.k_join
+        return fit, out
+
+    call()  # the side stream made, kernels loaded
+    torch.cuda.synchronize()
+    with _no_host_sync():
+        fit, (qs, ks, vs, step, work) = call()
+    torch.cuda.synchronize()
+    for lay, labels, groups in ((fit.q_layout, fit.q_fit[0], 100), (fit.k_layout, fit.k_fit[0], 300)):
+        want = sd.partition_slots(labels, groups, 128)
+        for name in LAYOUT_TENSORS:
+            assert torch.equal(getattr(lay, name), getattr(want, name)), name
+    for got, lay, y in (
+        (qs, fit.q_layout, flat[0]),
+        (ks, fit.k_layout, flat[1]),
+        (vs, fit.k_layout, flat[2]),
+    ):
+        filled = lay.filled_slots()
+        want = sd.scatter_rows(y, rows(lay), lay.valid.numel(), filled)
+        assert torch.equal(got[filled], want[filled])
+    again = step.forward_work_list("clusters")
+    assert torch.equal(work.item_streams(), again.item_streams())
+
+
 def test_step_in_slots_takes_the_last_steps_sums_while_tokens_move():
     """svg2_step_in_slots on the GPU (the wgmma assignment, the Triton slot copy with each
     block's sums): its centroids are the means of its labels' clusters (empty ones keep theirs), its
