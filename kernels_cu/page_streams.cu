@@ -40,6 +40,22 @@ namespace {
 
 typedef long long ps_i64;
 
+// A warp's work item, item = r * n_owner + i: (r, its offset r * n_other into the [R, n_other] arrays, its
+// selection's offset r * s_r + i * s_i).
+struct PsItem {
+    ps_i64 r, row_off, sel_base;
+};
+
+__device__ __forceinline__ ps_i64 ps_item_index() {
+    return static_cast<ps_i64>(blockIdx.x) * PS_WARPS + threadIdx.x / PS_WARP;
+}
+
+__device__ __forceinline__ PsItem ps_item(ps_i64 item, int n_owner, int n_other, long long s_r, long long s_i) {
+    const ps_i64 r = item / n_owner;
+    const ps_i64 i = item - r * n_owner;
+    return PsItem{r, r * n_other, r * s_r + i * s_i};
+}
+
 // Whether item (r, i) selects block j (j < n_other).
 template <bool GROUPED>
 __device__ __forceinline__ bool ps_selects(const unsigned char* __restrict__ sel, const int* __restrict__ group,
@@ -110,12 +126,9 @@ __device__ __forceinline__ void ps_item_lengths(const unsigned char* __restrict_
                                                 int n_other, int n_groups, long long s_r, long long s_i,
                                                 long long s_j) {
     const int lane = threadIdx.x % PS_WARP;
-    const ps_i64 item = static_cast<ps_i64>(blockIdx.x) * PS_WARPS + threadIdx.x / PS_WARP;
+    const ps_i64 item = ps_item_index();
     if (item >= items) return;
-    const ps_i64 r = item / n_owner;
-    const ps_i64 i = item - r * n_owner;
-    const ps_i64 row_off = r * n_other;
-    const ps_i64 sel_base = r * s_r + i * s_i;
+    const auto [r, row_off, sel_base] = ps_item(item, n_owner, n_other, s_r, s_i);
     ps_i64 total = 0, parts = 0;
 #pragma unroll 4
     for (int j = lane; j < n_other; j += PS_WARP) {
@@ -159,12 +172,9 @@ __global__ void __launch_bounds__(PS_THREADS)
                       int n_other, int n_groups, long long s_r, long long s_i, long long s_j, long long capacity,
                       long long row_page_stride, int P) {
     const int lane = threadIdx.x % PS_WARP;
-    const ps_i64 item = static_cast<ps_i64>(blockIdx.x) * PS_WARPS + threadIdx.x / PS_WARP;
+    const ps_i64 item = ps_item_index();
     if (item >= items) return;
-    const ps_i64 r = item / n_owner;
-    const ps_i64 i = item - r * n_owner;
-    const ps_i64 row_off = r * n_other;
-    const ps_i64 sel_base = r * s_r + i * s_i;
+    const auto [r, row_off, sel_base] = ps_item(item, n_owner, n_other, s_r, s_i);
     const ps_i64 base = r * row_page_stride;
     int2* __restrict__ pairs = reinterpret_cast<int2*>(out);
     ps_i64 off = start[item];
@@ -228,12 +238,9 @@ __global__ void __launch_bounds__(PS_THREADS)
                                long long s_r, long long s_i, long long s_j, long long capacity,
                                long long row_page_stride, int P) {
     const int lane = threadIdx.x % PS_WARP;
-    const ps_i64 item = static_cast<ps_i64>(blockIdx.x) * PS_WARPS + threadIdx.x / PS_WARP;
+    const ps_i64 item = ps_item_index();
     if (item >= items) return;
-    const ps_i64 r = item / n_owner;
-    const ps_i64 i = item - r * n_owner;
-    const ps_i64 row_off = r * n_other;
-    const ps_i64 sel_base = r * s_r + i * s_i;
+    const auto [r, row_off, sel_base] = ps_item(item, n_owner, n_other, s_r, s_i);
     const ps_i64 base = r * row_page_stride;
     int2* __restrict__ pairs = reinterpret_cast<int2*>(out);
     ps_i64 off = start[item];

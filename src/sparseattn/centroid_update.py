@@ -122,13 +122,18 @@ def _check(name: str, x: torch.Tensor, shape) -> None:
         raise ValueError(f"{name} must be float32 {list(shape)}, got {x.dtype} {list(x.shape)}")
 
 
+def _check_centroids(name: str, x: torch.Tensor) -> None:
+    """float32 ``[N, k, d]`` centroids, or a ValueError naming ``name``."""
+    if x.ndim != 3:
+        raise ValueError(f"{name} must be [N, k, d], got {list(x.shape)}")
+    _check(name, x, x.shape)
+
+
 def operands(centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(low, csq)``: float32 ``centroids`` ``[N, k, d]`` rounded to bf16 and ``|c|²`` (float32 ``[N, k]``)
     of the rounded values, as :func:`sparseattn.nearest_centroid.centroid_operands` for bf16 tokens. Needs
     :func:`available`."""
-    if centroids.ndim != 3:
-        raise ValueError(f"centroids must be [N, k, d], got {list(centroids.shape)}")
-    _check("centroids", centroids, centroids.shape)
+    _check_centroids("centroids", centroids)
     return _launch(centroids, None, None)[1]
 
 
@@ -136,9 +141,7 @@ def update(sums: torch.Tensor, sizes: torch.Tensor, previous: torch.Tensor):
     """``(centroids, (low, csq))`` after a Lloyd step: ``sums / max(sizes, 1)`` where ``sizes > 0``, else the
     ``previous`` centroid (float32 ``[N, k, d]``; ``sums`` float32 ``[N, k, d]``, ``sizes`` float32 ``[N,
     k]``), and :func:`operands` of them. Needs :func:`available`."""
-    if previous.ndim != 3:
-        raise ValueError(f"previous must be [N, k, d], got {list(previous.shape)}")
-    _check("previous", previous, previous.shape)
+    _check_centroids("previous", previous)
     _check("sums", sums, previous.shape)
     _check("sizes", sizes, previous.shape[:2])
     return _launch(previous, sums, sizes)
@@ -150,9 +153,7 @@ def selection_means(sums: torch.Tensor, sizes: torch.Tensor, previous: torch.Ten
     an empty cluster) and widened to float64, SVG2's selection's input; the centroids the means where the size
     is > 0, else the ``previous`` centroid (float32 ``[N, k, d]``). One pass where torch takes six. Needs
     :func:`available`."""
-    if previous.ndim != 3:
-        raise ValueError(f"previous must be [N, k, d], got {list(previous.shape)}")
-    _check("previous", previous, previous.shape)
+    _check_centroids("previous", previous)
     _check("sums", sums, previous.shape)
     if sizes.dtype != torch.int64 or tuple(sizes.shape) != tuple(previous.shape[:2]):
         raise ValueError(

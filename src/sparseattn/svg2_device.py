@@ -886,21 +886,21 @@ def fit_for_slots(
     q_fit, k_fit = _fit_sides(
         q, k, q_clusters, k_clusters, iters, q_init, k_init, generator, fit, mark, after_q
     )
-    if beside and k_beside:  # Q's layout joined first: the side stream then builds K's behind it
-        q_lay, join = beside[0]
-        join()
-        k_lay, k_join = _layout_beside(k_fit[0], k_clusters, block_size)
-        mark("layouts")
-        return FittedSides(q_fit, k_fit, q_lay, k_lay, [k_join])
+    k_join = []
     if beside:
-        k_lay = partition_slots(k_fit[0], k_clusters, block_size)
         q_lay, join = beside[0]
-        join()
+        if k_beside:  # Q's layout joined first: the side stream then builds K's behind it
+            join()
+            k_lay, late = _layout_beside(k_fit[0], k_clusters, block_size)
+            k_join.append(late)
+        else:
+            k_lay = partition_slots(k_fit[0], k_clusters, block_size)
+            join()
     else:
         q_lay = partition_slots(q_fit[0], q_clusters, block_size)
         k_lay = partition_slots(k_fit[0], k_clusters, block_size)
     mark("layouts")
-    return FittedSides(q_fit, k_fit, q_lay, k_lay)
+    return FittedSides(q_fit, k_fit, q_lay, k_lay, k_join)
 
 
 _SIDE_STREAMS: dict = {}
@@ -1033,20 +1033,34 @@ def slots_and_step(
     return qs, ks, vs, step, work
 
 
+def _flat_rows(layout: DeviceLayout) -> torch.Tensor:
+    """int64 ``[N · tokens]``: :func:`slot_rows` of token-ordered rows ``[N, tokens]`` flattened."""
+    return slot_rows(layout.token_slot, layout.max_slots).reshape(-1)
+
+
+def _per_row_slots(fitted: FittedSides, qs, ks, vs):
+    """``qs`` as ``[N, q_slots, d]`` and ``ks``, ``vs`` as ``[N, k_slots, d]`` (views of the flat moves)."""
+    n, d = fitted.q_layout.valid.shape[0], qs.shape[-1]
+    q_shape, k_shape = (n, fitted.q_layout.max_slots, d), (n, fitted.k_layout.max_slots, d)
+    return qs.view(q_shape), ks.view(k_shape), vs.view(k_shape)
+
+
 def move_to_slots(fitted: FittedSides, q, k, v, used=None):
     """:func:`move_rows_to_slots` of token-ordered q, k, v ``[N, tokens, d]``: ``(qs, ks, vs, q_sums,
     k_sums)`` with ``qs`` ``[N, q_slots, d]`` and ``ks``, ``vs`` ``[N, k_slots, d]`` as
     :func:`scatter_to_slots` moves them."""
-    n, _, d = q.shape
-    fitted.k_ready()
-    q_lay, k_lay = fitted.q_layout, fitted.k_layout
-    rows = lambda lay: slot_rows(lay.token_slot, lay.max_slots).reshape(-1)
+    d = q.shape[-1]
     flat = lambda x: x.reshape(-1, d)
     qs, ks, vs, q_sums, k_sums = move_rows_to_slots(
-        fitted, flat(q), flat(k), flat(v), rows(q_lay), rows(k_lay), used
+        fitted,
+        flat(q),
+        flat(k),
+        flat(v),
+        _flat_rows(fitted.q_layout),
+        lambda: _flat_rows(fitted.k_layout),
+        used,
     )
-    q_shape, k_shape = (n, q_lay.max_slots, d), (n, k_lay.max_slots, d)
-    return qs.view(q_shape), ks.view(k_shape), vs.view(k_shape), q_sums, k_sums
+    return (*_per_row_slots(fitted, qs, ks, vs), q_sums, k_sums)
 
 
 def step_from_slot_sums(fitted: FittedSides, q_sums, k_sums, top_p: float, min_fraction: float) -> SVG2Step:
@@ -1112,22 +1126,19 @@ def svg2_step_in_slots(
     fitted = fit_for_slots(
         q, k, q_clusters, k_clusters, block_size, iters, q_init, k_init, generator, assign, mark, k_beside
     )
-    n, _, d = q.shape
-    q_lay, k_lay = fitted.q_layout, fitted.k_layout
-    rows = lambda lay: slot_rows(lay.token_slot, lay.max_slots).reshape(-1)
+    d = q.shape[-1]
     flat = lambda x: x.reshape(-1, d)
     qs, ks, vs, step, work = slots_and_step(
         fitted,
         flat(q),
         flat(k),
         flat(v),
-        rows(q_lay),
-        lambda: rows(k_lay),  # after K's layout is joined
+        _flat_rows(fitted.q_layout),
+        lambda: _flat_rows(fitted.k_layout),  # after K's layout is joined
         top_p,
         min_fraction,
         plan,
         beside=beside,
         mark=mark,
     )
-    q_shape, k_shape = (n, q_lay.max_slots, d), (n, k_lay.max_slots, d)
-    return step, qs.view(q_shape), ks.view(k_shape), vs.view(k_shape), work
+    return step, *_per_row_slots(fitted, qs, ks, vs), work

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 
 from . import figstyle
 from .benchdata import BenchRun, find_runs, newest_first
+from .svg2_step_bench import IN_ORDER_OF, unhidden_ms
 
 #: The parts that make a call's overhead, in the order they run, with their legend names and colours.
 OVERHEAD_PARTS = (
@@ -25,9 +26,6 @@ OVERHEAD_PARTS = (
     ("plan_fwd", "forward plan", figstyle.OKABE_ITO["reddish_purple"]),
     ("beside_unhidden", "left exposed", figstyle.OKABE_ITO["vermillion"]),
 )
-#: The methods that run the selection and plan beside v's move, each with the in-order method of the same run
-#: whose move to slots its own is measured against (``svg2_step_bench.summary``'s count).
-BESIDE = {"wgmma_in_slots_queued_clusters_beside": "wgmma_in_slots_queued_clusters"}
 #: Parts a method may lack (counted 0): only the beside methods have the part v's move did not hide.
 OPTIONAL_PARTS = ("beside_unhidden",)
 CAPTION = (
@@ -68,14 +66,13 @@ def method_parts(run: BenchRun) -> dict[str, dict[str, float]]:
         t = r.get("time_ms")
         if isinstance(t, (int, float)) and math.isfinite(t) and t > 0 and not r.get("error"):
             found.setdefault(r["assign"], {})[r["part"]] = float(t)
-    for method, in_order in BESIDE.items():
-        if method in found and "to_slots" in found[method] and "to_slots" in found.get(in_order, {}):
-            found[method]["beside_unhidden"] = max(
-                0.0, found[method]["to_slots"] - found[in_order]["to_slots"]
-            )
+    for method in IN_ORDER_OF:
+        unhidden = unhidden_ms(found, method)
+        if method in found and unhidden is not None:
+            found[method]["beside_unhidden"] = max(0.0, unhidden)
     need = [p for p, *_ in OVERHEAD_PARTS if p not in OPTIONAL_PARTS] + ["kernel_fwd"]
     complete = {m: parts for m, parts in found.items() if all(p in parts for p in need)}
-    return {m: parts for m, parts in complete.items() if m not in BESIDE or "beside_unhidden" in parts}
+    return {m: parts for m, parts in complete.items() if m not in IN_ORDER_OF or "beside_unhidden" in parts}
 
 
 def pick_step_run(runs) -> BenchRun | None:

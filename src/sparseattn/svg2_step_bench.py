@@ -62,6 +62,9 @@ IN_SLOTS_CLUSTERS = "wgmma_in_slots_queued_clusters"
 #: ``to_slots`` part holds what of them the move does not hide: :func:`summary` counts its overhead as the
 #: parts plus its ``to_slots`` less :data:`IN_SLOTS_CLUSTERS`' of the same run.
 IN_SLOTS_BESIDE = "wgmma_in_slots_queued_clusters_beside"
+#: Each method that runs the selection and plan beside v's move, with the in-order method of the same run
+#: whose move to slots its own is measured against (:func:`unhidden_ms`).
+IN_ORDER_OF = {IN_SLOTS_BESIDE: IN_SLOTS_CLUSTERS}
 ASSIGNS = tuple(m[0] for m in METHODS) + (QUEUED, IN_SLOTS, IN_SLOTS_CLUSTERS, IN_SLOTS_BESIDE)
 
 
@@ -386,28 +389,37 @@ def flash_kmeans_records(q, k, sel, init, iters: int, reps: int, warmup: int, lo
     return out
 
 
+def unhidden_ms(parts: dict, method: str) -> float | None:
+    """What of the selection and plan a method of :data:`IN_ORDER_OF` left exposed beside v's move: its move
+    to slots less its in-order method's (``parts``: ``{method: {part: ms}}`` of one run); 0.0 for another
+    method; None where either move is missing."""
+    in_order = IN_ORDER_OF.get(method)
+    if in_order is None:
+        return 0.0
+    beside, alone = parts.get(method, {}).get("to_slots"), parts.get(in_order, {}).get("to_slots")
+    return None if beside is None or alone is None else beside - alone
+
+
 def summary(records) -> list[str]:
     """The per-call overhead (clustering + selection + planning) against the KPage kernel, per method."""
     lines = []
-    parts = lambda a: {r["part"]: r["time_ms"] for r in records if r.get("assign") == a and "time_ms" in r}
+    parts: dict = {}
+    for r in records:
+        if "time_ms" in r and "assign" in r:
+            parts.setdefault(r["assign"], {})[r["part"]] = r["time_ms"]
     for assign in ASSIGNS:
-        t = parts(assign)
+        t = parts.get(assign, {})
         if "kernel_fwd" not in t:
             continue
-        over = sum(t.get(p, 0.0) for p in (*PARTS_SELECT, "plan_fwd"))
-        if assign == IN_SLOTS_BESIDE:  # what of the selection and plan v's move did not hide
-            alone = parts(IN_SLOTS_CLUSTERS).get("to_slots")
-            if alone is None:
-                lines.append(f"assign={assign}: its overhead needs {IN_SLOTS_CLUSTERS} in the same run")
-                continue
-        unhidden = 0.0
-        if assign == IN_SLOTS_BESIDE:
-            unhidden = t["to_slots"] - alone
-            over += unhidden
+        unhidden = unhidden_ms(parts, assign)
+        if unhidden is None:
+            lines.append(f"assign={assign}: its overhead needs {IN_ORDER_OF[assign]} in the same run")
+            continue
+        over = sum(t.get(p, 0.0) for p in (*PARTS_SELECT, "plan_fwd")) + unhidden
         lines.append(
             f"assign={assign}: kmeans q {t['kmeans_q']:.2f} + k {t['kmeans_k']:.2f} + layouts/select "
             f"{t['layouts_select']:.2f} + fwd plan {t['plan_fwd']:.2f}"
-            + (f" + not hidden by v's move {unhidden:.2f}" if assign == IN_SLOTS_BESIDE else "")
+            + (f" + not hidden by v's move {unhidden:.2f}" if assign in IN_ORDER_OF else "")
             + f" = {over:.2f} ms = {over / t['kernel_fwd']:.1%} of the kernel's {t['kernel_fwd']:.2f} ms"
             + (
                 f"; with tokens to slots {t['to_slots']:.2f}: {over + t['to_slots']:.2f} ms"

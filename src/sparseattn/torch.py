@@ -508,12 +508,13 @@ class _PerRowLayouts(torch.autograd.Function):
         from .planning.dynamic_layouts import cluster_forward_work_list, forward_work_list
 
         q, k, v = (x.contiguous() for x in (q, k, v))
-        if work is None and q_group is None:
-            work = forward_work_list(q_rows, k_rows, mask, block_size, rows_per_chunk=4)
-        elif work is None:
-            work = cluster_forward_work_list(
-                q_rows, k_rows, q_group, k_group, mask, block_size, rows_per_chunk=4
-            )
+        if work is None:  # not planned by the caller
+            if q_group is None:
+                work = forward_work_list(q_rows, k_rows, mask, block_size, rows_per_chunk=4)
+            else:
+                work = cluster_forward_work_list(
+                    q_rows, k_rows, q_group, k_group, mask, block_size, rows_per_chunk=4
+                )
         o, lse = per_row_forward(q, k, v, work, scale)
         ctx.save_for_backward(q, k, v, o, lse, q_rows, k_rows, mask, q_group, k_group)
         ctx.block_size, ctx.scale = block_size, scale
