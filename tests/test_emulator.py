@@ -366,7 +366,7 @@ def _slot_order(layout, x):
     return layout.to_slots(np.asarray(x, dtype=np.float64).transpose(0, 2, 1, 3))
 
 
-@pytest.mark.parametrize("route", ["auto", 0, 1, "pair"], ids=lambda r: f"route={r}")
+@pytest.mark.parametrize("route", ["auto", 0, 1, "pair", "packed"], ids=lambda r: f"route={r}")
 @pytest.mark.parametrize("seed", range(3), ids=lambda s: f"ragged{s}")
 def test_token_order_twin_equals_moving_to_slots(seed, route):
     """Rows gathered through the slot -> token maps and stored back by token give the slot path's output:

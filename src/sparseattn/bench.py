@@ -64,15 +64,21 @@ IMPLS = (
     "cudnn_dense",
     "vsa_kernel",
     "kpage_pair",
+    "kpage_packed",
     "flashinfer_varblock",
     "flashinfer_varblock_fa3",
 )
 #: Opt-in implementations (run only when named with --impl): kpage_pair forces KPage's pair route in both
-#: passes (``kpage`` takes it where ``route="auto"`` does).
-OPT_IN_IMPLS = ("kpage_pair",)
+#: passes (``kpage`` takes it where ``route="auto"`` does); kpage_packed runs the forward's packed route.
+OPT_IN_IMPLS = ("kpage_pair", "kpage_packed")
 PASSES = ("fwd", "bwd", "fwdbwd", "plan")
 TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel", "flashinfer_varblock", "flashinfer_varblock_fa3")
-PAGED_IMPLS = ("kpage", "bsa", "kpage_pair")  # the skeleton's plans: backward records per --bwd-impl
+PAGED_IMPLS = (
+    "kpage",
+    "bsa",
+    "kpage_pair",
+    "kpage_packed",
+)  # the skeleton's plans: backward records per --bwd-impl
 O_REL_TOL = 1e-2
 #: Bound on the sampled gradients' ‖g − ref‖/‖ref‖: a backward within twice the bf16-rounding emulation's
 #: error sits near 5e-3 (the GPU tests' rule), a wrong one far above.
@@ -617,6 +623,14 @@ def bench_kpage_pair(case: Case, timer: Timer, passes, check: bool, bwd_impls=((
     return bench_paged(case, timer, passes, check, "kpage", impls, "pair", "kpage_pair")
 
 
+def bench_kpage_packed(
+    case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, False),)
+) -> list[dict]:
+    """KPage's forward with the partial 64-row Q blocks packed into shared 64-row items
+    (:mod:`.planning.packed_forward`); a forward route only, so no backward records."""
+    return bench_paged(case, timer, passes, check, "kpage", (), "packed", "kpage_packed")
+
+
 def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
     from .kernels.bsa_mma_forward import bsa_mma_forward, plan_for
 
@@ -967,6 +981,7 @@ BENCHES = {
     "cudnn_dense": bench_cudnn_dense,
     "vsa_kernel": bench_vsa_kernel,
     "kpage_pair": bench_kpage_pair,
+    "kpage_packed": bench_kpage_packed,
     "flashinfer_varblock": bench_flashinfer_varblock,
     "flashinfer_varblock_fa3": bench_flashinfer_varblock_fa3,
 }
@@ -988,7 +1003,8 @@ def add_arguments(parser) -> None:
         "--impl",
         action="append",
         choices=IMPLS,
-        help="implementations (default: all available but the opt-in kpage_pair, KPage's forced pair route)",
+        help="implementations (default: all available but the opt-in kpage_pair, KPage's forced pair route, "
+        "and kpage_packed, its forward's packed route)",
     )
     parser.add_argument(
         "--pass", dest="passes", action="append", choices=PASSES, help="passes (default: fwd)"

@@ -20,8 +20,15 @@ from sparseattn.layouts import contiguous_layout, partition_layout, slot_layout,
 pytestmark = pytest.mark.gpu
 
 #: (plan kind, route) pairs: every tile route the skeleton runs
-ROUTES = [("kpage", "auto"), ("kpage", 0), ("kpage", 1), ("kpage", "pair"), ("bsa", "auto")]
-ROUTE_IDS = ["kpage-auto", "kpage-64x256", "kpage-128x128", "kpage-pair", "bsa"]
+ROUTES = [
+    ("kpage", "auto"),
+    ("kpage", 0),
+    ("kpage", 1),
+    ("kpage", "pair"),
+    ("kpage", "packed"),
+    ("bsa", "auto"),
+]
+ROUTE_IDS = ["kpage-auto", "kpage-64x256", "kpage-128x128", "kpage-pair", "kpage-packed", "bsa"]
 routes = pytest.mark.parametrize("kind, route", ROUTES, ids=ROUTE_IDS)
 head_dims = pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..constants import KPAGE_ROUTES, PAGE_ROWS
 from ..graph import HeadStack, SparseGraph
-from ..planning.cache import cached, check_graph_matches, pair_work_of, plan_of
+from ..planning.cache import cached, check_graph_matches, packed_work_of, pair_work_of, plan_of
 from ..planning.device import LIST_ARRAYS, DevicePlans, DeviceWorkList
 from ..planning.tile_plan import TilePlan, kpage_route_of_block, row_work
 from ..planning.work_list import CHUNKS, OWN_PAGES, WorkList, work_list, writes_every_valid_row
@@ -252,6 +252,10 @@ def _work_of(graph_or_plan, kind: str, route) -> WorkList:
         if kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
             raise KernelValueError("route='pair' runs KPage on a SparseGraph or a HeadStack")
         return pair_work_of(obj)
+    if route == "packed":  # the partial 64-row Q blocks packed into shared 64-row items
+        if kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
+            raise KernelValueError("route='packed' runs KPage on a SparseGraph or a HeadStack")
+        return packed_work_of(obj)
     if isinstance(obj, SparseGraph):
         plan = plan_of(obj, kind, route)
         return cached(
@@ -591,7 +595,8 @@ def paged_forward(q, k, v, graph_or_plan, scale=None, out=None, *, kind: str = "
         kind, route: which plan a graph runs (``route``: ``"auto"``, 0 = 64×256, 1 = 128×128; or
             ``"pair"``: KPage with 64-row Q blocks joined two by two into 128-row items, per head on a
             HeadStack, :mod:`sparseattn.planning.pair_forward`; ``"auto"`` takes it where
-            :func:`forward_route` says so).
+            :func:`forward_route` says so; or ``"packed"``: KPage with the partial 64-row Q blocks (1–3
+            live pages) packed into shared 64-row items, :mod:`sparseattn.planning.packed_forward`).
 
     Returns:
         ``(o, lse)``: ``o`` like ``q``, ``lse`` float32 ``[batch, heads, q_slots]`` (natural log). Valid

@@ -1,9 +1,9 @@
 """The plans a kernel wrapper launches: built once per graph, checked once per tensor size.
 
 Every cache is weak: a plan lives as long as its graph (or the caller's plan object) does. The builders
-(:mod:`.tile_plan`, :mod:`.work_list`, :mod:`.pair_forward`, :mod:`.pair_backward`) never read this
-cache; the pair builders take the base KPage plan they extend as an argument, and this module passes
-the cached one.
+(:mod:`.tile_plan`, :mod:`.work_list`, :mod:`.pair_forward`, :mod:`.packed_forward`,
+:mod:`.pair_backward`) never read this cache; the pair and packed builders take the base KPage plan they
+extend as an argument, and this module passes the cached one.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 
 from ..graph import HeadStack, SparseGraph
+from .packed_forward import packed_work_list, stacked_packed_work_list
 from .pair_backward import pair_backward_plan
 from .pair_forward import pair_work_list, stacked_pair_work_list
 from .tile_plan import TilePlan, bsa_plan, kpage_plan
@@ -62,8 +63,15 @@ def pair_work_of(graph_or_stack: SparseGraph | HeadStack) -> WorkList:
     return cached(graph_or_stack, ("work", "pair"), lambda: build(graph_or_stack, base_of=_forward_plan))
 
 
+def packed_work_of(graph_or_stack: SparseGraph | HeadStack) -> WorkList:
+    """The forward's packed work list of a graph (:func:`packed_work_list`) or a HeadStack
+    (:func:`stacked_packed_work_list`), built once per object on each head's cached KPage plan."""
+    build = packed_work_list if isinstance(graph_or_stack, SparseGraph) else stacked_packed_work_list
+    return cached(graph_or_stack, ("work", "packed"), lambda: build(graph_or_stack, base_of=_forward_plan))
+
+
 def _forward_plan(graph: SparseGraph) -> TilePlan:
-    """The forward's cached KPage plan of a one-head graph: the base of its pair work list."""
+    """The forward's cached KPage plan of a one-head graph: the base of its pair and packed work lists."""
     return plan_of(graph, "kpage", "auto", owner="q")
 
 

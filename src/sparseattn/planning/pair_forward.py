@@ -49,7 +49,7 @@ from .work_list import (
     VIS_SHIFT,
     WorkList,
     chunk_for,
-    default_order,
+    stack_head_lists,
     work_list,
     work_order,
 )
@@ -207,7 +207,7 @@ def pair_work_list(
     if graph.heads == 1:
         return one_head(graph)
     lists = [one_head(graph.select_heads([h])) for h in range(graph.heads)]
-    return _stacked(lists, default_order() if order is None else order)
+    return stack_head_lists(lists, order)
 
 
 def _one_head_pair_work_list(
@@ -241,10 +241,17 @@ def _one_head_pair_work_list(
     own, own_mask, stream, stream_mask = (np.concatenate([a, b]) for a, b in zip(pairs[1:], packed[1:]))
     chunk = chunk_for([plan])
     order = interleave_exclusive_chunks(stream_mask, info[:, 1], info[:, 2], chunk // PAGE_ROWS)
-    stream, stream_mask = stream[order], stream_mask[order]
+    return with_base_items(
+        base, keep, (info, own, own_mask, stream[order], stream_mask[order]), chunk, graph.heads
+    )
 
-    # the plan's other items (the base list's items are the plan's, in the plan's order, streams back to
-    # back), their streams re-based after the pairs'
+
+def with_base_items(base: WorkList, keep: np.ndarray, items: tuple, chunk: int, heads: int) -> WorkList:
+    """A work list of new ``items`` (``(info [N, 4], own [N, 8], own_mask [N, 8], stream [S], stream_mask
+    [S])``, streams back to back from entry 0) followed by the items of ``base`` where ``keep`` (bool
+    ``[base items]``), their streams re-based after the new ones'; items ordered head by head."""
+    info, own, own_mask, stream, stream_mask = items
+    # the base list's items are its plan's, in the plan's order, streams back to back
     kept = np.flatnonzero(keep)
     base_info = base.work_info.astype(np.int64)
     base_indptr = np.concatenate([base_info[:, 1], [base.stream_pages.size]])
@@ -259,7 +266,7 @@ def _one_head_pair_work_list(
         own_mask=np.concatenate([own_mask, base.own_mask[kept]]).astype(np.uint32),
         stream_pages=np.concatenate([stream, base.stream_pages[entries]]).astype(np.int32),
         stream_mask=np.concatenate([stream_mask, base.stream_mask[entries]]).astype(np.uint32),
-        heads=graph.heads,
+        heads=heads,
         chunk=chunk,
     )
 
@@ -275,32 +282,7 @@ def stacked_pair_work_list(
 
         raise KernelTypeError(f"stack must be a HeadStack, got {type(stack).__name__}")
     lists = [pair_work_list(g, base_of=base_of) for g in stack.graphs]
-    return _stacked(lists, default_order() if order is None else order)
-
-
-def _stacked(lists: list[WorkList], order: str) -> WorkList:
-    """Work lists of one head each (``lists[h]``: head h's) as one list: items' head set to h, streams
-    laid back to back, items ordered by ``order`` (:func:`sparseattn.planning.work_list.work_order`)."""
-    infos = []
-    base = 0
-    for h, wl in enumerate(lists):
-        info = wl.work_info.astype(np.int64).copy()
-        info[:, 0] = h
-        info[:, 1] += base
-        base += wl.stream_pages.size
-        infos.append(info)
-    info = np.concatenate(infos)
-    chunk = lists[0].chunk
-    return WorkList(
-        work_info=info.astype(np.int32),
-        work_order=work_order(info, chunk, order),
-        own_pages=np.concatenate([wl.own_pages for wl in lists]).astype(np.int32),
-        own_mask=np.concatenate([wl.own_mask for wl in lists]).astype(np.uint32),
-        stream_pages=np.concatenate([wl.stream_pages for wl in lists]).astype(np.int32),
-        stream_mask=np.concatenate([wl.stream_mask for wl in lists]).astype(np.uint32),
-        heads=len(lists),
-        chunk=chunk,
-    )
+    return stack_head_lists(lists, order)
 
 
 def interleave_exclusive_chunks(stream_mask: np.ndarray, begin: np.ndarray, length: np.ndarray, pages: int):
@@ -385,12 +367,16 @@ def packed_groups(graph: SparseGraph, blocks: np.ndarray) -> list[np.ndarray]:
     return groups
 
 
-def group_items(graph: SparseGraph, halves_a: list, halves_b: list):
+def group_items(graph: SparseGraph, halves_a: list, halves_b: list | None = None):
     """Pair items whose halves are groups of Q blocks (:func:`packed_groups`), for every head, in the
     format of :func:`pair_items`. Half A's blocks own slots 0–3 in group order, half B's slots 4–7 (an
     empty group leaves its slots empty); the item streams the union of the K pages any slot's block
     selects, ordered [A only | shared | B only] in K block order, each entry's visibility bit 16 + s set
-    for every slot s whose block selects it."""
+    for every slot s whose block selects it. Without ``halves_b``: 64-row items, one group each (its two
+    consumer warpgroups split the key chunks, :mod:`.packed_forward`)."""
+    rows = 64 if halves_b is None else 2 * 64
+    if halves_b is None:
+        halves_b = [np.zeros(0, np.int64)] * len(halves_a)
     heads, nb, nkb = graph.heads, graph.q.num_blocks, graph.k.num_blocks
     indptr, indices = graph.indptr.astype(np.int64), graph.indices.astype(np.int64)
     k_pages = np.flatnonzero(graph.k.page_live).astype(np.int64)
@@ -425,7 +411,7 @@ def group_items(graph: SparseGraph, halves_a: list, halves_b: list):
             mask = graph.k.page_mask.astype(np.uint32)[stream] | np.repeat(
                 vis[union] << VIS_SHIFT, lengths
             ).astype(np.uint32)
-            infos.append([h, begin, stream.size, 2 * 64])
+            infos.append([h, begin, stream.size, rows])
             owns.append(own)
             streams.append(stream)
             masks.append(mask)

@@ -290,3 +290,29 @@ def writes_every_valid_row(wl: WorkList, q_layout) -> bool:
         return bool(((covered & want) == want).all())
 
     return cached(wl, ("writes every valid row", id(q_layout)), count)
+
+
+def stack_head_lists(lists: list[WorkList], order: str | None = None) -> WorkList:
+    """Work lists of one head each (``lists[h]``: head h's) as one list: items' head set to h, streams
+    laid back to back, items ordered by ``order`` (:func:`work_order`; default :func:`default_order`)."""
+    order = default_order() if order is None else order
+    infos = []
+    base = 0
+    for h, wl in enumerate(lists):
+        info = wl.work_info.astype(np.int64).copy()
+        info[:, 0] = h
+        info[:, 1] += base
+        base += wl.stream_pages.size
+        infos.append(info)
+    info = np.concatenate(infos)
+    chunk = lists[0].chunk
+    return WorkList(
+        work_info=info.astype(np.int32),
+        work_order=work_order(info, chunk, order),
+        own_pages=np.concatenate([wl.own_pages for wl in lists]).astype(np.int32),
+        own_mask=np.concatenate([wl.own_mask for wl in lists]).astype(np.uint32),
+        stream_pages=np.concatenate([wl.stream_pages for wl in lists]).astype(np.int32),
+        stream_mask=np.concatenate([wl.stream_mask for wl in lists]).astype(np.uint32),
+        heads=len(lists),
+        chunk=chunk,
+    )
