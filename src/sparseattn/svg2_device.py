@@ -48,10 +48,10 @@ ASSIGN_CHUNK_ENTRIES = 1 << 27
 #: layout's ~50 small kernels then run beside K's assignment instead of after it.
 SIDE_STREAM = os.environ.get("SPARSEATTN_SVG2_SIDE_STREAM", "1") == "1"
 #: Build K's slot layout on the same side stream while q moves to slots (``SPARSEATTN_SVG2_K_LAYOUT_BESIDE``,
-#: default ``0``; NOTES_svg2_device.md v47, opt-in): where a caller asks for it (:func:`fit_for_slots`'
-#: ``k_beside``, which the Wan processor passes, and :func:`svg2_step_in_slots` with the selection beside v's
-#: move), K's layout is joined after q's move instead of before it.
-K_LAYOUT_BESIDE = os.environ.get("SPARSEATTN_SVG2_K_LAYOUT_BESIDE", "0") == "1"
+#: default ``1``; ``0`` builds it before the moves; NOTES_svg2_device.md v47): where a caller asks for it
+#: (:func:`fit_for_slots`' ``k_beside``, which the Wan processor passes, and :func:`svg2_step_in_slots` with
+#: the selection beside v's move), K's layout is joined after q's move instead of before it.
+K_LAYOUT_BESIDE = os.environ.get("SPARSEATTN_SVG2_K_LAYOUT_BESIDE", "1") == "1"
 #: How :func:`partition_slots` finds each token's slot on CUDA (``SPARSEATTN_SVG2_LAYOUT_SLOTS``; NOTES_svg2_device.md
 #: v40): ``"counts"`` (the default), the tokens of each group counted per chunk of tokens and placed by a warp's
 #: running counts (:mod:`sparseattn.kernels.group_slots`, no sort; elsewhere the sort); ``"sort"``, a stable
