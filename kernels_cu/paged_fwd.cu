@@ -22,11 +22,12 @@
 //   - M = 64 ("key split"): both warpgroups own the same 64 rows and take alternate chunks (w, w + 2,
 //     ...); at the end warpgroup 1 hands its (O, max, sum) to warpgroup 0 through the Q buffer, which
 //     merges the two softmax states and stores the rows.
-// PAIR = true (pair work lists, sparseattn.kernels.pair_work_list): bit 16 + s of a stream entry's mask
+// PAIR = true (pair and packed work lists, sparseattn.planning.pair_forward / packed_forward): bit 16 + s of a stream entry's mask
 // says the rows of owned page slot s (rows 16s .. 16s + 15, one warp's) see the page (no bit: every row).
 // Each warp masks the pages its slot does not see; a warpgroup skips chunks none of its slots sees,
 // releasing their buffers once loaded; its pending P·V runs behind its next S unless a skipped chunk's
-// load waits for that P·V's V buffer.
+// load waits for that P·V's V buffer. An item marked plain (kPlainItem, set by the host's pair and packed
+// lists on their items without visibility bits) skips that per-chunk decode, as the default build does.
 // Outputs: O bf16 [batch, heads, q_slots, HEAD_DIM] and LSE fp32 [batch, heads, q_slots] (natural log)
 // for the valid rows of each owned page; a valid row without any valid key gets O = 0, LSE = -inf.
 // Invalid query rows are never stored. Every page id is range-checked before use.
@@ -174,10 +175,15 @@ struct FwdSmem {
     __device__ __forceinline__ uint32_t item_empty(int i) const { return bars + 8 * (4 * C::NBUF + 4 + i); }
 };
 
-// One work item as both roles decode it: work_info[w] = (head, stream begin, stream length, rows M).
+// One work item as both roles decode it: work_info[w] = (head, stream begin, stream length, rows M), M's
+// word with kPlainItem set on an item of a pair list whose entries carry no visibility bits (every owned
+// row sees every entry; sparseattn.planning.work_list.PLAIN_ITEM): the pair instantiation then runs it as
+// the default one does, without the per-chunk decode of the entries' visibility.
+constexpr int kPlainItem = 1 << 16;
 struct WorkItem {
     int w, batch, head, begin, len, rows, chunks;
-    bool ok;  // head in range: anything else is never loaded or stored
+    bool ok;   // head in range: anything else is never loaded or stored
+    bool vis;  // (pair instantiation) decode the entries' visibility bits per chunk
 };
 
 // O += P·V of the chunk in V buffer `buf` (its load completes phase `par` of v_full), then this warp's
@@ -197,7 +203,7 @@ __device__ __forceinline__ void finish_pv(const FwdSmem<HEAD_DIM, CHUNK>& sm, fl
     if (lane == 0) hopper::mbar_arrive(sm.v_empty(buf), release);
 }
 
-template <int PAGES>
+template <int PAGES, bool PAIR>
 __device__ __forceinline__ WorkItem decode_item(int item, int num_work, const int4* __restrict__ work_info,
                                                 const int* __restrict__ work_order, int heads, int stream_total) {
     WorkItem it;
@@ -214,7 +220,13 @@ __device__ __forceinline__ WorkItem decode_item(int item, int num_work, const in
     it.ok = static_cast<unsigned>(info.x) < static_cast<unsigned>(heads);
     it.begin = min(max(info.y, 0), stream_total);
     it.len = it.ok ? min(max(info.z, 0), stream_total - it.begin) : 0;
-    it.rows = info.w > 64 ? 128 : 64;
+    if constexpr (PAIR) {
+        it.rows = (info.w & (kPlainItem - 1)) > 64 ? 128 : 64;
+        it.vis = !(info.w & kPlainItem);
+    } else {
+        it.rows = info.w > 64 ? 128 : 64;
+        it.vis = false;
+    }
     it.chunks = (it.len + PAGES - 1) / PAGES;
     return it;
 }
@@ -301,7 +313,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             __syncwarp();
             if (lane == 0) hopper::mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
-            const WorkItem it = decode_item<PAGES>(item, num_work, work_info, work_order, heads, stream_total);
+            const WorkItem it = decode_item<PAGES, PAIR>(item, num_work, work_info, work_order, heads, stream_total);
             if (void_item(it, own_pages, q_pages, lane)) continue;
             const size_t bh = static_cast<size_t>(it.batch) * heads + (it.ok ? it.head : 0);
 #ifdef PAGED_FWD_TOKENS
@@ -459,7 +471,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             __syncwarp();
             if (lane == 0) hopper::mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
-            const WorkItem it = decode_item<PAGES>(item, num_work, work_info, work_order, heads, stream_total);
+            const WorkItem it = decode_item<PAGES, PAIR>(item, num_work, work_info, work_order, heads, stream_total);
             if (void_item(it, own_pages, q_pages, lane)) continue;
             const bool row_split = it.rows > 64;
             const uint32_t release = row_split ? 1u : 2u;  // arrivals per warp on an empty barrier
@@ -485,9 +497,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 const int buf = pos % NBUF;
                 const uint32_t par = (pos / NBUF) & 1;
                 hopper::mbar_wait(sm.k_full(buf), par);
-                uint32_t seen_cols = 0xffffffffu;  // PAIR: the column bits of the pages this warp's rows see
-                uint32_t page_mask[PAIR ? PAGES : 1];  // PAIR: the chunk's entry masks, read once
-                if constexpr (PAIR) {
+                uint32_t seen_cols = 0xffffffffu;  // decode: the column bits of the pages this warp's rows see
+                uint32_t page_mask[PAGES];              // decode: the chunk's entry masks, read once
+                const bool decode = PAIR && it.vis;     // (false at compile time without PAIR)
+                if (decode) {
                     // bit 16 + s of a page's mask: owned page slot s sees it (none set: every slot does);
                     // this warpgroup's slots are 4·cw .. 4·cw + 3 (0..3 on a key split), this warp's is one.
                     // Branch-free: this decode sits between the chunk's arrival and its S = Q·Kᵀ issue.
@@ -557,10 +570,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                     if (kPingPong) pass_turn();
                     hopper::wgmma_wait<0>();
                 }
-                // the column mask, off the path to the S issue (PAIR: from the masks read above; else from
+                // the column mask, off the path to the S issue (decode: from the masks read above; else from
                 // shared memory, before this warp releases the K buffer the masks belong to)
                 uint32_t quad_bits = 0u;  // lane t4 < 4: the column bits of quad position t4
-                if constexpr (PAIR) {
+                if (decode) {
                     quad_bits = hopper::column_bits<CHUNK>(page_mask, lane & 3) & seen_cols;
                 } else {
                     if (lane < kMaskReaders) quad_bits = hopper::column_bits<CHUNK>(sm.kmask + buf * PAGES, lane);

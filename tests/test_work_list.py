@@ -519,6 +519,27 @@ def test_packed_route_on_a_head_stack_packs_per_head():
         work_of(stack, "bsa", "packed")
 
 
+def test_device_arrays_mark_the_plain_items_of_lists_with_visibility():
+    """The arrays the kernel reads: in a packed (or pair) list, the rows word of every item without
+    visibility bits carries PLAIN_ITEM and the rows themselves are unchanged; a list without any visibility
+    bits is handed over as it is."""
+    from sparseattn.planning.packed_forward import packed_work_list
+    from sparseattn.planning.work_list import PLAIN_ITEM, VIS_SLOTS
+
+    layout = video_layout((9, 10, 14), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.3, seed=8)
+    packed = packed_work_list(graph)
+    info = packed.device_arrays()["work_info"]
+    np.testing.assert_array_equal(info[:, :3], packed.work_info[:, :3])
+    np.testing.assert_array_equal(info[:, 3] & (PLAIN_ITEM - 1), packed.work_info[:, 3])
+    plain = (info[:, 3] & PLAIN_ITEM) != 0
+    for w, (head, begin, length, _) in enumerate(packed.work_info):
+        assert plain[w] == (not (packed.stream_mask[begin : begin + length] & VIS_SLOTS).any())
+    assert 0 < plain.sum() < packed.num_work
+    base = work_list(kpage_plan(graph))
+    np.testing.assert_array_equal(base.device_arrays()["work_info"], base.work_info)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_pair_union_order_and_tags(seed):
     """A pair item's stream: the union of A's and B's selected K blocks, pair by pair as [A only |

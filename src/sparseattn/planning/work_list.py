@@ -31,6 +31,10 @@ ROUTE_ROWS = (64, 128)
 VIS_SHIFT = 16
 VIS_SLOTS = 0xFF << VIS_SHIFT
 VIS_HALF0, VIS_HALF1 = 0x0F << VIS_SHIFT, 0xF0 << VIS_SHIFT
+#: Bit of an item's rows word (``work_info[w, 3]``) in the arrays a pair list hands the kernel
+#: (:meth:`WorkList.device_arrays`): no entry of the item has visibility bits, so the kernel's pair
+#: instantiation runs it without decoding them per chunk (``kPlainItem`` in ``kernels_cu/paged_fwd.cu``).
+PLAIN_ITEM = 1 << 16
 #: Orders in which the persistent CTAs take items: "head" = head by head, largest first within a
 #: head (concurrent CTAs share one head's K/V in L2); "cost" = largest first over all heads.
 ORDERS = ("head", "cost")
@@ -112,11 +116,25 @@ class WorkList:
         """bool ``[8, length]``: which owned page slot (rows 16s .. 16s + 15) sees each entry of a stream."""
         return _visibility(self.stream_mask[begin : begin + length])
 
+    def plain_items(self) -> np.ndarray:
+        """bool ``[W]``: the items none of whose stream entries carries visibility bits."""
+        info = self.work_info.astype(np.int64)
+        item = np.repeat(np.arange(self.num_work), info[:, 2])
+        entries = np.repeat(info[:, 1] - np.cumsum(info[:, 2]) + info[:, 2], info[:, 2]) + np.arange(
+            item.size
+        )
+        marked = (self.stream_mask[entries].astype(np.uint32) & VIS_SLOTS) != 0
+        return np.bincount(item, weights=marked, minlength=self.num_work) == 0
+
     def device_arrays(self) -> dict[str, np.ndarray]:
         """What the kernel reads: work_info int4 [W], work_order [W], own entries int2 [W, 8] and
-        stream entries int2 [S] of (page id, row mask)."""
+        stream entries int2 [S] of (page id, row mask). In a list with visibility bits (the pair
+        instantiation's), the rows word of each item without any carries :data:`PLAIN_ITEM`."""
+        info = np.array(self.work_info, dtype=np.int32)
+        if self.has_visibility():
+            info[self.plain_items(), 3] |= PLAIN_ITEM
         return {
-            "work_info": np.ascontiguousarray(self.work_info, dtype=np.int32),
+            "work_info": info,
             "work_order": np.ascontiguousarray(self.work_order, dtype=np.int32),
             "own_entries": np.ascontiguousarray(
                 np.stack([self.own_pages, self.own_mask.astype(np.int32)], axis=-1), dtype=np.int32
