@@ -19,7 +19,9 @@ from sparseattn.bf16 import Bf16TypeError, Bf16ValueError, bf16_bits_to_float, f
 from sparseattn.builders import BuilderError, random_graph, vsa_graph
 from sparseattn.emulator import EmulationError, emulate_forward
 from sparseattn.graph import GraphError, GraphTypeError, SparseGraph
+from sparseattn.kernels.backward import paged_backward
 from sparseattn.kernels.bsa_backward import plan_backward
+from sparseattn.kernels.forward import work_of
 from sparseattn.kernels.validate import KernelTypeError, KernelValueError, check_same_device
 from sparseattn.layouts import (
     BlockLayout,
@@ -659,6 +661,14 @@ API_CASES = [
     api_case(lambda: analyze_graphs(GRAPH, layers="2"), AnalysisError, "layers", "analysis-layers-string"),
     api_case(lambda: analyze_graphs(None), AnalysisError, "graphs", "analysis-none"),
     api_case(lambda: analyze_graphs(GRAPH, route="256x64"), AnalysisError, "route", "analysis-route"),
+    # routes
+    api_case(lambda: work_of(GRAPH, "kpage", "256x64"), KernelValueError, "route", "forward-route-unknown"),
+    api_case(
+        lambda: paged_backward(None, None, None, None, None, None, GRAPH, route="packed"),
+        KernelValueError,
+        "forward route",
+        "backward-route-packed",
+    ),
     # plans, reference, emulator
     api_case(lambda: bsa_plan(None), PlanTypeError, "graph", "plan-graph-none"),
     api_case(

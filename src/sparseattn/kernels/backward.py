@@ -32,6 +32,10 @@ from .validate import KernelTypeError, KernelValueError
 KINDS = ("kpage", "bsa")
 
 
+#: The routes a KPage backward of a graph takes (:func:`paged_backward`).
+BACKWARD_ROUTES = ("auto", 0, 1, "pair")
+
+
 def paged_backward(
     q,
     k,
@@ -68,6 +72,11 @@ def paged_backward(
     """
     if kind not in KINDS:
         raise KernelValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if route not in BACKWARD_ROUTES:
+        raise KernelValueError(
+            f"route must be one of {BACKWARD_ROUTES} for the backward, got {route!r}"
+            + (" ('packed' is a forward route)" if route == "packed" else "")
+        )
     if isinstance(graph_or_plan, DevicePlans):
         if graph_or_plan.backward is None:
             raise KernelValueError("graph_or_plan: these device plans were made without the backward")

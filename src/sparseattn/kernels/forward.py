@@ -246,7 +246,13 @@ def work_of(graph_or_plan, kind: str = "kpage", route="auto") -> WorkList:
     return _work_of(graph_or_plan, kind, forward_route(graph_or_plan, kind, route))
 
 
+#: The routes a KPage forward of a graph takes (:func:`paged_forward`).
+FORWARD_ROUTES = ("auto", 0, 1, "pair", "packed")
+
+
 def _work_of(graph_or_plan, kind: str, route) -> WorkList:
+    if kind == "kpage" and route not in FORWARD_ROUTES:
+        raise KernelValueError(f"route must be one of {FORWARD_ROUTES} for KPage's forward, got {route!r}")
     obj = _as_stack(graph_or_plan)
     if route == "pair":  # 64-row Q blocks joined two by two into 128-row items
         if kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
