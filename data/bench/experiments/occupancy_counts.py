@@ -5,6 +5,8 @@
     PYTHONPATH=src python data/bench/experiments/occupancy_counts.py backward svg2_wan14b_720p 4
     PYTHONPATH=src python data/bench/experiments/occupancy_counts.py backward-split svg2_wan14b_720p 2
     PYTHONPATH=src python data/bench/experiments/occupancy_counts.py q-padding svg2_wan14b_720p 8
+    PYTHONPATH=src python data/bench/experiments/occupancy_counts.py q-pages svg2_wan14b_720p 4
+    PYTHONPATH=src python data/bench/experiments/occupancy_counts.py packed svg2_wan14b_720p 4
 
 * ``masked``: the share of the forward work list's 128-key chunks holding a partial page (the chunks
   the softmax masks), as built and with every item's full pages first.
@@ -15,6 +17,10 @@
 * ``q-padding``: the forward's executed pairs in partial Q blocks and in their padding rows (each Q block's
   tile rows, 64 where at most 64 rows are valid else 128, times the live keys it streams; NOTES_kpage_fwd.md,
   "What limits the forward against FlashInfer's FA3 path").
+* ``q-pages``: the same by the Q blocks' live pages (1-8): blocks, share of the executed pairs, and of them
+  the padding pages' share and the padding inside live pages (NOTES_kpage_fwd.md, "The packed route").
+* ``packed``: the packed route's work list (``route="packed"``) against the per-block one: executed pairs,
+  streamed pages, items.
 """
 
 import sys
@@ -208,6 +214,42 @@ def q_padding(gs: list) -> None:
     )
 
 
+def q_pages(gs: list) -> None:
+    per = np.zeros(
+        (9, 4)
+    )  # by live pages: blocks, executed pairs, in padding pages, in padding rows of live pages
+    total = 0
+    for g in gs:
+        valid, live = g.q.valid_rows.astype(np.int64), g.q.live_pages.astype(np.int64)
+        keys = np.zeros(g.q.num_blocks, np.int64)
+        np.add.at(keys, g.row_of_nnz % g.q.num_blocks, g.k.live_pages[g.indices] * 16)
+        tile = np.where(live <= 4, 64, 128)
+        total += (tile * keys).sum()
+        for n in range(1, 9):
+            m = live == n
+            per[n] += [
+                m.sum(),
+                (tile[m] * keys[m]).sum(),
+                ((tile[m] - 16 * n) * keys[m]).sum(),
+                ((16 * n - valid[m]) * keys[m]).sum(),
+            ]
+    print("live pages: blocks, share of executed pairs, in padding pages, in padding rows of live pages")
+    for n in range(1, 9):
+        print(
+            f"{n}: {int(per[n, 0])}  {per[n, 1] / total:.3f}  {per[n, 2] / total:.4f}  {per[n, 3] / total:.4f}"
+        )
+
+
+def packed(gs: list) -> None:
+    stack = HeadStack.of(gs) if len(gs) > 1 else gs[0]
+    base, pack = work_of(stack, "kpage", "auto"), work_of(stack, "kpage", "packed")
+    print(
+        f"packed / per-block: executed pairs {pack.executed_pairs() / base.executed_pairs():.4f}, streamed pages "
+        f"{pack.stream_pages.size / base.stream_pages.size:.4f}, items {base.num_work} -> {pack.num_work} "
+        f"({int((pack.work_info[:, 3] == 64).sum())} of 64 rows)"
+    )
+
+
 if __name__ == "__main__":
     what, name, heads = sys.argv[1], sys.argv[2], int(sys.argv[3])
     run = {
@@ -216,5 +258,7 @@ if __name__ == "__main__":
         "backward": backward,
         "backward-split": backward_split,
         "q-padding": q_padding,
+        "q-pages": q_pages,
+        "packed": packed,
     }[what]
     run(graphs_of(name, heads))
