@@ -627,8 +627,13 @@ def bench_kpage_packed(
     case: Case, timer: Timer, passes, check: bool, bwd_impls=((None, False),)
 ) -> list[dict]:
     """KPage's forward with the partial 64-row Q blocks packed into shared 64-row items
-    (:mod:`.planning.packed_forward`); a forward route only, so no backward records."""
-    return bench_paged(case, timer, passes, check, "kpage", (), "packed", "kpage_packed")
+    (:mod:`.planning.packed_forward`); a forward route only: the other passes get a record saying so."""
+    out = bench_paged(case, timer, passes, check, "kpage", (), "packed", "kpage_packed")
+    return out + [
+        dict(impl="kpage_packed", **{"pass": p}, error="the packed route is a forward route")
+        for p in passes
+        if p in ("bwd", "fwdbwd")
+    ]
 
 
 def bench_bsa_mma(case: Case, timer: Timer, passes, check: bool) -> list[dict]:
