@@ -31,9 +31,9 @@ OPTIONAL_PARTS = ("beside_unhidden",)
 CAPTION = (
     "Each part between CUDA events, median of the run's calls; after a bar: its total and its share of the "
     "same method's KPage forward kernel; black tick: 10% of that kernel's time (the target); ▶: bar cut at the "
-    "axis' end; left exposed: what of the parts run beside the moves to slots (the selection and plan beside v's; "
-    "K's layout beside q's, from v47 on) the moves did not hide (that method's moves less the in-order method's "
-    "of the same run)."
+    "axis' end; left exposed: what of the parts run beside the moves to slots (the selection and plan "
+    "beside v's; K's layout beside q's, from v47 on) the moves did not hide (that method's moves less the "
+    "in-order method's of the same run)."
 )
 #: The share of the KPage forward kernel's time the overhead should stay within.
 TARGET_SHARE = 0.10

@@ -391,8 +391,9 @@ def flash_kmeans_records(q, k, sel, init, iters: int, reps: int, warmup: int, lo
 
 def unhidden_ms(parts: dict, method: str) -> float | None:
     """What of the parts a method of :data:`IN_ORDER_OF` runs beside the moves (the selection and plan beside
-    v's, K's layout beside q's since v47) left exposed: its move to slots less its in-order method's (``parts``: ``{method: {part: ms}}`` of one run); 0.0 for another
-    method; None where either move is missing."""
+    v's, K's layout beside q's since v47) left exposed: its move to slots less its in-order method's
+    (``parts``: ``{method: {part: ms}}`` of one run); 0.0 for another method; None where either move is
+    missing."""
     in_order = IN_ORDER_OF.get(method)
     if in_order is None:
         return 0.0

@@ -30,7 +30,8 @@ def main(path: str, sms: int = 132) -> None:
         fill = waves / math.ceil(waves)
         cudnn = rates.get((workload, "cudnn_dense"), (None, float("nan")))[1]
         print(
-            f"{workload:13s} {r['heads']:3d} heads  items {items:5d}  waves {waves:6.2f}  last-wave fill {fill:.3f}  "
+            f"{workload:13s} {r['heads']:3d} heads  items {items:5d}  waves {waves:6.2f}  "
+            f"last-wave fill {fill:.3f}  "
             f"kpage {tflops:4.0f} TF/s ({tflops / fill:4.0f} per busy SM)  cudnn {cudnn:4.0f}  "
             f"ratio {tflops / cudnn:.3f} (with a full last wave {tflops / fill / cudnn:.3f})"
         )

@@ -236,7 +236,8 @@ def q_pages(gs: list) -> None:
     print("live pages: blocks, share of executed pairs, in padding pages, in padding rows of live pages")
     for n in range(1, 9):
         print(
-            f"{n}: {int(per[n, 0])}  {per[n, 1] / total:.3f}  {per[n, 2] / total:.4f}  {per[n, 3] / total:.4f}"
+            f"{n}: {int(per[n, 0])}  {per[n, 1] / total:.3f}  {per[n, 2] / total:.4f}  "
+            f"{per[n, 3] / total:.4f}"
         )
 
 
@@ -244,7 +245,8 @@ def packed(gs: list) -> None:
     stack = HeadStack.of(gs) if len(gs) > 1 else gs[0]
     base, pack = work_of(stack, "kpage", "auto"), work_of(stack, "kpage", "packed")
     print(
-        f"packed / per-block: executed pairs {pack.executed_pairs() / base.executed_pairs():.4f}, streamed pages "
+        f"packed / per-block: executed pairs {pack.executed_pairs() / base.executed_pairs():.4f}, "
+        f"streamed pages "
         f"{pack.stream_pages.size / base.stream_pages.size:.4f}, items {base.num_work} -> {pack.num_work} "
         f"({int((pack.work_info[:, 3] == 64).sum())} of 64 rows)"
     )
