@@ -73,12 +73,8 @@ IMPLS = (
 OPT_IN_IMPLS = ("kpage_pair", "kpage_packed")
 PASSES = ("fwd", "bwd", "fwdbwd", "plan")
 TORCH_IMPLS = ("flex", "cudnn_dense", "vsa_kernel", "flashinfer_varblock", "flashinfer_varblock_fa3")
-PAGED_IMPLS = (
-    "kpage",
-    "bsa",
-    "kpage_pair",
-    "kpage_packed",
-)  # the skeleton's plans: backward records per --bwd-impl
+#: The skeleton's plans: backward records per --bwd-impl.
+PAGED_IMPLS = ("kpage", "bsa", "kpage_pair", "kpage_packed")
 O_REL_TOL = 1e-2
 #: Bound on the sampled gradients' ‖g − ref‖/‖ref‖: a backward within twice the bf16-rounding emulation's
 #: error sits near 5e-3 (the GPU tests' rule), a wrong one far above.

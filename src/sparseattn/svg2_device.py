@@ -964,24 +964,27 @@ def move_rows_to_slots(fitted: FittedSides, q, k, v, q_rows, k_rows, used=None):
     return qs, ks, _move_v(fitted, v, k_rows, used), q_sums, k_sums
 
 
+def _written(layout: DeviceLayout, used, side: int) -> torch.Tensor:
+    """The slots a move writes on one side (0: Q, 1: K): ``used[side]``, default the layout's filled slots."""
+    return layout.filled_slots() if used is None else used[side]
+
+
 def _move_qk(fitted: FittedSides, q, k, q_rows, k_rows, used):
     """:func:`move_rows_to_slots`' q and k with their sums: ``(qs, ks, q_sums, k_sums, k_rows)``; K's layout
     is joined (and ``k_rows`` made, where it is a function) after q's move."""
     q_lay, k_lay = fitted.q_layout, fitted.k_layout
     q_sums, k_sums = fitted.sums_buffers(q.shape[-1], q.device)
-    q_used = q_lay.filled_slots() if used is None else used[0]
-    qs = scatter_rows(q, q_rows, q_lay.valid.numel(), q_used, q_sums, slot_sum_index(q_lay))
+    qs = scatter_rows(q, q_rows, q_lay.valid.numel(), _written(q_lay, used, 0), q_sums, slot_sum_index(q_lay))
     fitted.k_ready()
     k_rows = k_rows() if callable(k_rows) else k_rows
-    k_used = k_lay.filled_slots() if used is None else used[1]
-    ks = scatter_rows(k, k_rows, k_lay.valid.numel(), k_used, k_sums, slot_sum_index(k_lay))
+    ks = scatter_rows(k, k_rows, k_lay.valid.numel(), _written(k_lay, used, 1), k_sums, slot_sum_index(k_lay))
     return qs, ks, q_sums, k_sums, k_rows
 
 
 def _move_v(fitted: FittedSides, v, k_rows, used):
     """:func:`move_rows_to_slots`' v (no sums), after :func:`_move_qk` (K's layout joined, ``k_rows`` made)."""
-    k_used = fitted.k_layout.filled_slots() if used is None else used[1]
-    return scatter_rows(v, k_rows, fitted.k_layout.valid.numel(), k_used)
+    k_lay = fitted.k_layout
+    return scatter_rows(v, k_rows, k_lay.valid.numel(), _written(k_lay, used, 1))
 
 
 def slots_and_step(

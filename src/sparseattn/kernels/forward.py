@@ -254,14 +254,12 @@ def _work_of(graph_or_plan, kind: str, route) -> WorkList:
     if kind == "kpage" and route not in FORWARD_ROUTES:
         raise KernelValueError(f"route must be one of {FORWARD_ROUTES} for KPage's forward, got {route!r}")
     obj = _as_stack(graph_or_plan)
-    if route == "pair":  # 64-row Q blocks joined two by two into 128-row items
+    # "pair": 64-row Q blocks joined two by two into 128-row items; "packed": the partial 64-row Q blocks
+    # packed into shared 64-row items
+    if route in ("pair", "packed"):
         if kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
-            raise KernelValueError("route='pair' runs KPage on a SparseGraph or a HeadStack")
-        return pair_work_of(obj)
-    if route == "packed":  # the partial 64-row Q blocks packed into shared 64-row items
-        if kind != "kpage" or not isinstance(obj, (SparseGraph, HeadStack)):
-            raise KernelValueError("route='packed' runs KPage on a SparseGraph or a HeadStack")
-        return packed_work_of(obj)
+            raise KernelValueError(f"route={route!r} runs KPage on a SparseGraph or a HeadStack")
+        return (pair_work_of if route == "pair" else packed_work_of)(obj)
     if isinstance(obj, SparseGraph):
         plan = plan_of(obj, kind, route)
         return cached(

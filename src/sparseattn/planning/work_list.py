@@ -119,12 +119,8 @@ class WorkList:
     def plain_items(self) -> np.ndarray:
         """bool ``[W]``: the items none of whose stream entries carries visibility bits."""
         info = self.work_info.astype(np.int64)
-        item = np.repeat(np.arange(self.num_work), info[:, 2])
-        entries = np.repeat(info[:, 1] - np.cumsum(info[:, 2]) + info[:, 2], info[:, 2]) + np.arange(
-            item.size
-        )
-        marked = (self.stream_mask[entries].astype(np.uint32) & VIS_SLOTS) != 0
-        return np.bincount(item, weights=marked, minlength=self.num_work) == 0
+        marked = np.concatenate([[0], np.cumsum((self.stream_mask.astype(np.uint32) & VIS_SLOTS) != 0)])
+        return marked[info[:, 1] + info[:, 2]] == marked[info[:, 1]]  # no marked entry in [begin, end)
 
     def device_arrays(self) -> dict[str, np.ndarray]:
         """What the kernel reads: work_info int4 [W], work_order [W], own entries int2 [W, 8] and
