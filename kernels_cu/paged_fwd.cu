@@ -37,6 +37,11 @@
 // zero-filling cp.async; K columns of invalid rows are masked, so their stale rows are never used.
 // PAGED_FWD_PINGPONG (opt-in): the consumer warpgroups issue their GEMMs in turns (kPingPong).
 // PAGED_FWD_REGS_232 (opt-in, with PAGED_FWD_TMA): 40 registers for the producer, 232 for the consumers.
+// PAGED_FWD_SOFTMAX_UNDER_PV (opt-in): each chunk's P is packed into registers of its own before the wait
+// for the previous chunk's P·V and moved into the P·V operand after it. Packed straight into the operand
+// (the default build), P's stores need that wait, and ptxas schedules the wait ahead of the softmax's
+// exponentials (SASS: every MUFU.EX2 after the WARPGROUP.DEPBAR of the P·V), so a warpgroup's softmax
+// does not run under its own P·V.
 // PAGED_FWD_TOKENS (the token-order build): Q, K, V and O stay in token order, [batch, tokens, tok_heads,
 // HEAD_DIM] (the layout a model's projections produce), and slot s of (batch · head) row bh is token
 // q_map / k_map[map row + s] (-1: a padding slot, a zero row) of batch bh / tok_heads, head bh % tok_heads;
@@ -583,11 +588,22 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
                 hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
                 hopper::pin_registers(s);  // the softmax is computed before the wait below, under the P·V
+#ifdef PAGED_FWD_SOFTMAX_UNDER_PV
+                uint32_t p_next[PAGES][4];  // this chunk's P, packed before the wait (kSoftmaxUnderPv)
+                hopper::pack_p<CHUNK>(p_next, s);
+#endif
                 hopper::wgmma_wait<0>();
                 hopper::pin_registers(o);
                 if (prev >= 0 && lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
                 hopper::rescale_rows(o, alpha);
+#ifdef PAGED_FWD_SOFTMAX_UNDER_PV
+#pragma unroll
+                for (int p = 0; p < PAGES; ++p)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) pa[p][i] = p_next[p][i];
+#else
                 hopper::pack_p<CHUNK>(pa, s);
+#endif
                 prev = buf;
                 prev_par = par;
                 prev_pos = pos;

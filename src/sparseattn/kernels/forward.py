@@ -64,13 +64,16 @@ MAX_BATCH = 1 << 15
 #: its neighbour's pair item); ``PAGED_FWD_TMA`` loads K pages and full V pages with the tensor-memory
 #: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters); ``PAGED_FWD_PINGPONG``
 #: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_REGS_232`` gives the consumers
-#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`).
+#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`);
+#: ``PAGED_FWD_SOFTMAX_UNDER_PV`` packs each chunk's P into registers of its own before the wait for the
+#: previous chunk's P·V, so that ptxas keeps that wait behind the exponentials.
 #: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
 VARIANTS = (
     "PAGED_FWD_SKIP_VOID",
     "PAGED_FWD_TMA",
     "PAGED_FWD_PINGPONG",
     "PAGED_FWD_REGS_232",
+    "PAGED_FWD_SOFTMAX_UNDER_PV",
 )
 #: Variants that compile only together with others.
 VARIANT_NEEDS = {"PAGED_FWD_REGS_232": ("PAGED_FWD_TMA",)}
