@@ -279,7 +279,7 @@ def _compile_variant(source: str, names, variant: str):
     return compile_check.parse_ptxas_log(source, log, lowered)
 
 
-@pytest.mark.parametrize("variant", ["PW_BF16_OPERANDS", "PQ_BF16_OPERANDS"])
+@pytest.mark.parametrize("variant", ["PW_BF16_OPERANDS", "PQ_BF16_OPERANDS", "PW_SOFTMAX_UNDER_PV"])
 def test_pageweaver_variants_compile_without_spills(variant, reports):
     """The PageWeaver kernels' compile-time variants (sparseattn.kernels.pageweaver.set_variant) build too."""
     from sparseattn.kernels import pageweaver
