@@ -42,6 +42,9 @@
 // (the default build), P's stores need that wait, and ptxas schedules the wait ahead of the softmax's
 // exponentials (SASS: every MUFU.EX2 after the WARPGROUP.DEPBAR of the P·V), so a warpgroup's softmax
 // does not run under its own P·V.
+// PAGED_FWD_RESCALE_UNDER_S (opt-in): O's rescale by a chunk's alpha is deferred to just before that chunk's
+// P·V is issued, i.e. between the next S = Q·Kᵀ issue and the P·V issue (under the S GEMM, as FA3 orders
+// it), instead of after the P·V wait on the path to the next issue.
 // PAGED_FWD_TOKENS (the token-order build): Q, K, V and O stay in token order, [batch, tokens, tok_heads,
 // HEAD_DIM] (the layout a model's projections produce), and slot s of (batch · head) row bh is token
 // q_map / k_map[map row + s] (-1: a padding slot, a zero row) of batch bh / tok_heads, head bh % tok_heads;
@@ -58,6 +61,12 @@
 // (k_map of that slot), as when a model keeps its tokens tile-major; one box per page and 64 columns, issued
 // by one lane, where a token gather computes an address per row.
 #include "hopper_wgmma.cuh"
+
+#ifdef PAGED_FWD_RESCALE_UNDER_S
+constexpr bool kRescaleUnderS = true;
+#else
+constexpr bool kRescaleUnderS = false;
+#endif
 
 #if defined(PAGED_FWD_TMA) || defined(PAGED_FWD_TOKENS_TMA)
 #define PAGED_FWD_TMA_PARAMS \
@@ -192,12 +201,14 @@ struct WorkItem {
 };
 
 // O += P·V of the chunk in V buffer `buf` (its load completes phase `par` of v_full), then this warp's
-// release of the buffer (`release` arrivals; lane 0).
+// release of the buffer (`release` arrivals; lane 0). kRescaleUnderS: O is first rescaled by the chunk's
+// `alpha` (deferred from its softmax).
 template <int HEAD_DIM, int CHUNK>
 __device__ __forceinline__ void finish_pv(const FwdSmem<HEAD_DIM, CHUNK>& sm, float (&o)[HEAD_DIM / 2],
-                                          const uint32_t (&pa)[CHUNK / PAGE_ROWS][4], int buf, uint32_t par,
-                                          uint32_t release, int lane) {
+                                          const uint32_t (&pa)[CHUNK / PAGE_ROWS][4], const float (&alpha)[2],
+                                          int buf, uint32_t par, uint32_t release, int lane) {
     using C = FwdConfig<HEAD_DIM, CHUNK>;
+    if constexpr (kRescaleUnderS) hopper::rescale_rows(o, alpha);
     hopper::mbar_wait(sm.v_full(buf), par);
     hopper::fence_async_proxy();
     hopper::wgmma_fence();
@@ -490,7 +501,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             for (int i = 0; i < C::OREG; ++i) o[i] = 0.f;
             float row_max[2] = {-INFINITY, -INFINITY};
             float row_sum[2] = {0.f, 0.f};
-            float alpha[2];
+            float alpha[2] = {1.f, 1.f};  // the last softmax's (kRescaleUnderS: applied at its P·V issue)
             float s[CHUNK / 2];
             uint32_t pa[PAGES][4];
             int prev = -1;  // V buffer of this warpgroup's previous chunk (its P·V is pending)
@@ -538,7 +549,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                         // the skipped chunk's load needs its V buffer, which the producer frees in ring
                         // order: finishing it then keeps the wait below from waiting on ourselves.
                         if (prev >= 0 && pos - prev_pos >= NBUF) {
-                            finish_pv(sm, o, pa, prev, prev_par, release, lane);
+                            finish_pv(sm, o, pa, alpha, prev, prev_par, release, lane);
                             prev = -1;
                         }
                         // (kPingPong: the turn before the wait: this V buffer may be freed by the other
@@ -567,6 +578,10 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 hopper::issue_qk<HEAD_DIM, CHUNK, PAGED_FWD_Q_ROWS>(s, aQrows, sm.k + buf * C::KV_BYTES);
                 hopper::wgmma_commit();
                 if (prev >= 0) {
+                    if constexpr (kRescaleUnderS) {  // the previous chunk's alpha, under this S
+                        hopper::rescale_rows(o, alpha);
+                        hopper::wgmma_fence();
+                    }
                     hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
                     hopper::wgmma_commit();
                     if (kPingPong) pass_turn();
@@ -595,7 +610,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 hopper::wgmma_wait<0>();
                 hopper::pin_registers(o);
                 if (prev >= 0 && lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
-                hopper::rescale_rows(o, alpha);
+                if constexpr (!kRescaleUnderS) hopper::rescale_rows(o, alpha);
 #ifdef PAGED_FWD_SOFTMAX_UNDER_PV
 #pragma unroll
                 for (int p = 0; p < PAGES; ++p)
@@ -616,7 +631,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 __syncwarp();
                 if (lane == 0) hopper::mbar_arrive(sm.q_empty(), 1u);
             }
-            if (prev >= 0) finish_pv(sm, o, pa, prev, prev_par, release, lane);  // the last chunk's P·V
+            if (prev >= 0) finish_pv(sm, o, pa, alpha, prev, prev_par, release, lane);  // the last chunk's P·V
             chunk_base += it.chunks;
 
             // ---- epilogue

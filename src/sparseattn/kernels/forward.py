@@ -66,7 +66,8 @@ MAX_BATCH = 1 << 15
 #: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_REGS_232`` gives the consumers
 #: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`);
 #: ``PAGED_FWD_SOFTMAX_UNDER_PV`` packs each chunk's P into registers of its own before the wait for the
-#: previous chunk's P·V, so that ptxas keeps that wait behind the exponentials.
+#: previous chunk's P·V, so that ptxas keeps that wait behind the exponentials; ``PAGED_FWD_RESCALE_UNDER_S``
+#: rescales O by a chunk's alpha between the next S issue and that chunk's P·V issue.
 #: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
 VARIANTS = (
     "PAGED_FWD_SKIP_VOID",
@@ -74,6 +75,7 @@ VARIANTS = (
     "PAGED_FWD_PINGPONG",
     "PAGED_FWD_REGS_232",
     "PAGED_FWD_SOFTMAX_UNDER_PV",
+    "PAGED_FWD_RESCALE_UNDER_S",
 )
 #: Variants that compile only together with others.
 VARIANT_NEEDS = {"PAGED_FWD_REGS_232": ("PAGED_FWD_TMA",)}
