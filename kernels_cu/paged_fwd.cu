@@ -18,6 +18,10 @@
 //   S = Q·Kᵀ (wgmma m64nCHUNKk16, Q and K from shared memory), exact per-key masking (-inf), online
 //   softmax in registers, O += P·V (wgmma, P from registers, one 16-key page per k-step), with the P·V of
 //   the warpgroup's previous chunk issued right behind the next S = Q·Kᵀ so it runs during the softmax.
+//   Two orderings make that overlap hold in the machine code: P is packed into registers of its own and
+//   moved into the P·V operand only after the P·V wait (packed straight into the operand, its stores need
+//   the wait and ptxas hoists the wait ahead of the exponentials), and O's rescale by a chunk's alpha is
+//   applied between the next S issue and that chunk's P·V issue, under the S GEMM (FA3's order).
 //   - M = 128 ("row split"): warpgroup w owns rows 64w .. 64w + 63 and consumes every chunk.
 //   - M = 64 ("key split"): both warpgroups own the same 64 rows and take alternate chunks (w, w + 2,
 //     ...); at the end warpgroup 1 hands its (O, max, sum) to warpgroup 0 through the Q buffer, which
@@ -37,14 +41,9 @@
 // zero-filling cp.async; K columns of invalid rows are masked, so their stale rows are never used.
 // PAGED_FWD_PINGPONG (opt-in): the consumer warpgroups issue their GEMMs in turns (kPingPong).
 // PAGED_FWD_REGS_232 (opt-in, with PAGED_FWD_TMA): 40 registers for the producer, 232 for the consumers.
-// PAGED_FWD_SOFTMAX_UNDER_PV (opt-in): each chunk's P is packed into registers of its own before the wait
-// for the previous chunk's P·V and moved into the P·V operand after it. Packed straight into the operand
-// (the default build), P's stores need that wait, and ptxas schedules the wait ahead of the softmax's
-// exponentials (SASS: every MUFU.EX2 after the WARPGROUP.DEPBAR of the P·V), so a warpgroup's softmax
-// does not run under its own P·V.
-// PAGED_FWD_RESCALE_UNDER_S (opt-in): O's rescale by a chunk's alpha is deferred to just before that chunk's
-// P·V is issued, i.e. between the next S = Q·Kᵀ issue and the P·V issue (under the S GEMM, as FA3 orders
-// it), instead of after the P·V wait on the path to the next issue.
+// PAGED_FWD_PACK_AFTER_WAIT (A/B knob): P packed straight into the P·V operand after the P·V wait, the
+// order before 2026-12-08 (SASS: every MUFU.EX2 after the P·V's WARPGROUP.DEPBAR, so a warpgroup's softmax
+// does not run under its own P·V). PAGED_FWD_RESCALE_AFTER_WAIT (A/B knob): O rescaled after the P·V wait.
 // PAGED_FWD_TOKENS (the token-order build): Q, K, V and O stay in token order, [batch, tokens, tok_heads,
 // HEAD_DIM] (the layout a model's projections produce), and slot s of (batch · head) row bh is token
 // q_map / k_map[map row + s] (-1: a padding slot, a zero row) of batch bh / tok_heads, head bh % tok_heads;
@@ -62,10 +61,10 @@
 // by one lane, where a token gather computes an address per row.
 #include "hopper_wgmma.cuh"
 
-#ifdef PAGED_FWD_RESCALE_UNDER_S
-constexpr bool kRescaleUnderS = true;
-#else
+#ifdef PAGED_FWD_RESCALE_AFTER_WAIT
 constexpr bool kRescaleUnderS = false;
+#else
+constexpr bool kRescaleUnderS = true;  // O's rescale under the next S GEMM (see the header)
 #endif
 
 #if defined(PAGED_FWD_TMA) || defined(PAGED_FWD_TOKENS_TMA)
@@ -247,22 +246,6 @@ __device__ __forceinline__ WorkItem decode_item(int item, int num_work, const in
     return it;
 }
 
-// An item with no stream entry and no owned page (on device plans, the slot of a block that joined its
-// neighbour's pair item) computes and stores nothing. With PAGED_FWD_SKIP_VOID both roles pass it by
-// without the Q buffer's hand-off, which otherwise costs a round trip between the warpgroups per item.
-// Warp-uniform; every lane of the warp calls it.
-__device__ __forceinline__ bool void_item(const WorkItem& it, const int2* __restrict__ own_pages, int q_pages,
-                                          int lane) {
-#ifdef PAGED_FWD_SKIP_VOID
-    if (it.len > 0) return false;
-    int page = -1;
-    if (it.ok && lane < PAGED_FWD_Q_PAGES) page = own_pages[it.w * PAGED_FWD_Q_PAGES + lane].x;
-    return !__any_sync(0xffffffffu, static_cast<unsigned>(page) < static_cast<unsigned>(q_pages));
-#else
-    return false;
-#endif
-}
-
 
 }  // namespace
 
@@ -314,7 +297,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         }
 #endif
         int chunk_count = 0;  // chunks issued so far (ring position)
-        int q_items = 0;      // items through the Q buffer so far (void items skip it)
+        int q_items = 0;      // items through the Q buffer so far
         for (int k = 0;; ++k) {
             const int islot = k & 1;
             const uint32_t ipar = (k >> 1) & 1;
@@ -330,7 +313,6 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             if (lane == 0) hopper::mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
             const WorkItem it = decode_item<PAGES, PAIR>(item, num_work, work_info, work_order, heads, stream_total);
-            if (void_item(it, own_pages, q_pages, lane)) continue;
             const size_t bh = static_cast<size_t>(it.batch) * heads + (it.ok ? it.head : 0);
 #ifdef PAGED_FWD_TOKENS
             const hopper::TokenRows tk = hopper::token_rows(bh, tok_heads, k_tokens, HEAD_DIM);
@@ -479,7 +461,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         const int g = lane >> 2;
         const int t4 = lane & 3;
         int chunk_base = 0;  // ring position of the current item's chunk 0
-        int q_items = 0;     // items through the Q buffer so far (void items skip it)
+        int q_items = 0;     // items through the Q buffer so far
         for (int k = 0;; ++k) {
             const int islot = k & 1;
             hopper::mbar_wait(sm.item_full(islot), (k >> 1) & 1);
@@ -488,7 +470,6 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             if (lane == 0) hopper::mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
             const WorkItem it = decode_item<PAGES, PAIR>(item, num_work, work_info, work_order, heads, stream_total);
-            if (void_item(it, own_pages, q_pages, lane)) continue;
             const bool row_split = it.rows > 64;
             const uint32_t release = row_split ? 1u : 2u;  // arrivals per warp on an empty barrier
             const uint32_t aQrows = sm.q + (row_split ? cw * 64 * 128 : 0);
@@ -501,7 +482,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             for (int i = 0; i < C::OREG; ++i) o[i] = 0.f;
             float row_max[2] = {-INFINITY, -INFINITY};
             float row_sum[2] = {0.f, 0.f};
-            float alpha[2] = {1.f, 1.f};  // the last softmax's (kRescaleUnderS: applied at its P·V issue)
+            float alpha[2];  // the last softmax's (kRescaleUnderS: applied at its P·V issue)
             float s[CHUNK / 2];
             uint32_t pa[PAGES][4];
             int prev = -1;  // V buffer of this warpgroup's previous chunk (its P·V is pending)
@@ -603,15 +584,15 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
                 hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
                 hopper::pin_registers(s);  // the softmax is computed before the wait below, under the P·V
-#ifdef PAGED_FWD_SOFTMAX_UNDER_PV
-                uint32_t p_next[PAGES][4];  // this chunk's P, packed before the wait (kSoftmaxUnderPv)
+#ifndef PAGED_FWD_PACK_AFTER_WAIT
+                uint32_t p_next[PAGES][4];  // this chunk's P, packed before the wait (see the header)
                 hopper::pack_p<CHUNK>(p_next, s);
 #endif
                 hopper::wgmma_wait<0>();
                 hopper::pin_registers(o);
                 if (prev >= 0 && lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
                 if constexpr (!kRescaleUnderS) hopper::rescale_rows(o, alpha);
-#ifdef PAGED_FWD_SOFTMAX_UNDER_PV
+#ifndef PAGED_FWD_PACK_AFTER_WAIT
 #pragma unroll
                 for (int p = 0; p < PAGES; ++p)
 #pragma unroll

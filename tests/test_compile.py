@@ -338,8 +338,8 @@ def test_forward_variant_from_the_environment(monkeypatch):
     from sparseattn.kernels import forward
     from sparseattn.kernels.validate import KernelValueError
 
-    monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_SKIP_VOID")
-    assert forward._variant_from_env() == ("PAGED_FWD_SKIP_VOID",)
+    monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_PINGPONG")
+    assert forward._variant_from_env() == ("PAGED_FWD_PINGPONG",)
     monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_NOPE")
     with pytest.raises(KernelValueError, match="SPARSEATTN_FWD_VARIANT"):
         forward._variant_from_env()
