@@ -18,10 +18,6 @@
 //   S = Q·Kᵀ (wgmma m64nCHUNKk16, Q and K from shared memory), exact per-key masking (-inf), online
 //   softmax in registers, O += P·V (wgmma, P from registers, one 16-key page per k-step), with the P·V of
 //   the warpgroup's previous chunk issued right behind the next S = Q·Kᵀ so it runs during the softmax.
-//   Two orderings make that overlap hold in the machine code: P is packed into registers of its own and
-//   moved into the P·V operand only after the P·V wait (packed straight into the operand, its stores need
-//   the wait and ptxas hoists the wait ahead of the exponentials), and O's rescale by a chunk's alpha is
-//   applied between the next S issue and that chunk's P·V issue, under the S GEMM (FA3's order).
 //   - M = 128 ("row split"): warpgroup w owns rows 64w .. 64w + 63 and consumes every chunk.
 //   - M = 64 ("key split"): both warpgroups own the same 64 rows and take alternate chunks (w, w + 2,
 //     ...); at the end warpgroup 1 hands its (O, max, sum) to warpgroup 0 through the Q buffer, which
@@ -41,9 +37,6 @@
 // zero-filling cp.async; K columns of invalid rows are masked, so their stale rows are never used.
 // PAGED_FWD_PINGPONG (opt-in): the consumer warpgroups issue their GEMMs in turns (kPingPong).
 // PAGED_FWD_REGS_232 (opt-in, with PAGED_FWD_TMA): 40 registers for the producer, 232 for the consumers.
-// PAGED_FWD_PACK_AFTER_WAIT (A/B knob): P packed straight into the P·V operand after the P·V wait, the
-// order before 2026-12-08 (SASS: every MUFU.EX2 after the P·V's WARPGROUP.DEPBAR, so a warpgroup's softmax
-// does not run under its own P·V). PAGED_FWD_RESCALE_AFTER_WAIT (A/B knob): O rescaled after the P·V wait.
 // PAGED_FWD_TOKENS (the token-order build): Q, K, V and O stay in token order, [batch, tokens, tok_heads,
 // HEAD_DIM] (the layout a model's projections produce), and slot s of (batch · head) row bh is token
 // q_map / k_map[map row + s] (-1: a padding slot, a zero row) of batch bh / tok_heads, head bh % tok_heads;
@@ -60,12 +53,6 @@
 // (k_map of that slot), as when a model keeps its tokens tile-major; one box per page and 64 columns, issued
 // by one lane, where a token gather computes an address per row.
 #include "hopper_wgmma.cuh"
-
-#ifdef PAGED_FWD_RESCALE_AFTER_WAIT
-constexpr bool kRescaleUnderS = false;
-#else
-constexpr bool kRescaleUnderS = true;  // O's rescale under the next S GEMM (see the header)
-#endif
 
 #if defined(PAGED_FWD_TMA) || defined(PAGED_FWD_TOKENS_TMA)
 #define PAGED_FWD_TMA_PARAMS \
@@ -200,14 +187,12 @@ struct WorkItem {
 };
 
 // O += P·V of the chunk in V buffer `buf` (its load completes phase `par` of v_full), then this warp's
-// release of the buffer (`release` arrivals; lane 0). kRescaleUnderS: O is first rescaled by the chunk's
-// `alpha` (deferred from its softmax).
+// release of the buffer (`release` arrivals; lane 0).
 template <int HEAD_DIM, int CHUNK>
 __device__ __forceinline__ void finish_pv(const FwdSmem<HEAD_DIM, CHUNK>& sm, float (&o)[HEAD_DIM / 2],
-                                          const uint32_t (&pa)[CHUNK / PAGE_ROWS][4], const float (&alpha)[2],
-                                          int buf, uint32_t par, uint32_t release, int lane) {
+                                          const uint32_t (&pa)[CHUNK / PAGE_ROWS][4], int buf, uint32_t par,
+                                          uint32_t release, int lane) {
     using C = FwdConfig<HEAD_DIM, CHUNK>;
-    if constexpr (kRescaleUnderS) hopper::rescale_rows(o, alpha);
     hopper::mbar_wait(sm.v_full(buf), par);
     hopper::fence_async_proxy();
     hopper::wgmma_fence();
@@ -244,6 +229,22 @@ __device__ __forceinline__ WorkItem decode_item(int item, int num_work, const in
     }
     it.chunks = (it.len + PAGES - 1) / PAGES;
     return it;
+}
+
+// An item with no stream entry and no owned page (on device plans, the slot of a block that joined its
+// neighbour's pair item) computes and stores nothing. With PAGED_FWD_SKIP_VOID both roles pass it by
+// without the Q buffer's hand-off, which otherwise costs a round trip between the warpgroups per item.
+// Warp-uniform; every lane of the warp calls it.
+__device__ __forceinline__ bool void_item(const WorkItem& it, const int2* __restrict__ own_pages, int q_pages,
+                                          int lane) {
+#ifdef PAGED_FWD_SKIP_VOID
+    if (it.len > 0) return false;
+    int page = -1;
+    if (it.ok && lane < PAGED_FWD_Q_PAGES) page = own_pages[it.w * PAGED_FWD_Q_PAGES + lane].x;
+    return !__any_sync(0xffffffffu, static_cast<unsigned>(page) < static_cast<unsigned>(q_pages));
+#else
+    return false;
+#endif
 }
 
 
@@ -297,7 +298,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         }
 #endif
         int chunk_count = 0;  // chunks issued so far (ring position)
-        int q_items = 0;      // items through the Q buffer so far
+        int q_items = 0;      // items through the Q buffer so far (void items skip it)
         for (int k = 0;; ++k) {
             const int islot = k & 1;
             const uint32_t ipar = (k >> 1) & 1;
@@ -313,6 +314,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             if (lane == 0) hopper::mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
             const WorkItem it = decode_item<PAGES, PAIR>(item, num_work, work_info, work_order, heads, stream_total);
+            if (void_item(it, own_pages, q_pages, lane)) continue;
             const size_t bh = static_cast<size_t>(it.batch) * heads + (it.ok ? it.head : 0);
 #ifdef PAGED_FWD_TOKENS
             const hopper::TokenRows tk = hopper::token_rows(bh, tok_heads, k_tokens, HEAD_DIM);
@@ -461,7 +463,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
         const int g = lane >> 2;
         const int t4 = lane & 3;
         int chunk_base = 0;  // ring position of the current item's chunk 0
-        int q_items = 0;     // items through the Q buffer so far
+        int q_items = 0;     // items through the Q buffer so far (void items skip it)
         for (int k = 0;; ++k) {
             const int islot = k & 1;
             hopper::mbar_wait(sm.item_full(islot), (k >> 1) & 1);
@@ -470,6 +472,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             if (lane == 0) hopper::mbar_arrive(sm.item_empty(islot));
             if (item < 0) break;
             const WorkItem it = decode_item<PAGES, PAIR>(item, num_work, work_info, work_order, heads, stream_total);
+            if (void_item(it, own_pages, q_pages, lane)) continue;
             const bool row_split = it.rows > 64;
             const uint32_t release = row_split ? 1u : 2u;  // arrivals per warp on an empty barrier
             const uint32_t aQrows = sm.q + (row_split ? cw * 64 * 128 : 0);
@@ -482,7 +485,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
             for (int i = 0; i < C::OREG; ++i) o[i] = 0.f;
             float row_max[2] = {-INFINITY, -INFINITY};
             float row_sum[2] = {0.f, 0.f};
-            float alpha[2];  // the last softmax's (kRescaleUnderS: applied at its P·V issue)
+            float alpha[2];
             float s[CHUNK / 2];
             uint32_t pa[PAGES][4];
             int prev = -1;  // V buffer of this warpgroup's previous chunk (its P·V is pending)
@@ -530,7 +533,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                         // the skipped chunk's load needs its V buffer, which the producer frees in ring
                         // order: finishing it then keeps the wait below from waiting on ourselves.
                         if (prev >= 0 && pos - prev_pos >= NBUF) {
-                            finish_pv(sm, o, pa, alpha, prev, prev_par, release, lane);
+                            finish_pv(sm, o, pa, prev, prev_par, release, lane);
                             prev = -1;
                         }
                         // (kPingPong: the turn before the wait: this V buffer may be freed by the other
@@ -559,10 +562,6 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 hopper::issue_qk<HEAD_DIM, CHUNK, PAGED_FWD_Q_ROWS>(s, aQrows, sm.k + buf * C::KV_BYTES);
                 hopper::wgmma_commit();
                 if (prev >= 0) {
-                    if constexpr (kRescaleUnderS) {  // the previous chunk's alpha, under this S
-                        hopper::rescale_rows(o, alpha);
-                        hopper::wgmma_fence();
-                    }
                     hopper::issue_pv<HEAD_DIM, CHUNK>(o, pa, sm.v + prev * C::KV_BYTES);
                     hopper::wgmma_commit();
                     if (kPingPong) pass_turn();
@@ -584,22 +583,11 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
                 hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
                 hopper::pin_registers(s);  // the softmax is computed before the wait below, under the P·V
-#ifndef PAGED_FWD_PACK_AFTER_WAIT
-                uint32_t p_next[PAGES][4];  // this chunk's P, packed before the wait (see the header)
-                hopper::pack_p<CHUNK>(p_next, s);
-#endif
                 hopper::wgmma_wait<0>();
                 hopper::pin_registers(o);
                 if (prev >= 0 && lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
-                if constexpr (!kRescaleUnderS) hopper::rescale_rows(o, alpha);
-#ifndef PAGED_FWD_PACK_AFTER_WAIT
-#pragma unroll
-                for (int p = 0; p < PAGES; ++p)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) pa[p][i] = p_next[p][i];
-#else
+                hopper::rescale_rows(o, alpha);
                 hopper::pack_p<CHUNK>(pa, s);
-#endif
                 prev = buf;
                 prev_par = par;
                 prev_pos = pos;
@@ -612,7 +600,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 __syncwarp();
                 if (lane == 0) hopper::mbar_arrive(sm.q_empty(), 1u);
             }
-            if (prev >= 0) finish_pv(sm, o, pa, alpha, prev, prev_par, release, lane);  // the last chunk's P·V
+            if (prev >= 0) finish_pv(sm, o, pa, prev, prev_par, release, lane);  // the last chunk's P·V
             chunk_base += it.chunks;
 
             // ---- epilogue

@@ -649,22 +649,11 @@ __device__ __forceinline__ void union_attention(
                     online_softmax<PW_CHUNK>(s, kAllKeys, scale_log2, row_max, row_sum, alpha);
                 }
                 pin_registers(s);
-#ifdef PW_SOFTMAX_UNDER_PV
-                uint32_t p_next[kSubPages][4];  // this chunk's P, packed before the wait (as paged_fwd.cu's v23)
-                pack_p<PW_CHUNK, kF16>(p_next, s);
-#endif
                 wgmma_wait<0>();
                 pin_registers(o);
                 if (prev >= 0 && lane == 0) mbar_arrive(sm.v_empty(prev), release);
                 rescale_rows(o, alpha);
-#ifdef PW_SOFTMAX_UNDER_PV
-#pragma unroll
-                for (int p = 0; p < kSubPages; ++p)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) pa[p][i] = p_next[p][i];
-#else
                 pack_p<PW_CHUNK, kF16>(pa, s);
-#endif
                 prev = buf;
                 prev_par = par;
             }

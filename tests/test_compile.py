@@ -279,7 +279,7 @@ def _compile_variant(source: str, names, variant: str):
     return compile_check.parse_ptxas_log(source, log, lowered)
 
 
-@pytest.mark.parametrize("variant", ["PW_BF16_OPERANDS", "PQ_BF16_OPERANDS", "PW_SOFTMAX_UNDER_PV"])
+@pytest.mark.parametrize("variant", ["PW_BF16_OPERANDS", "PQ_BF16_OPERANDS"])
 def test_pageweaver_variants_compile_without_spills(variant, reports):
     """The PageWeaver kernels' compile-time variants (sparseattn.kernels.pageweaver.set_variant) build too."""
     from sparseattn.kernels import pageweaver
@@ -338,8 +338,8 @@ def test_forward_variant_from_the_environment(monkeypatch):
     from sparseattn.kernels import forward
     from sparseattn.kernels.validate import KernelValueError
 
-    monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_PINGPONG")
-    assert forward._variant_from_env() == ("PAGED_FWD_PINGPONG",)
+    monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_SKIP_VOID")
+    assert forward._variant_from_env() == ("PAGED_FWD_SKIP_VOID",)
     monkeypatch.setenv("SPARSEATTN_FWD_VARIANT", "PAGED_FWD_NOPE")
     with pytest.raises(KernelValueError, match="SPARSEATTN_FWD_VARIANT"):
         forward._variant_from_env()

@@ -59,19 +59,18 @@ SMALL_BYTES = 1280
 ALIGN_SLACK = 1024
 MAX_NBUF = 8
 MAX_BATCH = 1 << 15
-#: Compile-time variants of ``paged_fwd.cu`` (A/B runs): ``PAGED_FWD_TMA`` loads K pages and full V pages with the tensor-memory
+#: Compile-time variants of ``paged_fwd.cu`` (A/B runs): ``PAGED_FWD_SKIP_VOID`` passes items with no stream
+#: entry and no owned page by without the Q buffer's hand-off (device plans hold one per block that joined
+#: its neighbour's pair item); ``PAGED_FWD_TMA`` loads K pages and full V pages with the tensor-memory
 #: accelerator (tensor maps :data:`TMA_PARAMS` after the kernel's other parameters); ``PAGED_FWD_PINGPONG``
 #: makes the two consumer warpgroups issue their GEMMs in turns; ``PAGED_FWD_REGS_232`` gives the consumers
-#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`);
-#: ``PAGED_FWD_PACK_AFTER_WAIT`` and ``PAGED_FWD_RESCALE_AFTER_WAIT`` restore the consumer loop's order
-#: before 2026-12-08 (P packed, O rescaled after the P·V wait; A/B knobs).
+#: 232 registers and the producer 40 (with ``PAGED_FWD_TMA``: :data:`VARIANT_NEEDS`).
 #: ``SPARSEATTN_FWD_VARIANT`` (comma-separated) selects them for a process.
 VARIANTS = (
+    "PAGED_FWD_SKIP_VOID",
     "PAGED_FWD_TMA",
     "PAGED_FWD_PINGPONG",
     "PAGED_FWD_REGS_232",
-    "PAGED_FWD_PACK_AFTER_WAIT",
-    "PAGED_FWD_RESCALE_AFTER_WAIT",
 )
 #: Variants that compile only together with others.
 VARIANT_NEEDS = {"PAGED_FWD_REGS_232": ("PAGED_FWD_TMA",)}

@@ -110,7 +110,7 @@ SMEM_BYTES = (
 E4M3_DTYPE_NAMES = ("uint8", "float8_e4m3fn")
 #: Compile-time variants that :func:`set_variant` (or the environment variable ``SPARSEATTN_PW_VARIANT``,
 #: comma-separated) may switch on: ``PW_*`` for ``pw_union_fwd.cu``, ``PQ_*`` for ``pw_per_query_fwd.cu``.
-VARIANTS = ("PW_BF16_OPERANDS", "PQ_BF16_OPERANDS", "PW_SOFTMAX_UNDER_PV")
+VARIANTS = ("PW_BF16_OPERANDS", "PQ_BF16_OPERANDS")
 _variant: tuple[str, ...] = ()
 
 
@@ -120,8 +120,6 @@ def set_variant(*names: str) -> tuple[str, ...]:
     The default builds use f16 operands (e4m3 → f16 exactly, the scales applied to S and P / O).
     ``PW_BF16_OPERANDS``: the union / KV-page kernels dequantise K and V to bf16 with their scales (the
     earlier path, kept for comparison). ``PQ_BF16_OPERANDS``: the same for the per-query kernel.
-    ``PW_SOFTMAX_UNDER_PV``: the union kernel packs each chunk's P into registers of its own before the wait
-    for the previous chunk's P·V, so that ptxas keeps that wait behind the softmax's exponentials.
     Returns the variant in force.
     """
     global _variant
