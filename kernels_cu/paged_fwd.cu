@@ -17,7 +17,10 @@
 // * Two consumer warpgroups (registers raised). Each computes 64 query rows against whole key chunks:
 //   S = Q·Kᵀ (wgmma m64nCHUNKk16, Q and K from shared memory), exact per-key masking (-inf), online
 //   softmax in registers, O += P·V (wgmma, P from registers, one 16-key page per k-step), with the P·V of
-//   the warpgroup's previous chunk issued right behind the next S = Q·Kᵀ so it runs during the softmax.
+//   the warpgroup's previous chunk issued right behind the next S = Q·Kᵀ. (ptxas places that P·V's wait
+//   ahead of the softmax's exponentials, since pack_p writes the P·V's operand registers; so a warpgroup's
+//   softmax runs under the other warpgroup's GEMMs. Packing P into other registers before the wait let
+//   ptxas reuse the in-flight operand's registers: wrong results, and slower; NOTES_kpage_fwd.md, v23.)
 //   - M = 128 ("row split"): warpgroup w owns rows 64w .. 64w + 63 and consumes every chunk.
 //   - M = 64 ("key split"): both warpgroups own the same 64 rows and take alternate chunks (w, w + 2,
 //     ...); at the end warpgroup 1 hands its (O, max, sum) to warpgroup 0 through the Q buffer, which
@@ -582,7 +585,7 @@ paged_fwd_kernel(const __nv_bfloat16* __restrict__ Q, const __nv_bfloat16* __res
                 hopper::pin_registers(s);
                 if (lane < kMaskReaders) hopper::mbar_arrive(sm.k_empty(buf), release);
                 hopper::online_softmax<CHUNK>(s, col_bits, scale_log2, row_max, row_sum, alpha);
-                hopper::pin_registers(s);  // the softmax is computed before the wait below, under the P·V
+                hopper::pin_registers(s);  // (ptxas hoists the wait below above the softmax: see the header)
                 hopper::wgmma_wait<0>();
                 hopper::pin_registers(o);
                 if (prev >= 0 && lane == 0) hopper::mbar_arrive(sm.v_empty(prev), release);
