@@ -9,10 +9,13 @@ K pages the two blocks share (``partners="shared"``, the host's default) and nei
 layout (``partners="layout"``). Prints items, empty items (a matched-away slot stays in the list with no
 stream), streamed pages, 16-row-page chunks of the kernel and the longest item. Then the backward's
 K/V-owned plans: the host's (pairs by shared Q pages, and by layout neighbours) against the device's twin,
-items and streamed Q pages.
+items and streamed Q pages. "in plain items": the chunks of items without visibility bits, which a host list
+marks ``PLAIN_ITEM`` (the pair kernel then skips its per-chunk decode) and the device planner leaves unmarked.
 """
 
 import sys
+
+import numpy as np
 
 from sparseattn.bench import topk_arrays
 from sparseattn.planning import device_emulation as emu
@@ -31,7 +34,16 @@ def counts(work) -> dict:
         pages=int(info[:, 2].sum()),
         chunks=int(chunks.sum()),
         longest=int(chunks.max()),
+        plain_chunks=int(chunks[plain_items(work)].sum()),
     )
+
+
+def plain_items(work) -> np.ndarray:
+    """bool ``[items]``: items with stream entries but no visibility bits (the kernel's plain items, which the
+    host marks with ``PLAIN_ITEM`` and the device planner does not)."""
+    begin, length = work.work_info[:, 1], work.work_info[:, 2]
+    with_bits = np.concatenate(([0], np.cumsum(((work.stream_mask.astype(np.int64) >> 16) & 0xFF) != 0)))
+    return (length > 0) & (with_bits[begin + length] == with_bits[begin])
 
 
 def main() -> None:
@@ -49,7 +61,8 @@ def main() -> None:
             c = counts(work)
             print(
                 f"{name} {label:24s} items {c['items']:6d} (empty {c['empty']:6d})  pages {c['pages']:9d} "
-                f"({c['pages'] / base['pages']:.3f}x)  chunks {c['chunks']:8d}  longest {c['longest']} chunks"
+                f"({c['pages'] / base['pages']:.3f}x)  chunks {c['chunks']:8d}  longest {c['longest']} chunks  "
+                f"in plain items {c['plain_chunks']}"
             )
         backward = {
             "host, shared pages": pair_backward_plan(graph),
