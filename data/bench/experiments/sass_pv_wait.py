@@ -1,13 +1,13 @@
 """Where the KPage forward's consumer loop waits for its P·V in the machine code (CPU; NOTES_kpage_fwd, v23).
 
-Compiles the forward's default instantiations (or those of PageWeaver's union kernel) for sm_90a with the
-NVRTC options, disassembles them and prints, per kernel and per consumer loop, how many ``MUFU.EX2`` (the
-softmax's exponentials) lie between the S wait (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) and the P·V wait
-(``WARPGROUP.DEPBAR.LE gsb0, 0x0``), and how many come after it. At 3bf6fc4 every exponential comes after.
+Compiles the forward's instantiations (``forward.NAME_EXPRESSIONS``), or PageWeaver's union kernels, with
+the project's NVRTC and options (:mod:`sparseattn.kernels.compile_check`), disassembles the cubin and prints,
+per kernel and per consumer loop, how many ``MUFU.EX2`` (the softmax's exponentials) lie between the S wait
+(``WARPGROUP.DEPBAR.LE gsb0, 0x1``) and the P·V wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``), and how many come
+after it. At 3bf6fc4 every exponential comes after.
 
-Needs ``nvcc`` and ``cuobjdump`` (on this repository's CPU machines ``cuobjdump`` comes from the
-``nvidia-cuda-cuobjdump`` wheel: ``pip download --no-deps nvidia-cuda-cuobjdump``, unzip, put its ``bin`` on
-``PATH``).
+Needs ``cuobjdump`` on ``PATH`` (on this repository's CPU machines from the ``nvidia-cuda-cuobjdump`` wheel:
+``pip download --no-deps nvidia-cuda-cuobjdump``, unzip, put its ``bin`` on ``PATH``).
 
     PYTHONPATH=src python data/bench/experiments/sass_pv_wait.py [forward|pageweaver] [-DMACRO ...]
 """
@@ -20,35 +20,29 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-KERNELS = ROOT / "kernels_cu"
-FORWARD = (
-    "paged_fwd_kernel<128, 128, false>",
-    "paged_fwd_kernel<128, 128, true>",
-    "paged_fwd_kernel<64, 128, false>",
-    "paged_fwd_kernel<64, 128, true>",
-    "paged_fwd_kernel<128, 64, false>",
-)
+from sparseattn.kernels import compile_check, forward, pageweaver, runtime
 
 
 def sass(source: str, kernels: tuple[str, ...], defines: list[str]) -> dict[str, list[str]]:
-    """Instruction lists per kernel (mangled name) of ``source`` compiled with ``defines``."""
+    """Instruction lists per kernel (its name expression) of ``source`` compiled with ``defines``."""
+    nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
+    options = compile_check.compile_options(compile_check.find_cuda_include()) + tuple(defines)
+    ok, log, cubin, lowered = nvrtc.compile(runtime.preprocess(source), source, options, kernels)
+    if not ok:
+        raise SystemExit(log)
     with tempfile.TemporaryDirectory() as tmp:
-        unit = Path(tmp) / "unit.cu"
-        refs = ", ".join(f"(void*){k}" for k in kernels)
-        unit.write_text(f'#include "{source}"\n' + (f"void* kernels[] = {{{refs}}};\n" if refs else ""))
-        cubin = Path(tmp) / "unit.cubin"
-        options = ["-std=c++17", "-arch=sm_90a", "--use_fast_math", "-cubin", f"-I{KERNELS}", *defines]
-        subprocess.run(["nvcc", *options, "-o", str(cubin), str(unit)], check=True, capture_output=True)
+        path = Path(tmp) / "unit.cubin"
+        path.write_bytes(cubin)
         text = subprocess.run(
-            ["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True, text=True
+            ["cuobjdump", "-sass", str(path)], check=True, capture_output=True, text=True
         ).stdout
+    by_lowered = {name: expr for expr, name in lowered.items()}
     functions: dict[str, list[str]] = {}
     name = None
     for line in text.splitlines():
         found = re.search(r"Function : (\S+)", line)
         if found:
-            name = found.group(1)
+            name = by_lowered.get(found.group(1), found.group(1))
             functions[name] = []
             continue
         found = re.match(r"\s+/\*[0-9a-f]{4}\*/\s*(.*?)\s*;", line)
@@ -73,14 +67,13 @@ def waits(instructions: list[str]) -> list[tuple[int, int]]:
 def main(argv: list[str]) -> None:
     which = argv[0] if argv and not argv[0].startswith("-") else "forward"
     defines = [a for a in argv if a.startswith("-D")]
-    source, kernels = ("paged_fwd.cu", FORWARD) if which == "forward" else ("pw_union_fwd.cu", ())
+    source, kernels = (
+        (forward.SOURCE, forward.NAME_EXPRESSIONS)
+        if which == "forward"
+        else (pageweaver.SOURCE, pageweaver.NAME_EXPRESSIONS)
+    )
     print(f"{source} {' '.join(defines) or '(default build)'}: MUFU.EX2 before / after the P·V wait")
-    for mangled, instructions in sass(source, kernels, defines).items():
-        name = (
-            subprocess.run(["c++filt", mangled], check=True, capture_output=True, text=True)
-            .stdout.strip()
-            .split("(")[0]
-        )
+    for name, instructions in sass(source, kernels, defines).items():
         for before, after in waits(instructions):
             print(f"  {name:40s} {len(instructions):5d} instructions: {before:3d} before, {after:3d} after")
 
