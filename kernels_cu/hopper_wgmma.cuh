@@ -73,8 +73,27 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));                    \
     }
 
+// NAME<N>(d, desc_a, desc_b): d = A · Bᵀ (SS, both operands as TRANS), d written only: a chain's first
+// k-step without reading d's previous (undefined) values, which would keep them live before the chain.
+#define HW_ACC8_OUT(b) "=f"(d[b + 0]), "=f"(d[b + 1]), "=f"(d[b + 2]), "=f"(d[b + 3]), \
+                       "=f"(d[b + 4]), "=f"(d[b + 5]), "=f"(d[b + 6]), "=f"(d[b + 7])
+#define HW_ACC32_OUT HW_ACC8_OUT(0), HW_ACC8_OUT(8), HW_ACC8_OUT(16), HW_ACC8_OUT(24)
+#define HW_ACC64_OUT HW_ACC32_OUT, HW_ACC8_OUT(32), HW_ACC8_OUT(40), HW_ACC8_OUT(48), HW_ACC8_OUT(56)
+#define HW_WGMMA_SS_FIRST(NAME, N, TY, ACC, REGS, IA, IB, TRANS)                                          \
+    template <>                                                                                             \
+    __device__ __forceinline__ void NAME<N>(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {           \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " REGS ", %" #IA ", %" #IB \
+                     ", 0, 1, 1, " TRANS ";\n"                                                               \
+                     : ACC                                                                                  \
+                     : "l"(desc_a), "l"(desc_b));                                                           \
+    }
+
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
+template <int N>
+__device__ __forceinline__ void wgmma_ss_first(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b);
+template <int N>
+__device__ __forceinline__ void wgmma_ss_tt_first(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b);
 template <int N>
 __device__ __forceinline__ void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b);
 template <int N>
@@ -97,6 +116,10 @@ HW_WGMMA_RS_TB(wgmma_rs_tb_f16, 64, "f16", HW_ACC32, HW_REGS32, 32, 33, 34, 35, 
 template <int N>
 __device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
 HW_WGMMA_SS(wgmma_ss_tt, 64, "bf16", HW_ACC32, HW_REGS32, 32, 33, 34, "1, 1")
+HW_WGMMA_SS(wgmma_ss_tt, 128, "bf16", HW_ACC64, HW_REGS64, 64, 65, 66, "1, 1")
+HW_WGMMA_SS_FIRST(wgmma_ss_first, 64, "bf16", HW_ACC32_OUT, HW_REGS32, 32, 33, "0, 0")
+HW_WGMMA_SS_FIRST(wgmma_ss_tt_first, 64, "bf16", HW_ACC32_OUT, HW_REGS32, 32, 33, "1, 1")
+HW_WGMMA_SS_FIRST(wgmma_ss_tt_first, 128, "bf16", HW_ACC64_OUT, HW_REGS64, 64, 65, "1, 1")
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -437,7 +460,9 @@ __device__ __forceinline__ void warp_tma_pages(uint32_t tile, int row0, const Tm
 // S = Q·Kᵀ for 64 query rows (starting at aQrows of a Q_ROWS-row Q tile) and one CHUNK-key K tile
 // (bf16 operands, or f16 with F16); with ADD_TO_S, S += Q·Kᵀ (s holds the initial values). K_ROWS: the rows of
 // the K tile's layout (its column blocks' stride), of which the first CHUNK are read (default: all).
-template <int HEAD_DIM, int CHUNK, int Q_ROWS, bool F16 = false, bool ADD_TO_S = false, int K_ROWS = CHUNK>
+// WRITE_FIRST (bf16, not ADD_TO_S): the first k-step only writes s (wgmma_ss_first).
+template <int HEAD_DIM, int CHUNK, int Q_ROWS, bool F16 = false, bool ADD_TO_S = false, int K_ROWS = CHUNK,
+          bool WRITE_FIRST = false>
 __device__ __forceinline__ void issue_qk(float (&s)[CHUNK / 2], uint32_t aQrows, uint32_t tK) {
     // the tiles' descriptors once, then constant steps (tile_offset's column blocks, 32-byte k-steps)
     const uint32_t a_lo = smem_desc_lo(aQrows, 16), b_lo = smem_desc_lo(tK, 16);
@@ -449,7 +474,12 @@ __device__ __forceinline__ void issue_qk(float (&s)[CHUNK / 2], uint32_t aQrows,
         const uint64_t db = desc_words(b_lo + (((kk >> 2) * (K_ROWS * 128) + col) >> 4), hi);
         if constexpr (F16)
             wgmma_ss_f16<CHUNK>(s, da, db, ADD_TO_S || kk > 0);
-        else
+        else if constexpr (WRITE_FIRST) {
+            if (kk == 0)
+                wgmma_ss_first<CHUNK>(s, da, db);
+            else
+                wgmma_ss<CHUNK>(s, da, db, 1);
+        } else
             wgmma_ss<CHUNK>(s, da, db, ADD_TO_S || kk > 0);
     }
 }

@@ -39,6 +39,10 @@
 //   3 (DQ_NONE): no dQ at all (no dSᵀ store, no dQ GEMM): paged_bwd_dq_kernel computes dQ in a Q-owned
 //     pass of its own, with no atomics.
 //
+// PAGED_BWD_WG_DQ (opt-in, paged_bwd_ws_kernel only): each consumer warpgroup computes the dQ of its own 64
+// owned rows over every head-dim column (dQ_w = dS_w · K_w, K-dim 64) and has its own fp32 staging buffer,
+// reduced by producer warp 2 + w; LSE₂ and Δ are staged per warpgroup. The two warpgroups then share no
+// barrier inside the loop (only 128-thread barriers of their own), at twice the dQ reduction traffic.
 // PAGED_BWD_TOKENS (the token-order build, beside the slot-order one): q, k, v, dO, dK and dV are
 // [batch, tokens, tok_heads, HEAD_DIM] and slot s of (batch · head) row bh is token q_map / k_map[map row
 // + s] (-1: padding) of batch bh / tok_heads, head bh % tok_heads (the forward's PAGED_FWD_TOKENS maps;
@@ -160,6 +164,22 @@ __device__ __forceinline__ void issue_dq(float (&dq)[32], uint32_t tdS, uint32_t
     }
 }
 
+// dQ (64 streamed rows x HEAD_DIM) = dS_w · K_w over one warpgroup's 64 owned rows: A = its 64-row half
+// of the [BLOCK_K][64] dSᵀ tile (from tdSRows), B = the 64 owned rows of the BLOCK_K-row K tile (from
+// tKRows), both MN-major, K-dim 64 (PAGED_BWD_WG_DQ).
+template <int HEAD_DIM, int BLOCK_K>
+__device__ __forceinline__ void issue_dq_own(float (&dq)[HEAD_DIM / 2], uint32_t tdSRows, uint32_t tKRows) {
+#pragma unroll
+    for (int kk = 0; kk < 64 / PAGE_ROWS; ++kk) {
+        const uint64_t da = hopper::smem_desc(tdSRows + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
+        const uint64_t db = hopper::smem_desc(tKRows + kk * (PAGE_ROWS * 128), BLOCK_K * 128, 1024);
+        if (kk == 0)
+            hopper::wgmma_ss_tt_first<HEAD_DIM>(dq, da, db);
+        else
+            hopper::wgmma_ss_tt<HEAD_DIM>(dq, da, db, 1);
+    }
+}
+
 // The owned pages of one work item, both matrices (K and V, or Q and dO; element offset bh_offset of the
 // (batch, head)): warp w of WARPS copies pages w, w + WARPS, ... of the 2 · ROWS / 16 into tiles tA and tB
 // (ROWS-row swizzled).
@@ -247,6 +267,49 @@ __device__ __forceinline__ void stage_dq_page(uint32_t page, const float (&dq)[3
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[4 * j + 2 * half]),
                          "f"(v[4 * j + 2 * half + 1])
                          : "memory");
+        }
+    }
+}
+
+// This warp's dQ rows over every head-dim column (a 64 x HEAD_DIM accumulator) into a staged fp32 page:
+// stage_dq_page's bank-conflict-free order (store j of a thread writes column block j ^ (g & 3)), addressed
+// from one register: pages are 1 KB-aligned, so bits 5-7 of a row's address are its 32-byte column block;
+// the register holds g & 3 there and store j's address is that register XOR j << 5 (plus an immediate).
+template <int HEAD_DIM>
+__device__ __forceinline__ void stage_dq_rows(uint32_t page, const float (&dq)[HEAD_DIM / 2], int g, int t4) {
+    static_assert(HEAD_DIM % 32 == 0, "a row of 32-float multiples starts on bank 0");
+    const int xg = g & 3;
+    uint32_t row_base = page + (g * HEAD_DIM + 2 * t4) * 4u + static_cast<uint32_t>(xg << 5);
+    asm volatile("" : "+r"(row_base));  // opaque per call: ptxas otherwise keeps 8 addresses live across the loop
+#pragma unroll
+    for (int h = 0; h < HEAD_DIM / 64; ++h) {
+        float v[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) v[i] = dq[32 * h + i];
+#pragma unroll
+        for (int bit = 1; bit <= 2; bit <<= 1) {  // v[4j ..] <- column block j ^ (g & 3)
+            const bool swap = (xg & bit) != 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if (j & bit) continue;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float a = v[4 * j + e], b = v[4 * (j ^ bit) + e];
+                    v[4 * j + e] = swap ? b : a;
+                    v[4 * (j ^ bit) + e] = swap ? a : b;
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const uint32_t addr =
+                    (row_base ^ static_cast<uint32_t>(j << 5)) + static_cast<uint32_t>((8 * half * HEAD_DIM + 64 * h) * 4);
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[4 * j + 2 * half]),
+                             "f"(v[4 * j + 2 * half + 1])
+                             : "memory");
+            }
         }
     }
 }
@@ -654,24 +717,34 @@ constexpr int kPairProducerRegs = 24;
 constexpr int kPairConsumerRegs = 240;
 constexpr int kConsumerWarps = 8;
 constexpr int kLoadThreads = 64;  // producer warps 0-1 arrive on a stage's full barrier
+#ifdef PAGED_BWD_WG_DQ
+constexpr bool kWgDq = true;
+#else
+constexpr bool kWgDq = false;
+#endif
+constexpr int kGroupBarrier = 2;  // kWgDq: + w, consumer warpgroup w's own 128-thread barrier
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads &&
                   kPairProducerRegs * 128 + kPairConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads,
               "register split past the launch allocation: setmaxnreg.inc would wait forever");
 
 template <int HEAD_DIM, bool PAIR = false>
 struct Config {
-    static constexpr int kMetaCopies = PAIR ? 2 : 1;  // pair items: LSE₂ per consumer warpgroup
+    // LSE₂ (and kWgDq: Δ) copies: pair items and kWgDq one per consumer warpgroup
+    static constexpr int kMetaCopies = PAIR || kWgDq ? 2 : 1;
     static constexpr int kKBytes = kBlockK * HEAD_DIM * 2;         // K or V (owned)
     static constexpr int kQBytes = PB_Q_ROWS * HEAD_DIM * 2;       // one Q or dO stage
     static constexpr int kSBytes = kBlockK * PB_Q_ROWS * 2;        // one dSᵀ buffer
+    static constexpr int kSBuffers = kWgDq ? 1 : 2;                // kWgDq: each warpgroup's barrier orders reuse
     // dQ staging: 64 fp32 rows in contiguous pages, one bulk reduction per page; stage_dq_page orders its
-    // stores so that a half-warp's four rows hit 32 distinct banks
+    // stores so that a half-warp's four rows hit 32 distinct banks (kWgDq: one buffer per warpgroup)
     static constexpr int kPageBytesF32 = PAGE_ROWS * HEAD_DIM * 4;
     static constexpr int kDqBytes = PB_Q_ROWS * HEAD_DIM * 4;
-    // LSE₂ copies and Δ per stage; PAIR: + the seen-row ballot words [2 stages][4 warps]
+    static constexpr int kDqBuffers = kWgDq ? 2 : 1;
+    // LSE₂ and Δ copies per stage; PAIR: + the seen-row ballot words [2 stages][4 warps]
     static constexpr int kMetaBytes = 2 * 2 * kMetaCopies * PB_Q_ROWS * 4 + (PAIR ? 2 * 4 * 4 : 0);
-    static constexpr int kBarBytes = 8 * 8;                        // q_full[2], q_empty[2], dq_full, dq_empty
-    static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 4 * kQBytes + 2 * kSBytes + kDqBytes + kMetaBytes + kBarBytes;
+    static constexpr int kBarBytes = 8 * 8;  // q_full[2], q_empty[2], (dq_full, dq_empty)[2] (one pair unless kWgDq)
+    static constexpr int kSmemBytes = 1024 + 2 * kKBytes + 4 * kQBytes + kSBuffers * kSBytes +
+                                      kDqBuffers * kDqBytes + kMetaBytes + kBarBytes;
     static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dim 64 or 128");
     static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory limit");
 };
@@ -708,17 +781,17 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     const uint32_t tV = tK + Cfg::kKBytes;
     const uint32_t tQ0 = tV + Cfg::kKBytes;        // [2] Q stages
     const uint32_t tdO0 = tQ0 + 2 * Cfg::kQBytes;  // [2] dO stages
-    const uint32_t tdS0 = tdO0 + 2 * Cfg::kQBytes; // [2] dSᵀ buffers
-    const uint32_t tDq = tdS0 + 2 * Cfg::kSBytes;  // dQ staging
-    const int meta_off = static_cast<int>(tDq - base) + Cfg::kDqBytes;
+    const uint32_t tdS0 = tdO0 + 2 * Cfg::kQBytes;              // [kSBuffers] dSᵀ buffers
+    const uint32_t tDq = tdS0 + Cfg::kSBuffers * Cfg::kSBytes;  // [kDqBuffers] dQ staging
+    const int meta_off = static_cast<int>(tDq - base) + Cfg::kDqBuffers * Cfg::kDqBytes;
     constexpr int MS = Cfg::kMetaCopies * QS;                  // one stage of LSE₂ (or Δ)
     float* sLse = reinterpret_cast<float*>(smem + meta_off);  // [2][copies][QS], log2 units, +inf = no keys
     float* sDelta = sLse + 2 * MS;                             // [2][copies][QS], copy 0 used
     const uint32_t bars = base + meta_off + Cfg::kMetaBytes;
     auto q_full = [&](int s) { return bars + 8 * s; };
     auto q_empty = [&](int s) { return bars + 8 * (2 + s); };
-    const uint32_t dq_full = bars + 8 * 4;
-    const uint32_t dq_empty = bars + 8 * 5;
+    auto dq_full = [&](int w) { return bars + 8 * (4 + 2 * w); };
+    auto dq_empty = [&](int w) { return bars + 8 * (5 + 2 * w); };
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
@@ -738,8 +811,10 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
             mbar_init(q_full(s), kLoadThreads);
             mbar_init(q_empty(s), kConsumerWarps);
         }
-        mbar_init(dq_full, kConsumerWarps);
-        mbar_init(dq_empty, 1);
+        for (int w = 0; w < Cfg::kDqBuffers; ++w) {
+            mbar_init(dq_full(w), kConsumerWarps / Cfg::kDqBuffers);
+            mbar_init(dq_empty(w), 1);
+        }
     }
 #ifdef PAGED_BWD_TOKENS
     paged_bwd::load_owned_token_pages<D, BK, kThreads / 32>(tK, tV, k, v, token_rows(bh, tok_heads, k_tokens, D),
@@ -815,22 +890,24 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 mbar_arrive(q_full(st));
             }
             paged::cp_async_wait<0>();
-        } else if (warp == 3) {  // warp 3: each step's dQ pages, one bulk reduction each (lane 0)
+        } else if (warp == 3 || (kWgDq && warp == 2)) {  // each step's dQ pages, one bulk reduction each (lane 0)
+            const int w = kWgDq ? warp - 2 : 0;  // kWgDq: warp 2 + w reduces consumer warpgroup w's staging
+            const uint32_t staging = tDq + w * Cfg::kDqBytes;
             float* dq_bh = dq_accum + bh * q_slots * D;
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
-                mbar_wait(dq_full, t & 1);
+                mbar_wait(dq_full(w), t & 1);
                 if (lane == 0) {
                     const int npages = min(SP, stream_len - t * SP);
                     for (int p = 0; p < npages; ++p) {
                         const int page = pages_all[t * SP + p];
                         if (static_cast<unsigned>(page) < static_cast<unsigned>(q_pages))
                             paged_bwd::bulk_reduce_add_f32(dq_bh + static_cast<size_t>(page) * PAGE_ROWS * D,
-                                                           tDq + p * Cfg::kPageBytesF32, Cfg::kPageBytesF32);
+                                                           staging + p * Cfg::kPageBytesF32, Cfg::kPageBytesF32);
                     }
                     paged_bwd::bulk_commit();
                     paged_bwd::bulk_wait_read();
-                    mbar_arrive(dq_empty);
+                    mbar_arrive(dq_empty(w));
                 }
                 __syncwarp();
             }
@@ -858,11 +935,14 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     // known), the page id of step t + 3. PAIR: each warpgroup b stages its own LSE₂ copy (threads 0-63),
     // holding the rows half b sees and the others as absent pages (LSE₂ = +inf); warpgroup 1's threads
     // 64-127 stage Δ, one copy over the union (where P is 0, so is dS).
-    const int meta_row = PAIR ? (ctid & 63) : (ctid & 127);
-    const bool meta_thread = PAIR ? kvp == 1 || (ctid & 127) < 64 : meta_row < QS;  // warp-uniform
-    const bool meta_is_lse = PAIR ? (ctid & 127) < 64 : kvp == 0;
-    float* const lse_copy = sLse + (PAIR ? kvp * QS : 0);  // the LSE₂ this warpgroup reads (and stages)
-    float* const sMeta = meta_is_lse ? lse_copy : sDelta;
+    // kWgDq: every warpgroup stages (and reads) its own copies of both, LSE₂ by warps 0-1, Δ by warps 2-3.
+    constexpr bool kHalfRows = PAIR || kWgDq;  // 64 staging threads per value and warpgroup
+    const int meta_row = kHalfRows ? (ctid & 63) : (ctid & 127);
+    const bool meta_thread = kWgDq || (PAIR ? kvp == 1 || (ctid & 127) < 64 : meta_row < QS);  // warp-uniform
+    const bool meta_is_lse = kHalfRows ? (ctid & 127) < 64 : kvp == 0;
+    float* const lse_copy = sLse + (kHalfRows ? kvp * QS : 0);  // the LSE₂ this warpgroup reads (and stages)
+    float* const delta_copy = sDelta + (kWgDq ? kvp * QS : 0);  // the Δ it reads
+    float* const sMeta = meta_is_lse ? lse_copy : delta_copy;
     const float* const meta_src = (meta_is_lse ? lse : delta) + bh * q_slots;
     // PAIR: pair_pages columns (union, seen by half 0, seen by half 1): Δ takes the union
     constexpr int kMetaStep = PAIR ? 3 : 1;
@@ -909,6 +989,107 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
+    if constexpr (kWgDq) {
+        // Per step, warpgroup-local: S, dP; P, dS; dV, dK issued; barrier (every warp's dQ GEMM of the
+        // previous step has read the single dSᵀ tile); dSᵀ half stored; next LSE₂ / Δ staged; barrier; dV, dK
+        // waited (P and dS registers free); dQ of every column over the own 64 keys; staged for warp 2 + kvp.
+        // A PAIR step this half does not see is one branch of its own (no GEMM in flight where the two meet).
+        const int bar = kGroupBarrier + kvp;
+        const uint32_t tdSRows = tdS0 + kvp * 64 * 128;
+        const uint32_t tKRows = tK + kvp * 64 * 128;
+        const uint32_t staging = tDq + kvp * Cfg::kDqBytes + wq * Cfg::kPageBytesF32;
+#pragma unroll 1
+        for (int t = 0; t < num_tiles; ++t) {
+            const int st = t & 1;
+            const uint32_t tQ = tQ0 + st * Cfg::kQBytes;
+            const uint32_t tdO = tdO0 + st * Cfg::kQBytes;
+            const float* tLse = lse_copy + st * MS;
+            const float* tDelta = delta_copy + st * MS;
+            mbar_wait(q_full(st), (t >> 1) & 1);
+            fence_async_proxy();
+
+            float raw1 = 0.f;
+            uint32_t mask2 = 0;
+            int page3 = -1;
+            auto load_meta = [&]() {  // loads only: their results are first used in stage_next_meta
+                if (meta_thread) {
+                    raw1 = meta_src[max(slot1, 0)];
+                    mask2 = paged::load_page_mask(q_page_mask, page2, q_pages);
+                    page3 = meta_page(t + 3);
+                }
+            };
+            // stage t + 1's buffer was last read by step t - 1's p_and_ds, before its second barrier; this
+            // barrier also publishes the step's dSᵀ half
+            auto stage_next_meta = [&]() {
+                if (meta_thread) {
+                    if (t + 1 < num_tiles) stage_meta(st ^ 1, meta_value(raw1, slot1));
+                    slot1 = meta_slot(mask2, page2);
+                    page2 = page3;
+                }
+                fence_async_proxy();
+                named_sync(bar, 128);
+            };
+            auto release_q = [&]() {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(q_empty(st));
+                mbar_wait(dq_empty(kvp), (t & 1) ^ 1u);
+            };
+            auto publish_dq = [&]() {
+                fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
+                __syncwarp();
+                if (lane == 0) mbar_arrive(dq_full(kvp));
+            };
+            // PAIR: a half that sees none of the step's rows skips its GEMMs; its dQ partial is zero
+            if (PAIR && (sSeen[st * 4 + 2 * kvp] | sSeen[st * 4 + 2 * kvp + 1]) == 0u) {
+                load_meta();
+                stage_next_meta();
+                release_q();
+#pragma unroll
+                for (int i = lane; i < Cfg::kPageBytesF32 / 16; i += 32)  // the warp's page of zeros
+                    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(staging + 16 * i), "r"(0) : "memory");
+                publish_dq();
+            } else {
+                float s[QS / 2];
+                float dp[QS / 2];
+                wgmma_fence();
+                issue_qk<D, QS, BK, false, false, QS, true>(s, aK, tQ);
+                wgmma_commit();
+                issue_qk<D, QS, BK, false, false, QS, true>(dp, aV, tdO);
+                wgmma_commit();
+                load_meta();
+                wgmma_wait<0>();
+                pin_registers(s);
+                pin_registers(dp);
+                paged_bwd::p_and_ds(s, dp, kvalid_lo, kvalid_hi, tLse, tDelta, scale_log2, t4);
+                uint32_t pa[QS / PAGE_ROWS][4];
+                uint32_t pds[QS / PAGE_ROWS][4];
+                pack_p<QS>(pa, s);
+                pack_p<QS>(pds, dp);
+                wgmma_fence();
+                issue_pv<D, QS>(acc_dv, pa, tdO);
+                wgmma_commit();
+                issue_pv<D, QS>(acc_dk, pds, tQ);
+                wgmma_commit();
+                named_sync(bar, 128);
+                paged_bwd::store_ds<BK>(tdS0, pds, kvp, wq, g, t4);
+                stage_next_meta();
+                wgmma_wait<0>();  // dV and dK: P and dS registers free
+                pin_registers(acc_dk);
+                pin_registers(acc_dv);
+                float dq[D / 2];
+                wgmma_fence();
+                paged_bwd::issue_dq_own<D, BK>(dq, tdSRows, tKRows);
+                wgmma_commit();
+                wgmma_wait<0>();  // Q, dO and the dSᵀ half are read
+                pin_registers(dq);
+                pin_registers(acc_dk);
+                pin_registers(acc_dv);
+                release_q();
+                paged_bwd::stage_dq_rows<D>(staging, dq, g, t4);
+                publish_dq();
+            }
+        }
+    } else {
 #pragma unroll 1
     for (int t = 0; t < num_tiles; ++t) {
         const int st = t & 1;
@@ -985,12 +1166,13 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         if (lane == 0) mbar_arrive(q_empty(st));
 
         // dQ partial -> staging (page wq of the step: rows 16·wq .., contiguous fp32 page), for warp 3
-        mbar_wait(dq_empty, (t & 1) ^ 1u);
+        mbar_wait(dq_empty(0), (t & 1) ^ 1u);
         if (has_dq)
             paged_bwd::stage_dq_page<D>(tDq + wq * Cfg::kPageBytesF32, dq, 64 * kvp, g, t4);
         fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
         __syncwarp();
-        if (lane == 0) mbar_arrive(dq_full);
+        if (lane == 0) mbar_arrive(dq_full(0));
+    }
     }
 
     // dK (scaled) and dV: staged bf16 in the K / V tiles once neither consumer reads them, then 16-byte stores

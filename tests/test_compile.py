@@ -12,7 +12,7 @@ import re
 import pytest
 
 from sparseattn import constants
-from sparseattn.kernels import bsa_mma_forward, compile_check, forward, runtime
+from sparseattn.kernels import bsa_backward, bsa_mma_forward, compile_check, forward, runtime
 
 
 def _cuh_defines() -> dict[str, int]:
@@ -332,6 +332,64 @@ def test_backward_token_build_compiles(reports):
     for kernel in ("paged_bwd_kernel", "paged_bwd_ws_kernel"):
         sig = re.search(rf"\n{kernel}\((.*?)\)\s*\{{", text, re.DOTALL).group(1)
         assert sig.rstrip().endswith("PAGED_BWD_TOKEN_PARAMS"), kernel
+
+
+@pytest.mark.parametrize("variant", bsa_backward.VARIANTS)
+def test_backward_variants_compile_without_new_spills(variant, reports):
+    """The KPage backward's compile-time variants (bsa_backward.VARIANTS) build every kernel, alone and with the
+    token-order build, with no wgmma serialized and no spill the default build does not accept."""
+    from sparseattn.kernels import bsa_backward as bb
+
+    for names, build in (
+        (bb.WGMMA_NAME_EXPRESSIONS, variant),
+        (bb.TOKEN_NAME_EXPRESSIONS, f"{variant},{bb.TOKEN_DEFINE}"),
+    ):
+        kernels = _compile_variant(bb.WGMMA_SOURCE, names, build)
+        assert {k.kernel for k in kernels} >= set(names)
+        assert not any(k.wgmma_serialized for k in kernels), [k.kernel for k in kernels if k.wgmma_serialized]
+        for k in kernels:
+            limit = compile_check.ACCEPTED_SPILLS.get(k.kernel)
+            if bb.TOKEN_DEFINE in build:
+                stores, loads = TOKEN_BWD_ACCEPTED_SPILLS.get(k.kernel, (0, 0))
+            else:
+                stores, loads = (limit.stores, limit.loads) if limit else (0, 0)
+            assert k.spill_stores <= stores and k.spill_loads <= loads, (
+                build,
+                k.kernel,
+                k.spill_stores,
+                k.spill_loads,
+            )
+
+
+def test_backward_variant_shared_memory_mirrors_the_kernel(reports):
+    """bsa_backward.ws_smem_bytes with each variant equals paged_bwd_ws::Config's in that build."""
+    from sparseattn.kernels import bsa_backward as bb
+
+    nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
+    for variant in bb.VARIANTS:
+        options = compile_check.compile_options(compile_check.find_cuda_include()) + (f"-D{variant}",)
+        checks = "".join(
+            f"static_assert(paged_bwd_ws::Config<{d}, {str(pair).lower()}>::kSmemBytes == "
+            f'{bb.ws_smem_bytes(d, pair, (variant,))}, "ws s");'
+            for d in bb.HEAD_DIMS
+            for pair in (False, True)
+        )
+        ok, log, _, _ = nvrtc.compile(
+            runtime.preprocess(bb.WGMMA_SOURCE) + "\n" + checks + "\n", "v.cu", options, ()
+        )
+        assert ok, (variant, log)
+
+
+def test_backward_variant_from_the_environment(monkeypatch):
+    from sparseattn.kernels import bsa_backward as bb
+    from sparseattn.kernels import launch
+    from sparseattn.kernels.validate import KernelValueError
+
+    monkeypatch.setenv("SPARSEATTN_BWD_VARIANT", "PAGED_BWD_WG_DQ")
+    assert launch.variants_from_env("SPARSEATTN_BWD_VARIANT", bb.VARIANTS) == ("PAGED_BWD_WG_DQ",)
+    monkeypatch.setenv("SPARSEATTN_BWD_VARIANT", "PAGED_BWD_NOPE")
+    with pytest.raises(KernelValueError, match="SPARSEATTN_BWD_VARIANT"):
+        launch.variants_from_env("SPARSEATTN_BWD_VARIANT", bb.VARIANTS)
 
 
 def test_forward_variant_from_the_environment(monkeypatch):

@@ -387,6 +387,7 @@ def bench_paged(
     deterministic)`` of ``bwd_impls`` (impl ``None``: ``SPARSEATTN_BWD_IMPL`` or the default); each record
     names its kernel. A ``bwd`` record's ``physical_pairs`` are the backward plan's (its kernel's step)."""
     from .kernels.backward import backward_executed_pairs, backward_route, paged_backward
+    from .kernels.bsa_backward import DEFINES as bwd_defines
     from .kernels.bsa_backward import default_impl
     from .kernels.forward import DEFINES as fwd_defines
     from .kernels.forward import executed_pairs, forward_route, paged_forward
@@ -464,6 +465,7 @@ def bench_paged(
                 deterministic=deterministic,
                 route=fwd_route,
                 bwd_route=str(backward_route(g, kind, route, name, deterministic)),
+                **({"bwd_variant": ",".join(bwd_defines)} if bwd_defines else {}),
             )
             try:
                 ms, _ = timer(fn)

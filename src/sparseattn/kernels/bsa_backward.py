@@ -68,6 +68,12 @@ from .validate import (
 
 SOURCE = "bsa_bwd.cu"
 WGMMA_SOURCE = "paged_bwd.cu"
+#: Compile-time variants of ``paged_bwd.cu`` (A/B runs): ``PAGED_BWD_WG_DQ`` makes each consumer warpgroup
+#: of paged_bwd_ws_kernel compute the dQ of its own 64 owned rows over every head-dim column and reduce it
+#: through its own staging buffer, so the two warpgroups share no barrier inside the loop (twice the dQ
+#: reduction traffic). ``SPARSEATTN_BWD_VARIANT`` (comma-separated) selects them for a process.
+VARIANTS = ("PAGED_BWD_WG_DQ",)
+DEFINES = launch.variants_from_env("SPARSEATTN_BWD_VARIANT", VARIANTS)
 #: How a wgmma CTA adds its dQ partials (paged_bwd.cu's DQ_MODE): fp32 vector atomics, bulk
 #: asynchronous reductions of staged pages, or 64-bit fixed-point integer atomics (deterministic).
 DQ_ATOMIC, DQ_BULK, DQ_FIXED, DQ_NONE = 0, 1, 2, 3
@@ -165,15 +171,18 @@ def ws_kernel_name(head_dim: int, pair: bool = False) -> str:
     return f"paged_bwd_ws_kernel<{head_dim}, {'true' if pair else 'false'}>"
 
 
-def ws_smem_bytes(head_dim: int, pair: bool = False) -> int:
-    """paged_bwd_ws_kernel: alignment slack, K and V (128 owned rows), 2-stage Q and dO (64 rows), two dSᵀ
-    buffers (bf16), the fp32 dQ staging of one step (contiguous pages), LSE₂ and Δ per stage (``pair``: two
-    copies each, and the seen-row ballot words [2 stages][4 warps]), six mbarriers (+2 spare)."""
+def ws_smem_bytes(head_dim: int, pair: bool = False, defines: tuple[str, ...] | None = None) -> int:
+    """paged_bwd_ws_kernel (its Config): alignment slack, K and V (128 owned rows), 2-stage Q and dO (64 rows),
+    two dSᵀ buffers (bf16), the fp32 dQ staging of one step (contiguous pages), LSE₂ and Δ per stage
+    (``pair``: two copies each, and the seen-row ballot words [2 stages][4 warps]), six mbarriers (+2 spare).
+    ``PAGED_BWD_WG_DQ`` in ``defines`` (default :data:`DEFINES`): one dSᵀ buffer, a dQ staging per consumer
+    warpgroup, two copies of LSE₂ and Δ."""
+    wg_dq = "PAGED_BWD_WG_DQ" in (DEFINES if defines is None else defines)
     return (
         1024
-        + 2 * (2 * 128 * head_dim + 4 * 64 * head_dim + 2 * 128 * 64)
-        + 64 * head_dim * 4
-        + 2 * 2 * (2 if pair else 1) * 64 * 4
+        + 2 * (2 * 128 * head_dim + 4 * 64 * head_dim + (1 if wg_dq else 2) * 128 * 64)
+        + (2 if wg_dq else 1) * 64 * head_dim * 4
+        + 2 * 2 * (2 if pair or wg_dq else 1) * 64 * 4
         + (2 * 4 * 4 if pair else 0)
         + 64
     )
@@ -229,7 +238,12 @@ TOKEN_NAME_EXPRESSIONS = WGMMA_NAME_EXPRESSIONS + tuple(
 
 def extra_builds() -> tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]:
     """The token-order build, for :mod:`.warmup`: ``((source, name expressions, defines),)``."""
-    return ((WGMMA_SOURCE, TOKEN_NAME_EXPRESSIONS, (TOKEN_DEFINE,)),)
+    return ((WGMMA_SOURCE, TOKEN_NAME_EXPRESSIONS, (*DEFINES, TOKEN_DEFINE)),)
+
+
+def kernel_defines(source: str) -> tuple[str, ...]:
+    """The macros ``source`` is compiled with now (:data:`DEFINES`): what :mod:`.warmup` compiles."""
+    return DEFINES if source == WGMMA_SOURCE else ()
 
 
 def wgmma_threads_per_cta(owned_rows: int, split: int = 1) -> int:
@@ -598,7 +612,7 @@ def backward_recipe(
     if fixed:
         r.temporaries["absmax"] = ((3,), np.uint32)
         r.steps.append(("memset", "absmax", 12, 0))
-        fn = launch.function(WGMMA_SOURCE, ABSMAX_NAME, WGMMA_NAME_EXPRESSIONS)
+        fn = launch.function(WGMMA_SOURCE, ABSMAX_NAME, WGMMA_NAME_EXPRESSIONS, DEFINES)
         blocks = 4 * launch.sm_count(device)
         for i, (name, slots, mask) in enumerate(
             (("do", sq, "stream_page_mask"), ("v", sk, "own_page_mask"), ("k", sk, "own_page_mask"))
@@ -613,9 +627,11 @@ def backward_recipe(
             r.steps.append(step)
 
     function = (
-        (lambda name: launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS))
+        (lambda name: launch.function(WGMMA_SOURCE, name, WGMMA_NAME_EXPRESSIONS, DEFINES))
         if tokens is None
-        else (lambda name: launch.function(WGMMA_SOURCE, name, TOKEN_NAME_EXPRESSIONS, (TOKEN_DEFINE,)))
+        else (
+            lambda name: launch.function(WGMMA_SOURCE, name, TOKEN_NAME_EXPRESSIONS, (*DEFINES, TOKEN_DEFINE))
+        )
     )
     rows = b * h * sq
     lanes = rows * (d // 8)
@@ -654,14 +670,14 @@ def backward_recipe(
             dq_arrays = _arena_relative(dq_arrays, dq_plan)
 
         def dq_kernel(owned_rows, pair=False):
-            fn = launch.function(WGMMA_SOURCE, dq_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS)
+            fn = launch.function(WGMMA_SOURCE, dq_kernel_name(d, owned_rows), WGMMA_NAME_EXPRESSIONS, DEFINES)
             return fn, dq_smem_bytes(d, owned_rows), dq_threads_per_cta(owned_rows)
 
         dq_tensors = ("q", "k", "v", "do", "lse", "delta", "dq")
         r.steps.append(_route_steps(r, dq_plan, dq_arrays, dq_kernel, dq_tensors, (b, h, sq, sk), scale))
         r.steps.extend(_uncovered_steps(r, ("dq",), dq_arrays, dq_plan, (b, h, q_pages, d)))
     elif fixed:
-        post = launch.function(WGMMA_SOURCE, FIXED_POSTPROCESS_NAME, WGMMA_NAME_EXPRESSIONS)
+        post = launch.function(WGMMA_SOURCE, FIXED_POSTPROCESS_NAME, WGMMA_NAME_EXPRESSIONS, DEFINES)
         n2 = b * h * sq * d // 2
         args = ("dq_accum", "dq", np.float32(scale), "absmax", np.int32(d), np.int64(n2))
         r.steps.append(r.add(post, (-(-n2 // ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,), args))
