@@ -19,6 +19,17 @@ def test_builds_are_named_by_their_macros():
         variant_ab.parse_variant("PAGED_FWD_NOPE")
 
 
+def test_backward_builds_are_named_by_the_backward_macros():
+    from sparseattn.kernels.bsa_backward import VARIANTS as BWD_VARIANTS
+
+    assert variant_ab.parse_variant("PAGED_BWD_WG_DQ", "bwd") == ("PAGED_BWD_WG_DQ",)
+    assert variant_ab.parse_builds(None, "bwd") == [(), *((v,) for v in BWD_VARIANTS)]
+    with pytest.raises(ValueError, match="--variant 'PAGED_FWD_TMA'"):  # a forward macro is no backward build
+        variant_ab.parse_variant("PAGED_FWD_TMA", "bwd")
+    with pytest.raises(ValueError, match="--variant 'PAGED_BWD_WG_DQ'"):
+        variant_ab.parse_variant("PAGED_BWD_WG_DQ")
+
+
 def test_builds_default_to_each_macro_and_need_two():
     builds = variant_ab.parse_builds(None)
     assert builds[0] == () and len(builds) == len(VARIANTS) + 1
@@ -56,8 +67,22 @@ def test_the_paired_ratio_cancels_drift_between_rounds():
         (["--workload", "nope", "--variant", "default", "--variant", "PAGED_FWD_TMA"], "--workload 'nope'"),
         (["--workload", "dense_32768", "--variant", "default", "--variant", "BAD"], "--variant 'BAD'"),
         (["--workload", "dense_32768", "--rounds", "1"], "--rounds"),
+        (
+            [
+                "--workload",
+                "dense_32768",
+                "--pass",
+                "bwd",
+                "--variant",
+                "default",
+                "--variant",
+                "PAGED_FWD_TMA",
+            ],
+            "--variant 'PAGED_FWD_TMA'",
+        ),
+        (["--workload", "dense_32768", "--pass", "bwd", "--cudnn"], "--cudnn"),
     ],
-    ids=["workload", "variant", "rounds"],
+    ids=["workload", "variant", "rounds", "bwd-variant", "bwd-cudnn"],
 )
 def test_bad_arguments_are_named_before_any_gpu_work(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -103,6 +128,33 @@ def test_a_recorded_run_is_drawn_without_a_gpu(tmp_path):
 
     fig = variant_ratio_figure([])  # nothing to draw: a figure that says so
     assert "no kpage records" in " ".join(t.get_text() for ax in fig.axes for t in ax.texts)
+
+
+def test_a_recorded_backward_run_is_drawn_by_its_builds(tmp_path):
+    import json
+
+    times = {"default": [18.2, 18.4, 18.3], "PAGED_BWD_WG_DQ": [16.9, 17.1, 17.0]}
+    records = [
+        dict(
+            workload="vsa_wan14b_480p",
+            impl="kpage",
+            bwd_variant=name,
+            baseline="default",
+            **{"pass": "bwd"},
+            **s,
+        )
+        for name, s in variant_ab.summarize(times, "default").items()
+    ]
+    run = tmp_path / "ab_bwd.json"
+    run.write_text(json.dumps({"records": records}))
+    out = tmp_path / "ab_bwd.png"
+    assert cli.main(["bench", "variants", "--from-json", str(run), "--plot", str(out)]) == 0
+    from sparseattn.speedplots import variant_ratio_figure
+
+    fig = variant_ratio_figure(records)
+    ax = fig.axes[0]
+    assert "backward" in ax.get_title(loc="left")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["default", "WG_DQ"]
 
 
 def test_the_plot_path_is_checked_first(tmp_path, capsys):

@@ -595,7 +595,7 @@ def _add_bench_parser(sub, bench) -> None:
     help_text = (
         "benchmark the CUDA kernels on a GPU (needs the gpu extra); 'bench pageweaver --help': PageWeaver's "
         "suite; 'bench model wan --help': whole Wan steps; 'bench model prefill --help': a Llama prefill; "
-        "'bench variants --help': an interleaved A/B of the KPage forward's builds"
+        "'bench variants --help': an interleaved A/B of the KPage forward's (or backward's) builds"
     )
     if bench is None:
         sub.add_parser("bench", help=help_text, add_help=False)
@@ -715,7 +715,10 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as err:
             return _error(err, EXIT_UNAVAILABLE)
         return kernel_bench.main(argv[2:], prog=f"{PROG} bench pageweaver")
-    if argv[:2] == ["bench", "variants"]:  # an interleaved A/B of the KPage forward's compile-time builds
+    if argv[:2] == [
+        "bench",
+        "variants",
+    ]:  # an interleaved A/B of the KPage forward's or backward's compile-time builds
         from . import variant_ab
 
         try:

@@ -354,16 +354,18 @@ def _write(fig: Figure, path) -> Figure:
 
 def variant_ratio_figure(records: list[dict], path=None) -> Figure:
     """The paired time ratios of ``sparseattn bench variants`` records: one row per workload, one marker per
-    forward build (the median over rounds of its time over the baseline build's in the same round, the
-    interquartile range as a bar); left of 1 is faster than the baseline. cuDNN's records are left out
-    (on a sparse workload its ratio is off the scale)."""
+    forward (or, for ``bwd`` records, backward) build (the median over rounds of its time over the baseline
+    build's in the same round, the interquartile range as a bar); left of 1 is faster than the baseline.
+    cuDNN's records are left out (on a sparse workload its ratio is off the scale)."""
     rows = [r for r in records if r.get("impl") == "kpage" and r.get("paired_ratio") is not None]
     if not rows:
         return _empty_figure(
             "Forward builds, paired time ratio", "no kpage records with a paired ratio", path
         )
+    backward = rows[0].get("pass") == "bwd"
+    key = "bwd_variant" if backward else "fwd_variant"
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    builds = list(dict.fromkeys(r["fwd_variant"] for r in rows))
+    builds = list(dict.fromkeys(r[key] for r in rows))
     baseline = rows[0].get("baseline", builds[0])
     palette = [c for name, c in figstyle.OKABE_ITO.items() if name not in ("grey",)]
     with figstyle.style():
@@ -376,7 +378,7 @@ def variant_ratio_figure(records: list[dict], path=None) -> Figure:
         for b, build in enumerate(builds):
             ys, xs, lo, hi = [], [], [], []
             for w, workload in enumerate(workloads):
-                rec = next((r for r in rows if r["workload"] == workload and r["fwd_variant"] == build), None)
+                rec = next((r for r in rows if r["workload"] == workload and r[key] == build), None)
                 if rec is None:
                     continue
                 q1, q3 = rec.get("paired_ratio_iqr") or (rec["paired_ratio"],) * 2
@@ -385,12 +387,14 @@ def variant_ratio_figure(records: list[dict], path=None) -> Figure:
                 lo.append(rec["paired_ratio"] - q1)
                 hi.append(q3 - rec["paired_ratio"])
             color = palette[b % len(palette)]
-            label = " + ".join(part.removeprefix("PAGED_FWD_") for part in build.split(","))
+            label = " + ".join(
+                part.removeprefix("PAGED_FWD_").removeprefix("PAGED_BWD_") for part in build.split(",")
+            )
             ax.errorbar(xs, ys, xerr=[lo, hi], fmt="o", ms=3.5, color=color, elinewidth=1.0, label=label)
         ax.axvline(1.0, color=figstyle.OKABE_ITO["grey"], lw=0.8, zorder=0)
         ax.set_yticks(range(len(workloads)), [figstyle.workload_label(w) for w in workloads])
         ax.invert_yaxis()
         ax.set_xlabel(f"time ÷ {baseline}'s in the same round (median over rounds; bar: quartiles)")
-        ax.set_title("KPage forward builds alternated in one process")
+        ax.set_title(f"KPage {'backward' if backward else 'forward'} builds alternated in one process")
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize="small", frameon=False)
     return _write(fig, path)

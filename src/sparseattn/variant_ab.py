@@ -1,4 +1,4 @@
-"""Interleaved A/B of the KPage forward's compile-time builds (``sparseattn bench variants``).
+"""Interleaved A/B of the KPage forward's (or backward's) compile-time builds (``sparseattn bench variants``).
 
 Separate bench processes drift: back-to-back runs of the same build on one GPU read 1–4% apart as the GPU
 warms, which is the size of the differences the forward's variants make. This runs every build (and
@@ -10,11 +10,16 @@ two builds' times in that round, where drift cancels.
 Builds are named by their macros (:data:`sparseattn.kernels.forward.VARIANTS`): ``default`` or
 comma-joined names, e.g. ``PAGED_FWD_TMA,PAGED_FWD_PINGPONG``. Each build's output is checked against
 the float64 reference (head 0, sampled Q blocks) on a NaN-poisoned output buffer before timing.
+``--pass bwd`` alternates the backward's builds instead (:data:`sparseattn.kernels.bsa_backward.VARIANTS`,
+e.g. ``PAGED_BWD_WG_DQ``) on the default forward's outputs; each build's gradients are checked against the
+float64 reference (head 0) before timing; records carry ``bwd_variant``.
 
 .. code-block:: text
 
     sparseattn bench variants --workload dense_32768 --workload vsa_wan14b_480p \\
         --variant default --variant PAGED_FWD_TMA --cudnn --rounds 12 --reps 5 --out ab.json
+    sparseattn bench variants --pass bwd --workload vsa_wan14b_480p \\
+        --variant default --variant PAGED_BWD_WG_DQ --rounds 8 --reps 3 --out ab_bwd.json
 """
 
 from __future__ import annotations
@@ -30,21 +35,31 @@ DEFAULT = "default"
 CUDNN = "cudnn_dense"
 
 
-def parse_variant(text: str) -> tuple[str, ...]:
-    """``"default"`` -> ``()``; ``"A,B"`` -> ``("A", "B")`` sorted; unknown macros raise ``ValueError``
-    naming ``--variant``."""
-    from .kernels.forward import VARIANTS, check_variants
+def known_variants(pass_: str = "fwd") -> tuple[str, ...]:
+    """The macros ``--variant`` may name for ``--pass pass_``."""
+    if pass_ == "bwd":
+        from .kernels.bsa_backward import VARIANTS
+    else:
+        from .kernels.forward import VARIANTS
+    return VARIANTS
 
+
+def parse_variant(text: str, pass_: str = "fwd") -> tuple[str, ...]:
+    """``"default"`` -> ``()``; ``"A,B"`` -> ``("A", "B")`` sorted; unknown macros (of ``pass_``'s kernel)
+    raise ``ValueError`` naming ``--variant``."""
+    from .kernels.forward import check_variants
+
+    variants = known_variants(pass_)
     text = text.strip()
     if text == DEFAULT:
         return ()
     names = tuple(sorted({n.strip() for n in text.split(",") if n.strip()}))
-    unknown = [n for n in names if n not in VARIANTS]
+    unknown = [n for n in names if n not in variants]
     if not names or unknown:
         raise ValueError(
-            f"--variant {text!r}: expected {DEFAULT!r} or comma-joined names of {', '.join(VARIANTS)}"
+            f"--variant {text!r}: expected {DEFAULT!r} or comma-joined names of {', '.join(variants)}"
         )
-    return check_variants(names, f"--variant {text!r}")
+    return check_variants(names, f"--variant {text!r}") if pass_ == "fwd" else names
 
 
 def variant_name(defines: tuple[str, ...]) -> str:
@@ -80,6 +95,8 @@ def _poison(o) -> None:
 
 def run_workload(name: str, builds: list[tuple[str, ...]], args, timer) -> list[dict]:
     """Check every build on one workload, then time them (and cuDNN with ``--cudnn``) in rotated rounds."""
+    if getattr(args, "pass_", "fwd") == "bwd":
+        return run_backward_workload(name, builds, args, timer)
     import cupy
 
     from . import bench
@@ -113,12 +130,7 @@ def run_workload(name: str, builds: list[tuple[str, ...]], args, timer) -> list[
             checks[label] = rel
         if args.cudnn:
             calls[CUDNN] = _cudnn_call(case)
-        names = list(calls)
-        times = {n: [] for n in names}
-        for r in range(args.rounds):
-            for n in rotation(names, r):
-                ms, _ = timer(calls[n])
-                times[n].append(ms)
+        times = _timed_rounds(calls, args, timer)
     finally:
         forward.DEFINES = saved
     summary = summarize(times, variant_name(builds[0]))
@@ -148,6 +160,76 @@ def run_workload(name: str, builds: list[tuple[str, ...]], args, timer) -> list[
     return records
 
 
+def _timed_rounds(calls: dict, args, timer) -> dict[str, list[float]]:
+    names = list(calls)
+    times = {n: [] for n in names}
+    for r in range(args.rounds):
+        for n in rotation(names, r):
+            ms, _ = timer(calls[n])
+            times[n].append(ms)
+    return times
+
+
+def run_backward_workload(name: str, builds: list[tuple[str, ...]], args, timer) -> list[dict]:
+    """``--pass bwd``: the backward's builds on one workload, each checked (gradients of head 0 against the
+    float64 reference), then timed in rotated rounds; the forward's outputs (default build) are shared."""
+    import cupy
+
+    from . import bench
+    from .kernels import bsa_backward
+    from .kernels.backward import backward_executed_pairs, paged_backward
+    from .kernels.forward import paged_forward
+
+    graph, head_dim = bench.workload_graph(name, args.heads, seed=args.seed)
+    case = bench.Case(graph, head_dim, args.batch, seed=args.seed + 1)
+    useful = graph.useful_pairs() * args.batch
+    o, lse = paged_forward(case.q, case.k, case.v, graph, scale=case.scale)
+    saved = bsa_backward.DEFINES
+
+    def call_with(defines):
+        def call():
+            bsa_backward.DEFINES = defines  # a recipe is cached per build (the defines are in its key)
+            return paged_backward(case.q, case.k, case.v, o, lse, case.do, graph, scale=case.scale)
+
+        return call
+
+    calls, checks = {}, {}
+    try:
+        for defines in builds:
+            label = variant_name(defines)
+            calls[label] = call_with(defines)
+            grads = calls[label]()
+            cupy.cuda.Device().synchronize()
+            checks[label] = None if args.no_check else case.grad_err_head0(o, lse, grads)
+            del grads
+        times = _timed_rounds(calls, args, timer)
+    finally:
+        bsa_backward.DEFINES = saved
+    physical = backward_executed_pairs(graph, head_dim) * args.batch
+    records = []
+    for label, s in summarize(times, variant_name(builds[0])).items():
+        rel = checks.get(label)
+        record = dict(
+            workload=name,
+            impl="kpage",
+            bwd_variant=label,
+            **{"pass": "bwd"},
+            **s,
+            baseline=variant_name(builds[0]),
+            rounds=args.rounds,
+            reps=args.reps,
+            rel_err_grads=rel,
+            correct=None if rel is None else bool(rel < bench.GRAD_REL_TOL),
+            heads=graph.heads,
+            head_dim=head_dim,
+            batch=args.batch,
+            useful_pairs=useful,
+            physical_pairs=physical,
+        )
+        records.append(bench._rates(record, useful, head_dim))
+    return records
+
+
 def _cudnn_call(case):
     """cuDNN's dense SDPA on random inputs of the workload's shape (its tokens, heads, head dim)."""
     import torch
@@ -168,13 +250,22 @@ def build_parser(prog: str = "sparseattn bench variants") -> argparse.ArgumentPa
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--workload", action="append", metavar="NAME", help="built-in workload (repeatable)")
     parser.add_argument(
+        "--pass",
+        dest="pass_",
+        choices=("fwd", "bwd"),
+        default="fwd",
+        help="the kernel whose builds alternate: the forward (default) or the backward",
+    )
+    parser.add_argument(
         "--variant",
         action="append",
         metavar="BUILD",
-        help=f"'{DEFAULT}' or comma-joined forward macros (repeatable; the first is the baseline; "
+        help=f"'{DEFAULT}' or comma-joined macros of the --pass kernel (repeatable; the first is the baseline; "
         f"default: {DEFAULT} and each single macro)",
     )
-    parser.add_argument("--cudnn", action="store_true", help="also time cuDNN's dense SDPA in every round")
+    parser.add_argument(
+        "--cudnn", action="store_true", help="also time cuDNN's dense SDPA in every round (--pass fwd)"
+    )
     parser.add_argument("--rounds", type=int, default=12, help="rounds (each times every build)")
     parser.add_argument("--reps", type=int, default=5, help="timed calls per build per round (median)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -220,14 +311,15 @@ def workload_names() -> list[str]:
     return [*WORKLOADS, *DENSE_WORKLOADS]
 
 
-def parse_builds(texts: list[str] | None) -> list[tuple[str, ...]]:
+def parse_builds(texts: list[str] | None, pass_: str = "fwd") -> list[tuple[str, ...]]:
     """The builds of ``--variant`` in order, without repeats (default: the default build and each macro)."""
-    from .kernels.forward import VARIANT_NEEDS, VARIANTS
+    from .kernels.forward import VARIANT_NEEDS
 
+    needs = VARIANT_NEEDS if pass_ == "fwd" else {}
     builds = (
-        [parse_variant(t) for t in texts]
+        [parse_variant(t, pass_) for t in texts]
         if texts
-        else [(), *(tuple(sorted((v, *VARIANT_NEEDS.get(v, ())))) for v in VARIANTS)]
+        else [(), *(tuple(sorted((v, *needs.get(v, ())))) for v in known_variants(pass_))]
     )
     unique = list(dict.fromkeys(builds))
     if len(unique) < 2:
@@ -249,9 +341,11 @@ def main(argv=None, prog: str = "sparseattn bench variants") -> int:
     if not args.workload:
         parser.error("--workload is required (or --from-json FILE --plot PATH)")
     try:
-        builds = parse_builds(args.variant)
+        builds = parse_builds(args.variant, args.pass_)
     except ValueError as err:
         parser.error(str(err))
+    if args.cudnn and args.pass_ != "fwd":
+        parser.error("--cudnn: cuDNN's reference is timed with --pass fwd only")
     if args.rounds < 2 or args.reps < 1:
         parser.error("--rounds must be at least 2 and --reps at least 1")
     unknown = [w for w in args.workload if w not in workload_names()]
@@ -272,7 +366,7 @@ def main(argv=None, prog: str = "sparseattn bench variants") -> int:
     print(f"{'workload':18s} {'build':40s} {'median ms':>10s} {'paired':>8s} {'correct':>8s}")
     for r in records:
         print(
-            f"{r['workload']:18s} {(r['fwd_variant'] or r['impl']):40s} {r['time_ms']:10.3f} "
+            f"{r['workload']:18s} {(r.get('fwd_variant') or r.get('bwd_variant') or r['impl']):40s} {r['time_ms']:10.3f} "
             f"{r['paired_ratio']:8.4f} {r['correct']!s:>8s}"
         )
     if args.out:

@@ -38,18 +38,18 @@ step svg2_step 120 \
     --methods wgmma_in_slots_queued_clusters,wgmma_in_slots_queued_clusters_beside \
     --reps 8 --warmup 1 --out "$work/svg2_step.json"
 step plan 240 \
-    sparseattn bench --workload vsa_wan14b_720p --workload vsa_wan14b_480p --workload ssta_hy15_720p \
+    python -m sparseattn bench --workload vsa_wan14b_720p --workload vsa_wan14b_480p --workload ssta_hy15_720p \
     --workload sta_wan14b_69f --impl kpage --pass fwd --pass plan --reps 10 --out "$work/device_planner_speed.json"
 step dense 240 \
-    sparseattn bench --workload dense_16384 --workload dense_32768 --workload dense_75600 --workload dense_131072 \
+    python -m sparseattn bench --workload dense_16384 --workload dense_32768 --workload dense_75600 --workload dense_131072 \
     --impl kpage --impl cudnn_dense --pass fwd --reps 10 --out "$work/dense_speed.json"
 step forward 240 \
-    sparseattn bench --workload ssta_hy15_720p --workload svg2_wan14b_720p --workload vsa_wan14b_720p \
+    python -m sparseattn bench --workload ssta_hy15_720p --workload svg2_wan14b_720p --workload vsa_wan14b_720p \
     --workload vsa_wan14b_480p --impl kpage --pass fwd --reps 10 --out "$work/forward_speed.json"
 step host_cost 180 \
     python -m sparseattn.host_cost --out "$work/host_cost.json"
 step svg2_peers 240 \
-    sparseattn bench --workload svg2_wan14b_720p --impl kpage --impl flashinfer_varblock \
+    python -m sparseattn bench --workload svg2_wan14b_720p --impl kpage --impl flashinfer_varblock \
     --impl flashinfer_varblock_fa3 --reps 10 --out "$work/svg2_peers.json"
 step wan_compile 360 \
     python -m sparseattn.wan_compile --layers 4 --graph-layers 2 --warmup 1 --reps 3 --token-order tiles \
@@ -59,7 +59,7 @@ step gpucheck 560 \
 step wan_vsa 560 \
     python -m sparseattn.wan_bench --reps 3 --out "$work/wan_steps_vsa.json"
 step model_wan 580 \
-    sparseattn bench model wan --models 1.3b --res 480p,720p --impl dense,kpage_sta_tiles,flex_sta,kpage_svg2 \
+    python -m sparseattn bench model wan --models 1.3b --res 480p,720p --impl dense,kpage_sta_tiles,flex_sta,kpage_svg2 \
     --budget-s 450 --out "$work/model_wan.json"
 
 tar czf "$out/records.tgz" -C "$work" .

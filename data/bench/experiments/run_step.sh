@@ -1,4 +1,4 @@
-# Sourced by the lab run scripts (opt_in_decisions_run.sh, issue_records_run.sh) on the GPU machine, from
+# Sourced by the lab run scripts (opt_in_decisions_run.sh, issue_records_run.sh, kpage_bwd_variant_run.sh) on the GPU machine, from
 # the repository root. The script sets `steps` (the names to run) and `step_dir` (where the logs go) first.
 
 # The run's environment: the project from src/, the records' commit (from .scratch/commit where it travels:

@@ -582,7 +582,7 @@ def backward_recipe(
     owns unwritten and names them in ``zeroed``, which the caller allocates as zeros."""
     b, h, sq, sk, d = sizes
     dq_key = "device" if isinstance(dq_plan, DeviceOwnedPlan) else id(dq_plan)
-    key = ("recipe", impl, bool(deterministic), dq_key, sizes, scale, tokens, device)
+    key = ("recipe", impl, bool(deterministic), dq_key, sizes, scale, tokens, device, DEFINES)
     cache = _recipe_cache(plan, arrays, dq_plan)
     cached_recipe = None if cache is None else cache.get(key)
     if cached_recipe is not None:
