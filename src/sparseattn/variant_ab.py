@@ -139,24 +139,23 @@ def run_workload(name: str, builds: list[tuple[str, ...]], args, timer) -> list[
     records = []
     for label, s in summary.items():
         rel = checks.get(label)
-        record = dict(
-            workload=name,
-            impl="cudnn_dense" if label == CUDNN else "kpage",
-            fwd_variant=None if label == CUDNN else label,
-            **{"pass": "fwd"},
-            **s,
-            baseline=variant_name(builds[0]),
-            rounds=args.rounds,
-            reps=args.reps,
-            rel_err_o=rel,
-            correct=None if rel is None else bool(rel < bench.O_REL_TOL),
-            heads=graph.heads,
-            head_dim=head_dim,
-            batch=args.batch,
-            useful_pairs=useful,
-            physical_pairs=dense_pairs if label == CUDNN else kpage_pairs,
+        records.append(
+            _ab_record(
+                name,
+                s,
+                builds,
+                args,
+                graph,
+                head_dim,
+                useful,
+                dense_pairs if label == CUDNN else kpage_pairs,
+                impl="cudnn_dense" if label == CUDNN else "kpage",
+                fwd_variant=None if label == CUDNN else label,
+                **{"pass": "fwd"},
+                rel_err_o=rel,
+                correct=None if rel is None else bool(rel < bench.O_REL_TOL),
+            )
         )
-        records.append(bench._rates(record, useful, head_dim))
     return records
 
 
@@ -209,25 +208,44 @@ def run_backward_workload(name: str, builds: list[tuple[str, ...]], args, timer)
     records = []
     for label, s in summarize(times, variant_name(builds[0])).items():
         rel = checks.get(label)
-        record = dict(
-            workload=name,
-            impl="kpage",
-            bwd_variant=label,
-            **{"pass": "bwd"},
-            **s,
-            baseline=variant_name(builds[0]),
-            rounds=args.rounds,
-            reps=args.reps,
-            rel_err_grads=rel,
-            correct=None if rel is None else bool(rel < bench.GRAD_REL_TOL),
-            heads=graph.heads,
-            head_dim=head_dim,
-            batch=args.batch,
-            useful_pairs=useful,
-            physical_pairs=physical,
+        records.append(
+            _ab_record(
+                name,
+                s,
+                builds,
+                args,
+                graph,
+                head_dim,
+                useful,
+                physical,
+                impl="kpage",
+                bwd_variant=label,
+                **{"pass": "bwd"},
+                rel_err_grads=rel,
+                correct=None if rel is None else bool(rel < bench.GRAD_REL_TOL),
+            )
         )
-        records.append(bench._rates(record, useful, head_dim))
     return records
+
+
+def _ab_record(workload, summary, builds, args, graph, head_dim, useful, physical, **fields) -> dict:
+    """One build's record of an A/B run: ``fields`` (impl, pass, build, check) and its round summary."""
+    from . import bench
+
+    record = dict(
+        workload=workload,
+        **fields,
+        **summary,
+        baseline=variant_name(builds[0]),
+        rounds=args.rounds,
+        reps=args.reps,
+        heads=graph.heads,
+        head_dim=head_dim,
+        batch=args.batch,
+        useful_pairs=useful,
+        physical_pairs=physical,
+    )
+    return bench._rates(record, useful, head_dim)
 
 
 def _cudnn_call(case):
