@@ -23,8 +23,8 @@ def test_interleaved_ab_checks_and_times_every_build(tmp_path):
 
 
 def test_interleaved_backward_ab_checks_and_times_every_build(tmp_path):
-    """--pass bwd: each backward build's gradients checked, then the builds alternated (a recipe per build:
-    the second build really runs its own kernel, so its check is its own)."""
+    """--pass bwd: each backward build's gradients checked against the reference, then the builds alternated
+    in rounds; the process's build is restored afterwards."""
     from sparseattn import variant_ab
     from sparseattn.kernels import bsa_backward
 
