@@ -43,6 +43,8 @@
 // owned rows over every head-dim column (dQ_w = dS_w · K_w, K-dim 64) and has its own fp32 staging buffer,
 // reduced by producer warp 2 + w; LSE₂ and Δ are staged per warpgroup. The two warpgroups then share no
 // barrier inside the loop (only 128-thread barriers of their own), at twice the dQ reduction traffic.
+// PAGED_BWD_WG_OFFSET (with PAGED_BWD_WG_DQ): warpgroup 1 starts its loop once warpgroup 0 has issued its first
+// step's dV and dK, so that the two run half a step apart.
 // PAGED_BWD_TOKENS (the token-order build, beside the slot-order one): q, k, v, dO, dK and dV are
 // [batch, tokens, tok_heads, HEAD_DIM] and slot s of (batch · head) row bh is token q_map / k_map[map row
 // + s] (-1: padding) of batch bh / tok_heads, head bh % tok_heads (the forward's PAGED_FWD_TOKENS maps;
@@ -723,6 +725,15 @@ constexpr bool kWgDq = true;
 constexpr bool kWgDq = false;
 #endif
 constexpr int kGroupBarrier = 2;  // kWgDq: + w, consumer warpgroup w's own 128-thread barrier
+#ifdef PAGED_BWD_WG_OFFSET
+#ifndef PAGED_BWD_WG_DQ
+#error "PAGED_BWD_WG_OFFSET needs PAGED_BWD_WG_DQ"
+#endif
+constexpr bool kWgOffset = true;
+#else
+constexpr bool kWgOffset = false;
+#endif
+constexpr int kOffsetBarrier = 4;  // kWgOffset: warpgroup 1 starts once warpgroup 0 has issued its first dV, dK
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads &&
                   kPairProducerRegs * 128 + kPairConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads,
               "register split past the launch allocation: setmaxnreg.inc would wait forever");
@@ -998,6 +1009,9 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         const uint32_t tdSRows = tdS0 + kvp * 64 * 128;
         const uint32_t tKRows = tK + kvp * 64 * 128;
         const uint32_t staging = tDq + kvp * Cfg::kDqBytes + wq * Cfg::kPageBytesF32;
+        // kWgOffset: the two warpgroups start half a step apart (nothing in the loop pulls them back together
+        // but their shared data): warpgroup 1 waits until warpgroup 0 has passed its first step's exponentials
+        if (kWgOffset && kvp == 1 && num_tiles > 0) named_sync(kOffsetBarrier, 256);
 #pragma unroll 1
         for (int t = 0; t < num_tiles; ++t) {
             const int st = t & 1;
@@ -1039,8 +1053,12 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 __syncwarp();
                 if (lane == 0) mbar_arrive(dq_full(kvp));
             };
+            auto release_partner = [&]() {
+                if (kWgOffset && kvp == 0 && t == 0) named_arrive(kOffsetBarrier, 256);
+            };
             // PAIR: a half that sees none of the step's rows skips its GEMMs; its dQ partial is zero
             if (PAIR && (sSeen[st * 4 + 2 * kvp] | sSeen[st * 4 + 2 * kvp + 1]) == 0u) {
+                release_partner();
                 load_meta();
                 stage_next_meta();
                 release_q();
@@ -1070,6 +1088,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 wgmma_commit();
                 issue_pv<D, QS>(acc_dk, pds, tQ);
                 wgmma_commit();
+                release_partner();
                 named_sync(bar, 128);
                 paged_bwd::store_ds<BK>(tdS0, pds, kvp, wq, g, t4);
                 stage_next_meta();

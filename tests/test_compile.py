@@ -340,6 +340,7 @@ def test_backward_variants_compile_without_new_spills(variant, reports):
     token-order build, with no wgmma serialized and no spill the default build does not accept."""
     from sparseattn.kernels import bsa_backward as bb
 
+    variant = ",".join((variant, *bb.VARIANT_NEEDS.get(variant, ())))
     for names, build in (
         (bb.WGMMA_NAME_EXPRESSIONS, variant),
         (bb.TOKEN_NAME_EXPRESSIONS, f"{variant},{bb.TOKEN_DEFINE}"),
@@ -367,10 +368,13 @@ def test_backward_variant_shared_memory_mirrors_the_kernel(reports):
 
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
     for variant in bb.VARIANTS:
-        options = compile_check.compile_options(compile_check.find_cuda_include()) + (f"-D{variant}",)
+        build = (variant, *bb.VARIANT_NEEDS.get(variant, ()))
+        options = compile_check.compile_options(compile_check.find_cuda_include()) + tuple(
+            f"-D{v}" for v in build
+        )
         checks = "".join(
             f"static_assert(paged_bwd_ws::Config<{d}, {str(pair).lower()}>::kSmemBytes == "
-            f'{bb.ws_smem_bytes(d, pair, (variant,))}, "ws s");'
+            f'{bb.ws_smem_bytes(d, pair, build)}, "ws s");'
             for d in bb.HEAD_DIMS
             for pair in (False, True)
         )
@@ -390,6 +394,10 @@ def test_backward_variant_from_the_environment(monkeypatch):
     monkeypatch.setenv("SPARSEATTN_BWD_VARIANT", "PAGED_BWD_NOPE")
     with pytest.raises(KernelValueError, match="SPARSEATTN_BWD_VARIANT"):
         launch.variants_from_env("SPARSEATTN_BWD_VARIANT", bb.VARIANTS)
+    with pytest.raises(
+        KernelValueError, match="SPARSEATTN_BWD_VARIANT: PAGED_BWD_WG_OFFSET needs PAGED_BWD_WG_DQ"
+    ):
+        launch.check_variant_needs(("PAGED_BWD_WG_OFFSET",), bb.VARIANT_NEEDS, "SPARSEATTN_BWD_VARIANT")
 
 
 def test_forward_variant_from_the_environment(monkeypatch):

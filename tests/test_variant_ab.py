@@ -23,7 +23,14 @@ def test_backward_builds_are_named_by_the_backward_macros():
     from sparseattn.kernels.bsa_backward import VARIANTS as BWD_VARIANTS
 
     assert variant_ab.parse_variant("PAGED_BWD_WG_DQ", "bwd") == ("PAGED_BWD_WG_DQ",)
-    assert variant_ab.parse_builds(None, "bwd") == [(), *((v,) for v in BWD_VARIANTS)]
+    assert variant_ab.parse_builds(None, "bwd") == [
+        (),
+        ("PAGED_BWD_WG_DQ",),
+        ("PAGED_BWD_WG_DQ", "PAGED_BWD_WG_OFFSET"),
+    ]
+    assert len(BWD_VARIANTS) == 2
+    with pytest.raises(ValueError, match="PAGED_BWD_WG_OFFSET needs PAGED_BWD_WG_DQ"):
+        variant_ab.parse_variant("PAGED_BWD_WG_OFFSET", "bwd")
     with pytest.raises(ValueError, match="--variant 'PAGED_FWD_TMA'"):  # a forward macro is no backward build
         variant_ab.parse_variant("PAGED_FWD_TMA", "bwd")
     with pytest.raises(ValueError, match="--variant 'PAGED_BWD_WG_DQ'"):

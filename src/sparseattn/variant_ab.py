@@ -35,21 +35,21 @@ DEFAULT = "default"
 CUDNN = "cudnn_dense"
 
 
-def known_variants(pass_: str = "fwd") -> tuple[str, ...]:
-    """The macros ``--variant`` may name for ``--pass pass_``."""
+def known_variants(pass_: str = "fwd") -> tuple[tuple[str, ...], dict]:
+    """The macros ``--variant`` may name for ``--pass pass_``, and the companions each needs."""
     if pass_ == "bwd":
-        from .kernels.bsa_backward import VARIANTS
+        from .kernels.bsa_backward import VARIANT_NEEDS, VARIANTS
     else:
-        from .kernels.forward import VARIANTS
-    return VARIANTS
+        from .kernels.forward import VARIANT_NEEDS, VARIANTS
+    return VARIANTS, VARIANT_NEEDS
 
 
 def parse_variant(text: str, pass_: str = "fwd") -> tuple[str, ...]:
     """``"default"`` -> ``()``; ``"A,B"`` -> ``("A", "B")`` sorted; unknown macros (of ``pass_``'s kernel)
     raise ``ValueError`` naming ``--variant``."""
-    from .kernels.forward import check_variants
+    from .kernels.launch import check_variant_needs
 
-    variants = known_variants(pass_)
+    variants, needs = known_variants(pass_)
     text = text.strip()
     if text == DEFAULT:
         return ()
@@ -59,7 +59,7 @@ def parse_variant(text: str, pass_: str = "fwd") -> tuple[str, ...]:
         raise ValueError(
             f"--variant {text!r}: expected {DEFAULT!r} or comma-joined names of {', '.join(variants)}"
         )
-    return check_variants(names, f"--variant {text!r}") if pass_ == "fwd" else names
+    return check_variant_needs(names, needs, f"--variant {text!r}")
 
 
 def variant_name(defines: tuple[str, ...]) -> str:
@@ -331,13 +331,11 @@ def workload_names() -> list[str]:
 
 def parse_builds(texts: list[str] | None, pass_: str = "fwd") -> list[tuple[str, ...]]:
     """The builds of ``--variant`` in order, without repeats (default: the default build and each macro)."""
-    from .kernels.forward import VARIANT_NEEDS
-
-    needs = VARIANT_NEEDS if pass_ == "fwd" else {}
+    variants, needs = known_variants(pass_)
     builds = (
         [parse_variant(t, pass_) for t in texts]
         if texts
-        else [(), *(tuple(sorted((v, *needs.get(v, ())))) for v in known_variants(pass_))]
+        else [(), *(tuple(sorted((v, *needs.get(v, ())))) for v in variants)]
     )
     unique = list(dict.fromkeys(builds))
     if len(unique) < 2:

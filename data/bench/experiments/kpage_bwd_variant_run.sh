@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# One device call for a backward build (a SPARSEATTN_BWD_VARIANT macro of paged_bwd.cu): the default build and
-# BUILD alternated in one process on three workloads (`sparseattn bench variants --pass bwd`: each build's
-# gradients checked against the float64 reference first, paired ratios per round), then the backward and
-# device-planner GPU tests on BUILD. Run from the repository root on the GPU machine:
-#   bash data/bench/experiments/kpage_bwd_variant_run.sh "$OUT" PAGED_BWD_WG_DQ [ROUNDS]
-# About 5 minutes after the machine starts (warm-up of both builds ~60 s, the A/B ~150 s at 6 rounds, the
-# tests the rest of the 560 s the script allows itself). One $OUT/records.tgz comes back; a short table last.
+# One device call for backward builds (SPARSEATTN_BWD_VARIANT macros of paged_bwd.cu, comma-joined per build):
+# the default build and each BUILD alternated in one process on three workloads (`sparseattn bench variants
+# --pass bwd`: each build's gradients checked against the float64 reference first, paired ratios per round),
+# then the backward and device-planner GPU tests on the last BUILD. From the repository root on the GPU machine:
+#   bash data/bench/experiments/kpage_bwd_variant_run.sh "$OUT" PAGED_BWD_WG_DQ PAGED_BWD_WG_DQ,PAGED_BWD_WG_OFFSET
+# About 6 minutes after the machine starts (warm-up of the builds ~30 s each, the A/B ~200 s at ROUNDS=5 (the
+# environment variable, default 5), the tests the rest of the 560 s the script allows itself). One
+# $OUT/records.tgz comes back; a short table last.
 set -uo pipefail
-out=${1:?usage: kpage_bwd_variant_run.sh OUT_DIR BUILD [ROUNDS]}
-build=${2:?name the backward build, e.g. PAGED_BWD_WG_DQ}
-rounds=${3:-6}
+out=${1:?usage: kpage_bwd_variant_run.sh OUT_DIR BUILD [BUILD ...]}
+shift
+builds=("$@")
+(( ${#builds[@]} )) || { echo "name the backward builds, e.g. PAGED_BWD_WG_DQ" >&2; exit 2; }
+rounds=${ROUNDS:-5}
 steps=(ab tests)
 step_dir=$(mktemp -d)
 # shellcheck source=run_step.sh
@@ -17,13 +20,16 @@ source "$(dirname "${BASH_SOURCE[0]}")/run_step.sh"
 prepare_run
 
 python -m sparseattn.kernels.warmup > "$step_dir/warmup.log" 2>&1
-SPARSEATTN_BWD_VARIANT=$build python -m sparseattn.kernels.warmup >> "$step_dir/warmup.log" 2>&1
+variants=(--variant default)
+for build in "${builds[@]}"; do
+    SPARSEATTN_BWD_VARIANT=$build python -m sparseattn.kernels.warmup >> "$step_dir/warmup.log" 2>&1
+    variants+=(--variant "$build")
+done
 export SPARSEATTN_KERNEL_WARMUP=0
 step ab 330 \
     python -m sparseattn bench variants --pass bwd --workload dense_32768 --workload ssta_hy15_720p \
-    --workload vsa_wan14b_480p --variant default --variant "$build" --rounds "$rounds" --reps 3 \
-    --out "$step_dir/ab.json"
-export SPARSEATTN_BWD_VARIANT=$build
+    --workload vsa_wan14b_480p "${variants[@]}" --rounds "$rounds" --reps 3 --out "$step_dir/ab.json"
+export SPARSEATTN_BWD_VARIANT=${builds[-1]}
 step tests $((560 - SECONDS)) \
     python -m pytest -q -n 15 -m gpu --require-gpu -p no:cacheprovider tests/gpu/test_kpage_backward.py \
     tests/gpu/test_kpage_backward_random.py tests/gpu/test_device_planner_gpu.py

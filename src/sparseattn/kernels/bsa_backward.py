@@ -71,9 +71,14 @@ WGMMA_SOURCE = "paged_bwd.cu"
 #: Compile-time variants of ``paged_bwd.cu`` (A/B runs): ``PAGED_BWD_WG_DQ`` makes each consumer warpgroup
 #: of paged_bwd_ws_kernel compute the dQ of its own 64 owned rows over every head-dim column and reduce it
 #: through its own staging buffer, so the two warpgroups share no barrier inside the loop (twice the dQ
-#: reduction traffic). ``SPARSEATTN_BWD_VARIANT`` (comma-separated) selects them for a process.
-VARIANTS = ("PAGED_BWD_WG_DQ",)
-DEFINES = launch.variants_from_env("SPARSEATTN_BWD_VARIANT", VARIANTS)
+#: reduction traffic); ``PAGED_BWD_WG_OFFSET`` (with ``PAGED_BWD_WG_DQ``: :data:`VARIANT_NEEDS`) starts the
+#: second warpgroup half a step after the first. ``SPARSEATTN_BWD_VARIANT`` (comma-separated) selects them.
+VARIANTS = ("PAGED_BWD_WG_DQ", "PAGED_BWD_WG_OFFSET")
+#: Variants that compile only together with others.
+VARIANT_NEEDS = {"PAGED_BWD_WG_OFFSET": ("PAGED_BWD_WG_DQ",)}
+DEFINES = launch.check_variant_needs(
+    launch.variants_from_env("SPARSEATTN_BWD_VARIANT", VARIANTS), VARIANT_NEEDS, "SPARSEATTN_BWD_VARIANT"
+)
 #: How a wgmma CTA adds its dQ partials (paged_bwd.cu's DQ_MODE): fp32 vector atomics, bulk
 #: asynchronous reductions of staged pages, or 64-bit fixed-point integer atomics (deterministic).
 DQ_ATOMIC, DQ_BULK, DQ_FIXED, DQ_NONE = 0, 1, 2, 3

@@ -97,11 +97,7 @@ TOKEN_PARAMS = ("q_map", "k_map", "q_tokens", "k_tokens", "tok_heads", "maps_per
 def check_variants(defines: tuple[str, ...], source: str = "SPARSEATTN_FWD_VARIANT") -> tuple[str, ...]:
     """``defines`` if every variant's companions (:data:`VARIANT_NEEDS`) are there; else a KernelValueError
     naming ``source``."""
-    for name in defines:
-        missing = [n for n in VARIANT_NEEDS.get(name, ()) if n not in defines]
-        if missing:
-            raise KernelValueError(f"{source}: {name} needs {', '.join(missing)} in the same build")
-    return defines
+    return launch.check_variant_needs(defines, VARIANT_NEEDS, source)
 
 
 def _variant_from_env() -> tuple[str, ...]:

@@ -36,6 +36,18 @@ def variants_from_env(variable: str, allowed: tuple[str, ...]) -> tuple[str, ...
     return names
 
 
+def check_variant_needs(defines: tuple[str, ...], needs: dict, source: str) -> tuple[str, ...]:
+    """``defines`` if every variant's companions (``needs[name]``) are there; else a KernelValueError naming
+    ``source``."""
+    from .validate import KernelValueError
+
+    for name in defines:
+        missing = [n for n in needs.get(name, ()) if n not in defines]
+        if missing:
+            raise KernelValueError(f"{source}: {name} needs {', '.join(missing)} in the same build")
+    return defines
+
+
 def function(source: str, name: str, name_expressions: tuple[str, ...], defines: tuple[str, ...] = ()):
     """The compiled kernel ``name`` of ``kernels_cu/<source>`` (compiled once per process); ``defines``
     are preprocessor macros (``"NAME"`` or ``"NAME=VALUE"``) for a kernel's compile-time variants."""
