@@ -42,7 +42,8 @@
 // PAGED_BWD_WG_DQ (opt-in, paged_bwd_ws_kernel only): each consumer warpgroup computes the dQ of its own 64
 // owned rows over every head-dim column (dQ_w = dS_w · K_w, K-dim 64) and has its own fp32 staging buffer,
 // reduced by producer warp 2 + w; LSE₂ and Δ are staged per warpgroup. The two warpgroups then share no
-// barrier inside the loop (only 128-thread barriers of their own), at twice the dQ reduction traffic.
+// barrier inside the loop (only 128-thread barriers of their own), at twice the dQ reduction traffic on the
+// steps both see (a pair step one half sees no page of is skipped by that half and its reducing warp alike).
 // PAGED_BWD_WG_OFFSET (with PAGED_BWD_WG_DQ): warpgroup 1 starts its loop once warpgroup 0 has issued its first
 // step's dV and dK, so that the two run half a step apart.
 // PAGED_BWD_TOKENS (the token-order build, beside the slot-order one): q, k, v, dO, dK and dV are
@@ -905,9 +906,16 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
             const int w = kWgDq ? warp - 2 : 0;  // kWgDq: warp 2 + w reduces consumer warpgroup w's staging
             const uint32_t staging = tDq + w * Cfg::kDqBytes;
             float* dq_bh = dq_accum + bh * q_slots * D;
+            int staged = 0;  // kWgDq && PAIR: the steps warpgroup w staged (it skips those its half sees none of)
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
-                mbar_wait(dq_full(w), t & 1);
+                if constexpr (kWgDq && PAIR) {  // a step half w sees no page of: its warpgroup staged nothing
+                    const int e = t * SP + lane;
+                    const bool seen = lane < SP && e < stream_len &&
+                                      static_cast<int>(pair_pages[3 * static_cast<size_t>(stream_begin + e) + 1 + w]) >= 0;
+                    if (__ballot_sync(0xffffffffu, seen) == 0u) continue;
+                }
+                mbar_wait(dq_full(w), (kWgDq && PAIR ? staged++ : t) & 1);
                 if (lane == 0) {
                     const int npages = min(SP, stream_len - t * SP);
                     for (int p = 0; p < npages; ++p) {
@@ -973,14 +981,17 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         return slot >= 0 ? raw : 0.f;
     };
     int slot1 = -1, page2 = -1;  // step t + 1's slot, step t + 2's page
+    bool seen1 = false;          // kWgDq: the half sees step t + 1's page of this row
     // PAIR: per stage, which of its 32 rows each LSE₂-staging warp gave a finite LSE₂ (ballot words
-    // [stage][half][warp 0-1 of the half's warpgroup]); a half whose two words are 0 sees nothing in the step
+    // [stage][half][warp 0-1 of the half's warpgroup]); a half whose two words are 0 sees nothing in the step.
+    // kWgDq: which rows lie on a page the half sees (page_seen), the rule warp 2 + w applies from pair_pages
+    // alone to pass by the steps whose dQ staging warpgroup w skips
     uint32_t* const sSeen = reinterpret_cast<uint32_t*>(sDelta + 2 * MS);
-    auto stage_meta = [&](int stage, float value) {
+    auto stage_meta = [&](int stage, float value, bool page_seen) {
         sMeta[stage * MS + meta_row] = value;
         if constexpr (PAIR) {
             if (meta_is_lse) {  // warps 0-1 of warpgroup kvp
-                const uint32_t seen = __ballot_sync(0xffffffffu, value != INFINITY);
+                const uint32_t seen = __ballot_sync(0xffffffffu, kWgDq ? page_seen : value != INFINITY);
                 if (lane == 0) sSeen[stage * 4 + 2 * kvp + wq] = seen;
             }
         }
@@ -988,9 +999,10 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
     if (meta_thread) {
         const int page0 = meta_page(0);
         const int slot0 = meta_slot(paged::load_page_mask(q_page_mask, page0, q_pages), page0);
-        if (num_tiles > 0) stage_meta(0, meta_value(meta_src[max(slot0, 0)], slot0));
+        if (num_tiles > 0) stage_meta(0, meta_value(meta_src[max(slot0, 0)], slot0), page0 >= 0);
         const int page1 = meta_page(1);
         slot1 = meta_slot(paged::load_page_mask(q_page_mask, page1, q_pages), page1);
+        seen1 = page1 >= 0;
         page2 = meta_page(2);
     }
     named_sync(1, 256);
@@ -1012,6 +1024,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         // kWgOffset: the two warpgroups start half a step apart (nothing in the loop pulls them back together
         // but their shared data): warpgroup 1 waits until warpgroup 0 has passed its first step's exponentials
         if (kWgOffset && kvp == 1 && num_tiles > 0) named_sync(kOffsetBarrier, 256);
+        int staged = 0;  // steps whose dQ this warpgroup staged (a PAIR step it skips stages none)
 #pragma unroll 1
         for (int t = 0; t < num_tiles; ++t) {
             const int st = t & 1;
@@ -1036,8 +1049,9 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
             // barrier also publishes the step's dSᵀ half
             auto stage_next_meta = [&]() {
                 if (meta_thread) {
-                    if (t + 1 < num_tiles) stage_meta(st ^ 1, meta_value(raw1, slot1));
+                    if (t + 1 < num_tiles) stage_meta(st ^ 1, meta_value(raw1, slot1), seen1);
                     slot1 = meta_slot(mask2, page2);
+                    seen1 = page2 >= 0;
                     page2 = page3;
                 }
                 fence_async_proxy();
@@ -1046,26 +1060,17 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
             auto release_q = [&]() {
                 __syncwarp();
                 if (lane == 0) mbar_arrive(q_empty(st));
-                mbar_wait(dq_empty(kvp), (t & 1) ^ 1u);
-            };
-            auto publish_dq = [&]() {
-                fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
-                __syncwarp();
-                if (lane == 0) mbar_arrive(dq_full(kvp));
             };
             auto release_partner = [&]() {
                 if (kWgOffset && kvp == 0 && t == 0) named_arrive(kOffsetBarrier, 256);
             };
-            // PAIR: a half that sees none of the step's rows skips its GEMMs; its dQ partial is zero
+            // PAIR: a half that sees no page of the step skips it: no GEMM, no dQ staging (warp 2 + kvp passes
+            // the step by on the same rule, from pair_pages)
             if (PAIR && (sSeen[st * 4 + 2 * kvp] | sSeen[st * 4 + 2 * kvp + 1]) == 0u) {
                 release_partner();
                 load_meta();
                 stage_next_meta();
                 release_q();
-#pragma unroll
-                for (int i = lane; i < Cfg::kPageBytesF32 / 16; i += 32)  // the warp's page of zeros
-                    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(staging + 16 * i), "r"(0) : "memory");
-                publish_dq();
             } else {
                 float s[QS / 2];
                 float dp[QS / 2];
@@ -1104,8 +1109,12 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 pin_registers(acc_dk);
                 pin_registers(acc_dv);
                 release_q();
+                mbar_wait(dq_empty(kvp), (staged & 1) ^ 1u);
                 paged_bwd::stage_dq_rows<D>(staging, dq, g, t4);
-                publish_dq();
+                fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
+                __syncwarp();
+                if (lane == 0) mbar_arrive(dq_full(kvp));
+                ++staged;
             }
         }
     } else {
@@ -1162,7 +1171,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         }
         // stage t + 1's buffer was last read by step t - 1's p_and_ds, before the previous named barrier
         if (meta_thread) {
-            if (t + 1 < num_tiles) stage_meta(st ^ 1, meta_value(raw1, slot1));
+            if (t + 1 < num_tiles) stage_meta(st ^ 1, meta_value(raw1, slot1), true);
             slot1 = meta_slot(mask2, page2);
             page2 = page3;
         }
