@@ -46,6 +46,9 @@
 // steps both see (a pair step one half sees no page of is skipped by that half and its reducing warp alike).
 // PAGED_BWD_WG_OFFSET (with PAGED_BWD_WG_DQ): warpgroup 1 starts its loop once warpgroup 0 has issued its first
 // step's dV and dK, so that the two run half a step apart.
+// PAGED_BWD_WG_SUM (with PAGED_BWD_WG_DQ): one staging buffer: warpgroup 0 stores its dQ partial, warpgroup 1
+// adds its own to it (a named barrier between them per step), warp 3 reduces the sum: PAGED_BWD_WG_DQ's
+// reduction traffic, not twice it, and 32 KB less shared memory.
 // PAGED_BWD_TOKENS (the token-order build, beside the slot-order one): q, k, v, dO, dK and dV are
 // [batch, tokens, tok_heads, HEAD_DIM] and slot s of (batch · head) row bh is token q_map / k_map[map row
 // + s] (-1: padding) of batch bh / tok_heads, head bh % tok_heads (the forward's PAGED_FWD_TOKENS maps;
@@ -278,7 +281,8 @@ __device__ __forceinline__ void stage_dq_page(uint32_t page, const float (&dq)[3
 // stage_dq_page's bank-conflict-free order (store j of a thread writes column block j ^ (g & 3)), addressed
 // from one register: pages are 1 KB-aligned, so bits 5-7 of a row's address are its 32-byte column block;
 // the register holds g & 3 there and store j's address is that register XOR j << 5 (plus an immediate).
-template <int HEAD_DIM>
+// ADD: add the rows to the page's values instead (PAGED_BWD_WG_SUM: the second warpgroup's partial).
+template <int HEAD_DIM, bool ADD = false>
 __device__ __forceinline__ void stage_dq_rows(uint32_t page, const float (&dq)[HEAD_DIM / 2], int g, int t4) {
     static_assert(HEAD_DIM % 32 == 0, "a row of 32-float multiples starts on bank 0");
     const int xg = g & 3;
@@ -309,9 +313,14 @@ __device__ __forceinline__ void stage_dq_rows(uint32_t page, const float (&dq)[H
             for (int half = 0; half < 2; ++half) {
                 const uint32_t addr =
                     (row_base ^ static_cast<uint32_t>(j << 5)) + static_cast<uint32_t>((8 * half * HEAD_DIM + 64 * h) * 4);
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v[4 * j + 2 * half]),
-                             "f"(v[4 * j + 2 * half + 1])
-                             : "memory");
+                float a = v[4 * j + 2 * half], b = v[4 * j + 2 * half + 1];
+                if constexpr (ADD) {
+                    float x, y;
+                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(x), "=f"(y) : "r"(addr) : "memory");
+                    a += x;
+                    b += y;
+                }
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
             }
         }
     }
@@ -735,6 +744,18 @@ constexpr bool kWgOffset = true;
 constexpr bool kWgOffset = false;
 #endif
 constexpr int kOffsetBarrier = 4;  // kWgOffset: warpgroup 1 starts once warpgroup 0 has issued its first dV, dK
+#ifdef PAGED_BWD_WG_SUM
+#ifndef PAGED_BWD_WG_DQ
+#error "PAGED_BWD_WG_SUM needs PAGED_BWD_WG_DQ"
+#endif
+constexpr bool kWgSum = true;
+#else
+constexpr bool kWgSum = false;
+#endif
+constexpr int kSumBarrier = 5;  // kWgSum: warpgroup 0's dQ partial is staged, warpgroup 1 may add its own
+// dQ staging buffers, and the consumer warps that arrive on one's dq_full barrier per step
+constexpr int kDqBuffers = kWgDq && !kWgSum ? 2 : 1;
+constexpr int kDqArrivals = kWgDq ? 4 : kConsumerWarps;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads &&
                   kPairProducerRegs * 128 + kPairConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads,
               "register split past the launch allocation: setmaxnreg.inc would wait forever");
@@ -751,7 +772,7 @@ struct Config {
     // stores so that a half-warp's four rows hit 32 distinct banks (kWgDq: one buffer per warpgroup)
     static constexpr int kPageBytesF32 = PAGE_ROWS * HEAD_DIM * 4;
     static constexpr int kDqBytes = PB_Q_ROWS * HEAD_DIM * 4;
-    static constexpr int kDqBuffers = kWgDq ? 2 : 1;
+    static constexpr int kDqBuffers = paged_bwd_ws::kDqBuffers;
     // LSE₂ and Δ copies per stage; PAIR: + the seen-row ballot words [2 stages][4 warps]
     static constexpr int kMetaBytes = 2 * 2 * kMetaCopies * PB_Q_ROWS * 4 + (PAIR ? 2 * 4 * 4 : 0);
     static constexpr int kBarBytes = 8 * 8;  // q_full[2], q_empty[2], (dq_full, dq_empty)[2] (one pair unless kWgDq)
@@ -824,7 +845,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
             mbar_init(q_empty(s), kConsumerWarps);
         }
         for (int w = 0; w < Cfg::kDqBuffers; ++w) {
-            mbar_init(dq_full(w), kConsumerWarps / Cfg::kDqBuffers);
+            mbar_init(dq_full(w), kDqArrivals);
             mbar_init(dq_empty(w), 1);
         }
     }
@@ -902,20 +923,20 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 mbar_arrive(q_full(st));
             }
             paged::cp_async_wait<0>();
-        } else if (warp == 3 || (kWgDq && warp == 2)) {  // each step's dQ pages, one bulk reduction each (lane 0)
-            const int w = kWgDq ? warp - 2 : 0;  // kWgDq: warp 2 + w reduces consumer warpgroup w's staging
+        } else if (warp == 3 || (kDqBuffers == 2 && warp == 2)) {  // each step's dQ pages, one bulk reduction each
+            const int w = kDqBuffers == 2 ? warp - 2 : 0;  // kWgDq: warp 2 + w reduces consumer warpgroup w's staging
             const uint32_t staging = tDq + w * Cfg::kDqBytes;
             float* dq_bh = dq_accum + bh * q_slots * D;
-            int staged = 0;  // kWgDq && PAIR: the steps warpgroup w staged (it skips those its half sees none of)
+            int staged = 0;  // two stagings, PAIR: the steps warpgroup w staged (not those its half sees no page of)
 #pragma unroll 1
             for (int t = 0; t < num_tiles; ++t) {
-                if constexpr (kWgDq && PAIR) {  // a step half w sees no page of: its warpgroup staged nothing
+                if constexpr (kDqBuffers == 2 && PAIR) {  // a step half w sees no page of: w staged nothing
                     const int e = t * SP + lane;
                     const bool seen = lane < SP && e < stream_len &&
                                       static_cast<int>(pair_pages[3 * static_cast<size_t>(stream_begin + e) + 1 + w]) >= 0;
                     if (__ballot_sync(0xffffffffu, seen) == 0u) continue;
                 }
-                mbar_wait(dq_full(w), (kWgDq && PAIR ? staged++ : t) & 1);
+                mbar_wait(dq_full(w), (kDqBuffers == 2 && PAIR ? staged++ : t) & 1);
                 if (lane == 0) {
                     const int npages = min(SP, stream_len - t * SP);
                     for (int p = 0; p < npages; ++p) {
@@ -1020,7 +1041,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
         const int bar = kGroupBarrier + kvp;
         const uint32_t tdSRows = tdS0 + kvp * 64 * 128;
         const uint32_t tKRows = tK + kvp * 64 * 128;
-        const uint32_t staging = tDq + kvp * Cfg::kDqBytes + wq * Cfg::kPageBytesF32;
+        const uint32_t staging = tDq + (kWgSum ? 0 : kvp * Cfg::kDqBytes) + wq * Cfg::kPageBytesF32;
         // kWgOffset: the two warpgroups start half a step apart (nothing in the loop pulls them back together
         // but their shared data): warpgroup 1 waits until warpgroup 0 has passed its first step's exponentials
         if (kWgOffset && kvp == 1 && num_tiles > 0) named_sync(kOffsetBarrier, 256);
@@ -1071,6 +1092,21 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 load_meta();
                 stage_next_meta();
                 release_q();
+                if constexpr (kWgSum) {  // the shared staging's hand-off goes on: warpgroup 0 writes zeros
+                    if (kvp == 0) {
+                        mbar_wait(dq_empty(0), (t & 1) ^ 1u);
+#pragma unroll
+                        for (int i = lane; i < Cfg::kPageBytesF32 / 16; i += 32)
+                            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(staging + 16 * i), "r"(0)
+                                         : "memory");
+                        fence_async_proxy();
+                        named_arrive(kSumBarrier, 256);
+                    } else {
+                        named_sync(kSumBarrier, 256);
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(dq_full(0));
+                    }
+                }
             } else {
                 float s[QS / 2];
                 float dp[QS / 2];
@@ -1109,11 +1145,19 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 pin_registers(acc_dk);
                 pin_registers(acc_dv);
                 release_q();
-                mbar_wait(dq_empty(kvp), (staged & 1) ^ 1u);
-                paged_bwd::stage_dq_rows<D>(staging, dq, g, t4);
+                if (!kWgSum || kvp == 0) {
+                    mbar_wait(dq_empty(kWgSum ? 0 : kvp), ((kWgSum ? t : staged) & 1) ^ 1u);
+                    paged_bwd::stage_dq_rows<D, false>(staging, dq, g, t4);
+                } else {  // kWgSum: warpgroup 1 adds its partial once warpgroup 0's is in
+                    named_sync(kSumBarrier, 256);
+                    paged_bwd::stage_dq_rows<D, true>(staging, dq, g, t4);
+                }
                 fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
                 __syncwarp();
-                if (lane == 0) mbar_arrive(dq_full(kvp));
+                if (kWgSum && kvp == 0)
+                    named_arrive(kSumBarrier, 256);
+                else if (lane == 0)
+                    mbar_arrive(dq_full(kWgSum ? 0 : kvp));
                 ++staged;
             }
         }

@@ -27,8 +27,9 @@ def test_backward_builds_are_named_by_the_backward_macros():
         (),
         ("PAGED_BWD_WG_DQ",),
         ("PAGED_BWD_WG_DQ", "PAGED_BWD_WG_OFFSET"),
+        ("PAGED_BWD_WG_DQ", "PAGED_BWD_WG_SUM"),
     ]
-    assert len(BWD_VARIANTS) == 2
+    assert len(BWD_VARIANTS) == 3
     with pytest.raises(ValueError, match="PAGED_BWD_WG_OFFSET needs PAGED_BWD_WG_DQ"):
         variant_ab.parse_variant("PAGED_BWD_WG_OFFSET", "bwd")
     with pytest.raises(ValueError, match="--variant 'PAGED_FWD_TMA'"):  # a forward macro is no backward build

@@ -3,7 +3,7 @@
 # the default build and each BUILD alternated in one process on three workloads (`sparseattn bench variants
 # --pass bwd`: each build's gradients checked against the float64 reference first, paired ratios per round),
 # then the backward and device-planner GPU tests on the last BUILD. From the repository root on the GPU machine:
-#   bash data/bench/experiments/kpage_bwd_variant_run.sh "$OUT" PAGED_BWD_WG_DQ PAGED_BWD_WG_DQ,PAGED_BWD_WG_OFFSET
+#   bash data/bench/experiments/kpage_bwd_variant_run.sh "$OUT" PAGED_BWD_WG_DQ,PAGED_BWD_WG_SUM PAGED_BWD_WG_DQ
 # About 6 minutes after the machine starts (warm-up of the builds ~30 s each, the A/B ~200 s at ROUNDS=5 (the
 # environment variable, default 5), the tests the rest of the 560 s the script allows itself). One
 # $OUT/records.tgz comes back; a short table last.

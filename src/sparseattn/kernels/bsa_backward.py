@@ -71,11 +71,13 @@ WGMMA_SOURCE = "paged_bwd.cu"
 #: Compile-time variants of ``paged_bwd.cu`` (A/B runs): ``PAGED_BWD_WG_DQ`` makes each consumer warpgroup
 #: of paged_bwd_ws_kernel compute the dQ of its own 64 owned rows over every head-dim column and reduce it
 #: through its own staging buffer, so the two warpgroups share no barrier inside the loop (twice the dQ
-#: reduction traffic); ``PAGED_BWD_WG_OFFSET`` (with ``PAGED_BWD_WG_DQ``: :data:`VARIANT_NEEDS`) starts the
-#: second warpgroup half a step after the first. ``SPARSEATTN_BWD_VARIANT`` (comma-separated) selects them.
-VARIANTS = ("PAGED_BWD_WG_DQ", "PAGED_BWD_WG_OFFSET")
+#: reduction traffic); with it (:data:`VARIANT_NEEDS`), ``PAGED_BWD_WG_OFFSET`` starts the second warpgroup
+#: half a step after the first, and ``PAGED_BWD_WG_SUM`` has the second add its dQ partial to the first's in
+#: one staging buffer (one reduction per step, as the default build). ``SPARSEATTN_BWD_VARIANT``
+#: (comma-separated) selects them for a process.
+VARIANTS = ("PAGED_BWD_WG_DQ", "PAGED_BWD_WG_OFFSET", "PAGED_BWD_WG_SUM")
 #: Variants that compile only together with others.
-VARIANT_NEEDS = {"PAGED_BWD_WG_OFFSET": ("PAGED_BWD_WG_DQ",)}
+VARIANT_NEEDS = {"PAGED_BWD_WG_OFFSET": ("PAGED_BWD_WG_DQ",), "PAGED_BWD_WG_SUM": ("PAGED_BWD_WG_DQ",)}
 DEFINES = launch.check_variant_needs(
     launch.variants_from_env("SPARSEATTN_BWD_VARIANT", VARIANTS), VARIANT_NEEDS, "SPARSEATTN_BWD_VARIANT"
 )
@@ -181,12 +183,14 @@ def ws_smem_bytes(head_dim: int, pair: bool = False, defines: tuple[str, ...] | 
     two dSᵀ buffers (bf16), the fp32 dQ staging of one step (contiguous pages), LSE₂ and Δ per stage
     (``pair``: two copies each, and the seen-row ballot words [2 stages][4 warps]), six mbarriers (+2 spare).
     ``PAGED_BWD_WG_DQ`` in ``defines`` (default :data:`DEFINES`): one dSᵀ buffer, a dQ staging per consumer
-    warpgroup, two copies of LSE₂ and Δ."""
-    wg_dq = "PAGED_BWD_WG_DQ" in (DEFINES if defines is None else defines)
+    warpgroup (one with ``PAGED_BWD_WG_SUM``), two copies of LSE₂ and Δ."""
+    defines = DEFINES if defines is None else defines
+    wg_dq = "PAGED_BWD_WG_DQ" in defines
+    stagings = 2 if wg_dq and "PAGED_BWD_WG_SUM" not in defines else 1
     return (
         1024
         + 2 * (2 * 128 * head_dim + 4 * 64 * head_dim + (1 if wg_dq else 2) * 128 * 64)
-        + (2 if wg_dq else 1) * 64 * head_dim * 4
+        + stagings * 64 * head_dim * 4
         + 2 * 2 * (2 if pair or wg_dq else 1) * 64 * 4
         + (2 * 4 * 4 if pair else 0)
         + 64
