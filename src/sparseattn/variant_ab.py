@@ -108,21 +108,16 @@ def run_workload(name: str, builds: list[tuple[str, ...]], args, timer) -> list[
     o, lse = forward.paged_forward(case.q, case.k, case.v, graph, scale=case.scale)  # default build's buffers
     buffers = (o, lse)
     saved = forward.DEFINES
-
-    def call_with(defines):
-        def call():
-            forward.DEFINES = defines
-            forward.paged_forward(case.q, case.k, case.v, graph, scale=case.scale, out=buffers)
-
-        return call
-
-    calls, checks = {}, {}
+    calls = _calls_per_build(
+        forward,
+        builds,
+        lambda: forward.paged_forward(case.q, case.k, case.v, graph, scale=case.scale, out=buffers),
+    )
+    checks = {}
     try:
-        for defines in builds:
-            label = variant_name(defines)
-            calls[label] = call_with(defines)
+        for label, call in list(calls.items()):
             _poison(o)
-            calls[label]()
+            call()
             cupy.cuda.Device().synchronize()
             rel = None
             if not args.no_check:
@@ -141,13 +136,8 @@ def run_workload(name: str, builds: list[tuple[str, ...]], args, timer) -> list[
         rel = checks.get(label)
         records.append(
             _ab_record(
-                name,
+                (name, builds, args, graph, head_dim, useful),
                 s,
-                builds,
-                args,
-                graph,
-                head_dim,
-                useful,
                 dense_pairs if label == CUDNN else kpage_pairs,
                 impl="cudnn_dense" if label == CUDNN else "kpage",
                 fwd_variant=None if label == CUDNN else label,
@@ -157,6 +147,19 @@ def run_workload(name: str, builds: list[tuple[str, ...]], args, timer) -> list[
             )
         )
     return records
+
+
+def _calls_per_build(module, builds: list[tuple[str, ...]], run) -> dict:
+    """``{build name: call}``: each call sets ``module.DEFINES`` to its build, then returns ``run()``."""
+
+    def call_with(defines):
+        def call():
+            module.DEFINES = defines
+            return run()
+
+        return call
+
+    return {variant_name(defines): call_with(defines) for defines in builds}
 
 
 def _timed_rounds(calls: dict, args, timer) -> dict[str, list[float]]:
@@ -184,20 +187,16 @@ def run_backward_workload(name: str, builds: list[tuple[str, ...]], args, timer)
     useful = graph.useful_pairs() * args.batch
     o, lse = paged_forward(case.q, case.k, case.v, graph, scale=case.scale)
     saved = bsa_backward.DEFINES
-
-    def call_with(defines):
-        def call():
-            bsa_backward.DEFINES = defines  # a recipe is cached per build (the defines are in its key)
-            return paged_backward(case.q, case.k, case.v, o, lse, case.do, graph, scale=case.scale)
-
-        return call
-
-    calls, checks = {}, {}
+    # (a backward recipe is cached per build: the defines are in its key)
+    calls = _calls_per_build(
+        bsa_backward,
+        builds,
+        lambda: paged_backward(case.q, case.k, case.v, o, lse, case.do, graph, scale=case.scale),
+    )
+    checks = {}
     try:
-        for defines in builds:
-            label = variant_name(defines)
-            calls[label] = call_with(defines)
-            grads = calls[label]()
+        for label, call in list(calls.items()):
+            grads = call()
             cupy.cuda.Device().synchronize()
             checks[label] = None if args.no_check else case.grad_err_head0(o, lse, grads)
             del grads
@@ -210,13 +209,8 @@ def run_backward_workload(name: str, builds: list[tuple[str, ...]], args, timer)
         rel = checks.get(label)
         records.append(
             _ab_record(
-                name,
+                (name, builds, args, graph, head_dim, useful),
                 s,
-                builds,
-                args,
-                graph,
-                head_dim,
-                useful,
                 physical,
                 impl="kpage",
                 bwd_variant=label,
@@ -228,10 +222,12 @@ def run_backward_workload(name: str, builds: list[tuple[str, ...]], args, timer)
     return records
 
 
-def _ab_record(workload, summary, builds, args, graph, head_dim, useful, physical, **fields) -> dict:
-    """One build's record of an A/B run: ``fields`` (impl, pass, build, check) and its round summary."""
+def _ab_record(run: tuple, summary: dict, physical: int, **fields) -> dict:
+    """One build's record of an A/B run on one workload: ``run`` = (workload, builds, args, graph, head dim,
+    useful pairs), ``fields`` (impl, pass, build, check) and its round summary."""
     from . import bench
 
+    workload, builds, args, graph, head_dim, useful = run
     record = dict(
         workload=workload,
         **fields,
