@@ -338,58 +338,51 @@ def test_backward_token_build_compiles(reports):
         assert sig.rstrip().endswith("PAGED_BWD_TOKEN_PARAMS"), kernel
 
 
-@pytest.mark.parametrize("variant", bsa_backward.VARIANTS)
-def test_backward_variants_compile_without_new_spills(variant, reports):
-    """The KPage backward's compile-time variants (bsa_backward.VARIANTS) build every kernel, alone and with the
-    token-order build, with no wgmma serialized and no spill the default build does not accept."""
+#: The backward's opt-in builds: each variant with its companions (slot order), and all of them together in the
+#: token-order build (one compile each: the source instantiates every kernel).
+BWD_VARIANT_BUILDS = [(v, *bsa_backward.VARIANT_NEEDS.get(v, ())) for v in bsa_backward.VARIANTS] + [
+    (*bsa_backward.VARIANTS, bsa_backward.TOKEN_DEFINE)
+]
+
+
+@pytest.mark.parametrize("build", BWD_VARIANT_BUILDS, ids=[",".join(b) for b in BWD_VARIANT_BUILDS])
+def test_backward_variants_compile_without_new_spills(build, reports):
+    """The KPage backward's compile-time variants (bsa_backward.VARIANTS) build every kernel with no wgmma
+    serialized, no spill the default build does not accept, and paged_bwd_ws_kernel with the shared memory
+    bsa_backward.ws_smem_bytes says (static_asserts compiled with the kernels)."""
     from sparseattn.kernels import bsa_backward as bb
 
-    variant = ",".join((variant, *bb.VARIANT_NEEDS.get(variant, ())))
-    for names, build in (
-        (bb.WGMMA_NAME_EXPRESSIONS, variant),
-        (bb.TOKEN_NAME_EXPRESSIONS, f"{variant},{bb.TOKEN_DEFINE}"),
-    ):
-        kernels = _compile_variant(bb.WGMMA_SOURCE, names, build)
-        assert {k.kernel for k in kernels} >= set(names)
-        assert not any(k.wgmma_serialized for k in kernels), [k.kernel for k in kernels if k.wgmma_serialized]
-        for k in kernels:
-            limit = compile_check.ACCEPTED_SPILLS.get(k.kernel)
-            if bb.TOKEN_DEFINE in build:
-                stores, loads = TOKEN_BWD_ACCEPTED_SPILLS.get(k.kernel, (0, 0))
-            else:
-                stores, loads = (limit.stores, limit.loads) if limit else (0, 0)
-            for v in build.split(","):
-                stores, loads = map(
-                    max, (stores, loads), VARIANT_BWD_ACCEPTED_SPILLS.get((v, k.kernel), (0, 0))
-                )
-            assert k.spill_stores <= stores and k.spill_loads <= loads, (
-                build,
-                k.kernel,
-                k.spill_stores,
-                k.spill_loads,
-            )
-
-
-def test_backward_variant_shared_memory_mirrors_the_kernel(reports):
-    """bsa_backward.ws_smem_bytes with each variant equals paged_bwd_ws::Config's in that build."""
-    from sparseattn.kernels import bsa_backward as bb
-
+    names = tuple(bb.ws_kernel_name(d, pair) for pair in (False, True) for d in bb.HEAD_DIMS)
+    checks = "".join(
+        f"static_assert(paged_bwd_ws::Config<{d}, {str(pair).lower()}>::kSmemBytes == "
+        f'{bb.ws_smem_bytes(d, pair, build)}, "ws s");'
+        for d in bb.HEAD_DIMS
+        for pair in (False, True)
+    )
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
-    for variant in bb.VARIANTS:
-        build = (variant, *bb.VARIANT_NEEDS.get(variant, ()))
-        options = compile_check.compile_options(compile_check.find_cuda_include()) + tuple(
-            f"-D{v}" for v in build
+    options = compile_check.compile_options(compile_check.find_cuda_include()) + tuple(
+        f"-D{v}" for v in build
+    )
+    code = runtime.preprocess(bb.WGMMA_SOURCE) + "\n" + checks + "\n"
+    ok, log, _, lowered = nvrtc.compile(code, bb.WGMMA_SOURCE, options, names)
+    assert ok, log
+    kernels = compile_check.parse_ptxas_log(bb.WGMMA_SOURCE, log, lowered)
+    assert {k.kernel for k in kernels} >= set(names)
+    assert not any(k.wgmma_serialized for k in kernels), [k.kernel for k in kernels if k.wgmma_serialized]
+    for k in kernels:
+        limit = compile_check.ACCEPTED_SPILLS.get(k.kernel)
+        if bb.TOKEN_DEFINE in build:
+            stores, loads = TOKEN_BWD_ACCEPTED_SPILLS.get(k.kernel, (0, 0))
+        else:
+            stores, loads = (limit.stores, limit.loads) if limit else (0, 0)
+        for v in build:
+            stores, loads = map(max, (stores, loads), VARIANT_BWD_ACCEPTED_SPILLS.get((v, k.kernel), (0, 0)))
+        assert k.spill_stores <= stores and k.spill_loads <= loads, (
+            build,
+            k.kernel,
+            k.spill_stores,
+            k.spill_loads,
         )
-        checks = "".join(
-            f"static_assert(paged_bwd_ws::Config<{d}, {str(pair).lower()}>::kSmemBytes == "
-            f'{bb.ws_smem_bytes(d, pair, build)}, "ws s");'
-            for d in bb.HEAD_DIMS
-            for pair in (False, True)
-        )
-        ok, log, _, _ = nvrtc.compile(
-            runtime.preprocess(bb.WGMMA_SOURCE) + "\n" + checks + "\n", "v.cu", options, ()
-        )
-        assert ok, (variant, log)
 
 
 def test_backward_variant_from_the_environment(monkeypatch):
