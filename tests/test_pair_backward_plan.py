@@ -398,3 +398,44 @@ def test_pair_launch_runs_head_by_head_longest_first():
     assert np.all(np.diff(heads[body]) >= 0)
     for h in np.unique(heads[body]):
         assert np.all(np.diff(lengths[body][heads[body] == h]) <= 0)
+
+
+def test_alternated_order_runs_one_half_chunks_side_by_side():
+    """SPARSEATTN_PAIR_BWD_ORDER=alternate: per item, whole 4-entry chunks of A-only and B-only entries
+    alternate while both kinds have one left, then the rest in block order; a permutation within items."""
+    from sparseattn.planning.pair_backward import alternate_one_half_chunks
+
+    vis = np.array([1] * 9 + [3] * 2 + [2] * 6 + [1, 2] + [3, 3], dtype=np.uint32)
+    order = alternate_one_half_chunks(vis, np.array([17, 2, 2]))
+    assert order[:17].tolist() == [0, 1, 2, 3, 11, 12, 13, 14, 4, 5, 6, 7, 8, 9, 10, 15, 16]
+    assert order[17:].tolist() == [17, 18, 19, 20]  # items with less than a chunk of each keep their order
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 30, 50)
+    vis = np.concatenate([np.sort(rng.choice([1, 3, 2], n)) for n in lengths]).astype(np.uint32)
+    order = alternate_one_half_chunks(vis, lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    assert np.array_equal(np.sort(order), np.arange(vis.size))
+    assert np.all((order >= starts) & (order < starts + np.repeat(lengths, lengths)))
+
+
+def test_alternated_pair_plan_equals_reference(monkeypatch, seed):
+    """The alternated order changes only the order of each item's entries: the float64 emulation of the plan
+    still equals the reference, with the same entries per item as the block order."""
+    from sparseattn.planning import pair_backward
+
+    layout = video_layout((6, 9, 10), (4, 4, 4), block_size=64)
+    graph = builders.random_graph(layout, layout, heads=2, density=0.35, seed=seed)
+    blocks = pair_backward_plan(graph)
+    monkeypatch.setattr(pair_backward, "ORDER", "alternate")
+    alternated = pair_backward_plan(graph)
+    validate_plan(alternated)
+    assert np.array_equal(alternated.stream_indptr, blocks.stream_indptr)
+    assert not np.array_equal(alternated.stream_pages, blocks.stream_pages)
+    for w in range(alternated.work_route.size):
+        lo, hi = alternated.stream_indptr[w], alternated.stream_indptr[w + 1]
+        got = sorted(zip(alternated.stream_pages[lo:hi], alternated.stream_vis[lo:hi]))
+        assert got == sorted(zip(blocks.stream_pages[lo:hi], blocks.stream_vis[lo:hi]))
+    _assert_close(*_gradients(alternated, graph, np.random.default_rng(seed)), graph)
+    monkeypatch.setattr(pair_backward, "ORDER", "nope")
+    with pytest.raises(KernelValueError, match="SPARSEATTN_PAIR_BWD_ORDER"):
+        pair_backward_plan(graph)

@@ -14,9 +14,16 @@ the same Q pages: :func:`pair_partners`):
 
 The shared Q pages are then loaded once for 128 owned rows. The tensor work follows the union (a half
 computes its unseen entries as zeros), so it grows by the union's excess over the two selections.
+
+``SPARSEATTN_PAIR_BWD_ORDER=alternate`` (an A/B knob of host plans, read at import; the device planner keeps
+the block order) orders each item's stream by :func:`alternate_one_half_chunks` instead: whole kernel steps
+of A-only and B-only entries alternated, so that a kernel whose warpgroups do not meet every step
+(``paged_bwd.cu``'s ``PAGED_BWD_WG_DQ``) runs one-half steps of the two halves side by side.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -39,6 +46,31 @@ from .work_list import OWN_PAGES, VIS_HALF0, VIS_HALF1
 
 #: Route of the pair items in the KPage plan's routes: (128 owned rows, 128 streamed).
 PAIR_ROUTE = KPAGE_ROUTES.index((128, 128))
+#: Stream order of the pair items: ``"blocks"`` ([A only | shared | B only]) or ``"alternate"``
+#: (:func:`alternate_one_half_chunks`); ``SPARSEATTN_PAIR_BWD_ORDER``.
+ORDERS = ("blocks", "alternate")
+ORDER = os.environ.get("SPARSEATTN_PAIR_BWD_ORDER", "") or "blocks"
+#: Q pages per step of the pair backward kernel (paged_bwd.cu's PB_Q_ROWS / 16).
+STEP_PAGES = 4
+
+
+def alternate_one_half_chunks(vis: np.ndarray, lengths: np.ndarray, step: int = STEP_PAGES) -> np.ndarray:
+    """The order of the concatenated item streams (``vis`` per entry: 1 A only, 2 B only, 3 both; items of
+    ``lengths`` entries back to back) in which each item runs whole ``step``-entry chunks of its A-only and
+    B-only entries alternated, A first, while both kinds have a whole chunk left, then the rest as it was:
+    the remaining A-only entries, the shared ones, the remaining B-only ones (each kind in its own order).
+    Returns indices into the entries."""
+    order = np.empty(vis.size, dtype=np.int64)
+    start = 0
+    for n in np.asarray(lengths, dtype=np.int64):
+        seg = vis[start : start + n]
+        a, c = np.flatnonzero(seg == 1), np.flatnonzero(seg == 2)
+        rest = np.flatnonzero((seg != 1) & (seg != 2))
+        k = min(a.size, c.size) // step * step
+        paired = np.stack([a[:k].reshape(-1, step), c[:k].reshape(-1, step)], axis=1).reshape(-1)
+        order[start : start + n] = start + np.concatenate([paired, a[k:], rest, c[k:]])
+        start += n
+    return order
 
 
 def pair_backward_plan(
@@ -74,6 +106,13 @@ def pair_backward_plan(
     nb = kv_rows.q.num_blocks
     info, own, _, stream, stream_mask = pair_items(kv_rows, firsts, seconds)
     vis = (((stream_mask & VIS_HALF0) != 0) | (((stream_mask & VIS_HALF1) != 0) << 1)).astype(np.uint32)
+    if ORDER == "alternate":
+        by_chunks = alternate_one_half_chunks(vis, info[:, 2])
+        stream, vis = stream[by_chunks], vis[by_chunks]
+    elif ORDER not in ORDERS:
+        from ..kernels.validate import KernelValueError
+
+        raise KernelValueError(f"SPARSEATTN_PAIR_BWD_ORDER must be one of {ORDERS}, got {ORDER!r}")
 
     paired = np.zeros((graph.heads, nb), dtype=bool)
     paired[:, firsts] = True
