@@ -753,6 +753,9 @@ constexpr bool kWgSum = true;
 constexpr bool kWgSum = false;
 #endif
 constexpr int kSumBarrier = 5;  // kWgSum: warpgroup 0's dQ partial is staged, warpgroup 1 may add its own
+// kWgSum: warpgroup 1 has read the staging (its add is done), warpgroup 0 may write the next step's. The
+// reducer's mbarriers order it too, but racecheck does not see mbarrier hand-offs of plain shared loads.
+constexpr int kSumReadBarrier = 6;
 // dQ staging buffers, and the consumer warps that arrive on one's dq_full barrier per step
 constexpr int kDqBuffers = kWgDq && !kWgSum ? 2 : 1;
 constexpr int kDqArrivals = kWgDq ? 4 : kConsumerWarps;
@@ -1094,6 +1097,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 release_q();
                 if constexpr (kWgSum) {  // the shared staging's hand-off goes on: warpgroup 0 writes zeros
                     if (kvp == 0) {
+                        if (t > 0) named_sync(kSumReadBarrier, 256);
                         mbar_wait(dq_empty(0), (t & 1) ^ 1u);
 #pragma unroll
                         for (int i = lane; i < Cfg::kPageBytesF32 / 16; i += 32)
@@ -1103,6 +1107,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                         named_arrive(kSumBarrier, 256);
                     } else {
                         named_sync(kSumBarrier, 256);
+                        named_arrive(kSumReadBarrier, 256);
                         __syncwarp();
                         if (lane == 0) mbar_arrive(dq_full(0));
                     }
@@ -1146,11 +1151,13 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 pin_registers(acc_dv);
                 release_q();
                 if (!kWgSum || kvp == 0) {
+                    if (kWgSum && t > 0) named_sync(kSumReadBarrier, 256);
                     mbar_wait(dq_empty(kWgSum ? 0 : kvp), ((kWgSum ? t : staged) & 1) ^ 1u);
                     paged_bwd::stage_dq_rows<D, false>(staging, dq, g, t4);
                 } else {  // kWgSum: warpgroup 1 adds its partial once warpgroup 0's is in
                     named_sync(kSumBarrier, 256);
                     paged_bwd::stage_dq_rows<D, true>(staging, dq, g, t4);
+                    named_arrive(kSumReadBarrier, 256);
                 }
                 fence_async_proxy();  // generic-proxy stores -> the bulk copy's async-proxy reads
                 __syncwarp();
@@ -1161,6 +1168,7 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                 ++staged;
             }
         }
+        if (kWgSum && kvp == 0 && num_tiles > 0) named_sync(kSumReadBarrier, 256);  // the last step's arrival
     } else {
 #pragma unroll 1
     for (int t = 0; t < num_tiles; ++t) {
