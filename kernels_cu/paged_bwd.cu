@@ -221,6 +221,46 @@ __device__ __forceinline__ void p_and_ds(float (&s)[PB_Q_ROWS / 2], float (&dp)[
     }
 }
 
+// One step of paged_bwd_ws_kernel's consumer warpgroup up to its A fragments: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
+// (wgmma SS over its 64 owned rows aK / aV and the step's 64 streamed rows tQ / tdO), `during_gemms()`
+// while they run (global loads), then Pᵀ and dSᵀ (p_and_ds) packed into pa and pds. WRITE_FIRST: the
+// chains' first k-step writes the accumulators without reading them.
+template <int HEAD_DIM, int BLOCK_K, bool WRITE_FIRST, class DuringGemms>
+__device__ __forceinline__ void step_p_ds(uint32_t (&pa)[PB_Q_ROWS / PAGE_ROWS][4],
+                                          uint32_t (&pds)[PB_Q_ROWS / PAGE_ROWS][4], uint32_t aK, uint32_t aV,
+                                          uint32_t tQ, uint32_t tdO, bool kvalid_lo, bool kvalid_hi,
+                                          const float* t_lse, const float* t_delta, float scale_log2, int t4,
+                                          DuringGemms&& during_gemms) {
+    constexpr int QS = PB_Q_ROWS;
+    float s[QS / 2];
+    float dp[QS / 2];
+    hopper::wgmma_fence();
+    hopper::issue_qk<HEAD_DIM, QS, BLOCK_K, false, false, QS, WRITE_FIRST>(s, aK, tQ);
+    hopper::wgmma_commit();
+    hopper::issue_qk<HEAD_DIM, QS, BLOCK_K, false, false, QS, WRITE_FIRST>(dp, aV, tdO);
+    hopper::wgmma_commit();
+    during_gemms();
+    hopper::wgmma_wait<0>();
+    hopper::pin_registers(s);
+    hopper::pin_registers(dp);
+    p_and_ds(s, dp, kvalid_lo, kvalid_hi, t_lse, t_delta, scale_log2, t4);
+    hopper::pack_p<QS>(pa, s);
+    hopper::pack_p<QS>(pds, dp);
+}
+
+// dV += Pᵀ·dO and dK += dSᵀ·Q (wgmma RS, the A fragments from registers), committed apart.
+template <int HEAD_DIM>
+__device__ __forceinline__ void issue_dv_dk(float (&acc_dv)[HEAD_DIM / 2], float (&acc_dk)[HEAD_DIM / 2],
+                                            const uint32_t (&pa)[PB_Q_ROWS / PAGE_ROWS][4],
+                                            const uint32_t (&pds)[PB_Q_ROWS / PAGE_ROWS][4], uint32_t tQ,
+                                            uint32_t tdO) {
+    hopper::wgmma_fence();
+    hopper::issue_pv<HEAD_DIM, PB_Q_ROWS>(acc_dv, pa, tdO);
+    hopper::wgmma_commit();
+    hopper::issue_pv<HEAD_DIM, PB_Q_ROWS>(acc_dk, pds, tQ);
+    hopper::wgmma_commit();
+}
+
 // dSᵀ (bf16 A fragments) -> shared: owned row r, streamed column c at (r, chunk c / 8) of the
 // [BLOCK_K][64] tile; the rows of warp wq of the warpgroup owning rows 64·kvp ...
 template <int BLOCK_K>
@@ -237,18 +277,9 @@ __device__ __forceinline__ void store_ds(uint32_t tdS, const uint32_t (&pds)[PB_
     }
 }
 
-// This warp's dQ rows (16 streamed rows, 64 head-dim columns from col0) into a staged fp32 page
-// (HEAD_DIM floats per row). The unpadded rows all start on bank 0, and a half-warp's st.shared.v2 covers
-// rows g = 0-3 (or 4-7): storing the same 32-byte column block j in all four would hit the same 8 banks.
-// So in store j a thread writes column block j ^ (g & 3) instead: four blocks, 32 distinct banks. Its
-// fragments are first permuted to match by two conditional swaps of register blocks (bits 0 and 1 of g);
-// the page's contents are the same.
-template <int HEAD_DIM>
-__device__ __forceinline__ void stage_dq_page(uint32_t page, const float (&dq)[32], int col0, int g, int t4) {
-    static_assert(HEAD_DIM % 32 == 0, "a row of 32-float multiples starts on bank 0");
-    float v[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) v[i] = dq[i];
+// Register blocks of a 64-column accumulator slice permuted so that v[4j ..] holds column block j ^ (g & 3)
+// (two conditional swaps, bits 0 and 1 of g): the store order of stage_dq_page and stage_dq_rows.
+__device__ __forceinline__ void swap_column_blocks(float (&v)[32], int g) {
 #pragma unroll
     for (int bit = 1; bit <= 2; bit <<= 1) {
         const bool swap = (g & bit) != 0;
@@ -263,6 +294,21 @@ __device__ __forceinline__ void stage_dq_page(uint32_t page, const float (&dq)[3
             }
         }
     }
+}
+
+// This warp's dQ rows (16 streamed rows, 64 head-dim columns from col0) into a staged fp32 page
+// (HEAD_DIM floats per row). The unpadded rows all start on bank 0, and a half-warp's st.shared.v2 covers
+// rows g = 0-3 (or 4-7): storing the same 32-byte column block j in all four would hit the same 8 banks.
+// So in store j a thread writes column block j ^ (g & 3) instead: four blocks, 32 distinct banks. Its
+// fragments are first permuted to match by two conditional swaps of register blocks (bits 0 and 1 of g);
+// the page's contents are the same.
+template <int HEAD_DIM>
+__device__ __forceinline__ void stage_dq_page(uint32_t page, const float (&dq)[32], int col0, int g, int t4) {
+    static_assert(HEAD_DIM % 32 == 0, "a row of 32-float multiples starts on bank 0");
+    float v[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) v[i] = dq[i];
+    swap_column_blocks(v, g);
     const uint32_t xg = static_cast<uint32_t>(g & 3);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -293,20 +339,7 @@ __device__ __forceinline__ void stage_dq_rows(uint32_t page, const float (&dq)[H
         float v[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) v[i] = dq[32 * h + i];
-#pragma unroll
-        for (int bit = 1; bit <= 2; bit <<= 1) {  // v[4j ..] <- column block j ^ (g & 3)
-            const bool swap = (xg & bit) != 0;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (j & bit) continue;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float a = v[4 * j + e], b = v[4 * (j ^ bit) + e];
-                    v[4 * j + e] = swap ? b : a;
-                    v[4 * (j ^ bit) + e] = swap ? a : b;
-                }
-            }
-        }
+        swap_column_blocks(v, g);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -1113,27 +1146,11 @@ paged_bwd_ws_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __
                     }
                 }
             } else {
-                float s[QS / 2];
-                float dp[QS / 2];
-                wgmma_fence();
-                issue_qk<D, QS, BK, false, false, QS, true>(s, aK, tQ);
-                wgmma_commit();
-                issue_qk<D, QS, BK, false, false, QS, true>(dp, aV, tdO);
-                wgmma_commit();
-                load_meta();
-                wgmma_wait<0>();
-                pin_registers(s);
-                pin_registers(dp);
-                paged_bwd::p_and_ds(s, dp, kvalid_lo, kvalid_hi, tLse, tDelta, scale_log2, t4);
                 uint32_t pa[QS / PAGE_ROWS][4];
                 uint32_t pds[QS / PAGE_ROWS][4];
-                pack_p<QS>(pa, s);
-                pack_p<QS>(pds, dp);
-                wgmma_fence();
-                issue_pv<D, QS>(acc_dv, pa, tdO);
-                wgmma_commit();
-                issue_pv<D, QS>(acc_dk, pds, tQ);
-                wgmma_commit();
+                paged_bwd::step_p_ds<D, BK, true>(pa, pds, aK, aV, tQ, tdO, kvalid_lo, kvalid_hi, tLse, tDelta,
+                                                  scale_log2, t4, load_meta);
+                paged_bwd::issue_dv_dk<D>(acc_dv, acc_dk, pa, pds, tQ, tdO);
                 release_partner();
                 named_sync(bar, 128);
                 paged_bwd::store_ds<BK>(tdS0, pds, kvp, wq, g, t4);

@@ -334,6 +334,16 @@ def test_backward_token_build_compiles(reports):
         assert sig.rstrip().endswith("PAGED_BWD_TOKEN_PARAMS"), kernel
 
 
+def _ws_smem_asserts(defines: tuple[str, ...]) -> str:
+    """static_asserts that paged_bwd_ws::Config's shared memory is bsa_backward.ws_smem_bytes's for a build."""
+    return "".join(
+        f"static_assert(paged_bwd_ws::Config<{d}, {str(pair).lower()}>::kSmemBytes == "
+        f'{bsa_backward.ws_smem_bytes(d, pair, defines)}, "ws s");'
+        for d in bsa_backward.HEAD_DIMS
+        for pair in (False, True)
+    )
+
+
 #: The backward's opt-in builds: each variant with its companions (slot order), and all of them together in the
 #: token-order build (one compile each: the source instantiates every kernel).
 BWD_VARIANT_BUILDS = [(v, *bsa_backward.VARIANT_NEEDS.get(v, ())) for v in bsa_backward.VARIANTS] + [
@@ -349,12 +359,7 @@ def test_backward_variants_compile_without_new_spills(build, reports):
     from sparseattn.kernels import bsa_backward as bb
 
     names = tuple(bb.ws_kernel_name(d, pair) for pair in (False, True) for d in bb.HEAD_DIMS)
-    checks = "".join(
-        f"static_assert(paged_bwd_ws::Config<{d}, {str(pair).lower()}>::kSmemBytes == "
-        f'{bb.ws_smem_bytes(d, pair, build)}, "ws s");'
-        for d in bb.HEAD_DIMS
-        for pair in (False, True)
-    )
+    checks = _ws_smem_asserts(build)
     nvrtc = compile_check._Nvrtc(compile_check.find_nvrtc())
     options = compile_check.compile_options(compile_check.find_cuda_include()) + tuple(
         f"-D{v}" for v in build
@@ -443,13 +448,8 @@ def test_wgmma_backward_mirrors_match_the_kernel(reports):
             f'static_assert(paged_bwd_dq::Config<{d}, {m}>::kThreads == {bb.dq_threads_per_cta(m)}, "dq t");'
             for d, m in bb.DQ_SHAPES
         )
-        + "".join(
-            f"static_assert(paged_bwd_ws::Config<{d}, {str(pair).lower()}>::kSmemBytes == "
-            f'{bb.ws_smem_bytes(d, pair)}, "ws s");'
-            f'static_assert(paged_bwd_ws::kThreads == {bb.WS_THREADS}, "ws t");'
-            for d in bb.HEAD_DIMS
-            for pair in (False, True)
-        )
+        + _ws_smem_asserts(())
+        + f'static_assert(paged_bwd_ws::kThreads == {bb.WS_THREADS}, "ws t");'
     )
     code = runtime.preprocess(bb.WGMMA_SOURCE) + "\n" + checks + "\n"
     ok, log, _, _ = nvrtc.compile(code, "paged_bwd_check.cu", options, ())
